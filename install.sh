@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# pymtrace installer: system packages, kernel headers for BCC, tracefs, a virtual
+# environment that sees the distro's BCC, and `pymtrace` on root's PATH.
+# Re-running it is harmless.
+#
+#   sudo ./install.sh            install only
+#   sudo ./install.sh --demo     install, then start `pymtrace top` on a bundled demo workload
+#   sudo ./install.sh --test     install, then run the whole test suite
+#
+# Supported: Debian (12+), Ubuntu (22.04+), Fedora (38+). Environment:
+#   PYMTRACE_VENV   where the virtual environment goes (default /opt/pymtrace/venv)
+#   PYMTRACE_SKIP_PACKAGES=1   skip the distro package step (already installed)
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+venv=${PYMTRACE_VENV:-/opt/pymtrace/venv}
+action=install
+
+log() { printf 'install.sh: %s\n' "$*" >&2; }
+die() { printf 'install.sh: error: %s\n' "$*" >&2; exit 1; }
+
+# distro_family OS_RELEASE_FILE -> prints debian | fedora, or fails.
+# Kept a pure function of the file so tests can feed it every supported os-release.
+distro_family() {
+    local file=$1 id="" id_like=""
+    [ -r "$file" ] || { echo "unknown"; return 1; }
+    id=$(sed -n 's/^ID=//p' "$file" | tr -d '"' | head -n1)
+    id_like=$(sed -n 's/^ID_LIKE=//p' "$file" | tr -d '"' | head -n1)
+    case " $id $id_like " in
+        *" debian "*|*" ubuntu "*) echo debian ;;
+        *" fedora "*|*" rhel "*|*" centos "*) echo fedora ;;
+        *) echo "unknown"; return 1 ;;
+    esac
+}
+
+# distro_packages FAMILY -> the system packages pymtrace needs there.
+distro_packages() {
+    case $1 in
+        debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc make libc6-dev \
+python3-venv libjemalloc2 libtcmalloc-minimal4 libmimalloc2.0 prometheus libc-devtools \
+tmux shellcheck vagrant binutils procps" ;;
+        fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc make glibc-devel \
+jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils tmux ShellCheck \
+binutils procps-ng kernel-devel" ;;
+        *) return 1 ;;
+    esac
+}
+
+install_packages() {
+    local family=$1
+    # shellcheck disable=SC2046
+    case $family in
+        debian)
+            export DEBIAN_FRONTEND=noninteractive
+            apt-get update -qq
+            apt-get install -y -qq $(distro_packages debian) >/dev/null
+            # Headers for the running kernel when the distro has them, else the newest
+            # generic ones (linked in below).
+            apt-get install -y -qq "linux-headers-$(uname -r)" >/dev/null 2>&1 \
+                || apt-get install -y -qq linux-headers-amd64 >/dev/null 2>&1 \
+                || apt-get install -y -qq linux-headers-generic >/dev/null 2>&1 \
+                || log "no kernel headers package found; BCC may fail to compile"
+            ;;
+        fedora)
+            dnf install -y -q $(distro_packages fedora) "kernel-devel-$(uname -r)" >/dev/null 2>&1 \
+                || dnf install -y -q $(distro_packages fedora) >/dev/null
+            ;;
+    esac
+}
+
+# BCC looks for headers in /lib/modules/$(uname -r)/build. Kernels without a headers
+# package (custom builds) get the distro's nearest headers linked in, build -> the
+# arch directory and source -> the common one (environment.md: BCC_KERNEL_SOURCE alone fails).
+link_kernel_headers() {
+    local mod=/lib/modules/$(uname -r) hdr common
+    if [ -e "$mod/build/include/generated/autoconf.h" ] || [ -e "$mod/build/include/config/auto.conf" ]; then
+        return 0
+    fi
+    hdr=$(find /usr/src -maxdepth 1 -name 'linux-headers-*' ! -name '*-common' ! -name '*-common-*' -type d 2>/dev/null | sort -V | tail -n1)
+    [ -z "$hdr" ] && hdr=$(find /usr/src/kernels -maxdepth 1 -mindepth 1 -type d 2>/dev/null | sort -V | tail -n1)
+    [ -n "$hdr" ] || { log "no kernel headers under /usr/src; BCC cannot compile"; return 0; }
+    common=${hdr%-amd64}-common
+    [ -d "$common" ] || common=${hdr%-*}-common
+    [ -d "$common" ] || common=$hdr
+    mkdir -p "$mod"
+    ln -sfn "$hdr" "$mod/build"
+    ln -sfn "$common" "$mod/source"
+    log "kernel $(uname -r) has no headers package: linked $hdr (and $common) into $mod"
+}
+
+mount_tracefs() {
+    if [ ! -e /sys/kernel/tracing/uprobe_events ]; then
+        mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || log "could not mount tracefs"
+    fi
+    if [ ! -e /sys/kernel/debug/tracing ] && [ -d /sys/kernel/debug ]; then
+        mount -t debugfs nodev /sys/kernel/debug 2>/dev/null || true
+    fi
+}
+
+make_venv() {
+    local py=/usr/bin/python3
+    [ -x "$py" ] || die "/usr/bin/python3 is missing"
+    if [ ! -x "$venv/bin/python" ]; then
+        mkdir -p "$(dirname "$venv")"
+        "$py" -m venv --system-site-packages "$venv"
+    fi
+    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+    "$venv/bin/python" -m pip install -q -e "$here[test]"
+    # The PyPI project called `bcc` is an unrelated library; the distro's module must win.
+    if "$venv/bin/python" -m pip show bcc >/dev/null 2>&1; then
+        "$venv/bin/python" -m pip uninstall -y -q bcc
+    fi
+    "$venv/bin/python" -c 'import bcc, sys; sys.exit(0 if "/dist-packages/" in bcc.__file__ or "/site-packages/bcc" in bcc.__file__ else 1)' \
+        || die "python cannot import the distro's bcc module"
+    ln -sfn "$venv/bin/pymtrace" /usr/local/bin/pymtrace
+}
+
+main() {
+    case ${1:-} in
+        --demo) action=demo ;;
+        --test) action=test ;;
+        ""|--install) action=install ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        *) die "unknown option ${1} (use --demo, --test or nothing)" ;;
+    esac
+    [ "$(id -u)" -eq 0 ] || die "run as root (sudo ./install.sh ${1:-})"
+    local family
+    family=$(distro_family /etc/os-release) || die "unsupported distribution (need Debian, Ubuntu or Fedora)"
+    if [ "${PYMTRACE_SKIP_PACKAGES:-0}" != 1 ]; then
+        log "installing $family packages"
+        install_packages "$family"
+    fi
+    link_kernel_headers
+    mount_tracefs
+    make_venv
+    log "pymtrace installed: $(command -v pymtrace)"
+    case $action in
+        demo) exec pymtrace top --demo ;;
+        test) cd "$here" && exec "$venv/bin/python" -m pytest -ra tests ;;
+    esac
+}
+
+# Sourcing the file (tests) defines the functions without running anything.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    main "$@"
+fi

@@ -1,0 +1,3 @@
+from pymtrace.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""Command-line entry point: `pymtrace COMMAND ...`.
+
+Each command lives in its own module exposing `configure(parser)` (adds its arguments;
+the parser's description and epilog are set from the module's HELP/EPILOG) and
+`run(args) -> int`. Modules are imported only when their command runs, so `--help`
+and light commands stay fast and do not import BCC.
+"""
+import argparse
+import importlib
+import signal
+import sys
+
+from pymtrace import __version__
+from pymtrace.errors import PymtraceError
+
+# name -> (module, one-line summary)
+COMMANDS = {
+    "doctor": ("pymtrace.doctor", "check that this machine can run pymtrace, with a fix for each problem"),
+    "top": ("pymtrace.top", "live full-screen view of malloc, slab, page-fault and glibc arena activity"),
+    "record": ("pymtrace.record", "record every malloc-API call of a process into an mtrace-format file"),
+    "dump": ("pymtrace.dump", "decode a recorded trace (like upstream trace_dump) with per-type statistics"),
+    "convert": ("pymtrace.convert", "convert a trace between mtrace-bin and mtrace-text"),
+    "workload": ("pymtrace.workload", "convert a trace into a .wl replay workload"),
+    "replay": ("pymtrace.replay", "replay a workload against allocators and tunables and compare them"),
+    "exporter": ("pymtrace.exporter", "serve the live metrics to Prometheus"),
+    "probes": ("pymtrace.probes", "stream glibc's malloc USDT probe events, one line each"),
+    "run": ("pymtrace.summary", "run a command and report glibc allocator internals at its exit"),
+    "summary": ("pymtrace.summary", "attach to a process and report glibc allocator internals on Ctrl-C"),
+}
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="pymtrace",
+        description="Memory-allocation observability for Linux with eBPF (BCC).",
+        epilog="Run `pymtrace COMMAND --help` for a command's options and examples.",
+    )
+    parser.add_argument("--version", action="version", version=f"pymtrace {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, summary) in COMMANDS.items():
+        sub.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv or ["--help"])  # prints help or the "invalid choice" error
+        return 2
+    name = argv[0]
+    module_name, summary = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    sub = argparse.ArgumentParser(
+        prog=f"pymtrace {name}",
+        description=getattr(module, "HELP", summary),
+        epilog=getattr(module, "EPILOG", None),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure = getattr(module, f"configure_{name}", None) or module.configure
+    runner = getattr(module, f"run_{name}", None) or module.run
+    configure(sub)
+    args = sub.parse_args(argv[1:])
+    args.command = name
+    # SIGTERM ends a command like Ctrl-C does, so every command's cleanup path
+    # (detach probes, flush files) runs for both.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        return runner(args) or 0
+    except PymtraceError as exc:
+        print(f"pymtrace: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:
+        return 0
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""Errors that end a command with one clear line on stderr and a non-zero exit."""
+
+
+class PymtraceError(Exception):
+    """A user-facing failure: the message is printed as `pymtrace: error: MESSAGE`."""
+
+    exit_code = 1
+
+
+class NotRootError(PymtraceError):
+    def __init__(self, what="this command"):
+        super().__init__(f"{what} needs root (BPF and uprobes); run it with sudo")
+
+
+class ProcessGone(PymtraceError):
+    def __init__(self, pid):
+        super().__init__(f"process {pid} does not exist (or exited)")
+        self.pid = pid
+
+
+class CorruptFile(PymtraceError):
+    """A trace or workload file that cannot be decoded."""
+
+    exit_code = 2

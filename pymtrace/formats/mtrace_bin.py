@@ -1,0 +1,140 @@
+"""glibc dj/malloc binary call trace ("mtrace.out.PID"): 64-byte records, MAGIC first.
+
+Layout (formats.md section 1), native byte order:
+    int32 thread; uint32 type:8|path:14; uint64 ptr1, ptr2, size, size2, size3; uint64 pad[2]
+pymtrace fills the pad words (upstream writes zeros and ignores them):
+    pad[0] = CLOCK_MONOTONIC timestamp of the call in ns (0 = unknown)
+    pad[1] = the caller's return address (0 = unknown)
+
+Readers check the MAGIC record (type 255, ptr1 0x1234, size = word size) for byte order
+and word size -- upstream never does -- and skip all-zero (UNUSED) records anywhere.
+"""
+import collections
+import dataclasses
+import struct
+
+from pymtrace.errors import CorruptFile
+
+RECORD_SIZE = 64
+MAGIC_TYPE = 255
+MAGIC_PTR = 0x1234
+
+UNUSED, MALLOC, CALLOC, FREE, REALLOC, MEMALIGN, VALLOC, PVALLOC, POSIX_MEMALIGN = range(9)
+TYPE_NAMES = {
+    MALLOC: "malloc", CALLOC: "calloc", FREE: "free", REALLOC: "realloc",
+    MEMALIGN: "memalign", VALLOC: "valloc", PVALLOC: "pvalloc",
+    POSIX_MEMALIGN: "posix_memalign", MAGIC_TYPE: "magic",
+}
+PATH_FLAGS = {
+    8: "thread_cache", 9: "cpu_cache", 10: "cpu_cache2", 11: "sbrk", 12: "mmap",
+    13: "munmap", 14: "m_f_realloc", 15: "hook", 16: "unsorted_add",
+    17: "unsorted_remove", 18: "unsorted_empty", 19: "fastbin_add",
+    20: "fastbin_remove", 21: "malloc_consolidate",
+}
+
+_FMT = "iIQQQQQQQ"  # thread, type|path, ptr1, ptr2, size, size2, size3, pad0, pad1
+
+
+@dataclasses.dataclass
+class Record:
+    thread: int
+    type: int
+    ptr1: int = 0
+    ptr2: int = 0
+    size: int = 0
+    size2: int = 0
+    size3: int = 0
+    ts_ns: int = 0
+    caller: int = 0
+    path: int = 0  # path flag bits 8-21, already shifted down by 8
+
+    @property
+    def type_name(self):
+        return TYPE_NAMES.get(self.type, f"type{self.type}")
+
+
+def pack(rec, byteorder="<"):
+    return struct.pack(
+        byteorder + _FMT, rec.thread, (rec.type & 0xFF) | ((rec.path & 0x3FFF) << 8),
+        rec.ptr1, rec.ptr2, rec.size, rec.size2, rec.size3, rec.ts_ns, rec.caller,
+    )
+
+
+def magic_record(thread=0, byteorder="<"):
+    return pack(Record(thread, MAGIC_TYPE, ptr1=MAGIC_PTR, size=8), byteorder)
+
+
+def detect_byteorder(first):
+    """Byte order of a trace from its first record; raises CorruptFile if it is no MAGIC."""
+    if len(first) < RECORD_SIZE:
+        raise CorruptFile(f"not an mtrace binary trace: {len(first)} bytes, a record is {RECORD_SIZE}")
+    for order in "<>":
+        _, typ, ptr1, _, size = struct.unpack_from(order + "iIQQQ", first)
+        if typ & 0xFF == MAGIC_TYPE and ptr1 == MAGIC_PTR:
+            if size != 8:
+                raise CorruptFile(f"trace written with {size}-byte pointers; only 64-bit traces are supported")
+            return order
+    # A 32-bit trace has 4-byte pointer fields: ptr1 sits at offset 8 as a 4-byte word.
+    for order in "<>":
+        typ, ptr1 = struct.unpack_from(order + "II", first, 4)
+        if typ & 0xFF == MAGIC_TYPE and ptr1 == MAGIC_PTR:
+            raise CorruptFile("trace written by a 32-bit process; only 64-bit traces are supported")
+    raise CorruptFile("not an mtrace binary trace: the first record is not the MAGIC record (type 255, ptr1 0x1234)")
+
+
+def iter_records(stream, name="trace", chunk_records=8192):
+    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself."""
+    first = stream.read(RECORD_SIZE)
+    order = detect_byteorder(first)
+    unpack = struct.Struct(order + _FMT).iter_unpack
+    offset = RECORD_SIZE
+    while True:
+        buf = stream.read(RECORD_SIZE * chunk_records)
+        if not buf:
+            return
+        whole = len(buf) - len(buf) % RECORD_SIZE
+        for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf[:whole]):
+            t = typ & 0xFF
+            if t == UNUSED and not (thread or typ or p1 or p2 or s1 or s2 or s3 or ts or caller):
+                continue
+            if t not in TYPE_NAMES or t == MAGIC_TYPE:
+                if t == MAGIC_TYPE and p1 == MAGIC_PTR:
+                    continue  # concatenated traces repeat the MAGIC record
+                raise CorruptFile(f"{name}: record at byte {offset} has unknown call type {t}")
+            yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, (typ >> 8) & 0x3FFF)
+            offset += RECORD_SIZE
+        if whole != len(buf):
+            raise CorruptFile(f"{name}: truncated: {len(buf) - whole} stray bytes after the last whole record")
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        yield from iter_records(f, name=str(path))
+
+
+class Writer:
+    """Append records to a file object, MAGIC first."""
+
+    def __init__(self, fileobj, thread=0):
+        self.file = fileobj
+        self.count = 0
+        self.file.write(magic_record(thread))
+
+    def write(self, rec):
+        self.file.write(pack(rec))
+        self.count += 1
+
+    def write_raw(self, data, count):
+        """Records already in the on-disk layout (e.g. straight from the BPF ring buffer)."""
+        self.file.write(data)
+        self.count += count
+
+
+def statistics(records):
+    """Per-type counts and requested bytes."""
+    counts = collections.Counter()
+    nbytes = collections.Counter()
+    for rec in records:
+        counts[rec.type_name] += 1
+        nbytes[rec.type_name] += rec.size
+    return counts, nbytes
