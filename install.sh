@@ -14,7 +14,7 @@ set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 venv=${PYMTRACE_VENV:-/opt/pymtrace/venv}
-action=install
+action="install"
 
 log() { printf 'install.sh: %s\n' "$*" >&2; }
 die() { printf 'install.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -72,7 +72,8 @@ install_packages() {
 # package (custom builds) get the distro's nearest headers linked in, build -> the
 # arch directory and source -> the common one (environment.md: BCC_KERNEL_SOURCE alone fails).
 link_kernel_headers() {
-    local mod=/lib/modules/$(uname -r) hdr common
+    local mod hdr common
+    mod=/lib/modules/$(uname -r)
     if [ -e "$mod/build/include/generated/autoconf.h" ] || [ -e "$mod/build/include/config/auto.conf" ]; then
         return 0
     fi
@@ -105,7 +106,7 @@ make_venv() {
         "$py" -m venv --system-site-packages "$venv"
     fi
     "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-    "$venv/bin/python" -m pip install -q -e "$here[test]"
+    "$venv/bin/python" -m pip install -q -e "${here}[test]"
     # The PyPI project called `bcc` is an unrelated library; the distro's module must win.
     if "$venv/bin/python" -m pip show bcc >/dev/null 2>&1; then
         "$venv/bin/python" -m pip uninstall -y -q bcc
@@ -117,9 +118,9 @@ make_venv() {
 
 main() {
     case ${1:-} in
-        --demo) action=demo ;;
-        --test) action=test ;;
-        ""|--install) action=install ;;
+        --demo) action="demo" ;;
+        --test) action="test" ;;
+        ""|--install) action="install" ;;
         -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) die "unknown option ${1} (use --demo, --test or nothing)" ;;
     esac
