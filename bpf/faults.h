@@ -1,0 +1,29 @@
+/* faults: page faults per process and per 64 KiB granule of its address space, from the
+ * exceptions:page_fault_user/kernel tracepoints; shared with pymtrace/collect.py. */
+#ifndef PYMTRACE_FAULTS_H
+#define PYMTRACE_FAULTS_H
+
+#define PF_GRANULE_SHIFT 16
+
+/* Value of the per-CPU hash `pf_totals` keyed by tgid (__u32): exact per-process counts. */
+struct pf_totals {
+    __u64 user;    /* faults raised in user mode */
+    __u64 kernel;  /* faults on user addresses raised in kernel mode (copy_to/from_user) */
+};
+
+/* Key of the LRU hash `pf_regions` (bounded: old granules are evicted, totals stay exact). */
+struct pf_key {
+    __u32 tgid;
+    __u32 pad;
+    __u64 granule;  /* address >> PF_GRANULE_SHIFT */
+};
+
+struct pf_region {
+    __u64 count;
+    __u64 last_address;  /* user space attributes the granule to the mapping holding this */
+};
+
+#define PF_LOST_TOTALS_FULL 0
+#define PF_LOST_N 1
+
+#endif

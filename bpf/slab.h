@@ -1,0 +1,24 @@
+/* slab: per-cache counters from the kmem:kmem_cache_alloc/free tracepoints, shared with
+ * pymtrace/collect.py (parsed by pymtrace/structs.py). */
+#ifndef PYMTRACE_SLAB_H
+#define PYMTRACE_SLAB_H
+
+/* Cache names longer than this are truncated (the longest on a typical kernel is ~26). */
+#define SLAB_NAME_LEN 32
+
+struct slab_key {
+    char name[SLAB_NAME_LEN];
+};
+
+/* Value of the per-CPU hash `slab_stats` keyed by struct slab_key. */
+struct slab_stats {
+    __u64 allocs;
+    __u64 frees;
+    __u64 bytes_alloc;  /* object size of the cache, summed over allocations */
+    __u64 bytes_req;    /* bytes the caller asked for */
+};
+
+#define SLAB_LOST_FULL 0  /* event dropped: slab_stats hash full */
+#define SLAB_LOST_N 1
+
+#endif

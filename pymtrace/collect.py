@@ -1,0 +1,571 @@
+"""Collectors behind `pymtrace top` and the exporter: BPF programs in, JSON-able snapshots out.
+
+Stable API (used by pymtrace.top, pymtrace.tui via top, and the Prometheus exporter):
+
+    from pymtrace.collect import MallocCollector, SlabCollector, FaultCollector, Collectors
+
+    c = MallocCollector(pids=None)      # None: every process; or a list of PIDs
+    c.attach()                          # compile, load, attach (raises PymtraceError)
+    snap = c.snapshot()                 # cheap enough to call every second
+    c.close()                           # detach everything; safe to call twice
+
+    # or all at once (one process-exit watcher shared by all collectors):
+    with Collectors(pids=[1234], malloc=True, slab=True, faults=True, glibc=True) as cs:
+        snap = cs.snapshot()
+
+Every collector takes pids=None|[...] and track_exits=True (start its own cn_proc watcher to
+drop the state of exited processes; the bundle passes False and feeds them exits itself via
+forget()). Snapshots are CUMULATIVE since attach, plus gauges; consumers compute rates from
+two snapshots (pymtrace.views does). PIDs are int keys here; they become strings after
+json.dumps. Schema (keys a collector does not produce are absent, never faked):
+
+    {"time": time.monotonic() of the snapshot,
+     "start": time.monotonic() of attach,
+     "processes": {pid: {
+         "pid": int, "comm": str,
+         "exited": bool,                    # True in the last snapshot holding a process
+         # MallocCollector:
+         "calls": {"malloc", "calloc", "realloc", "free", "free_null", "memalign",
+                   "posix_memalign", "valloc", "pvalloc"},   # each public call once;
+                   # "free" counts every free() call, "free_null" the free(NULL) among them;
+                   # "memalign" includes aligned_alloc (same function in glibc)
+         "requested_bytes": sizes asked for (calloc: nmemb*size; realloc: new size),
+         "allocated_bytes": chunk bytes of blocks returned (malloc_usable_size + 8, or + 16
+                            for mmapped chunks: the chunk header's size field),
+         "freed_bytes": chunk bytes of blocks freed (free, realloc's old block),
+         "live_bytes": allocated_bytes - freed_bytes (negative when blocks allocated
+                       before attach are freed),
+         "failed": calls that returned NULL / an error code,
+         "size_log2": [65 counts]: [0] size 0, [i] sizes in [2^(i-1), 2^i - 1],
+         # FaultCollector:
+         "faults_user": faults raised in user mode,
+         "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user)}},
+     "slab": {cache_name: {"allocs", "frees", "bytes_alloc", "bytes_req"}},   # SlabCollector
+     "fault_regions": {pid: {label: user+kernel faults}},  # FaultCollector; label is the
+         # mapped file's path, "[heap]", "[stack]", "[anon]" (anonymous mmap, incl. thread
+         # stacks), another [special] name, or "[unmapped]" (gone by snapshot time)
+     "glibc": {...}                                         # pymtrace.usdt.GlibcCollector
+     "lost": {name: count}}   # events the BPF side could not record (full maps), by cause
+
+Exited processes: a process that exits appears once more with "exited": True, then its
+BPF state is deleted (maps are bounded: MallocCollector 8192 processes, FaultCollector
+16384 processes and 65536 address granules (LRU: evicted granules lose their per-region
+counts, the per-process totals stay exact), SlabCollector 2048 cache names).
+
+Probe placement (MallocCollector): uprobes on the process's libc (from /proc/PID/maps;
+system-wide: the system libc plus every other libc mapped by a running process), each
+entry probe at the first instruction the kernel emulates (pymtrace.probesite; glibc 2.36's
+free goes at +9 `push %rbp` instead of +0 `test %rdi,%rdi`, which is single-stepped at ~5x
+the cost, plus the early-exit `ret` that free(NULL) takes). Return probes for malloc,
+calloc, realloc and the memalign family. Nested internal calls (realloc -> malloc/free,
+memalign -> malloc) are not counted (see bpf/malloc_stats.bpf.c).
+"""
+import os
+import threading
+import time
+
+from pymtrace import bpfload, libc, probesite, structs
+from pymtrace.errors import ProcessGone, PymtraceError
+
+CALL_NAMES = {
+    1: "malloc", 2: "calloc", 3: "free", 4: "realloc", 5: "memalign",
+    6: "valloc", 7: "pvalloc", 8: "posix_memalign", 9: "free_null",
+}
+
+# function -> (entry program, return program or None). Order matters for shared addresses
+# (memalign and aligned_alloc are one function in glibc: attached once, counted as memalign).
+MALLOC_PROBES = (
+    ("malloc", "ms_malloc_entry", "ms_malloc_return"),
+    ("calloc", "ms_calloc_entry", "ms_calloc_return"),
+    ("realloc", "ms_realloc_entry", "ms_outer_return"),
+    ("free", "ms_free_entry", None),
+    ("memalign", "ms_memalign_entry", "ms_outer_return"),
+    ("aligned_alloc", "ms_memalign_entry", "ms_outer_return"),
+    ("posix_memalign", "ms_posix_memalign_entry", "ms_outer_return"),
+    ("valloc", "ms_valloc_entry", "ms_outer_return"),
+    ("pvalloc", "ms_pvalloc_entry", "ms_outer_return"),
+)
+
+
+def _check_pids(pids):
+    if pids is None:
+        return None
+    out = []
+    for pid in pids:
+        pid = int(pid)
+        if not os.path.exists(f"/proc/{pid}"):
+            raise ProcessGone(pid)
+        out.append(pid)
+    return sorted(set(out))
+
+
+def _struct_fields(program, name):
+    return [f for f, _ in structs.header(program).structs[name]._fields_]
+
+
+def _to_dict(value, fields):
+    out = {}
+    for f in fields:
+        v = getattr(value, f)
+        out[f] = list(v) if hasattr(v, "__len__") and not isinstance(v, (bytes, str)) else v
+    return out
+
+
+def _sum_percpu(values, fields):
+    """Sum a per-CPU list of ctypes structs into one dict (array fields elementwise)."""
+    total = None
+    for v in values:
+        d = _to_dict(v, fields)
+        if total is None:
+            total = d
+            continue
+        for f, x in d.items():
+            if isinstance(x, list):
+                total[f] = [a + b for a, b in zip(total[f], x)]
+            else:
+                total[f] += x
+    return total or {}
+
+
+def _percpu_items(table):
+    """[(key, [per-CPU values])] of a BCC per-CPU table, tolerant of concurrent deletes."""
+    out = []
+    for k in list(table.keys()):
+        try:
+            out.append((k, table.getvalue(k)))
+        except KeyError:
+            continue
+    return out
+
+
+def _lost_counts(table, names):
+    out = {}
+    for idx, name in names.items():
+        try:
+            vals = table.getvalue(table.Key(idx))
+            out[name] = int(sum(vals))
+        except Exception:
+            continue
+    return out
+
+
+class _Comms:
+    """PID -> comm, remembered so an exited process keeps its name."""
+
+    def __init__(self):
+        self.names = {}
+
+    def get(self, pid, refresh=False):
+        if refresh or pid not in self.names:
+            name = libc.comm(pid)
+            if name != "?" or pid not in self.names:
+                self.names[pid] = name
+        return self.names[pid]
+
+    def forget(self, pid):
+        self.names.pop(pid, None)
+
+
+class _Collector:
+    program = None  # bpf/<program>.bpf.c
+
+    def __init__(self, pids=None, track_exits=True):
+        self.pids = _check_pids(pids)
+        self.track_exits = track_exits
+        self.bpf = None
+        self.start = None
+        self._events = None
+        self._exited = set()  # tgids seen exiting, reported once more then dropped
+        self._lock = threading.Lock()
+        self.comms = _Comms()
+
+    # -- lifecycle
+    def attach(self):
+        self.start = time.monotonic()
+        try:
+            self._attach()
+            if self.track_exits:
+                from pymtrace.procevents import ProcEvents
+
+                self._events = ProcEvents(on_event=self._on_event, kinds=("exit", "exec")).start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _on_event(self, ev):
+        if ev.kind == "exit" and ev.pid == ev.tgid:
+            self.exited(ev.tgid)
+        elif ev.kind == "exec":
+            self.comms.forget(ev.tgid)
+
+    def exited(self, tgid):
+        """Tell the collector TGID exited: reported once more (exited=True), then dropped."""
+        with self._lock:
+            self._exited.add(tgid)
+
+    def _take_exited(self):
+        with self._lock:
+            gone, self._exited = self._exited, set()
+        return gone
+
+    def close(self):
+        if self._events is not None:
+            self._events.stop()
+            self._events = None
+        bpfload.detach_all(self.bpf)
+        self.bpf = None
+
+    def __enter__(self):
+        return self.attach()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _delete(self, table, key):
+        try:
+            del table[key]
+        except KeyError:
+            pass
+
+
+class MallocCollector(_Collector):
+    """Per-process malloc-API counters from uprobes on each process's libc."""
+
+    program = "malloc_stats"
+
+    def __init__(self, pids=None, track_exits=True, max_procs=8192, empty=False):
+        super().__init__(pids, track_exits)
+        self.max_procs = max_procs
+        self.empty = empty  # benchmark floor: same probes, programs that do nothing
+        self.attached = []  # (path, function, offset, kind, pid)
+        self.libcs = {}  # libc path -> [pids] (or [-1] for every process)
+        self.fields = _struct_fields(self.program, "ms_stats")
+
+    def _targets(self):
+        """{libc path: [pid, ...] or [-1]}, one path per distinct file (dev, inode)."""
+        targets = {}
+        if self.pids is not None:
+            for pid in self.pids:
+                path = libc.process_libc(pid)
+                if path is None:
+                    raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+                targets.setdefault(path, []).append(pid)
+            return targets
+        seen = set()
+        paths = []
+        system = libc.system_libc()
+        if system:
+            paths.append(system)
+        for pid in libc.pids():
+            try:
+                path = libc.process_libc(pid)
+            except Exception:
+                continue
+            if path:
+                paths.append(path)
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            ident = (st.st_dev, st.st_ino)
+            if ident in seen:
+                continue
+            seen.add(ident)
+            targets[path] = [-1]
+        if not targets:
+            raise PymtraceError("found no libc to attach to")
+        return targets
+
+    def _attach(self):
+        self.libcs = self._targets()
+        self.bpf = bpfload.load(self.program, defines={"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)},
+                                what="tracing malloc calls")
+        for path, pids in self.libcs.items():
+            for pid in pids:
+                self._attach_libc(path, pid)
+
+    def _attach_libc(self, path, pid):
+        done = set()
+        syms = libc.symbols(path)
+        for function, entry, ret in MALLOC_PROBES:
+            sym = syms.get(function)
+            if sym is None or sym.address in done:
+                continue
+            done.add(sym.address)
+            sites = probesite.sites(path, function)
+            offsets = (sites.offset,) + tuple(sites.side_paths)
+            try:
+                for off in offsets:
+                    self.bpf.attach_uprobe(name=path, sym=function, sym_off=off, fn_name=entry, pid=pid)
+                    self.attached.append((path, function, off, "entry", pid))
+                if ret:
+                    self.bpf.attach_uretprobe(name=path, sym=function, fn_name=ret, pid=pid)
+                    self.attached.append((path, function, 0, "return", pid))
+            except Exception as exc:
+                if pid != -1 and not os.path.exists(f"/proc/{pid}"):
+                    raise ProcessGone(pid) from None
+                raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
+
+    def snapshot(self):
+        now = time.monotonic()
+        gone = self._take_exited()
+        table = self.bpf["ms_stats"]
+        procs = {}
+        for key, values in _percpu_items(table):
+            pid = int(key.value)
+            s = _sum_percpu(values, self.fields)
+            calls = s["calls"]
+            procs[pid] = {
+                "pid": pid,
+                "comm": self.comms.get(pid),
+                "calls": {name: int(calls[i]) for i, name in CALL_NAMES.items()},
+                "requested_bytes": int(s["requested_bytes"]),
+                "allocated_bytes": int(s["allocated_bytes"]),
+                "freed_bytes": int(s["freed_bytes"]),
+                "live_bytes": int(s["allocated_bytes"]) - int(s["freed_bytes"]),
+                "failed": int(s["failed"]),
+                "size_log2": [int(x) for x in s["size_log2"]],
+                "exited": pid in gone,
+            }
+        for pid in gone:
+            self._delete(table, table.Key(pid))
+            self.comms.forget(pid)
+        lost = _lost_counts(self.bpf["ms_lost"], {0: "malloc_stats_full", 1: "malloc_outer_full"})
+        return {"time": now, "start": self.start, "processes": procs, "lost": lost}
+
+
+class SlabCollector(_Collector):
+    """Per-cache slab counters from kmem:kmem_cache_alloc/free (system-wide)."""
+
+    program = "slab"
+
+    def __init__(self, pids=None, track_exits=False, max_caches=2048):
+        super().__init__(None, False)  # slab activity is not attributed to processes
+        self.max_caches = max_caches
+        self.fields = _struct_fields(self.program, "slab_stats")
+
+    def _attach(self):
+        self.bpf = bpfload.load(self.program, defines={"SLAB_MAX_CACHES": self.max_caches},
+                                what="tracing slab caches")
+
+    def snapshot(self):
+        now = time.monotonic()
+        caches = {}
+        for key, values in _percpu_items(self.bpf["slab_stats"]):
+            name = bytes(key.name).split(b"\0", 1)[0].decode("utf-8", "replace")
+            s = _sum_percpu(values, self.fields)
+            caches[name] = {f: int(s[f]) for f in self.fields}
+        lost = _lost_counts(self.bpf["slab_lost"], {0: "slab_stats_full"})
+        return {"time": now, "start": self.start, "slab": caches, "lost": lost}
+
+
+def region_label(mapping):
+    if mapping is None:
+        return "[unmapped]"
+    if not mapping.path:
+        return "[anon]"
+    if mapping.path.startswith("[stack"):
+        return "[stack]"
+    return mapping.path
+
+
+def _find(maps, address):
+    lo, hi = 0, len(maps)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if maps[mid].end <= address:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < len(maps) and maps[lo].start <= address < maps[lo].end:
+        return maps[lo]
+    return None
+
+
+class FaultCollector(_Collector):
+    """Page faults per process (exact) and per mapped region (from address granules)."""
+
+    program = "faults"
+
+    def __init__(self, pids=None, track_exits=True, max_procs=16384, max_granules=65536, regions=True):
+        super().__init__(pids, track_exits)
+        self.max_procs = max_procs
+        self.max_granules = max_granules
+        self.regions = regions
+        self.fields = _struct_fields(self.program, "pf_totals")
+        self._region_counts = {}  # pid -> {label: count}, for granules already evicted/attributed
+
+    def _attach(self):
+        defines = {"PF_MAX_PROCS": self.max_procs, "PF_MAX_GRANULES": self.max_granules,
+                   "PF_FILTER": int(self.pids is not None), "PF_REGIONS": int(self.regions)}
+        self.bpf = bpfload.load(self.program, defines=defines, what="tracing page faults")
+        if self.pids is not None:
+            targets = self.bpf["pf_targets"]
+            for pid in self.pids:
+                targets[targets.Key(pid)] = targets.Leaf(1)
+
+    def _read_regions(self):
+        table = self.bpf["pf_regions"]
+        try:
+            items = list(table.items_lookup_batch())
+        except Exception:
+            items = list(table.items())
+        per_pid = {}
+        for k, v in items:
+            per_pid.setdefault(int(k.tgid), []).append((int(v.last_address), int(v.count)))
+        out = {}
+        for pid, entries in per_pid.items():
+            try:
+                maps = sorted(libc.read_maps(pid), key=lambda m: m.start)
+            except Exception:
+                maps = []
+            labels = {}
+            for address, count in entries:
+                label = region_label(_find(maps, address))
+                labels[label] = labels.get(label, 0) + count
+            out[pid] = labels
+        return out
+
+    def snapshot(self):
+        now = time.monotonic()
+        gone = self._take_exited()
+        totals = self.bpf["pf_totals"]
+        procs = {}
+        for key, values in _percpu_items(totals):
+            pid = int(key.value)
+            s = _sum_percpu(values, self.fields)
+            procs[pid] = {"pid": pid, "comm": self.comms.get(pid), "faults_user": int(s["user"]),
+                          "faults_kernel": int(s["kernel"]), "exited": pid in gone}
+        regions = self._read_regions() if self.regions else {}
+        if gone:
+            for pid in gone:
+                self._delete(totals, totals.Key(pid))
+                self.comms.forget(pid)
+            table = self.bpf["pf_regions"]
+            for k in list(table.keys()):
+                if int(k.tgid) in gone:
+                    self._delete(table, k)
+        lost = _lost_counts(self.bpf["pf_lost"], {0: "fault_totals_full"})
+        snap = {"time": now, "start": self.start, "processes": procs, "lost": lost}
+        if self.regions:
+            snap["fault_regions"] = regions
+        return snap
+
+
+def _glibc_collector_class():
+    try:
+        from pymtrace.usdt import GlibcCollector
+    except Exception:
+        return None
+    return GlibcCollector
+
+
+class Collectors:
+    """The collectors top runs, attached together, with one merged snapshot and one
+    process-exit watcher. glibc=True adds pymtrace.usdt.GlibcCollector when that module
+    exists (its failures are reported in snapshot["errors"]["glibc"], not raised)."""
+
+    def __init__(self, pids=None, malloc=True, slab=True, faults=True, glibc=True, track_exits=True):
+        self.pids = _check_pids(pids)
+        self.collectors = {}
+        self.errors = {}
+        self.track_exits = track_exits
+        self._events = None
+        self.start = None
+        if malloc:
+            self.collectors["malloc"] = MallocCollector(self.pids, track_exits=False)
+        if faults:
+            self.collectors["faults"] = FaultCollector(self.pids, track_exits=False)
+        if slab:
+            self.collectors["slab"] = SlabCollector()
+        self.want_glibc = glibc
+
+    def attach(self):
+        self.start = time.monotonic()
+        try:
+            for c in self.collectors.values():
+                c.attach()
+            if self.want_glibc:
+                cls = _glibc_collector_class()
+                if cls is None:
+                    self.errors["glibc"] = "glibc USDT collector (pymtrace.usdt) not available"
+                else:
+                    try:
+                        g = cls(pids=self.pids)
+                        g.attach()
+                        self.collectors["glibc"] = g
+                    except PymtraceError as exc:
+                        self.errors["glibc"] = str(exc)
+                    except Exception as exc:  # its bugs must not take top down
+                        self.errors["glibc"] = f"{type(exc).__name__}: {exc}"
+            if self.track_exits:
+                from pymtrace.procevents import ProcEvents
+
+                self._events = ProcEvents(on_event=self._on_event, kinds=("exit", "exec")).start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _on_event(self, ev):
+        for c in self.collectors.values():
+            if isinstance(c, _Collector):
+                c._on_event(ev)
+            elif ev.kind == "exit" and ev.pid == ev.tgid and hasattr(c, "exited"):
+                try:
+                    c.exited(ev.tgid)
+                except Exception:
+                    pass
+
+    def exited(self, tgid):
+        for c in self.collectors.values():
+            if hasattr(c, "exited"):
+                c.exited(tgid)
+
+    def snapshot(self):
+        snap = {"time": None, "start": self.start, "processes": {}, "lost": {}}
+        for name, c in self.collectors.items():
+            try:
+                part = c.snapshot()
+            except PymtraceError:
+                raise
+            except Exception as exc:
+                if name != "glibc":
+                    raise
+                self.errors["glibc"] = f"{type(exc).__name__}: {exc}"
+                continue
+            for key, value in part.items():
+                if key == "processes":
+                    for pid, p in value.items():
+                        merged = snap["processes"].setdefault(pid, {})
+                        exited = merged.get("exited", False) or p.get("exited", False)
+                        merged.update(p)
+                        merged["exited"] = exited
+                elif key == "lost":
+                    snap["lost"].update(value or {})
+                elif key in ("time", "start"):
+                    continue
+                else:
+                    snap[key] = value
+        snap["time"] = time.monotonic()
+        if self.errors:
+            snap["errors"] = dict(self.errors)
+        return snap
+
+    def close(self):
+        if self._events is not None:
+            self._events.stop()
+            self._events = None
+        for c in list(self.collectors.values()):
+            try:
+                c.close()
+            except Exception:
+                pass
+
+    def __enter__(self):
+        return self.attach()
+
+    def __exit__(self, *exc):
+        self.close()
