@@ -1,0 +1,235 @@
+"""Replay workload files (.wl): what upstream trace2wl writes and trace_run reads.
+
+Layout (formats.md section 2): an opcode byte, then unsigned big-endian base-128 varints.
+Header `ALLOC_PTRS n, ALLOC_SYNCS m, NTHREADS t, START_THREAD off x t, DONE`, then one
+stream per thread, each ending in DONE.
+
+`parse()` validates everything the native simulator relies on and raises CorruptFile with the
+byte offset of the first problem: unknown opcodes, varints running off the end or beyond 64
+bits, stream offsets outside the file or inside the header, pointer indices >= ALLOC_PTRS,
+sync ids beyond ALLOC_SYNCS, streams without DONE, and sync ids that no runnable thread
+ever writes (a deadlock, found by a dry run of the sync order -- sync flags never reset, so
+the dry run's outcome holds for every schedule).
+
+Upstream trace2wl sizes the sync array one short (ids run 1..m with ALLOC_SYNCS m); files it
+wrote are accepted (`Workload.upstream_sync_sizing` says so), pymtrace writes m+1.
+"""
+import dataclasses
+
+from pymtrace.errors import CorruptFile
+
+NOP, DONE, MALLOC, CALLOC, REALLOC, FREE, SYNC_W, SYNC_R, ALLOC_PTRS, ALLOC_SYNCS, \
+    NTHREADS, START_THREAD, MEMALIGN, VALLOC, PVALLOC = range(15)
+
+OP_NAMES = {
+    NOP: "NOP", DONE: "DONE", MALLOC: "MALLOC", CALLOC: "CALLOC", REALLOC: "REALLOC",
+    FREE: "FREE", SYNC_W: "SYNC_W", SYNC_R: "SYNC_R", ALLOC_PTRS: "ALLOC_PTRS",
+    ALLOC_SYNCS: "ALLOC_SYNCS", NTHREADS: "NTHREADS", START_THREAD: "START_THREAD",
+    MEMALIGN: "MEMALIGN", VALLOC: "VALLOC", PVALLOC: "PVALLOC",
+}
+# number of varint arguments per opcode
+NARGS = {
+    NOP: 0, DONE: 0, MALLOC: 2, CALLOC: 2, REALLOC: 3, FREE: 1, SYNC_W: 1, SYNC_R: 1,
+    ALLOC_PTRS: 1, ALLOC_SYNCS: 1, NTHREADS: 1, START_THREAD: 1, MEMALIGN: 3, VALLOC: 2,
+    PVALLOC: 2,
+}
+HEADER_OPS = {NOP, ALLOC_PTRS, ALLOC_SYNCS, NTHREADS, START_THREAD}
+STREAM_OPS = {NOP, MALLOC, CALLOC, REALLOC, FREE, SYNC_W, SYNC_R, MEMALIGN, VALLOC, PVALLOC}
+# ops whose first argument is a pointer index (REALLOC: first two)
+MAX_THREADS = 65536
+MAX_VARINT = (1 << 64) - 1
+
+
+def encode_varint(value):
+    """Big-endian base-128: 16 -> b'\\x10', 2**40 -> a0 80 80 80 80 00."""
+    if value < 0:
+        raise ValueError("varints are unsigned")
+    if value < 0x80:
+        return bytes((value,))
+    out = [value & 0x7F]
+    value >>= 7
+    while value:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    return bytes(reversed(out))
+
+
+def decode_varint(data, pos, name="workload"):
+    """(value, new_pos); CorruptFile if it runs off the end or exceeds 64 bits."""
+    start = pos
+    value = 0
+    n = len(data)
+    while True:
+        if pos >= n:
+            raise CorruptFile(f"{name}: truncated: varint at byte {start} runs off the end of the file")
+        c = data[pos]
+        pos += 1
+        value = (value << 7) | (c & 0x7F)
+        if value > MAX_VARINT:
+            raise CorruptFile(f"{name}: varint at byte {start} exceeds 64 bits")
+        if not c & 0x80:
+            return value, pos
+
+
+def encode_op(op, *args):
+    return bytes((op,)) + b"".join(encode_varint(a) for a in args)
+
+
+@dataclasses.dataclass
+class Workload:
+    nptrs: int
+    nsyncs: int
+    offsets: list  # file offset of each thread stream
+    threads: list  # per thread: list of (op, args tuple, byte offset)
+    upstream_sync_sizing: bool = False  # a sync id == ALLOC_SYNCS was used (upstream trace2wl)
+
+    def counts(self):
+        """Per-opcode-name counts over all threads (allocations with index 0 included)."""
+        out = {}
+        for ops in self.threads:
+            for op, _, _ in ops:
+                out[OP_NAMES[op]] = out.get(OP_NAMES[op], 0) + 1
+        return out
+
+
+def _read_op(data, pos, name):
+    op = data[pos]
+    if op not in NARGS:
+        raise CorruptFile(f"{name}: byte {pos}: unknown opcode {op}")
+    args = []
+    p = pos + 1
+    for _ in range(NARGS[op]):
+        v, p = decode_varint(data, p, name)
+        args.append(v)
+    return op, tuple(args), p
+
+
+def parse(data, name="workload", check_deadlock=True):
+    """Decode and validate a whole .wl file (bytes); returns a Workload."""
+    data = bytes(data)
+    pos = 0
+    nptrs = nsyncs = nthreads = None
+    offsets = []
+    while True:
+        if pos >= len(data):
+            raise CorruptFile(f"{name}: truncated: the header has no DONE")
+        start = pos
+        op, args, pos = _read_op(data, pos, name)
+        if op == DONE:
+            break
+        if op not in HEADER_OPS:
+            raise CorruptFile(f"{name}: byte {start}: opcode {OP_NAMES[op]} is not allowed in the header")
+        if op == ALLOC_PTRS:
+            nptrs = args[0]
+        elif op == ALLOC_SYNCS:
+            nsyncs = args[0]
+        elif op == NTHREADS:
+            nthreads = args[0]
+            if nthreads > MAX_THREADS:
+                raise CorruptFile(f"{name}: byte {start}: {nthreads} threads (at most {MAX_THREADS} supported)")
+        elif op == START_THREAD:
+            offsets.append((args[0], start))
+    header_end = pos
+    if nptrs is None:
+        raise CorruptFile(f"{name}: the header has no ALLOC_PTRS")
+    if nsyncs is None:
+        nsyncs = 0
+    if nthreads is not None and nthreads != len(offsets):
+        raise CorruptFile(f"{name}: NTHREADS says {nthreads} but the header starts {len(offsets)} threads")
+    threads = []
+    upstream_sizing = False
+    for off, where in offsets:
+        if off < header_end or off >= len(data):
+            raise CorruptFile(f"{name}: byte {where}: thread stream offset {off} is outside the file body "
+                              f"({header_end}..{len(data) - 1})")
+        p = off
+        ops = []
+        while True:
+            if p >= len(data):
+                raise CorruptFile(f"{name}: truncated: the thread stream at byte {off} has no DONE")
+            start = p
+            op, args, p = _read_op(data, p, name)
+            if op == DONE:
+                break
+            if op not in STREAM_OPS:
+                raise CorruptFile(f"{name}: byte {start}: opcode {OP_NAMES[op]} is not allowed in a thread stream")
+            if op in (SYNC_W, SYNC_R):
+                if args[0] > nsyncs:
+                    raise CorruptFile(f"{name}: byte {start}: sync id {args[0]} out of range (ALLOC_SYNCS {nsyncs})")
+                if args[0] == nsyncs:
+                    upstream_sizing = True
+            elif op != NOP:
+                idxs = args[:2] if op == REALLOC else args[:1]
+                for i in idxs:
+                    if i >= nptrs:
+                        raise CorruptFile(f"{name}: byte {start}: pointer index {i} out of range (ALLOC_PTRS {nptrs})")
+                if op == MEMALIGN and (args[1] == 0 or args[1] & (args[1] - 1)):
+                    raise CorruptFile(f"{name}: byte {start}: alignment {args[1]} is not a power of two")
+            ops.append((op, args, start))
+        threads.append(ops)
+    wl = Workload(nptrs, nsyncs, [o for o, _ in offsets], threads, upstream_sizing)
+    if check_deadlock:
+        check_sync_order(wl, name)
+    return wl
+
+
+def check_sync_order(wl, name="workload"):
+    """Dry-run the sync operations; CorruptFile naming the stuck threads if some never finish."""
+    written = set()
+    waiting = {}  # sync id -> [thread]
+    cursor = [0] * len(wl.threads)
+    runnable = list(range(len(wl.threads)))
+    while runnable:
+        t = runnable.pop()
+        ops = wl.threads[t]
+        i = cursor[t]
+        while i < len(ops):
+            op, args, _ = ops[i]
+            if op == SYNC_R and args[0] not in written:
+                waiting.setdefault(args[0], []).append(t)
+                break
+            if op == SYNC_W and args[0] not in written:
+                written.add(args[0])
+                runnable.extend(waiting.pop(args[0], ()))
+            i += 1
+        cursor[t] = i
+    stuck = [(t, wl.threads[t][cursor[t]]) for t in range(len(wl.threads)) if cursor[t] < len(wl.threads[t])]
+    if stuck:
+        all_written = {a[0] for ops in wl.threads for op, a, _ in ops if op == SYNC_W}
+        parts = []
+        for t, (_, args, off) in stuck[:5]:
+            why = "never written" if args[0] not in all_written else "written only by a thread that is itself stuck"
+            parts.append(f"thread {t} waits at byte {off} for sync id {args[0]} ({why})")
+        more = f" (and {len(stuck) - 5} more threads)" if len(stuck) > 5 else ""
+        raise CorruptFile(f"{name}: deadlock: " + "; ".join(parts) + more)
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        return parse(f.read(), name=str(path))
+
+
+def build(nptrs, nsyncs, streams):
+    """A whole .wl file from encoded per-thread streams (each must end with DONE).
+
+    Like upstream, the header is rebuilt until its length (which depends on the varint
+    length of the stream offsets) stops changing.
+    """
+    return header_bytes(nptrs, nsyncs, [len(s) for s in streams]) + b"".join(streams)
+
+
+def header_bytes(nptrs, nsyncs, stream_lengths):
+    """The header for streams of the given lengths (see build())."""
+    old_len, new_len = 1, 2
+    header = b""
+    while old_len != new_len:
+        old_len = new_len
+        off = new_len
+        parts = [encode_op(ALLOC_PTRS, nptrs), encode_op(ALLOC_SYNCS, nsyncs), encode_op(NTHREADS, len(stream_lengths))]
+        for n in stream_lengths:
+            parts.append(encode_op(START_THREAD, off))
+            off += n
+        parts.append(bytes((DONE,)))
+        header = b"".join(parts)
+        new_len = len(header)
+    return header

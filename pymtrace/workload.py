@@ -1,0 +1,478 @@
+"""`pymtrace workload TRACE -o OUT.wl`: convert a binary call trace into a replay workload.
+
+Reads a `pymtrace record` trace or an upstream dj/malloc mtrace.out (`-` = stdin) and writes
+the .wl format that `pymtrace replay` and upstream trace_run read (formats.md section 2).
+
+The algorithm is upstream trace2wl's: every address gets a pointer index, each address has an
+owner thread, and a thread touching an address owned by another gets a SYNC_R matched by a
+SYNC_W in the owner's stream at that point; a new thread's stream starts with a SYNC_R matched
+in the first thread's stream. Deliberate differences (off with --upstream-compat, which
+reproduces upstream's bytes, defects included):
+
+* threads are told apart by their whole TID (upstream hashes TID>>3 and merges TIDs that
+  differ only in the low 3 bits), addresses by their whole value (upstream: ptr>>3);
+* ALLOC_SYNCS is m+1 for sync ids 1..m (upstream writes m: trace_run's arrays are one short);
+* posix_memalign and realloc results take part in cross-thread ordering (upstream: neither);
+* inversions (an allocation returning an address whose free is recorded later) are queued
+  per address, any number deep, for every allocating call including memalign,
+  posix_memalign and realloc; whatever is still queued at the end is reported record by
+  record (upstream repairs one level for malloc/calloc/valloc/pvalloc only and overwrites);
+* a failed realloc(p, n>0) leaves p allocated (upstream forgets p); invalid frees are
+  reported and emit nothing, not even a sync; posix_memalign's return code is not an address;
+* memory is bounded (see BOUND below) instead of keeping every address ever seen.
+
+BOUND: per-thread streams are spooled to one temporary file (16 KiB buffered per thread),
+so memory is O(live pointers + pending inversions + threads + min(freed addresses,
+--freed-cache)). Freed addresses are remembered (for the cross-thread ordering of their
+reuse and for index reuse) up to --freed-cache entries; the oldest is then forgotten and its
+pointer index goes back to its last owner thread, which alone may reuse it -- that keeps
+index reuse race-free without extra syncs. Forgetting only drops a SYNC that ordered an
+address's reuse after its free in another thread (replay slots differ, so nothing breaks).
+"""
+import os
+import shutil
+import sys
+import tempfile
+
+from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.formats import mtrace_bin as mb
+from pymtrace.formats import wl
+
+HELP = "Convert a binary malloc call trace (pymtrace record or upstream mtrace.out) into a .wl replay workload."
+EPILOG = """examples:
+  pymtrace workload app.mtrace -o app.wl
+  cat mtrace.out.1234 | pymtrace workload - -o app.wl
+  pymtrace workload --upstream-compat mtrace.out.1234 -o same-bytes-as-trace2wl.wl
+
+Memory stays bounded by the live pointers, threads and --freed-cache, not the trace size;
+per-thread streams are spooled to a temporary file (--tmpdir, default $TMPDIR).
+Warnings about unrepaired inversions and invalid frees go to stderr, one line per record
+(the first --max-warnings), then a summary line."""
+
+FLUSH_BYTES = 16384
+DEFAULT_FREED_CACHE = 1 << 18
+
+_ALLOC_OP = {
+    mb.MALLOC: wl.MALLOC, mb.CALLOC: wl.CALLOC, mb.VALLOC: wl.VALLOC, mb.PVALLOC: wl.PVALLOC,
+}
+
+
+def configure(parser):
+    parser.add_argument("trace", help="binary trace file, or - for standard input")
+    parser.add_argument("-o", "--output", required=True, help="output .wl file (- for standard output)")
+    parser.add_argument("--upstream-compat", action="store_true",
+                        help="reproduce upstream trace2wl's output byte for byte, defects included")
+    parser.add_argument("--freed-cache", type=int, default=DEFAULT_FREED_CACHE, metavar="N",
+                        help=f"freed addresses remembered before their index is recycled (default {DEFAULT_FREED_CACHE})")
+    parser.add_argument("--tmpdir", help="directory for the spooled thread streams")
+    parser.add_argument("--max-warnings", type=int, default=20, metavar="N",
+                        help="per-record warnings printed (default 20; the summary counts all)")
+    parser.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
+                        help="progress bar on stderr (auto: when stderr is a terminal)")
+
+
+class _Thread:
+    __slots__ = ("tid", "started", "buf", "chunks", "total", "free_idx", "index")
+
+    def __init__(self, tid, index):
+        self.tid = tid
+        self.index = index
+        self.started = False
+        self.buf = bytearray()
+        self.chunks = []  # (offset, length) in the spool file
+        self.total = 0
+        self.free_idx = []
+
+
+class _Addr:
+    __slots__ = ("ptr", "idx", "owner", "valid", "reason", "pending")
+
+    def __init__(self, ptr, idx):
+        self.ptr = ptr
+        self.idx = idx
+        self.owner = None
+        self.valid = False
+        self.reason = None  # (record number, what) of the last change
+        self.pending = None  # deferred records (inversions), FIFO
+
+
+class Converter:
+    """Feed Records in trace order, then finish(outfile)."""
+
+    def __init__(self, compat=False, freed_cache=DEFAULT_FREED_CACHE, tmpdir=None, warn=None, max_warnings=20):
+        self.compat = compat
+        self.freed_cache = max(1, freed_cache)
+        self.spool = tempfile.TemporaryFile(dir=tmpdir, prefix="pymtrace-wl-")
+        self.spool_size = 0
+        self.threads = {}
+        self.addrs = {}
+        self.freed = {}  # key -> None, insertion-ordered: forgettable freed addresses
+        self.next_idx = 2 if not compat else 1  # default: index 1 stays reserved like upstream's MAGIC slot
+        self.syncs = 0
+        self.master = None
+        self.recno = 0
+        self.warn = warn or (lambda msg: print(f"pymtrace workload: {msg}", file=sys.stderr))
+        self.max_warnings = max_warnings
+        self.stats = dict(records=0, inversions_fixed=0, inversions_unrepaired=0, invalid_frees=0,
+                          null_results=0, unknown_reallocs=0, forgotten_addresses=0)
+        self.counts = {}
+
+    # -- helpers -----------------------------------------------------------------------
+    def _warning(self, msg):
+        n = self.stats["inversions_unrepaired"] + self.stats["invalid_frees"]
+        if n <= self.max_warnings:
+            self.warn(msg)
+
+    def _thread(self, tid):
+        key = (tid & 0xFFFFFFFFFFFFFFFF) >> 3 if self.compat else tid
+        t = self.threads.get(key)
+        if t is None:
+            t = self.threads[key] = _Thread(tid, len(self.threads))
+        return t
+
+    def _emit(self, t, data):
+        t.buf += data
+        if len(t.buf) >= FLUSH_BYTES:
+            self._flush(t)
+
+    def _flush(self, t):
+        if t.buf:
+            self.spool.seek(self.spool_size)
+            self.spool.write(t.buf)
+            t.chunks.append((self.spool_size, len(t.buf)))
+            self.spool_size += len(t.buf)
+            t.total += len(t.buf)
+            t.buf = bytearray()
+
+    def _sync(self, rel, acq):
+        if rel is acq:
+            return
+        self.syncs += 1
+        v = wl.encode_varint(self.syncs)
+        self._emit(rel, bytes((wl.SYNC_W,)) + v)
+        self._emit(acq, bytes((wl.SYNC_R,)) + v)
+
+    def _acq(self, t, a):
+        if a is None:
+            return
+        if a.owner is not None and a.owner is not t:
+            self._sync(a.owner, t)
+        a.owner = t
+
+    def _addr(self, ptr, t):
+        if ptr == 0:
+            return None
+        key = ptr >> 3 if self.compat else ptr
+        a = self.addrs.get(key)
+        if a is None:
+            if t is not None and t.free_idx:
+                idx = t.free_idx.pop()
+            else:
+                idx = self.next_idx
+                self.next_idx += 1
+            a = self.addrs[key] = _Addr(ptr, idx)
+            if not self.compat:
+                self._forgettable(key)
+        return a
+
+    def _forgettable(self, key):
+        self.freed[key] = None
+
+    def _evict(self):
+        """Forget the oldest freed addresses beyond --freed-cache (only between records, so
+        no _Addr is in use); the index goes to the last owner thread's free list."""
+        while len(self.freed) > self.freed_cache:
+            old = next(iter(self.freed))
+            del self.freed[old]
+            a = self.addrs.get(old)
+            if a is None or a.valid or a.pending:
+                continue
+            del self.addrs[old]
+            self.stats["forgotten_addresses"] += 1
+            if a.owner is not None:
+                a.owner.free_idx.append(a.idx)
+            # an address no thread ever touched keeps its index unused (harmless)
+
+    def _set_valid(self, a, recno, what):
+        a.valid = True
+        a.reason = (recno, what)
+        if not self.compat:
+            self.freed.pop(a.ptr, None)
+
+    def _set_invalid(self, a, recno, what):
+        a.valid = False
+        a.reason = (recno, what)
+        if not self.compat and not a.pending:
+            self._forgettable(a.ptr)
+
+    def _defer(self, a, rec, recno):
+        if self.compat:
+            if a.pending:
+                self._warning(f"record {recno}: pointer {a.ptr:#x} alloc'd again? (possible multi-level inversion) "
+                              f"size {rec.size}; upstream overwrites the earlier inversion")
+            a.pending = [(rec, recno)]
+        else:
+            if a.pending is None:
+                a.pending = []
+            a.pending.append((rec, recno))
+        self.stats["inversions_fixed"] += 1
+
+    # -- the conversion ----------------------------------------------------------------
+    def set_magic_thread(self, tid):
+        """Upstream processes the MAGIC record like a call: its thread becomes the master
+        thread and its ptr1 0x1234 takes pointer index 1. Only --upstream-compat copies that."""
+        if self.compat:
+            t = self._thread(tid)
+            self.master = t
+            t.started = True
+            self._addr(mb.MAGIC_PTR, t)
+
+    def feed(self, rec):
+        self.recno += 1
+        self.stats["records"] += 1
+        self.counts[rec.type_name] = self.counts.get(rec.type_name, 0) + 1
+        if len(self.freed) > self.freed_cache:
+            self._evict()
+        self._process(rec, self.recno)
+
+    def _process(self, rec, recno):
+        t = self._thread(rec.thread)
+        if self.master is None:
+            self.master = t
+            t.started = True
+        elif not t.started:
+            self._sync(self.master, t)
+            t.started = True
+        typ = rec.type
+        compat = self.compat
+        if compat:
+            pa1 = self._addr(rec.ptr1, t)
+            pa2 = self._addr(rec.ptr2, t)
+        else:
+            pa1 = self._addr(rec.ptr1, t) if typ in (mb.FREE, mb.REALLOC) else None
+            pa2 = self._addr(rec.ptr2, t) if typ != mb.FREE else None
+
+        if typ in _ALLOC_OP or (not compat and typ in (mb.MEMALIGN, mb.POSIX_MEMALIGN)):
+            if typ == mb.POSIX_MEMALIGN and rec.ptr1 != 0:
+                pa2 = None  # failed: nothing allocated
+            if pa2 is not None and pa2.valid:
+                self._defer(pa2, rec, recno)
+                return
+            self._acq(t, pa2)
+            if pa2 is None:
+                self.stats["null_results"] += 1
+            if typ in _ALLOC_OP:
+                self._emit(t, bytes((_ALLOC_OP[typ],)) + wl.encode_varint(pa2.idx if pa2 else 0)
+                           + wl.encode_varint(rec.size))
+            else:
+                self._emit(t, bytes((wl.MEMALIGN,)) + wl.encode_varint(pa2.idx if pa2 else 0)
+                           + wl.encode_varint(rec.size2) + wl.encode_varint(rec.size))
+            if pa2 is not None:
+                self._set_valid(pa2, recno, rec.type_name)
+        elif typ == mb.MEMALIGN:  # compat
+            self._acq(t, pa2)
+            if pa2 is not None and pa2.valid:
+                self._warning(f"record {recno}: pointer {pa2.ptr:#x} memalign'd again?")
+            self._emit(t, bytes((wl.MEMALIGN,)) + wl.encode_varint(pa2.idx if pa2 else 0)
+                       + wl.encode_varint(rec.size2) + wl.encode_varint(rec.size))
+            if pa2 is not None:
+                self._set_valid(pa2, recno, "memalign")
+        elif typ == mb.POSIX_MEMALIGN:  # compat: no cross-thread ordering
+            ok = rec.ptr1 == 0 and pa2 is not None
+            self._emit(t, bytes((wl.MEMALIGN,)) + wl.encode_varint(pa2.idx if ok else 0)
+                       + wl.encode_varint(rec.size2) + wl.encode_varint(rec.size))
+            if ok:
+                self._set_valid(pa2, recno, "posix_memalign")
+        elif typ == mb.FREE:
+            if compat:
+                self._acq(t, pa1)
+            if pa1 is None:
+                self._emit(t, b"\x05\x00")
+            elif pa1.valid:
+                self._acq(t, pa1)
+                self._emit(t, bytes((wl.FREE,)) + wl.encode_varint(pa1.idx))
+                self._set_invalid(pa1, recno, "free")
+                self._released(pa1)
+            else:
+                self.stats["invalid_frees"] += 1
+                why = f"{pa1.reason[1]} at record {pa1.reason[0]}" if pa1.reason else "never allocated"
+                self._warning(f"record {recno}: invalid free({pa1.ptr:#x}) by thread {rec.thread}: {why}; skipped")
+        elif typ == mb.REALLOC:
+            self._realloc(t, rec, recno, pa1, pa2)
+
+    def _realloc(self, t, rec, recno, pa1, pa2):
+        if self.compat:
+            if pa1 is not None and pa1.owner is not None:
+                self._acq(t, pa1)
+            if pa2 is not None and pa2.owner is not None:
+                self._acq(t, pa2)
+            self._emit(t, bytes((wl.REALLOC,)) + wl.encode_varint(pa2.idx if pa2 else 0)
+                       + wl.encode_varint(pa1.idx if pa1 else 0) + wl.encode_varint(rec.size))
+            if pa1 is not None:
+                pa1.valid = False
+                pa1.reason = (recno, "realloc'd away")
+            if pa2 is not None:
+                self._set_valid(pa2, recno, "realloc")
+            return
+        if pa2 is not None and pa2 is not pa1 and pa2.valid:
+            self._defer(pa2, rec, recno)
+            return
+        if pa1 is not None and not pa1.valid:
+            self.stats["unknown_reallocs"] += 1
+        self._acq(t, pa1)
+        self._acq(t, pa2)
+        if pa2 is None and rec.size:
+            self.stats["null_results"] += 1
+        self._emit(t, bytes((wl.REALLOC,)) + wl.encode_varint(pa2.idx if pa2 else 0)
+                   + wl.encode_varint(pa1.idx if pa1 else 0) + wl.encode_varint(rec.size))
+        failed = pa2 is None and rec.size != 0
+        if pa1 is not None and pa1 is not pa2 and not failed:
+            self._set_invalid(pa1, recno, "realloc'd away")
+        if pa2 is not None:
+            self._set_valid(pa2, recno, "realloc")
+        if pa1 is not None and pa1 is not pa2 and not failed:
+            self._released(pa1)
+
+    def _released(self, a):
+        """An address was freed: replay the allocations that were recorded too early."""
+        work = [a]
+        while work:
+            x = work.pop()
+            if x.valid or not x.pending:
+                continue
+            rec, recno = x.pending.pop(0)
+            self._process(rec, recno)  # a deferred realloc calls _released for its old pointer
+            if x.pending:
+                work.append(x)
+            elif not self.compat and not x.valid:
+                self._forgettable(x.ptr)
+
+    def finish(self, out):
+        """Report unrepaired inversions, then write the .wl to the binary file object OUT."""
+        for a in list(self.addrs.values()):
+            for rec, recno in a.pending or ():
+                self.stats["inversions_unrepaired"] += 1
+                self._warning(
+                    f"record {recno}: thread {rec.thread} {rec.type_name} -> {a.ptr:#x} not replayed: the address "
+                    f"was still allocated ({a.reason[1]} at record {a.reason[0]}) and is never freed before the "
+                    f"end of the trace (unrepaired inversion)")
+        self.stats["inversions_fixed"] -= self.stats["inversions_unrepaired"]
+        threads = sorted(self.threads.values(), key=lambda t: (t.tid & 0xFFFFFFFFFFFFFFFF) >> (3 if self.compat else 0))
+        for t in threads:
+            t.buf += bytes((wl.DONE,))
+            t.total += len(t.buf)
+        nsyncs = self.syncs if self.compat else self.syncs + 1
+        header = wl.header_bytes(self.next_idx, nsyncs, [t.total for t in threads])
+        out.write(header)
+        for t in threads:
+            for off, n in t.chunks:
+                self.spool.seek(off)
+                remaining = n
+                while remaining:
+                    chunk = self.spool.read(min(remaining, 1 << 20))
+                    out.write(chunk)
+                    remaining -= len(chunk)
+            out.write(t.buf)
+        self.spool.close()
+        self.stats.update(threads=len(threads), syncs=self.syncs, pointer_slots=self.next_idx,
+                          bytes=len(header) + sum(t.total for t in threads))
+        return self.stats
+
+
+class _Counting:
+    """A binary stream wrapper that replays peeked bytes and reports progress."""
+
+    def __init__(self, stream, prefix, progress):
+        self.stream = stream
+        self.prefix = prefix
+        self.progress = progress
+
+    def read(self, n=-1):
+        if self.prefix:
+            data, self.prefix = self.prefix[:n], self.prefix[n:]
+            if len(data) < n:
+                data += self.stream.read(n - len(data))
+        else:
+            data = self.stream.read(n)
+        if self.progress is not None and data:
+            self.progress.update(len(data))
+        return data
+
+
+def _progress_bar(total, mode):
+    if mode == "never" or (mode == "auto" and not sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
+                file=sys.stderr, leave=False, mininterval=0.5)
+
+
+def convert_stream(stream, out, name="trace", compat=False, freed_cache=DEFAULT_FREED_CACHE, tmpdir=None,
+                   total=None, progress="never", warn=None, max_warnings=20):
+    """Convert a binary trace stream into .wl bytes written to OUT; returns (stats, counts)."""
+    first = stream.read(mb.RECORD_SIZE)
+    order = mb.detect_byteorder(first)
+    magic_tid = int.from_bytes(first[:4], "little" if order == "<" else "big", signed=True)
+    conv = Converter(compat, freed_cache, tmpdir, warn, max_warnings)
+    conv.set_magic_thread(magic_tid)
+    bar = _progress_bar(total, progress)
+    try:
+        if bar is not None:
+            bar.update(len(first))
+        for rec in mb.iter_records(_Counting(stream, first, bar), name=name):
+            conv.feed(rec)
+    finally:
+        if bar is not None:
+            bar.close()
+    stats = conv.finish(out)
+    return stats, conv.counts
+
+
+def convert_file(src, dst, **kw):
+    """Convert trace file SRC ('-' = stdin) into .wl file DST ('-' = stdout)."""
+    if src == "-":
+        stream, total, name = sys.stdin.buffer, None, "<stdin>"
+    else:
+        try:
+            stream = open(src, "rb")
+        except OSError as exc:
+            raise PymtraceError(f"cannot read {src}: {exc.strerror}")
+        total, name = os.fstat(stream.fileno()).st_size, src
+    try:
+        if dst == "-":
+            return convert_stream(stream, sys.stdout.buffer, name=name, total=total, **kw)
+        tmp = f"{dst}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as out:
+                result = convert_stream(stream, out, name=name, total=total, **kw)
+            os.replace(tmp, dst)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return result
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+
+
+def run(args):
+    if args.output != "-" and os.path.dirname(os.path.abspath(args.output)) and \
+            not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise PymtraceError(f"output directory of {args.output} does not exist")
+    stats, counts = convert_file(args.trace, args.output, compat=args.upstream_compat,
+                                 freed_cache=args.freed_cache, tmpdir=args.tmpdir,
+                                 progress=args.progress, max_warnings=args.max_warnings)
+    dest = sys.stderr if args.output == "-" else sys.stdout
+    extra = []
+    for key in ("inversions_fixed", "inversions_unrepaired", "invalid_frees", "null_results",
+                "unknown_reallocs", "forgotten_addresses"):
+        if stats[key]:
+            extra.append(f"{key.replace('_', ' ')} {stats[key]}")
+    print(f"{args.output}: {stats['records']} calls, {stats['threads']} threads, {stats['syncs']} syncs, "
+          f"{stats['pointer_slots']} pointer slots, {stats['bytes']} bytes"
+          + (" (" + ", ".join(extra) + ")" if extra else ""), file=dest)
+    return 0
