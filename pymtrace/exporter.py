@@ -1,0 +1,765 @@
+"""`pymtrace exporter`: serve the live malloc/slab/fault/glibc metrics to Prometheus.
+
+The exporter runs the same collectors as `pymtrace top` (pymtrace.collect, pymtrace.usdt)
+and reads their BPF maps at scrape time through a prometheus-client custom collector.
+Their snapshots are cumulative per PID; this module turns them into per-`comm` (or
+cgroup, or capped per-PID) series that stay monotonic while processes come and go, and
+drops the series of processes gone for longer than a grace period.
+"""
+import argparse
+import gzip
+import html
+import os
+import re
+import socket
+import ssl
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from pymtrace import __version__
+from pymtrace.errors import PymtraceError
+
+DEFAULT_PORT = 19733
+HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same BPF
+collectors as `pymtrace top`. Per-process series are labelled by comm (default),
+cgroup, or PID (capped: top N plus "other")."""
+EPILOG = f"""examples:
+  sudo pymtrace exporter                              # all processes, :{DEFAULT_PORT}
+  sudo pymtrace exporter --always-on                  # production: tracepoints + USDT + faults only
+  sudo pymtrace exporter --comm '^(nginx|postgres)$' --listen 127.0.0.1:{DEFAULT_PORT}
+  sudo pymtrace exporter --label-by pid --max-series 20 -p 1234 -p 5678
+  sudo pymtrace exporter --web-config /etc/pymtrace/web.yml   # TLS and basic auth
+
+The default port {DEFAULT_PORT} lies outside the 9100-9999 range of Prometheus's default
+port allocation list (that range is fully allocated). See docs/exporter.md for the metrics
+and the deploy files in exporters/."""
+
+CALL_TYPES = ("malloc", "calloc", "realloc", "free", "free_null", "memalign",
+              "posix_memalign", "valloc", "pvalloc", "aligned_alloc")
+PROC_COUNTERS = ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", "faults_user", "faults_kernel")
+PROC_GAUGES = ("live_bytes",)
+# glibc (USDT) values per process: gauges (state now) and counters (cumulative)
+GLIBC_GAUGES = {
+    "arenas": ("pymtrace_glibc_arenas", "malloc arenas in use (main arena included)"),
+    "heaps": ("pymtrace_glibc_heaps", "non-main-arena heaps (mmap'd heap segments) in use"),
+    "heap_bytes": ("pymtrace_glibc_heap_bytes", "bytes of non-main-arena heaps in use"),
+    "sbrk_bytes": ("pymtrace_glibc_sbrk_bytes", "bytes the main arena holds from sbrk (net)"),
+    "mmap_threshold": ("pymtrace_glibc_mmap_threshold_bytes", "current M_MMAP_THRESHOLD"),
+    "trim_threshold": ("pymtrace_glibc_trim_threshold_bytes", "current M_TRIM_THRESHOLD"),
+}
+GLIBC_COUNTERS = {
+    "lock_waits": ("pymtrace_glibc_arena_lock_waits", "times a thread blocked on a locked arena (memory_arena_reuse_wait)"),
+    "retries": ("pymtrace_glibc_retries", "allocations retried after a failure (memory_*_retry probes)"),
+}
+# gauge thresholds are combined over the processes of one label by max, the rest by sum
+GLIBC_MAX = {"mmap_threshold", "trim_threshold"}
+OTHER = "other"
+
+
+# ---------------------------------------------------------------- aggregation
+
+def flatten_counters(entry):
+    """A process entry's cumulative counters as {key: number}."""
+    out = {}
+    for call, n in (entry.get("calls") or {}).items():
+        out[("calls", call)] = n
+    for key in PROC_COUNTERS:
+        if key in entry:
+            out[key] = entry[key]
+    for i, n in enumerate(entry.get("size_log2") or ()):
+        if n:
+            out[("size", i)] = n
+    return out
+
+
+def _glibc_counters(g):
+    out = {}
+    for k in GLIBC_COUNTERS:
+        v = g.get(k)
+        if isinstance(v, dict):  # per thread (lock_waits: {tid: n}) or per probe
+            v = sum(x for x in v.values() if isinstance(x, (int, float)))
+        if isinstance(v, (int, float)):
+            out[("glibc", k)] = v
+    return out
+
+
+class _Pid:
+    __slots__ = ("pid", "comm", "want", "label", "base", "last", "gauges", "glibc", "alive", "expired")
+
+    def __init__(self, pid, comm, want):
+        self.pid, self.comm, self.want = pid, comm, want
+        self.label = None
+        self.base = {}
+        self.last = {}
+        self.gauges = {}
+        self.glibc = {}
+        self.alive = True
+        self.expired = False
+
+
+class Aggregator:
+    """Cumulative per-PID counters -> monotonic per-label counters.
+
+    Each label's counter is what its exited processes contributed (`retired`) plus what its
+    live ones did since they joined it. A process that changes label (exec changes comm,
+    or it moves from "other" to a series of its own) hands what it did so far to the old
+    label and continues from there under the new one, so no series ever goes down. A label
+    none of whose processes has been alive for `grace` seconds is dropped with its totals.
+    At most `max_series` labels exist besides "other"; free places go to the busiest newcomers.
+    """
+
+    def __init__(self, label_by="comm", max_series=1000, grace=300.0, pids=None, comm=None,
+                 alive=None, cgroup_of=None):
+        self.label_by = label_by
+        self.max_series = max_series
+        self.grace = grace
+        self.pid_filter = set(pids) if pids else None
+        self.comm_filter = re.compile(comm) if comm else None
+        self.alive = alive or _proc_alive
+        self.cgroup_of = cgroup_of or _cgroup_of
+        self.pids = {}
+        self.retired = {}  # label -> {key: n}
+        self.admitted = {}  # label -> last time a live process had it
+        self.dropped_total = 0
+
+    def wanted(self, pid, entry):
+        if self.pid_filter is not None and pid not in self.pid_filter:
+            return False
+        if self.comm_filter is not None and not self.comm_filter.search(entry.get("comm") or ""):
+            return False
+        return True
+
+    def _want_label(self, pid, comm):
+        if self.label_by == "pid":
+            return str(pid)
+        if self.label_by == "cgroup":
+            return self.cgroup_of(pid) or "unknown"
+        return comm or "unknown"
+
+    def _retire(self, st):
+        if st.label is None or st.expired:
+            return
+        acc = self.retired.setdefault(st.label, {})
+        for k, v in st.last.items():
+            d = v - st.base.get(k, 0)
+            if d:
+                acc[k] = acc.get(k, 0) + d
+
+    def _move(self, st, label):
+        """Hand what ST did so far to its current label; it continues under LABEL."""
+        if st.label is None:  # first label: everything since attach counts for it
+            st.label = label
+            return
+        self._retire(st)
+        st.base = dict(st.last)
+        st.label = label
+
+    def update(self, processes, glibc=None, now=None):
+        now = time.monotonic() if now is None else now
+        glibc = glibc or {}
+        present = set()
+        for pid, entry in processes.items():
+            pid = int(pid)
+            if not self.wanted(pid, entry):
+                continue
+            present.add(pid)
+            comm = entry.get("comm") or ""
+            counters = flatten_counters(entry)
+            g = glibc.get(pid) or glibc.get(str(pid)) or {}
+            counters.update(_glibc_counters(g))
+            st = self.pids.get(pid)
+            if st is not None and any(counters.get(k, 0) < v for k, v in st.last.items()):
+                # cumulative values went down: the PID was reused by a new process
+                self._retire(st)
+                st = None
+            if st is None:
+                st = self.pids[pid] = _Pid(pid, comm, self._want_label(pid, comm))
+            elif comm != st.comm:  # exec: same process, new name; the old one keeps what it did
+                self._retire(st)
+                st.base = dict(st.last)
+                st.label = None
+                st.comm = comm
+                st.want = self._want_label(pid, comm)
+            st.last = counters
+            st.gauges = {k: entry[k] for k in PROC_GAUGES if k in entry}
+            st.glibc = {k: g[k] for k in GLIBC_GAUGES if isinstance(g.get(k), (int, float))}
+            st.alive = self.alive(pid)
+        # processes no longer in the collectors' maps: their work stays with their label
+        for pid in [p for p in self.pids if p not in present]:
+            self._retire(self.pids.pop(pid))
+
+        # which labels are alive
+        for st in self.pids.values():
+            if st.alive and st.label is not None and not st.expired:
+                self.admitted[st.label] = now
+        # drop labels gone longer than the grace period
+        for label, seen in list(self.admitted.items()):
+            if now - seen > self.grace:
+                del self.admitted[label]
+                self.retired.pop(label, None)
+                self.dropped_total += 1
+                for st in self.pids.values():
+                    if st.label == label and not st.alive:
+                        st.expired = True
+        for label in [lb for lb in self.retired if lb not in self.admitted]:
+            del self.retired[label]
+
+        # give each live process its label: its own if admitted or there is room, else "other"
+        newcomers = {}
+        for st in self.pids.values():
+            if st.expired or not st.alive and st.label is not None:
+                continue
+            if st.want in self.admitted:
+                if st.label != st.want:
+                    self._move(st, st.want)
+            else:
+                newcomers.setdefault(st.want, []).append(st)
+        room = self.max_series - sum(1 for lb in self.admitted if lb != OTHER)
+        ranked = sorted(newcomers.items(), key=lambda kv: -sum(_activity(s) for s in kv[1]))
+        for label, members in ranked:
+            if room > 0 and label != OTHER:
+                room -= 1
+                target = label
+            else:
+                target = OTHER
+            self.admitted[target] = now
+            for st in members:
+                if st.label != target:
+                    self._move(st, target)
+        for st in self.pids.values():
+            if st.alive and st.label is not None and not st.expired:
+                self.admitted[st.label] = now
+
+    def series(self):
+        """{label: {"counters": {...}, "gauges": {...}, "glibc": {...}}} for admitted labels."""
+        out = {lb: {"counters": dict(self.retired.get(lb, {})), "gauges": {}, "glibc": {}}
+               for lb in self.admitted}
+        for st in self.pids.values():
+            if st.expired or st.label not in out:
+                continue
+            s = out[st.label]
+            c = s["counters"]
+            for k, v in st.last.items():
+                d = v - st.base.get(k, 0)
+                if d:
+                    c[k] = c.get(k, 0) + d
+            if st.alive:
+                for k, v in st.gauges.items():
+                    s["gauges"][k] = s["gauges"].get(k, 0) + v
+                for k, v in st.glibc.items():
+                    cur = s["glibc"].get(k)
+                    s["glibc"][k] = v if cur is None else (max(cur, v) if k in GLIBC_MAX else cur + v)
+        return out
+
+
+def _activity(st):
+    return sum(v - st.base.get(k, 0) for k, v in st.last.items() if isinstance(k, tuple) and k[0] == "calls")
+
+
+def _comm_of(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _proc_alive(pid):
+    return os.path.exists(f"/proc/{pid}")
+
+
+_cgroup_cache = {}
+
+
+def _cgroup_of(pid):
+    """The process's cgroup v2 path (or the v1 memory controller's), cached per PID."""
+    hit = _cgroup_cache.get(pid)
+    if hit is not None:
+        return hit
+    path = None
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and (parts[0] == "0" and parts[1] == "" or "memory" in parts[1].split(",")):
+                    path = parts[2] or "/"
+                    if parts[0] == "0":
+                        break
+    except OSError:
+        return None
+    if len(_cgroup_cache) > 65536:
+        _cgroup_cache.clear()
+    _cgroup_cache[pid] = path
+    return path
+
+
+# ---------------------------------------------------------------- metric families
+
+def size_bucket_le(i):
+    """Upper bound (bytes) of BPF log2 size bucket I, holding sizes in (2**(i-1), 2**i]
+    (bucket 0: sizes 0 and 1)."""
+    return float(2 ** i)
+
+
+class ExporterCollector:
+    """prometheus-client custom collector: reads the collectors' maps at every scrape."""
+
+    def __init__(self, sources, aggregator, bpfstats=None, label_by="comm", mode="full",
+                 bucket_le=size_bucket_le, now=None):
+        self.sources = list(sources)
+        self.agg = aggregator
+        self.bpfstats = bpfstats
+        self.label = label_by
+        self.mode = mode
+        self.bucket_le = bucket_le
+        self._now = now
+        self.lock = threading.Lock()
+        self.last_duration = 0.0
+        self.scrapes = 0
+        self.errors = 0
+
+    def describe(self):
+        return []  # families depend on the data; avoid a collect() at registration
+
+    def snapshot(self):
+        merged = {"processes": {}, "slab": {}, "lost": {}, "glibc": {}}
+        for src in self.sources:
+            snap = src.snapshot() or {}
+            for pid, e in (snap.get("processes") or {}).items():
+                cur = merged["processes"].get(int(pid))
+                if cur is None:
+                    merged["processes"][int(pid)] = e
+                else:  # two collectors for one process (malloc + faults): merge fields
+                    cur = dict(cur)
+                    for k, v in e.items():
+                        if k not in cur or k in ("faults_user", "faults_kernel") and not cur.get(k):
+                            cur[k] = v
+                    merged["processes"][int(pid)] = cur
+            merged["slab"].update(snap.get("slab") or {})
+            for pid, g in (snap.get("glibc") or {}).items():
+                merged["glibc"][int(pid)] = g
+            name = getattr(src, "name", None) or type(src).__name__
+            for kind, n in (snap.get("lost") or {}).items():
+                merged["lost"][(name, str(kind))] = n
+        for pid, g in merged["glibc"].items():  # a process seen only by the glibc probes
+            if pid not in merged["processes"] and isinstance(g, dict):
+                merged["processes"][pid] = {"pid": pid, "comm": g.get("comm") or _comm_of(pid)}
+        return merged
+
+    def collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily)
+
+        t0 = time.perf_counter()
+        with self.lock:
+            try:
+                snap = self.snapshot()
+                self.agg.update(snap["processes"], snap["glibc"], now=self._now() if self._now else None)
+                series = self.agg.series()
+                ok = True
+            except Exception as exc:  # a failed map read must not kill the endpoint
+                print(f"pymtrace exporter: collecting failed: {exc}", file=sys.stderr)
+                snap, series, ok = {"slab": {}, "lost": {}}, {}, False
+                self.errors += 1
+            bpf = self.bpfstats.read() if self.bpfstats else None
+        lab = self.label
+        calls = CounterMetricFamily("pymtrace_malloc_calls", "malloc-API calls by call type", labels=[lab, "call"])
+        req = CounterMetricFamily("pymtrace_malloc_requested_bytes", "bytes requested from malloc, calloc, realloc and the memalign family", labels=[lab])
+        alloc = CounterMetricFamily("pymtrace_malloc_allocated_bytes", "bytes of blocks handed out (usable size where known)", labels=[lab])
+        freed = CounterMetricFamily("pymtrace_malloc_freed_bytes", "bytes of blocks freed (free and realloc)", labels=[lab])
+        failed = CounterMetricFamily("pymtrace_malloc_failures", "allocation calls that returned NULL", labels=[lab])
+        live = GaugeMetricFamily("pymtrace_malloc_live_bytes", "bytes allocated minus bytes freed since the exporter attached, by live processes", labels=[lab])
+        hist = HistogramMetricFamily("pymtrace_malloc_size_bytes", "requested allocation sizes (log2 buckets aggregated in BPF)", labels=[lab])
+        faults = CounterMetricFamily("pymtrace_page_faults", "page faults by mode (user: in user code; kernel: in the kernel touching user memory)", labels=[lab, "mode"])
+        g_gauges = {k: GaugeMetricFamily(n, h, labels=[lab]) for k, (n, h) in GLIBC_GAUGES.items()}
+        g_counters = {k: CounterMetricFamily(n, h, labels=[lab]) for k, (n, h) in GLIBC_COUNTERS.items()}
+        have_hist = False
+        for label, s in sorted(series.items()):
+            c = s["counters"]
+            for key, v in sorted((k, v) for k, v in c.items() if isinstance(k, tuple) and k[0] == "calls"):
+                calls.add_metric([label, key[1]], v)
+            for fam, key in ((req, "requested_bytes"), (alloc, "allocated_bytes"), (freed, "freed_bytes"), (failed, "failed")):
+                if key in c:
+                    fam.add_metric([label], c[key])
+            if "live_bytes" in s["gauges"]:
+                live.add_metric([label], s["gauges"]["live_bytes"])
+            sizes = {k[1]: v for k, v in c.items() if isinstance(k, tuple) and k[0] == "size"}
+            if sizes:
+                have_hist = True
+                buckets, acc = [], 0
+                for i in range(max(sizes) + 1):  # every bucket up to the largest seen
+                    acc += sizes.get(i, 0)
+                    buckets.append((_fmt_le(self.bucket_le(i)), acc))
+                buckets.append(("+Inf", acc))
+                hist.add_metric([label], buckets, c.get("requested_bytes", 0))
+            for mode in ("user", "kernel"):
+                if f"faults_{mode}" in c:
+                    faults.add_metric([label, mode], c[f"faults_{mode}"])
+            for k, v in s["glibc"].items():
+                g_gauges[k].add_metric([label], v)
+            for k in GLIBC_COUNTERS:
+                if ("glibc", k) in c:
+                    g_counters[k].add_metric([label], c[("glibc", k)])
+        yield from (calls, req, alloc, freed, failed, live)
+        if have_hist:
+            yield hist
+        yield faults
+        yield from g_gauges.values()
+        yield from g_counters.values()
+
+        slab = snap.get("slab") or {}
+        s_allocs = CounterMetricFamily("pymtrace_slab_allocations", "kmem_cache_alloc calls per slab cache", labels=["cache"])
+        s_frees = CounterMetricFamily("pymtrace_slab_frees", "kmem_cache_free calls per slab cache", labels=["cache"])
+        s_bytes = CounterMetricFamily("pymtrace_slab_allocated_bytes", "bytes allocated per slab cache (object size)", labels=["cache"])
+        s_req = CounterMetricFamily("pymtrace_slab_requested_bytes", "bytes requested per slab cache", labels=["cache"])
+        for cache, v in sorted(slab.items()):
+            s_allocs.add_metric([cache], v.get("allocs", 0))
+            s_frees.add_metric([cache], v.get("frees", 0))
+            s_bytes.add_metric([cache], v.get("bytes_alloc", 0))
+            if "bytes_req" in v:
+                s_req.add_metric([cache], v["bytes_req"])
+        yield from (s_allocs, s_frees, s_bytes, s_req)
+
+        lost = CounterMetricFamily("pymtrace_exporter_events_lost", "events the BPF programs could not record (full maps or buffers)", labels=["collector", "kind"])
+        for (name, kind), n in sorted((snap.get("lost") or {}).items()):
+            lost.add_metric([name, kind], n)
+        yield lost
+        if bpf is not None:
+            runs = CounterMetricFamily("pymtrace_exporter_bpf_program_runs", "times each BPF program ran (kernel BPF stats)", labels=["program"])
+            rtime = CounterMetricFamily("pymtrace_exporter_bpf_program_run_seconds", "time spent in each BPF program (kernel BPF stats)", labels=["program"])
+            for name, (cnt, ns) in sorted(bpf["progs"].items()):
+                runs.add_metric([name], cnt)
+                rtime.add_metric([name], ns / 1e9)
+            entries = GaugeMetricFamily("pymtrace_exporter_bpf_map_entries", "entries in each BPF hash map", labels=["map"])
+            maxe = GaugeMetricFamily("pymtrace_exporter_bpf_map_max_entries", "capacity of each BPF hash map", labels=["map"])
+            for name, (n, cap, _t) in sorted(bpf["maps"].items()):
+                entries.add_metric([name], n)
+                maxe.add_metric([name], cap)
+            yield from (runs, rtime, entries, maxe)
+            yield GaugeMetricFamily("pymtrace_exporter_bpf_stats_enabled", "1 when the kernel's BPF run-time statistics are on", value=1 if self.bpfstats.enabled() else 0)
+        yield GaugeMetricFamily("pymtrace_exporter_processes", "processes the exporter currently tracks", value=len(self.agg.pids))
+        yield GaugeMetricFamily("pymtrace_exporter_series_labels", f"values of the {lab} label currently exported (cap: --max-series, plus other)", value=len(series))
+        yield CounterMetricFamily("pymtrace_exporter_series_dropped", "label values dropped after their processes were gone for the grace period", value=self.agg.dropped_total)
+        yield GaugeMetricFamily("pymtrace_exporter_collect_success", "1 when this scrape read every collector", value=1 if ok else 0)
+        info = GaugeMetricFamily("pymtrace_exporter_build_info", "pymtrace version and mode", labels=["version", "mode", "label_by"])
+        info.add_metric([__version__, self.mode, lab], 1)
+        yield info
+        self.last_duration = time.perf_counter() - t0
+        self.scrapes += 1
+        yield GaugeMetricFamily("pymtrace_exporter_scrape_duration_seconds", "time this scrape took to read the maps and build the metrics", value=self.last_duration)
+
+
+def _fmt_le(v):
+    from prometheus_client.utils import floatToGoString
+
+    return floatToGoString(v)  # "1.0", "1024.0", "1.099511627776e+12": canonical for OpenMetrics
+
+
+# ---------------------------------------------------------------- HTTP
+
+INDEX = """<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>pymtrace exporter</title></head>
+<body><h1>pymtrace exporter</h1>
+<p>Memory-allocation metrics from eBPF ({mode} mode, series by {label}).</p>
+<p><a href="/metrics">Metrics</a></p>
+<p>pymtrace {version}</p>
+</body></html>
+"""
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """One thread per connection, each with a socket timeout, TLS handshakes in that thread
+    (a client that never finishes its handshake only holds its own thread), and a cap on
+    concurrent connections."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address, registry, web=None, timeout=10.0, max_connections=64, index_html=""):
+        host = address[0]
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.registry = registry
+        self.web = web
+        self.conn_timeout = timeout
+        self.index_html = index_html
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.rejected = 0
+        super().__init__(address, MetricsHandler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            self.rejected += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def finish_request(self, request, client_address):
+        request.settimeout(self.conn_timeout)
+        ctx = self.web.ssl_context if self.web else None
+        if ctx is not None:
+            try:
+                request = ctx.wrap_socket(request, server_side=True)
+            except (ssl.SSLError, OSError):
+                return
+        try:
+            self.RequestHandlerClass(request, client_address, self)
+        finally:
+            if ctx is not None:
+                try:
+                    request.close()
+                except OSError:
+                    pass
+
+    def handle_error(self, request, client_address):
+        pass  # a client that went away is not an error worth a traceback
+
+
+class MetricsHandler(BaseHTTPRequestHandler):
+    server_version = f"pymtrace-exporter/{__version__}"
+    protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.0"  # answer garbage with a real status line, not HTTP/0.9
+
+    def log_message(self, fmt, *args):
+        if os.environ.get("PYMTRACE_EXPORTER_ACCESS_LOG"):
+            super().log_message(fmt, *args)
+
+    def _send(self, code, body, ctype="text/plain; charset=utf-8", extra=None):
+        if isinstance(body, str):
+            body = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        web = self.server.web
+        if web:
+            for k, v in web.headers.items():
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _authorized(self):
+        web = self.server.web
+        if web is None or not web.auth_required:
+            return True
+        if web.check_authorization(self.headers.get("Authorization")):
+            return True
+        self._send(401, "Unauthorized\n", extra={"WWW-Authenticate": 'Basic realm="pymtrace"'})
+        return False
+
+    def do_GET(self):
+        path = self.path.split("?", 1)[0]
+        if not self._authorized():
+            return
+        if path == "/metrics":
+            from prometheus_client.exposition import choose_encoder
+
+            encoder, ctype = choose_encoder(self.headers.get("Accept"))
+            try:
+                body = encoder(self.server.registry)
+            except Exception as exc:
+                self._send(500, f"collecting metrics failed: {exc}\n")
+                return
+            extra = {}
+            if "gzip" in (self.headers.get("Accept-Encoding") or "") and len(body) > 1024:
+                body = gzip.compress(body, compresslevel=5)
+                extra["Content-Encoding"] = "gzip"
+            self._send(200, body, ctype, extra)
+        elif path == "/":
+            self._send(200, self.server.index_html, "text/html; charset=utf-8")
+        else:
+            self._send(404, "Not Found: try /metrics\n")
+
+    do_HEAD = do_GET
+
+    def do_POST(self):
+        self._send(405, "Method Not Allowed\n", extra={"Allow": "GET, HEAD"})
+
+    do_PUT = do_DELETE = do_PATCH = do_POST
+
+
+def parse_listen(text):
+    """HOST:PORT, :PORT, [V6]:PORT or PORT -> (host, port)."""
+    text = text.strip()
+    m = re.fullmatch(r"\[([0-9a-fA-F:.%\w]+)\]:(\d+)", text) or re.fullmatch(r"([^:]*):(\d+)", text)
+    if m:
+        host, port = m.group(1), int(m.group(2))
+    elif text.isdigit():
+        host, port = "", int(text)
+    else:
+        raise PymtraceError(f"--listen {text!r}: expected HOST:PORT, :PORT or [IPV6]:PORT")
+    if not 0 <= port <= 65535:
+        raise PymtraceError(f"--listen {text!r}: port out of range")
+    return host, port
+
+
+def make_server(listen, registry, web=None, timeout=10.0, index_html="", max_connections=64):
+    host, port = parse_listen(listen) if isinstance(listen, str) else listen
+    try:
+        return MetricsServer((host, port), registry, web=web, timeout=timeout,
+                             index_html=index_html, max_connections=max_connections)
+    except OSError as exc:
+        raise PymtraceError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from None
+
+
+# ---------------------------------------------------------------- command
+
+def configure(parser):
+    parser.add_argument("--listen", default=f":{DEFAULT_PORT}", metavar="HOST:PORT",
+                        help=f"address to serve on (default :{DEFAULT_PORT}, all interfaces)")
+    parser.add_argument("-p", "--pid", type=int, action="append", default=[], metavar="PID",
+                        help="only these processes (repeatable; default: all)")
+    parser.add_argument("--comm", metavar="REGEX", help="only processes whose comm matches REGEX")
+    parser.add_argument("--always-on", action="store_true",
+                        help="production mode: tracepoints, USDT probes and faults only, no per-call uprobes")
+    parser.add_argument("--web-config", metavar="FILE",
+                        help="TLS and basic-auth settings (Prometheus exporter-toolkit web config format)")
+    parser.add_argument("--label-by", choices=("comm", "cgroup", "pid"), default="comm",
+                        help="what per-process series are keyed by (default comm)")
+    parser.add_argument("--max-series", type=int, default=None, metavar="N",
+                        help="at most N label values besides \"other\" (default 20 with --label-by pid, else 500)")
+    parser.add_argument("--grace", type=float, default=300.0, metavar="SECONDS",
+                        help="drop the series of processes gone longer than this (default 300)")
+    parser.add_argument("--max-processes", type=int, default=None, metavar="N",
+                        help="capacity of the collectors' per-process BPF maps (LRU; default the collectors')")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="per-connection socket timeout (default 10)")
+    parser.add_argument("--no-bpf-stats", action="store_true",
+                        help="do not turn on the kernel's BPF run-time statistics")
+
+
+def _check_args(args):
+    if args.comm:
+        try:
+            re.compile(args.comm)
+        except re.error as exc:
+            raise PymtraceError(f"--comm {args.comm!r} is not a valid regular expression: {exc}")
+    if args.max_series is None:
+        args.max_series = 20 if args.label_by == "pid" else 500
+    if args.max_series < 1:
+        raise PymtraceError("--max-series must be at least 1")
+    if args.grace < 0:
+        raise PymtraceError("--grace must be >= 0")
+    for pid in args.pid:
+        if not os.path.exists(f"/proc/{pid}"):
+            from pymtrace.errors import ProcessGone
+
+            raise ProcessGone(pid)
+
+
+def build_sources(args):
+    """The collectors `top` uses, attached for the exporter's mode."""
+    try:
+        from pymtrace import collect
+    except ImportError as exc:
+        raise PymtraceError(f"the collectors (pymtrace.collect) are not available: {exc}") from None
+    return collect.exporter_sources(args) if hasattr(collect, "exporter_sources") else _default_sources(collect, args)
+
+
+def _default_sources(collect, args):
+    sources = []
+    kw = {}
+    if args.pid:
+        kw["pids"] = list(args.pid)
+    if args.max_processes:
+        kw["max_processes"] = args.max_processes
+    try:
+        if not args.always_on:
+            sources.append(_make(collect.MallocCollector, kw))
+        sources.append(_make(collect.SlabCollector, {}))
+        sources.append(_make(collect.FaultCollector, kw))
+        try:
+            from pymtrace import usdt
+        except ImportError:
+            usdt = None
+        if usdt is not None and hasattr(usdt, "GlibcCollector"):
+            try:
+                sources.append(_make(usdt.GlibcCollector, kw))
+            except PymtraceError as exc:
+                print(f"pymtrace exporter: glibc metrics off: {exc}", file=sys.stderr)
+        for s in sources:
+            s.attach()
+    except BaseException:
+        for s in sources:
+            _close(s)
+        raise
+    return sources
+
+
+def _make(cls, kw):
+    import inspect
+
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    accepts_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return cls(**{k: v for k, v in kw.items() if accepts_any or k in params})
+
+
+def _close(src):
+    try:
+        src.close()
+    except Exception:
+        pass
+
+
+def run(args):
+    from pymtrace import bpfload
+
+    _check_args(args)
+    bpfload.require_root("pymtrace exporter")
+    web = None
+    if args.web_config:
+        from pymtrace import webconfig
+
+        web = webconfig.load(args.web_config)
+    mode = "always-on" if args.always_on else "full"
+    server = make_server(args.listen, None, web=web, timeout=args.timeout,
+                         index_html=INDEX.format(mode=mode, label=html.escape(args.label_by), version=__version__))
+    stats = None
+    sources = []
+    try:
+        if not args.no_bpf_stats:
+            from pymtrace.bpfstats import BpfStats
+
+            stats = BpfStats()
+            if not stats.enable():
+                print("pymtrace exporter: cannot enable BPF run-time stats; program run time will read 0",
+                      file=sys.stderr)
+        sources = build_sources(args)
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry(auto_describe=False)
+        agg = Aggregator(label_by=args.label_by, max_series=args.max_series, grace=args.grace,
+                         pids=args.pid or None, comm=args.comm)
+        registry.register(ExporterCollector(sources, agg, stats, label_by=args.label_by, mode=mode))
+        server.registry = registry
+        host, port = server.server_address[:2]
+        scheme = "https" if web and web.ssl_context else "http"
+        shown = f"[{host}]" if ":" in host else host
+        print(f"pymtrace exporter: serving {scheme}://{shown}:{port}/metrics ({mode} mode)", file=sys.stderr, flush=True)
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        for s in sources:
+            _close(s)
+        if stats:
+            stats.close()
+    return 0
