@@ -395,7 +395,7 @@ class FaultCollector(_Collector):
         self.max_granules = max_granules
         self.regions = regions
         self.fields = _struct_fields(self.program, "pf_totals")
-        self._region_counts = {}  # pid -> {label: count}, for granules already evicted/attributed
+        self._maps = {}  # pid -> last readable /proc/PID/maps (sorted), for processes that exited
 
     def _attach(self):
         defines = {"PF_MAX_PROCS": self.max_procs, "PF_MAX_GRANULES": self.max_granules,
@@ -419,8 +419,9 @@ class FaultCollector(_Collector):
         for pid, entries in per_pid.items():
             try:
                 maps = sorted(libc.read_maps(pid), key=lambda m: m.start)
+                self._maps[pid] = maps
             except Exception:
-                maps = []
+                maps = self._maps.get(pid, [])
             labels = {}
             for address, count in entries:
                 label = region_label(_find(maps, address))
@@ -443,6 +444,7 @@ class FaultCollector(_Collector):
             for pid in gone:
                 self._delete(totals, totals.Key(pid))
                 self.comms.forget(pid)
+                self._maps.pop(pid, None)
             table = self.bpf["pf_regions"]
             for k in list(table.keys()):
                 if int(k.tgid) in gone:
