@@ -330,7 +330,7 @@ def glibc_view(prev, cur, interval=None):
         total_waits = sum(waits.values())
         w_rate = _rate(total_waits, sum(old_waits.values()), dt)
         rows.append([pid, "", comm, _get(g, "arenas"), _get(g, "heaps"), _get(g, "heap_bytes"),
-                     _get(g, "sbrk_bytes"), _get(g, "mmap_threshold"), _get(g, "trim_threshold"),
+                     _get(g, "sbrk_bytes"), _opt(g, "mmap_threshold"), _opt(g, "trim_threshold"),
                      total_waits, w_rate])
         groups.append(pid)
         leaders.append(True)
@@ -345,6 +345,12 @@ def glibc_view(prev, cur, interval=None):
         notes.append("No process is being watched through glibc's malloc probes yet.")
     return Table("glibc", TITLES["glibc"], GLIBC_COLUMNS, rows, sort=0, reverse=False, groups=groups,
                  leaders=leaders, notes=notes, totals=tot, interval=dt)
+
+
+def _opt(d, key):
+    """A number that may be unknown (None: shown blank, null in JSON)."""
+    v = d.get(key) if isinstance(d, dict) else None
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _tid_key(tid):
@@ -585,9 +591,10 @@ def to_json(table):
         d = {k: v for k, v in zip(keys, row)}
         if table.groups:
             if table.view == "glibc":
-                d = {k: v for k, v in d.items() if v is not None and (lead or k in ("pid", "tid", "comm", "lock_waits", "lock_waits_per_s"))}
                 if lead:
                     d.pop("tid", None)
+                else:
+                    d = {k: v for k, v in d.items() if k in ("pid", "tid", "comm", "lock_waits", "lock_waits_per_s")}
             d["kind"] = "process" if lead else ("region" if table.view == "faults" else "thread")
         rows.append(d)
     return {

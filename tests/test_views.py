@@ -164,6 +164,16 @@ def test_glibc_view_with_and_without_probes():
                              "kind": "thread"}
 
 
+def test_glibc_unknown_threshold_is_blank_not_zero():
+    cur = dict(CUR, glibc={10: {"probes": 29, "arenas": 1, "heaps": 0, "mmap_threshold": None, "lock_waits": {}}})
+    t = views.build(4, None, cur)
+    cells = views.format_rows(t)[0]
+    mi = t.column_index("mmap_threshold")
+    assert cells[mi] == "" and cells[t.column_index("arenas")] == "1"
+    js = views.to_json(t)
+    assert js["rows"][0]["mmap_threshold"] is None and js["rows"][0]["trim_threshold"] is None
+
+
 def test_glibc_view_empty_says_so():
     t = views.build(4, None, {"time": 1.0, "processes": {}})
     assert t.rows == [] and t.notes
