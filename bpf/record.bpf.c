@@ -1,0 +1,269 @@
+/* pymtrace record: every malloc-API call of the traced process(es) as one dj/malloc record.
+ *
+ * Entry probes stash the arguments per thread; a depth counter makes calls nested inside
+ * another traced call (realloc(NULL,n)->malloc, realloc(p,0)->free, memalign(<=16)->malloc,
+ * an interposer such as libc_malloc_debug calling libc) invisible. Allocations are emitted
+ * at return (after they own their pointer), frees at entry (before the memory is released):
+ * the ring buffer's global reservation order is then an order consistent with every thread.
+ *
+ * Compile-time switches (-D): RB_PAGES (ring buffer pages, power of two), TARGET_TGID,
+ * FOLLOW (trace TARGET_TGID and its descendants through sched_process_fork), GLIBC_CHUNKS
+ * (read glibc chunk headers for size2/size3), STASH_ENTRIES.
+ */
+#include <uapi/linux/ptrace.h>
+#include "record.h"
+
+#ifndef RB_PAGES
+#define RB_PAGES 4096
+#endif
+#ifndef STASH_ENTRIES
+#define STASH_ENTRIES 65536
+#endif
+#ifndef TARGET_TGID
+#define TARGET_TGID 0
+#endif
+#ifndef GLIBC_CHUNKS
+#define GLIBC_CHUNKS 1
+#endif
+#ifndef PAGE_SIZE_BYTES
+#define PAGE_SIZE_BYTES 4096
+#endif
+
+struct stash {
+    u32 depth;
+    u32 type;
+    u64 a0;
+    u64 a1;
+    u64 a2;
+    u64 old_size;
+    u64 caller;
+};
+
+BPF_RINGBUF_OUTPUT(events, RB_PAGES);
+BPF_PERCPU_ARRAY(lost, u64, 1);
+BPF_HASH(stash, u64, struct stash, STASH_ENTRIES);
+
+#ifdef FOLLOW
+BPF_HASH(traced, u32, u32, 65536);
+
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+    u32 parent = bpf_get_current_pid_tgid() >> 32;
+    if (!traced.lookup(&parent))
+        return 0;
+    u32 child = args->child_pid;
+    u32 one = 1;
+    traced.update(&child, &one);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = id;
+    u32 tgid = id >> 32;
+    if (tid != tgid)  /* a thread: its tid was only added because fork cannot tell */
+        traced.delete(&tid);
+    stash.delete(&id);
+    return 0;
+}
+
+static __always_inline int wanted(u32 tgid)
+{
+    return traced.lookup(&tgid) != 0;
+}
+#else
+static __always_inline int wanted(u32 tgid)
+{
+    return TARGET_TGID == 0 || tgid == TARGET_TGID;
+}
+#endif
+
+static __always_inline u64 chunk_size(u64 p)
+{
+    u64 h = 0;
+    if (!GLIBC_CHUNKS || p == 0)
+        return 0;
+    bpf_probe_read_user(&h, sizeof(h), (void *)(p - 8));
+    return h & ~7ULL;
+}
+
+static __always_inline struct record_event *reserve(void)
+{
+    struct record_event *e = events.ringbuf_reserve(sizeof(struct record_event));
+    if (!e) {
+        int zero = 0;
+        u64 *n = lost.lookup(&zero);
+        if (n)
+            *n += 1;
+    }
+    return e;
+}
+
+static __always_inline void fill(struct record_event *e, u64 id, u32 type, u64 ptr1, u64 ptr2,
+                                 u64 size, u64 size2, u64 size3, u64 caller)
+{
+    e->rec.thread = (u32)id;
+    e->rec.type = type;
+    e->rec.ptr1 = ptr1;
+    e->rec.ptr2 = ptr2;
+    e->rec.size = size;
+    e->rec.size2 = size2;
+    e->rec.size3 = size3;
+    e->rec.pad[0] = bpf_ktime_get_ns();
+    e->rec.pad[1] = caller;
+    e->tgid = id >> 32;
+    events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+}
+
+static __always_inline u64 caller_of(struct pt_regs *ctx)
+{
+    u64 ra = 0;
+    bpf_probe_read_user(&ra, sizeof(ra), (void *)PT_REGS_SP(ctx));
+    return ra;
+}
+
+static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32))
+        return 0;
+    struct stash *s = stash.lookup(&id);
+    if (s && s->depth) {
+        s->depth++;
+        return 0;
+    }
+    struct stash n = {};
+    n.depth = 1;
+    n.type = type;
+    n.a0 = a0;
+    n.a1 = a1;
+    n.a2 = a2;
+    n.caller = caller_of(ctx);
+    if (type == CALL_REALLOC)
+        n.old_size = chunk_size(a0);
+    stash.update(&id, &n);
+    return 0;
+}
+
+int enter_malloc(struct pt_regs *ctx) { return enter(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0); }
+int enter_calloc(struct pt_regs *ctx)
+{
+    return enter(ctx, CALL_CALLOC, PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx), 0, 0);
+}
+int enter_realloc(struct pt_regs *ctx)
+{
+    return enter(ctx, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0);
+}
+int enter_memalign(struct pt_regs *ctx)
+{
+    return enter(ctx, CALL_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0);
+}
+int enter_posix_memalign(struct pt_regs *ctx)
+{
+    return enter(ctx, CALL_POSIX_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx));
+}
+int enter_valloc(struct pt_regs *ctx) { return enter(ctx, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0); }
+int enter_pvalloc(struct pt_regs *ctx) { return enter(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0); }
+
+/* free in the innermost allocator (glibc): no return probe, recorded at entry unless nested.
+ * FREE_SKIP1/2: (return address - probe address) of glibc's own calls to free in
+ * tcache_thread_shutdown, which hands blocks the program already freed (sitting in the
+ * thread cache) back to the arena at thread exit: not API calls, and they would read as
+ * double frees. */
+int enter_free(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32))
+        return 0;
+    struct stash *s = stash.lookup(&id);
+    if (s && s->depth)
+        return 0;
+    u64 p = PT_REGS_PARM1(ctx);
+    u64 caller = caller_of(ctx);
+#ifdef FREE_SKIP1
+    u64 delta = caller - PT_REGS_IP(ctx);
+    if (delta == FREE_SKIP1 || delta == FREE_SKIP2)
+        return 0;
+#endif
+    struct record_event *e = reserve();
+    if (e)
+        fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller);
+    return 0;
+}
+
+/* free in an interposer (libc_malloc_debug): recorded at entry, and counted as a call so
+ * that the glibc free it makes is not recorded again; its return probe only unwinds. */
+int enter_free_outer(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32))
+        return 0;
+    struct stash *s = stash.lookup(&id);
+    if (s && s->depth) {
+        s->depth++;
+        return 0;
+    }
+    u64 p = PT_REGS_PARM1(ctx);
+    u64 caller = caller_of(ctx);
+    struct record_event *e = reserve();
+    if (e)
+        fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller);
+    struct stash n = {};
+    n.depth = 1;
+    n.type = CALL_FREE;
+    stash.update(&id, &n);
+    return 0;
+}
+
+int leave(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32))
+        return 0;
+    struct stash *s = stash.lookup(&id);
+    if (!s || !s->depth)
+        return 0;  /* entry not seen (attached mid-call) */
+    if (--s->depth)
+        return 0;  /* nested call */
+    u32 type = s->type;
+    if (type == CALL_FREE)
+        return 0;
+    u64 rc = PT_REGS_RC(ctx);
+    u64 ptr1 = 0, ptr2 = rc, size = 0, size2 = 0;
+    switch (type) {
+    case CALL_MALLOC:
+    case CALL_CALLOC:
+    case CALL_PVALLOC:
+        size = s->a0;
+        break;
+    case CALL_VALLOC:
+        size = s->a0;
+        size2 = PAGE_SIZE_BYTES;
+        break;
+    case CALL_REALLOC:
+        ptr1 = s->a0;
+        size = s->a1;
+        size2 = s->old_size;
+        break;
+    case CALL_MEMALIGN:
+        size = s->a1;
+        size2 = s->a0;
+        break;
+    case CALL_POSIX_MEMALIGN:
+        ptr1 = (u32)rc;
+        ptr2 = 0;
+        if ((u32)rc == 0 && s->a0)
+            bpf_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
+        size = s->a2;
+        size2 = s->a1;
+        break;
+    default:
+        return 0;
+    }
+    u64 caller = s->caller;
+    struct record_event *e = reserve();
+    if (e)
+        fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller);
+    return 0;
+}

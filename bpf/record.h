@@ -1,0 +1,34 @@
+/* pymtrace record: one dj/malloc binary-trace record per malloc-API call (formats.md §1).
+ * Shared with user space through pymtrace/structs.py: fixed-width fields only. */
+#ifndef PYMTRACE_RECORD_H
+#define PYMTRACE_RECORD_H
+
+#include "common.h"
+
+#define CALL_UNUSED 0
+#define CALL_MAGIC 255
+#define MAGIC_PTR 0x1234
+#define RECORD_SIZE 64
+
+/* The exact 64-byte on-disk record of glibc's dj/malloc tracer (x86-64, little endian).
+ * pad[0] = CLOCK_MONOTONIC ns at which the call took ownership (bpf_ktime_get_ns),
+ * pad[1] = the caller's return address (the word at the stack pointer at entry). */
+struct mtrace_record {
+    __s32 thread;
+    __u32 type;
+    __u64 ptr1;
+    __u64 ptr2;
+    __u64 size;
+    __u64 size2;
+    __u64 size3;
+    __u64 pad[2];
+};
+
+/* What travels through the ring buffer: the record plus the process (tgid) it belongs to,
+ * so user space can write each followed process to its own file without decoding. */
+struct record_event {
+    struct mtrace_record rec;
+    __u64 tgid;
+};
+
+#endif
