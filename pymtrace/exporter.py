@@ -42,15 +42,16 @@ PROC_COUNTERS = ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", 
 PROC_GAUGES = ("live_bytes",)
 # glibc (USDT) values per process: gauges (state now) and counters (cumulative)
 GLIBC_GAUGES = {
-    "arenas": ("pymtrace_glibc_arenas", "malloc arenas in use (main arena included)"),
-    "heaps": ("pymtrace_glibc_heaps", "non-main-arena heaps (mmap'd heap segments) in use"),
-    "heap_bytes": ("pymtrace_glibc_heap_bytes", "bytes of non-main-arena heaps in use"),
-    "sbrk_bytes": ("pymtrace_glibc_sbrk_bytes", "bytes the main arena holds from sbrk (net)"),
-    "mmap_threshold": ("pymtrace_glibc_mmap_threshold_bytes", "current M_MMAP_THRESHOLD"),
-    "trim_threshold": ("pymtrace_glibc_trim_threshold_bytes", "current M_TRIM_THRESHOLD"),
+    "arenas": ("pymtrace_glibc_arenas", "malloc arenas known to exist (main arena + arenas created since attach)"),
+    "heaps": ("pymtrace_glibc_heaps", "live non-main-arena heaps (mmap'd heap segments)"),
+    "heap_bytes": ("pymtrace_glibc_heap_bytes", "current size of the live non-main-arena heaps"),
+    "mmap_threshold": ("pymtrace_glibc_mmap_threshold_bytes", "current M_MMAP_THRESHOLD (max over the label's processes)"),
+    "trim_threshold": ("pymtrace_glibc_trim_threshold_bytes", "current M_TRIM_THRESHOLD (max over the label's processes)"),
 }
 GLIBC_COUNTERS = {
-    "lock_waits": ("pymtrace_glibc_arena_lock_waits", "times a thread blocked on a locked arena (memory_arena_reuse_wait)"),
+    "sbrk_bytes": ("pymtrace_glibc_sbrk_grown_bytes", "bytes the main arena grew by sbrk (memory_sbrk_more)"),
+    "sbrk_trimmed_bytes": ("pymtrace_glibc_sbrk_trimmed_bytes", "bytes the main arena gave back (memory_sbrk_less)"),
+    "arena_lock_waits": ("pymtrace_glibc_arena_lock_waits", "times a thread blocked on a locked arena (memory_arena_reuse_wait)"),
     "retries": ("pymtrace_glibc_retries", "allocations retried after a failure (memory_*_retry probes)"),
 }
 # gauge thresholds are combined over the processes of one label by max, the rest by sum
@@ -136,7 +137,7 @@ class Aggregator:
             return str(pid)
         if self.label_by == "cgroup":
             return self.cgroup_of(pid) or "unknown"
-        return comm or "unknown"
+        return comm if comm and comm != "?" else "unknown"  # "?": exited before its name was read
 
     def _retire(self, st):
         if st.label is None or st.expired:
@@ -185,7 +186,7 @@ class Aggregator:
             st.last = counters
             st.gauges = {k: entry[k] for k in PROC_GAUGES if k in entry}
             st.glibc = {k: g[k] for k in GLIBC_GAUGES if isinstance(g.get(k), (int, float))}
-            st.alive = self.alive(pid)
+            st.alive = not entry.get("exited") and self.alive(pid)
         # processes no longer in the collectors' maps: their work stays with their label
         for pid in [p for p in self.pids if p not in present]:
             self._retire(self.pids.pop(pid))
@@ -258,6 +259,17 @@ def _activity(st):
     return sum(v - st.base.get(k, 0) for k, v in st.last.items() if isinstance(k, tuple) and k[0] == "calls")
 
 
+def _prune_glibc(src):
+    """The glibc collector keeps exited processes until told: drop them once read."""
+    inner = getattr(src, "collectors", None)
+    g = inner.get("glibc") if isinstance(inner, dict) else None
+    if g is not None and hasattr(g, "prune"):
+        try:
+            g.prune()
+        except Exception:
+            pass
+
+
 def _comm_of(pid):
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -298,9 +310,10 @@ def _cgroup_of(pid):
 # ---------------------------------------------------------------- metric families
 
 def size_bucket_le(i):
-    """Upper bound (bytes) of BPF log2 size bucket I, holding sizes in (2**(i-1), 2**i]
-    (bucket 0: sizes 0 and 1)."""
-    return float(2 ** i)
+    """Upper bound (bytes) of BPF log2 size bucket I as pymtrace.collect fills them:
+    bucket 0 holds size 0, bucket i sizes in [2**(i-1), 2**i - 1]; sizes are integers, so
+    `le` = 2**i - 1 is exact (0, 1, 3, 7, ..., 1023, ...)."""
+    return float(2 ** i - 1) if i > 0 else 0.0
 
 
 class ExporterCollector:
@@ -316,6 +329,10 @@ class ExporterCollector:
         self.bucket_le = bucket_le
         self._now = now
         self.lock = threading.Lock()
+        self.collector_names = []
+        for src in self.sources:
+            inner = getattr(src, "collectors", None)
+            self.collector_names += list(inner) if isinstance(inner, dict) else [getattr(src, "name", None) or type(src).__name__]
         self.last_duration = 0.0
         self.scrapes = 0
         self.errors = 0
@@ -324,28 +341,30 @@ class ExporterCollector:
         return []  # families depend on the data; avoid a collect() at registration
 
     def snapshot(self):
-        merged = {"processes": {}, "slab": {}, "lost": {}, "glibc": {}}
+        """One merged snapshot of every source (sources are collect.Collectors bundles,
+        single collectors, or test fakes: all produce the collect.py schema)."""
+        merged = {"processes": {}, "slab": {}, "lost": {}, "glibc": {}, "errors": {}}
         for src in self.sources:
             snap = src.snapshot() or {}
             for pid, e in (snap.get("processes") or {}).items():
                 cur = merged["processes"].get(int(pid))
-                if cur is None:
-                    merged["processes"][int(pid)] = e
-                else:  # two collectors for one process (malloc + faults): merge fields
-                    cur = dict(cur)
-                    for k, v in e.items():
-                        if k not in cur or k in ("faults_user", "faults_kernel") and not cur.get(k):
-                            cur[k] = v
-                    merged["processes"][int(pid)] = cur
+                merged["processes"][int(pid)] = e if cur is None else {**cur, **e}
             merged["slab"].update(snap.get("slab") or {})
             for pid, g in (snap.get("glibc") or {}).items():
                 merged["glibc"][int(pid)] = g
-            name = getattr(src, "name", None) or type(src).__name__
             for kind, n in (snap.get("lost") or {}).items():
-                merged["lost"][(name, str(kind))] = n
+                merged["lost"][str(kind)] = merged["lost"].get(str(kind), 0) + n
+            gc = snap.get("glibc_collector") or {}
+            if gc:
+                merged["lost"]["glibc_ringbuf"] = gc.get("lost_events", 0)
+                for name, n in (gc.get("map_full") or {}).items():
+                    merged["lost"][f"glibc_{name}_full"] = n
+            merged["errors"].update(snap.get("errors") or {})
+            _prune_glibc(src)
         for pid, g in merged["glibc"].items():  # a process seen only by the glibc probes
             if pid not in merged["processes"] and isinstance(g, dict):
-                merged["processes"][pid] = {"pid": pid, "comm": g.get("comm") or _comm_of(pid)}
+                merged["processes"][pid] = {"pid": pid, "comm": g.get("comm") or _comm_of(pid),
+                                            "exited": g.get("alive") is False}
         return merged
 
     def collect(self):
@@ -361,7 +380,7 @@ class ExporterCollector:
                 ok = True
             except Exception as exc:  # a failed map read must not kill the endpoint
                 print(f"pymtrace exporter: collecting failed: {exc}", file=sys.stderr)
-                snap, series, ok = {"slab": {}, "lost": {}}, {}, False
+                snap, series, ok = {"slab": {}, "lost": {}, "errors": {}}, {}, False
                 self.errors += 1
             bpf = self.bpfstats.read() if self.bpfstats else None
         lab = self.label
@@ -422,10 +441,15 @@ class ExporterCollector:
                 s_req.add_metric([cache], v["bytes_req"])
         yield from (s_allocs, s_frees, s_bytes, s_req)
 
-        lost = CounterMetricFamily("pymtrace_exporter_events_lost", "events the BPF programs could not record (full maps or buffers)", labels=["collector", "kind"])
-        for (name, kind), n in sorted((snap.get("lost") or {}).items()):
-            lost.add_metric([name, kind], n)
+        lost = CounterMetricFamily("pymtrace_exporter_events_lost", "events the BPF programs could not record (full maps or buffers), by cause", labels=["cause"])
+        for kind, n in sorted((snap.get("lost") or {}).items()):
+            lost.add_metric([kind], n)
         yield lost
+        errors = snap.get("errors") or {}
+        up = GaugeMetricFamily("pymtrace_exporter_collector_up", "1 when the collector is attached and readable, 0 when it failed (see the exporter's log)", labels=["collector"])
+        for name in sorted(set(self.collector_names) | set(errors)):
+            up.add_metric([name], 0 if name in errors else 1)
+        yield up
         if bpf is not None:
             runs = CounterMetricFamily("pymtrace_exporter_bpf_program_runs", "times each BPF program ran (kernel BPF stats)", labels=["program"])
             rtime = CounterMetricFamily("pymtrace_exporter_bpf_program_run_seconds", "time spent in each BPF program (kernel BPF stats)", labels=["program"])
@@ -662,53 +686,20 @@ def _check_args(args):
 
 
 def build_sources(args):
-    """The collectors `top` uses, attached for the exporter's mode."""
-    try:
-        from pymtrace import collect
-    except ImportError as exc:
-        raise PymtraceError(f"the collectors (pymtrace.collect) are not available: {exc}") from None
-    return collect.exporter_sources(args) if hasattr(collect, "exporter_sources") else _default_sources(collect, args)
+    """The same collectors as `pymtrace top` (pymtrace.collect.Collectors), attached for the
+    exporter's mode: full = malloc uprobes + slab + faults + glibc USDT; always-on = the
+    same without the per-call malloc uprobes."""
+    from pymtrace import collect
 
-
-def _default_sources(collect, args):
-    sources = []
-    kw = {}
-    if args.pid:
-        kw["pids"] = list(args.pid)
-    if args.max_processes:
-        kw["max_processes"] = args.max_processes
-    try:
-        if not args.always_on:
-            sources.append(_make(collect.MallocCollector, kw))
-        sources.append(_make(collect.SlabCollector, {}))
-        sources.append(_make(collect.FaultCollector, kw))
-        try:
-            from pymtrace import usdt
-        except ImportError:
-            usdt = None
-        if usdt is not None and hasattr(usdt, "GlibcCollector"):
-            try:
-                sources.append(_make(usdt.GlibcCollector, kw))
-            except PymtraceError as exc:
-                print(f"pymtrace exporter: glibc metrics off: {exc}", file=sys.stderr)
-        for s in sources:
-            s.attach()
-    except BaseException:
-        for s in sources:
-            _close(s)
-        raise
-    return sources
-
-
-def _make(cls, kw):
-    import inspect
-
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        params = {}
-    accepts_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
-    return cls(**{k: v for k, v in kw.items() if accepts_any or k in params})
+    bundle = collect.Collectors(pids=args.pid or None, malloc=not args.always_on, slab=True,
+                                faults=True, glibc=True)
+    if args.max_processes:  # capacity of the per-process maps, read by attach()
+        for name in ("malloc", "faults"):
+            c = bundle.collectors.get(name)
+            if c is not None and hasattr(c, "max_procs"):
+                c.max_procs = args.max_processes
+    bundle.attach()
+    return [bundle]
 
 
 def _close(src):

@@ -297,7 +297,8 @@ def test_exposition_names_types_histogram_and_glibc():
         "slab": {"kmalloc-64": {"allocs": 9, "frees": 4, "bytes_alloc": 576, "bytes_req": 500}},
         "glibc": {"7": {"arenas": 3, "heaps": 2, "heap_bytes": 135168, "sbrk_bytes": 200704,
                         "mmap_threshold": 65536, "trim_threshold": 131072,
-                        "lock_waits": {"7": 2, "8": 3}, "retries": 0}},
+                        "arena_lock_waits": 5, "lock_waits": {"7": 2, "8": 3},
+                        "retries": {"malloc": 1, "arena": 2}, "sbrk_trimmed_bytes": 4096}},
         "lost": {"ringbuf": 5},
     })
     from prometheus_client import CollectorRegistry, generate_latest
@@ -310,10 +311,11 @@ def test_exposition_names_types_histogram_and_glibc():
     assert sample(m, "pymtrace_malloc_calls_total", comm="app", call="free") == 2
     assert sample(m, "pymtrace_malloc_requested_bytes_total", comm="app") == 1000
     assert sample(m, "pymtrace_malloc_live_bytes", comm="app") == 500
-    # log2 buckets (2**(i-1), 2**i] -> cumulative le buckets
-    assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="1.0") == 0
-    assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="2.0") == 1
-    assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="8.0") == 3
+    # BPF log2 buckets ([0] size 0, [i] sizes 2**(i-1) .. 2**i - 1) -> cumulative le buckets
+    assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="0.0") == 0
+    assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="1.0") == 1
+    assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="3.0") == 1
+    assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="7.0") == 3
     assert sample(m, "pymtrace_malloc_size_bytes_bucket", comm="app", le="+Inf") == 3
     assert sample(m, "pymtrace_malloc_size_bytes_count", comm="app") == 3
     assert sample(m, "pymtrace_page_faults_total", comm="app", mode="user") == 11
@@ -324,7 +326,10 @@ def test_exposition_names_types_histogram_and_glibc():
     assert sample(m, "pymtrace_glibc_arenas", comm="app") == 3
     assert sample(m, "pymtrace_glibc_mmap_threshold_bytes", comm="app") == 65536
     assert sample(m, "pymtrace_glibc_arena_lock_waits_total", comm="app") == 5
-    assert sample(m, "pymtrace_exporter_events_lost_total", collector="fake", kind="ringbuf") == 5
+    assert sample(m, "pymtrace_glibc_retries_total", comm="app") == 3
+    assert sample(m, "pymtrace_glibc_sbrk_grown_bytes_total", comm="app") == 200704
+    assert sample(m, "pymtrace_glibc_sbrk_trimmed_bytes_total", comm="app") == 4096
+    assert sample(m, "pymtrace_exporter_events_lost_total", cause="ringbuf") == 5
     assert sample(m, "pymtrace_exporter_scrape_duration_seconds") is not None
     for name in metric_names(text):
         assert name.startswith("pymtrace_"), name
@@ -339,7 +344,7 @@ def test_promtool_check_metrics_on_a_scrape(served):
                       "slab": {"dentry": {"allocs": 1, "frees": 0, "bytes_alloc": 192, "bytes_req": 192}},
                       "glibc": {"1": {"arenas": 1, "heaps": 0, "heap_bytes": 0, "sbrk_bytes": 4096,
                                       "mmap_threshold": 131072, "trim_threshold": 131072,
-                                      "lock_waits": {}, "retries": 0}},
+                                      "arena_lock_waits": 0, "retries": {"malloc": 0}}},
                       "lost": {"ringbuf": 0}})
     ex = served([src])
     status, _, body = http_get(ex.url + "/metrics")
@@ -553,7 +558,8 @@ def _exposed_names():
         "processes": {"7": proc_entry(7, "app", malloc=3, requested=10, live=5, sizes=[1, 1], faults=(1, 1))},
         "slab": {"k": {"allocs": 1, "frees": 1, "bytes_alloc": 8, "bytes_req": 8}},
         "glibc": {"7": {"arenas": 1, "heaps": 1, "heap_bytes": 1, "sbrk_bytes": 1, "mmap_threshold": 1,
-                        "trim_threshold": 1, "lock_waits": {"7": 1}, "retries": 1}},
+                        "trim_threshold": 1, "arena_lock_waits": 1, "retries": {"malloc": 1},
+                        "sbrk_trimmed_bytes": 1}},
         "lost": {"x": 0}})
 
     class Stats:
