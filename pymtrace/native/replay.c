@@ -1,0 +1,930 @@
+/* pymtrace-replay: replay a .wl malloc workload, one thread per stream.
+ *
+ * Built on first use by pymtrace/replay.py (gcc -O2 -pthread).  Usage:
+ *   pymtrace-replay [--check] [--json FILE] [--text] [--sync futex|mutex]
+ *                   [--timer auto|rdtscp|clock] [--sample-ms N] [--trim N]
+ *                   [--mallopt NAME=VALUE]... [--no-fill] [--stall-timeout S] FILE.wl
+ *
+ * The whole file is validated before any thread starts (opcodes, varints, indices, sync ids,
+ * stream bounds, alignments, and a dry run of the sync order that finds deadlocks and sync
+ * ids never written); invalid input exits 2 with one line on stderr, never a crash or hang.
+ *
+ * Cross-thread order: one 32-bit word per sync id; SYNC_W sets it (and futex-wakes only if a
+ * reader went to sleep), SYNC_R spins briefly, then futex-waits.  --sync mutex uses a
+ * mutex+condvar per id like upstream trace_run (the baseline for the benchmark).
+ *
+ * Each call is timed with lfence;rdtsc ... rdtscp;lfence when the CPU has RDTSCP, else with
+ * clock_gettime(CLOCK_MONOTONIC) in ns (the report says which).  Pointer slots are swapped
+ * atomically, so even a hostile workload whose threads race on a slot cannot double-free.
+ * Allocated blocks get 0x11 every 8 bytes (like upstream), 0x22 before they are freed.
+ * RSS over time: a sampler thread pread()s an already-open /proc/self/statm.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <malloc.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <x86intrin.h>
+#define HAVE_X86 1
+#endif
+
+enum { C_NOP, C_DONE, C_MALLOC, C_CALLOC, C_REALLOC, C_FREE, C_SYNC_W, C_SYNC_R, C_ALLOC_PTRS,
+       C_ALLOC_SYNCS, C_NTHREADS, C_START_THREAD, C_MEMALIGN, C_VALLOC, C_PVALLOC, C_NOPS };
+static const int nargs[C_NOPS] = {0, 0, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3, 2, 2};
+static const char *const opnames[C_NOPS] = {
+  "NOP", "DONE", "MALLOC", "CALLOC", "REALLOC", "FREE", "SYNC_W", "SYNC_R", "ALLOC_PTRS",
+  "ALLOC_SYNCS", "NTHREADS", "START_THREAD", "MEMALIGN", "VALLOC", "PVALLOC"};
+
+enum { T_MALLOC, T_CALLOC, T_REALLOC, T_FREE, T_MEMALIGN, T_VALLOC, T_PVALLOC, T_TRIM, NTYPES };
+static const char *const typenames[NTYPES] = {
+  "malloc", "calloc", "realloc", "free", "memalign", "valloc", "pvalloc", "malloc_trim"};
+
+#define MAX_THREADS 65536
+#define NBUCKETS 976 /* log-linear histogram: 16 sub-buckets per power of two */
+#define EXIT_INVALID 2
+#define EXIT_DEADLOCK 3
+#define EXIT_RESOURCE 4
+
+static const char *progname = "pymtrace-replay";
+static const char *wl_name;
+
+static void die(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+static void die(int code, const char *fmt, ...)
+{
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  /* one write() so the line is not interleaved, then _exit: other threads may be mid-call */
+  char line[1200];
+  int n = snprintf(line, sizeof line, "%s: %s\n", progname, buf);
+  if (write(2, line, n) < 0) {}
+  _exit(code);
+}
+
+/* ---------- the workload ---------- */
+static const unsigned char *data;
+static size_t n_data;
+static uint64_t n_ptrs, n_syncs, n_threads;
+static uint64_t *thread_off;
+static int upstream_sync_sizing;
+
+struct slot { _Atomic(void *) p; uint64_t size; };
+static struct slot *slots;
+static _Atomic uint32_t *syncs;       /* futex mode: 0 unset, 1 set, 2 unset + sleepers */
+static pthread_mutex_t *mutexes;      /* mutex mode */
+static pthread_cond_t *conds;
+static unsigned char *msyncs;
+static int sync_mutex;
+
+/* varint reader with bounds checks (validation pass) */
+static int get_int_checked(size_t *pos, uint64_t *out)
+{
+  uint64_t v = 0;
+  size_t p = *pos;
+  for (;;) {
+    if (p >= n_data) return -1;
+    unsigned char c = data[p++];
+    if (v >> 57) return -2; /* the shift would lose bits */
+    v = (v << 7) | (c & 0x7f);
+    if (!(c & 0x80)) break;
+  }
+  *pos = p;
+  *out = v;
+  return 0;
+}
+
+/* trusted reader (after validation) */
+static inline uint64_t get_int(const unsigned char **cp)
+{
+  uint64_t v = 0;
+  for (;;) {
+    unsigned char c = *(*cp)++;
+    v = (v << 7) | (c & 0x7f);
+    if (!(c & 0x80)) return v;
+  }
+}
+
+static void *map_zeroed(uint64_t count, size_t elem, const char *what)
+{
+  if (count == 0) count = 1;
+  if (count > (uint64_t)SIZE_MAX / elem) die(EXIT_RESOURCE, "%s: %" PRIu64 " %s do not fit in memory", wl_name, count, what);
+  void *p = mmap(NULL, count * elem, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) die(EXIT_RESOURCE, "%s: cannot reserve memory for %" PRIu64 " %s: %s", wl_name, count, what, strerror(errno));
+  return p;
+}
+
+static uint64_t phys_bytes;
+
+static void read_op(size_t *pos, int *op, uint64_t *args)
+{
+  size_t start = *pos;
+  if (*pos >= n_data) die(EXIT_INVALID, "%s: truncated at byte %zu", wl_name, start);
+  int o = data[(*pos)++];
+  if (o >= C_NOPS) die(EXIT_INVALID, "%s: byte %zu: unknown opcode %d", wl_name, start, o);
+  for (int i = 0; i < nargs[o]; i++) {
+    size_t at = *pos;
+    int r = get_int_checked(pos, &args[i]);
+    if (r == -1) die(EXIT_INVALID, "%s: truncated: varint at byte %zu runs off the end of the file", wl_name, at);
+    if (r == -2) die(EXIT_INVALID, "%s: varint at byte %zu exceeds 64 bits", wl_name, at);
+  }
+  *op = o;
+}
+
+struct dry { size_t pos; int32_t next_waiter; };
+
+/* Validate header and streams; dry-run the sync order to find deadlocks. */
+static void validate(void)
+{
+  size_t pos = 0;
+  int op;
+  uint64_t a[3];
+  int have_ptrs = 0, have_nthreads = 0;
+  uint64_t started = 0, cap = 16;
+  thread_off = malloc(cap * sizeof *thread_off);
+  for (;;) {
+    size_t start = pos;
+    if (pos >= n_data) die(EXIT_INVALID, "%s: truncated: the header has no DONE", wl_name);
+    read_op(&pos, &op, a);
+    if (op == C_DONE) break;
+    switch (op) {
+    case C_NOP: break;
+    case C_ALLOC_PTRS: n_ptrs = a[0]; have_ptrs = 1; break;
+    case C_ALLOC_SYNCS: n_syncs = a[0]; break;
+    case C_NTHREADS:
+      if (a[0] > MAX_THREADS) die(EXIT_INVALID, "%s: byte %zu: %" PRIu64 " threads (at most %d supported)", wl_name, start, a[0], MAX_THREADS);
+      n_threads = a[0]; have_nthreads = 1; break;
+    case C_START_THREAD:
+      if (started >= MAX_THREADS) die(EXIT_INVALID, "%s: byte %zu: more than %d threads", wl_name, start, MAX_THREADS);
+      if (started == cap) { cap *= 2; thread_off = realloc(thread_off, cap * sizeof *thread_off); if (!thread_off) die(EXIT_RESOURCE, "out of memory"); }
+      thread_off[started++] = a[0];
+      break;
+    default:
+      die(EXIT_INVALID, "%s: byte %zu: opcode %s is not allowed in the header", wl_name, start, opnames[op]);
+    }
+  }
+  size_t header_end = pos;
+  if (!have_ptrs) die(EXIT_INVALID, "%s: the header has no ALLOC_PTRS", wl_name);
+  if (have_nthreads && n_threads != started)
+    die(EXIT_INVALID, "%s: NTHREADS says %" PRIu64 " but the header starts %" PRIu64 " threads", wl_name, n_threads, started);
+  n_threads = started;
+  if (n_ptrs > ((uint64_t)1 << 40)) die(EXIT_INVALID, "%s: ALLOC_PTRS %" PRIu64 " is absurd", wl_name, n_ptrs);
+  if (n_syncs > ((uint64_t)1 << 40)) die(EXIT_INVALID, "%s: ALLOC_SYNCS %" PRIu64 " is absurd", wl_name, n_syncs);
+
+  /* one pass per thread, interleaved by the sync dry run */
+  unsigned char *written = map_zeroed(n_syncs + 1, 1, "sync ids");
+  int32_t *waiters = map_zeroed(n_syncs + 1, sizeof(int32_t), "sync ids"); /* head+1, 0 = none */
+  struct dry *d = calloc(n_threads ? n_threads : 1, sizeof *d);
+  int32_t *runq = malloc((n_threads ? n_threads : 1) * sizeof *runq);
+  if (!d || !runq) die(EXIT_RESOURCE, "out of memory");
+  uint64_t nrun = 0, finished = 0;
+  for (uint64_t t = 0; t < n_threads; t++) {
+    if (thread_off[t] < header_end || thread_off[t] >= n_data)
+      die(EXIT_INVALID, "%s: thread %" PRIu64 " stream offset %" PRIu64 " is outside the file body (%zu..%zu)",
+          wl_name, t, thread_off[t], header_end, n_data ? n_data - 1 : 0);
+    d[t].pos = thread_off[t];
+    runq[nrun++] = (int32_t)t;
+  }
+  while (nrun) {
+    int32_t t = runq[--nrun];
+    size_t p = d[t].pos;
+    for (;;) {
+      size_t start = p;
+      if (p >= n_data) die(EXIT_INVALID, "%s: truncated: the stream of thread %d has no DONE", wl_name, t);
+      read_op(&p, &op, a);
+      if (op == C_DONE) { finished++; d[t].pos = p; break; }
+      switch (op) {
+      case C_NOP: break;
+      case C_SYNC_W: case C_SYNC_R:
+        if (a[0] > n_syncs)
+          die(EXIT_INVALID, "%s: byte %zu: sync id %" PRIu64 " out of range (ALLOC_SYNCS %" PRIu64 ")", wl_name, start, a[0], n_syncs);
+        if (a[0] == n_syncs) upstream_sync_sizing = 1;
+        if (op == C_SYNC_W) {
+          if (!written[a[0]]) {
+            written[a[0]] = 1;
+            int32_t w = waiters[a[0]];
+            while (w) { runq[nrun++] = w - 1; w = d[w - 1].next_waiter; }
+            waiters[a[0]] = 0;
+          }
+        } else if (!written[a[0]]) {
+          d[t].pos = start; /* park on this SYNC_R */
+          d[t].next_waiter = waiters[a[0]];
+          waiters[a[0]] = t + 1;
+          goto parked;
+        }
+        break;
+      case C_MALLOC: case C_CALLOC: case C_FREE: case C_VALLOC: case C_PVALLOC: case C_MEMALIGN: case C_REALLOC:
+        if (a[0] >= n_ptrs)
+          die(EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[0], n_ptrs);
+        if (op == C_REALLOC && a[1] >= n_ptrs)
+          die(EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[1], n_ptrs);
+        if (op == C_MEMALIGN && (a[1] == 0 || (a[1] & (a[1] - 1))))
+          die(EXIT_INVALID, "%s: byte %zu: alignment %" PRIu64 " is not a power of two", wl_name, start, a[1]);
+        {
+          uint64_t sz = op == C_MALLOC || op == C_CALLOC || op == C_VALLOC || op == C_PVALLOC ? a[1] : a[2];
+          if (op == C_FREE) sz = 0;
+          if (a[0] != 0 && phys_bytes && sz > phys_bytes)
+            die(EXIT_INVALID, "%s: byte %zu: %s of %" PRIu64 " bytes exceeds this machine's memory", wl_name, start, opnames[op], sz);
+        }
+        break;
+      default:
+        die(EXIT_INVALID, "%s: byte %zu: opcode %s is not allowed in a thread stream", wl_name, start, opnames[op]);
+      }
+    }
+  parked:;
+  }
+  if (finished != n_threads) {
+    char msg[700];
+    int n = 0, shown = 0;
+    for (uint64_t t = 0; t < n_threads && shown < 4; t++) {
+      size_t p = d[t].pos;
+      if (p < n_data && data[p] == C_SYNC_R) {
+        uint64_t id = 0; size_t q = p + 1;
+        get_int_checked(&q, &id);
+        /* was it written anywhere at all? scan the parked threads' remaining streams */
+        int anywhere = 0;
+        for (uint64_t u = 0; u < n_threads && !anywhere; u++) {
+          size_t r = d[u].pos;
+          for (;;) {
+            int o; uint64_t b[3];
+            if (r >= n_data) break;
+            read_op(&r, &o, b);
+            if (o == C_DONE) break;
+            if (o == C_SYNC_W && b[0] == id) { anywhere = 1; break; }
+          }
+        }
+        n += snprintf(msg + n, sizeof msg - n, "%sthread %" PRIu64 " waits at byte %zu for sync id %" PRIu64 " (%s)",
+                      shown ? "; " : "", t, p, id, anywhere ? "written only by a thread that is itself stuck" : "never written");
+        shown++;
+      }
+    }
+    die(EXIT_DEADLOCK, "%s: deadlock: %s; %" PRIu64 " of %" PRIu64 " threads can never finish", wl_name, msg,
+        n_threads - finished, n_threads);
+  }
+  munmap(written, n_syncs + 1);
+  munmap(waiters, (n_syncs + 1) * sizeof(int32_t));
+  free(d);
+  free(runq);
+}
+
+/* ---------- timing ---------- */
+static int use_rdtscp;
+static inline uint64_t t_start(void)
+{
+#ifdef HAVE_X86
+  if (use_rdtscp) { _mm_lfence(); return __rdtsc(); }
+#endif
+  struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + ts.tv_nsec;
+}
+static inline uint64_t t_end(void)
+{
+#ifdef HAVE_X86
+  if (use_rdtscp) { unsigned aux; uint64_t t = __rdtscp(&aux); _mm_lfence(); return t; }
+#endif
+  struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + ts.tv_nsec;
+}
+static int cpu_has_rdtscp(void)
+{
+#ifdef HAVE_X86
+  unsigned a, b, c, d;
+  if (__get_cpuid(0x80000001, &a, &b, &c, &d)) return (d >> 27) & 1;
+#endif
+  return 0;
+}
+
+static inline int bucket_of(uint64_t v)
+{
+  if (v < 16) return (int)v;
+  int e = 63 - __builtin_clzll(v);
+  return (e - 3) * 16 + (int)((v >> (e - 4)) & 15);
+}
+static uint64_t bucket_value(int b) /* midpoint of the bucket */
+{
+  if (b < 16) return b;
+  int e = b / 16 + 3, m = b % 16;
+  uint64_t lo = ((uint64_t)(16 + m)) << (e - 4);
+  return lo + (((uint64_t)1 << (e - 4)) >> 1);
+}
+
+/* ---------- per thread ---------- */
+struct tstats {
+  uint64_t count[NTYPES], skipped[NTYPES], total[NTYPES], min[NTYPES], max[NTYPES];
+  uint64_t hist[NTYPES][NBUCKETS];
+  uint64_t handoffs, waits, sleeps, overwrites;
+  int64_t cpu_ns;
+};
+struct thread {
+  pthread_t id;
+  const unsigned char *start;
+  struct tstats *st;
+  _Atomic uint64_t progress __attribute__((aligned(64)));
+  _Atomic int state; /* 0 running, 1 waiting for a sync, 2 done */
+  char pad[64];
+};
+static struct thread *threads;
+static _Atomic int64_t ideal_live, ideal_peak;
+static int fill = 1;
+static uint64_t trim_every;
+static int spin_iters = 200;
+
+static inline void record(struct tstats *st, int type, uint64_t dt)
+{
+  st->count[type]++;
+  st->total[type] += dt;
+  if (dt < st->min[type]) st->min[type] = dt;
+  if (dt > st->max[type]) st->max[type] = dt;
+  st->hist[type][bucket_of(dt)]++;
+}
+
+static inline void wmem(void *ptr, uint64_t n, unsigned char v)
+{
+  unsigned char *p = ptr;
+  if (!p || !fill) return;
+  for (uint64_t i = 0; i < n; i += 8) p[i] = v;
+}
+
+static inline void ideal_add(int64_t delta)
+{
+  int64_t now = atomic_fetch_add_explicit(&ideal_live, delta, memory_order_relaxed) + delta;
+  if (delta > 0) {
+    int64_t peak = atomic_load_explicit(&ideal_peak, memory_order_relaxed);
+    while (now > peak && !atomic_compare_exchange_weak_explicit(&ideal_peak, &peak, now, memory_order_relaxed, memory_order_relaxed)) {}
+  }
+}
+
+/* store a fresh block in slot IDX; a block still there (hostile or odd workloads) is freed
+   outside the timed region so memory stays bounded */
+static inline void put(struct tstats *st, uint64_t idx, void *p, uint64_t size)
+{
+  slots[idx].size = size;
+  void *old = atomic_exchange_explicit(&slots[idx].p, p, memory_order_acq_rel);
+  if (p) ideal_add((int64_t)size);
+  if (old) { st->overwrites++; free(old); }
+}
+static inline void *take(uint64_t idx, uint64_t *size)
+{
+  void *p = atomic_exchange_explicit(&slots[idx].p, NULL, memory_order_acq_rel);
+  *size = slots[idx].size;
+  if (p) ideal_add(-(int64_t)*size);
+  return p;
+}
+
+static long futex(_Atomic uint32_t *uaddr, int op, uint32_t val, const struct timespec *ts)
+{
+  return syscall(SYS_futex, (uint32_t *)uaddr, op, val, ts, NULL, 0);
+}
+
+static void sync_write(struct tstats *st, uint64_t id)
+{
+  (void)st;
+  if (sync_mutex) {
+    pthread_mutex_lock(&mutexes[id]);
+    msyncs[id] = 1;
+    pthread_cond_broadcast(&conds[id]);
+    pthread_mutex_unlock(&mutexes[id]);
+    return;
+  }
+  uint32_t old = atomic_exchange_explicit(&syncs[id], 1, memory_order_release);
+  if (old == 2) futex(&syncs[id], FUTEX_WAKE_PRIVATE, INT_MAX, NULL);
+}
+
+static void sync_read(struct thread *me, struct tstats *st, uint64_t id)
+{
+  st->handoffs++;
+  if (sync_mutex) {
+    pthread_mutex_lock(&mutexes[id]);
+    if (!msyncs[id]) {
+      st->waits++;
+      atomic_store_explicit(&me->state, 1, memory_order_relaxed);
+      while (!msyncs[id]) pthread_cond_wait(&conds[id], &mutexes[id]);
+      atomic_store_explicit(&me->state, 0, memory_order_relaxed);
+    }
+    pthread_mutex_unlock(&mutexes[id]);
+    return;
+  }
+  if (atomic_load_explicit(&syncs[id], memory_order_acquire) == 1) return;
+  st->waits++;
+  for (int i = 0; i < spin_iters; i++) {
+#ifdef HAVE_X86
+    _mm_pause();
+#endif
+    if (atomic_load_explicit(&syncs[id], memory_order_acquire) == 1) return;
+  }
+  atomic_store_explicit(&me->state, 1, memory_order_relaxed);
+  for (;;) {
+    uint32_t v = atomic_load_explicit(&syncs[id], memory_order_acquire);
+    if (v == 1) break;
+    if (v == 0 && !atomic_compare_exchange_strong_explicit(&syncs[id], &v, 2, memory_order_acq_rel, memory_order_acquire)) {
+      if (v == 1) break;
+    }
+    st->sleeps++;
+    futex(&syncs[id], FUTEX_WAIT_PRIVATE, 2, NULL);
+  }
+  atomic_store_explicit(&me->state, 0, memory_order_relaxed);
+}
+
+static void *thread_main(void *arg)
+{
+  struct thread *me = arg;
+  struct tstats *st = me->st;
+  const unsigned char *cp = me->start;
+  uint64_t since_trim = 0, t0, dt, a, b, sz, osz;
+  void *p, *q;
+  struct timespec c0, c1;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
+  for (;;) {
+    int op = *cp++;
+    switch (op) {
+    case C_NOP: continue;
+    case C_DONE: goto done;
+    case C_MALLOC: case C_CALLOC: case C_VALLOC: case C_PVALLOC: {
+      int type = op == C_MALLOC ? T_MALLOC : op == C_CALLOC ? T_CALLOC : op == C_VALLOC ? T_VALLOC : T_PVALLOC;
+      a = get_int(&cp); sz = get_int(&cp);
+      if (!a) { st->skipped[type]++; break; }
+      t0 = t_start();
+      switch (op) {
+      case C_MALLOC: p = malloc(sz); break;
+      case C_CALLOC: p = calloc(sz, 1); break;
+      case C_VALLOC: p = valloc(sz); break;
+      default: p = pvalloc(sz); break;
+      }
+      dt = t_end() - t0;
+      record(st, type, dt);
+      wmem(p, sz, 0x11);
+      put(st, a, p, sz);
+      break;
+    }
+    case C_MEMALIGN:
+      a = get_int(&cp); b = get_int(&cp); sz = get_int(&cp);
+      if (!a) { st->skipped[T_MEMALIGN]++; break; }
+      t0 = t_start();
+      p = memalign(b, sz);
+      dt = t_end() - t0;
+      record(st, T_MEMALIGN, dt);
+      wmem(p, sz, 0x11);
+      put(st, a, p, sz);
+      break;
+    case C_REALLOC:
+      a = get_int(&cp); b = get_int(&cp); sz = get_int(&cp);
+      if (!a && sz) { st->skipped[T_REALLOC]++; break; } /* failed in the trace: the block stays */
+      q = b ? take(b, &osz) : NULL;
+      if (q) wmem(q, osz, 0x22);
+      if (!a) { /* realloc(p, 0) freed p: replayed as free() so every allocator frees */
+        t0 = t_start();
+        free(q);
+        dt = t_end() - t0;
+        record(st, T_REALLOC, dt);
+        break;
+      }
+      t0 = t_start();
+      p = realloc(q, sz);
+      dt = t_end() - t0;
+      record(st, T_REALLOC, dt);
+      if (!p && q && sz) { put(st, b, q, osz); break; } /* failed now: keep the old block */
+      wmem(p, sz, 0x11);
+      put(st, a, p, sz);
+      break;
+    case C_FREE:
+      a = get_int(&cp);
+      p = a ? take(a, &osz) : NULL;
+      if (p) wmem(p, osz, 0x22);
+      t0 = t_start();
+      free(p);
+      dt = t_end() - t0;
+      record(st, T_FREE, dt);
+      break;
+    case C_SYNC_W:
+      sync_write(st, get_int(&cp));
+      break;
+    case C_SYNC_R:
+      sync_read(me, st, get_int(&cp));
+      break;
+    }
+    atomic_store_explicit(&me->progress, atomic_load_explicit(&me->progress, memory_order_relaxed) + 1, memory_order_relaxed);
+    if (trim_every && op != C_SYNC_W && op != C_SYNC_R && ++since_trim >= trim_every) {
+      since_trim = 0;
+      t0 = t_start();
+      malloc_trim(0);
+      record(st, T_TRIM, t_end() - t0);
+    }
+  }
+done:
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c1);
+  st->cpu_ns = (int64_t)(c1.tv_sec - c0.tv_sec) * 1000000000 + (c1.tv_nsec - c0.tv_nsec);
+  atomic_store(&me->state, 2);
+  return NULL;
+}
+
+/* ---------- RSS sampler / watchdog ---------- */
+struct sample { uint64_t t_us; uint64_t rss_kb; uint64_t anon_kb; };
+static struct sample *samples;
+static size_t n_samples, cap_samples = 1 << 20;
+static long sample_ms = 5;
+static int statm_fd = -1;
+static long page_kb;
+static _Atomic int sampler_stop;
+static struct timespec t_begin;
+static double stall_timeout = 0;
+
+static int read_statm(uint64_t *rss_kb, uint64_t *anon_kb)
+{
+  char buf[256];
+  ssize_t n = pread(statm_fd, buf, sizeof buf - 1, 0);
+  if (n <= 0) return -1;
+  buf[n] = 0;
+  unsigned long size, res, shared;
+  if (sscanf(buf, "%lu %lu %lu", &size, &res, &shared) != 3) return -1;
+  *rss_kb = res * page_kb;
+  *anon_kb = (res - shared) * page_kb;
+  return 0;
+}
+
+/* VmHWM: the peak RSS of this process image.  getrusage's ru_maxrss is not usable alone: Linux
+   carries it over exec(), so it starts at the peak of the (Python) parent that forked us. */
+static int status_fd = -1;
+static long read_hwm_kb(void)
+{
+  char buf[4096];
+  if (status_fd < 0) return -1;
+  ssize_t n = pread(status_fd, buf, sizeof buf - 1, 0);
+  if (n <= 0) return -1;
+  buf[n] = 0;
+  char *p = strstr(buf, "VmHWM:");
+  return p ? atol(p + 6) : -1;
+}
+
+static uint64_t since_begin_us(void)
+{
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (uint64_t)(now.tv_sec - t_begin.tv_sec) * 1000000 + (now.tv_nsec - t_begin.tv_nsec) / 1000;
+}
+
+static void take_sample(void)
+{
+  uint64_t r, an;
+  if (statm_fd < 0 || read_statm(&r, &an) < 0) return;
+  if (n_samples == cap_samples) { /* halve the resolution */
+    for (size_t i = 0; i < cap_samples / 2; i++) samples[i] = samples[2 * i];
+    n_samples = cap_samples / 2;
+    sample_ms *= 2;
+  }
+  samples[n_samples++] = (struct sample){since_begin_us(), r, an};
+}
+
+static void *sampler_main(void *arg)
+{
+  (void)arg;
+  uint64_t *last = calloc(n_threads ? n_threads : 1, sizeof *last);
+  double stalled = 0;
+  while (!atomic_load(&sampler_stop)) {
+    struct timespec ts = {sample_ms / 1000, (sample_ms % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+    take_sample();
+    if (stall_timeout > 0 && last) {
+      int moved = 0, alive = 0;
+      for (uint64_t t = 0; t < n_threads; t++) {
+        uint64_t p = atomic_load_explicit(&threads[t].progress, memory_order_relaxed);
+        if (atomic_load(&threads[t].state) != 2) alive++;
+        if (p != last[t]) moved = 1;
+        last[t] = p;
+      }
+      stalled = (moved || !alive) ? 0 : stalled + sample_ms / 1000.0;
+      if (stalled >= stall_timeout)
+        die(EXIT_DEADLOCK, "%s: replay stalled: no thread made progress for %.1f s (%d threads alive)", wl_name, stalled, alive);
+    }
+  }
+  free(last);
+  return NULL;
+}
+
+/* ---------- report ---------- */
+static char *comma(int64_t x, char *buf)
+{
+  char tmp[32];
+  int n = snprintf(tmp, sizeof tmp, "%" PRId64, x), j = 0, neg = tmp[0] == '-';
+  for (int i = 0; i < n; i++) {
+    buf[j++] = tmp[i];
+    int left = n - 1 - i;
+    if (left && left % 3 == 0 && !(neg && i == 0)) buf[j++] = ',';
+  }
+  buf[j] = 0;
+  return buf;
+}
+
+/* nearest-rank percentile from the histogram (bucket midpoint, clamped to [min, max]):
+   within 1/32 of the true value for values >= 16 */
+static uint64_t percentile_raw(const uint64_t *hist, uint64_t count, double q)
+{
+  if (!count) return 0;
+  uint64_t rank = (uint64_t)(q * (count - 1)) + 1, seen = 0;
+  for (int b = 0; b < NBUCKETS; b++) {
+    seen += hist[b];
+    if (seen >= rank) return bucket_value(b);
+  }
+  return 0;
+}
+static uint64_t clamp_min, clamp_max;
+static uint64_t percentile(const uint64_t *hist, uint64_t count, double q)
+{
+  uint64_t v = percentile_raw(hist, count, q);
+  if (v < clamp_min) v = clamp_min;
+  if (v > clamp_max) v = clamp_max;
+  return v;
+}
+
+static void json_str(FILE *f, const char *s)
+{
+  fputc('"', f);
+  for (; *s; s++) {
+    if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
+    else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", *s);
+    else fputc(*s, f);
+  }
+  fputc('"', f);
+}
+
+struct mallopt_setting { char name[64]; int param; long value; int result; };
+static struct mallopt_setting mallopts[32];
+static int n_mallopts;
+
+static const struct { const char *name; int param; } mallopt_names[] = {
+  {"M_MXFAST", 1}, {"M_NLBLKS", 2}, {"M_GRAIN", 3}, {"M_KEEP", 4}, {"M_TRIM_THRESHOLD", -1},
+  {"M_TOP_PAD", -2}, {"M_MMAP_THRESHOLD", -3}, {"M_MMAP_MAX", -4}, {"M_CHECK_ACTION", -5},
+  {"M_PERTURB", -6}, {"M_ARENA_TEST", -7}, {"M_ARENA_MAX", -8}};
+
+int main(int argc, char **argv)
+{
+  const char *json_path = NULL;
+  int text = 0, check_only = 0;
+  const char *timer = "auto";
+  for (int i = 1; i < argc; i++) {
+    const char *o = argv[i];
+#define NEED() do { if (i + 1 >= argc) die(1, "option %s needs a value", o); } while (0)
+    if (!strcmp(o, "--check")) check_only = 1;
+    else if (!strcmp(o, "--text")) text = 1;
+    else if (!strcmp(o, "--no-fill")) fill = 0;
+    else if (!strcmp(o, "--json")) { NEED(); json_path = argv[++i]; }
+    else if (!strcmp(o, "--sync")) {
+      NEED(); i++;
+      if (!strcmp(argv[i], "mutex")) sync_mutex = 1;
+      else if (strcmp(argv[i], "futex")) die(1, "--sync is futex or mutex");
+    } else if (!strcmp(o, "--timer")) { NEED(); timer = argv[++i]; }
+    else if (!strcmp(o, "--sample-ms")) { NEED(); sample_ms = atol(argv[++i]); if (sample_ms < 1) sample_ms = 1; }
+    else if (!strcmp(o, "--trim")) { NEED(); trim_every = strtoull(argv[++i], NULL, 0); }
+    else if (!strcmp(o, "--spin")) { NEED(); spin_iters = atoi(argv[++i]); }
+    else if (!strcmp(o, "--stall-timeout")) { NEED(); stall_timeout = atof(argv[++i]); }
+    else if (!strcmp(o, "--mallopt")) {
+      NEED(); i++;
+      if (n_mallopts == 32) die(1, "too many --mallopt settings");
+      struct mallopt_setting *m = &mallopts[n_mallopts];
+      const char *eq = strchr(argv[i], '=');
+      if (!eq || eq == argv[i] || (size_t)(eq - argv[i]) >= sizeof m->name) die(1, "--mallopt wants NAME=VALUE, got %s", argv[i]);
+      memcpy(m->name, argv[i], eq - argv[i]);
+      m->name[eq - argv[i]] = 0;
+      char *end;
+      m->value = strtol(eq + 1, &end, 0);
+      if (*end || end == eq + 1) die(1, "--mallopt %s: value is not a number", argv[i]);
+      int found = 0;
+      for (size_t k = 0; k < sizeof mallopt_names / sizeof *mallopt_names; k++)
+        if (!strcmp(mallopt_names[k].name, m->name)) { m->param = mallopt_names[k].param; found = 1; }
+      if (!found) {
+        m->param = (int)strtol(m->name, &end, 0);
+        if (*end) die(1, "--mallopt: unknown parameter %s (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX, M_ARENA_TEST, M_MXFAST, M_PERTURB, or a number)", m->name);
+      }
+      n_mallopts++;
+    } else if (o[0] == '-' && o[1]) die(1, "unknown option %s", o);
+    else if (wl_name) die(1, "more than one workload file given");
+    else wl_name = o;
+  }
+  if (!wl_name) die(1, "usage: %s [--check] [--json FILE] [--text] [--sync futex|mutex] [--timer auto|rdtscp|clock] "
+                       "[--sample-ms N] [--trim N] [--mallopt NAME=VALUE] [--no-fill] [--stall-timeout S] FILE.wl", progname);
+
+  if (!strcmp(timer, "auto")) use_rdtscp = cpu_has_rdtscp();
+  else if (!strcmp(timer, "rdtscp")) { use_rdtscp = cpu_has_rdtscp(); if (!use_rdtscp) die(1, "this CPU has no RDTSCP"); }
+  else if (!strcmp(timer, "clock")) use_rdtscp = 0;
+  else die(1, "--timer is auto, rdtscp or clock");
+
+  long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && psize > 0) phys_bytes = (uint64_t)pages * (uint64_t)psize;
+  page_kb = psize / 1024;
+
+  int fd = open(wl_name, O_RDONLY);
+  if (fd < 0) die(EXIT_INVALID, "cannot open %s: %s", wl_name, strerror(errno));
+  struct stat sb;
+  if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) die(EXIT_INVALID, "%s: not a regular file", wl_name);
+  n_data = sb.st_size;
+  if (n_data == 0) die(EXIT_INVALID, "%s: empty file", wl_name);
+  data = mmap(NULL, n_data, PROT_READ, MAP_PRIVATE, fd, 0);
+  if (data == MAP_FAILED) die(EXIT_RESOURCE, "cannot map %s: %s", wl_name, strerror(errno));
+  close(fd);
+
+  validate();
+  if (check_only) {
+    printf("%s: ok: %" PRIu64 " threads, %" PRIu64 " pointer slots, %" PRIu64 " sync ids%s\n", wl_name, n_threads, n_ptrs,
+           n_syncs, upstream_sync_sizing ? " (upstream trace2wl sync sizing: ids up to ALLOC_SYNCS)" : "");
+    return 0;
+  }
+  /* pre-fault the workload like upstream (its pages are file-backed: not in the anon RSS) */
+  volatile unsigned char sink = 0;
+  for (size_t i = 0; i < n_data; i += 4096) sink ^= data[i];
+  (void)sink;
+
+  for (int k = 0; k < n_mallopts; k++) mallopts[k].result = mallopt(mallopts[k].param, (int)mallopts[k].value);
+
+  slots = map_zeroed(n_ptrs, sizeof *slots, "pointer slots");
+  if (sync_mutex) {
+    msyncs = map_zeroed(n_syncs + 1, 1, "sync ids");
+    mutexes = map_zeroed(n_syncs + 1, sizeof *mutexes, "sync mutexes");
+    conds = map_zeroed(n_syncs + 1, sizeof *conds, "sync condvars");
+    for (uint64_t i = 0; i <= n_syncs; i++) { pthread_mutex_init(&mutexes[i], NULL); pthread_cond_init(&conds[i], NULL); }
+  } else {
+    syncs = map_zeroed(n_syncs + 1, sizeof *syncs, "sync ids");
+  }
+  threads = map_zeroed(n_threads, sizeof *threads, "threads");
+  struct tstats *stats = map_zeroed(n_threads, sizeof *stats, "thread statistics");
+  samples = map_zeroed(cap_samples, sizeof *samples, "RSS samples");
+  for (uint64_t t = 0; t < n_threads; t++) {
+    threads[t].start = data + thread_off[t];
+    threads[t].st = &stats[t];
+    for (int k = 0; k < NTYPES; k++) stats[t].min[k] = UINT64_MAX;
+  }
+  statm_fd = open("/proc/self/statm", O_RDONLY);
+  status_fd = open("/proc/self/status", O_RDONLY);
+
+  struct rusage ru0, ru1;
+  getrusage(RUSAGE_SELF, &ru0);
+  long hwm0 = read_hwm_kb();
+  uint64_t rss0 = 0, anon0 = 0;
+  if (statm_fd >= 0) read_statm(&rss0, &anon0);
+  clock_gettime(CLOCK_MONOTONIC, &t_begin);
+  take_sample();
+  uint64_t c0 = t_start();
+
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  pthread_attr_setstacksize(&attr, 256 * 1024);
+  for (uint64_t t = 0; t < n_threads; t++) {
+    int err = pthread_create(&threads[t].id, &attr, thread_main, &threads[t]);
+    if (err) die(EXIT_RESOURCE, "cannot start replay thread %" PRIu64 " of %" PRIu64 ": %s", t, n_threads, strerror(err));
+  }
+  pthread_t sampler;
+  int have_sampler = pthread_create(&sampler, NULL, sampler_main, NULL) == 0;
+  for (uint64_t t = 0; t < n_threads; t++) pthread_join(threads[t].id, NULL);
+  uint64_t c1 = t_end();
+  struct timespec t_endts;
+  clock_gettime(CLOCK_MONOTONIC, &t_endts);
+  atomic_store(&sampler_stop, 1);
+  if (have_sampler) pthread_join(sampler, NULL);
+  take_sample();
+  getrusage(RUSAGE_SELF, &ru1);
+  long hwm1 = read_hwm_kb();
+  if (hwm0 < 0 || hwm1 < 0) { hwm0 = ru0.ru_maxrss; hwm1 = ru1.ru_maxrss; }
+
+  uint64_t wall_us = (uint64_t)(t_endts.tv_sec - t_begin.tv_sec) * 1000000 + (t_endts.tv_nsec - t_begin.tv_nsec) / 1000;
+  uint64_t user_us = (ru1.ru_utime.tv_sec - ru0.ru_utime.tv_sec) * 1000000 + (ru1.ru_utime.tv_usec - ru0.ru_utime.tv_usec);
+  uint64_t sys_us = (ru1.ru_stime.tv_sec - ru0.ru_stime.tv_sec) * 1000000 + (ru1.ru_stime.tv_usec - ru0.ru_stime.tv_usec);
+
+  /* merge */
+  static struct tstats all;
+  for (int k = 0; k < NTYPES; k++) all.min[k] = UINT64_MAX;
+  int64_t thread_cpu_ns = 0;
+  for (uint64_t t = 0; t < n_threads; t++) {
+    struct tstats *s = &stats[t];
+    for (int k = 0; k < NTYPES; k++) {
+      all.count[k] += s->count[k]; all.skipped[k] += s->skipped[k]; all.total[k] += s->total[k];
+      if (s->min[k] < all.min[k]) all.min[k] = s->min[k];
+      if (s->max[k] > all.max[k]) all.max[k] = s->max[k];
+      for (int b = 0; b < NBUCKETS; b++) all.hist[k][b] += s->hist[k][b];
+    }
+    all.handoffs += s->handoffs; all.waits += s->waits; all.sleeps += s->sleeps; all.overwrites += s->overwrites;
+    thread_cpu_ns += s->cpu_ns;
+  }
+  uint64_t peak_anon = 0, peak_rss = 0;
+  for (size_t i = 0; i < n_samples; i++) {
+    if (samples[i].anon_kb > peak_anon) peak_anon = samples[i].anon_kb;
+    if (samples[i].rss_kb > peak_rss) peak_rss = samples[i].rss_kb;
+  }
+  const char *unit = use_rdtscp ? "cycles" : "ns";
+  int64_t ideal_peak_b = atomic_load(&ideal_peak);
+
+  if (text || !json_path) {
+    char b1[40], b2[40], b3[40];
+    printf("%s %s%s\n", comma((int64_t)(c1 - c0), b1), unit, use_rdtscp ? "" : " (no RDTSCP: clock_gettime)");
+    printf("%s usec wall time\n", comma((int64_t)wall_us, b1));
+    printf("%s usec across %" PRIu64 " thread%s\n", comma((int64_t)(user_us + sys_us), b1), n_threads, n_threads == 1 ? "" : "s");
+    printf("%s Kb Max RSS (%s -> %s)\n", comma(hwm1 - hwm0, b1), comma(hwm0, b2), comma(hwm1, b3));
+    printf("%s Kb Max Ideal RSS\n", comma(ideal_peak_b / 1024, b1));
+    printf("\nsizeof ticks_t is 8\n");
+    uint64_t total = 0;
+    for (int k = 0; k < NTYPES; k++) {
+      if (!all.count[k] && k > T_FREE) continue;
+      char label[40];
+      snprintf(label, sizeof label, "Avg %s time:", typenames[k]);
+      printf("%-18s %6s in %10s calls\n", label, comma(all.count[k] ? (int64_t)(all.total[k] / all.count[k]) : 0, b1),
+             comma((int64_t)all.count[k], b2));
+      total += all.total[k];
+    }
+    printf("Total call time: %s %s\n\n", comma((int64_t)total, b1), unit);
+    printf("%s Kb peak anonymous RSS (%s at start), %s Kb peak RSS sampled every %ld ms\n",
+           comma((int64_t)peak_anon, b1), comma((int64_t)anon0, b2), comma((int64_t)peak_rss, b3), sample_ms);
+    printf("%-12s %10s %10s %8s %8s %8s %8s %10s (%s)\n", "call", "count", "skipped", "mean", "p50", "p90", "p99", "max", unit);
+    for (int k = 0; k < NTYPES; k++) {
+      if (!all.count[k] && !all.skipped[k]) continue;
+      clamp_min = all.count[k] ? all.min[k] : 0; clamp_max = all.max[k];
+      printf("%-12s %10" PRIu64 " %10" PRIu64 " %8" PRIu64 " %8" PRIu64 " %8" PRIu64 " %8" PRIu64 " %10" PRIu64 "\n", typenames[k],
+             all.count[k], all.skipped[k], all.count[k] ? all.total[k] / all.count[k] : 0,
+             percentile(all.hist[k], all.count[k], .5), percentile(all.hist[k], all.count[k], .9),
+             percentile(all.hist[k], all.count[k], .99), all.max[k]);
+    }
+    printf("%" PRIu64 " cross-thread handoffs (%s sync), %" PRIu64 " had to wait, %" PRIu64 " slept\n", all.handoffs,
+           sync_mutex ? "mutex+condvar" : "futex", all.waits, all.sleeps);
+    fflush(stdout);
+  }
+  if (json_path) {
+    FILE *f = strcmp(json_path, "-") ? fopen(json_path, "w") : stdout;
+    if (!f) die(EXIT_RESOURCE, "cannot write %s: %s", json_path, strerror(errno));
+    fprintf(f, "{\"workload\": ");
+    json_str(f, wl_name);
+    fprintf(f, ", \"timer\": \"%s\", \"unit\": \"%s\", \"sync\": \"%s\", \"threads\": %" PRIu64 ", \"pointer_slots\": %" PRIu64
+               ", \"sync_ids\": %" PRIu64 ", \"upstream_sync_sizing\": %s,\n",
+            use_rdtscp ? "rdtscp" : "clock_gettime", unit, sync_mutex ? "mutex" : "futex", n_threads, n_ptrs, n_syncs,
+            upstream_sync_sizing ? "true" : "false");
+    fprintf(f, " \"ticks\": %" PRIu64 ", \"wall_us\": %" PRIu64 ", \"cpu_user_us\": %" PRIu64 ", \"cpu_sys_us\": %" PRIu64
+               ", \"thread_cpu_us\": %" PRId64 ",\n",
+            c1 - c0, wall_us, user_us, sys_us, thread_cpu_ns / 1000);
+    fprintf(f, " \"max_rss_kb\": %ld, \"max_rss_start_kb\": %ld, \"ideal_rss_peak_bytes\": %" PRId64
+               ", \"ideal_rss_end_bytes\": %" PRId64 ", \"anon_rss_start_kb\": %" PRIu64 ", \"anon_rss_peak_kb\": %" PRIu64
+               ", \"rss_start_kb\": %" PRIu64 ", \"rss_peak_kb\": %" PRIu64 ",\n",
+            hwm1, hwm0, ideal_peak_b, (int64_t)atomic_load(&ideal_live), anon0, peak_anon, rss0, peak_rss);
+    fprintf(f, " \"ru_maxrss_kb\": %ld,", ru1.ru_maxrss);
+    fprintf(f, " \"handoffs\": %" PRIu64 ", \"sync_waits\": %" PRIu64 ", \"sync_sleeps\": %" PRIu64 ", \"slot_overwrites\": %" PRIu64
+               ", \"fill\": %s, \"trim_every\": %" PRIu64 ",\n",
+            all.handoffs, all.waits, all.sleeps, all.overwrites, fill ? "true" : "false", trim_every);
+    fprintf(f, " \"mallopt\": [");
+    for (int k = 0; k < n_mallopts; k++) {
+      fprintf(f, "%s{\"name\": ", k ? ", " : "");
+      json_str(f, mallopts[k].name);
+      fprintf(f, ", \"param\": %d, \"value\": %ld, \"result\": %d}", mallopts[k].param, mallopts[k].value, mallopts[k].result);
+    }
+    fprintf(f, "],\n \"calls\": {");
+    int first = 1;
+    for (int k = 0; k < NTYPES; k++) {
+      if (!all.count[k] && !all.skipped[k]) continue;
+      clamp_min = all.count[k] ? all.min[k] : 0; clamp_max = all.max[k];
+      fprintf(f, "%s\n  \"%s\": {\"count\": %" PRIu64 ", \"skipped\": %" PRIu64 ", \"total\": %" PRIu64 ", \"mean\": %.1f, \"min\": %" PRIu64
+                 ", \"p50\": %" PRIu64 ", \"p90\": %" PRIu64 ", \"p99\": %" PRIu64 ", \"p999\": %" PRIu64 ", \"max\": %" PRIu64 "}",
+              first ? "" : ",", typenames[k], all.count[k], all.skipped[k], all.total[k],
+              all.count[k] ? (double)all.total[k] / all.count[k] : 0.0, all.count[k] ? all.min[k] : 0,
+              percentile(all.hist[k], all.count[k], .5), percentile(all.hist[k], all.count[k], .9),
+              percentile(all.hist[k], all.count[k], .99), percentile(all.hist[k], all.count[k], .999), all.max[k]);
+      first = 0;
+    }
+    fprintf(f, "},\n \"sample_ms\": %ld, \"rss_samples\": [", sample_ms);
+    for (size_t i = 0; i < n_samples; i++)
+      fprintf(f, "%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64 "]", i ? ", " : "", samples[i].t_us, samples[i].rss_kb, samples[i].anon_kb);
+    fprintf(f, "],\n \"libraries\": [");
+    /* which shared objects are mapped: proves which allocator really served the calls */
+    FILE *maps = fopen("/proc/self/maps", "r");
+    char line[4096], seen[64][512];
+    int nseen = 0;
+    while (maps && fgets(line, sizeof line, maps)) {
+      char *path = strchr(line, '/');
+      if (!path) continue;
+      path[strcspn(path, "\n")] = 0;
+      if (!strstr(path, ".so")) continue;
+      int dup = 0;
+      for (int k = 0; k < nseen; k++) if (!strcmp(seen[k], path)) dup = 1;
+      if (dup || nseen == 64) continue;
+      snprintf(seen[nseen], sizeof seen[nseen], "%s", path);
+      fprintf(f, "%s", nseen ? ", " : "");
+      json_str(f, path);
+      nseen++;
+    }
+    if (maps) fclose(maps);
+    fprintf(f, "]}\n");
+    if (f != stdout) fclose(f); else fflush(f);
+  }
+  return 0;
+}
