@@ -1,0 +1,114 @@
+"""`pymtrace top --json/--batch -p PID` against a workload with exactly known malloc-API
+calls in 4 threads (tests/workloads/top_calls.c): every count must match exactly."""
+import signal
+import time
+
+import pytest
+
+from test_top_support import Top, Workload, alive, own_uprobes
+
+CALLS = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
+
+
+def _expected_ok(expected):
+    # the workload really exercised every path we claim to handle
+    for name in CALLS:
+        assert expected["calls"][name] > 0, name
+    assert expected["failed"] > 0
+
+
+@pytest.mark.bpf
+def test_json_counts_every_call_once_exactly(cbuild):
+    w = Workload([cbuild("top_calls")])
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc")
+    try:
+        first = top.json_doc()  # printed right after attach
+        assert first["pids"] == [w.pid]
+        assert not top.proc.poll()
+        w.go()
+        expected = w.result()
+        _expected_ok(expected)
+        doc = top.json_after(time.monotonic())
+        p = doc["snapshot"]["processes"][str(w.pid)]
+        assert p["comm"] == "top_calls"
+        assert p["calls"] == expected["calls"]
+        for key in ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", "size_log2"):
+            assert p[key] == expected[key], key
+        assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
+        # the totals view carries the same exact numbers; other PIDs are filtered out
+        rows = doc["views"]["totals"]["rows"]
+        assert [r["pid"] for r in rows] == [w.pid]
+        assert rows[0]["malloc"] == expected["calls"]["malloc"]
+        assert rows[0]["live_bytes"] == p["live_bytes"]
+        assert all(r["pid"] == w.pid for r in doc["views"]["processes"]["rows"])
+        # Ctrl-C: clean exit, no uprobes of ours left, the workload unharmed
+        assert top.stop(signal.SIGINT) == 0
+        assert own_uprobes(top.proc.pid) == []
+        assert alive(w.pid)
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
+
+
+def _parse_totals(lines):
+    start = lines.index("== since attach (exact counts, bytes)")
+    header = lines[start + 2].split()
+    rows = {}
+    for line in lines[start + 4:]:
+        if not line.strip():
+            break
+        cells = line.split()
+        rows[int(cells[0])] = dict(zip(header, cells))
+    return rows
+
+
+@pytest.mark.bpf
+def test_batch_totals_match_and_sigterm_detaches(cbuild):
+    w = Workload([cbuild("top_calls")])
+    top = Top("--batch", "-p", w.pid, "-i", "0.5", "--no-glibc", "--view", "totals", "--view", "processes")
+    try:
+        top.block()  # first report: attached
+        w.go()
+        expected = w.result()
+        t = time.monotonic()
+        while True:  # a report that started after the workload's calls were done
+            block = top.block()
+            if time.monotonic() - t > 1.2:
+                break
+        row = _parse_totals(block)[w.pid]
+        names = {"malloc": "MALLOC", "calloc": "CALLOC", "realloc": "REALLOC", "free": "FREE",
+                 "free_null": "FREE(NULL)", "memalign": "MEMALIGN", "posix_memalign": "POSIX_MEMALIGN",
+                 "valloc": "VALLOC", "pvalloc": "PVALLOC"}
+        for name, title in names.items():
+            assert int(row[title]) == expected["calls"][name], name
+        assert int(row["REQUESTED"]) == expected["requested_bytes"]
+        assert int(row["LIVE"]) == expected["allocated_bytes"] - expected["freed_bytes"]
+        assert int(row["FAILED"]) == expected["failed"]
+        assert any(line.startswith("== processes") for line in block)
+        assert top.stop(signal.SIGTERM) == 0
+        assert own_uprobes(top.proc.pid) == []
+        assert alive(w.pid)
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
+
+
+@pytest.mark.bpf
+def test_ends_by_itself_after_iterations_without_leftover_probes(cbuild):
+    w = Workload([cbuild("top_calls")])
+    top = Top("--json", "-n", "2", "-p", w.pid, "-i", "0.2", "--no-glibc")
+    try:
+        top.json_doc()
+        top.json_doc()
+        assert top.proc.wait(timeout=30) == 0
+        assert own_uprobes(top.proc.pid) == []
+        assert alive(w.pid)
+        w.go()  # the workload still works normally after the tracer left
+        expected = w.result()
+        assert expected["calls"]["malloc"] > 0
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
