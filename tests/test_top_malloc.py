@@ -112,3 +112,28 @@ def test_ends_by_itself_after_iterations_without_leftover_probes(cbuild):
     finally:
         top.kill()
         w.kill()
+
+
+@pytest.mark.bpf
+def test_system_wide_mode_counts_the_workload_exactly(cbuild):
+    """Without -p: uprobes by library path for every process (the system libc and any other
+    libc mapped by a running process); the workload's row is still exact."""
+    w = Workload([cbuild("top_calls")])
+    top = Top("--json", "-i", "0.5", "--no-glibc", "--view", "totals")
+    try:
+        first = top.json_doc()
+        assert first["pids"] == []
+        w.go()
+        expected = w.result()
+        doc = top.json_after(time.monotonic())
+        p = doc["snapshot"]["processes"][str(w.pid)]
+        assert p["calls"] == expected["calls"]
+        assert p["requested_bytes"] == expected["requested_bytes"]
+        assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
+        assert len(doc["snapshot"]["processes"]) > 1  # other processes are traced too
+        assert top.stop() == 0
+        assert own_uprobes(top.proc.pid) == []
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
