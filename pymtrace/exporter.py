@@ -242,10 +242,8 @@ class Aggregator:
                 continue
             s = out[st.label]
             c = s["counters"]
-            for k, v in st.last.items():
-                d = v - st.base.get(k, 0)
-                if d:
-                    c[k] = c.get(k, 0) + d
+            for k, v in st.last.items():  # zeros too: a counter exists from its first 0
+                c[k] = c.get(k, 0) + v - st.base.get(k, 0)
             if st.alive:
                 for k, v in st.gauges.items():
                     s["gauges"][k] = s["gauges"].get(k, 0) + v

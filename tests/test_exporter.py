@@ -624,7 +624,9 @@ def test_systemd_unit_and_daemonset(tmp_path):
     if shutil.which("systemd-analyze"):
         r = subprocess.run(["systemd-analyze", "verify", str(EXPORTERS / "pymtrace-exporter.service")],
                            capture_output=True, text=True)
-        assert "pymtrace-exporter.service" not in r.stderr or "Unknown" not in r.stderr, r.stderr
+        problems = [line for line in r.stderr.splitlines() if "pymtrace-exporter.service" in line
+                    and not re.search(r"not executable|No such file|Failed to prepare filename", line)]
+        assert not problems, r.stderr
     import yaml
 
     docs = [d for d in yaml.safe_load_all((EXPORTERS / "kubernetes-daemonset.yaml").read_text()) if d]
