@@ -30,6 +30,9 @@ def test_build_once_and_run_with_visible_activity(cache):
     assert demo.build_demo() == path and os.stat(path).st_mtime_ns == mtime  # cached, not rebuilt
     proc = demo.start_demo()
     try:
+        from pymtrace import libc
+
+        assert libc.process_libc(proc.pid)  # ready to be traced when start_demo returns
         with open(f"/proc/{proc.pid}/comm") as f:
             assert f.read().strip() == "pymtrace-demo"
         time.sleep(0.3)

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 
 from pymtrace.errors import PymtraceError
 
@@ -86,10 +87,31 @@ def start_demo(seconds=None, stdout=subprocess.DEVNULL, stderr=None):
     binary = build_demo()
     argv = [binary] + ([str(int(seconds))] if seconds else [])
     try:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                                 preexec_fn=_die_with_parent)
     except OSError as exc:
         raise PymtraceError(f"cannot start the demo workload {binary}: {exc.strerror}") from None
+    _wait_for_libc(proc)
+    return proc
+
+
+def _wait_for_libc(proc, timeout=10.0):
+    """Return once the demo has mapped its libc, so uprobes can be attached to it at once
+    (right after exec the dynamic loader has not mapped it yet)."""
+    from pymtrace import libc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise PymtraceError(f"the demo workload exited at once (status {proc.returncode})")
+        try:
+            if libc.process_libc(proc.pid):
+                return
+        except PymtraceError:
+            pass
+        time.sleep(0.005)
+    stop_demo(proc)
+    raise PymtraceError(f"the demo workload did not map its libc within {timeout:g}s")
 
 
 def stop_demo(proc, timeout=5):
