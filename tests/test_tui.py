@@ -102,13 +102,15 @@ class Tmux:
     def alternate_on(self):
         return self.run("display-message", "-p", "-t", "t", "#{alternate_on}").strip() == "1"
 
-    def wait_for(self, pred, what, timeout=20):
+    def wait_for(self, pred, what, timeout=20, fail_on=None):
         deadline = time.monotonic() + timeout
         s = ""
         while time.monotonic() < deadline:
             s = self.screen()
             if pred(s):
                 return s
+            if fail_on and fail_on in s:
+                raise AssertionError(f"{fail_on!r} while waiting for {what}; screen:\n{s}")
             time.sleep(0.1)
         raise AssertionError(f"timed out waiting for {what}; screen:\n{s}")
 
@@ -232,6 +234,63 @@ def test_exception_restores_terminal(tmux):
     s = tmux.wait_for(lambda s: "fake source failed on purpose" in s, "traceback after the UI")
     assert "RuntimeError" in s
     assert_clean_shell(tmux, before)
+
+
+LOW_RATE_WORKLOAD = """
+import time
+keep = []
+while True:
+    keep = [bytearray(100000) for _ in range(5)]   # > pymalloc's limit: real malloc/free calls
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.bpf
+def test_real_top_on_real_workloads(tmux, tmp_path):
+    """The real `pymtrace top` (BPF) in tmux on the demo plus a slow python3 allocator."""
+    t = tmux
+    slow = subprocess.Popen(["/usr/bin/python3", "-c", LOW_RATE_WORKLOAD])
+    pidfile = tmp_path / "top.pid"
+    try:
+        before = t.stty("before")
+        root = os.path.dirname(os.path.dirname(HERE))
+        t.type(f"cd {root} && sh -c 'echo $$ > {pidfile}; exec {sys.executable} -m pymtrace top --demo "
+               f"-p {slow.pid} -i 0.5'")
+        # compiling and attaching takes a few seconds on a busy machine
+        s = t.wait_for(lambda s: "[1 processes]" in s and "pymtrace-demo" in s and "python3" in s
+                       and comms(s) and comms(s)[0] == "pymtrace-demo", "real top with both processes", timeout=120,
+                       fail_on="pymtrace: error")
+        top_pid = int(pidfile.read_text())
+        demo_row = [r for r in rows(s, "PID") if r[1] == "pymtrace-demo"][0]
+        assert demo_row[2] not in ("0", "0.0")  # MALLOC/s of the demo
+        # r: ascending MALLOC/s puts the slow python3 first
+        t.send("r")
+        t.wait_for(lambda s: comms(s) == ["python3", "pymtrace-demo"], "reversed order")
+        # slab view: system-wide caches; sorting by name really reorders the rows
+        t.send("2")
+        s = t.wait_for(lambda s: "[2 slab caches]" in s and len(rows(s, "CACHE")) >= 3, "slab view")
+        t.send("<")  # from ALLOCS/s to CACHE, A-Z
+        s = t.wait_for(lambda s: "sort CACHE asc" in s, "slab sorted by name")
+        names = [r[0] for r in rows(s, "CACHE") if r]
+        assert names == sorted(names)
+        t.send("3")
+        s = t.wait_for(lambda s: "[3 page faults]" in s and "REGION" in s and "(all)" in s, "faults view")
+        t.send("4")
+        s = t.wait_for(lambda s: "[4 glibc internals]" in s, "glibc view")
+        from pymtrace import libc
+
+        if not libc.malloc_probes(libc.system_libc()):
+            t.wait_for(lambda s: "no malloc USDT probes" in s, "glibc view says the probes are missing")
+        t.send("p")
+        t.wait_for(lambda s: "PAUSED" in s, "paused")
+        t.send("q")
+        assert_clean_shell(t, before)
+        with open("/sys/kernel/tracing/uprobe_events") as f:
+            assert f"_bcc_{top_pid}" not in f.read(), "uprobes left behind"
+        assert slow.poll() is None, "the traced process must keep running"
+    finally:
+        slow.kill()
+        slow.wait()
 
 
 def test_state_keys_without_terminal():
