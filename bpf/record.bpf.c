@@ -31,7 +31,9 @@
 
 struct stash {
     u32 depth;
-    u32 type;
+    u32 type;   /* the call recorded */
+    u32 inner;  /* the glibc function actually probed (differs under an interposer) */
+    u32 pad;
     u64 a0;
     u64 a1;
     u64 a2;
@@ -41,7 +43,25 @@ struct stash {
 
 BPF_RINGBUF_OUTPUT(events, RB_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
+/* set by user space once every probe is attached: records start together for all functions
+ * (a call missed because its entry probe was not attached yet cannot leave holes later) */
+BPF_ARRAY(enabled, u32, 1);
 BPF_HASH(stash, u64, struct stash, STASH_ENTRIES);
+
+/* An interposer in front of glibc (libc_malloc_debug): probed at entry only, to learn the
+ * program's return address; glibc's probes then record the call with that caller. No
+ * return probes there: a uretprobe rewrites the return address, and the interposer's own
+ * __builtin_return_address (mtrace's caller column) would read the uprobe trampoline. */
+struct outer_call {
+    u64 caller;
+    u64 sp;
+    u32 type;  /* the interposer's call; glibc may see another (calloc -> malloc) */
+    u32 pad;
+    u64 a0;
+    u64 a1;
+    u64 a2;
+};
+BPF_HASH(outer, u64, struct outer_call, STASH_ENTRIES);
 
 #ifdef FOLLOW
 BPF_HASH(traced, u32, u32, 65536);
@@ -90,9 +110,12 @@ static __always_inline u64 chunk_size(u64 p)
 
 static __always_inline struct record_event *reserve(void)
 {
+    int zero = 0;
+    u32 *on = enabled.lookup(&zero);
+    if (!on || !*on)
+        return 0;
     struct record_event *e = events.ringbuf_reserve(sizeof(struct record_event));
     if (!e) {
-        int zero = 0;
         u64 *n = lost.lookup(&zero);
         if (n)
             *n += 1;
@@ -123,6 +146,49 @@ static __always_inline u64 caller_of(struct pt_regs *ctx)
     return ra;
 }
 
+/* The interposer's caller if this outermost glibc call was made by it (our stack is at
+ * most 16 KiB below its entry); consumed once. */
+static __always_inline int outer_call(u64 id, struct pt_regs *ctx, struct outer_call *out)
+{
+    struct outer_call *o = outer.lookup(&id);
+    if (!o || !o->caller)
+        return 0;
+    u64 sp = PT_REGS_SP(ctx);
+    __builtin_memcpy(out, o, sizeof(*out));
+    o->caller = 0;
+    return sp < out->sp && out->sp - sp < 16384;
+}
+
+static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32))
+        return 0;
+    struct stash *s = stash.lookup(&id);
+    if (s && s->depth)
+        return 0;
+    struct outer_call o = {};
+    o.caller = caller_of(ctx);
+    o.sp = PT_REGS_SP(ctx);
+    o.type = type;
+    o.a0 = a0;
+    o.a1 = a1;
+    o.a2 = a2;
+    outer.update(&id, &o);
+    return 0;
+}
+
+#define OUTER(name, TYPE, A0, A1, A2) \
+    int enter_outer_##name(struct pt_regs *ctx) { return outer_entry(ctx, TYPE, A0, A1, A2); }
+OUTER(malloc, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+OUTER(calloc, CALL_CALLOC, PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx), 0, 0)
+OUTER(realloc, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
+OUTER(memalign, CALL_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
+OUTER(posix_memalign, CALL_POSIX_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx))
+OUTER(valloc, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
+OUTER(pvalloc, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
+OUTER(free, CALL_FREE, PT_REGS_PARM1(ctx), 0, 0)
+
 static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -136,17 +202,54 @@ static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, 
     struct stash n = {};
     n.depth = 1;
     n.type = type;
+    n.inner = type;
     n.a0 = a0;
     n.a1 = a1;
     n.a2 = a2;
-    n.caller = caller_of(ctx);
-    if (type == CALL_REALLOC)
-        n.old_size = chunk_size(a0);
+    struct outer_call o;
+    if (outer_call(id, ctx, &o)) {  /* made by the interposer: record the program's call */
+        n.caller = o.caller;
+        n.type = o.type;
+        n.a0 = o.a0;
+        n.a1 = o.a1;
+        n.a2 = o.a2;
+    }  /* else n.caller stays 0: the return address, taken at return */
+    if (n.type == CALL_REALLOC)
+        n.old_size = chunk_size(n.a0);
     stash.update(&id, &n);
     return 0;
 }
 
 int enter_malloc(struct pt_regs *ctx) { return enter(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0); }
+
+#ifdef NOTE_BASES
+/* --format mtrace-text: the load address of each probed library in each process, taken
+ * from the probe address (the process may be gone before /proc/PID/maps is read). */
+BPF_HASH(bases, u64, u64, 4096);
+
+static __always_inline void note_base(struct pt_regs *ctx, u64 lib, u64 site)
+{
+    u64 key = (bpf_get_current_pid_tgid() & ~0xffffffffULL) | lib;
+    if (!bases.lookup(&key) && wanted(key >> 32)) {
+        u64 base = PT_REGS_IP(ctx) - site;
+        bases.update(&key, &base);
+    }
+}
+#ifdef MALLOC_SITE_0  /* glibc */
+int enter_malloc_0(struct pt_regs *ctx)
+{
+    note_base(ctx, 0, MALLOC_SITE_0);
+    return enter(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0);
+}
+#endif
+#ifdef MALLOC_SITE_1  /* the interposer */
+int enter_malloc_1(struct pt_regs *ctx)
+{
+    note_base(ctx, 1, MALLOC_SITE_1);
+    return outer_entry(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0);
+}
+#endif
+#endif
 int enter_calloc(struct pt_regs *ctx)
 {
     return enter(ctx, CALL_CALLOC, PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx), 0, 0);
@@ -180,39 +283,18 @@ int enter_free(struct pt_regs *ctx)
     if (s && s->depth)
         return 0;
     u64 p = PT_REGS_PARM1(ctx);
-    u64 caller = caller_of(ctx);
+    u64 caller = caller_of(ctx);  /* free has no return probe: [sp] is the return address */
 #ifdef FREE_SKIP1
     u64 delta = caller - PT_REGS_IP(ctx);
     if (delta == FREE_SKIP1 || delta == FREE_SKIP2)
         return 0;
 #endif
+    struct outer_call o;
+    if (outer_call(id, ctx, &o))
+        caller = o.caller;
     struct record_event *e = reserve();
     if (e)
         fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller);
-    return 0;
-}
-
-/* free in an interposer (libc_malloc_debug): recorded at entry, and counted as a call so
- * that the glibc free it makes is not recorded again; its return probe only unwinds. */
-int enter_free_outer(struct pt_regs *ctx)
-{
-    u64 id = bpf_get_current_pid_tgid();
-    if (!wanted(id >> 32))
-        return 0;
-    struct stash *s = stash.lookup(&id);
-    if (s && s->depth) {
-        s->depth++;
-        return 0;
-    }
-    u64 p = PT_REGS_PARM1(ctx);
-    u64 caller = caller_of(ctx);
-    struct record_event *e = reserve();
-    if (e)
-        fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller);
-    struct stash n = {};
-    n.depth = 1;
-    n.type = CALL_FREE;
-    stash.update(&id, &n);
     return 0;
 }
 
@@ -227,8 +309,6 @@ int leave(struct pt_regs *ctx)
     if (--s->depth)
         return 0;  /* nested call */
     u32 type = s->type;
-    if (type == CALL_FREE)
-        return 0;
     u64 rc = PT_REGS_RC(ctx);
     u64 ptr1 = 0, ptr2 = rc, size = 0, size2 = 0;
     switch (type) {
@@ -251,17 +331,24 @@ int leave(struct pt_regs *ctx)
         size2 = s->a0;
         break;
     case CALL_POSIX_MEMALIGN:
-        ptr1 = (u32)rc;
-        ptr2 = 0;
-        if ((u32)rc == 0 && s->a0)
-            bpf_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
+        if (s->inner != CALL_POSIX_MEMALIGN) {  /* interposer -> glibc memalign: rc not visible */
+            ptr1 = rc ? 0 : 12 /* ENOMEM */;
+            ptr2 = rc;
+        } else {
+            ptr1 = (u32)rc;
+            ptr2 = 0;
+            if ((u32)rc == 0 && s->a0)
+                bpf_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
+        }
         size = s->a2;
         size2 = s->a1;
         break;
     default:
         return 0;
     }
-    u64 caller = s->caller;
+    /* at a return probe the instruction pointer is the caller's return address (the entry
+     * probe may sit after the return address was redirected to the uretprobe trampoline) */
+    u64 caller = s->caller ? s->caller : PT_REGS_IP(ctx);
     struct record_event *e = reserve();
     if (e)
         fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller);

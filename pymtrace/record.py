@@ -318,13 +318,23 @@ def tcache_shutdown_returns(path):
     return tuple(sorted(set(found)))[:2] if len(set(found)) <= 2 else ()
 
 
-def attach(bpf, libs, pid):
-    """Attach every probe; return probes before entry probes (a thread inside a function
-    during attach must not leave a stale depth). Returns [(lib, function, offsets)]."""
+def malloc_site(path):
+    return libc.symbol(path, "malloc").address + probesite.sites(path, "malloc").offset
+
+
+def attach(bpf, libs, pid, note_bases=False):
+    """Attach every probe. glibc: entry + return probes (free: entry only), return probes
+    first so that a thread inside a function during attach cannot leave a stale depth.
+    An interposer (libc_malloc_debug): entry probes only (see record.bpf.c).
+    Returns [(lib, function, offsets)]."""
     plan = []
-    for path, outer in libs:
+    for index, (path, outer) in enumerate(libs):
         seen = set()
-        for func, entry in _ALLOC_FUNCS + [("free", "enter_free_outer" if outer else "enter_free")]:
+        for func, entry in _ALLOC_FUNCS + [("free", "enter_free")]:
+            if note_bases and func == "malloc":
+                entry = f"enter_malloc_{index}"
+            elif outer:
+                entry = "enter_outer_" + ("memalign" if func == "aligned_alloc" else func)
             try:
                 sym = libc.symbol(path, func)
             except PymtraceError:
@@ -334,7 +344,7 @@ def attach(bpf, libs, pid):
             seen.add(sym.address)
             sites = probesite.sites(path, func)
             offsets = (sites.offset,) + tuple(sites.side_paths)
-            plan.append((path, func, sym.address, entry, offsets, func != "free" or outer))
+            plan.append((path, func, sym.address, entry, offsets, func != "free" and not outer))
     for path, func, addr, entry, offsets, has_ret in plan:
         if has_ret:
             bpf.attach_uretprobe(name=path, addr=addr, fn_name="leave", pid=pid)
@@ -414,6 +424,11 @@ class Recorder:
                    "TARGET_TGID": self.target}
         if self.follow:
             defines["FOLLOW"] = 1
+        self.libs = probe_libraries(libc_path)
+        if self.args.format == "mtrace-text":
+            defines["NOTE_BASES"] = 1
+            for index, (path, _) in enumerate(self.libs):
+                defines[f"MALLOC_SITE_{index}"] = f"{malloc_site(path):#x}ULL"
         skips = tcache_shutdown_returns(libc_path)
         if len(skips) == 2:
             site = libc.symbol(libc_path, "free").address + probesite.sites(libc_path, "free").offset
@@ -426,13 +441,15 @@ class Recorder:
             self.bpf["traced"][ctypes.c_uint32(self.target)] = ctypes.c_uint32(1)
             self._start_procevents()
         pid = -1 if self.follow else self.target
-        self.libs = probe_libraries(libc_path)
         try:
-            self.sites = attach(self.bpf, self.libs, pid)
+            self.sites = attach(self.bpf, self.libs, pid, note_bases=self.args.format == "mtrace-text")
         except Exception as exc:
             if isinstance(exc, PymtraceError):
                 raise
             raise PymtraceError(f"cannot attach uprobes to {libc_path}: {exc}") from None
+        import ctypes
+
+        self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(1)
         from pymtrace import structs
 
         sample = __import__("ctypes").sizeof(structs.header("record").structs["record_event"])
@@ -558,6 +575,8 @@ class Recorder:
         lost = self._lost()
         if self.reader is not None:
             lost += self.reader.discarded
+        if self.args.format == "mtrace-text":
+            self._note_bases()
         for out in self.outputs.values():
             out.close()
         summary = {
@@ -586,6 +605,21 @@ class Recorder:
             return EXIT_LOST
         return 0
 
+    def _note_bases(self):
+        """Library load addresses seen by BPF, for processes that exited before /proc was read."""
+        try:
+            items = list(self.bpf["bases"].items())
+        except Exception:
+            return
+        for key, base in items:
+            tgid, index = key.value >> 32, key.value & 0xFFFFFFFF
+            out = self.outputs.get(tgid)
+            if out is None or index >= len(self.libs):
+                continue
+            path = self.libs[index][0]
+            end = base.value + _image_size(path)
+            out.resolver.add_maps([libc.Mapping(base.value, end, "r-xp", 0, 0, path)], prefer=False)
+
     def _cleanup(self):
         if self.procevents is not None:
             self.procevents.stop()
@@ -598,6 +632,14 @@ class Recorder:
             except Exception:
                 pass
         bpfload.detach_all(self.bpf)
+
+
+def _image_size(path):
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as f:
+        ends = [s["p_vaddr"] + s["p_memsz"] for s in ELFFile(f).iter_segments() if s["p_type"] == "PT_LOAD"]
+    return max(ends) if ends else 0
 
 
 def _exists(pid):

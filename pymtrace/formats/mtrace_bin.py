@@ -83,28 +83,56 @@ def detect_byteorder(first):
 
 
 def iter_records(stream, name="trace", chunk_records=8192):
-    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself."""
-    first = stream.read(RECORD_SIZE)
-    order = detect_byteorder(first)
+    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself.
+
+    Raises CorruptFile (one line, with the byte offset) on a missing MAGIC, an unknown call
+    type, or a trailing partial record.
+    """
+    first = _read_full(stream, RECORD_SIZE)
+    if not first:
+        raise CorruptFile(f"{name}: empty file, not an mtrace binary trace")
+    try:
+        order = detect_byteorder(first)
+    except CorruptFile as exc:
+        raise CorruptFile(f"{name}: {exc}") from None
     unpack = struct.Struct(order + _FMT).iter_unpack
     offset = RECORD_SIZE
     while True:
-        buf = stream.read(RECORD_SIZE * chunk_records)
+        buf = _read_full(stream, RECORD_SIZE * chunk_records)
         if not buf:
             return
         whole = len(buf) - len(buf) % RECORD_SIZE
         for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf[:whole]):
             t = typ & 0xFF
-            if t == UNUSED and not (thread or typ or p1 or p2 or s1 or s2 or s3 or ts or caller):
+            if t == UNUSED:
+                if thread or typ or p1 or p2 or s1 or s2 or s3 or ts or caller:
+                    raise CorruptFile(f"{name}: record at byte {offset} has call type 0 but is not all zero")
+                offset += RECORD_SIZE
                 continue
             if t not in TYPE_NAMES or t == MAGIC_TYPE:
                 if t == MAGIC_TYPE and p1 == MAGIC_PTR:
+                    offset += RECORD_SIZE
                     continue  # concatenated traces repeat the MAGIC record
                 raise CorruptFile(f"{name}: record at byte {offset} has unknown call type {t}")
             yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, (typ >> 8) & 0x3FFF)
             offset += RECORD_SIZE
         if whole != len(buf):
-            raise CorruptFile(f"{name}: truncated: {len(buf) - whole} stray bytes after the last whole record")
+            raise CorruptFile(
+                f"{name}: truncated: {len(buf) - whole} stray bytes after the last whole record (byte {offset})"
+            )
+
+
+def _read_full(stream, n):
+    """Read N bytes, or fewer only at end of file (pipes return short reads)."""
+    parts = []
+    got = 0
+    while got < n:
+        b = stream.read(n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
 
 
 def read_file(path):

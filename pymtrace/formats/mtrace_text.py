@@ -61,7 +61,8 @@ class CallerResolver:
         self.modules = []  # (start, end, base, path), newest snapshot first wins
         self.cache = {}
 
-    def add_maps(self, mappings):
+    def add_maps(self, mappings, prefer=True):
+        """Add a /proc/PID/maps snapshot; prefer=False puts it behind the ones known already."""
         files = [m for m in mappings if m.path.startswith("/")]
         heads = {}
         for m in files:
@@ -72,7 +73,7 @@ class CallerResolver:
             bases = [b for b in heads.get(m.path, ()) if b <= m.start]
             new.append((m.start, m.end, max(bases) if bases else m.start - m.offset, m.path))
         if new:
-            self.modules = new + self.modules
+            self.modules = new + self.modules if prefer else self.modules + new
             self.cache.clear()
 
     def __call__(self, addr):
