@@ -135,7 +135,8 @@ def rows(screen, header_word):
     """The table rows (lists of fields) under the header line that contains HEADER_WORD."""
     lines = screen.splitlines()
     for i, line in enumerate(lines):
-        if header_word in line.split() or any(w.startswith(header_word) for w in line.split()):
+        words = line.split()
+        if words and words[0].rstrip("v^") == header_word:
             out = []
             for row in lines[i + 1:]:
                 if not row.strip() or row.lstrip().startswith("1-4/Tab"):
