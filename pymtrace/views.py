@@ -302,10 +302,19 @@ def no_probes_sentence(pid, comm, g):
     libc_path = g.get("libc") if isinstance(g, dict) else None
     reason = g.get("reason") if isinstance(g, dict) else None
     who = f"PID {pid} ({comm})"
-    where = f"its libc {libc_path}" if libc_path else "its libc"
+    if not libc_path:
+        why = str(reason).rstrip(".") if reason else "no libc with malloc USDT probes is mapped"
+        return f"{who}: glibc allocator internals are not available ({why})."
+    where = f"its libc {libc_path}"
     text = f"{who}: {where} has no malloc USDT probes, so glibc allocator internals are not available"
     if reason:
-        text += f" ({reason})"
+        reason = str(reason).rstrip(".")
+        if libc_path and reason.startswith(f"libc {libc_path} has no USDT probes"):
+            reason = reason[len(f"libc {libc_path} has no USDT probes"):].strip(" ()")
+        elif libc_path and libc_path in reason:
+            reason = reason.replace(f" {libc_path}", "")
+        if reason:
+            text += f" ({reason})" if not reason.startswith("(") else f" {reason}"
     return text + "."
 
 
@@ -325,6 +334,8 @@ def glibc_view(prev, cur, interval=None):
             notes.append(no_probes_sentence(pid, comm, g))
             tot["without_probes"] += 1
             continue
+        if g.get("reason"):
+            notes.append(f"PID {pid} ({comm}): {str(g['reason']).rstrip('.')}.")
         waits = _lock_waits(g)
         old_waits = _lock_waits(old_glibc.get(pid))
         total_waits = sum(waits.values())

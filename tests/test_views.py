@@ -174,6 +174,18 @@ def test_glibc_unknown_threshold_is_blank_not_zero():
     assert js["rows"][0]["mmap_threshold"] is None and js["rows"][0]["trim_threshold"] is None
 
 
+def test_glibc_notes_for_missing_libc_and_reasons():
+    cur = dict(CUR, glibc={
+        10: {"probes": 0, "libc": None, "reason": "process exited before its libc was seen"},
+        20: {"probes": 29, "libc": "/x/libc.so.6", "reason": "libc /x/libc.so.6 was not mapped by any process when probes were attached",
+             "arenas": 1, "heaps": 0, "lock_waits": {}},
+    })
+    t = views.build(4, None, cur)
+    assert t.notes[0] == "PID 10 (alpha): glibc allocator internals are not available (process exited before its libc was seen)."
+    assert t.notes[1] == "PID 20 (beta): libc /x/libc.so.6 was not mapped by any process when probes were attached."
+    assert [r[0] for r in t.rows] == [20]
+
+
 def test_glibc_view_empty_says_so():
     t = views.build(4, None, {"time": 1.0, "processes": {}})
     assert t.rows == [] and t.notes
