@@ -28,6 +28,10 @@ BPF_PERCPU_HASH(ms_stats, u32, struct ms_stats, MS_MAX_PROCS);
 BPF_PERCPU_ARRAY(ms_zero, struct ms_stats, 1);   /* never written: the zero value */
 BPF_TABLE("lru_hash", u64, struct ms_outer, ms_outer, MS_MAX_THREADS);
 BPF_PERCPU_ARRAY(ms_lost, u64, MS_LOST_N);
+/* Outer calls in progress on all threads: while 0 (nearly always), malloc and free need not
+ * look their thread up in ms_outer. Only ever too high (an outer call whose return was never
+ * seen), which costs a lookup, never a wrong count. */
+BPF_ARRAY(ms_active, s64, 1);
 
 static __always_inline void lost(int idx)
 {
@@ -86,8 +90,20 @@ static __always_inline u64 chunk_bytes(u64 ptr)
 
 static __always_inline int inside_outer(void)
 {
+    int zero = 0;
+    s64 *active = ms_active.lookup(&zero);
+    if (active && *active <= 0)
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     return ms_outer.lookup(&id) != 0;
+}
+
+static __always_inline void add_active(s64 n)
+{
+    int zero = 0;
+    s64 *active = ms_active.lookup(&zero);
+    if (active)
+        __sync_fetch_and_add(active, n);
 }
 
 /* ---- malloc, calloc ------------------------------------------------------------ */
@@ -182,8 +198,11 @@ static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, 
     o.arg_ptr = arg_ptr;
     if (type == CALL_REALLOC && arg_ptr)
         o.old_chunk = chunk_bytes(arg_ptr);
+    int fresh = ms_outer.lookup(&id) == 0;
     if (ms_outer.update(&id, &o) != 0)
         lost(MS_LOST_OUTER_FULL);
+    else if (fresh)
+        add_active(1);
     struct ms_stats *s = stats_for(id >> 32);
     if (s)
         count_call(s, type, size);
@@ -240,7 +259,8 @@ int ms_outer_return(struct pt_regs *ctx)
     if (!op)
         return 0;   /* attached while the call was running */
     struct ms_outer o = *op;
-    ms_outer.delete(&id);
+    if (ms_outer.delete(&id) == 0)
+        add_active(-1);
     struct ms_stats *s = stats_for(id >> 32);
     if (!s)
         return 0;
