@@ -26,15 +26,18 @@ BPF_STATS_RUN_TIME = 0
 HASH_MAP_TYPES = {1: "hash", 5: "percpu_hash", 9: "lru_hash", 10: "lru_percpu_hash", 13: "hash_of_maps"}
 SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
 
+BPF_MAP_LOOKUP_BATCH = 24
+PERCPU_MAP_TYPES = {5, 10}
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+_NR = _SYS_BPF.get(platform.machine())
 
 
 def _bpf(cmd, attr):
-    nr = _SYS_BPF.get(platform.machine())
-    if nr is None:
+    if _NR is None:
         raise OSError(38, "bpf syscall number unknown for this architecture")
-    ret = _libc.syscall(ctypes.c_long(nr), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
+    ret = _libc.syscall(ctypes.c_long(_NR), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -85,6 +88,51 @@ def obj_name(fd, kind):
         return None
     off = 64 if kind == "prog" else 24
     return bytes(info[off:off + 16]).split(b"\0", 1)[0].decode("ascii", "replace")
+
+
+def _possible_cpus():
+    try:
+        with open("/sys/devices/system/cpu/possible") as f:
+            n = 0
+            for part in f.read().strip().split(","):
+                lo, _, hi = part.partition("-")
+                n += int(hi or lo) - int(lo) + 1
+            return n
+    except (OSError, ValueError):
+        return os.cpu_count() or 1
+
+
+_CPUS = _possible_cpus()
+
+
+def count_entries_batch(fd, key_size, value_size, percpu, batch=512):
+    """Number of entries of a hash map read with BPF_MAP_LOOKUP_BATCH (kernel >= 5.6):
+    one syscall per BATCH entries. None when the kernel or map does not support it."""
+    vsize = ((value_size + 7) // 8 * 8) * _CPUS if percpu else value_size
+    keys = (ctypes.c_uint8 * (key_size * batch))()
+    values = (ctypes.c_uint8 * (vsize * batch))()
+    token_in = (ctypes.c_uint8 * max(key_size, 8))()
+    token_out = (ctypes.c_uint8 * max(key_size, 8))()
+    attr = (ctypes.c_uint8 * 56)()
+    total = 0
+    first = True
+    while True:
+        ctypes.memset(attr, 0, 56)
+        ctypes.c_uint64.from_buffer(attr, 0).value = 0 if first else ctypes.addressof(token_in)
+        ctypes.c_uint64.from_buffer(attr, 8).value = ctypes.addressof(token_out)
+        ctypes.c_uint64.from_buffer(attr, 16).value = ctypes.addressof(keys)
+        ctypes.c_uint64.from_buffer(attr, 24).value = ctypes.addressof(values)
+        ctypes.c_uint32.from_buffer(attr, 32).value = batch
+        ctypes.c_uint32.from_buffer(attr, 36).value = fd
+        try:
+            _bpf(BPF_MAP_LOOKUP_BATCH, attr)
+        except OSError as exc:
+            if exc.errno == 2:  # ENOENT: the last (partial) batch
+                return total + ctypes.c_uint32.from_buffer(attr, 32).value
+            return None if first else total
+        total += ctypes.c_uint32.from_buffer(attr, 32).value
+        ctypes.memmove(token_in, token_out, len(token_in))
+        first = False
 
 
 def count_entries(fd, key_size, limit):
@@ -188,7 +236,11 @@ class BpfStats:
                 if mtype not in HASH_MAP_TYPES:
                     continue
                 max_entries = int(info.get("max_entries", 0))
-                entries = count_entries(fd, int(info.get("key_size", 4)), min(count_limit, max_entries))
+                key_size = int(info.get("key_size", 4))
+                entries = count_entries_batch(fd, key_size, int(info.get("value_size", 8)),
+                                              mtype in PERCPU_MAP_TYPES)
+                if entries is None:
+                    entries = count_entries(fd, key_size, min(count_limit, max_entries))
                 name = self._name(fd, kind, ident)
                 if name in maps:  # two maps of one name (two collectors): keep both apart
                     name = f"{name}#{ident[1:]}"

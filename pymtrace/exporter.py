@@ -691,6 +691,9 @@ def build_sources(args):
 
     bundle = collect.Collectors(pids=args.pid or None, malloc=not args.always_on, slab=True,
                                 faults=True, glibc=True)
+    faults = bundle.collectors.get("faults")
+    if faults is not None and hasattr(faults, "regions"):
+        faults.regions = False  # per-region faults are top's view 3; the exporter has no use for them
     if args.max_processes:  # capacity of the per-process maps, read by attach()
         for name in ("malloc", "faults"):
             c = bundle.collectors.get(name)
