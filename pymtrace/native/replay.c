@@ -20,6 +20,7 @@
  * RSS over time: a sampler thread pread()s an already-open /proc/self/statm.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -348,6 +349,57 @@ static int fill = 1;
 static uint64_t trim_every;
 static int spin_iters = 200;
 
+/* The allocator under test may lack some entry points (jemalloc has no pvalloc): glibc's would
+   then allocate from glibc's heap and the allocator's free() would crash on the block.  Such
+   calls are emulated with the allocator's own functions (pvalloc/valloc -> memalign with the
+   page size; memalign -> posix_memalign) and listed in the report. */
+typedef void *(*memalign_fn)(size_t, size_t);
+typedef void *(*valloc_fn)(size_t);
+typedef int (*posix_memalign_fn)(void **, size_t, size_t);
+static memalign_fn f_memalign;
+static valloc_fn f_valloc, f_pvalloc;
+static posix_memalign_fn f_posix_memalign;
+static char emulated[128];
+static size_t page_size = 4096;
+
+static const char *object_of(void *fn)
+{
+  Dl_info info;
+  return fn && dladdr(fn, &info) && info.dli_fname ? info.dli_fname : "";
+}
+static void *same_object(const char *name, const char *malloc_obj)
+{
+  void *fn = dlsym(RTLD_DEFAULT, name);
+  if (fn && !strcmp(object_of(fn), malloc_obj)) return fn;
+  size_t n = strlen(emulated);
+  snprintf(emulated + n, sizeof emulated - n, "%s%s", n ? " " : "", name);
+  return NULL;
+}
+static void *posix_memalign_wrap(size_t align, size_t n)
+{
+  void *p = NULL;
+  if (align < sizeof(void *)) align = sizeof(void *);
+  return f_posix_memalign(&p, align, n) == 0 ? p : NULL;
+}
+static void *valloc_emul(size_t n) { return f_memalign(page_size, n); }
+static void *pvalloc_emul(size_t n)
+{
+  if (n > SIZE_MAX - page_size) return NULL;
+  return f_memalign(page_size, n ? (n + page_size - 1) & ~(page_size - 1) : page_size);
+}
+static void resolve_allocator(void)
+{
+  const char *mobj = object_of(dlsym(RTLD_DEFAULT, "malloc"));
+  f_posix_memalign = same_object("posix_memalign", mobj);
+  f_memalign = same_object("memalign", mobj);
+  if (!f_memalign) f_memalign = f_posix_memalign ? posix_memalign_wrap : memalign;
+  if (!f_posix_memalign) f_posix_memalign = posix_memalign; /* unused beyond the wrapper */
+  f_valloc = same_object("valloc", mobj);
+  if (!f_valloc) f_valloc = valloc_emul;
+  f_pvalloc = same_object("pvalloc", mobj);
+  if (!f_pvalloc) f_pvalloc = pvalloc_emul;
+}
+
 static inline void record(struct tstats *st, int type, uint64_t dt)
 {
   st->count[type]++;
@@ -466,8 +518,8 @@ static void *thread_main(void *arg)
       switch (op) {
       case C_MALLOC: p = malloc(sz); break;
       case C_CALLOC: p = calloc(sz, 1); break;
-      case C_VALLOC: p = valloc(sz); break;
-      default: p = pvalloc(sz); break;
+      case C_VALLOC: p = f_valloc(sz); break;
+      default: p = f_pvalloc(sz); break;
       }
       dt = t_end() - t0;
       record(st, type, dt);
@@ -479,7 +531,7 @@ static void *thread_main(void *arg)
       a = get_int(&cp); b = get_int(&cp); sz = get_int(&cp);
       if (!a) { st->skipped[T_MEMALIGN]++; break; }
       t0 = t_start();
-      p = memalign(b, sz);
+      p = f_memalign(b, sz);
       dt = t_end() - t0;
       record(st, T_MEMALIGN, dt);
       wmem(p, sz, 0x11);
@@ -729,6 +781,8 @@ int main(int argc, char **argv)
   long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
   if (pages > 0 && psize > 0) phys_bytes = (uint64_t)pages * (uint64_t)psize;
   page_kb = psize / 1024;
+  if (psize > 0) page_size = psize;
+  resolve_allocator();
 
   int fd = open(wl_name, O_RDONLY);
   if (fd < 0) die(EXIT_INVALID, "cannot open %s: %s", wl_name, strerror(errno));
@@ -860,6 +914,7 @@ int main(int argc, char **argv)
     }
     printf("%" PRIu64 " cross-thread handoffs (%s sync), %" PRIu64 " had to wait, %" PRIu64 " slept\n", all.handoffs,
            sync_mutex ? "mutex+condvar" : "futex", all.waits, all.sleeps);
+    if (emulated[0]) printf("emulated with the allocator's own functions (it has none): %s\n", emulated);
     fflush(stdout);
   }
   if (json_path) {
@@ -878,7 +933,9 @@ int main(int argc, char **argv)
                ", \"ideal_rss_end_bytes\": %" PRId64 ", \"anon_rss_start_kb\": %" PRIu64 ", \"anon_rss_peak_kb\": %" PRIu64
                ", \"rss_start_kb\": %" PRIu64 ", \"rss_peak_kb\": %" PRIu64 ",\n",
             hwm1, hwm0, ideal_peak_b, (int64_t)atomic_load(&ideal_live), anon0, peak_anon, rss0, peak_rss);
-    fprintf(f, " \"ru_maxrss_kb\": %ld,", ru1.ru_maxrss);
+    fprintf(f, " \"ru_maxrss_kb\": %ld, \"emulated\": ", ru1.ru_maxrss);
+    json_str(f, emulated);
+    fprintf(f, ",\n");
     fprintf(f, " \"handoffs\": %" PRIu64 ", \"sync_waits\": %" PRIu64 ", \"sync_sleeps\": %" PRIu64 ", \"slot_overwrites\": %" PRIu64
                ", \"fill\": %s, \"trim_every\": %" PRIu64 ",\n",
             all.handoffs, all.waits, all.sleeps, all.overwrites, fill ? "true" : "false", trim_every);
