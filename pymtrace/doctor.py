@@ -472,7 +472,7 @@ def render(checks):
 
     rows = [[c.name, c.status, c.detail, c.fix if c.status != OK else ""] for c in checks]
     return tabulate(rows, headers=["CHECK", "STATUS", "DETAIL", "FIX"], tablefmt="simple",
-                    maxcolwidths=[38, 8, 56, 44])
+                    maxcolwidths=[40, 8, 56, 44])
 
 
 def run(args):
