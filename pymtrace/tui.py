@@ -17,10 +17,13 @@ KeyboardInterrupt) and exceptions (curses.wrapper restores the terminal before t
 exception propagates).
 """
 import curses
+import os
 import signal
+import sys
 import time
 
 from pymtrace import views
+from pymtrace.errors import PymtraceError
 
 HELP = "1-4/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
 
@@ -111,10 +114,13 @@ def layout(table, width):
         if not c.numeric:
             widths[i] = min(widths[i], 40)
 
+    tail_cut = {i for i, c in enumerate(table.columns) if c.key == "region"}  # paths: keep the file name
+
     def line(values):
         parts = []
         for i, (v, w) in enumerate(zip(values, widths)):
-            v = v if len(v) <= w else v[:w - 1] + "~"
+            if len(v) > w:
+                v = "~" + v[len(v) - w + 1:] if i in tail_cut else v[:w - 1] + "~"
             parts.append(v.rjust(w) if table.columns[i].numeric else v.ljust(w))
         return " ".join(parts)[:width]
 
@@ -210,6 +216,9 @@ def run(source, args=None):
     """
     interval = getattr(args, "interval", None) or 1.0
     view = getattr(args, "view", None) or 1
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise PymtraceError("the full-screen view needs a terminal; use --batch or --json for output "
+                            "to a pipe or file")
     state = State(interval=interval, view=views.VIEWS.index(views.view_name(view)))
     previous = signal.getsignal(signal.SIGTERM)
     if previous in (signal.SIG_DFL, signal.SIG_IGN, None):
@@ -218,6 +227,11 @@ def run(source, args=None):
         return curses.wrapper(_loop, source, state)
     except KeyboardInterrupt:
         return 0
+    except curses.error as exc:
+        if "setupterm" in str(exc) or "cbreak" in str(exc) or "initscr" in str(exc):
+            raise PymtraceError(f"cannot start the full-screen view on this terminal "
+                                f"(TERM={os.environ.get('TERM', '')!r}: {exc}); use --batch") from None
+        raise
     finally:
         if previous in (signal.SIG_DFL, signal.SIG_IGN, None):
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)

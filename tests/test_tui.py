@@ -294,6 +294,24 @@ def test_real_top_on_real_workloads(tmux, tmp_path):
         slow.wait()
 
 
+def test_no_terminal_is_a_clear_error():
+    proc = subprocess.run([sys.executable, HERE], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=60)
+    assert proc.returncode != 0
+    assert "the full-screen view needs a terminal; use --batch or --json" in proc.stderr
+    assert "\x1b[" not in proc.stdout  # no escape sequences written to the pipe
+
+
+def test_long_region_paths_keep_their_file_name():
+    from pymtrace import tui, views
+
+    path = "/usr/lib/x86_64-linux-gnu/" + "very-long-directory-name/" * 3 + "libexample.so.1"
+    cur = {"time": 2.0, "start": 1.0, "processes": {1: {"comm": "x", "faults_user": 5}},
+           "fault_regions": {1: {path: 5}}}
+    head, lines = tui.layout(views.build(3, None, cur), 200)
+    assert lines[1].split()[0].startswith("~") and "libexample.so.1" in lines[1]
+
+
 def test_state_keys_without_terminal():
     """The key handling itself, no curses screen needed."""
     import curses
