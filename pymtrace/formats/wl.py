@@ -38,6 +38,8 @@ STREAM_OPS = {NOP, MALLOC, CALLOC, REALLOC, FREE, SYNC_W, SYNC_R, MEMALIGN, VALL
 # ops whose first argument is a pointer index (REALLOC: first two)
 MAX_THREADS = 65536
 MAX_VARINT = (1 << 64) - 1
+# memalign alignments are rounded up to a power of two at replay (as glibc does); beyond this: invalid
+MAX_ALIGN = 1 << 40
 
 
 def encode_varint(value):
@@ -163,8 +165,8 @@ def parse(data, name="workload", check_deadlock=True):
                 for i in idxs:
                     if i >= nptrs:
                         raise CorruptFile(f"{name}: byte {start}: pointer index {i} out of range (ALLOC_PTRS {nptrs})")
-                if op == MEMALIGN and (args[1] == 0 or args[1] & (args[1] - 1)):
-                    raise CorruptFile(f"{name}: byte {start}: alignment {args[1]} is not a power of two")
+                if op == MEMALIGN and args[0] and args[1] > MAX_ALIGN:
+                    raise CorruptFile(f"{name}: byte {start}: alignment {args[1]} is absurd (more than 2**40)")
             ops.append((op, args, start))
         threads.append(ops)
     wl = Workload(nptrs, nsyncs, [o for o, _ in offsets], threads, upstream_sizing)

@@ -238,8 +238,8 @@ static void validate(void)
           die(EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[0], n_ptrs);
         if (op == C_REALLOC && a[1] >= n_ptrs)
           die(EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[1], n_ptrs);
-        if (op == C_MEMALIGN && (a[1] == 0 || (a[1] & (a[1] - 1))))
-          die(EXIT_INVALID, "%s: byte %zu: alignment %" PRIu64 " is not a power of two", wl_name, start, a[1]);
+        if (op == C_MEMALIGN && a[0] && a[1] > ((uint64_t)1 << 40))
+          die(EXIT_INVALID, "%s: byte %zu: alignment %" PRIu64 " is absurd (more than 2**40)", wl_name, start, a[1]);
         {
           uint64_t sz = op == C_MALLOC || op == C_CALLOC || op == C_VALLOC || op == C_PVALLOC ? a[1] : a[2];
           if (op == C_FREE) sz = 0;
@@ -530,6 +530,9 @@ static void *thread_main(void *arg)
     case C_MEMALIGN:
       a = get_int(&cp); b = get_int(&cp); sz = get_int(&cp);
       if (!a) { st->skipped[T_MEMALIGN]++; break; }
+      /* like glibc's memalign: at least a word, rounded up to a power of two (validated <= 2**40) */
+      if (b < sizeof(void *)) b = sizeof(void *);
+      if (b & (b - 1)) b = (uint64_t)1 << (64 - __builtin_clzll(b));
       t0 = t_start();
       p = f_memalign(b, sz);
       dt = t_end() - t0;
