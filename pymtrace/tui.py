@@ -216,9 +216,7 @@ def run(source, args=None):
     """
     interval = getattr(args, "interval", None) or 1.0
     view = getattr(args, "view", None) or 1
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        raise PymtraceError("the full-screen view needs a terminal; use --batch or --json for output "
-                            "to a pipe or file")
+    require_terminal()
     state = State(interval=interval, view=views.VIEWS.index(views.view_name(view)))
     previous = signal.getsignal(signal.SIGTERM)
     if previous in (signal.SIG_DFL, signal.SIG_IGN, None):
@@ -235,6 +233,13 @@ def run(source, args=None):
     finally:
         if previous in (signal.SIG_DFL, signal.SIG_IGN, None):
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+
+
+def require_terminal():
+    """Raise PymtraceError unless stdin and stdout are a terminal (call it before attaching)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise PymtraceError("the full-screen view needs a terminal; use --batch or --json for output "
+                            "to a pipe or file")
 
 
 def _sigterm(signum, frame):
