@@ -379,7 +379,7 @@ def all_libcs():
     for pid in libc.pids():
         try:
             path = libc.process_libc(pid)
-        except PymtraceError:
+        except (PymtraceError, OSError):
             continue
         if path is None:
             continue
@@ -404,7 +404,7 @@ def load_bias(pid, path):
     key = _file_key(path)
     try:
         maps = libc.read_maps(pid)
-    except PymtraceError:
+    except (PymtraceError, OSError):
         return None
     for m in maps:
         if not m.path:
@@ -681,7 +681,7 @@ class GlibcCollector:
             return self.pid_libc[pid]
         try:
             path = libc.process_libc(pid)
-        except PymtraceError:
+        except (PymtraceError, OSError):
             path = None
         self.pid_libc[pid] = path
         return path
