@@ -182,6 +182,8 @@ class _Collector:
     # -- lifecycle
     def attach(self):
         self.start = time.monotonic()
+        for pid in self.pids or ():
+            self.comms.get(pid)  # remembered in case it exits before its first snapshot
         try:
             self._attach()
             if self.track_exits:
@@ -204,9 +206,12 @@ class _Collector:
         with self._lock:
             self._exited.add(tgid)
 
-    def _take_exited(self):
+    def _take_exited(self, present=()):
+        """TGIDs to report as exited now: exit events seen, plus PIDS in PRESENT that no
+        longer exist (events lost in a fork storm, or exits before the watcher started)."""
         with self._lock:
             gone, self._exited = self._exited, set()
+        gone |= {pid for pid in present if not os.path.exists(f"/proc/{pid}")}
         return gone
 
     def close(self):
@@ -310,10 +315,11 @@ class MallocCollector(_Collector):
 
     def snapshot(self):
         now = time.monotonic()
-        gone = self._take_exited()
         table = self.bpf["ms_stats"]
+        items = _percpu_items(table)
+        gone = self._take_exited(int(k.value) for k, _ in items)
         procs = {}
-        for key, values in _percpu_items(table):
+        for key, values in items:
             pid = int(key.value)
             s = _sum_percpu(values, self.fields)
             calls = s["calls"]
@@ -431,10 +437,11 @@ class FaultCollector(_Collector):
 
     def snapshot(self):
         now = time.monotonic()
-        gone = self._take_exited()
         totals = self.bpf["pf_totals"]
+        items = _percpu_items(totals)
+        gone = self._take_exited(int(k.value) for k, _ in items)
         procs = {}
-        for key, values in _percpu_items(totals):
+        for key, values in items:
             pid = int(key.value)
             s = _sum_percpu(values, self.fields)
             procs[pid] = {"pid": pid, "comm": self.comms.get(pid), "faults_user": int(s["user"]),

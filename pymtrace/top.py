@@ -282,10 +282,13 @@ def _run_batch(args, collectors, pids):
     while not args.iterations or reporter.iteration < args.iterations:
         time.sleep(max(0.0, next_at - time.monotonic()))
         next_at += args.interval
+        final = bool(pids) and not _alive(pids)
+        if final:
+            time.sleep(0.3)  # let the exit notifications arrive: the report marks them "exited"
         prev, cur = cur, collectors.snapshot()
         reporter.report(prev, cur)
-        if pids and not _alive(pids):
-            print(f"pymtrace: all traced processes exited", file=sys.stderr)
+        if final:
+            print("pymtrace: all traced processes exited", file=sys.stderr)
             break
     return 0
 

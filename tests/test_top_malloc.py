@@ -137,3 +137,36 @@ def test_system_wide_mode_counts_the_workload_exactly(cbuild):
     finally:
         top.kill()
         w.kill()
+
+
+@pytest.mark.bpf
+def test_exited_process_reported_once_then_dropped(cbuild):
+    """cn_proc exit events: a process that exits is reported once with "exited": true, its
+    BPF state is deleted (bounded maps), and top -p ends when every traced process is gone."""
+    w = Workload([cbuild("top_calls")])
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc")
+    try:
+        top.json_doc()
+        w.go()
+        expected = w.result()
+        assert w.finish() == 0
+        docs = []
+        while True:
+            try:
+                docs.append(top.json_doc(timeout=30))
+            except AssertionError:  # output closed: top ended by itself
+                break
+        assert top.proc.wait(timeout=30) == 0
+        assert "all traced processes exited" in top.stderr()
+        states = [d["snapshot"]["processes"].get(str(w.pid)) for d in docs]
+        final = [s for s in states if s and s["exited"]]
+        assert len(final) == 1, states
+        # the exit path itself frees (tcache shutdown, thread teardown): at least as many frees
+        assert final[0]["calls"]["malloc"] >= expected["calls"]["malloc"]
+        assert final[0]["calls"]["free"] >= expected["calls"]["free"]
+        after = states[states.index(final[0]) + 1:]
+        assert all(s is None for s in after)
+        assert own_uprobes(top.proc.pid) == []
+    finally:
+        top.kill()
+        w.kill()
