@@ -18,6 +18,11 @@ import tempfile
 import time
 
 from pymtrace import bpfload, libc, probesite
+
+try:  # optional: one vectorised copy per batch instead of one strided copy per word
+    import numpy as _np
+except ImportError:  # pragma: no cover - the memoryview path does the same, ~2x slower
+    _np = None
 from pymtrace.errors import PymtraceError, ProcessGone
 from pymtrace.formats import mtrace_bin, mtrace_text
 
@@ -235,16 +240,32 @@ class RingReader:
                 raise PymtraceError(f"ring buffer header corrupt at {cons:#x}")
             if n == 0:
                 return None, 0
+        out = self._extract(off, n)
+        self._advance(cons + n * self.stride)
+        return out, n
+
+    def _extract(self, off, n):
+        """The N samples at data offset OFF, headers dropped: (first RECORD_SIZE bytes of each,
+        concatenated; the u64 after them in each sample as a list, or None if the sample is
+        only a record). One vectorised copy with numpy, strided word copies without it."""
+        rs = mtrace_bin.RECORD_SIZE
+        extra = self.sample > rs
+        if _np is not None:
+            rows = _np.frombuffer(self.prod_map, dtype=_np.uint8, count=n * self.stride,
+                                  offset=_PAGE + off).reshape(n, self.stride)
+            recs = rows[:, 8:8 + rs].tobytes()
+            tg = rows[:, 8 + rs:16 + rs].copy().view("<u8").ravel() if extra else None
+            return recs, tg
         qstride = self.stride // 8
         qoff = off // 8 + 1  # skip the 8-byte header
-        wpr = self.sample // 8
-        out = bytearray(n * self.sample)
-        oq = memoryview(out).cast("Q")
+        wpr = rs // 8
+        recs = bytearray(n * rs)
+        oq = memoryview(recs).cast("Q")
         src = self.words[qoff: qoff + n * qstride]
         for k in range(wpr):
             oq[k::wpr] = src[k::qstride]
-        self._advance(cons + n * self.stride)
-        return out, n
+        tg = src[wpr::qstride].tolist() if extra else None
+        return recs, tg
 
     def _advance(self, pos):
         struct.pack_into("<Q", self.cons_map, 0, pos)
@@ -368,6 +389,8 @@ class Recorder:
         self.start = None
         self.alive = set()
         self.procevents = None
+        self.consumer_cpu = 0.0  # CPU time spent draining the ring buffer and writing
+        self.polls = 0
 
     # -- files
     def output_for(self, tgid):
@@ -467,32 +490,30 @@ class Recorder:
 
     def _drain(self):
         total = 0
-        while True:
-            data, n = self.reader.read()
-            if not n:
-                return total
-            total += n
-            self._dispatch(data, n)
+        t0 = time.thread_time()
+        try:
+            while True:
+                data, n = self.reader.read()
+                if not n:
+                    return total
+                total += n
+                self._dispatch(data, n)
+        finally:
+            self.consumer_cpu += time.thread_time() - t0
+            self.polls += 1
 
     def _dispatch(self, data, n):
+        recs, tg = data
         rs = mtrace_bin.RECORD_SIZE
-        ss = self.sample
-        if ss == rs:
-            self.output_for(self.target).write(data, n)
+        if tg is None:
+            self.output_for(self.target).write(recs, n)
             return
-        words = memoryview(data).cast("Q")
-        wps = ss // 8
-        tg = words[rs // 8::wps]
-        first = tg[0]
-        recs = bytearray(n * rs)
-        rq = memoryview(recs).cast("Q")
-        for k in range(rs // 8):
-            rq[k::rs // 8] = words[k::wps]
-        if tg.tobytes() == struct.pack("<Q", first) * n:
+        first = int(tg[0])
+        if (_np is not None and bool((tg == first).all())) or (_np is None and tg.count(first) == n):
             self.output_for(first).write(recs, n)
             return
         # several processes in this batch (--follow-forks): split into runs
-        tgids = tg.tolist()
+        tgids = tg.tolist() if _np is not None else tg
         i = 0
         while i < n:
             j = i
@@ -586,6 +607,8 @@ class Recorder:
             "duration_s": round(self.duration, 3),
             "bytes_written": sum(o.bytes_written for o in self.outputs.values()),
             "buffer_size": self.pages * _PAGE,
+            "consumer_cpu_s": round(self.consumer_cpu, 6),
+            "polls": self.polls,
         }
         if self.launched is not None:
             rc = self.launched.proc.poll()
