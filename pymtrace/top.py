@@ -85,7 +85,7 @@ def _start_demo():
     except ImportError:
         raise PymtraceError("the demo workload (pymtrace/demo) is not installed") from None
     starter = None
-    for name in ("start", "start_demo", "launch"):
+    for name in ("start_demo", "start"):
         starter = getattr(demo, name, None)
         if callable(starter):
             break
@@ -97,6 +97,13 @@ def _start_demo():
         raise PymtraceError("the demo workload did not report its PID")
 
     def stop():
+        stopper = getattr(demo, "stop_demo", None)
+        if callable(stopper):
+            try:
+                stopper(handle)
+                return
+            except Exception:
+                pass
         for name in ("stop", "terminate", "kill"):
             fn = getattr(handle, name, None)
             if callable(fn):
