@@ -171,10 +171,15 @@ class Aggregator:
             g = glibc.get(pid) or glibc.get(str(pid)) or {}
             counters.update(_glibc_counters(g))
             st = self.pids.get(pid)
-            if st is not None and any(counters.get(k, 0) < v for k, v in st.last.items()):
-                # cumulative values went down: the PID was reused by a new process
-                self._retire(st)
-                st = None
+            if st is not None:
+                if any(k in counters and counters[k] < v for k, v in st.last.items()):
+                    # cumulative values went down: the PID was reused by a new process
+                    self._retire(st)
+                    st = None
+                else:
+                    # one collector may drop an exited process a snapshot before another
+                    # does: what it stopped reporting keeps its last value
+                    counters = {**st.last, **counters}
             if st is None:
                 st = self.pids[pid] = _Pid(pid, comm, self._want_label(pid, comm))
             elif comm != st.comm:  # exec: same process, new name; the old one keeps what it did

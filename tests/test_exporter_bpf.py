@@ -69,30 +69,44 @@ int main(int argc, char **argv)
 """
 
 CHURN_C = r"""
-/* Fork N short-lived children one after another; each takes the name churn<i>, does
- * 3 mallocs and 3 frees, and exits. */
+/* 1000 short-lived processes in waves: per wave, fork N children; each takes the name
+ * churn<i>, does 3 mallocs and 3 frees, then blocks until the wave ends. The parent says
+ * "wave" and waits for a line on stdin (the test scrapes meanwhile), then ends the wave. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 int main(int argc, char **argv)
 {
-    int n = atoi(argv[1]);
-    for (int i = 0; i < n; i++) {
-        pid_t pid = fork();
-        if (pid == 0) {
-            char name[16];
-            snprintf(name, sizeof name, "churn%d", i);
-            prctl(PR_SET_NAME, name);
-            void *a = malloc(10), *b = malloc(20), *c = malloc(30);
-            free(a); free(b); free(c);
-            _exit(0);
+    int waves = atoi(argv[1]), per = atoi(argv[2]);
+    prctl(PR_SET_NAME, "pmx-churner");   /* the parent is not one of the 1000 */
+    for (int w = 0; w < waves; w++) {
+        int fds[2];
+        if (pipe(fds)) return 1;
+        for (int i = 0; i < per; i++) {
+            pid_t pid = fork();
+            if (pid == 0) {
+                char name[16], c;
+                close(fds[1]);
+                snprintf(name, sizeof name, "churn%d", w * per + i);
+                prctl(PR_SET_NAME, name);
+                void *a = malloc(10), *b = malloc(20), *d = malloc(30);
+                free(a); free(b); free(d);
+                while (read(fds[0], &c, 1) > 0) ;   /* until the parent closes the pipe */
+                _exit(0);
+            }
+            if (pid < 0) return 1;
         }
-        if (pid < 0) return 1;
-        waitpid(pid, 0, 0);
+        close(fds[0]);
+        if (write(1, "wave\n", 5) != 5) return 2;
+        char line[8];
+        if (!fgets(line, sizeof line, stdin)) return 3;
+        close(fds[1]);
+        while (wait(0) > 0) ;
     }
     return 0;
 }
@@ -286,47 +300,62 @@ def test_real_prometheus_stores_the_exact_calls_of_a_workload(tmp_path):
 
 
 def test_churn_of_1000_processes_keeps_series_and_maps_bounded(tmp_path):
+    """1,000 processes (10 waves of 100, each alive for a scrape, then gone): every malloc is
+    counted exactly once across the series, there are never more than --max-series label
+    values plus "other", the per-process BPF map shrinks back, and after the grace period
+    the series of the gone processes disappear."""
     binary = compile_c(tmp_path, "churn", CHURN_C)
-    ex = Exporter("--max-series", "20", "--grace", "3")
+    ex = Exporter("--max-series", "20", "--grace", "3", "--comm", r"^churn\d+$")
+    totals = {}  # label -> [finished segments, current value]: a label dropped and re-created restarts at 0
+
+    def observe():
+        m = parse_metrics(ex.scrape())
+        for (n, lb), v in m.items():
+            if n == "pymtrace_malloc_calls_total" and dict(lb)["call"] == "malloc":
+                seg = totals.setdefault(dict(lb)["comm"], [0, 0])
+                if v < seg[1]:
+                    seg[0] += seg[1]
+                seg[1] = v
+        return m
+
     try:
-        before = parse_metrics(ex.scrape())
+        before = observe()
         base_entries = sample(before, "pymtrace_exporter_bpf_map_entries", map="ms_stats")
         cap = sample(before, "pymtrace_exporter_bpf_map_max_entries", map="ms_stats")
         assert base_entries is not None and cap == 8192
-        total_before = sum(v for (n, lb), v in before.items()
-                           if n == "pymtrace_malloc_calls_total" and dict(lb)["call"] == "malloc")
-        proc = subprocess.Popen([binary, "1000"])
-        max_labels = 0
-        while proc.poll() is None:
-            m = parse_metrics(ex.scrape())
-            labels = {dict(lb)["comm"] for (n, lb) in m if n == "pymtrace_malloc_calls_total"}
-            max_labels = max(max_labels, len(labels))
-            assert sample(m, "pymtrace_exporter_bpf_map_entries", map="ms_stats") <= cap
-            time.sleep(0.3)
-        assert proc.returncode == 0
-        time.sleep(1.5)
-        m = parse_metrics(ex.scrape())
-        labels = {dict(lb)["comm"] for (n, lb) in m if n == "pymtrace_malloc_calls_total"}
-        max_labels = max(max_labels, len(labels))
-        assert max_labels <= 20 + 1, max_labels  # --max-series plus "other"
-        # every malloc of the 1000 children was counted, under some label (none lost)
-        total_after = sum(v for (n, lb), v in m.items()
-                          if n == "pymtrace_malloc_calls_total" and dict(lb)["call"] == "malloc")
-        assert total_after - total_before >= 3 * 1000
-        assert sample(m, "pymtrace_exporter_events_lost_total", cause="malloc_stats_full") == 0
-        # the exited children's map entries are gone again
+        proc = subprocess.Popen([binary, "10", "100"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        max_labels = max_entries = 0
+        for wave in range(10):
+            assert proc.stdout.readline().strip() == "wave"
+            for _ in range(2):
+                m = observe()
+                labels = {dict(lb)["comm"] for (n, lb) in m if n == "pymtrace_malloc_calls_total"}
+                max_labels = max(max_labels, len(labels))
+                max_entries = max(max_entries, sample(m, "pymtrace_exporter_bpf_map_entries", map="ms_stats"))
+            proc.stdin.write("next\n")
+            proc.stdin.flush()
+        assert proc.wait(60) == 0
         time.sleep(1.0)
-        m = parse_metrics(ex.scrape())
+        for _ in range(2):
+            m = observe()
+        assert max_labels <= 20 + 1, max_labels  # --max-series plus "other"
+        assert max_entries <= cap
+        # every malloc of the 1000 children counted exactly once, across all series
+        odd = {k: v for k, v in totals.items() if v != [0, 3]}
+        assert sum(a + b for a, b in totals.values()) == 3 * 1000, odd
+        assert sample(m, "pymtrace_exporter_events_lost_total", cause="malloc_stats_full") == 0
+        # the exited children's map entries are gone again, and the exporter forgot them
         entries = sample(m, "pymtrace_exporter_bpf_map_entries", map="ms_stats")
-        assert entries <= base_entries + 100, (base_entries, entries)
-        assert sample(m, "pymtrace_exporter_processes") <= base_entries + 200
-        # after the grace period, the labels of the gone processes disappear
+        assert entries <= base_entries + 100, (base_entries, max_entries, entries)
+        assert sample(m, "pymtrace_exporter_processes") <= 5
+        # after the grace period, the gone processes' series disappear
         time.sleep(4.0)
-        ex.scrape()
-        m = parse_metrics(ex.scrape())
+        observe()
+        m = observe()
         labels = {dict(lb)["comm"] for (n, lb) in m if n == "pymtrace_malloc_calls_total"}
-        assert not any(re.fullmatch(r"churn\d+", lb) for lb in labels), labels
-        assert sample(m, "pymtrace_exporter_series_dropped_total") >= 1
+        assert labels == set(), labels
+        assert sample(m, "pymtrace_exporter_series_labels") == 0
+        assert sample(m, "pymtrace_exporter_series_dropped_total") >= 20
     finally:
         assert ex.stop() == 0
 
