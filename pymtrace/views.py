@@ -163,26 +163,31 @@ def processes_view(prev, cur, interval=None):
             mean = _get(p, "requested_bytes") / total_calls if total_calls else 0
         faults = _delta(_get(p, "faults_user") + _get(p, "faults_kernel"),
                         _get(o, "faults_user") + _get(o, "faults_kernel"))
+        traced = "calls" in p  # no per-call data (e.g. --always-on): blank, not zero
+        has_faults = "faults_user" in p or "faults_kernel" in p
         row = [
             pid,
             str(p.get("comm") or "?"),
-            calls["malloc"] / dt,
-            calls["calloc"] / dt,
-            calls["realloc"] / dt,
-            calls["free"] / dt,
-            sum(calls[c] for c in MEMALIGN_FAMILY) / dt,
-            req / dt,
-            mean,
-            _get(p, "live_bytes"),
-            faults / dt,
+            calls["malloc"] / dt if traced else None,
+            calls["calloc"] / dt if traced else None,
+            calls["realloc"] / dt if traced else None,
+            calls["free"] / dt if traced else None,
+            sum(calls[c] for c in MEMALIGN_FAMILY) / dt if traced else None,
+            req / dt if traced else None,
+            mean if traced else None,
+            _get(p, "live_bytes") if traced else None,
+            faults / dt if has_faults else None,
         ]
         rows.append(row)
         tot["processes"] += 1
+        tot["traced"] = tot.get("traced", 0) + (1 if traced else 0)
         tot["calls_per_s"] += (n_alloc + calls["free"]) / dt
         tot["requested_bytes_per_s"] += req / dt
         tot["live_bytes"] += _get(p, "live_bytes")
         tot["faults_per_s"] += faults / dt
-    return Table("processes", TITLES["processes"], PROCESS_COLUMNS, rows, sort=2, totals=tot, interval=dt)
+    # without per-call data (--always-on) the faults are all there is to sort by
+    sort = 2 if tot.get("traced") or not rows else len(PROCESS_COLUMNS) - 1
+    return Table("processes", TITLES["processes"], PROCESS_COLUMNS, rows, sort=sort, totals=tot, interval=dt)
 
 
 SLAB_COLUMNS = [
@@ -561,9 +566,13 @@ def summary(table):
     """One line of totals for the header of the view."""
     t = table.totals
     if table.view == "processes":
-        text = (f"{t.get('processes', 0)} processes, {human_count(t.get('calls_per_s', 0))} calls/s, "
-                f"{human_bytes(t.get('requested_bytes_per_s', 0))}/s requested, "
-                f"{human_bytes(t.get('live_bytes', 0))} live, {human_count(t.get('faults_per_s', 0))} faults/s")
+        if t.get("traced", 0) or not t.get("processes"):
+            text = (f"{t.get('processes', 0)} processes, {human_count(t.get('calls_per_s', 0))} calls/s, "
+                    f"{human_bytes(t.get('requested_bytes_per_s', 0))}/s requested, "
+                    f"{human_bytes(t.get('live_bytes', 0))} live, {human_count(t.get('faults_per_s', 0))} faults/s")
+        else:
+            text = (f"{t.get('processes', 0)} processes, {human_count(t.get('faults_per_s', 0))} faults/s "
+                    "(no per-call malloc data: per-call probes are off)")
     elif table.view == "slab":
         text = (f"{t.get('caches', 0)} caches, {human_count(t.get('allocs_per_s', 0))} allocs/s, "
                 f"{human_count(t.get('frees_per_s', 0))} frees/s, {human_bytes(t.get('bytes_per_s', 0))}/s")

@@ -228,6 +228,19 @@ def test_reused_pid_restarts_from_zero():
     assert t.rows[0][2] == 10.0
 
 
+def test_processes_without_per_call_data_are_blank_not_zero():
+    # --always-on: only the fault collector reports processes
+    cur = {"time": 2.0, "start": 1.0, "processes": {7: {"pid": 7, "comm": "quiet", "faults_user": 4, "faults_kernel": 0}}}
+    t = views.build(1, None, cur)
+    row = dict(zip([c.key for c in t.columns], t.rows[0]))
+    assert row["malloc_per_s"] is None and row["live_bytes"] is None and row["faults_per_s"] == 4.0
+    cells = views.format_rows(t)[0]
+    assert cells[2] == "" and cells[-1] == "4"
+    assert views.to_json(t)["rows"][0]["malloc_per_s"] is None
+    assert t.columns[t.sort].key == "faults_per_s"
+    assert "no per-call malloc data" in views.summary(t)
+
+
 def test_unknown_view():
     with pytest.raises(ValueError):
         views.build(5, None, {})
