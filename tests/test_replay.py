@@ -1,0 +1,277 @@
+"""`pymtrace replay` and the native simulator on hand-built traces with known results, the
+allocator/tunable/mallopt/trim configurations, failures per row, plots, and the end-to-end
+record -> workload -> replay test under glibc and jemalloc."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+
+import pytest
+
+from conftest import WORKLOADS, run_pymtrace
+from pymtrace.formats import mtrace_bin as mb
+from pymtrace.formats import wl
+
+R = mb.Record
+A, B = 2000, 2001
+SIM_TIMEOUT = 120
+
+
+def write_trace(path, records):
+    path.write_bytes(mb.magic_record(records[0].thread) + b"".join(mb.pack(r) for r in records))
+    return path
+
+
+def replay_json(*args, timeout=SIM_TIMEOUT):
+    proc = run_pymtrace("replay", *args, "--json", timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def only_result(doc):
+    (conf,) = doc["configurations"]
+    assert conf["error"] is None, conf["error"]
+    return conf["result"]
+
+
+SINGLE = [
+    R(A, mb.MALLOC, 0, 0x1000, 100),                 # live 100
+    R(A, mb.CALLOC, 0, 0x2000, 50),                  # 150
+    R(A, mb.REALLOC, 0x1000, 0x3000, 300),           # 350
+    R(A, mb.MEMALIGN, 0, 0x4000, 1000, 64),          # 1350
+    R(A, mb.VALLOC, 0, 0x5000, 10, 4096),            # 1360
+    R(A, mb.PVALLOC, 0, 0x6000, 10),                 # 1370
+    R(A, mb.MALLOC, 0, 0, 1 << 50),                  # NULL result: skipped
+    R(A, mb.POSIX_MEMALIGN, 22, 0, 64, 3),           # EINVAL: skipped
+    R(A, mb.FREE, 0x2000), R(A, mb.FREE, 0x3000), R(A, mb.FREE, 0x4000),  # 20
+    R(A, mb.MALLOC, 0, 0x7000, 2000),                # 2020 <- peak
+    R(A, mb.FREE, 0x5000), R(A, mb.FREE, 0x6000), R(A, mb.FREE, 0x7000), R(A, mb.FREE, 0),
+]
+
+
+@pytest.mark.parametrize("sync", ["futex", "mutex"])
+def test_counts_ideal_rss_and_null_results(tmp_path, sync):
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    r = only_result(replay_json(trace, "--sync", sync))
+    calls = r["calls"]
+    got = {k: (v["count"], v["skipped"]) for k, v in calls.items()}
+    assert got == {"malloc": (2, 1), "calloc": (1, 0), "realloc": (1, 0), "memalign": (1, 1),
+                   "valloc": (1, 0), "pvalloc": (1, 0), "free": (7, 0)}
+    assert r["ideal_rss_peak_bytes"] == 2020 and r["ideal_rss_end_bytes"] == 0
+    assert r["threads"] == 1 and r["sync"] == sync
+    assert r["unit"] in ("cycles", "ns") and r["timer"] in ("rdtscp", "clock_gettime")
+    for c in calls.values():
+        if c["count"]:
+            assert c["min"] <= c["p50"] <= c["p99"] <= c["max"] and c["total"] >= c["max"]
+    assert r["rss_samples"] and r["max_rss_kb"] >= r["max_rss_start_kb"] > 0
+
+
+def ping_pong(n, size=48):
+    """A allocates one address, B frees it, A gets it back...: fully serialised handoffs."""
+    recs = []
+    for i in range(n):
+        recs += [R(A, mb.MALLOC, 0, 0x1000, size), R(B, mb.FREE, 0x1000)]
+    return recs
+
+
+@pytest.mark.parametrize("sync", ["futex", "mutex"])
+def test_cross_thread_frees_in_order_without_deadlock(tmp_path, sync):
+    n = 3000
+    trace = write_trace(tmp_path / "pp.trace", ping_pong(n))
+    wl_path = tmp_path / "pp.wl"
+    run_pymtrace("workload", trace, "-o", wl_path, check=True)
+    parsed = wl.read_file(wl_path)
+    nsync_r = sum(1 for ops in parsed.threads for op, _, _ in ops if op == wl.SYNC_R)
+    assert nsync_r == 2 * n  # B's start + one before every call but A's first
+    r = only_result(replay_json(wl_path, "--sync", sync, "--timeout", "100"))
+    assert r["calls"]["malloc"]["count"] == n and r["calls"]["free"]["count"] == n
+    assert r["handoffs"] == nsync_r
+    # in order: every free saw its block (a free before its malloc would free NULL and leave
+    # the block live, so the ideal RSS would grow past one block)
+    assert r["ideal_rss_peak_bytes"] == 48 and r["ideal_rss_end_bytes"] == 0
+    assert r["slot_overwrites"] == 0
+
+
+def test_text_report_upstream_style(tmp_path):
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    proc = run_pymtrace("replay", trace, "--text", timeout=SIM_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for line in ("usec wall time", "Kb Max RSS (", "Kb Max Ideal RSS", "sizeof ticks_t is 8",
+                 "Avg malloc time:", "Avg free time:", "Total call time:", "cross-thread handoffs"):
+        assert line in out, line
+    assert "1 Kb Max Ideal RSS" in out  # 2020 bytes
+
+
+def lib_for(name):
+    from pymtrace import replay
+    try:
+        return replay.find_library(name)
+    except Exception:
+        return None
+
+
+def test_allocators_side_by_side_and_failures_in_rows(tmp_path, build_dir):
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    crash_so = build_dir / "replay_crash_alloc.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(crash_so), str(WORKLOADS / "replay_crash_alloc.c")],
+                   check=True)
+    names = ["glibc"] + [n for n in ("jemalloc", "tcmalloc", "mimalloc") if lib_for(n)]
+    args = []
+    for n in names + ["/nonexistent/libfoo.so", str(crash_so)]:
+        args += ["--allocator", n]
+    doc = replay_json(trace, *args)
+    rows = {c["configuration"]: c for c in doc["configurations"]}
+    for n in names:
+        assert rows[n]["error"] is None, rows[n]["error"]
+        r = rows[n]["result"]
+        assert r["calls"]["free"]["count"] == 7
+        if n != "glibc":  # the simulator really mapped that allocator
+            assert r["allocator_library"] == lib_for(n)
+            assert lib_for(n) in {os.path.realpath(p) for p in r["libraries"]}
+    assert "library not found" in rows["/nonexistent/libfoo.so"]["error"]
+    assert rows[str(crash_so)]["error"].startswith("crashed: SIGSEGV")
+    # the table: a row per configuration, the failures in theirs
+    proc = run_pymtrace("replay", trace, *args, timeout=SIM_TIMEOUT)
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 + len(names) + 2
+    assert any(line.startswith("/nonexistent/libfoo.so") and "library not found" in line for line in lines)
+    assert any("crashed: SIGSEGV" in line for line in lines)
+
+
+def test_jemalloc_lacking_pvalloc_is_emulated_not_mixed(tmp_path):
+    if not lib_for("jemalloc"):
+        pytest.skip("jemalloc not installed")
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    r = only_result(replay_json(trace, "--allocator", "jemalloc"))
+    assert "pvalloc" in r["emulated"].split()
+    assert r["calls"]["pvalloc"]["count"] == 1
+
+
+def test_repeat_trim_mallopt(tmp_path):
+    recs = []
+    for i in range(100):
+        recs.append(R(A, mb.MALLOC, 0, 0x1000 + 16 * i, 32))
+    trace = write_trace(tmp_path / "m.trace", recs)
+    r = only_result(replay_json(trace, "--repeat", "3", "--trim-interval", "30",
+                                "--mallopt", "M_MMAP_THRESHOLD=65536", "--allocator", "glibc:M_TOP_PAD=0"))
+    assert r["runs"] == 3
+    assert r["calls"]["malloc_trim"]["count"] == 3  # after calls 30, 60, 90
+    assert [(m["name"], m["value"], m["result"]) for m in r["mallopt"]] == [
+        ("M_MMAP_THRESHOLD", 65536, 1), ("M_TOP_PAD", 0, 1)]
+
+
+def test_tunable_and_mallopt_change_behaviour(tmp_path):
+    """With mmap_threshold 4096, 400 live 5000-byte blocks each take an 8 KiB mapping."""
+    recs = [R(A, mb.MALLOC, 0, 0x100000 + 0x2000 * i, 5000) for i in range(400)]
+    trace = write_trace(tmp_path / "big.trace", recs)
+    doc = replay_json(trace, "--allocator", "glibc", "--allocator", "glibc:glibc.malloc.mmap_threshold=4096",
+                      "--allocator", "glibc:M_MMAP_THRESHOLD=4096")
+    plain, tun, mal = (c["result"] for c in doc["configurations"])
+    assert plain["anon_rss_peak_kb"] + 800 < tun["anon_rss_peak_kb"]
+    assert plain["anon_rss_peak_kb"] + 800 < mal["anon_rss_peak_kb"]
+    assert plain["ideal_rss_peak_bytes"] == tun["ideal_rss_peak_bytes"] == 400 * 5000
+
+
+@pytest.mark.parametrize("ext", ["png", "svg"])
+def test_plot(tmp_path, ext):
+    pytest.importorskip("matplotlib")
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    out = tmp_path / f"cmp.{ext}"
+    proc = run_pymtrace("replay", trace, "--allocator", "glibc", "--allocator", "/missing.so", "--plot", out,
+                        timeout=SIM_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    data = out.read_bytes()
+    if ext == "png":
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    else:
+        assert b"<svg" in data and b"RSS over time" in data and b"cost per call type" in data
+
+
+def test_corrupt_workload_is_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.wl"
+    bad.write_bytes(wl.build(4, 4, [wl.encode_op(wl.SYNC_R, 2) + b"\x01"]))
+    proc = run_pymtrace("replay", bad, timeout=SIM_TIMEOUT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"pymtrace: error: {bad}: deadlock: thread 0 waits at byte 9 for sync id 2 "
+                                   f"(never written); 1 of 1 threads can never finish")
+
+
+def test_no_compiler_is_a_clear_error(tmp_path):
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    env = dict(os.environ, CC="no-such-cc-for-pymtrace", PYMTRACE_CACHE_DIR=str(tmp_path / "cache"))
+    proc = run_pymtrace("replay", trace, env=env, timeout=SIM_TIMEOUT)
+    assert proc.returncode == 1
+    assert "needs a C compiler" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_simulator_built_once_into_hash_keyed_cache(tmp_path):
+    env = dict(os.environ, PYMTRACE_CACHE_DIR=str(tmp_path / "cache"))
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    run_pymtrace("replay", trace, env=env, check=True, timeout=SIM_TIMEOUT)
+    built = list((tmp_path / "cache" / "native").iterdir())
+    assert len(built) == 1 and built[0].name.startswith("pymtrace-replay-")
+    mtime = built[0].stat().st_mtime_ns
+    run_pymtrace("replay", trace, env=env, check=True, timeout=SIM_TIMEOUT)
+    assert built[0].stat().st_mtime_ns == mtime
+
+
+# -- end to end -------------------------------------------------------------------------
+def trace_expectation(path):
+    """Per-type call counts the replay must show, straight from the trace."""
+    exp = {}
+    live = set()
+    for rec in mb.read_file(path):
+        t = rec.type
+        name = {mb.POSIX_MEMALIGN: "memalign"}.get(t, rec.type_name)
+        if t == mb.FREE:
+            if rec.ptr1 and rec.ptr1 not in live:
+                continue
+            live.discard(rec.ptr1)
+        elif t == mb.REALLOC:
+            if rec.ptr2 == 0 and rec.size:
+                continue
+            live.discard(rec.ptr1)
+            if rec.ptr2:
+                live.add(rec.ptr2)
+        else:
+            ok = rec.ptr2 != 0 and not (t == mb.POSIX_MEMALIGN and rec.ptr1)
+            if not ok:
+                continue
+            live.add(rec.ptr2)
+        exp[name] = exp.get(name, 0) + 1
+    return exp
+
+
+@pytest.mark.bpf
+def test_end_to_end_record_convert_replay_glibc_jemalloc(tmp_path, cbuild):
+    exe = cbuild("replay_mt")
+    trace = tmp_path / "mt.trace"
+    proc = run_pymtrace("record", "-o", trace, "--", exe, "100", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    wl_path = tmp_path / "mt.wl"
+    conv = run_pymtrace("workload", trace, "-o", wl_path, timeout=300)
+    assert conv.returncode == 0, conv.stderr
+    assert "inversions unrepaired" not in conv.stdout and "invalid frees" not in conv.stdout, conv.stdout
+    parsed = wl.read_file(wl_path)
+    assert len(parsed.threads) >= 5  # main + 4 workers
+    expected = trace_expectation(trace)
+    assert expected["free"] > 1000 and expected["valloc"] >= 4 * 5
+    allocators = ["glibc"] + (["jemalloc"] if lib_for("jemalloc") else [])
+    if "jemalloc" not in allocators:
+        pytest.fail("jemalloc (libjemalloc2) is not installed")
+    args = [a for n in allocators for a in ("--allocator", n)]
+    doc = replay_json(wl_path, *args)
+    for conf in doc["configurations"]:
+        assert conf["error"] is None, conf
+        r = conf["result"]
+        got = {k: v["count"] for k, v in r["calls"].items() if v["count"]}
+        assert got == expected, (conf["configuration"], got, expected)
+        assert r["threads"] == len(parsed.threads)
+        libs = {os.path.realpath(p) for p in r["libraries"]}
+        if conf["configuration"] == "jemalloc":
+            assert lib_for("jemalloc") in libs
+        else:
+            assert not any("jemalloc" in p for p in libs)
