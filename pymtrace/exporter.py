@@ -388,12 +388,12 @@ class ExporterCollector:
             bpf = self.bpfstats.read() if self.bpfstats else None
         lab = self.label
         calls = CounterMetricFamily("pymtrace_malloc_calls", "malloc-API calls by call type", labels=[lab, "call"])
-        req = CounterMetricFamily("pymtrace_malloc_requested_bytes", "bytes requested from malloc, calloc, realloc and the memalign family", labels=[lab])
-        alloc = CounterMetricFamily("pymtrace_malloc_allocated_bytes", "bytes of blocks handed out (usable size where known)", labels=[lab])
-        freed = CounterMetricFamily("pymtrace_malloc_freed_bytes", "bytes of blocks freed (free and realloc)", labels=[lab])
+        req = CounterMetricFamily("pymtrace_malloc_requested_bytes", "bytes requested from malloc, calloc (nmemb*size), realloc (new size) and the memalign family", labels=[lab])
+        alloc = CounterMetricFamily("pymtrace_malloc_allocated_bytes", "chunk bytes of the blocks returned (malloc_usable_size + chunk header)", labels=[lab])
+        freed = CounterMetricFamily("pymtrace_malloc_freed_bytes", "chunk bytes of the blocks freed (free, realloc's old block)", labels=[lab])
         failed = CounterMetricFamily("pymtrace_malloc_failures", "allocation calls that returned NULL", labels=[lab])
-        live = GaugeMetricFamily("pymtrace_malloc_live_bytes", "bytes allocated minus bytes freed since the exporter attached, by live processes", labels=[lab])
-        hist = HistogramMetricFamily("pymtrace_malloc_size_bytes", "requested allocation sizes (log2 buckets aggregated in BPF)", labels=[lab])
+        live = GaugeMetricFamily("pymtrace_malloc_live_bytes", "allocated minus freed chunk bytes since the exporter attached, over live processes (negative when blocks from before attach are freed)", labels=[lab])
+        hist = HistogramMetricFamily("pymtrace_malloc_size_bytes", "requested sizes of allocation calls (log2 buckets aggregated in BPF: le = 2^i - 1)", labels=[lab])
         faults = CounterMetricFamily("pymtrace_page_faults", "page faults by mode (user: in user code; kernel: in the kernel touching user memory)", labels=[lab, "mode"])
         g_gauges = {k: GaugeMetricFamily(n, h, labels=[lab]) for k, (n, h) in GLIBC_GAUGES.items()}
         g_counters = {k: CounterMetricFamily(n, h, labels=[lab]) for k, (n, h) in GLIBC_COUNTERS.items()}

@@ -254,6 +254,21 @@ def test_series_keyed_by_comm_sum_processes_and_stay_monotonic_when_they_exit():
     assert "web" not in agg.retired
 
 
+def test_a_process_dropped_by_one_collector_before_another_is_counted_once():
+    alive = {1}
+    agg = exporter.Aggregator(alive=lambda pid: pid in alive)
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 3}, "faults_user": 5}}, now=0)
+    alive.clear()
+    # the fault collector already forgot the exited process, the malloc collector not yet
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 3}, "exited": True}}, now=1)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 3 and c["faults_user"] == 5
+    agg.update({}, now=2)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 3 and c["faults_user"] == 5
+    assert agg.pids == {}
+
+
 def test_label_by_pid_is_capped_with_other_and_other_never_decreases():
     alive = set(range(1, 11))
     agg = exporter.Aggregator(label_by="pid", max_series=3, grace=5, alive=lambda pid: pid in alive)

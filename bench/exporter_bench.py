@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Benchmark of `pymtrace exporter` (not a timed test).
+
+    sudo /opt/pymtrace/venv/bin/python bench/exporter_bench.py [--rounds 7] [--pairs 300000]
+
+1. Traced-workload slowdown: one single-thread malloc+free storm (bench/storm.c, the
+   system libc, so the exporter's system-wide probes hit it) measured in phases:
+   untraced, exporter --always-on, exporter (full mode), untraced again. Min and median
+   ns per malloc+free pair, and the ratio to untraced (both untraced phases pooled).
+2. Scrape cost: with the full-mode exporter running and N idle processes with distinct
+   comms (each made a known malloc), scrape /metrics once a second; report the number of
+   series, scrape latency (client side: median, p90, max) and the exporter's CPU seconds
+   per wall second (/proc/PID/stat utime+stime of all its threads), idle and while scraped.
+
+The machine is shared and noisy: only ratios inside one run mean anything. Prints a
+markdown table for docs/exporter.md; --json FILE also writes the raw numbers.
+"""
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+PY = [sys.executable, "-m", "pymtrace"]
+
+IDLE_C = r"""
+/* Fork N idle processes named <prefix><i>; each mallocs 100 bytes once and waits for
+ * stdin of the parent to close. Prints "ready" when all exist. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(int argc, char **argv)
+{
+    int n = atoi(argv[1]);
+    int fds[2];
+    if (pipe(fds)) return 1;
+    for (int i = 0; i < n; i++) {
+        if (fork() == 0) {
+            char name[16], c;
+            close(fds[1]);
+            snprintf(name, sizeof name, "%s%d", argv[2], i);
+            prctl(PR_SET_NAME, name);
+            void *volatile p = malloc(100);
+            (void)p;
+            while (read(fds[0], &c, 1) > 0) ;
+            _exit(0);
+        }
+    }
+    close(fds[0]);
+    printf("ready\n");
+    fflush(stdout);
+    char line[8];
+    while (fgets(line, sizeof line, stdin)) ;
+    close(fds[1]);
+    while (wait(0) > 0) ;
+    return 0;
+}
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(tmp, name, source=None, src_path=None):
+    out = os.path.join(tmp, name)
+    if source is not None:
+        src_path = os.path.join(tmp, name + ".c")
+        with open(src_path, "w") as f:
+            f.write(source)
+    subprocess.run(["gcc", "-O2", "-fno-builtin", "-o", out, str(src_path)], check=True)
+    return out
+
+
+class Exporter:
+    def __init__(self, *args):
+        self.port = free_port()
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(PY + ["exporter", "--listen", f"127.0.0.1:{self.port}", *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        while True:
+            line = self.proc.stderr.readline()
+            if "serving" in line:
+                break
+            if not line:
+                raise SystemExit(f"exporter failed to start: {self.proc.stderr.read()}")
+        self.startup = time.monotonic() - t0
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+
+    def cpu_seconds(self):
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime (all threads)
+
+    def scrape(self):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(self.url, timeout=60) as r:
+            body = r.read()
+        return time.perf_counter() - t0, body.decode()
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Storm:
+    def __init__(self, binary):
+        self.proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().startswith("ready")
+
+    def run(self, pairs, size=64):
+        self.proc.stdin.write(f"{pairs} {size}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def measure(storm, rounds, pairs):
+    return [storm.run(pairs) for _ in range(rounds)]
+
+
+def series_count(text, prefix=None):
+    return sum(1 for line in text.splitlines()
+               if line and not line.startswith("#") and (prefix is None or line.startswith(prefix)))
+
+
+def scrape_phase(ex, n_scrapes, interval=1.0):
+    lat = []
+    cpu0, t0 = ex.cpu_seconds(), time.monotonic()
+    text = ""
+    for _ in range(n_scrapes):
+        start = time.monotonic()
+        dt, text = ex.scrape()
+        lat.append(dt)
+        time.sleep(max(0.0, interval - (time.monotonic() - start)))
+    cpu = (ex.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+    return lat, cpu, text
+
+
+def idle_cpu(ex, seconds):
+    cpu0, t0 = ex.cpu_seconds(), time.monotonic()
+    time.sleep(seconds)
+    return (ex.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7, help="storm measurements per phase")
+    ap.add_argument("--pairs", type=int, default=300000, help="malloc+free pairs per measurement")
+    ap.add_argument("--scrapes", type=int, default=30, help="scrapes per scrape phase (1/s)")
+    ap.add_argument("--procs", default="37,1000", help="idle processes (distinct comms) per scrape phase")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root")
+    tmp = tempfile.mkdtemp(prefix="pymtrace-exporter-bench-")
+    try:
+        storm_bin = build(tmp, "storm", src_path=HERE / "storm.c")
+        idle_bin = build(tmp, "idle", source=IDLE_C)
+        storm = Storm(storm_bin)
+        res = {"pairs": args.pairs, "rounds": args.rounds, "phases": {}, "scrape": []}
+        print("untraced ...", file=sys.stderr)
+        res["phases"]["untraced-1"] = measure(storm, args.rounds, args.pairs)
+        for mode, flags in (("always-on", ["--always-on"]), ("full", [])):
+            print(f"exporter {mode}: starting ...", file=sys.stderr)
+            ex = Exporter(*flags, "--comm", "^pmxbench")
+            res.setdefault("startup", {})[mode] = ex.startup
+            try:
+                ex.scrape()
+                res["phases"][mode] = measure(storm, args.rounds, args.pairs)
+                if mode == "full":
+                    res["idle_cpu"] = idle_cpu(ex, 10)
+                    for n in [int(x) for x in args.procs.split(",") if x]:
+                        print(f"scrape phase with {n} processes ...", file=sys.stderr)
+                        idle = subprocess.Popen([idle_bin, str(n), "pmxbench"], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, text=True)
+                        assert idle.stdout.readline().strip() == "ready"
+                        time.sleep(2)
+                        ex.scrape()
+                        lat, cpu, text = scrape_phase(ex, args.scrapes)
+                        idle.stdin.close()
+                        idle.wait()
+                        res["scrape"].append({
+                            "processes": n, "series": series_count(text),
+                            "workload_series": series_count(text, "pymtrace_malloc") + series_count(text, "pymtrace_page"),
+                            "bytes": len(text), "latency_median": statistics.median(lat),
+                            "latency_p90": pct(lat, 0.9), "latency_max": max(lat), "cpu_per_s": cpu})
+            finally:
+                ex.stop()
+        print("untraced again ...", file=sys.stderr)
+        res["phases"]["untraced-2"] = measure(storm, args.rounds, args.pairs)
+        storm.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    base = res["phases"]["untraced-1"] + res["phases"]["untraced-2"]
+    bmin, bmed = min(base), statistics.median(base)
+    print(f"\nStorm: {args.pairs} malloc(64)+free pairs per measurement, {args.rounds} measurements per phase\n")
+    print("| mode | ns/pair min | ns/pair median | slowdown (median) |")
+    print("|---|---|---|---|")
+    for name, vals in (("untraced", base), ("exporter --always-on", res["phases"]["always-on"]),
+                       ("exporter (full)", res["phases"]["full"])):
+        med = statistics.median(vals)
+        print(f"| {name} | {min(vals):.0f} | {med:.0f} | {100 * (med / bmed - 1):+.1f} % |")
+    print(f"\nExporter start-up (compile + attach): always-on {res['startup']['always-on']:.1f} s, "
+          f"full {res['startup']['full']:.1f} s; idle CPU (full mode, no scrapes): {res['idle_cpu']:.3f} s/s\n")
+    print("| idle processes | series in a scrape | of them per-process | scrape bytes | latency median | p90 | max | exporter CPU s/s at 1 scrape/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in res["scrape"]:
+        print(f"| {s['processes']} | {s['series']} | {s['workload_series']} | {s['bytes']} | "
+              f"{1000 * s['latency_median']:.0f} ms | {1000 * s['latency_p90']:.0f} ms | "
+              f"{1000 * s['latency_max']:.0f} ms | {s['cpu_per_s']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
