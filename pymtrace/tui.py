@@ -184,7 +184,10 @@ def _loop(scr, source, state):
     except curses.error:
         pass
     scr.keypad(True)
-    state.push(source())
+    try:
+        state.push(source())
+    except StopIteration:
+        return 0
     draw(scr, state, state.table())
     next_at = time.monotonic() + state.interval
     while not state.quit:
