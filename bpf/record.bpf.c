@@ -16,6 +16,9 @@
 #ifndef RB_PAGES
 #define RB_PAGES 4096
 #endif
+#ifndef RESERVE_RETRIES
+#define RESERVE_RETRIES 8
+#endif
 #ifndef STASH_ENTRIES
 #define STASH_ENTRIES 65536
 #endif
@@ -43,6 +46,7 @@ struct stash {
 
 BPF_RINGBUF_OUTPUT(events, RB_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
+BPF_PERCPU_ARRAY(retried, u64, 1);  /* reservations that failed once */
 /* set by user space once every probe is attached: records start together for all functions
  * (a call missed because its entry probe was not attached yet cannot leave holes later) */
 BPF_ARRAY(enabled, u32, 1);
@@ -115,6 +119,16 @@ static __always_inline struct record_event *reserve(void)
     if (!on || !*on)
         return 0;
     struct record_event *e = events.ringbuf_reserve(sizeof(struct record_event));
+    if (!e) {
+        /* Not only a full buffer: kernels with resilient ring-buffer spinlocks (6.15+) also
+         * fail a reservation now and then with the buffer nearly empty. Try once more. */
+        u64 *r = retried.lookup(&zero);
+        if (r)
+            *r += 1;
+#pragma unroll
+        for (int i = 0; i < RESERVE_RETRIES && !e; i++)
+            e = events.ringbuf_reserve(sizeof(struct record_event));
+    }
     if (!e) {
         u64 *n = lost.lookup(&zero);
         if (n)

@@ -212,6 +212,7 @@ class RingReader:
         self.words = self.data.cast("Q")
         self.max_batch = size // self.stride
         self.discarded = 0
+        self.max_backlog = 0  # most bytes ever waiting in the ring: how close we came to losing
 
     def _pos(self):
         return struct.unpack_from("<Q", self.cons_map, 0)[0], struct.unpack_from("<Q", self.prod_map, 0)[0]
@@ -219,6 +220,8 @@ class RingReader:
     def read(self, max_records=None):
         """(bytes of the committed samples' payloads, count); advances the consumer position."""
         cons, prod = self._pos()
+        if prod - cons > self.max_backlog:
+            self.max_backlog = prod - cons
         avail = (prod - cons) // self.stride
         if avail <= 0:
             return None, 0
@@ -391,6 +394,8 @@ class Recorder:
         self.procevents = None
         self.consumer_cpu = 0.0  # CPU time spent draining the ring buffer and writing
         self.polls = 0
+        self.last_poll = None
+        self.max_gap = 0.0
 
     # -- files
     def output_for(self, tgid):
@@ -490,6 +495,10 @@ class Recorder:
 
     def _drain(self):
         total = 0
+        now = time.monotonic()
+        if self.last_poll is not None:
+            self.max_gap = max(self.max_gap, now - self.last_poll)
+        self.last_poll = now
         t0 = time.thread_time()
         try:
             while True:
@@ -527,6 +536,14 @@ class Recorder:
         import ctypes
 
         return int(self.bpf["lost"].sum(ctypes.c_int(0)).value)
+
+    def _retried(self):
+        import ctypes
+
+        try:
+            return int(self.bpf["retried"].sum(ctypes.c_int(0)).value)
+        except Exception:
+            return 0
 
     def _target_alive(self, pidfd):
         if self.launched is not None:
@@ -609,6 +626,9 @@ class Recorder:
             "buffer_size": self.pages * _PAGE,
             "consumer_cpu_s": round(self.consumer_cpu, 6),
             "polls": self.polls,
+            "max_poll_gap_s": round(self.max_gap, 4),
+            "reserve_retries": self._retried(),
+            "max_backlog_bytes": self.reader.max_backlog if self.reader is not None else 0,
         }
         if self.launched is not None:
             rc = self.launched.proc.poll()

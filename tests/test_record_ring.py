@@ -24,6 +24,7 @@ class FakeRing(record.RingReader):
         self.words = self.data.cast("Q")
         self.max_batch = SIZE // STRIDE
         self.discarded = 0
+        self.max_backlog = 0
         self.prod = 0
 
     def produce(self, rec, tgid, flags=0):
