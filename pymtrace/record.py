@@ -369,6 +369,8 @@ def attach(bpf, libs, pid, note_bases=False):
             sites = probesite.sites(path, func)
             offsets = (sites.offset,) + tuple(sites.side_paths)
             plan.append((path, func, sym.address, entry, offsets, func != "free" and not outer))
+    if not any(p == libs[0][0] for p, *_ in plan):
+        raise PymtraceError(f"{libs[0][0]}: no malloc/free symbols to probe (not a libc?)")
     for path, func, addr, entry, offsets, has_ret in plan:
         if has_ret:
             bpf.attach_uretprobe(name=path, addr=addr, fn_name="leave", pid=pid)
@@ -442,12 +444,32 @@ class Recorder:
                 raise PymtraceError("the process does not use a shared libc (static binary?): "
                                     "nothing to probe; use --libc PATH")
             self.output_for(self.target)
-            self._load(libc_path)
+            try:
+                self._load(libc_path)
+            except BaseException:
+                self._discard_outputs()  # nothing was recorded: leave no empty trace behind
+                raise
             return self._loop()
         finally:
             self._cleanup()
 
+    def _discard_outputs(self):
+        for out in self.outputs.values():
+            for fd in (out.fd, getattr(out, "final_fd", None)):
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            try:
+                os.unlink(out.path)
+            except OSError:
+                pass
+        self.outputs.clear()
+
     def _load(self, libc_path):
+        if not os.path.isfile(libc_path):
+            raise PymtraceError(f"{libc_path}: no such file")
         defines = {"RB_PAGES": self.pages, "PAGE_SIZE_BYTES": _PAGE,
                    "TARGET_TGID": self.target}
         if self.follow:
