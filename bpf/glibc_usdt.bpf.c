@@ -34,6 +34,9 @@ BPF_HASH(heaps, struct pid_addr, u64, MAX_HEAPS);
 BPF_HASH(mallopt_pending, u32, s32, MAX_THREADS); /* tid -> mallopt param in progress */
 BPF_HASH(fault_pids, u32, u8, MAX_PIDS);
 
+/* several threads of one process update its counters at once: atomic adds */
+#define ADD(field, value) __sync_fetch_and_add(&(field), (value))
+
 static __always_inline void count_full(int idx)
 {
 	u64 *v = map_full.lookup(&idx);
@@ -41,7 +44,7 @@ static __always_inline void count_full(int idx)
 		(*v)++;
 }
 
-static __always_inline void emit(u32 probe, u32 site, u64 a0, u64 a1, u64 a2, u32 flags)
+static __always_inline void emit_pad(u32 probe, u32 site, u64 a0, u64 a1, u64 a2, u32 flags, u32 pad)
 {
 	struct glibc_event *ev = events.ringbuf_reserve(sizeof(struct glibc_event));
 	if (!ev) {
@@ -61,9 +64,14 @@ static __always_inline void emit(u32 probe, u32 site, u64 a0, u64 a1, u64 a2, u3
 	ev->probe = probe;
 	ev->site = site;
 	ev->flags = flags;
-	ev->pad = 0;
+	ev->pad = pad;
 	bpf_get_current_comm(&ev->comm, sizeof(ev->comm));
 	events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
+}
+
+static __always_inline void emit(u32 probe, u32 site, u64 a0, u64 a1, u64 a2, u32 flags)
+{
+	emit_pad(probe, site, a0, a1, a2, flags, 0);
 }
 
 static __always_inline int mallopt_param_index(s32 param)
@@ -141,7 +149,7 @@ static __always_inline void use_arena(u32 pid, u32 tid, u64 arena)
 	}
 	struct glibc_arena *a = arena_of(pid, arena);
 	if (a)
-		a->attaches++;
+		ADD(a->attaches, 1);
 }
 
 static __always_inline u64 heap_size_swap(u32 pid, u64 heap, u64 size, int remove, int *known)
@@ -170,7 +178,7 @@ static __always_inline int glibc_hit(struct pt_regs *ctx, u32 probe, u32 site, u
 	u64 ts = bpf_ktime_get_ns();
 	u32 cause = CAUSE_NONE;
 	int idx = -1, known = 0;
-	u64 old;
+	u64 old, cur;
 
 	int zero = 0;
 	struct glibc_pid_stats *init = zero_stats.lookup(&zero);
@@ -182,48 +190,51 @@ static __always_inline int glibc_hit(struct pt_regs *ctx, u32 probe, u32 site, u
 		emit(probe, site, a0, a1, a2, flags);
 		return 0;
 	}
-	s->events++;
+	ADD(s->events, 1);
+	s->last_site = site;
 
 	switch (probe) {
 	case PROBE_memory_sbrk_more:
 		if (a0 == 0) {
-			s->sbrk_failed++;
+			ADD(s->sbrk_failed, 1);
 		} else {
-			s->sbrk_more_count++;
-			s->sbrk_more_bytes += a1;
+			ADD(s->sbrk_more_count, 1);
+			ADD(s->sbrk_more_bytes, a1);
 		}
 		break;
 	case PROBE_memory_sbrk_less:
-		s->sbrk_less_count++;
-		s->sbrk_less_bytes += a1;
+		ADD(s->sbrk_less_count, 1);
+		ADD(s->sbrk_less_bytes, a1);
 		break;
 	case PROBE_memory_heap_new:
-		s->heaps_new++;
+		ADD(s->heaps_new, 1);
 		heap_size_swap(pid, a0, a1, 0, &known);
-		s->heap_bytes += a1;
-		if (s->heap_bytes > s->heap_bytes_max)
-			s->heap_bytes_max = s->heap_bytes;
+		ADD(s->heap_bytes, a1);
+		cur = s->heap_bytes; /* the maximum is approximate when threads race */
+		if (cur > s->heap_bytes_max)
+			s->heap_bytes_max = cur;
 		break;
 	case PROBE_memory_heap_more:
 	case PROBE_memory_heap_less:
 		if (probe == PROBE_memory_heap_more)
-			s->heap_more++;
+			ADD(s->heap_more, 1);
 		else
-			s->heap_less++;
+			ADD(s->heap_less, 1);
 		old = heap_size_swap(pid, a0, a1, 0, &known);
-		s->heap_bytes = s->heap_bytes - old + a1;
-		if (s->heap_bytes > s->heap_bytes_max)
-			s->heap_bytes_max = s->heap_bytes;
+		ADD(s->heap_bytes, a1 - old);
+		cur = s->heap_bytes;
+		if (cur > s->heap_bytes_max)
+			s->heap_bytes_max = cur;
 		break;
 	case PROBE_memory_heap_free:
-		s->heaps_freed++;
+		ADD(s->heaps_freed, 1);
 		old = heap_size_swap(pid, a0, a1, 1, &known);
 		if (!known)
 			old = a1;
-		s->heap_bytes = s->heap_bytes > old ? s->heap_bytes - old : 0;
+		ADD(s->heap_bytes, -old);
 		break;
 	case PROBE_memory_arena_new: {
-		s->arenas_new++;
+		ADD(s->arenas_new, 1);
 		struct glibc_arena *a = arena_of(pid, a0);
 		if (a) {
 			a->created_ts = ts;
@@ -233,49 +244,49 @@ static __always_inline int glibc_hit(struct pt_regs *ctx, u32 probe, u32 site, u
 		break;
 	}
 	case PROBE_memory_arena_reuse_free_list:
-		s->arena_reuse_free_list++;
+		ADD(s->arena_reuse_free_list, 1);
 		use_arena(pid, tid, a0);
 		break;
 	case PROBE_memory_arena_reuse:
-		s->arena_reuse++;
+		ADD(s->arena_reuse, 1);
 		use_arena(pid, tid, a0);
 		break;
 	case PROBE_memory_arena_reuse_wait: {
-		s->arena_reuse_wait++;
+		ADD(s->arena_reuse_wait, 1);
 		struct glibc_thread *t = thread_of(pid, tid);
 		if (t)
-			t->waits++;
+			ADD(t->waits, 1);
 		struct glibc_arena *a = arena_of(pid, a1);
 		if (a)
-			a->waits++;
+			ADD(a->waits, 1);
 		break;
 	}
 	case PROBE_memory_arena_retry:
-		s->arena_retry++;
+		ADD(s->arena_retry, 1);
 		break;
 	case PROBE_memory_malloc_retry:
-		s->malloc_retry++;
+		ADD(s->malloc_retry, 1);
 		break;
 	case PROBE_memory_realloc_retry:
-		s->realloc_retry++;
+		ADD(s->realloc_retry, 1);
 		break;
 	case PROBE_memory_memalign_retry:
-		s->memalign_retry++;
+		ADD(s->memalign_retry, 1);
 		break;
 	case PROBE_memory_calloc_retry:
-		s->calloc_retry++;
+		ADD(s->calloc_retry, 1);
 		break;
 	case PROBE_memory_tcache_double_free:
-		s->tcache_double_free++;
+		ADD(s->tcache_double_free, 1);
 		break;
 	case PROBE_memory_mallopt: {
 		s32 param = (s32)a0;
-		s->mallopt_calls++;
+		ADD(s->mallopt_calls, 1);
 		mallopt_pending.update(&tid, &param);
 		break;
 	}
 	case PROBE_memory_mallopt_free_dyn_thresholds:
-		s->dyn_threshold_changes++;
+		ADD(s->dyn_threshold_changes, 1);
 		cause = CAUSE_DYNAMIC;
 		set_param(s, PARAM_MMAP_THRESHOLD, a0, cause, ts);
 		set_param(s, PARAM_TRIM_THRESHOLD, a1, cause, ts);
@@ -344,7 +355,55 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
 	/* MAP_ANONYMOUS = 0x20 */
 	if (!(call.prot_flags & 0x20) && (s32)call.fd >= 0)
 		flags |= EV_FILE;
-	emit(PROBE_MMAP, 0, (u64)args->ret, call.len, call.prot_flags, flags);
+	emit_pad(PROBE_MMAP, 0, (u64)args->ret, call.len, call.prot_flags, flags, (u32)call.fd);
+	return 0;
+}
+
+BPF_HASH(open_calls, u32, u64, MAX_THREADS); /* tid -> filename pointer */
+
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)
+{
+	if (!fault_traced())
+		return 0;
+	u32 tid = (u32)bpf_get_current_pid_tgid();
+	u64 name = (u64)args->filename;
+	open_calls.update(&tid, &name);
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)
+{
+	u32 tid = (u32)bpf_get_current_pid_tgid();
+	u64 *name = open_calls.lookup(&tid);
+	if (!name)
+		return 0;
+	u64 ptr = *name;
+	open_calls.delete(&tid);
+	if (args->ret < 0)
+		return 0;
+	struct glibc_path_event *pe = events.ringbuf_reserve(sizeof(struct glibc_path_event));
+	if (!pe) {
+		int zero = 0;
+		u64 *n = lost.lookup(&zero);
+		if (n)
+			(*n)++;
+		return 0;
+	}
+	u64 id = bpf_get_current_pid_tgid();
+	pe->ev.ts = bpf_ktime_get_ns();
+	pe->ev.args[0] = args->ret;
+	pe->ev.args[1] = 0;
+	pe->ev.args[2] = 0;
+	pe->ev.pid = id >> 32;
+	pe->ev.tid = (u32)id;
+	pe->ev.probe = PROBE_OPEN;
+	pe->ev.site = 0;
+	pe->ev.flags = 0;
+	pe->ev.pad = 0;
+	bpf_get_current_comm(&pe->ev.comm, sizeof(pe->ev.comm));
+	if (bpf_probe_read_user_str(pe->path, sizeof(pe->path), (void *)ptr) < 0)
+		pe->path[0] = 0;
+	events.ringbuf_submit(pe, BPF_RB_NO_WAKEUP);
 	return 0;
 }
 

@@ -45,9 +45,10 @@
 
 /* pseudo-probes from tracepoints, only for pids in the fault_pids map */
 #define PROBE_FAULT 200   /* exceptions:page_fault_user: address, ip, error_code */
-#define PROBE_MMAP 201    /* syscalls mmap: addr, len, prot << 32 | flags; EV_FILE if fd-backed */
+#define PROBE_MMAP 201    /* syscalls mmap: addr, len, prot << 32 | flags; EV_FILE if fd-backed, fd in pad */
 #define PROBE_MUNMAP 202  /* syscalls munmap: addr, len */
 #define PROBE_BRK 203     /* syscalls brk: returned break */
+#define PROBE_OPEN 204    /* syscalls openat: fd in args[0]; a glibc_path_event */
 
 /* malloc parameters whose current value is tracked (index into params[]) */
 #define PARAM_MXFAST 0
@@ -92,9 +93,19 @@ struct glibc_event {
 	char comm[TASK_COMM_LEN];
 };
 
+#define PATH_LEN 256
+
+/* PROBE_OPEN: names the files that PROBE_MMAP events map (by fd, in ev.pad) */
+struct glibc_path_event {
+	struct glibc_event ev;
+	char path[PATH_LEN];
+};
+
 /* per-process aggregate, key: pid (tgid) */
 struct glibc_pid_stats {
 	__u64 events;
+	__u32 last_site; /* the libc of a process seen system-wide: that of its last site */
+	__u32 pad;
 	__u64 sbrk_more_count;
 	__u64 sbrk_more_bytes;
 	__u64 sbrk_failed;

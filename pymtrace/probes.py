@@ -117,6 +117,10 @@ def run(args):
             raise PymtraceError(f"no malloc USDT probes to trace: {reasons}")
         for w in collector.warnings:
             print(f"pymtrace: warning: {w}", file=sys.stderr)
+        print(f"pymtrace: tracing {len(collector.sites)} malloc probe sites in "
+              f"{sum(1 for i in collector.libc_info if i['attached'])} libc(s)"
+              + (f" for PID {', '.join(map(str, args.pid))}" if args.pid else "")
+              + "; Ctrl-C to stop", file=sys.stderr, flush=True)
         if not args.json:
             out.write(f"{'TIME':<15} {'PID':>7} {'TID':>7} {'COMM':<15} PROBE ARGS\n")
             out.flush()
@@ -135,6 +139,8 @@ def run(args):
                     reported_lost = lost
                 if launched is not None and launched.proc.poll() is not None:
                     break
+                if args.pid and not any(_alive(p) for p in args.pid):
+                    break  # every traced process has exited
                 if deadline is not None and time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
@@ -156,6 +162,14 @@ def run(args):
     if launched is not None:
         return exit_status(launched.proc.returncode)
     return 0
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def exit_status(code):

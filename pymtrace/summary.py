@@ -98,6 +98,7 @@ class Report:
         self.samples = []  # [(start, end, path)] union of /proc/PID/maps samples
         self._sample_keys = set()
         self.main_arena = None
+        self.fds = {}  # fd -> path, from openat
 
     # -- /proc/PID/maps samples, taken while the process lives
     def add_maps(self, maps):
@@ -130,11 +131,14 @@ class Report:
         if name == "page_fault":
             self._fault(a[0])
             return
+        if name == "open":
+            self.fds[a[0]] = ev.path
+            return
         if name == "mmap":
             addr, length, prot_flags = a
             prot, flags = prot_flags >> 32, prot_flags & 0xFFFFFFFF
             if ev.flags & 16:
-                kind = "file"
+                kind = "file:" + (self.fds.get(ev.fd) or "")
             elif flags & MAP_STACK:
                 kind = "thread stacks"
             else:
@@ -258,8 +262,8 @@ class Report:
             return "[heap]", None
         for start, end, kind, prot in reversed(self.mmaps):
             if start <= addr < end:
-                if kind == "file":
-                    return "files", self._sample_region(addr) or (start, end)
+                if kind.startswith("file:"):
+                    return "files", kind[5:] or self._sample_region(addr) or (start, end)
                 if kind == "thread stacks":
                     return "thread stacks", None
                 if kind == "anon":
@@ -587,7 +591,9 @@ def run_summary(args):
     print(f"pymtrace: tracing PID {pid}; Ctrl-C to stop and report", file=sys.stderr)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
-        while os.path.exists(f"/proc/{pid}"):
+        from pymtrace.probes import _alive
+
+        while _alive(pid):
             tracer.step()
             if deadline is not None and time.monotonic() >= deadline:
                 break

@@ -459,7 +459,7 @@ class Event:
     """One decoded probe hit (or pseudo-probe from a tracepoint)."""
 
     __slots__ = ("ts", "pid", "tid", "comm", "probe", "probe_id", "site", "args", "names",
-                 "flags", "cause", "unreadable")
+                 "flags", "cause", "unreadable", "fd", "path")
 
     def as_dict(self, wall_offset=0.0):
         d = {"time": round(self.ts / 1e9 + wall_offset, 6), "ts_ns": self.ts, "pid": self.pid,
@@ -531,6 +531,7 @@ class GlibcCollector:
         h = header()
         self.Event = h.structs["glibc_event"]
         self.Stats = h.structs["glibc_pid_stats"]
+        self.PathEvent = h.structs["glibc_path_event"]
         self.consts = h.consts
 
     # -- attach / detach
@@ -632,6 +633,8 @@ class GlibcCollector:
         ev.probe_id = raw.probe
         ev.site = raw.site
         ev.flags = raw.flags
+        ev.fd = raw.pad
+        ev.path = None
         ev.cause = CAUSES.get((raw.flags >> 8) & 0xFF)
         site = self.site_by_id.get(raw.site) if raw.probe < 200 else None
         if site is not None:
@@ -650,6 +653,9 @@ class GlibcCollector:
             ev.names = PSEUDO_ARGS.get(raw.probe, ())
             ev.args = tuple(raw.args[:len(ev.names)])
             ev.unreadable = frozenset()
+            if raw.probe == PROBE_OPEN:
+                pe = ctypes.cast(data, ctypes.POINTER(self.PathEvent)).contents
+                ev.path = pe.path.decode("utf-8", "replace")
         if self.on_event is not None:
             self.on_event(ev)
         return 0
@@ -752,6 +758,9 @@ class GlibcCollector:
             if c != "?" or pid not in self._comm:
                 self._comm[pid] = c
         path = self.libc_of(pid) if (alive or pid in self.pid_libc) else None
+        if path is None and s is not None and s.last_site in self.site_by_id:
+            path = self.site_by_id[s.last_site].libc  # exited: the libc its events came from
+            self.pid_libc[pid] = path
         st = self._status(path) if (path is not None or alive) else \
             {"libc": None, "probes": 0, "reason": "process exited before its libc was seen"}
         g = {"pid": pid, "comm": self._comm.get(pid, "?"), "alive": alive, "libc": st["libc"],
@@ -820,9 +829,10 @@ class GlibcCollector:
         return any(i["attached"] and _file_key(i["libc"]) == key for i in self.libc_info)
 
 
-PSEUDO = {200: "page_fault", 201: "mmap", 202: "munmap", 203: "brk"}
+PROBE_OPEN = 204
+PSEUDO = {200: "page_fault", 201: "mmap", 202: "munmap", 203: "brk", 204: "open"}
 PSEUDO_ARGS = {200: ("address", "ip", "error_code"), 201: ("addr", "len", "prot_flags"),
-               202: ("addr", "len"), 203: ("brk",)}
+               202: ("addr", "len"), 203: ("brk",), 204: ("fd",)}
 
 
 def match_probe(name, patterns):

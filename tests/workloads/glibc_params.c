@@ -5,7 +5,8 @@
  *                        and prints "mallopt PARAM VALUE" for each call.
  * glibc_params dyn       frees two mmapped chunks that raise the dynamic thresholds
  *                        (memory_mallopt_free_dyn_thresholds) and prints their chunk sizes;
- *                        then the same size comes from the heap (no mmap).
+ *                        then the same size comes from the heap (no mmap); finally
+ *                        mallopt(M_MMAP_THRESHOLD, 2 MiB) fixes the threshold.
  * glibc_params idle      only mallocs once (for GLIBC_TUNABLES runs). */
 #include <malloc.h>
 #include <stdio.h>
@@ -49,6 +50,7 @@ int main(int argc, char **argv)
 		printf("dyn2 %lu %lu\n", mmapped_chunk(b), 2 * mmapped_chunk(b));
 		void *r = malloc(a); /* now below the threshold: from the heap */
 		free(r);
+		opt(M_MMAP_THRESHOLD, 2 * 1024 * 1024, "M_MMAP_THRESHOLD");
 	} else {
 		void *p = malloc(100);
 		free(p);
