@@ -50,6 +50,13 @@ Warnings about unrepaired inversions and invalid frees go to stderr, one line pe
 (the first --max-warnings), then a summary line."""
 
 FLUSH_BYTES = 16384
+_SMALL = [wl.encode_varint(v) for v in range(1 << 14)]
+
+
+def _v(value):
+    """encode_varint with the common small values precomputed."""
+    return _SMALL[value] if value < 16384 else wl.encode_varint(value)
+
 DEFAULT_FREED_CACHE = 1 << 18
 
 _ALLOC_OP = {
@@ -115,7 +122,12 @@ class Converter:
         self.max_warnings = max_warnings
         self.stats = dict(records=0, inversions_fixed=0, inversions_unrepaired=0, invalid_frees=0,
                           null_results=0, unknown_reallocs=0, forgotten_addresses=0)
-        self.counts = {}
+        self._tcounts = {}
+
+    @property
+    def counts(self):
+        """Calls per type name in the trace."""
+        return {mb.TYPE_NAMES.get(t, f"type{t}"): n for t, n in self._tcounts.items()}
 
     # -- helpers -----------------------------------------------------------------------
     def _warning(self, msg):
@@ -148,7 +160,7 @@ class Converter:
         if rel is acq:
             return
         self.syncs += 1
-        v = wl.encode_varint(self.syncs)
+        v = _v(self.syncs)
         self._emit(rel, bytes((wl.SYNC_W,)) + v)
         self._emit(acq, bytes((wl.SYNC_R,)) + v)
 
@@ -193,6 +205,11 @@ class Converter:
                 a.owner.free_idx.append(a.idx)
             # an address no thread ever touched keeps its index unused (harmless)
 
+    @staticmethod
+    def _what(reason):
+        what = reason[1]
+        return mb.TYPE_NAMES.get(what, what) if isinstance(what, int) else what
+
     def _set_valid(self, a, recno, what):
         a.valid = True
         a.reason = (recno, what)
@@ -230,7 +247,7 @@ class Converter:
     def feed(self, rec):
         self.recno += 1
         self.stats["records"] += 1
-        self.counts[rec.type_name] = self.counts.get(rec.type_name, 0) + 1
+        self._tcounts[rec.type] = self._tcounts.get(rec.type, 0) + 1
         if len(self.freed) > self.freed_cache:
             self._evict()
         self._process(rec, self.recno)
@@ -262,25 +279,25 @@ class Converter:
             if pa2 is None:
                 self.stats["null_results"] += 1
             if typ in _ALLOC_OP:
-                self._emit(t, bytes((_ALLOC_OP[typ],)) + wl.encode_varint(pa2.idx if pa2 else 0)
-                           + wl.encode_varint(rec.size))
+                self._emit(t, bytes((_ALLOC_OP[typ],)) + _v(pa2.idx if pa2 else 0)
+                           + _v(rec.size))
             else:
-                self._emit(t, bytes((wl.MEMALIGN,)) + wl.encode_varint(pa2.idx if pa2 else 0)
-                           + wl.encode_varint(rec.size2) + wl.encode_varint(rec.size))
+                self._emit(t, bytes((wl.MEMALIGN,)) + _v(pa2.idx if pa2 else 0)
+                           + _v(rec.size2) + _v(rec.size))
             if pa2 is not None:
-                self._set_valid(pa2, recno, rec.type_name)
+                self._set_valid(pa2, recno, typ)
         elif typ == mb.MEMALIGN:  # compat
             self._acq(t, pa2)
             if pa2 is not None and pa2.valid:
                 self._warning(f"record {recno}: pointer {pa2.ptr:#x} memalign'd again?")
-            self._emit(t, bytes((wl.MEMALIGN,)) + wl.encode_varint(pa2.idx if pa2 else 0)
-                       + wl.encode_varint(rec.size2) + wl.encode_varint(rec.size))
+            self._emit(t, bytes((wl.MEMALIGN,)) + _v(pa2.idx if pa2 else 0)
+                       + _v(rec.size2) + _v(rec.size))
             if pa2 is not None:
                 self._set_valid(pa2, recno, "memalign")
         elif typ == mb.POSIX_MEMALIGN:  # compat: no cross-thread ordering
             ok = rec.ptr1 == 0 and pa2 is not None
-            self._emit(t, bytes((wl.MEMALIGN,)) + wl.encode_varint(pa2.idx if ok else 0)
-                       + wl.encode_varint(rec.size2) + wl.encode_varint(rec.size))
+            self._emit(t, bytes((wl.MEMALIGN,)) + _v(pa2.idx if ok else 0)
+                       + _v(rec.size2) + _v(rec.size))
             if ok:
                 self._set_valid(pa2, recno, "posix_memalign")
         elif typ == mb.FREE:
@@ -290,12 +307,12 @@ class Converter:
                 self._emit(t, b"\x05\x00")
             elif pa1.valid:
                 self._acq(t, pa1)
-                self._emit(t, bytes((wl.FREE,)) + wl.encode_varint(pa1.idx))
+                self._emit(t, bytes((wl.FREE,)) + _v(pa1.idx))
                 self._set_invalid(pa1, recno, "free")
                 self._released(pa1)
             else:
                 self.stats["invalid_frees"] += 1
-                why = f"{pa1.reason[1]} at record {pa1.reason[0]}" if pa1.reason else "never allocated"
+                why = f"{self._what(pa1.reason)} at record {pa1.reason[0]}" if pa1.reason else "never allocated"
                 self._warning(f"record {recno}: invalid free({pa1.ptr:#x}) by thread {rec.thread}: {why}; skipped")
         elif typ == mb.REALLOC:
             self._realloc(t, rec, recno, pa1, pa2)
@@ -306,8 +323,8 @@ class Converter:
                 self._acq(t, pa1)
             if pa2 is not None and pa2.owner is not None:
                 self._acq(t, pa2)
-            self._emit(t, bytes((wl.REALLOC,)) + wl.encode_varint(pa2.idx if pa2 else 0)
-                       + wl.encode_varint(pa1.idx if pa1 else 0) + wl.encode_varint(rec.size))
+            self._emit(t, bytes((wl.REALLOC,)) + _v(pa2.idx if pa2 else 0)
+                       + _v(pa1.idx if pa1 else 0) + _v(rec.size))
             if pa1 is not None:
                 pa1.valid = False
                 pa1.reason = (recno, "realloc'd away")
@@ -323,8 +340,8 @@ class Converter:
         self._acq(t, pa2)
         if pa2 is None and rec.size:
             self.stats["null_results"] += 1
-        self._emit(t, bytes((wl.REALLOC,)) + wl.encode_varint(pa2.idx if pa2 else 0)
-                   + wl.encode_varint(pa1.idx if pa1 else 0) + wl.encode_varint(rec.size))
+        self._emit(t, bytes((wl.REALLOC,)) + _v(pa2.idx if pa2 else 0)
+                   + _v(pa1.idx if pa1 else 0) + _v(rec.size))
         failed = pa2 is None and rec.size != 0
         if pa1 is not None and pa1 is not pa2 and not failed:
             self._set_invalid(pa1, recno, "realloc'd away")
@@ -354,7 +371,7 @@ class Converter:
                 self.stats["inversions_unrepaired"] += 1
                 self._warning(
                     f"record {recno}: thread {rec.thread} {rec.type_name} -> {a.ptr:#x} not replayed: the address "
-                    f"was still allocated ({a.reason[1]} at record {a.reason[0]}) and is never freed before the "
+                    f"was still allocated ({self._what(a.reason)} at record {a.reason[0]}) and is never freed before the "
                     f"end of the trace (unrepaired inversion)")
         self.stats["inversions_fixed"] -= self.stats["inversions_unrepaired"]
         threads = sorted(self.threads.values(), key=lambda t: (t.tid & 0xFFFFFFFFFFFFFFFF) >> (3 if self.compat else 0))
