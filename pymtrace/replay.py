@@ -238,6 +238,7 @@ def _median_result(results):
                        for k in results[0]["calls"][name]}
     out["calls"] = calls
     out["runs"] = len(results)
+    out["uprobed"] = " ".join(sorted({f for r in results for f in r.get("uprobed", "").split()}))
     return out
 
 
@@ -279,7 +280,12 @@ def table_rows(rows):
         if r is None:
             out.append([label, err] + [""] * (len(headers) - 2))
             continue
-        line = [label, "ok" + (f" (median of {r['runs']})" if r.get("runs", 1) > 1 else ""),
+        notes = []
+        if r.get("runs", 1) > 1:
+            notes.append(f"median of {r['runs']}")
+        if r.get("uprobed"):
+            notes.append("UPROBED: " + r["uprobed"].split()[0] + "... times include trace traps")
+        line = [label, "ok" + (f" ({'; '.join(notes)})" if notes else ""),
                 _fmt(r["wall_us"] / 1000, 1), _fmt((r["cpu_user_us"] + r["cpu_sys_us"]) / 1000, 1),
                 _fmt(r["max_rss_kb"]), _fmt(r["anon_rss_peak_kb"]), _fmt(r["ideal_rss_peak_bytes"] / 1024),
                 r["unit"]]

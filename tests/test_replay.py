@@ -6,6 +6,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 
 import pytest
 
@@ -275,3 +276,27 @@ def test_end_to_end_record_convert_replay_glibc_jemalloc(tmp_path, cbuild):
             assert lib_for("jemalloc") in libs
         else:
             assert not any("jemalloc" in p for p in libs)
+
+
+@pytest.mark.bpf
+def test_uprobed_libc_is_flagged(tmp_path):
+    """While a tracer has uprobes on libc, glibc times include the traps: the row says so."""
+    import time
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    rec = subprocess.Popen([sys.executable, "-m", "pymtrace", "record",
+                            "-o", str(tmp_path / "sleep.trace"), "--", "sleep", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        line = ""
+        while "recording" not in line and time.time() < deadline:
+            line = rec.stderr.readline()
+            if not line and rec.poll() is not None:
+                pytest.fail(f"pymtrace record exited early: {rec.stderr.read()}")
+        r = only_result(replay_json(trace))
+        assert "malloc" in r["uprobed"].split() and "free" in r["uprobed"].split()
+        proc = run_pymtrace("replay", trace, timeout=SIM_TIMEOUT)
+        assert "UPROBED: malloc" in proc.stdout
+    finally:
+        rec.terminate()
+        rec.wait(timeout=60)

@@ -400,6 +400,41 @@ static void resolve_allocator(void)
   if (!f_pvalloc) f_pvalloc = pvalloc_emul;
 }
 
+/* Is someone's uprobe on an allocator function (a running `pymtrace record` or `top`, perf,
+   bpftrace)?  Uprobes are per-inode, so every process mapping the library traps: the int3
+   shows in our own copy of the code.  Compare the first bytes of each function with the
+   library file; bytes that differ and read 0xCC in memory are breakpoints. */
+static char uprobed[160];
+static void check_uprobes(void)
+{
+  static const char *const fns[] = {"malloc", "free", "calloc", "realloc", "memalign", "posix_memalign",
+                                    "valloc", "pvalloc", "malloc_trim", "aligned_alloc"};
+  const char *mobj = object_of(dlsym(RTLD_DEFAULT, "malloc"));
+  uprobed[0] = 0;
+  for (size_t i = 0; i < sizeof fns / sizeof *fns; i++) {
+    void *fn = dlsym(RTLD_DEFAULT, fns[i]);
+    Dl_info info;
+    if (!fn || !dladdr(fn, &info) || !info.dli_fname || !info.dli_fname[0]) continue;
+    if (strcmp(info.dli_fname, mobj)) continue; /* not the allocator under test (emulated) */
+    int fd = open(info.dli_fname, O_RDONLY);
+    if (fd < 0) continue;
+    unsigned char disk[256];
+    ssize_t n = pread(fd, disk, sizeof disk, (char *)fn - (char *)info.dli_fbase);
+    close(fd);
+    if (n <= 0) continue;
+    const unsigned char *mem = fn;
+    int same = 0, traps = 0;
+    for (ssize_t k = 0; k < n; k++) {
+      if (mem[k] == disk[k]) same++;
+      else if (mem[k] == 0xcc) traps++;
+    }
+    if (traps && same >= n * 3 / 4) { /* the file offsets match the code: a real breakpoint */
+      size_t len = strlen(uprobed);
+      snprintf(uprobed + len, sizeof uprobed - len, "%s%s", len ? " " : "", fns[i]);
+    }
+  }
+}
+
 static inline void record(struct tstats *st, int type, uint64_t dt)
 {
   st->count[type]++;
@@ -910,6 +945,7 @@ int main(int argc, char **argv)
   }
   const char *unit = use_rdtscp ? "cycles" : "ns";
   if (single_thread) { atomic_store(&ideal_peak, ideal_peak_1); atomic_store(&ideal_live, ideal_live_1); }
+  check_uprobes();
   int64_t ideal_peak_b = atomic_load(&ideal_peak);
 
   if (text || !json_path) {
@@ -945,6 +981,7 @@ int main(int argc, char **argv)
     }
     printf("%" PRIu64 " cross-thread handoffs (%s sync), %" PRIu64 " had to wait, %" PRIu64 " slept\n", all.handoffs,
            sync_mutex ? "mutex+condvar" : "futex", all.waits, all.sleeps);
+    if (uprobed[0]) printf("WARNING: uprobes on %s (a tracer is running): the times include the probe traps\n", uprobed);
     if (emulated[0]) printf("emulated with the allocator's own functions (it has none): %s\n", emulated);
     fflush(stdout);
   }
@@ -964,7 +1001,9 @@ int main(int argc, char **argv)
                ", \"ideal_rss_end_bytes\": %" PRId64 ", \"anon_rss_start_kb\": %" PRIu64 ", \"anon_rss_peak_kb\": %" PRIu64
                ", \"rss_start_kb\": %" PRIu64 ", \"rss_peak_kb\": %" PRIu64 ",\n",
             hwm1, hwm0, ideal_peak_b, (int64_t)atomic_load(&ideal_live), anon0, peak_anon, rss0, peak_rss);
-    fprintf(f, " \"timer_overhead\": %" PRIu64 ",", timer_overhead);
+    fprintf(f, " \"timer_overhead\": %" PRIu64 ", \"uprobed\": ", timer_overhead);
+    json_str(f, uprobed);
+    fprintf(f, ",");
     fprintf(f, " \"ru_maxrss_kb\": %ld, \"emulated\": ", ru1.ru_maxrss);
     json_str(f, emulated);
     fprintf(f, ",\n");
