@@ -309,6 +309,7 @@ def plot(rows, path):
     for label, r in ok:
         xs = [s[0] / 1000 for s in r["rss_samples"]]
         ax1.plot(xs, [s[2] / 1024 for s in r["rss_samples"]], label=label)
+    ok = [(label + (" (uprobed: times include traps)" if r.get("uprobed") else ""), r) for label, r in ok]
     ax1.set_xlabel("time (ms)")
     ax1.set_ylabel("anonymous RSS (MiB)")
     ax1.set_title("RSS over time")

@@ -246,11 +246,64 @@ class Converter:
 
     def feed(self, rec):
         self.recno += 1
-        self.stats["records"] += 1
-        self._tcounts[rec.type] = self._tcounts.get(rec.type, 0) + 1
+        tc = self._tcounts
+        tc[rec.type] = tc.get(rec.type, 0) + 1
         if len(self.freed) > self.freed_cache:
             self._evict()
         self._process(rec, self.recno)
+
+    def feed_all(self, records):
+        """feed() for an iterable, with the common case (malloc/free of a known thread) inlined."""
+        if self.compat:
+            for rec in records:
+                self.feed(rec)
+            return
+        tc = self._tcounts
+        freed, addrs, threads = self.freed, self.addrs, self.threads
+        process = self._process
+        MALLOC, FREE = mb.MALLOC, mb.FREE
+        for rec in records:
+            self.recno += 1
+            typ = rec.type
+            tc[typ] = tc.get(typ, 0) + 1
+            if len(freed) > self.freed_cache:
+                self._evict()
+            t = threads.get(rec.thread)
+            if t is None or not t.started:
+                process(rec, self.recno)
+                continue
+            if typ == MALLOC and rec.ptr2:
+                a = addrs.get(rec.ptr2)
+                if a is not None and (a.valid or (a.owner is not None and a.owner is not t)):
+                    process(rec, self.recno)  # inversion or a sync: the general path
+                    continue
+                if a is None:
+                    a = self._addr(rec.ptr2, t)
+                a.owner = t
+                buf = t.buf
+                buf.append(2)
+                buf += _v(a.idx)
+                buf += _v(rec.size)
+                a.valid = True
+                a.reason = (self.recno, MALLOC)
+                freed.pop(rec.ptr2, None)
+                if len(buf) >= FLUSH_BYTES:
+                    self._flush(t)
+            elif typ == FREE and rec.ptr1:
+                a = addrs.get(rec.ptr1)
+                if a is None or not a.valid or a.owner is not t or a.pending:
+                    process(rec, self.recno)
+                    continue
+                buf = t.buf
+                buf.append(5)
+                buf += _v(a.idx)
+                a.valid = False
+                a.reason = (self.recno, "free")
+                freed[rec.ptr1] = None
+                if len(buf) >= FLUSH_BYTES:
+                    self._flush(t)
+            else:
+                process(rec, self.recno)
 
     def _process(self, rec, recno):
         t = self._thread(rec.thread)
@@ -373,6 +426,7 @@ class Converter:
                     f"record {recno}: thread {rec.thread} {rec.type_name} -> {a.ptr:#x} not replayed: the address "
                     f"was still allocated ({self._what(a.reason)} at record {a.reason[0]}) and is never freed before the "
                     f"end of the trace (unrepaired inversion)")
+        self.stats["records"] = self.recno
         self.stats["inversions_fixed"] -= self.stats["inversions_unrepaired"]
         threads = sorted(self.threads.values(), key=lambda t: (t.tid & 0xFFFFFFFFFFFFFFFF) >> (3 if self.compat else 0))
         for t in threads:
@@ -439,8 +493,7 @@ def convert_stream(stream, out, name="trace", compat=False, freed_cache=DEFAULT_
     try:
         if bar is not None:
             bar.update(len(first))
-        for rec in mb.iter_records(_Counting(stream, first, bar), name=name):
-            conv.feed(rec)
+        conv.feed_all(mb.iter_records(_Counting(stream, first, bar), name=name))
     finally:
         if bar is not None:
             bar.close()

@@ -290,6 +290,14 @@ def test_fuzz_converter_output_always_valid(records, compat, cache):
     parsed = wl.parse(data)
     if not compat:
         assert not parsed.upstream_sync_sizing
+    # the inlined fast path (feed_all) writes exactly what record-by-record feed() writes
+    slow = workload.Converter(compat=compat, freed_cache=cache, warn=lambda m: None)
+    slow.set_magic_thread(records[0].thread)
+    for rec in records:
+        slow.feed(rec)
+    out = io.BytesIO()
+    slow_stats = slow.finish(out)
+    assert out.getvalue() == data and slow_stats == stats
 
 
 @settings(max_examples=300, deadline=None)
