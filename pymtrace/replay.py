@@ -42,6 +42,8 @@ KNOWN_ALLOCATORS = {
     "tcmalloc": ["libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"],
     "mimalloc": ["libmimalloc.so.2", "libmimalloc.so"],
 }
+MALLOPT_NAMES = {"M_MXFAST", "M_NLBLKS", "M_GRAIN", "M_KEEP", "M_TRIM_THRESHOLD", "M_TOP_PAD", "M_MMAP_THRESHOLD",
+                 "M_MMAP_MAX", "M_CHECK_ACTION", "M_PERTURB", "M_ARENA_TEST", "M_ARENA_MAX"}
 CALL_TYPES = ["malloc", "calloc", "realloc", "free", "memalign", "valloc", "pvalloc", "malloc_trim"]
 EXIT_MEANING = {2: "invalid workload", 3: "deadlock or stall", 4: "out of resources"}
 
@@ -162,8 +164,14 @@ class Config:
             if "=" not in t or not t.startswith("glibc."):
                 raise PymtraceError(f"tunable {t!r} is not glibc.NAMESPACE.NAME=VALUE")
         for m in self.mallopts:
-            if "=" not in m:
-                raise PymtraceError(f"mallopt setting {m!r} is not M_NAME=VALUE")
+            name, eq, value = m.partition("=")
+            if not eq or not (name in MALLOPT_NAMES or name.lstrip("-").isdigit()):
+                raise PymtraceError(f"mallopt setting {m!r} is not M_NAME=VALUE with M_NAME one of "
+                                    + ", ".join(sorted(MALLOPT_NAMES)) + " (or a parameter number)")
+            try:
+                int(value, 0)
+            except ValueError:
+                raise PymtraceError(f"mallopt setting {m!r}: {value!r} is not a number")
 
     @property
     def label(self):

@@ -300,3 +300,20 @@ def test_uprobed_libc_is_flagged(tmp_path):
     finally:
         rec.terminate()
         rec.wait(timeout=60)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mallopt", "M_BOGUS=1"], "is not M_NAME=VALUE with M_NAME one of"),
+    (["--mallopt", "M_TOP_PAD=x"], "'x' is not a number"),
+    (["--tunable", "malloc.arena_max=1"], "is not glibc.NAMESPACE.NAME=VALUE"),
+    (["--allocator", "glibc:foo=1"], "unknown setting 'foo=1'"),
+    (["--allocator", "nosuchmalloc"], None),
+    (["--repeat", "0"], "--repeat must be at least 1"),
+])
+def test_bad_settings(tmp_path, args, message):
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    proc = run_pymtrace("replay", trace, *args, timeout=SIM_TIMEOUT)
+    if message is None:  # an unknown allocator name fails its row only
+        assert proc.returncode == 1 and "unknown allocator 'nosuchmalloc'" in proc.stdout
+        return
+    assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
