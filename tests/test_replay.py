@@ -317,3 +317,23 @@ def test_bad_settings(tmp_path, args, message):
         assert proc.returncode == 1 and "unknown allocator 'nosuchmalloc'" in proc.stdout
         return
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_hanging_allocator_is_caught(tmp_path, build_dir):
+    from pymtrace import replay
+    hang_so = build_dir / "replay_hang_alloc.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(hang_so), str(WORKLOADS / "replay_hang_alloc.c")],
+                   check=True)
+    data = wl.build(4, 3, [wl.encode_op(wl.MALLOC, 1, 64) + wl.encode_op(wl.SYNC_W, 1)
+                           + wl.encode_op(wl.MALLOC, 2, 12345) + b"\x01",
+                           wl.encode_op(wl.SYNC_R, 1) + wl.encode_op(wl.FREE, 1) + b"\x01"])
+    path = tmp_path / "hang.wl"
+    path.write_bytes(data)
+    proc = subprocess.run([replay.simulator_path(), "--stall-timeout", "1", str(path)], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, LD_PRELOAD=str(hang_so)))
+    assert proc.returncode == 3
+    assert "replay stalled: no thread made progress for" in proc.stderr
+    doc = replay_json(path, "--allocator", str(hang_so), "--allocator", "glibc", "--timeout", "3")
+    hung, ok = doc["configurations"]
+    assert hung["error"] == "timed out after 3 s"
+    assert ok["error"] is None and ok["result"]["calls"]["malloc"]["count"] == 2
