@@ -337,3 +337,13 @@ def test_hanging_allocator_is_caught(tmp_path, build_dir):
     hung, ok = doc["configurations"]
     assert hung["error"] == "timed out after 3 s"
     assert ok["error"] is None and ok["result"]["calls"]["malloc"]["count"] == 2
+
+
+def test_clock_gettime_fallback_is_said(tmp_path):
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    r = only_result(replay_json(trace, "--timer", "clock"))
+    assert r["timer"] == "clock_gettime" and r["unit"] == "ns"
+    assert r["calls"]["malloc"]["count"] == 2 and r["calls"]["malloc"]["min"] > 0
+    proc = run_pymtrace("replay", trace, "--timer", "clock", "--text", timeout=SIM_TIMEOUT)
+    assert "ns (no RDTSCP: clock_gettime)" in proc.stdout
+    assert "clock_gettime(CLOCK_MONOTONIC), no RDTSCP" in proc.stdout
