@@ -92,7 +92,7 @@ class _Thread:
 
 
 class _Addr:
-    __slots__ = ("ptr", "idx", "owner", "valid", "reason", "pending")
+    __slots__ = ("ptr", "idx", "owner", "valid", "reason", "pending", "size")
 
     def __init__(self, ptr, idx):
         self.ptr = ptr
@@ -101,6 +101,7 @@ class _Addr:
         self.valid = False
         self.reason = None  # (record number, what) of the last change
         self.pending = None  # deferred records (inversions), FIFO
+        self.size = 0  # requested bytes while valid
 
 
 class Converter:
@@ -123,6 +124,7 @@ class Converter:
         self.stats = dict(records=0, inversions_fixed=0, inversions_unrepaired=0, invalid_frees=0,
                           null_results=0, unknown_reallocs=0, forgotten_addresses=0)
         self._tcounts = {}
+        self.live_bytes = self.peak_bytes = 0  # requested bytes of live blocks, in trace order
 
     @property
     def counts(self):
@@ -210,13 +212,21 @@ class Converter:
         what = reason[1]
         return mb.TYPE_NAMES.get(what, what) if isinstance(what, int) else what
 
-    def _set_valid(self, a, recno, what):
+    def _set_valid(self, a, recno, what, size=0):
+        if a.valid:
+            self.live_bytes -= a.size
+        self.live_bytes += size
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        a.size = size
         a.valid = True
         a.reason = (recno, what)
         if not self.compat:
             self.freed.pop(a.ptr, None)
 
     def _set_invalid(self, a, recno, what):
+        if a.valid:
+            self.live_bytes -= a.size
         a.valid = False
         a.reason = (recno, what)
         if not self.compat and not a.pending:
@@ -285,6 +295,10 @@ class Converter:
                 buf += _v(a.idx)
                 buf += _v(rec.size)
                 a.valid = True
+                a.size = rec.size
+                self.live_bytes += rec.size
+                if self.live_bytes > self.peak_bytes:
+                    self.peak_bytes = self.live_bytes
                 a.reason = (self.recno, MALLOC)
                 freed.pop(rec.ptr2, None)
                 if len(buf) >= FLUSH_BYTES:
@@ -298,6 +312,7 @@ class Converter:
                 buf.append(5)
                 buf += _v(a.idx)
                 a.valid = False
+                self.live_bytes -= a.size
                 a.reason = (self.recno, "free")
                 freed[rec.ptr1] = None
                 if len(buf) >= FLUSH_BYTES:
@@ -338,7 +353,7 @@ class Converter:
                 self._emit(t, bytes((wl.MEMALIGN,)) + _v(pa2.idx if pa2 else 0)
                            + _v(rec.size2) + _v(rec.size))
             if pa2 is not None:
-                self._set_valid(pa2, recno, typ)
+                self._set_valid(pa2, recno, typ, rec.size)
         elif typ == mb.MEMALIGN:  # compat
             self._acq(t, pa2)
             if pa2 is not None and pa2.valid:
@@ -346,13 +361,13 @@ class Converter:
             self._emit(t, bytes((wl.MEMALIGN,)) + _v(pa2.idx if pa2 else 0)
                        + _v(rec.size2) + _v(rec.size))
             if pa2 is not None:
-                self._set_valid(pa2, recno, "memalign")
+                self._set_valid(pa2, recno, "memalign", rec.size)
         elif typ == mb.POSIX_MEMALIGN:  # compat: no cross-thread ordering
             ok = rec.ptr1 == 0 and pa2 is not None
             self._emit(t, bytes((wl.MEMALIGN,)) + _v(pa2.idx if ok else 0)
                        + _v(rec.size2) + _v(rec.size))
             if ok:
-                self._set_valid(pa2, recno, "posix_memalign")
+                self._set_valid(pa2, recno, "posix_memalign", rec.size)
         elif typ == mb.FREE:
             if compat:
                 self._acq(t, pa1)
@@ -379,10 +394,12 @@ class Converter:
             self._emit(t, bytes((wl.REALLOC,)) + _v(pa2.idx if pa2 else 0)
                        + _v(pa1.idx if pa1 else 0) + _v(rec.size))
             if pa1 is not None:
+                if pa1.valid:
+                    self.live_bytes -= pa1.size
                 pa1.valid = False
                 pa1.reason = (recno, "realloc'd away")
             if pa2 is not None:
-                self._set_valid(pa2, recno, "realloc")
+                self._set_valid(pa2, recno, "realloc", rec.size)
             return
         if pa2 is not None and pa2 is not pa1 and pa2.valid:
             self._defer(pa2, rec, recno)
@@ -399,7 +416,7 @@ class Converter:
         if pa1 is not None and pa1 is not pa2 and not failed:
             self._set_invalid(pa1, recno, "realloc'd away")
         if pa2 is not None:
-            self._set_valid(pa2, recno, "realloc")
+            self._set_valid(pa2, recno, "realloc", rec.size)
         if pa1 is not None and pa1 is not pa2 and not failed:
             self._released(pa1)
 
@@ -445,7 +462,8 @@ class Converter:
                     remaining -= len(chunk)
             out.write(t.buf)
         self.spool.close()
-        self.stats.update(threads=len(threads), syncs=self.syncs, pointer_slots=self.next_idx,
+        self.stats.update(ideal_rss_bytes=self.peak_bytes, threads=len(threads), syncs=self.syncs,
+                          pointer_slots=self.next_idx,
                           bytes=len(header) + sum(t.total for t in threads))
         return self.stats
 
@@ -543,6 +561,7 @@ def run(args):
         if stats[key]:
             extra.append(f"{key.replace('_', ' ')} {stats[key]}")
     print(f"{args.output}: {stats['records']} calls, {stats['threads']} threads, {stats['syncs']} syncs, "
-          f"{stats['pointer_slots']} pointer slots, {stats['bytes']} bytes"
+          f"{stats['pointer_slots']} pointer slots, {stats['bytes']} bytes, "
+          f"ideal RSS {stats['ideal_rss_bytes']} bytes"
           + (" (" + ", ".join(extra) + ")" if extra else ""), file=dest)
     return 0

@@ -49,6 +49,8 @@ def test_reference_vector_upstream_compat_is_byte_exact():
     data, stats, _ = convert(REFERENCE_RECORDS, compat=True)
     assert data == UPSTREAM
     assert stats["inversions_fixed"] == 1 and stats["invalid_frees"] == 1 and stats["null_results"] == 1
+    # requested live bytes in trace order peak after B's memalign(64, 100): 100 + 64
+    assert stats["ideal_rss_bytes"] == 164
 
 
 def test_reference_vector_default_differs_only_in_sync_array_size():
