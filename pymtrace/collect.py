@@ -67,10 +67,20 @@ import time
 from pymtrace import bpfload, libc, probesite, structs
 from pymtrace.errors import ProcessGone, PymtraceError
 
-CALL_NAMES = {
-    1: "malloc", 2: "calloc", 3: "free", 4: "realloc", 5: "memalign",
-    6: "valloc", 7: "pvalloc", 8: "posix_memalign", 9: "free_null",
-}
+def call_names():
+    """{index in ms_stats.calls: snapshot name}, from the CALL_* / MS_FREE_NULL constants of
+    bpf/common.h and bpf/malloc_stats.h."""
+    consts = structs.header("malloc_stats").consts
+    names = {consts[k]: k[len("CALL_"):].lower() for k in consts if k.startswith("CALL_")}
+    names[consts["MS_FREE_NULL"]] = "free_null"
+    return names
+
+
+def _lost_names(program, prefix):
+    """{index: name} of a program's lost-event counters (#define PREFIX_LOST_<NAME> i)."""
+    consts = structs.header(program).consts
+    return {v: k[len(prefix) + len("_LOST_"):].lower() for k, v in consts.items()
+            if k.startswith(prefix + "_LOST_") and not k.endswith("_N")}
 
 # function -> (entry program, return program or None). Order matters for shared addresses
 # (memalign and aligned_alloc are one function in glibc: attached once, counted as memalign).
@@ -246,6 +256,7 @@ class MallocCollector(_Collector):
         self.attached = []  # (path, function, offset, kind, pid)
         self.libcs = {}  # libc path -> [pids] (or [-1] for every process)
         self.fields = _struct_fields(self.program, "ms_stats")
+        self.call_names = call_names()
 
     def _targets(self):
         """{libc path: [pid, ...] or [-1]}, one path per distinct file (dev, inode)."""
@@ -326,7 +337,7 @@ class MallocCollector(_Collector):
             procs[pid] = {
                 "pid": pid,
                 "comm": self.comms.get(pid),
-                "calls": {name: int(calls[i]) for i, name in CALL_NAMES.items()},
+                "calls": {name: int(calls[i]) for i, name in self.call_names.items()},
                 "requested_bytes": int(s["requested_bytes"]),
                 "allocated_bytes": int(s["allocated_bytes"]),
                 "freed_bytes": int(s["freed_bytes"]),
@@ -338,7 +349,7 @@ class MallocCollector(_Collector):
         for pid in gone:
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)
-        lost = _lost_counts(self.bpf["ms_lost"], {0: "malloc_stats_full", 1: "malloc_outer_full"})
+        lost = _lost_counts(self.bpf["ms_lost"], {i: "malloc_" + n for i, n in _lost_names("malloc_stats", "MS").items()})
         return {"time": now, "start": self.start, "processes": procs, "lost": lost}
 
 
@@ -363,7 +374,7 @@ class SlabCollector(_Collector):
             name = bytes(key.name).split(b"\0", 1)[0].decode("utf-8", "replace")
             s = _sum_percpu(values, self.fields)
             caches[name] = {f: int(s[f]) for f in self.fields}
-        lost = _lost_counts(self.bpf["slab_lost"], {0: "slab_stats_full"})
+        lost = _lost_counts(self.bpf["slab_lost"], {i: "slab_" + n for i, n in _lost_names("slab", "SLAB").items()})
         return {"time": now, "start": self.start, "slab": caches, "lost": lost}
 
 
@@ -456,7 +467,7 @@ class FaultCollector(_Collector):
             for k in list(table.keys()):
                 if int(k.tgid) in gone:
                     self._delete(table, k)
-        lost = _lost_counts(self.bpf["pf_lost"], {0: "fault_totals_full"})
+        lost = _lost_counts(self.bpf["pf_lost"], {i: "fault_" + n for i, n in _lost_names("faults", "PF").items()})
         snap = {"time": now, "start": self.start, "processes": procs, "lost": lost}
         if self.regions:
             snap["fault_regions"] = regions
