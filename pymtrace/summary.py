@@ -58,6 +58,7 @@ EPILOG = EPILOG_RUN
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HEAP_MAX_SIZE = 64 * 1024 * 1024  # glibc 64-bit: 2 * DEFAULT_MMAP_THRESHOLD_MAX
 MAP_STACK = 0x20000
+MAP_NORESERVE = 0x4000
 RETRIES = {"memory_malloc_retry": "malloc", "memory_realloc_retry": "realloc",
            "memory_calloc_retry": "calloc", "memory_memalign_retry": "memalign",
            "memory_arena_retry": "arena"}
@@ -141,6 +142,8 @@ class Report:
                 kind = "file:" + (self.fds.get(ev.fd) or "")
             elif flags & MAP_STACK:
                 kind = "thread stacks"
+            elif prot == 0 and flags & MAP_NORESERVE and length in (HEAP_MAX_SIZE, 2 * HEAP_MAX_SIZE):
+                kind = "arena heap"  # glibc's new_heap() reservation (known without probes too)
             else:
                 kind = "anon"
             self.mmaps.append((addr, addr + length, kind, prot))
@@ -266,6 +269,8 @@ class Report:
                     return "files", kind[5:] or self._sample_region(addr) or (start, end)
                 if kind == "thread stacks":
                     return "thread stacks", None
+                if kind == "arena heap":
+                    return "arena heaps", None
                 if kind == "anon":
                     return "mmapped chunks", None
                 break  # unmapped since: fall back to the maps samples
