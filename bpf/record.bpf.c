@@ -17,7 +17,7 @@
 #define RB_PAGES 4096
 #endif
 #ifndef RESERVE_RETRIES
-#define RESERVE_RETRIES 8
+#define RESERVE_RETRIES 64
 #endif
 #ifndef STASH_ENTRIES
 #define STASH_ENTRIES 65536

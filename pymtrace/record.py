@@ -158,7 +158,7 @@ class Output:
         while view:
             k = os.write(self.fd, view)
             view = view[k:]
-        types = bytes(data[4::mtrace_bin.RECORD_SIZE])
+        types = bytes(data[4::mtrace_bin.RECORD_SIZE])  # ~0.014 us/event
         for t in range(1, 9):
             self.counts[t] += types.count(t)
         self.entries += n

@@ -188,16 +188,17 @@ def test_record_attach_running_sigint(cbuild, tmp_path):
     raw = out.read_bytes()
     assert len(raw) % 64 == 0
     records = list(B.read_file(out))
-    assert summary["lost"] == 0
+    assert summary["lost"] == 0, summary
     assert summary["entries"] == len(records) >= 2000
     assert summary["bytes_written"] == len(raw)
     assert {r.thread for r in records} >= {target.pid}
     assert len({r.thread for r in records}) == 2
     assert set(r.type_name for r in records) >= {"malloc", "free", "realloc"}
     check_order(records)
-    # timestamps never go backwards by more than a little (reservation order across CPUs)
+    # timestamps: all set, spanning no more than the recording (order is the file's order;
+    # a producer preempted between reservation and timestamp can be late, so no strict check)
     ts = [r.ts_ns for r in records]
-    assert all(b - a > -5_000_000 for a, b in zip(ts, ts[1:]))
+    assert all(ts) and (max(ts) - min(ts)) / 1e9 <= summary["duration_s"] + 1
 
 
 def test_record_default_name_and_no_symlink(cbuild, tmp_path):
