@@ -16,7 +16,6 @@ Prints a markdown table (docs/replay.md has one). Keep it short on shared machin
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -30,11 +30,10 @@ index reuse race-free without extra syncs. Forgetting only drops a SYNC that ord
 address's reuse after its free in another thread (replay slots differ, so nothing breaks).
 """
 import os
-import shutil
 import sys
 import tempfile
 
-from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.errors import PymtraceError
 from pymtrace.formats import mtrace_bin as mb
 from pymtrace.formats import wl
 

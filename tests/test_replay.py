@@ -3,10 +3,7 @@ allocator/tunable/mallopt/trim configurations, failures per row, plots, and the 
 record -> workload -> replay test under glibc and jemalloc."""
 import json
 import os
-import shutil
-import struct
 import subprocess
-import sys
 
 import pytest
 

@@ -1,7 +1,6 @@
 """.wl reader (Python) and the native simulator's input validation: corrupt, truncated and
 hostile workloads give one clear error line, never a crash or a hang; both are fuzzed and must
 agree on what is valid."""
-import os
 import subprocess
 
 import pytest

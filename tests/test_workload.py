@@ -1,9 +1,7 @@
 """`pymtrace workload`: trace -> .wl conversion, the reference vector, the upstream defects
 it fixes (one test each), streaming in bounded memory, and fuzzing of its trace input."""
 import io
-import os
 import subprocess
-import sys
 import tracemalloc
 
 import pytest
