@@ -40,6 +40,7 @@ MAX_THREADS = 65536
 MAX_VARINT = (1 << 64) - 1
 # memalign alignments are rounded up to a power of two at replay (as glibc does); beyond this: invalid
 MAX_ALIGN = 1 << 40
+MAX_TABLE = 1 << 40  # pointer slots / sync ids (the simulator's limit too)
 
 
 def encode_varint(value):
@@ -136,6 +137,9 @@ def parse(data, name="workload", check_deadlock=True):
         raise CorruptFile(f"{name}: the header has no ALLOC_PTRS")
     if nsyncs is None:
         nsyncs = 0
+    for what, n in (("ALLOC_PTRS", nptrs), ("ALLOC_SYNCS", nsyncs)):
+        if n > MAX_TABLE:
+            raise CorruptFile(f"{name}: {what} {n} is absurd")
     if nthreads is not None and nthreads != len(offsets):
         raise CorruptFile(f"{name}: NTHREADS says {nthreads} but the header starts {len(offsets)} threads")
     threads = []
