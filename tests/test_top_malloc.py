@@ -170,3 +170,34 @@ def test_exited_process_reported_once_then_dropped(cbuild):
     finally:
         top.kill()
         w.kill()
+
+
+@pytest.mark.bpf
+def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc):
+    """-p resolves the libc the process really maps (/proc/PID/maps): the workload run on
+    the probe-carrying glibc build (a different file than the system libc) is counted
+    exactly, and glibc's USDT view sees that libc's probes."""
+    prefix, libc_path = sdt_libc
+    w = Workload(prefix + [cbuild("top_calls")])
+    from pymtrace import libc
+
+    assert libc.process_libc(w.pid) == libc_path
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--view", "totals", "--view", "glibc")
+    try:
+        top.json_doc()
+        w.go()
+        expected = w.result()
+        doc = top.json_after(time.monotonic())
+        p = doc["snapshot"]["processes"][str(w.pid)]
+        assert p["calls"] == expected["calls"]
+        assert p["requested_bytes"] == expected["requested_bytes"]
+        assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
+        snap = doc["snapshot"]
+        assert "glibc" in snap, snap.get("errors")  # pymtrace.usdt's collector ran alongside
+        assert snap["glibc"][str(w.pid)]["probes"] > 0
+        assert top.stop() == 0
+        assert own_uprobes(top.proc.pid) == []
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
