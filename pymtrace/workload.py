@@ -68,6 +68,9 @@ def configure(parser):
     parser.add_argument("-o", "--output", required=True, help="output .wl file (- for standard output)")
     parser.add_argument("--upstream-compat", action="store_true",
                         help="reproduce upstream trace2wl's output byte for byte, defects included")
+    parser.add_argument("--for-trace-run", action="store_true",
+                        help="write valloc/pvalloc as MEMALIGN(pagesize, ...) so upstream trace_run, which aborts "
+                             "on VALLOC/PVALLOC, can replay the file")
     parser.add_argument("--freed-cache", type=int, default=DEFAULT_FREED_CACHE, metavar="N",
                         help=f"freed addresses remembered before their index is recycled (default {DEFAULT_FREED_CACHE})")
     parser.add_argument("--tmpdir", help="directory for the spooled thread streams")
@@ -106,8 +109,10 @@ class _Addr:
 class Converter:
     """Feed Records in trace order, then finish(outfile)."""
 
-    def __init__(self, compat=False, freed_cache=DEFAULT_FREED_CACHE, tmpdir=None, warn=None, max_warnings=20):
+    def __init__(self, compat=False, freed_cache=DEFAULT_FREED_CACHE, tmpdir=None, warn=None, max_warnings=20,
+                 valloc_as_memalign=False):
         self.compat = compat
+        self.valloc_as_memalign = valloc_as_memalign
         self.freed_cache = max(1, freed_cache)
         self.spool = tempfile.TemporaryFile(dir=tmpdir, prefix="pymtrace-wl-")
         self.spool_size = 0
@@ -345,7 +350,12 @@ class Converter:
             self._acq(t, pa2)
             if pa2 is None:
                 self.stats["null_results"] += 1
-            if typ in _ALLOC_OP:
+            if typ in (mb.VALLOC, mb.PVALLOC) and self.valloc_as_memalign:
+                # upstream trace_run aborts on VALLOC/PVALLOC: the same request as a MEMALIGN
+                page = rec.size2 if typ == mb.VALLOC and rec.size2 and not rec.size2 & (rec.size2 - 1) else 4096
+                size = rec.size if typ == mb.VALLOC else max(page, (rec.size + page - 1) // page * page)
+                self._emit(t, bytes((wl.MEMALIGN,)) + _v(pa2.idx if pa2 else 0) + _v(page) + _v(size))
+            elif typ in _ALLOC_OP:
                 self._emit(t, bytes((_ALLOC_OP[typ],)) + _v(pa2.idx if pa2 else 0)
                            + _v(rec.size))
             else:
@@ -499,12 +509,12 @@ def _progress_bar(total, mode):
 
 
 def convert_stream(stream, out, name="trace", compat=False, freed_cache=DEFAULT_FREED_CACHE, tmpdir=None,
-                   total=None, progress="never", warn=None, max_warnings=20):
+                   total=None, progress="never", warn=None, max_warnings=20, valloc_as_memalign=False):
     """Convert a binary trace stream into .wl bytes written to OUT; returns (stats, counts)."""
     first = stream.read(mb.RECORD_SIZE)
     order = mb.detect_byteorder(first)
     magic_tid = int.from_bytes(first[:4], "little" if order == "<" else "big", signed=True)
-    conv = Converter(compat, freed_cache, tmpdir, warn, max_warnings)
+    conv = Converter(compat, freed_cache, tmpdir, warn, max_warnings, valloc_as_memalign)
     conv.set_magic_thread(magic_tid)
     bar = _progress_bar(total, progress)
     try:
@@ -552,7 +562,8 @@ def run(args):
         raise PymtraceError(f"output directory of {args.output} does not exist")
     stats, counts = convert_file(args.trace, args.output, compat=args.upstream_compat,
                                  freed_cache=args.freed_cache, tmpdir=args.tmpdir,
-                                 progress=args.progress, max_warnings=args.max_warnings)
+                                 progress=args.progress, max_warnings=args.max_warnings,
+                                 valloc_as_memalign=args.for_trace_run)
     dest = sys.stderr if args.output == "-" else sys.stdout
     extra = []
     for key in ("inversions_fixed", "inversions_unrepaired", "invalid_frees", "null_results",

@@ -118,6 +118,15 @@ def test_valloc_pvalloc_opcodes():
         ("VALLOC", (2, 100)), ("PVALLOC", (3, 5000)), ("FREE", (2,)), ("FREE", (3,))]
 
 
+def test_valloc_pvalloc_as_memalign_for_upstream_trace_run():
+    recs = [R(A, mb.VALLOC, 0, 0x1000, 100, 4096), R(A, mb.PVALLOC, 0, 0x3000, 5000),
+            R(A, mb.PVALLOC, 0, 0x5000, 0), R(A, mb.VALLOC, 0, 0, 1 << 50, 4096)]
+    data, _, _ = convert(recs, valloc_as_memalign=True)
+    ops = [(wl.OP_NAMES[op], args) for op, args, _ in _streams(data)[0]]
+    assert ops == [("MEMALIGN", (2, 4096, 100)), ("MEMALIGN", (3, 4096, 8192)), ("MEMALIGN", (4, 4096, 4096)),
+                   ("MEMALIGN", (0, 4096, 1 << 50))]
+
+
 def test_multi_level_inversion_repaired():
     """Two allocations of 0x1000 recorded before the frees that preceded them (two levels)."""
     recs = [R(A, mb.MALLOC, 0, 0x1000, 10),      # A owns 0x1000
