@@ -12,6 +12,7 @@
  * bounded aggregate maps read by GlibcCollector.snapshot() (pymtrace top view 4, the
  * exporter, pymtrace summary).
  *
+ * With -DNO_STREAM=1 (pymtrace top, the exporter) probe hits only update the maps.
  * With -DWITH_FAULTS=1, user page faults, mmap/munmap and brk of the pids in
  * fault_pids are also emitted (pymtrace run/summary attribute faults to regions).
  */
@@ -187,7 +188,9 @@ static __always_inline int glibc_hit(struct pt_regs *ctx, u32 probe, u32 site, u
 	struct glibc_pid_stats *s = stats.lookup_or_try_init(&pid, init);
 	if (!s) {
 		count_full(0);
+#ifndef NO_STREAM
 		emit(probe, site, a0, a1, a2, flags);
+#endif
 		return 0;
 	}
 	ADD(s->events, 1);
@@ -305,7 +308,9 @@ static __always_inline int glibc_hit(struct pt_regs *ctx, u32 probe, u32 site, u
 		}
 		break;
 	}
+#ifndef NO_STREAM
 	emit(probe, site, a0, a1, a2, flags | (cause << EV_CAUSE_SHIFT));
+#endif
 	return 0;
 }
 

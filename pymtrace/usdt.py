@@ -596,6 +596,8 @@ class GlibcCollector:
         defines = {"RINGBUF_PAGES": self.ringbuf_pages}
         if self.faults:
             defines["WITH_FAULTS"] = 1
+        if not self.stream:
+            defines["NO_STREAM"] = 1  # aggregates only: nothing fills the ring buffer
         self.bpf = bpfload.load("glibc_usdt", defines=defines, prelude=generate(self.sites),
                                 what="tracing glibc's malloc probes")
         if self.stream:
@@ -698,10 +700,12 @@ class GlibcCollector:
         return self._status_cache[path]
 
     def forget(self, pid):
-        """Drop every BPF map entry of PID (e.g. when it has exited)."""
+        """Drop every BPF map entry of PID (e.g. when it has exited); it is no longer reported."""
+        pid = int(pid)
+        if self.pids is not None and pid in self.pids:
+            self.pids.remove(pid)
         if self.bpf is None:
             return
-        pid = int(pid)
         try:
             del self.bpf["stats"][ctypes.c_uint32(pid)]
         except KeyError:
@@ -715,6 +719,8 @@ class GlibcCollector:
                     pass
         self.pid_libc.pop(pid, None)
         self._comm.pop(pid, None)
+        if self.pids is not None and pid in self.pids:
+            self.pids.remove(pid)
 
     def prune(self):
         """Forget every process that no longer exists."""

@@ -1,4 +1,5 @@
 """pymtrace.usdt: argument decoding (unit) and GlibcCollector on real BPF."""
+import json
 import os
 import re
 import shutil
@@ -278,3 +279,65 @@ def test_collector_system_wide_two_libcs(sdt_libc, cbuild, tmp_path):
     assert len(mallopts) >= 10 and len(dyn) >= 2
     pids = {e.pid for e in mallopts} | {e.pid for e in dyn}
     assert all(snap["glibc"][p]["events"] > 0 for p in pids)
+
+
+@pytest.mark.bpf
+def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
+    """top's use: no stream, snapshots while the process runs; the glibc view renders it;
+    a process on a probe-less libc gets a reason; forget() drops an exited process."""
+    from pymtrace import views
+
+    prefix, path = sdt_libc
+    work = subprocess.Popen(prefix + [cbuild("glibc_idle"), "4", "100000"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    plain = subprocess.Popen(["sleep", "60"])
+    c = usdt.GlibcCollector(pids=[work.pid, plain.pid])
+    try:
+        assert work.stdout.readline().startswith("ready")
+        c.attach()
+        assert not c.stream
+        before = c.snapshot()["glibc"][work.pid]  # alive: parameters read from its memory
+        assert before["mmap_threshold"] == 1 << 20 and before["trim_threshold"] == 64 << 20
+        assert before["params"]["mmap_threshold"] == {"value": 1 << 20, "cause": "initial", "source": "memory"}
+        work.stdin.write("go\n")
+        work.stdin.flush()
+        facts = dict(ln.split() for ln in work.stdout.read().splitlines())
+        work.wait(timeout=30)
+        snap = c.snapshot()
+        g = snap["glibc"][work.pid]
+        assert g["sbrk_bytes"] == int(facts["after_brk"], 16) - int(facts["before_brk"], 16)
+        assert g["params"]["top_pad"]["value"] == 0 and g["params"]["top_pad"]["cause"] == "mallopt"
+        assert g["alive"] is False and g["mmap_threshold"] is None  # set before attach, gone now
+        assert g["arenas"] == 1 and g["heaps"] == 0 and g["lock_waits"] == {}
+        assert snap["glibc_collector"]["lost_events"] == 0
+        p = snap["glibc"][plain.pid]
+        system = libc.system_libc()
+        if not libc.malloc_probes(system):
+            assert p["probes"] == 0 and p["reason"].startswith(f"libc {system} has no USDT probes")
+        table = views.build("glibc", None, json.loads(json.dumps(snap)))
+        assert any(row[0] == work.pid and row[6] == g["sbrk_bytes"] for row in table.rows)
+        c.forget(work.pid)
+        assert work.pid not in c.snapshot()["glibc"]
+    finally:
+        c.close()
+        work.kill()
+        plain.kill()
+        plain.wait()
+    assert bpfload.own_uprobe_events() == []
+
+
+def test_read_params_of_a_live_process(sdt_libc, cbuild):
+    """Current parameters read from process memory at the probes' operands (no BPF)."""
+    prefix, path = sdt_libc
+    work = subprocess.Popen(prefix + [cbuild("glibc_idle")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert work.stdout.readline().startswith("ready")
+        params = usdt.read_params(work.pid, path)
+    finally:
+        work.kill()
+        work.wait()
+    if os.geteuid() != 0 and not params:
+        pytest.skip("cannot read another process's memory")
+    assert params["mmap_threshold"] == 1 << 20 and params["trim_threshold"] == 64 << 20
+    assert params["top_pad"] == 131072 and params["mxfast"] == 128 and params["tcache_count"] == 7
