@@ -504,8 +504,13 @@ def _progress_bar(total, mode):
         from tqdm import tqdm
     except ImportError:
         return None
+    try:
+        width = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        width = 0
+    # a terminal that reports 0 columns (a fresh pty) would make tqdm draw an empty bar
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="converting",
-                file=sys.stderr, leave=False, mininterval=0.5)
+                file=sys.stderr, leave=False, mininterval=0.5, ncols=None if width > 0 else 80)
 
 
 def convert_stream(stream, out, name="trace", compat=False, freed_cache=DEFAULT_FREED_CACHE, tmpdir=None,
