@@ -344,7 +344,9 @@ struct thread {
   char pad[64];
 };
 static struct thread *threads;
-static _Atomic int64_t ideal_live, ideal_peak;
+/* separate cache lines: ideal_live bounces between replay threads, ideal_peak is mostly read */
+static _Atomic int64_t ideal_live __attribute__((aligned(64)));
+static _Atomic int64_t ideal_peak __attribute__((aligned(64)));
 static int fill = 1;
 static uint64_t trim_every;
 static int spin_iters = 32; /* short: on oversubscribed CPUs spinning only delays the writer */
