@@ -3,10 +3,14 @@
 
     sudo /opt/pymtrace/venv/bin/python bench/exporter_bench.py [--rounds 7] [--pairs 300000]
 
-1. Traced-workload slowdown: one single-thread malloc+free storm (bench/storm.c, the
-   system libc, so the exporter's system-wide probes hit it) measured in phases:
-   untraced, exporter --always-on, exporter (full mode), untraced again. Min and median
-   ns per malloc+free pair, and the ratio to untraced (both untraced phases pooled).
+1. Traced-workload slowdown: two single-thread workloads on a private copy of the system
+   libc (which the exporter's system-wide probes attach to, but tracers other users of the
+   machine put on the system libc do not): bench/storm.c (malloc(64)+free pairs: the
+   per-call uprobes of full mode) and a page-touching loop (malloc(256 KiB), touch every
+   page, free: mmap, 64 page faults, munmap: what --always-on traces), measured in
+   phases: untraced, exporter --always-on, exporter (full mode), untraced again. Min and
+   median ns per operation, and the slowdown of the median against untraced (both
+   untraced phases pooled).
 2. Scrape cost: with the full-mode exporter running and N idle processes with distinct
    comms (each made a known malloc), scrape /metrics once a second; report the number of
    series, scrape latency (client side: median, p90, max) and the exporter's CPU seconds
@@ -32,6 +36,42 @@ import urllib.request
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 PY = [sys.executable, "-m", "pymtrace"]
+
+TOUCH_C = r"""
+/* Like bench/storm.c, but each iteration mallocs SIZE bytes, touches every page, frees:
+ * above the (fixed) mmap threshold that is mmap + one page fault per page + munmap, the
+ * activity the always-on mode traces (page faults; the kernel's slab/kmem work). */
+#include <malloc.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+static double now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e9 + ts.tv_nsec;
+}
+int main(void)
+{
+    long n, size;
+    mallopt(M_MMAP_THRESHOLD, 64 * 1024); /* fixed: no dynamic threshold, every block is mmap'd */
+    printf("ready %d\n", (int)getpid());
+    fflush(stdout);
+    while (scanf("%ld %ld", &n, &size) == 2) {
+        double t0 = now_ns();
+        for (long i = 0; i < n; i++) {
+            char *volatile p = malloc(size);
+            for (long off = 0; off < size; off += 4096)
+                p[off] = 1;
+            free(p);
+        }
+        printf("%.1f\n", (now_ns() - t0) / n);
+        fflush(stdout);
+    }
+    return 0;
+}
+"""
 
 IDLE_C = r"""
 /* Fork N idle processes named <prefix><i>; each mallocs 100 bytes once and waits for
@@ -130,11 +170,13 @@ class Storm:
     running process maps) does probe it. A measurement during which any process but the
     exporter had uprobes on the copy (bpftool perf list) is discarded and repeated."""
 
-    def __init__(self, binary, tmp):
+    def __init__(self, binary, tmp, pairs, size):
         from pymtrace import libc
 
+        self.pairs, self.size = pairs, size
         self.libc = os.path.join(tmp, "libc.so.6")
-        shutil.copy2(libc.system_libc(), self.libc)
+        if not os.path.exists(self.libc):
+            shutil.copy2(libc.system_libc(), self.libc)
         env = dict(os.environ, LD_LIBRARY_PATH=tmp)
         self.proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout.readline().startswith("ready")
@@ -152,10 +194,10 @@ class Storm:
             return set()
         return {e.get("pid") for e in entries if e.get("filename") == self.libc} - self.allowed
 
-    def run(self, pairs, size=64):
+    def run(self):
         for _ in range(6):
             before = self.foreign()
-            self.proc.stdin.write(f"{pairs} {size}\n")
+            self.proc.stdin.write(f"{self.pairs} {self.size}\n")
             self.proc.stdin.flush()
             ns = float(self.proc.stdout.readline())
             if not before and not self.foreign():
@@ -169,8 +211,13 @@ class Storm:
         self.proc.wait()
 
 
-def measure(storm, rounds, pairs):
-    return [storm.run(pairs) for _ in range(rounds)]
+def measure(storms, rounds):
+    """{workload: [ns per op]}, the workloads interleaved round by round."""
+    out = {name: [] for name in storms}
+    for _ in range(rounds):
+        for name, storm in storms.items():
+            out[name].append(storm.run())
+    return out
 
 
 def series_count(text, prefix=None):
@@ -216,18 +263,21 @@ def main():
     try:
         storm_bin = build(tmp, "storm", src_path=HERE / "storm.c")
         idle_bin = build(tmp, "idle", source=IDLE_C)
-        storm = Storm(storm_bin, tmp)
+        touch_bin = build(tmp, "touch", source=TOUCH_C)
+        storms = {"malloc(64)+free": Storm(storm_bin, tmp, args.pairs, 64),
+                  "malloc(256 KiB)+touch+free": Storm(touch_bin, tmp, max(1, args.pairs // 100), 256 << 10)}
         res = {"pairs": args.pairs, "rounds": args.rounds, "phases": {}, "scrape": []}
         print("untraced ...", file=sys.stderr)
-        res["phases"]["untraced-1"] = measure(storm, args.rounds, args.pairs)
+        res["phases"]["untraced-1"] = measure(storms, args.rounds)
         for mode, flags in (("always-on", ["--always-on"]), ("full", [])):
             print(f"exporter {mode}: starting ...", file=sys.stderr)
             ex = Exporter(*flags, "--comm", "^pmxbench")
-            storm.allowed = {ex.proc.pid}
+            for st in storms.values():
+                st.allowed = {ex.proc.pid}
             res.setdefault("startup", {})[mode] = ex.startup
             try:
                 ex.scrape()
-                res["phases"][mode] = measure(storm, args.rounds, args.pairs)
+                res["phases"][mode] = measure(storms, args.rounds)
                 if mode == "full":
                     res["idle_cpu"] = idle_cpu(ex, 10)
                     for n in [int(x) for x in args.procs.split(",") if x]:
@@ -247,24 +297,27 @@ def main():
                             "latency_p90": pct(lat, 0.9), "latency_max": max(lat), "cpu_per_s": cpu})
             finally:
                 ex.stop()
-                storm.allowed = set()
+                for st in storms.values():
+                    st.allowed = set()
         print("untraced again ...", file=sys.stderr)
-        res["phases"]["untraced-2"] = measure(storm, args.rounds, args.pairs)
-        res["discarded"] = storm.discarded
-        storm.close()
+        res["phases"]["untraced-2"] = measure(storms, args.rounds)
+        res["discarded"] = sum(st.discarded for st in storms.values())
+        for st in storms.values():
+            st.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    base = res["phases"]["untraced-1"] + res["phases"]["untraced-2"]
-    bmin, bmed = min(base), statistics.median(base)
-    print(f"\nStorm: {args.pairs} malloc(64)+free pairs per measurement, {args.rounds} measurements per phase "
-          f"({res['discarded']} disturbed measurements discarded and repeated)\n")
-    print("| mode | ns/pair min | ns/pair median | slowdown (median) |")
-    print("|---|---|---|---|")
-    for name, vals in (("untraced", base), ("exporter --always-on", res["phases"]["always-on"]),
-                       ("exporter (full)", res["phases"]["full"])):
-        med = statistics.median(vals)
-        print(f"| {name} | {min(vals):.0f} | {med:.0f} | {100 * (med / bmed - 1):+.1f} % |")
+    print(f"\n{args.rounds} measurements per phase and workload, workloads interleaved; "
+          f"{res['discarded']} disturbed measurements discarded and repeated\n")
+    print("| workload | mode | ns/op min | ns/op median | slowdown (median) |")
+    print("|---|---|---|---|---|")
+    for wl in storms:
+        base = res["phases"]["untraced-1"][wl] + res["phases"]["untraced-2"][wl]
+        bmed = statistics.median(base)
+        for name, vals in (("untraced", base), ("exporter --always-on", res["phases"]["always-on"][wl]),
+                           ("exporter (full)", res["phases"]["full"][wl])):
+            med = statistics.median(vals)
+            print(f"| {wl} | {name} | {min(vals):.0f} | {med:.0f} | {100 * (med / bmed - 1):+.1f} % |")
     print(f"\nExporter start-up (compile + attach): always-on {res['startup']['always-on']:.1f} s, "
           f"full {res['startup']['full']:.1f} s; idle CPU (full mode, no scrapes): {res['idle_cpu']:.3f} s/s\n")
     print("| idle processes | series in a scrape | of them per-process | scrape bytes | latency median | p90 | max | exporter CPU s/s at 1 scrape/s |")
