@@ -159,6 +159,36 @@ def _lost_counts(table, names):
     return out
 
 
+def detach_parallel(bpf):
+    """Detach BPF's uprobes concurrently, then everything else (bpfload.detach_all).
+
+    Since kernel 6.x removing a uprobe waits for an RCU grace period; BCC removes them one
+    after the other (~0.1-0.2 s each here, seconds for top's 17 probes on a busy machine).
+    Closing the perf-event fds from threads (BCC's ctypes calls release the GIL) lets the
+    grace periods overlap."""
+    if bpf is None:
+        return
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from bcc import lib
+
+        items = list(bpf.uprobe_fds.items())
+        if len(items) > 1:
+            def close(item):
+                ev_name, fd = item
+                lib.bpf_close_perf_event_fd(fd)
+                lib.bpf_detach_uprobe(ev_name)  # removes a tracefs event if BCC made one
+
+            with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
+                list(pool.map(close, items))
+            for ev_name, _ in items:
+                bpf._del_uprobe_fd(ev_name)  # keeps BCC's open-probe count right
+    except Exception:
+        pass  # fall back to BCC's own sequential cleanup below
+    bpfload.detach_all(bpf)
+
+
 class _Comms:
     """PID -> comm, remembered so an exited process keeps its name."""
 
@@ -228,7 +258,7 @@ class _Collector:
         if self._events is not None:
             self._events.stop()
             self._events = None
-        bpfload.detach_all(self.bpf)
+        detach_parallel(self.bpf)
         self.bpf = None
 
     def __enter__(self):
@@ -578,11 +608,18 @@ class Collectors:
         if self._events is not None:
             self._events.stop()
             self._events = None
-        for c in list(self.collectors.values()):
+        def close(c):
             try:
                 c.close()
             except Exception:
                 pass
+
+        # independent BPF objects: detach them concurrently (each waits for RCU grace periods)
+        threads = [threading.Thread(target=close, args=(c,)) for c in self.collectors.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def __enter__(self):
         return self.attach()
