@@ -171,3 +171,13 @@ def test_fuzz_python_reader_only_raises_corruptfile(raw):
         wl.parse(raw)
     except CorruptFile:
         pass
+
+
+def test_live_bytes_beyond_available_memory_stop_cleanly(sim, tmp_path):
+    """A workload whose live blocks exceed MemAvailable ends with a clear error before the
+    OOM killer would (checked before each allocation is made and filled)."""
+    avail = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    body = b"".join(op(wl.MALLOC, i, avail // 2) for i in range(1, 5))
+    proc = run_sim(sim, tmp_path, one_thread(body), "--no-fill")
+    assert proc.returncode == 4, proc.stderr
+    assert "requested bytes live, more than the" in proc.stderr and "bytes of memory available here" in proc.stderr

@@ -456,17 +456,37 @@ static inline void wmem(void *ptr, uint64_t n, unsigned char v)
 static int single_thread; /* one replay thread: plain loads/stores instead of atomics */
 static int64_t ideal_live_1, ideal_peak_1;
 
+static int64_t memory_limit; /* physical memory: a workload wanting more would only end in the OOM killer */
+static void too_much(int64_t now) __attribute__((noreturn, cold));
+static void too_much(int64_t now)
+{
+  die(EXIT_RESOURCE, "%s: the workload keeps %" PRId64 " requested bytes live, more than the %" PRId64
+      " bytes of memory available here", wl_name, now, memory_limit);
+}
+
+/* before an allocation is made and filled: would it take the live bytes past physical memory? */
+static inline void check_room(uint64_t size)
+{
+  if (!memory_limit) return;
+  int64_t cur = single_thread ? ideal_live_1 : atomic_load_explicit(&ideal_live, memory_order_relaxed);
+  if (size > (uint64_t)(memory_limit - cur)) too_much(cur + (int64_t)size);
+}
+
 static inline void ideal_add(int64_t delta)
 {
   if (single_thread) {
     ideal_live_1 += delta;
-    if (ideal_live_1 > ideal_peak_1) ideal_peak_1 = ideal_live_1;
+    if (ideal_live_1 > ideal_peak_1) {
+      ideal_peak_1 = ideal_live_1;
+      if (memory_limit && ideal_live_1 > memory_limit) too_much(ideal_live_1);
+    }
     return;
   }
   int64_t now = atomic_fetch_add_explicit(&ideal_live, delta, memory_order_relaxed) + delta;
   if (delta > 0) {
     int64_t peak = atomic_load_explicit(&ideal_peak, memory_order_relaxed);
     while (now > peak && !atomic_compare_exchange_weak_explicit(&ideal_peak, &peak, now, memory_order_relaxed, memory_order_relaxed)) {}
+    if (memory_limit && now > memory_limit) too_much(now);
   }
 }
 
@@ -569,6 +589,7 @@ static void *thread_main(void *arg)
       int type = op == C_MALLOC ? T_MALLOC : op == C_CALLOC ? T_CALLOC : op == C_VALLOC ? T_VALLOC : T_PVALLOC;
       a = get_int(&cp); sz = get_int(&cp);
       if (!a) { st->skipped[type]++; break; }
+      check_room(sz);
       t0 = t_start();
       switch (op) {
       case C_MALLOC: p = malloc(sz); break;
@@ -588,6 +609,7 @@ static void *thread_main(void *arg)
       /* like glibc's memalign: at least a word, rounded up to a power of two (validated <= 2**40) */
       if (b < sizeof(void *)) b = sizeof(void *);
       if (b & (b - 1)) b = (uint64_t)1 << (64 - __builtin_clzll(b));
+      check_room(sz);
       t0 = t_start();
       p = f_memalign(b, sz);
       dt = t_end() - t0;
@@ -607,6 +629,7 @@ static void *thread_main(void *arg)
         record(st, T_REALLOC, dt);
         break;
       }
+      check_room(sz);
       t0 = t_start();
       p = realloc(q, sz);
       dt = t_end() - t0;
@@ -838,6 +861,16 @@ int main(int argc, char **argv)
 
   long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
   if (pages > 0 && psize > 0) phys_bytes = (uint64_t)pages * (uint64_t)psize;
+  memory_limit = (int64_t)phys_bytes;
+  { /* what is available now (MemAvailable) bounds the live bytes: beyond it only the OOM killer waits */
+    FILE *mi = fopen("/proc/meminfo", "r");
+    char line[256];
+    while (mi && fgets(line, sizeof line, mi)) {
+      long long kb;
+      if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1 && kb > 0) { memory_limit = (int64_t)kb * 1024; break; }
+    }
+    if (mi) fclose(mi);
+  }
   page_kb = psize / 1024;
   if (psize > 0) page_size = psize;
   resolve_allocator();
