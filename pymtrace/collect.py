@@ -344,10 +344,12 @@ class MallocCollector(_Collector):
             offsets = (sites.offset,) + tuple(sites.side_paths)
             try:
                 for off in offsets:
-                    self.bpf.attach_uprobe(name=path, sym=function, sym_off=off, fn_name=entry, pid=pid)
+                    self.bpf.attach_uprobe(name=os.fsencode(path), sym=function.encode(), sym_off=off,
+                                           fn_name=entry.encode(), pid=pid)
                     self.attached.append((path, function, off, "entry", pid))
                 if ret:
-                    self.bpf.attach_uretprobe(name=path, sym=function, fn_name=ret, pid=pid)
+                    self.bpf.attach_uretprobe(name=os.fsencode(path), sym=function.encode(), fn_name=ret.encode(),
+                                              pid=pid)
                     self.attached.append((path, function, 0, "return", pid))
             except Exception as exc:
                 if pid != -1 and not os.path.exists(f"/proc/{pid}"):
@@ -356,7 +358,7 @@ class MallocCollector(_Collector):
 
     def snapshot(self):
         now = time.monotonic()
-        table = self.bpf["ms_stats"]
+        table = self.bpf[b"ms_stats"]
         items = _percpu_items(table)
         gone = self._take_exited(int(k.value) for k, _ in items)
         procs = {}
@@ -379,7 +381,7 @@ class MallocCollector(_Collector):
         for pid in gone:
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)
-        lost = _lost_counts(self.bpf["ms_lost"], {i: "malloc_" + n for i, n in _lost_names("malloc_stats", "MS").items()})
+        lost = _lost_counts(self.bpf[b"ms_lost"], {i: "malloc_" + n for i, n in _lost_names("malloc_stats", "MS").items()})
         return {"time": now, "start": self.start, "processes": procs, "lost": lost}
 
 
@@ -400,11 +402,11 @@ class SlabCollector(_Collector):
     def snapshot(self):
         now = time.monotonic()
         caches = {}
-        for key, values in _percpu_items(self.bpf["slab_stats"]):
+        for key, values in _percpu_items(self.bpf[b"slab_stats"]):
             name = bytes(key.name).split(b"\0", 1)[0].decode("utf-8", "replace")
             s = _sum_percpu(values, self.fields)
             caches[name] = {f: int(s[f]) for f in self.fields}
-        lost = _lost_counts(self.bpf["slab_lost"], {i: "slab_" + n for i, n in _lost_names("slab", "SLAB").items()})
+        lost = _lost_counts(self.bpf[b"slab_lost"], {i: "slab_" + n for i, n in _lost_names("slab", "SLAB").items()})
         return {"time": now, "start": self.start, "slab": caches, "lost": lost}
 
 
@@ -449,12 +451,12 @@ class FaultCollector(_Collector):
                    "PF_FILTER": int(self.pids is not None), "PF_REGIONS": int(self.regions)}
         self.bpf = bpfload.load(self.program, defines=defines, what="tracing page faults")
         if self.pids is not None:
-            targets = self.bpf["pf_targets"]
+            targets = self.bpf[b"pf_targets"]
             for pid in self.pids:
                 targets[targets.Key(pid)] = targets.Leaf(1)
 
     def _read_regions(self):
-        table = self.bpf["pf_regions"]
+        table = self.bpf[b"pf_regions"]
         try:
             items = list(table.items_lookup_batch())
         except Exception:
@@ -478,7 +480,7 @@ class FaultCollector(_Collector):
 
     def snapshot(self):
         now = time.monotonic()
-        totals = self.bpf["pf_totals"]
+        totals = self.bpf[b"pf_totals"]
         items = _percpu_items(totals)
         gone = self._take_exited(int(k.value) for k, _ in items)
         procs = {}
@@ -493,11 +495,11 @@ class FaultCollector(_Collector):
                 self._delete(totals, totals.Key(pid))
                 self.comms.forget(pid)
                 self._maps.pop(pid, None)
-            table = self.bpf["pf_regions"]
+            table = self.bpf[b"pf_regions"]
             for k in list(table.keys()):
                 if int(k.tgid) in gone:
                     self._delete(table, k)
-        lost = _lost_counts(self.bpf["pf_lost"], {i: "fault_" + n for i, n in _lost_names("faults", "PF").items()})
+        lost = _lost_counts(self.bpf[b"pf_lost"], {i: "fault_" + n for i, n in _lost_names("faults", "PF").items()})
         snap = {"time": now, "start": self.start, "processes": procs, "lost": lost}
         if self.regions:
             snap["fault_regions"] = regions

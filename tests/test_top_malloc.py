@@ -1,5 +1,6 @@
 """`pymtrace top --json/--batch -p PID` against a workload with exactly known malloc-API
 calls in 4 threads (tests/workloads/top_calls.c): every count must match exactly."""
+import os
 import signal
 import time
 
@@ -201,3 +202,33 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
     finally:
         top.kill()
         w.kill()
+
+
+@pytest.mark.bpf
+def test_collector_api_bounded_map_counts_lost_events(cbuild):
+    """MallocCollector used directly (the exporter's way): with room for one process, the
+    second traced process's events are counted as lost instead of recorded."""
+    from pymtrace.collect import MallocCollector
+
+    a = Workload([cbuild("top_calls")])
+    b = Workload([cbuild("top_calls")])
+    c = MallocCollector(pids=[a.pid, b.pid], max_procs=1)
+    try:
+        c.attach()
+        a.go()
+        expected = a.result()
+        b.go()
+        b.result()
+        snap = c.snapshot()
+        assert set(snap["processes"]) == {a.pid}
+        assert snap["processes"][a.pid]["calls"] == expected["calls"]
+        calls_b = sum(v for k, v in expected["calls"].items() if k != "free_null")
+        assert snap["lost"]["malloc_stats_full"] >= calls_b
+        c.close()
+        c.close()  # idempotent
+        assert own_uprobes(os.getpid()) == []
+        assert a.finish() == 0 and b.finish() == 0
+    finally:
+        c.close()
+        a.kill()
+        b.kill()
