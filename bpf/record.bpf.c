@@ -17,7 +17,7 @@
 #define RB_PAGES 4096
 #endif
 #ifndef RESERVE_RETRIES
-#define RESERVE_RETRIES 64
+#define RESERVE_RETRIES 1
 #endif
 #ifndef STASH_ENTRIES
 #define STASH_ENTRIES 65536
@@ -120,8 +120,8 @@ static __always_inline struct record_event *reserve(void)
         return 0;
     struct record_event *e = events.ringbuf_reserve(sizeof(struct record_event));
     if (!e) {
-        /* Not only a full buffer: kernels with resilient ring-buffer spinlocks (6.15+) also
-         * fail a reservation now and then with the buffer nearly empty. Try once more. */
+        /* A full buffer (the consumer fell behind): one more try, counted, in case the
+         * consumer just made room; then the event is counted as lost. */
         u64 *r = retried.lookup(&zero);
         if (r)
             *r += 1;

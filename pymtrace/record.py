@@ -210,6 +210,11 @@ class RingReader:
             raise ValueError("samples must be a multiple of 8 bytes")
         self.cons_map = mmap.mmap(map_fd, _PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
         self.prod_map = mmap.mmap(map_fd, _PAGE + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=_PAGE)
+        # positions are read and written as whole aligned 8-byte words (memoryview 'Q' items
+        # are copied with one 8-byte memcpy): struct's "<Q" goes byte by byte, and the kernel
+        # reading a half-written consumer position sees the ring full and drops records
+        self.cons_pos = memoryview(self.cons_map).cast("Q")
+        self.prod_pos = memoryview(self.prod_map)[:8].cast("Q")
         self.data = memoryview(self.prod_map)[_PAGE:]
         self.words = self.data.cast("Q")
         self.max_batch = size // self.stride
@@ -217,7 +222,7 @@ class RingReader:
         self.max_backlog = 0  # most bytes ever waiting in the ring: how close we came to losing
 
     def _pos(self):
-        return struct.unpack_from("<Q", self.cons_map, 0)[0], struct.unpack_from("<Q", self.prod_map, 0)[0]
+        return self.cons_pos[0], self.prod_pos[0]
 
     def read(self, max_records=None):
         """(bytes of the committed samples' payloads, count); advances the consumer position."""
@@ -273,9 +278,11 @@ class RingReader:
         return recs, tg
 
     def _advance(self, pos):
-        struct.pack_into("<Q", self.cons_map, 0, pos)
+        self.cons_pos[0] = pos
 
     def close(self):
+        self.cons_pos.release()
+        self.prod_pos.release()
         self.words.release()
         self.data.release()
         self.prod_map.close()

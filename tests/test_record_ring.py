@@ -20,6 +20,8 @@ class FakeRing(record.RingReader):
         self.size, self.mask, self.sample, self.stride = SIZE, SIZE - 1, SAMPLE, STRIDE
         self.cons_map = mmap.mmap(-1, PAGE)
         self.prod_map = mmap.mmap(-1, PAGE + 2 * SIZE)
+        self.cons_pos = memoryview(self.cons_map).cast("Q")
+        self.prod_pos = memoryview(self.prod_map)[:8].cast("Q")
         self.data = memoryview(self.prod_map)[PAGE:]
         self.words = self.data.cast("Q")
         self.max_batch = SIZE // STRIDE
