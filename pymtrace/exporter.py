@@ -6,7 +6,6 @@ Their snapshots are cumulative per PID; this module turns them into per-`comm` (
 cgroup, or capped per-PID) series that stay monotonic while processes come and go, and
 drops the series of processes gone for longer than a grace period.
 """
-import argparse
 import gzip
 import html
 import os

@@ -6,7 +6,6 @@ this file also holds the helpers they share (Prometheus harness, scraping, fake 
 """
 import base64
 import json
-import os
 import pathlib
 import re
 import shutil

@@ -1,11 +1,8 @@
 """`pymtrace exporter` for real: BPF collectors, a C workload with known calls, a real
 Prometheus scraping every second, promtool on a live scrape, churn of 1,000 short-lived
 processes, and glibc internals on the probe-carrying libc."""
-import os
-import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -161,7 +158,6 @@ class Exporter:
 
     def __init__(self, *args, port=None):
         self.port = port or free_port()
-        self.log = open(os.devnull, "w")
         self.proc = subprocess.Popen(PYMTRACE + ["exporter", "--listen", f"127.0.0.1:{self.port}", *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
