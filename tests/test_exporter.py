@@ -529,6 +529,31 @@ def test_tls_and_basic_auth(served, tls_files):
         stuck.close()
 
 
+def test_client_certificates_required_and_verified(served, tls_files, tmp_path):
+    cfg = tmp_path / "mtls.yml"
+    cfg.write_text(f"tls_server_config:\n  cert_file: {tls_files}/cert.pem\n  key_file: {tls_files}/key.pem\n"
+                   f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {tls_files}/cert.pem\n"
+                   "  min_version: TLS12\n")
+    ex = served([FakeSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})], web=webconfig.load(cfg))
+    ctx = ssl.create_default_context(cafile=str(tls_files / "cert.pem"))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(ex.url + "/metrics", timeout=5, context=ctx).read()
+    ctx.load_cert_chain(str(tls_files / "cert.pem"), str(tls_files / "key.pem"))
+    assert http_get(ex.url + "/metrics", context=ctx)[0] == 200
+
+
+def test_label_by_cgroup():
+    groups = {1: "/system.slice/nginx.service", 2: "/system.slice/nginx.service", 3: "/user.slice"}
+    agg = exporter.Aggregator(label_by="cgroup", alive=lambda pid: True, cgroup_of=groups.get)
+    agg.update({p: proc_entry(p, "x", malloc=p) for p in groups}, now=0)
+    s = agg.series()
+    assert s["/system.slice/nginx.service"]["counters"][("calls", "malloc")] == 3
+    assert s["/user.slice"]["counters"][("calls", "malloc")] == 3
+    import os
+
+    assert (exporter._cgroup_of(os.getpid()) or "/").startswith("/")
+
+
 def test_web_config_errors(tmp_path, tls_files):
     cases = {
         "tls_server_config:\n  cert_file: x\n": "cert_file and key_file",

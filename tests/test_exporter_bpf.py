@@ -276,6 +276,7 @@ def test_real_prometheus_stores_the_exact_calls_of_a_workload(tmp_path):
         assert faults["user"] >= 2048, faults
         # exporter self-metrics arrived too
         assert prom.query("pymtrace_exporter_bpf_program_runs_total > 0")
+        assert prom.query("pymtrace_exporter_bpf_program_run_seconds_total > 0")  # kernel BPF stats are on
         assert prom.query('pymtrace_exporter_bpf_map_max_entries{map="ms_stats"}')
         assert all(v == 1 for v in prom.query("pymtrace_exporter_collector_up").values())
         # the filter really filters: no other comm
