@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from test_top_support import Top, Workload, alive, own_uprobes
+from test_top_support import Top, Workload, alive, assert_probes_gone, assert_probes_installed, own_uprobes
 
 CALLS = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
 
@@ -26,6 +26,7 @@ def test_json_counts_every_call_once_exactly(cbuild):
         first = top.json_doc()  # printed right after attach
         assert first["pids"] == [w.pid]
         assert not top.proc.poll()
+        assert_probes_installed(top.proc.pid, w.pid)
         w.go()
         expected = w.result()
         _expected_ok(expected)
@@ -44,7 +45,7 @@ def test_json_counts_every_call_once_exactly(cbuild):
         assert all(r["pid"] == w.pid for r in doc["views"]["processes"]["rows"])
         # Ctrl-C: clean exit, no uprobes of ours left, the workload unharmed
         assert top.stop(signal.SIGINT) == 0
-        assert own_uprobes(top.proc.pid) == []
+        assert_probes_gone(top.proc.pid, w.pid)
         assert alive(w.pid)
         assert w.finish() == 0
     finally:
@@ -88,7 +89,7 @@ def test_batch_totals_match_and_sigterm_detaches(cbuild):
         assert int(row["FAILED"]) == expected["failed"]
         assert any(line.startswith("== processes") for line in block)
         assert top.stop(signal.SIGTERM) == 0
-        assert own_uprobes(top.proc.pid) == []
+        assert_probes_gone(top.proc.pid, w.pid)
         assert alive(w.pid)
         assert w.finish() == 0
     finally:
@@ -99,12 +100,13 @@ def test_batch_totals_match_and_sigterm_detaches(cbuild):
 @pytest.mark.bpf
 def test_ends_by_itself_after_iterations_without_leftover_probes(cbuild):
     w = Workload([cbuild("top_calls")])
-    top = Top("--json", "-n", "2", "-p", w.pid, "-i", "0.2", "--no-glibc")
+    top = Top("--json", "-n", "2", "-p", w.pid, "-i", "1.5", "--no-glibc")
     try:
         top.json_doc()
+        assert_probes_installed(top.proc.pid, w.pid)  # 1.5 s before the second (last) report
         top.json_doc()
         assert top.proc.wait(timeout=30) == 0
-        assert own_uprobes(top.proc.pid) == []
+        assert_probes_gone(top.proc.pid, w.pid)
         assert alive(w.pid)
         w.go()  # the workload still works normally after the tracer left
         expected = w.result()

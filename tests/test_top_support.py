@@ -128,3 +128,70 @@ def alive(pid):
         return True
     except ProcessLookupError:
         return False
+
+
+def _file_offset(path, vaddr):
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as f:
+        for seg in ELFFile(f).iter_segments():
+            if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
+                return vaddr - seg["p_vaddr"] + seg["p_offset"]
+    raise AssertionError(f"{vaddr:#x} not in a segment of {path}")
+
+
+def probe_site_bytes(pid, function, offset=0):
+    """(byte in PID's memory, byte in the file) at FUNCTION+OFFSET of PID's libc.
+    While a uprobe is installed there the process sees 0xcc (int3)."""
+    from pymtrace import libc
+
+    path = libc.process_libc(pid)
+    off = _file_offset(path, libc.symbol(path, function).address + offset)
+    real = os.path.realpath(path)
+    for m in libc.read_maps(pid):
+        if os.path.realpath(libc.host_path(pid, m.path)) == real and m.offset <= off < m.offset + (m.end - m.start):
+            with open(f"/proc/{pid}/mem", "rb") as mem:
+                mem.seek(m.start + off - m.offset)
+                in_memory = mem.read(1)[0]
+            with open(path, "rb") as f:
+                f.seek(off)
+                in_file = f.read(1)[0]
+            return in_memory, in_file
+    raise AssertionError(f"{function} not mapped in {pid}")
+
+
+def bpf_uprobes_of(pid):
+    """Uprobes with BPF programs held by process PID (bpftool perf list), or None if unknown."""
+    import shutil
+
+    if shutil.which("bpftool") is None:
+        return None
+    out = subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [e for e in json.loads(out or "[]") if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")]
+
+
+def _sites(pid):
+    from pymtrace import libc, probesite
+
+    path = libc.process_libc(pid)
+    free = probesite.sites(path, "free")
+    return [("malloc", 0), ("free", free.offset)] + [("free", o) for o in free.side_paths]
+
+
+def assert_probes_installed(top_pid, pid):
+    """top's uprobes are really in PID: int3 at its probe sites, BPF uprobes held by top."""
+    for function, offset in _sites(pid):
+        mem, orig = probe_site_bytes(pid, function, offset)
+        assert mem == 0xCC and orig != 0xCC, (function, offset, mem, orig)
+    held = bpf_uprobes_of(top_pid)
+    assert held is None or len(held) >= 3
+
+
+def assert_probes_gone(top_pid, pid):
+    """After top ended: PID's code is the file's again, nothing of top's remains attached
+    (tracefs uprobe_events, BPF perf uprobes)."""
+    for function, offset in _sites(pid):
+        mem, orig = probe_site_bytes(pid, function, offset)
+        assert mem == orig, (function, offset, mem, orig)
+    assert own_uprobes(top_pid) == []
+    assert not bpf_uprobes_of(top_pid)
