@@ -117,18 +117,18 @@ def run(args):
             raise PymtraceError(f"no malloc USDT probes to trace: {reasons}")
         for w in collector.warnings:
             print(f"pymtrace: warning: {w}", file=sys.stderr)
-        print(f"pymtrace: tracing {len(collector.sites)} malloc probe sites in "
-              f"{sum(1 for i in collector.libc_info if i['attached'])} libc(s)"
-              + (f" for PID {', '.join(map(str, args.pid))}" if args.pid else "")
-              + "; Ctrl-C to stop", file=sys.stderr, flush=True)
-        if not args.json:
-            out.write(f"{'TIME':<15} {'PID':>7} {'TID':>7} {'COMM':<15} PROBE ARGS\n")
-            out.flush()
         if launched is not None:
             launched.resume()
         deadline = None if args.duration is None else time.monotonic() + args.duration
         reported_lost = 0
         try:
+            print(f"pymtrace: tracing {len(collector.sites)} malloc probe sites in "
+                  f"{sum(1 for i in collector.libc_info if i['attached'])} libc(s)"
+                  + (f" for PID {', '.join(map(str, args.pid))}" if args.pid else "")
+                  + "; Ctrl-C to stop", file=sys.stderr, flush=True)
+            if not args.json:
+                out.write(f"{'TIME':<15} {'PID':>7} {'TID':>7} {'COMM':<15} PROBE ARGS\n")
+                out.flush()
             while True:
                 collector.poll()
                 out.flush()

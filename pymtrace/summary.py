@@ -593,9 +593,10 @@ def run_summary(args):
     except BaseException:
         tracer.collector.close()
         raise
-    print(f"pymtrace: tracing PID {pid}; Ctrl-C to stop and report", file=sys.stderr)
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:
+        # inside the try: a Ctrl-C right after this line still produces the report
+        print(f"pymtrace: tracing PID {pid}; Ctrl-C to stop and report", file=sys.stderr, flush=True)
         from pymtrace.probes import _alive
 
         while _alive(pid):
