@@ -380,9 +380,12 @@ def render_text(doc):
             out.append(tabulate([[a["arena"] + (" (main)" if a["main"] else ""),
                                   a["created_by"] if a["created_by"] is not None else "-",
                                   a["size_request"] if a["size_request"] is not None else "-",
-                                  len(a["threads"]), " ".join(map(str, a["threads"])), a["waits"]]
+                                  len(a["threads"]),
+                                  " ".join(f"{t}" + ("*" if t in a.get("active_threads", ()) else "")
+                                           for t in a["threads"]), a["waits"]]
                                  for a in r["arenas"]],
-                                headers=["ARENA", "CREATED BY", "REQUEST", "THREADS", "TIDS", "WAITS"]))
+                                headers=["ARENA", "CREATED BY", "REQUEST", "THREADS",
+                                         "TIDS (* = alive at the end)", "WAITS"]))
         else:
             out.append("  only the main arena was used")
         out.append("")
@@ -520,11 +523,22 @@ class Tracer:
                "lost_events": lost}
         res = self.report.result()
         faults = res.pop("faults")
+        alive = _threads(self.pid)
+        for a in res["arenas"]:
+            a["active_threads"] = [t for t in a["threads"] if t in alive]
         if self.status["probes"]:
             doc["glibc"] = res
             doc["collector"] = g
         doc["faults"] = faults if self.faults else None
         return doc
+
+
+def _threads(pid):
+    """TIDs of PID's threads alive now (none once it has exited)."""
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        return set()
 
 
 def _emit(doc, args):

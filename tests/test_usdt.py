@@ -341,3 +341,25 @@ def test_read_params_of_a_live_process(sdt_libc, cbuild):
         pytest.skip("cannot read another process's memory")
     assert params["mmap_threshold"] == 1 << 20 and params["trim_threshold"] == 64 << 20
     assert params["top_pad"] == 131072 and params["mxfast"] == 128 and params["tcache_count"] == 7
+
+
+@pytest.mark.bpf
+def test_collector_counts_every_lost_event(sdt_libc, cbuild):
+    """A 1-page ring buffer nobody drains during the run: events received + lost events
+    counted in BPF = probe hits counted in the BPF aggregate (nothing vanishes silently)."""
+    prefix, _ = sdt_libc
+    events = []
+    L = launch.Launched(prefix + [cbuild("glibc_arenas"), "new", "3"], stdout=subprocess.DEVNULL)
+    c = usdt.GlibcCollector(pids=[L.pid], libcs={L.pid: L.libc_path()}, on_event=events.append,
+                            ringbuf_pages=1)
+    try:
+        c.attach()
+        L.resume()
+        L.proc.wait(timeout=60)  # no poll() meanwhile
+        snap = c.snapshot()
+    finally:
+        c.close()
+        L.kill()
+    lost = snap["glibc_collector"]["lost_events"]
+    assert lost > 0
+    assert len([e for e in events if e.pid == L.pid]) + lost == snap["glibc"][L.pid]["events"]
