@@ -522,7 +522,7 @@ class Recorder:
         except Exception:
             self.procevents = None  # fall back to scanning /proc for children
 
-    def _drain(self):
+    def _drain(self, final=False):
         total = 0
         now = time.monotonic()
         if self.last_poll is not None:
@@ -530,12 +530,17 @@ class Recorder:
         self.last_poll = now
         t0 = time.thread_time()
         try:
+            # Take what is there and go back to sleep: chasing the producer in a loop would
+            # read tiny batches, and the per-batch cost would dominate. Read again at once
+            # only while batches are large (the buffer was filling up).
             while True:
                 data, n = self.reader.read()
                 if not n:
                     return total
                 total += n
                 self._dispatch(data, n)
+                if n < self.reader.max_batch // 8 and not final:
+                    return total
         finally:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
@@ -630,9 +635,9 @@ class Recorder:
             os.close(pidfd)
         # a last drain: everything committed before we stop
         try:
-            self._drain()
+            self._drain(final=True)
         except KeyboardInterrupt:
-            self._drain()
+            self._drain(final=True)
         self.duration = time.monotonic() - self.start
         self.interrupted = interrupted
         return self._finish()
