@@ -556,7 +556,7 @@ def run_run(args):
     launched = launch.Launched(args.cmd)
     tracer = None
     try:
-        path = launched.libc_path()
+        path = launched.libc_path() or usdt.static_exe_with_probes(launched.exe)
         tracer = Tracer(launched.pid, path, faults=not args.no_faults)
         if not tracer.status["probes"]:
             print(f"pymtrace: {tracer.status['reason']}; glibc internals unavailable, "
@@ -596,7 +596,7 @@ def run_summary(args):
         from pymtrace.errors import ProcessGone
 
         raise ProcessGone(pid)
-    path = libc.process_libc(pid)
+    path = libc.process_libc(pid) or usdt.static_exe_with_probes(usdt.process_exe(pid))
     tracer = Tracer(pid, path, faults=not args.no_faults)
     if not tracer.status["probes"]:
         print(f"pymtrace: {tracer.status['reason']}; glibc internals unavailable, "

@@ -373,6 +373,22 @@ def libc_status(path):
     return {"libc": path, "probes": len({p.name for p in probes}), "sites": len(probes), "reason": None}
 
 
+def static_exe_with_probes(exe):
+    """EXE itself when it is a static program carrying glibc's malloc probes, else None."""
+    try:
+        return exe if exe and libc.malloc_probes(exe) else None
+    except PymtraceError:
+        return None
+
+
+def process_exe(pid):
+    """PID's executable as a path reachable from here, or None."""
+    try:
+        return libc.host_path(pid, os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return None
+
+
 def all_libcs():
     """Every distinct libc file mapped by a running process (system-wide attach)."""
     seen, paths = set(), []
@@ -550,7 +566,7 @@ class GlibcCollector:
             for pid in self.pids:
                 path = self.libc_override.get(pid) if isinstance(self.libc_override, dict) else None
                 if path is None:
-                    path = libc.process_libc(pid)
+                    path = libc.process_libc(pid) or static_exe_with_probes(process_exe(pid))
                 self.pid_libc[pid] = path
                 if path is None:
                     continue
