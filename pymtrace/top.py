@@ -35,11 +35,12 @@ live bytes: chunk bytes returned by malloc & co. minus chunk bytes freed, counte
 pymtrace attached; blocks allocated before that and freed after make it negative.
 
 OVERHEAD: the per-call view puts uprobes on malloc, calloc, realloc, free and the memalign
-family of every traced libc: each call then costs ~1-1.5 us more (a malloc+free pair
-~1.5 us on the development machine, ~25-40x an untraced pair; see docs/top.md). A
-malloc-heavy program can slow down severalfold. Limit it with -p, or use --always-on
-(no per-call uprobes: slab and fault tracepoints and glibc's slow-path USDT probes only;
-<2% slowdown measured) for production."""
+family of every traced libc: a malloc+free pair then costs ~2-3.5 us instead of ~15 ns
+(measured on a busy 2-core machine, bench/overhead.py; about the cost of the uprobe traps
+alone, and ~8x cheaper than a memleak-style tracer; see docs/top.md). A program that does
+little but malloc/free slows down by two orders of magnitude; real programs much less.
+Limit it with -p, or use --always-on (no per-call uprobes: slab and fault tracepoints and
+glibc's slow-path USDT probes only; nothing runs on a malloc call) in production."""
 
 VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "totals")
 
