@@ -48,8 +48,8 @@ def configure(parser):
     parser.add_argument("--list", action="store_true",
                         help="list the malloc probes (sites and argument specs) of each libc "
                              "and exit")
-    parser.add_argument("cmd", nargs="*", metavar="-- CMD",
-                        help="launch CMD (with its arguments) and trace it")
+    parser.add_argument("cmd", nargs="*", metavar="CMD",
+                        help="after --: launch CMD (with its arguments) and trace it")
 
 
 def _list(args):

@@ -458,7 +458,7 @@ def configure_run(parser):
     parser.description = HELP_RUN
     parser.epilog = EPILOG_RUN
     _common(parser)
-    parser.add_argument("cmd", nargs="+", metavar="-- CMD", help="the command to run and trace")
+    parser.add_argument("cmd", nargs="+", metavar="CMD", help="the command (and its arguments) to run and trace, after --")
 
 
 def configure_summary(parser):
