@@ -40,8 +40,9 @@ examples:
 
 OVERHEAD: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~100x slower
-while recorded, ordinary programs far less. pymtrace itself needs ~0.15-0.35 us of CPU
-per event (mostly writing 64 bytes per event to the file) and 64 bytes of disk per event.
+while recorded, ordinary programs far less. pymtrace itself needs ~0.1 us of CPU per
+event (mostly writing 64 bytes per event to the file) and 64 bytes of disk per event;
+--format mtrace-text adds ~3.5 us per record at the end (conversion to text).
 --follow-forks puts the probes on every process that uses the same libc (filtered in
 BPF), which slows allocation-heavy processes system-wide a little while it runs.
 
