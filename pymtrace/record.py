@@ -529,6 +529,8 @@ class Recorder:
         except Exception as exc:
             if isinstance(exc, PymtraceError):
                 raise
+            if not _exists(self.target):
+                raise ProcessGone(self.target) from None
             raise PymtraceError(f"cannot attach uprobes to {libc_path}: {exc}") from None
         import ctypes
 
