@@ -267,3 +267,36 @@ def test_record_missing_process():
     proc = run_pymtrace("record", "-p", "999999999")
     assert proc.returncode == 1
     assert proc.stderr.strip() == "pymtrace: error: process 999999999 does not exist (or exited)"
+
+
+def test_record_attach_stops_at_duration_and_at_exit(cbuild, tmp_path):
+    prog = cbuild("record_loop")
+    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        # --duration: record stops by itself, the target keeps running
+        out1 = tmp_path / "d.trace"
+        p = run_pymtrace("record", "-p", target.pid, "--duration", "1", "--json", "-o", out1)
+        assert p.returncode == 0, p.stderr
+        assert target.poll() is None
+        s1 = json.loads(p.stderr.strip().splitlines()[-1])
+        assert 1.0 <= s1["duration_s"] < 3 and s1["entries"] == len(list(B.read_file(out1))) > 0
+        # the process exits: record notices, drains and ends on its own
+        out2 = tmp_path / "e.trace"
+        rec = subprocess.Popen(PYMTRACE + ["record", "-p", str(target.pid), "-o", str(out2), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (out2.exists() and out2.stat().st_size > 64 * 500):
+            assert rec.poll() is None, rec.stderr.read()
+            time.sleep(0.1)
+        target.kill()
+        target.wait()
+        _, err = rec.communicate(timeout=60)
+        assert rec.returncode == 0, err
+        s2 = json.loads(err.strip().splitlines()[-1])
+        records = list(B.read_file(out2))
+        assert s2["entries"] == len(records) >= 500 and s2["lost"] == 0
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait()
