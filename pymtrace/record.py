@@ -152,8 +152,12 @@ class Output:
         if fmt == "mtrace-text":
             # records go to an unlinked scratch file next to the output; text is written at the end
             self.final_fd = fd
-            self.fd, scratch = tempfile.mkstemp(prefix=".pymtrace-", dir=os.path.dirname(os.path.abspath(path)))
-            os.unlink(scratch)
+            try:
+                self.fd, scratch = tempfile.mkstemp(prefix=".pymtrace-", dir=os.path.dirname(os.path.abspath(path)))
+                os.unlink(scratch)
+            except OSError as exc:
+                os.close(fd)
+                raise PymtraceError(f"cannot create a scratch file next to {path}: {exc.strerror}") from None
         os.write(self.fd, mtrace_bin.magic_record(tgid))
         self.bytes_written = mtrace_bin.RECORD_SIZE
 
