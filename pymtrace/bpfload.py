@@ -73,7 +73,7 @@ def load(program, defines=None, prelude="", what=None):
         cflags.append(f"-D{name}={value}")
     text = prelude + path.read_text()
     try:
-        return bcc.BPF(text=text, cflags=cflags)
+        return bcc.BPF(text=text.encode(), cflags=cflags)
     except Exception as exc:  # BCC raises plain Exception on compile/load failures
         build = f"/lib/modules/{os.uname().release}/build"
         hint = (

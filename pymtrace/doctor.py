@@ -347,7 +347,7 @@ def check_smoke(sim, prerequisites_ok, tracepoints_ok):
     started = time.monotonic()
     b = None
     try:
-        b = bcc.BPF(text=SMOKE_PROGRAM, cflags=[f"-DSELF_PID={os.getpid()}", "-Wno-macro-redefined"])
+        b = bcc.BPF(text=SMOKE_PROGRAM.encode(), cflags=[f"-DSELF_PID={os.getpid()}", "-Wno-macro-redefined"])
         compiled = time.monotonic() - started
         tp = next((t for t in ("exceptions:page_fault_user", "kmem:kmem_cache_alloc") if t in tracepoints_ok), None)
         if tp:
