@@ -17,6 +17,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prometheus_client.exposition import choose_encoder
+
 from pymtrace import __version__
 from pymtrace.errors import PymtraceError
 
@@ -483,52 +485,6 @@ def _fmt_le(v):
     return floatToGoString(v)  # "1.0", "1024.0", "1.099511627776e+12": canonical for OpenMetrics
 
 
-# ---------------------------------------------------------------- exposition
-
-TEXT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-OPENMETRICS_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-
-
-def _esc(text):
-    return text.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
-
-
-def render(registry, openmetrics=False):
-    """Text exposition of REGISTRY (Prometheus text 0.0.4, or OpenMetrics 1.0).
-
-    prometheus-client's own writers re-validate every label name of every sample with a
-    regular expression, which is most of a scrape's CPU with thousands of series; the
-    names here are fixed and valid, so this writes the same format without that."""
-    from prometheus_client.utils import floatToGoString
-
-    out = []
-    for fam in registry.collect():
-        name, mtype = fam.name, fam.type
-        help_text = _esc(fam.documentation) if openmetrics else fam.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        if openmetrics:
-            out.append(f"# HELP {name} {help_text}\n# TYPE {name} {mtype}\n")
-        else:
-            shown = name + "_total" if mtype == "counter" else name
-            out.append(f"# HELP {shown} {help_text}\n# TYPE {shown} {'untyped' if mtype == 'unknown' else mtype}\n")
-        for smp in fam.samples:
-            if smp.labels:
-                labels = ",".join(f'{k}="{_esc(str(v))}"' for k, v in sorted(smp.labels.items()))
-                out.append(f"{smp.name}{{{labels}}} {floatToGoString(smp.value)}\n")
-            else:
-                out.append(f"{smp.name} {floatToGoString(smp.value)}\n")
-    if openmetrics:
-        out.append("# EOF\n")
-    return "".join(out).encode()
-
-
-def wants_openmetrics(accept):
-    """True when the Accept header prefers OpenMetrics (as Prometheus's scrapes do)."""
-    for part in (accept or "").split(","):
-        if part.split(";")[0].strip() == "application/openmetrics-text":
-            return True
-    return False
-
-
 # ---------------------------------------------------------------- HTTP
 
 INDEX = """<!DOCTYPE html>
@@ -638,10 +594,10 @@ class MetricsHandler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         if path == "/metrics":
-            om = wants_openmetrics(self.headers.get("Accept"))
-            ctype = OPENMETRICS_TYPE if om else TEXT_TYPE
+            # prometheus-client picks text 0.0.4 or OpenMetrics from the Accept header.
+            encoder, ctype = choose_encoder(self.headers.get("Accept"))
             try:
-                body = render(self.server.registry, openmetrics=om)
+                body = encoder(self.server.registry)
             except Exception as exc:
                 self._send(500, f"collecting metrics failed: {exc}\n")
                 return

@@ -350,26 +350,6 @@ def test_exposition_names_types_histogram_and_glibc():
         assert not name.startswith(("pymtrace_process_", "pymtrace_scrape_")), name
 
 
-def test_fast_writer_is_byte_identical_to_prometheus_client():
-    """/metrics uses its own text writer (prometheus-client's re-validates every label name
-    of every sample); it must produce exactly what prometheus-client would."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
-
-    src = FakeSource({"processes": {str(p): proc_entry(p, f'we"ird\\{p}\n', malloc=p, requested=p, live=-p,
-                                                       sizes=[1, 2, 3], faults=(1, 2)) for p in range(1, 5)},
-                      "slab": {"kmalloc-8": {"allocs": 1, "frees": 1, "bytes_alloc": 8, "bytes_req": 7}},
-                      "lost": {"x": 2}})
-    for om, reference in ((False, generate_latest), (True, openmetrics_latest)):
-        reg = CollectorRegistry(auto_describe=False)
-        reg.register(exporter.ExporterCollector([src], exporter.Aggregator(alive=lambda p: True)))
-        ours, theirs = exporter.render(reg, openmetrics=om).decode(), reference(reg).decode()
-        strip = lambda text: re.sub(r"(scrape_duration_seconds) \S+", r"\1", text)  # noqa: E731
-        assert strip(ours) == strip(theirs)
-    assert exporter.wants_openmetrics("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5")
-    assert not exporter.wants_openmetrics("text/plain")
-
-
 def test_promtool_check_metrics_on_a_scrape(served):
     promtool = need_tool("promtool")
     src = FakeSource({"processes": {str(p): proc_entry(p, f"c{p % 7}", malloc=p, requested=p * 8, live=p,
