@@ -188,6 +188,18 @@ def test_run_faults_by_region(sdt_libc, cbuild):
 
 
 @pytest.mark.bpf
+def test_run_faults_calloc_versus_malloc_memset(sdt_libc, cbuild):
+    """The zero-page story: calloc of a fresh mmapped chunk touches nothing (it is known
+    zero), malloc + memset(0) faults every page in."""
+    prefix, _ = sdt_libc
+    pages = 8192 * 1024 // 4096
+    calloc_doc, _ = _run_json(*prefix, cbuild("glibc_faults"), "0", "8192", "0", "calloc")
+    memset_doc, _ = _run_json(*prefix, cbuild("glibc_faults"), "0", "8192", "0", "memset")
+    assert calloc_doc["faults"]["regions"]["mmapped chunks"] < 64
+    assert pages <= memset_doc["faults"]["regions"]["mmapped chunks"] <= pages + 64
+
+
+@pytest.mark.bpf
 def test_run_on_libc_without_probes_reports_faults(cbuild):
     system = libc.system_libc()
     if libc.malloc_probes(system):

@@ -1,6 +1,10 @@
 /* Page faults by region, with transparent huge pages off (one fault per 4 KiB page):
- * HEAP_KB of the main heap ([heap], brk), MMAP_KB of one mmapped chunk (calloc'd, then
- * written page by page), ARENA_KB in a thread's arena heap. Prints what it touched. */
+ * glibc_faults HEAP_KB MMAP_KB ARENA_KB [MODE]
+ * HEAP_KB of the main heap ([heap], brk), MMAP_KB of one mmapped chunk, ARENA_KB in a
+ * thread's arena heap. MODE for the mmapped chunk: touch (calloc, then written page by
+ * page; default), calloc (calloc only: glibc knows fresh mmap memory is zero and does
+ * not touch it, so no faults), memset (malloc + memset 0: every page faults).
+ * Prints what it touched. */
 #include <malloc.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -37,8 +41,16 @@ int main(int argc, char **argv)
 	char *h = malloc(heap_kb * 1024);
 	touch(h, heap_kb * 1024);
 	printf("heap %p %zu\n", (void *)h, heap_kb * 1024);
-	char *m = calloc(1, mmap_kb * 1024); /* above the threshold: its own mmap, not touched by calloc */
-	touch(m, mmap_kb * 1024);
+	const char *mode = argc > 4 ? argv[4] : "touch";
+	char *m;
+	if (strcmp(mode, "memset") == 0) {
+		m = malloc(mmap_kb * 1024);
+		memset(m, 0, mmap_kb * 1024);
+	} else {
+		m = calloc(1, mmap_kb * 1024); /* above the threshold: its own mmap, not touched by calloc */
+		if (strcmp(mode, "touch") == 0)
+			touch(m, mmap_kb * 1024);
+	}
 	printf("mmap %p %zu\n", (void *)m, mmap_kb * 1024);
 	pthread_t t;
 	pthread_create(&t, 0, worker, 0);
