@@ -65,10 +65,31 @@ static void *reuser(void *arg)
 
 static int pipefd[2];
 static pthread_barrier_t go_holder, go_waiters;
+static volatile long holder_tid, waiter_tid[64], waiter_released[64];
+
+/* Block until thread TID sits in system call NR (5 s at most), per /proc/self/task. */
+static void wait_in_syscall(long tid, int nr)
+{
+	char path[64], buf[64];
+	snprintf(path, sizeof path, "/proc/self/task/%ld/syscall", tid);
+	for (int i = 0; i < 500; i++) {
+		int fd = open(path, O_RDONLY);
+		ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+		if (fd >= 0)
+			close(fd);
+		if (n > 0) {
+			buf[n] = 0;
+			if (atoi(buf) == nr)
+				return;
+		}
+		usleep(10000);
+	}
+}
 
 static void *stats_holder(void *arg)
 {
 	(void)arg;
+	holder_tid = syscall(SYS_gettid);
 	pthread_barrier_wait(&go_holder);
 	malloc_stats(); /* locks the main arena, then blocks writing to the full pipe */
 	return 0;
@@ -77,8 +98,10 @@ static void *stats_holder(void *arg)
 static void *waiter(void *arg)
 {
 	int i = (int)(long)arg;
+	waiter_tid[i] = syscall(SYS_gettid);
 	say_tid("wait_tid", i);
 	pthread_barrier_wait(&go_waiters);
+	waiter_released[i] = 1;
 	void *p = malloc(64); /* arena_max 1: reused_arena -> main arena locked -> wait */
 	free(p);
 	return 0;
@@ -129,9 +152,14 @@ int main(int argc, char **argv)
 		usleep(100000);
 		dup2(pipefd[1], 2);
 		pthread_barrier_wait(&go_holder);
-		usleep(200000); /* holder is now blocked with the main arena locked */
+		/* the holder is blocked in write() with the main arena locked */
+		wait_in_syscall(holder_tid, SYS_write);
 		pthread_barrier_wait(&go_waiters);
-		usleep(300000); /* every waiter is blocked on the arena lock */
+		for (int i = 0; i < nthreads; i++) { /* every waiter blocks on the arena lock */
+			while (!waiter_released[i])
+				usleep(1000);
+			wait_in_syscall(waiter_tid[i], SYS_futex);
+		}
 		char buf[65536];
 		fcntl(pipefd[0], F_SETFL, O_NONBLOCK);
 		for (int r = 0; r < 50; r++) { /* drain until the holder is done */
