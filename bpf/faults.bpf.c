@@ -1,4 +1,4 @@
-/* faults: page faults per process (exact) and per address granule (LRU, for attributing
+/* faults: page faults per process (LRU; exact while not evicted) and per address granule (LRU, for attributing
  * faults to mapped regions in user space). Tracepoints only.
  * Defines: PF_MAX_PROCS, PF_MAX_GRANULES, PF_FILTER=1 (count only tgids in pf_targets),
  * PF_REGIONS=0 (skip the per-granule map). */
@@ -14,7 +14,8 @@
 #define PF_REGIONS 1
 #endif
 
-BPF_PERCPU_HASH(pf_totals, u32, struct pf_totals, PF_MAX_PROCS);
+/* LRU like pf_regions: a new process evicts the least recently used one when full. */
+BPF_TABLE("lru_percpu_hash", u32, struct pf_totals, pf_totals, PF_MAX_PROCS);
 BPF_TABLE("lru_hash", struct pf_key, struct pf_region, pf_regions, PF_MAX_GRANULES);
 BPF_HASH(pf_targets, u32, u8, 1024);
 BPF_PERCPU_ARRAY(pf_lost, u64, PF_LOST_N);

@@ -5,7 +5,8 @@
 
 #define PF_GRANULE_SHIFT 16
 
-/* Value of the per-CPU hash `pf_totals` keyed by tgid (__u32): exact per-process counts. */
+/* Value of the per-CPU LRU hash `pf_totals` keyed by tgid (__u32): exact per-process counts
+ * (unless the entry is evicted: more than PF_MAX_PROCS processes faulting). */
 struct pf_totals {
     __u64 user;    /* faults raised in user mode */
     __u64 kernel;  /* faults on user addresses raised in kernel mode (copy_to/from_user) */
@@ -23,7 +24,7 @@ struct pf_region {
     __u64 last_address;  /* user space attributes the granule to the mapping holding this */
 };
 
-#define PF_LOST_TOTALS_FULL 0
+#define PF_LOST_TOTALS_FULL 0  /* no pf_totals entry could be made (LRU: allocation failure) */
 #define PF_LOST_N 1
 
 #endif

@@ -11,7 +11,7 @@
  * malloc/free internally: while an outer call runs on a thread (ms_outer entry), the
  * malloc/free probes skip, so each public call is counted once.
  *
- * Defines: MS_MAX_PROCS (processes tracked), MS_EMPTY=1 (every program returns at once:
+ * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
  * the benchmark's floor on the same attach points).
  */
 #include <uapi/linux/ptrace.h>
@@ -24,7 +24,10 @@
 #define MS_MAX_THREADS 16384
 #endif
 
-BPF_PERCPU_HASH(ms_stats, u32, struct ms_stats, MS_MAX_PROCS);
+/* LRU: when MS_MAX_PROCS processes are tracked, a new one evicts the least recently used
+ * entry (user space notices the counters restart: pymtrace.collect, exporter.Aggregator)
+ * instead of being dropped; entries of exited processes are deleted by user space. */
+BPF_TABLE("lru_percpu_hash", u32, struct ms_stats, ms_stats, MS_MAX_PROCS);
 BPF_PERCPU_ARRAY(ms_zero, struct ms_stats, 1);   /* never written: the zero value */
 BPF_TABLE("lru_hash", u64, struct ms_outer, ms_outer, MS_MAX_THREADS);
 BPF_PERCPU_ARRAY(ms_lost, u64, MS_LOST_N);

@@ -13,7 +13,7 @@
  * [2] 2..3, [3] 4..7, ..., [64] 2^63..2^64-1. */
 #define MS_LOG2_BUCKETS 65
 
-/* Value of the per-CPU hash `ms_stats` keyed by tgid (__u32); user space sums the CPUs. */
+/* Value of the per-CPU LRU hash `ms_stats` keyed by tgid (__u32); user space sums the CPUs. */
 struct ms_stats {
     __u64 calls[MS_NCALLS];
     __u64 requested_bytes;  /* sizes passed in (calloc: nmemb*size) */
@@ -34,7 +34,8 @@ struct ms_outer {
 };
 
 /* Indexes of the per-CPU array `ms_lost`. */
-#define MS_LOST_STATS_FULL 0   /* event dropped: ms_stats hash full */
+#define MS_LOST_STATS_FULL 0   /* event dropped: no ms_stats entry could be made (LRU: only
+                                * when the kernel cannot allocate one; a full map evicts) */
 #define MS_LOST_OUTER_FULL 1   /* outer-call state not stored: nested calls may count twice */
 #define MS_LOST_N 2
 

@@ -8,7 +8,8 @@
 #define SLAB_MAX_CACHES 2048
 #endif
 
-BPF_PERCPU_HASH(slab_stats, struct slab_key, struct slab_stats, SLAB_MAX_CACHES);
+/* LRU, like the per-process maps (cache names are few, ~200: it never fills in practice). */
+BPF_TABLE("lru_percpu_hash", struct slab_key, struct slab_stats, slab_stats, SLAB_MAX_CACHES);
 BPF_PERCPU_ARRAY(slab_lost, u64, SLAB_LOST_N);
 
 static __always_inline struct slab_stats *slab_for(struct slab_key *key)

@@ -10,7 +10,7 @@ struct slab_key {
     char name[SLAB_NAME_LEN];
 };
 
-/* Value of the per-CPU hash `slab_stats` keyed by struct slab_key. */
+/* Value of the per-CPU LRU hash `slab_stats` keyed by struct slab_key. */
 struct slab_stats {
     __u64 allocs;
     __u64 frees;
@@ -18,7 +18,7 @@ struct slab_stats {
     __u64 bytes_req;    /* bytes the caller asked for */
 };
 
-#define SLAB_LOST_FULL 0  /* event dropped: slab_stats hash full */
+#define SLAB_LOST_FULL 0  /* event dropped: no slab_stats entry could be made */
 #define SLAB_LOST_N 1
 
 #endif

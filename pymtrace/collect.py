@@ -49,12 +49,20 @@ json.dumps. Schema (keys a collector does not produce are absent, never faked):
          # mapped file's path, "[heap]", "[stack]", "[anon]" (anonymous mmap, incl. thread
          # stacks), another [special] name, or "[unmapped]" (gone by snapshot time)
      "glibc": {...}                                         # pymtrace.usdt.GlibcCollector
-     "lost": {name: count}}   # events the BPF side could not record (full maps), by cause
+     "lost": {name: count},   # events the BPF side could not record, by cause
+     "maps": {map name: {"entries": n, "max_entries": capacity,   # fill of the bounded maps
+                         "evicted": n}}}   # per-process maps: LRU evictions seen (below)
 
 Exited processes: a process that exits appears once more with "exited": True, then its
-BPF state is deleted (maps are bounded: MallocCollector 8192 processes, FaultCollector
-16384 processes and 65536 address granules (LRU: evicted granules lose their per-region
-counts, the per-process totals stay exact), SlabCollector 2048 cache names).
+BPF state is deleted. Every map is bounded and LRU (BPF_TABLE "lru_percpu_hash" /
+"lru_hash"), so 10,000 short-lived processes cannot grow memory without limit:
+MallocCollector 8192 processes ("ms_stats"), FaultCollector 16384 processes ("pf_totals")
+and 65536 address granules ("pf_regions"), SlabCollector 2048 cache names ("slab_stats").
+When a map is full, a new key evicts the least recently used one instead of being dropped:
+an evicted process disappears from the snapshots or, at its next event, comes back with
+counters restarted from 0 ("evicted" counts both cases, as seen between two snapshots;
+pymtrace.exporter.Aggregator keeps its counters monotonic across them). Evicted granules
+lose their per-region counts; the per-process totals are unaffected.
 
 Probe placement (MallocCollector): uprobes on the process's libc (from /proc/PID/maps;
 system-wide: the system libc plus every other libc mapped by a running process), each
@@ -210,6 +218,30 @@ class _Comms:
         self.names.pop(pid, None)
 
 
+class _Evictions:
+    """Entries of a per-process LRU map that the kernel evicted, as user space sees them: a
+    process of the previous snapshot, not exited, whose entry is gone or whose cumulative
+    count went down (evicted, then re-created by its next event)."""
+
+    def __init__(self):
+        self.prev = {}  # pid -> cumulative activity at the previous snapshot
+        self.count = 0
+
+    def update(self, activity, gone):
+        """ACTIVITY: {pid: cumulative count} of this snapshot; GONE: pids reported exited now."""
+        for pid, before in self.prev.items():
+            now = activity.get(pid)
+            if now is None:
+                if os.path.exists(f"/proc/{pid}"):
+                    self.count += 1
+            elif now < before:
+                self.count += 1
+        self.prev = {pid: n for pid, n in activity.items() if pid not in gone}
+
+    def info(self, entries, max_entries):
+        return {"entries": entries, "max_entries": max_entries, "evicted": self.count}
+
+
 class _Collector:
     program = None  # bpf/<program>.bpf.c
 
@@ -291,6 +323,7 @@ class MallocCollector(_Collector):
         self.libcs = {}  # libc path -> [pids] (or [-1] for every process)
         self.fields = _struct_fields(self.program, "ms_stats")
         self.call_names = call_names()
+        self.evictions = _Evictions()
 
     def _targets(self):
         """{libc path: [pid, ...] or [-1]}, one path per distinct file (dev, inode)."""
@@ -385,8 +418,10 @@ class MallocCollector(_Collector):
         for pid in gone:
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)
+        self.evictions.update({pid: sum(p["calls"].values()) for pid, p in procs.items()}, gone)
         lost = _lost_counts(self.bpf[b"ms_lost"], {i: "malloc_" + n for i, n in _lost_names("malloc_stats", "MS").items()})
-        return {"time": now, "start": self.start, "processes": procs, "lost": lost}
+        maps = {"ms_stats": self.evictions.info(len(items), self.max_procs)}
+        return {"time": now, "start": self.start, "processes": procs, "lost": lost, "maps": maps}
 
 
 class SlabCollector(_Collector):
@@ -411,7 +446,8 @@ class SlabCollector(_Collector):
             s = _sum_percpu(values, self.fields)
             caches[name] = {f: int(s[f]) for f in self.fields}
         lost = _lost_counts(self.bpf[b"slab_lost"], {i: "slab_" + n for i, n in _lost_names("slab", "SLAB").items()})
-        return {"time": now, "start": self.start, "slab": caches, "lost": lost}
+        maps = {"slab_stats": {"entries": len(caches), "max_entries": self.max_caches}}
+        return {"time": now, "start": self.start, "slab": caches, "lost": lost, "maps": maps}
 
 
 def region_label(mapping):
@@ -448,6 +484,8 @@ class FaultCollector(_Collector):
         self.max_granules = max_granules
         self.regions = regions
         self.fields = _struct_fields(self.program, "pf_totals")
+        self.evictions = _Evictions()
+        self._regions_entries = 0
         self._maps = {}  # pid -> last readable /proc/PID/maps (sorted), for processes that exited
 
     def _attach(self):
@@ -468,6 +506,7 @@ class FaultCollector(_Collector):
         per_pid = {}
         for k, v in items:
             per_pid.setdefault(int(k.tgid), []).append((int(v.last_address), int(v.count)))
+        self._regions_entries = len(items)
         out = {}
         for pid, entries in per_pid.items():
             try:
@@ -503,8 +542,12 @@ class FaultCollector(_Collector):
             for k in list(table.keys()):
                 if int(k.tgid) in gone:
                     self._delete(table, k)
+        self.evictions.update({pid: p["faults_user"] + p["faults_kernel"] for pid, p in procs.items()}, gone)
         lost = _lost_counts(self.bpf[b"pf_lost"], {i: "fault_" + n for i, n in _lost_names("faults", "PF").items()})
-        snap = {"time": now, "start": self.start, "processes": procs, "lost": lost}
+        maps = {"pf_totals": self.evictions.info(len(items), self.max_procs)}
+        if self.regions:
+            maps["pf_regions"] = {"entries": self._regions_entries, "max_entries": self.max_granules}
+        snap = {"time": now, "start": self.start, "processes": procs, "lost": lost, "maps": maps}
         if self.regions:
             snap["fault_regions"] = regions
         return snap
@@ -599,8 +642,8 @@ class Collectors:
                         exited = merged.get("exited", False) or p.get("exited", False)
                         merged.update(p)
                         merged["exited"] = exited
-                elif key == "lost":
-                    snap["lost"].update(value or {})
+                elif key in ("lost", "maps"):
+                    snap.setdefault(key, {}).update(value or {})
                 elif key in ("time", "start"):
                     continue
                 else:

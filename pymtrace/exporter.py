@@ -140,11 +140,13 @@ class Aggregator:
             return self.cgroup_of(pid) or "unknown"
         return comm if comm and comm != "?" else "unknown"  # "?": exited before its name was read
 
-    def _retire(self, st):
+    def _retire(self, st, keys=None):
         if st.label is None or st.expired:
             return
         acc = self.retired.setdefault(st.label, {})
         for k, v in st.last.items():
+            if keys is not None and k not in keys:
+                continue
             d = v - st.base.get(k, 0)
             if d:
                 acc[k] = acc.get(k, 0) + d
@@ -173,11 +175,18 @@ class Aggregator:
             counters.update(_glibc_counters(g))
             st = self.pids.get(pid)
             if st is not None:
-                if any(k in counters and counters[k] < v for k, v in st.last.items()):
+                down = [k for k, v in st.last.items() if k in counters and counters[k] < v]
+                if down and (not st.alive or comm != st.comm):
                     # cumulative values went down: the PID was reused by a new process
                     self._retire(st)
                     st = None
                 else:
+                    if down:
+                        # the same process's entry in one BPF map (LRU) was evicted and
+                        # re-created: those counters restart from 0, the label keeps the rest
+                        self._retire(st, down)
+                        for k in down:
+                            st.base[k] = 0
                     # one collector may drop an exited process a snapshot before another
                     # does: what it stopped reporting keeps its last value
                     counters = {**st.last, **counters}

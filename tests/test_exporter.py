@@ -268,6 +268,29 @@ def test_a_process_dropped_by_one_collector_before_another_is_counted_once():
     assert agg.pids == {}
 
 
+def test_an_lru_evicted_entry_recreated_keeps_the_counters_monotonic():
+    """The malloc map (LRU) evicted a live process's entry and re-created it at its next
+    call: its malloc counters restart from 0, its fault counters (another map) do not.
+    The series adds the restarted counters to what was counted before, and counts the
+    faults once."""
+    agg = exporter.Aggregator(alive=lambda pid: True)
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 100}, "requested_bytes": 1000,
+                    "faults_user": 50}}, now=0)
+    # evicted from the malloc map: only the fault collector reports it for a while
+    agg.update({1: {"pid": 1, "comm": "x", "faults_user": 60}}, now=1)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 100 and c["faults_user"] == 60
+    # re-created by its next calls: counted from 0 again, on top of the 100
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 4}, "requested_bytes": 40,
+                    "faults_user": 70}}, now=2)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 104 and c["requested_bytes"] == 1040 and c["faults_user"] == 70
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 9}, "requested_bytes": 90,
+                    "faults_user": 75}}, now=3)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 109 and c["requested_bytes"] == 1090 and c["faults_user"] == 75
+
+
 def test_label_by_pid_is_capped_with_other_and_other_never_decreases():
     alive = set(range(1, 11))
     agg = exporter.Aggregator(label_by="pid", max_series=3, grace=5, alive=lambda pid: pid in alive)

@@ -207,30 +207,40 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
 
 
 @pytest.mark.bpf
-def test_collector_api_bounded_map_counts_lost_events(cbuild):
-    """MallocCollector used directly (the exporter's way): with room for one process, the
-    second traced process's events are counted as lost instead of recorded."""
-    from pymtrace.collect import MallocCollector
+def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
+    """MallocCollector and FaultCollector used directly (the exporter's way) with room for
+    two processes, tracing four that run one after the other: the per-process maps never
+    hold more than two entries, each new process is recorded exactly (the least recently
+    used one is evicted, nothing is dropped: no lost events), and the evictions are counted."""
+    from pymtrace.collect import FaultCollector, MallocCollector
 
-    a = Workload([cbuild("top_calls")])
-    b = Workload([cbuild("top_calls")])
-    c = MallocCollector(pids=[a.pid, b.pid], max_procs=1)
+    ws = [Workload([cbuild("top_calls")]) for _ in range(4)]
+    pids = [w.pid for w in ws]
+    c = MallocCollector(pids=pids, max_procs=2)
+    f = FaultCollector(pids=pids, max_procs=2)
     try:
         c.attach()
-        a.go()
-        expected = a.result()
-        b.go()
-        b.result()
-        snap = c.snapshot()
-        assert set(snap["processes"]) == {a.pid}
-        assert snap["processes"][a.pid]["calls"] == expected["calls"]
-        calls_b = sum(v for k, v in expected["calls"].items() if k != "free_null")
-        assert snap["lost"]["malloc_stats_full"] >= calls_b
+        f.attach()
+        for w in ws:
+            w.go()
+            expected = w.result()
+            snap = c.snapshot()
+            fsnap = f.snapshot()
+            assert snap["processes"][w.pid]["calls"] == expected["calls"]
+            assert snap["maps"]["ms_stats"]["entries"] <= 2 and snap["maps"]["ms_stats"]["max_entries"] == 2
+            assert w.pid in fsnap["processes"]
+            assert fsnap["maps"]["pf_totals"]["entries"] <= 2
+        assert len(snap["processes"]) <= 2
+        assert snap["lost"]["malloc_stats_full"] == 0
+        assert fsnap["lost"]["fault_totals_full"] == 0
+        assert snap["maps"]["ms_stats"]["evicted"] >= 2
         c.close()
         c.close()  # idempotent
+        f.close()
         assert own_uprobes(os.getpid()) == []
-        assert a.finish() == 0 and b.finish() == 0
+        assert all(w.finish() == 0 for w in ws)
     finally:
         c.close()
-        a.kill()
-        b.kill()
+        f.close()
+        for w in ws:
+            w.kill()
