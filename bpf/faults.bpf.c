@@ -31,8 +31,10 @@ static __always_inline void count_fault(u64 address, int kernel)
 #endif
     struct pf_totals *t = pf_totals.lookup(&tgid);
     if (!t) {
-        struct pf_totals zero = {};
-        pf_totals.insert(&tgid, &zero);
+        struct pf_totals init = {};
+        init.comm_ns = bpf_ktime_get_ns();
+        bpf_get_current_comm(init.comm, sizeof(init.comm));
+        pf_totals.insert(&tgid, &init);
         t = pf_totals.lookup(&tgid);
         if (!t) {
             int idx = PF_LOST_TOTALS_FULL;
@@ -77,5 +79,17 @@ TRACEPOINT_PROBE(exceptions, page_fault_kernel)
     if ((s64)args->address < 0)
         return 0;
     count_fault(args->address, 1);
+    return 0;
+}
+
+/* exec: the process has a new name (a forked child faults before it execs). */
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct pf_totals *t = pf_totals.lookup(&tgid);
+    if (t) {
+        t->comm_ns = bpf_ktime_get_ns();
+        bpf_get_current_comm(t->comm, sizeof(t->comm));
+    }
     return 0;
 }

@@ -3,6 +3,8 @@
 #ifndef PYMTRACE_FAULTS_H
 #define PYMTRACE_FAULTS_H
 
+#include "common.h"
+
 #define PF_GRANULE_SHIFT 16
 
 /* Value of the per-CPU LRU hash `pf_totals` keyed by tgid (__u32): exact per-process counts
@@ -10,6 +12,10 @@
 struct pf_totals {
     __u64 user;    /* faults raised in user mode */
     __u64 kernel;  /* faults on user addresses raised in kernel mode (copy_to/from_user) */
+    /* The process's name at the entry's creation and at exec, in the slot of the CPU that
+     * wrote it (user space takes the latest comm_ns): an exited process keeps its name. */
+    __u64 comm_ns;
+    char comm[TASK_COMM_LEN];
 };
 
 /* Key of the LRU hash `pf_regions` (bounded: old granules are evicted, totals stay exact). */

@@ -11,6 +11,7 @@
  * malloc/free internally: while an outer call runs on a thread (ms_outer entry), the
  * malloc/free probes skip, so each public call is counted once.
  *
+ *   sched:sched_process_exec  (tracepoint) the process's new name into its entry
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
  * the benchmark's floor on the same attach points).
  */
@@ -43,6 +44,12 @@ static __always_inline void lost(int idx)
         (*v)++;
 }
 
+static __always_inline void set_comm(struct ms_stats *s)
+{
+    s->comm_ns = bpf_ktime_get_ns();
+    bpf_get_current_comm(s->comm, sizeof(s->comm));
+}
+
 static __always_inline struct ms_stats *stats_for(u32 tgid)
 {
     struct ms_stats *s = ms_stats.lookup(&tgid);
@@ -52,10 +59,12 @@ static __always_inline struct ms_stats *stats_for(u32 tgid)
     struct ms_stats *z = ms_zero.lookup(&zero);
     if (!z)
         return 0;
-    ms_stats.insert(&tgid, z);
+    int made = ms_stats.insert(&tgid, z) == 0;
     s = ms_stats.lookup(&tgid);
     if (!s)
         lost(MS_LOST_STATS_FULL);
+    else if (made)
+        set_comm(s);
     return s;
 }
 
@@ -289,5 +298,19 @@ int ms_outer_return(struct pt_regs *ctx)
         s->allocated_bytes += chunk_bytes(block);
     else
         s->failed++;
+    return 0;
+}
+
+/* ---- exec: the process has a new name ------------------------------------------ */
+
+TRACEPOINT_PROBE(sched, sched_process_exec)
+{
+#if MS_EMPTY
+    return 0;
+#endif
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct ms_stats *s = ms_stats.lookup(&tgid);
+    if (s)
+        set_comm(s);
     return 0;
 }

@@ -21,6 +21,11 @@ struct ms_stats {
     __u64 freed_bytes;      /* chunk sizes of freed blocks (free, realloc's old block) */
     __u64 failed;           /* calls that returned NULL / an error (size > 0) */
     __u64 size_log2[MS_LOG2_BUCKETS];
+    /* The process's name, written at the entry's creation and again at exec (sched_process_exec)
+     * into the slot of the CPU that ran it; user space takes the slot with the latest
+     * comm_ns. Lets an exited process keep its name without /proc. */
+    __u64 comm_ns;
+    char comm[TASK_COMM_LEN];
 };
 
 /* Per-thread state of an outer call (realloc, memalign family), keyed by pid_tgid.

@@ -26,7 +26,9 @@ json.dumps. Schema (keys a collector does not produce are absent, never faked):
     {"time": time.monotonic() of the snapshot,
      "start": time.monotonic() of attach,
      "processes": {pid: {
-         "pid": int, "comm": str,
+         "pid": int, "comm": str,           # /proc/PID/comm; for a process that exited
+                                            # before top read it, the name BPF recorded
+                                            # (at its first event and at exec)
          "exited": bool,                    # True in the last snapshot holding a process
          # MallocCollector:
          "calls": {"malloc", "calloc", "realloc", "free", "free_null", "memalign",
@@ -133,8 +135,13 @@ def _to_dict(value, fields):
     return out
 
 
+_COMM_FIELDS = ("comm", "comm_ns")
+
+
 def _sum_percpu(values, fields):
-    """Sum a per-CPU list of ctypes structs into one dict (array fields elementwise)."""
+    """Sum a per-CPU list of ctypes structs into one dict (array fields elementwise; the
+    comm/comm_ns fields are left out: see _bpf_comm)."""
+    fields = [f for f in fields if f not in _COMM_FIELDS]
     total = None
     for v in values:
         d = _to_dict(v, fields)
@@ -147,6 +154,16 @@ def _sum_percpu(values, fields):
             else:
                 total[f] += x
     return total or {}
+
+
+def _bpf_comm(values):
+    """The process name the BPF program recorded in a per-CPU entry (the slot written last:
+    at the entry's creation or at the process's exec), or None."""
+    best = max(values, key=lambda v: v.comm_ns, default=None)
+    if best is None or not best.comm_ns:
+        return None
+    name = bytes(best.comm).split(b"\0", 1)[0].decode("utf-8", "replace")
+    return name or None
 
 
 def _percpu_items(table):
@@ -202,14 +219,17 @@ def detach_parallel(bpf):
 
 
 class _Comms:
-    """PID -> comm, remembered so an exited process keeps its name."""
+    """PID -> comm, remembered so an exited process keeps its name: /proc/PID/comm while the
+    process lives (its main thread's name), else the name the BPF program recorded (BPF)."""
 
     def __init__(self):
         self.names = {}
 
-    def get(self, pid, refresh=False):
-        if refresh or pid not in self.names:
+    def get(self, pid, refresh=False, bpf=None):
+        if refresh or pid not in self.names or (self.names[pid] == "?" and bpf):
             name = libc.comm(pid)
+            if name == "?" and bpf:
+                name = bpf  # exited before we could read /proc: the name BPF recorded
             if name != "?" or pid not in self.names:
                 self.names[pid] = name
         return self.names[pid]
@@ -405,7 +425,7 @@ class MallocCollector(_Collector):
             calls = s["calls"]
             procs[pid] = {
                 "pid": pid,
-                "comm": self.comms.get(pid),
+                "comm": self.comms.get(pid, bpf=_bpf_comm(values)),
                 "calls": {name: int(calls[i]) for i, name in self.call_names.items()},
                 "requested_bytes": int(s["requested_bytes"]),
                 "allocated_bytes": int(s["allocated_bytes"]),
@@ -530,7 +550,7 @@ class FaultCollector(_Collector):
         for key, values in items:
             pid = int(key.value)
             s = _sum_percpu(values, self.fields)
-            procs[pid] = {"pid": pid, "comm": self.comms.get(pid), "faults_user": int(s["user"]),
+            procs[pid] = {"pid": pid, "comm": self.comms.get(pid, bpf=_bpf_comm(values)), "faults_user": int(s["user"]),
                           "faults_kernel": int(s["kernel"]), "exited": pid in gone}
         regions = self._read_regions() if self.regions else {}
         if gone:
