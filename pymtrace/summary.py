@@ -69,6 +69,52 @@ REGIONS = ("[heap]", "arena heaps", "mmapped chunks", "files", "[stack]", "threa
 
 # ---------------------------------------------------------------- the report
 
+class AddressMap:
+    """Non-overlapping [start, end) -> value intervals; a new interval replaces what it
+    overlaps (like mmap over an existing mapping). Lookup is a binary search."""
+
+    def __init__(self):
+        self.starts, self.ends, self.values = [], [], []
+
+    def set(self, start, end, value):
+        if end <= start:
+            return
+        i = bisect.bisect_right(self.starts, start) - 1
+        if i >= 0 and self.ends[i] > start:  # the interval before overlaps: keep its head
+            head_end, tail = self.ends[i], (end, self.ends[i], self.values[i])
+            self.ends[i] = start
+            if head_end > end:  # ... and its tail after the new interval
+                self._insert(*tail)
+        i = bisect.bisect_left(self.starts, start)
+        j = i
+        while j < len(self.starts) and self.starts[j] < end:
+            j += 1
+        if j > i and self.ends[j - 1] > end:  # the last overlapped one keeps its tail
+            tail = (end, self.ends[j - 1], self.values[j - 1])
+        else:
+            tail = None
+        del self.starts[i:j], self.ends[i:j], self.values[i:j]
+        if value is not None:
+            self._insert(start, end, value)
+        if tail is not None:
+            self._insert(*tail)
+
+    def remove(self, start, end):
+        self.set(start, end, None)
+
+    def _insert(self, start, end, value):
+        i = bisect.bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        self.values.insert(i, value)
+
+    def get(self, addr):
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and addr < self.ends[i]:
+            return self.starts[i], self.ends[i], self.values[i]
+        return None
+
+
 class Report:
     """Accumulates the events of one process (usdt.Event-like objects) into a report."""
 
@@ -95,29 +141,22 @@ class Report:
         self.fault_total = 0
         self.brk_lo = None
         self.brk_hi = None
-        self.mmaps = []  # [(start, end, kind)] in order; latest wins
-        self.samples = []  # [(start, end, path)] union of /proc/PID/maps samples
-        self._sample_keys = set()
+        self.mmaps = AddressMap()  # mmap/munmap events: (kind, prot)
+        self.samples = AddressMap()  # /proc/PID/maps samples: path (latest sample wins)
         self.main_arena = None
         self.fds = {}  # fd -> path, from openat
 
     # -- /proc/PID/maps samples, taken while the process lives
     def add_maps(self, maps):
         for m in maps:
-            key = (m.start, m.end, m.path)
-            if key in self._sample_keys:
-                continue
-            self._sample_keys.add(key)
-            self.samples.append(key)
+            self.samples.set(m.start, m.end, m.path)
             if m.path == "[heap]":
                 self.brk_lo = m.start if self.brk_lo is None else min(self.brk_lo, m.start)
                 self.brk_hi = m.end if self.brk_hi is None else max(self.brk_hi, m.end)
 
     def _sample_region(self, addr):
-        for start, end, path in reversed(self.samples):
-            if start <= addr < end:
-                return path
-        return None
+        hit = self.samples.get(addr)
+        return hit[2] if hit else None
 
     # -- events
     def add(self, ev):
@@ -146,11 +185,11 @@ class Report:
                 kind = "arena heap"  # glibc's new_heap() reservation (known without probes too)
             else:
                 kind = "anon"
-            self.mmaps.append((addr, addr + length, kind, prot))
+            self.mmaps.set(addr, addr + length, (kind, prot))
             return
         if name == "munmap":
             addr, length = a
-            self.mmaps.append((addr, addr + length, "unmapped", 0))
+            self.mmaps.remove(addr, addr + length)
             return
         if name == "brk":
             brk = a[0]
@@ -258,22 +297,22 @@ class Report:
 
     def classify(self, addr):
         """(region, file name or None) of a faulting address, with what is known now."""
-        for h, info in self.heaps.items():
-            if h <= addr < h + HEAP_MAX_SIZE and not info["freed"]:
-                return "arena heaps", None
+        info = self.heaps.get(addr & ~(HEAP_MAX_SIZE - 1))  # heaps are HEAP_MAX_SIZE-aligned
+        if info is not None and not info["freed"]:
+            return "arena heaps", None
         if self.brk_lo is not None and self.brk_lo <= addr < max(self.brk_hi, self.brk_lo):
             return "[heap]", None
-        for start, end, kind, prot in reversed(self.mmaps):
-            if start <= addr < end:
-                if kind.startswith("file:"):
-                    return "files", kind[5:] or self._sample_region(addr) or (start, end)
-                if kind == "thread stacks":
-                    return "thread stacks", None
-                if kind == "arena heap":
-                    return "arena heaps", None
-                if kind == "anon":
-                    return "mmapped chunks", None
-                break  # unmapped since: fall back to the maps samples
+        hit = self.mmaps.get(addr)
+        if hit is not None:
+            start, end, (kind, prot) = hit
+            if kind.startswith("file:"):
+                return "files", kind[5:] or self._sample_region(addr) or (start, end)
+            if kind == "thread stacks":
+                return "thread stacks", None
+            if kind == "arena heap":
+                return "arena heaps", None
+            if kind == "anon":
+                return "mmapped chunks", None
         path = self._sample_region(addr)
         if path is None:
             return "unknown", None

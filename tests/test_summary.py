@@ -267,3 +267,21 @@ def test_run_help_has_examples_and_overhead():
     for cmd in ("run", "summary"):
         proc = run_pymtrace(cmd, "--help")
         assert proc.returncode == 0 and "OVERHEAD" in proc.stdout and "examples:" in proc.stdout
+
+
+def test_address_map_replaces_overlaps():
+    from pymtrace.summary import AddressMap
+
+    m = AddressMap()
+    m.set(0x1000, 0x5000, "a")
+    m.set(0x2000, 0x3000, "b")  # punches a hole: a, b, a
+    assert [m.get(x)[2] for x in (0x1000, 0x2000, 0x2FFF, 0x3000, 0x4FFF)] == ["a", "b", "b", "a", "a"]
+    assert m.get(0x5000) is None and m.get(0xFFF) is None
+    m.remove(0x2800, 0x4000)
+    assert m.get(0x2900) is None and m.get(0x27FF)[2] == "b" and m.get(0x4000)[2] == "a"
+    m.set(0x0, 0x10000, "c")  # covers everything
+    assert m.starts == [0] and m.get(0x4000)[2] == "c"
+    for i in range(1000):  # many short-lived mappings stay cheap: one live interval each
+        m.set(0x100000 + i * 0x1000, 0x101000 + i * 0x1000, "x")
+        m.remove(0x100000 + i * 0x1000, 0x101000 + i * 0x1000)
+    assert len(m.starts) == 1
