@@ -470,6 +470,10 @@ def render_text(doc):
         for d in r["tcache_double_free"][:20]:
             out.append(f"  tid {d['tid']} entry {d['entry']} tc_idx {d['tc_idx']}")
     f = doc.get("faults")
+    if doc.get("lost_events"):
+        out.append("")
+        out.append(f"WARNING: {doc['lost_events']} events were lost (ring buffer full): "
+                   f"the counts above are too low")
     out.append("")
     if f is None:
         out.append("Page faults: not traced (--no-faults)")

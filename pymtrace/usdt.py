@@ -532,7 +532,7 @@ class GlibcCollector:
         self.stream = stream or on_event is not None or faults
         self.on_event = on_event
         self.faults = faults
-        self.ringbuf_pages = ringbuf_pages or (1024 if faults else 256)
+        self.ringbuf_pages = ringbuf_pages or (4096 if faults else 256)
         self.bpf = None
         self.sites = []
         self.site_by_id = {}
