@@ -538,6 +538,8 @@ class Tracer:
             return
         self.collector.attach()
         self.collector.add_fault_pid(self.pid)
+        for w in self.collector.warnings:  # e.g. an argument whose symbol is not in the libc
+            print(f"pymtrace: warning: {w}", file=sys.stderr)
 
     def sample(self):
         try:
@@ -560,7 +562,7 @@ class Tracer:
         lost = self.collector.lost()
         self.collector.close()
         g = snap["glibc"].get(self.pid, {})
-        doc = {"pid": self.pid, "command": command, "comm": self.report.comm or g.get("comm") or libc.comm(self.pid),
+        doc = {"warnings": list(self.collector.warnings), "pid": self.pid, "command": command, "comm": self.report.comm or g.get("comm") or libc.comm(self.pid),
                "libc": self.libc_path, "probes": self.status["probes"], "reason": self.status["reason"],
                "duration_s": round(time.monotonic() - self.started, 3), "exit_code": exit_code,
                "lost_events": lost}
