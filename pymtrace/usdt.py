@@ -51,7 +51,8 @@ GlibcCollector.snapshot() schema (cumulative since attach, JSON-able; consumed b
         "lock_waits": {tid: arena lock waits of that thread},
         "threads": {tid: {"lock_waits": int, "arena": "0x.." or None, "arena_switches": int}},
     }},
-     "glibc_collector": {"lost_events": ring-buffer reserve failures, "map_full": {map: n},
+     "lost": {"glibc_events": ring-buffer reserve failures},
+     "glibc_collector": {"lost_events": the same, "map_full": {map: n},
                          "libcs": [{"libc", "probes", "sites", "attached"}],
                          "warnings": [str]}}
 """
@@ -542,6 +543,7 @@ class GlibcCollector:
         self.names = {}  # probe id -> name
         self._status_cache = {}
         self._comm = {}
+        self._exit_new, self._exit_pending = set(), set()
         self.dropped = 0  # events lost in user space (never: counted for completeness)
         self.wall_offset = time.time() - time.monotonic()
         h = header()
@@ -738,6 +740,12 @@ class GlibcCollector:
         if self.pids is not None and pid in self.pids:
             self.pids.remove(pid)
 
+    def exited(self, pid):
+        """PID has exited (process-events connector): it is reported once more (alive False,
+        final values) by the next snapshot() and forgotten at the one after. Thread-safe:
+        map entries are only deleted from snapshot()'s thread."""
+        self._exit_new.add(int(pid))
+
     def prune(self):
         """Forget every process that no longer exists."""
         if self.bpf is None:
@@ -748,6 +756,9 @@ class GlibcCollector:
 
     def snapshot(self, pids=None):
         """The cumulative state (see the module docstring). PIDS: also report these."""
+        for pid in self._exit_pending:
+            self.forget(pid)
+        self._exit_pending, self._exit_new = self._exit_new, set()
         self.poll()
         out = {}
         stats = {}
@@ -767,8 +778,10 @@ class GlibcCollector:
         for pid in sorted(wanted):
             out[pid] = self._pid_snapshot(pid, stats.get(pid), threads.get(pid, {}),
                                           arenas.get(pid, {}), heaps.get(pid, {}))
+        lost = self.lost()
         return {"glibc": out,
-                "glibc_collector": {"lost_events": self.lost(), "map_full": self.map_full(),
+                "lost": {"glibc_events": lost},
+                "glibc_collector": {"lost_events": lost, "map_full": self.map_full(),
                                     "libcs": [{k: v for k, v in i.items() if k != "pids"}
                                               for i in self.libc_info],
                                     "warnings": list(self.warnings)}}

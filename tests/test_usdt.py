@@ -316,8 +316,12 @@ def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
             assert p["probes"] == 0 and p["reason"].startswith(f"libc {system} has no USDT probes")
         table = views.build("glibc", None, json.loads(json.dumps(snap)))
         assert any(row[0] == work.pid and row[6] == g["sbrk_bytes"] for row in table.rows)
-        c.forget(work.pid)
-        assert work.pid not in c.snapshot()["glibc"]
+        c.exited(work.pid)  # as top's process-exit watcher calls it
+        last = c.snapshot()["glibc"][work.pid]  # reported once more, final values
+        assert last["alive"] is False and last["sbrk_bytes"] == g["sbrk_bytes"]
+        assert work.pid not in c.snapshot()["glibc"]  # then forgotten, maps included
+        assert all(k.pid != work.pid for k in c.bpf["threads"].keys())
+        assert c.bpf["stats"].get(__import__("ctypes").c_uint32(work.pid)) is None
     finally:
         c.close()
         work.kill()
