@@ -519,7 +519,8 @@ class GlibcCollector:
     """Attach glibc's malloc USDT probes and aggregate per process in BPF maps.
 
     pids=None: system-wide, by library path, for every libc with probes mapped by a
-    running process (plus `libcs`). pids=[...]: per PID, on the libc each one maps
+    running process at attach() time (plus `libcs`: a libc no process maps yet must be
+    named there; the program is compiled once, so libcs appearing later are not added). pids=[...]: per PID, on the libc each one maps
     (`libcs={pid: path}` overrides, e.g. for a command launched stopped at exec).
     stream=True: also deliver every event to on_event(Event) from poll().
     faults=True: also emit page faults / mmap / munmap / brk of the traced pids
@@ -544,7 +545,6 @@ class GlibcCollector:
         self._status_cache = {}
         self._comm = {}
         self._exit_new, self._exit_pending = set(), set()
-        self.dropped = 0  # events lost in user space (never: counted for completeness)
         self.wall_offset = time.time() - time.monotonic()
         h = header()
         self.Event = h.structs["glibc_event"]

@@ -1,8 +1,6 @@
 """`pymtrace probes`: the live stream, through the real CLI, on real BPF."""
 import json
 import subprocess
-import sys
-import time
 
 import pytest
 

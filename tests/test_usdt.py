@@ -1,7 +1,6 @@
 """pymtrace.usdt: argument decoding (unit) and GlibcCollector on real BPF."""
 import json
 import os
-import re
 import shutil
 import subprocess
 import time
