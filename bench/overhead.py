@@ -40,7 +40,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from pymtrace import bpfload, libc, probesite  # noqa: E402
-from pymtrace.collect import MALLOC_PROBES  # noqa: E402
+from pymtrace.collect import MALLOC_PROBES, FaultCollector  # noqa: E402
 
 MEMLEAK = r"""
 #include <uapi/linux/ptrace.h>
@@ -63,6 +63,48 @@ int ml_malloc_return(struct pt_regs *ctx) {
 int ml_free_entry(struct pt_regs *ctx) {
     u64 addr = PT_REGS_PARM1(ctx);
     live.delete(&addr);
+    return 0;
+}
+"""
+
+
+# Page-fault storm on FRESH addresses: like storm.c's "N 0", but every 1024-page chunk is
+# mapped at a new address (MAP_FIXED_NOREPLACE, advancing through a 64 TiB-spaced window),
+# so each 64 KiB granule is new: the faults program creates a pf_regions key and sends a
+# pf_new record every 16 faults, and FaultCollector's reader re-reads /proc/PID/maps for
+# each new chunk (the worst case for region attribution). storm.c's storm reuses the same
+# addresses after its first chunk: no new granules there.
+FRESH_C = r"""
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+static double now_ns(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1e9 + ts.tv_nsec; }
+int main(void)
+{
+    long n, page = sysconf(_SC_PAGESIZE), chunk = 1024;
+    unsigned long next = 0x100000000000UL;
+    printf("ready %d\n", (int)getpid());
+    fflush(stdout);
+    while (scanf("%ld", &n) == 1) {
+        double t0 = now_ns();
+        for (long done = 0; done < n; done += chunk) {
+            char *p = mmap((void *)next, chunk * page, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+            if (p == MAP_FAILED)
+                return 1;
+            next += chunk * page;
+            if (next >= 0x500000000000UL)
+                next = 0x100000000000UL;
+            madvise(p, chunk * page, MADV_NOHUGEPAGE);
+            for (long i = 0; i < chunk; i++)
+                p[i * page] = 1;
+            munmap(p, chunk * page);
+        }
+        printf("%.1f\n", (now_ns() - t0) / n);
+        fflush(stdout);
+    }
     return 0;
 }
 """
@@ -125,16 +167,26 @@ SLAB_TPS = (("kmem", "kmem_cache_alloc"), ("kmem", "kmem_cache_free"))
 FAULT_TPS = (("exceptions", "page_fault_user"), ("exceptions", "page_fault_kernel"))
 
 
+def fault_collector(pid):
+    """top's page-fault collector for PID, exactly as top runs it (with its region reader
+    thread consuming the pf_new ring buffer), tracepoints left for Attachments to switch."""
+    c = FaultCollector(pids=[pid], track_exits=False)
+    c.attach()
+    COLLECTORS.append(c)
+    return c.bpf
+
+
+COLLECTORS = []
+
+
 def build_modes(path, pid):
     import bcc
 
     floor = bpfload.load("malloc_stats", defines={"MS_EMPTY": 1})
     ms = bpfload.load("malloc_stats")
-    faults = bpfload.load("faults", defines={"PF_FILTER": 1})
-    faults["pf_targets"][faults["pf_targets"].Key(pid)] = faults["pf_targets"].Leaf(1)
+    faults = fault_collector(pid)
     slab = bpfload.load("slab")
-    faults2 = bpfload.load("faults", defines={"PF_FILTER": 1})
-    faults2["pf_targets"][faults2["pf_targets"].Key(pid)] = faults2["pf_targets"].Leaf(1)
+    faults2 = fault_collector(pid)
     slab2 = bpfload.load("slab")
     memleak = bcc.BPF(text=MEMLEAK)
     return {
@@ -175,6 +227,9 @@ def main():
     ap.add_argument("--fault-pages", type=int, default=200000,
                     help="also measure a page-fault storm of this many pages per measurement "
                          "(untraced, top, always-on); 0: skip")
+    ap.add_argument("--fresh-fault-pages", type=int, default=200000,
+                    help="also measure a page-fault storm on fresh addresses (every granule new) "
+                         "of this many pages per measurement (untraced, top's fault collector); 0: skip")
     ap.add_argument("--modes", default="untraced,floor,top,memleak,always-on",
                     help="comma-separated subset of the modes (untraced and floor are always kept)")
     args = ap.parse_args()
@@ -193,6 +248,29 @@ def main():
     if path is None:
         raise SystemExit("the storm did not load the private libc copy")
     modes, objects = build_modes(path, pid)
+    fresh = fresh_modes = None
+    fresh_results = {"untraced": [], "top": []}
+    if args.fresh_fault_pages:
+        (tmp / "fresh.c").write_text(FRESH_C)
+        subprocess.run(["gcc", "-O2", "-o", str(tmp / "fresh"), str(tmp / "fresh.c")], check=True)
+        fresh = subprocess.Popen([str(tmp / "fresh")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        fresh_pid = int(fresh.stdout.readline().split()[1])
+        fc = fault_collector(fresh_pid)
+        fresh_modes = {"untraced": [], "top": [Attachments(fc, (), tracepoints(fc, FAULT_TPS))]}
+
+    def measure_fresh(name):
+        for a in fresh_modes[name]:
+            a.attach(fresh_pid)
+        try:
+            fresh.stdin.write(f"{args.fresh_fault_pages}\n")
+            fresh.stdin.flush()
+            line = fresh.stdout.readline()
+            if not line.strip():
+                raise SystemExit("the fresh-address fault storm failed")
+            fresh_results[name].append(float(line))
+        finally:
+            for a in fresh_modes[name]:
+                a.detach(fresh_pid)
     wanted = set(args.modes.split(",")) | {"untraced", "floor"}
     names = [n for n in modes if n in wanted]
     results = {n: [] for n in names}
@@ -232,11 +310,23 @@ def main():
                 finally:
                     for a in modes[name]:
                         a.detach(pid)
+            if fresh is not None:
+                for name in (("untraced", "top") if r % 2 == 0 else ("top", "untraced")):
+                    measure_fresh(name)
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {results[n][-1]:.0f}" for n in names),
                   file=sys.stderr)
     finally:
         storm.stdin.close()
         storm.wait()
+        if fresh is not None:
+            fresh.stdin.close()
+            fresh.wait()
+        for c in COLLECTORS:
+            if fresh is not None:
+                lost = c.snapshot()["lost"].get("fault_ringbuf", 0)
+                if lost:
+                    print(f"pf_new records lost (ring buffer full): {lost}", file=sys.stderr)
+            c.close()
         for o in objects:
             bpfload.detach_all(o)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -256,15 +346,6 @@ def main():
     print("|---|---|---|---|---|")
     for n in names:
         print(f"| {n} | {mins[n]:.0f} | {meds[n]:.0f} | {paired(n, 'untraced'):.2f}x | {paired(n, 'floor'):.2f}x |")
-    if set(names) != set(modes):
-        return 0
-    print()
-    print(f"top / floor = {paired('top', 'floor'):.2f}x paired median, {mins['top'] / mins['floor']:.2f}x of minima "
-          f"(target <= 1.2x)")
-    print(f"memleak-style / top = {paired('memleak', 'top'):.2f}x paired median, "
-          f"{mins['memleak'] / mins['top']:.2f}x of minima (target >= 2.5x)")
-    print(f"always-on slowdown = {(paired('always-on', 'untraced') - 1) * 100:+.1f}% paired median, "
-          f"{(mins['always-on'] / mins['untraced'] - 1) * 100:+.1f}% of minima (target < 2%)")
     if args.fault_pages and len(fault_results) == 3:
         print()
         print(f"page-fault storm ({args.fault_pages} fresh pages per measurement, mmap + touch + munmap):")
@@ -274,6 +355,26 @@ def main():
         for n, v in fault_results.items():
             ratio = statistics.median(x / y for x, y in zip(v, fault_results["untraced"]))
             print(f"| {n} | {min(v):.0f} | {statistics.median(v):.0f} | {ratio:.2f}x |")
+    if fresh is not None:
+        print()
+        print(f"page-fault storm on fresh addresses ({args.fresh_fault_pages} pages per measurement, every 64 KiB "
+              f"granule new: a pf_new record per 16 faults, /proc/PID/maps re-read per new mapping; "
+              f"{getattr(COLLECTORS[-1], 'maps_reads', 0)} maps reads in all):")
+        print()
+        print("| mode | ns/page min | ns/page median | vs untraced (paired median) |")
+        print("|---|---|---|---|")
+        for n, v in fresh_results.items():
+            ratio = statistics.median(x / y for x, y in zip(v, fresh_results["untraced"]))
+            print(f"| {n} | {min(v):.0f} | {statistics.median(v):.0f} | {ratio:.2f}x |")
+    if set(names) != set(modes):
+        return 0
+    print()
+    print(f"top / floor = {paired('top', 'floor'):.2f}x paired median, {mins['top'] / mins['floor']:.2f}x of minima "
+          f"(target <= 1.2x)")
+    print(f"memleak-style / top = {paired('memleak', 'top'):.2f}x paired median, "
+          f"{mins['memleak'] / mins['top']:.2f}x of minima (target >= 2.5x)")
+    print(f"always-on slowdown = {(paired('always-on', 'untraced') - 1) * 100:+.1f}% paired median, "
+          f"{(mins['always-on'] / mins['untraced'] - 1) * 100:+.1f}% of minima (target < 2%)")
     if discarded:
         print(f"{len(discarded)} measurement(s) discarded and repeated because other processes "
               f"probed the benchmark's libc: {discarded}")

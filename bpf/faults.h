@@ -30,7 +30,18 @@ struct pf_region {
     __u64 last_address;  /* user space attributes the granule to the mapping holding this */
 };
 
+/* Record of the ring buffer `pf_new`: a (tgid, granule) key of pf_regions was created.
+ * User space reads /proc/TGID/maps at once when the address is not in the maps it has, and
+ * remembers the granule's region, so faults on a block unmapped before the next snapshot
+ * (a large calloc'd block freed right after use) are still attributed to their region. */
+struct pf_new_granule {
+    __u32 tgid;
+    __u32 pad;
+    __u64 address;
+};
+
 #define PF_LOST_TOTALS_FULL 0  /* no pf_totals entry could be made (LRU: allocation failure) */
-#define PF_LOST_N 1
+#define PF_LOST_RINGBUF 1      /* pf_new record dropped: ring buffer full (region from snapshot time) */
+#define PF_LOST_N 2
 
 #endif

@@ -50,3 +50,32 @@ def test_faults_match_kernel_count_and_land_in_anon(cbuild, mode):
     finally:
         top.kill()
         w.kill()
+
+
+@pytest.mark.bpf
+def test_faults_on_a_block_freed_before_the_snapshot_land_in_anon(cbuild):
+    """A 48 MiB calloc'd block touched page by page and freed (munmapped) at once: by the
+    next snapshot its region is gone from /proc/PID/maps, yet its faults are attributed to
+    [anon] (the region each granule was in when its first fault was announced), not to
+    [unmapped]."""
+    w = Workload([cbuild("top_fault_free")])
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc")
+    try:
+        top.json_doc()  # attached
+        w.go()
+        result = w.result()
+        with open(f"/proc/{w.pid}/maps") as f:  # the block really is unmapped now
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                assert hi <= result["start"] or lo >= result["end"], line
+        doc = top.json_after(time.monotonic())
+        regions = doc["snapshot"]["fault_regions"][str(w.pid)]
+        pages = result["pages"]
+        assert regions.get("[anon]", 0) >= 0.99 * pages, (pages, regions)
+        assert regions.get("[unmapped]", 0) <= 0.01 * pages, (pages, regions)
+        assert doc["snapshot"]["lost"].get("fault_ringbuf", 0) == 0
+        assert top.stop() == 0
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
