@@ -39,8 +39,8 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from pymtrace import bpfload, libc, probesite  # noqa: E402
-from pymtrace.collect import MALLOC_PROBES, FaultCollector  # noqa: E402
+from pymtrace import bpfload, collect, libc  # noqa: E402
+from pymtrace.collect import FaultCollector  # noqa: E402
 
 MEMLEAK = r"""
 #include <uapi/linux/ptrace.h>
@@ -143,20 +143,9 @@ class Attachments:
 
 
 def top_uprobes(path):
-    """top's uprobe sites, exactly as MallocCollector chooses them."""
-    out, done = [], set()
-    syms = libc.symbols(path)
-    for function, entry, ret in MALLOC_PROBES:
-        sym = syms.get(function)
-        if sym is None or sym.address in done:
-            continue
-        done.add(sym.address)
-        sites = probesite.sites(path, function)
-        for off in (sites.offset,) + tuple(sites.side_paths):
-            out.append(("entry", path, function, off, entry))
-        if ret:
-            out.append(("return", path, function, 0, ret))
-    return out
+    """top's uprobe sites, exactly as MallocCollector attaches them (collect.probe_plan)."""
+    return [(kind, path, function, off, fn) for function, probes in collect.probe_plan(path)
+            for kind, off, fn in probes]
 
 
 def tracepoints(bpf, names):

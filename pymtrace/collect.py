@@ -331,6 +331,29 @@ class _Collector:
             pass
 
 
+
+def probe_plan(path):
+    """top's uprobes on the libc at PATH: [(function, [(kind, offset, bpf_function), ...])].
+
+    Entry probes go where pymtrace.probesite finds an emulated instruction (plus the
+    early-exit side paths it proves, e.g. free(NULL)); functions sharing an address
+    (memalign and aligned_alloc) are probed once. The benchmark's floor uses this too.
+    """
+    plan, done = [], set()
+    syms = libc.symbols(path)
+    for function, entry, ret in MALLOC_PROBES:
+        sym = syms.get(function)
+        if sym is None or sym.address in done:
+            continue
+        done.add(sym.address)
+        sites = probesite.sites(path, function)
+        probes = [("entry", off, entry) for off in (sites.offset,) + tuple(sites.side_paths)]
+        if ret:
+            probes.append(("return", 0, ret))
+        plan.append((function, probes))
+    return plan
+
+
 class MallocCollector(_Collector):
     """Per-process malloc-API counters from uprobes on each process's libc."""
 
@@ -391,24 +414,16 @@ class MallocCollector(_Collector):
                 self._attach_libc(path, pid)
 
     def _attach_libc(self, path, pid):
-        done = set()
-        syms = libc.symbols(path)
-        for function, entry, ret in MALLOC_PROBES:
-            sym = syms.get(function)
-            if sym is None or sym.address in done:
-                continue
-            done.add(sym.address)
-            sites = probesite.sites(path, function)
-            offsets = (sites.offset,) + tuple(sites.side_paths)
+        for function, probes in probe_plan(path):
             try:
-                for off in offsets:
-                    self.bpf.attach_uprobe(name=os.fsencode(path), sym=function.encode(), sym_off=off,
-                                           fn_name=entry.encode(), pid=pid)
-                    self.attached.append((path, function, off, "entry", pid))
-                if ret:
-                    self.bpf.attach_uretprobe(name=os.fsencode(path), sym=function.encode(), fn_name=ret.encode(),
-                                              pid=pid)
-                    self.attached.append((path, function, 0, "return", pid))
+                for kind, off, fn_name in probes:
+                    if kind == "entry":
+                        self.bpf.attach_uprobe(name=os.fsencode(path), sym=function.encode(), sym_off=off,
+                                               fn_name=fn_name.encode(), pid=pid)
+                    else:
+                        self.bpf.attach_uretprobe(name=os.fsencode(path), sym=function.encode(),
+                                                  fn_name=fn_name.encode(), pid=pid)
+                    self.attached.append((path, function, off, kind, pid))
             except Exception as exc:
                 if pid != -1 and not os.path.exists(f"/proc/{pid}"):
                     raise ProcessGone(pid) from None
