@@ -33,7 +33,7 @@ import os
 import sys
 import tempfile
 
-from pymtrace.errors import PymtraceError
+from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.formats import mtrace_bin as mb
 from pymtrace.formats import wl
 
@@ -517,7 +517,10 @@ def convert_stream(stream, out, name="trace", compat=False, freed_cache=DEFAULT_
                    total=None, progress="never", warn=None, max_warnings=20, valloc_as_memalign=False):
     """Convert a binary trace stream into .wl bytes written to OUT; returns (stats, counts)."""
     first = stream.read(mb.RECORD_SIZE)
-    order = mb.detect_byteorder(first)
+    try:
+        order = mb.detect_byteorder(first)
+    except CorruptFile as exc:
+        raise CorruptFile(f"{name}: {exc}") from None
     magic_tid = int.from_bytes(first[:4], "little" if order == "<" else "big", signed=True)
     conv = Converter(compat, freed_cache, tmpdir, warn, max_warnings, valloc_as_memalign)
     conv.set_magic_thread(magic_tid)
