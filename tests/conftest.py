@@ -76,7 +76,7 @@ def _sdt_libc_dir():
         return "system"
     for d in candidates:
         if d and os.path.exists(os.path.join(d, "libc.so.6")) and libc.malloc_probes(os.path.join(d, "libc.so.6")):
-            return d
+            return os.path.realpath(d)  # the path processes map (and tools report), links resolved
     return None
 
 
