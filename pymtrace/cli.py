@@ -72,6 +72,10 @@ def main(argv=None):
         return exc.exit_code
     except BrokenPipeError:
         return 0
+    except KeyboardInterrupt:
+        # Commands that trace clean up in their own finally blocks; one that was simply
+        # interrupted (a long dump, a conversion) ends quietly, as shells expect.
+        return 130
 
 
 def _raise_keyboard_interrupt(signum, frame):
