@@ -137,9 +137,9 @@ PROCESS_COLUMNS = [
 ]
 
 
-def _proc_prev(prev, pid):
-    p = _by_pid((prev or {}).get("processes"))
-    old = p.get(pid)
+def _old_row(old_procs, pid):
+    """PID's entry in the previous snapshot's processes (OLD_PROCS: _by_pid of them), or {}."""
+    old = old_procs.get(pid)
     return old if isinstance(old, dict) else {}
 
 
@@ -147,10 +147,11 @@ def processes_view(prev, cur, interval=None):
     dt = interval_of(prev, cur, interval)
     rows = []
     tot = {"processes": 0, "calls_per_s": 0.0, "requested_bytes_per_s": 0.0, "live_bytes": 0, "faults_per_s": 0.0}
+    old_procs = _by_pid((prev or {}).get("processes"))
     for pid, p in sorted(_by_pid(cur.get("processes")).items()):
         if not isinstance(p, dict):
             continue
-        o = _proc_prev(prev, pid)
+        o = _old_row(old_procs, pid)
         if o and o.get("comm") not in (None, p.get("comm")) and _get(p, "calls", "malloc") < _get(o, "calls", "malloc"):
             o = {}  # PID reused by another program
         calls = {c: _delta(_get(p, "calls", c), _get(o, "calls", c)) for c in ALLOC_CALLS + ("free",)}
@@ -239,13 +240,14 @@ def faults_view(prev, cur, interval=None):
     """
     dt = interval_of(prev, cur, interval)
     procs = _by_pid(cur.get("processes"))
+    old_procs = _by_pid((prev or {}).get("processes"))
     regions = _by_pid(cur.get("fault_regions"))
     old_regions = _by_pid((prev or {}).get("fault_regions"))
     rows, groups, leaders = [], [], []
     tot = {"processes": 0, "faults_per_s": 0.0, "faults": 0}
     for pid in sorted(set(procs) | set(regions)):
         p = procs.get(pid) if isinstance(procs.get(pid), dict) else {}
-        o = _proc_prev(prev, pid)
+        o = _old_row(old_procs, pid)
         user, kernel = _get(p, "faults_user"), _get(p, "faults_kernel")
         reg = regions.get(pid) if isinstance(regions.get(pid), dict) else {}
         if not p:  # regions without a process row: the total is the sum of the regions
