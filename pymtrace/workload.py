@@ -42,11 +42,12 @@ EPILOG = """examples:
   pymtrace workload app.mtrace -o app.wl
   cat mtrace.out.1234 | pymtrace workload - -o app.wl
   pymtrace workload --upstream-compat mtrace.out.1234 -o same-bytes-as-trace2wl.wl
+  pymtrace workload --for-trace-run app.mtrace -o app.wl   # also replayable by upstream trace_run
 
 Memory stays bounded by the live pointers, threads and --freed-cache, not the trace size;
 per-thread streams are spooled to a temporary file (--tmpdir, default $TMPDIR).
 Warnings about unrepaired inversions and invalid frees go to stderr, one line per record
-(the first --max-warnings), then a summary line."""
+(the first --max-warnings); the summary line (stdout, or stderr with -o -) counts them all."""
 
 FLUSH_BYTES = 16384
 _SMALL = [wl.encode_varint(v) for v in range(1 << 14)]
