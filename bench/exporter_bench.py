@@ -33,6 +33,8 @@ import tempfile
 import time
 import urllib.request
 
+from benchutil import build_c
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 PY = [sys.executable, "-m", "pymtrace"]
@@ -115,16 +117,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def build(tmp, name, source=None, src_path=None):
-    out = os.path.join(tmp, name)
-    if source is not None:
-        src_path = os.path.join(tmp, name + ".c")
-        with open(src_path, "w") as f:
-            f.write(source)
-    subprocess.run(["gcc", "-O2", "-fno-builtin", "-o", out, str(src_path)], check=True)
-    return out
 
 
 class Exporter:
@@ -261,9 +253,9 @@ def main():
         raise SystemExit("run as root")
     tmp = tempfile.mkdtemp(prefix="pymtrace-exporter-bench-")
     try:
-        storm_bin = build(tmp, "storm", src_path=HERE / "storm.c")
-        idle_bin = build(tmp, "idle", source=IDLE_C)
-        touch_bin = build(tmp, "touch", source=TOUCH_C)
+        storm_bin = build_c(tmp, "storm", src_path=HERE / "storm.c")
+        idle_bin = build_c(tmp, "idle", source=IDLE_C)
+        touch_bin = build_c(tmp, "touch", source=TOUCH_C)
         storms = {"malloc(64)+free": Storm(storm_bin, tmp, args.pairs, 64),
                   "malloc(256 KiB)+touch+free": Storm(touch_bin, tmp, max(1, args.pairs // 100), 256 << 10)}
         res = {"pairs": args.pairs, "rounds": args.rounds, "phases": {}, "scrape": []}

@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from pymtrace import bpfload, collect, libc  # noqa: E402
 from pymtrace.collect import FaultCollector  # noqa: E402
+from benchutil import build_c  # noqa: E402
 
 MEMLEAK = r"""
 #include <uapi/linux/ptrace.h>
@@ -225,8 +226,7 @@ def main():
     bpfload.require_root("the overhead benchmark")
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-bench-"))
-    exe = tmp / "storm"
-    subprocess.run(["gcc", "-O2", "-fno-builtin", "-o", str(exe), str(HERE / "storm.c")], check=True)
+    exe = build_c(tmp, "storm", HERE / "storm.c")
     system = libc.system_libc()
     shutil.copy2(system, tmp / "bench-libc.so")
     os.symlink("bench-libc.so", tmp / os.path.basename(system))
@@ -240,9 +240,8 @@ def main():
     fresh = fresh_modes = None
     fresh_results = {"untraced": [], "top": []}
     if args.fresh_fault_pages:
-        (tmp / "fresh.c").write_text(FRESH_C)
-        subprocess.run(["gcc", "-O2", "-o", str(tmp / "fresh"), str(tmp / "fresh.c")], check=True)
-        fresh = subprocess.Popen([str(tmp / "fresh")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        fresh_exe = build_c(tmp, "fresh", source=FRESH_C, flags=["-O2"])
+        fresh = subprocess.Popen([fresh_exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         fresh_pid = int(fresh.stdout.readline().split()[1])
         fc = fault_collector(fresh_pid)
         fresh_modes = {"untraced": [], "top": [Attachments(fc, (), tracepoints(fc, FAULT_TPS))]}

@@ -19,14 +19,14 @@ import subprocess
 import sys
 import tempfile
 
+from benchutil import build_c
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "tests" / "workloads" / "record_storm.c"
 
 
 def build(tmp):
-    exe = os.path.join(tmp, "record_storm")
-    subprocess.run(["gcc", "-O2", "-fno-builtin", "-fno-omit-frame-pointer", "-o", exe, str(SRC)], check=True)
-    return exe
+    return build_c(tmp, "record_storm", SRC, flags=["-O2", "-fno-builtin", "-fno-omit-frame-pointer"])
 
 
 def storm_ns(out):
