@@ -206,6 +206,16 @@ def foreign_probes(path):
                    if e.get("filename") in (path, real) and e.get("pid") != os.getpid()})
 
 
+def print_fault_table(results):
+    """Markdown table of page-fault storm results {mode: [ns per page]} (after a blank line)."""
+    print()
+    print("| mode | ns/page min | ns/page median | vs untraced (paired median) |")
+    print("|---|---|---|---|")
+    for n, v in results.items():
+        ratio = statistics.median(x / y for x, y in zip(v, results["untraced"]))
+        print(f"| {n} | {min(v):.0f} | {statistics.median(v):.0f} | {ratio:.2f}x |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
@@ -337,23 +347,13 @@ def main():
     if args.fault_pages and len(fault_results) == 3:
         print()
         print(f"page-fault storm ({args.fault_pages} fresh pages per measurement, mmap + touch + munmap):")
-        print()
-        print("| mode | ns/page min | ns/page median | vs untraced (paired median) |")
-        print("|---|---|---|---|")
-        for n, v in fault_results.items():
-            ratio = statistics.median(x / y for x, y in zip(v, fault_results["untraced"]))
-            print(f"| {n} | {min(v):.0f} | {statistics.median(v):.0f} | {ratio:.2f}x |")
+        print_fault_table(fault_results)
     if fresh is not None:
         print()
         print(f"page-fault storm on fresh addresses ({args.fresh_fault_pages} pages per measurement, every 64 KiB "
               f"granule new: a pf_new record per 16 faults, /proc/PID/maps re-read per new mapping; "
               f"{getattr(COLLECTORS[-1], 'maps_reads', 0)} maps reads in all):")
-        print()
-        print("| mode | ns/page min | ns/page median | vs untraced (paired median) |")
-        print("|---|---|---|---|")
-        for n, v in fresh_results.items():
-            ratio = statistics.median(x / y for x, y in zip(v, fresh_results["untraced"]))
-            print(f"| {n} | {min(v):.0f} | {statistics.median(v):.0f} | {ratio:.2f}x |")
+        print_fault_table(fresh_results)
     if set(names) != set(modes):
         return 0
     print()
