@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from pymtrace import bpfload, libc, probesite
+from pymtrace import bpfload, collect, libc, probesite
 
 try:  # optional: one vectorised copy per batch instead of one strided copy per word
     import numpy as _np
@@ -740,36 +740,7 @@ class Recorder:
                 self.reader.close()
             except Exception:
                 pass
-        _detach_uprobes_parallel(self.bpf)
-        bpfload.detach_all(self.bpf)
-
-
-def _detach_uprobes_parallel(bpf):
-    """Detach all uprobes at once: each one waits for an RCU grace period in the kernel
-    (~0.1-0.3 s here), so BCC's one-by-one cleanup takes seconds; the ctypes calls release
-    the GIL, so threads overlap the waits. BCC's cleanup() then finds nothing left to do."""
-    if bpf is None or not getattr(bpf, "uprobe_fds", None):
-        return
-    import threading
-
-    from bcc import libbcc
-
-    names = list(bpf.uprobe_fds)
-
-    def detach(name):
-        try:
-            libbcc.lib.bpf_close_perf_event_fd(bpf.uprobe_fds[name])
-            libbcc.lib.bpf_detach_uprobe(name)
-        except Exception:
-            pass
-
-    threads = [threading.Thread(target=detach, args=(n,)) for n in names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for n in names:
-        bpf.uprobe_fds.pop(n, None)
+        collect.detach_parallel(self.bpf)
 
 
 def _image_size(path):
