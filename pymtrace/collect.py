@@ -533,6 +533,7 @@ class FaultCollector(_Collector):
         self.fields = _struct_fields(self.program, "pf_totals")
         self.evictions = _Evictions()
         self._regions_entries = 0
+        self._region_entries = {}  # pid -> [(granule, last address, count)] read by _read_regions
         self._maps = {}  # pid -> last readable /proc/PID/maps (sorted), for processes that exited
         self._labels = {}  # (pid, granule) -> region label when the granule was first hit
         self._pending = []  # (pid, address) of new granules, from the ring buffer callback
@@ -625,6 +626,7 @@ class FaultCollector(_Collector):
         per_pid = {}
         for k, v in items:
             per_pid.setdefault(int(k.tgid), []).append((int(k.granule), int(v.last_address), int(v.count)))
+        self._region_entries = per_pid
         out = {}
         present = set()
         for pid, entries in per_pid.items():
@@ -678,9 +680,9 @@ class FaultCollector(_Collector):
                 for key in [k for k in self._labels if k[0] in gone]:
                     del self._labels[key]
             table = self.bpf[b"pf_regions"]
-            for k in list(table.keys()):
-                if int(k.tgid) in gone:
-                    self._delete(table, k)
+            for pid in gone:  # the granules _read_regions just saw: no second walk of the map
+                for granule, _, _ in self._region_entries.get(pid, ()):
+                    self._delete(table, table.Key(tgid=pid, granule=granule))
         self.evictions.update({pid: p["faults_user"] + p["faults_kernel"] for pid, p in procs.items()}, gone)
         lost = _lost_counts(self.bpf[b"pf_lost"], {i: "fault_" + n for i, n in _lost_names("faults", "PF").items()})
         maps = {"pf_totals": self.evictions.info(len(items), self.max_procs)}
