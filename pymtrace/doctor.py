@@ -30,6 +30,11 @@ EPILOG = """examples:
   pymtrace doctor                 as a normal user: shows that root is what is missing
   PYMTRACE_DOCTOR_SIMULATE_MISSING=headers,btf sudo -E pymtrace doctor
                                   pretend requirements are missing (to test the reporting)
+
+OVERHEAD: a one-off check that takes seconds (2.2 s here, mostly BCC compiling the smoke
+test's tiny program; longer on a loaded machine). For that moment it attaches one
+tracepoint and a uprobe on the system libc's getpid (system-wide: every process calling
+getpid takes the trap, the program counts only doctor's own calls), then detaches both.
 """
 
 SIMULATE_ENV = "PYMTRACE_DOCTOR_SIMULATE_MISSING"
