@@ -1,4 +1,5 @@
 """Helpers shared by the benchmark scripts in bench/ (imported as a sibling module)."""
+import json
 import os
 import subprocess
 
@@ -14,3 +15,15 @@ def build_c(tmp, name, src_path=None, source=None, flags=CFLAGS):
             f.write(source)
     subprocess.run(["gcc", *flags, "-o", out, str(src_path)], check=True)
     return out
+
+
+def uprobe_pids(path):
+    """PIDs of other processes with BPF uprobes on PATH or its real path (bpftool perf list),
+    as a set; None if bpftool could not tell."""
+    try:
+        out = subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True, timeout=20).stdout
+        entries = json.loads(out or "[]")
+    except Exception:
+        return None
+    names = (path, os.path.realpath(path))
+    return {e.get("pid") for e in entries if e.get("filename") in names and e.get("pid") != os.getpid()}

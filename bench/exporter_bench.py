@@ -33,7 +33,7 @@ import tempfile
 import time
 import urllib.request
 
-from benchutil import build_c
+from benchutil import build_c, uprobe_pids
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -179,12 +179,7 @@ class Storm:
         self.discarded = 0
 
     def foreign(self):
-        try:
-            out = subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True, timeout=20).stdout
-            entries = json.loads(out or "[]")
-        except Exception:
-            return set()
-        return {e.get("pid") for e in entries if e.get("filename") == self.libc} - self.allowed
+        return (uprobe_pids(self.libc) or set()) - self.allowed
 
     def run(self):
         for _ in range(6):

@@ -27,7 +27,6 @@ checks (bpftool perf list) that no other process probes the copy, and discards a
 a measurement that was disturbed.
 """
 import argparse
-import json
 import os
 import shutil
 import pathlib
@@ -41,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from pymtrace import bpfload, collect, libc  # noqa: E402
 from pymtrace.collect import FaultCollector  # noqa: E402
-from benchutil import build_c  # noqa: E402
+from benchutil import build_c, uprobe_pids  # noqa: E402
 
 MEMLEAK = r"""
 #include <uapi/linux/ptrace.h>
@@ -194,18 +193,6 @@ def build_modes(path, pid):
     }, [floor, ms, faults, slab, faults2, slab2, memleak]
 
 
-def foreign_probes(path):
-    """PIDs of other processes with BPF uprobes on PATH (bpftool perf), or None if unknown."""
-    try:
-        out = subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True, timeout=20).stdout
-        entries = json.loads(out or "[]")
-    except Exception:
-        return None
-    real = os.path.realpath(path)
-    return sorted({e.get("pid") for e in entries
-                   if e.get("filename") in (path, real) and e.get("pid") != os.getpid()})
-
-
 def print_fault_table(results):
     """Markdown table of page-fault storm results {mode: [ns per page]} (after a blank line)."""
     print()
@@ -284,11 +271,11 @@ def main():
     def measure(name="warm-up"):
         pairs = args.fast_pairs if name in ("untraced", "always-on") else args.pairs
         for _ in range(5):
-            before = foreign_probes(path)
+            before = uprobe_pids(path)
             storm.stdin.write(f"{pairs} {args.size}\n")
             storm.stdin.flush()
             value = float(storm.stdout.readline())
-            after = foreign_probes(path)
+            after = uprobe_pids(path)
             if not before and not after:
                 return value
             discarded.append((name, value, sorted(set(before or []) | set(after or []))))
