@@ -35,10 +35,11 @@ live bytes: chunk bytes returned by malloc & co. minus chunk bytes freed, counte
 pymtrace attached; blocks allocated before that and freed after make it negative.
 
 OVERHEAD: the per-call view puts uprobes on malloc, calloc, realloc, free and the memalign
-family of every traced libc: a malloc+free pair then costs ~2-3.5 us instead of ~15 ns
-(measured on a busy 2-core machine, bench/overhead.py; about the cost of the uprobe traps
-alone, and ~8x cheaper than a memleak-style tracer; see docs/top.md). A program that does
-little but malloc/free slows down by two orders of magnitude; real programs much less.
+family of every traced libc: a malloc+free pair then costs ~2 us instead of ~10 ns
+(1.7-2.0 us measured on a 2-core machine at load ~1, more when it is busy; bench/overhead.py:
+about the cost of the uprobe traps alone, and ~8x cheaper than a memleak-style tracer; see
+docs/top.md). A program that does little but malloc/free slows down by two orders of
+magnitude; real programs much less.
 Limit it with -p, or use --always-on (no per-call uprobes: slab and fault tracepoints and
 glibc's slow-path USDT probes only; nothing runs on a malloc call) in production."""
 
