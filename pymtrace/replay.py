@@ -136,7 +136,7 @@ def _ldconfig():
         except OSError:
             out = ""
         for line in out.splitlines():
-            if "=>" in line and "x86-64" in line or ("=>" in line and "64" not in line.split("=>")[0]):
+            if "=>" in line and ("x86-64" in line or "64" not in line.split("=>")[0]):
                 name = line.strip().split()[0]
                 _LDCONFIG.setdefault(name, line.split("=>")[1].strip())
     return _LDCONFIG
