@@ -172,8 +172,7 @@ class Storm:
         env = dict(os.environ, LD_LIBRARY_PATH=tmp)
         self.proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout.readline().startswith("ready")
-        maps = open(f"/proc/{self.proc.pid}/maps").read()
-        if self.libc not in maps:
+        if not any(m.path == self.libc for m in libc.read_maps(self.proc.pid)):
             raise SystemExit("the storm did not load the private libc copy")
         self.allowed = set()
         self.discarded = 0
