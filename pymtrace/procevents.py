@@ -3,9 +3,10 @@
 A small reader of the connector pyroute2's ProcEventSocket wraps, in a background thread:
 
     from pymtrace.procevents import ProcEvents
-    with ProcEvents(on_event=lambda ev: print(ev)) as pe:   # callback runs in the thread
+    with ProcEvents(on_event=lambda ev: print(ev)):    # callback runs in the thread
         ...
-        for ev in pe.drain():                               # or poll the queue
+    with ProcEvents() as pe:                             # or, without a callback, poll the queue
+        for ev in pe.drain():
             if ev.kind == "exit" and ev.pid == ev.tgid: ...
 
 Events are ProcEvent(kind, pid, tgid, parent_tgid, exit_code, time):
@@ -88,7 +89,9 @@ def parse(data, now=None):
 
 
 class ProcEvents:
-    """Background reader of cn_proc events. kinds: which of fork/exec/exit to keep."""
+    """Background reader of cn_proc events. kinds: which of fork/exec/exit to keep. Events go
+    to on_event when given, else to the queue drain() empties (a long-running watcher with a
+    callback must not fill a queue nobody reads)."""
 
     def __init__(self, on_event=None, kinds=("fork", "exec", "exit"), maxqueue=100000):
         self.on_event = on_event
@@ -161,6 +164,7 @@ class ProcEvents:
                         self.on_event(ev)
                     except Exception:
                         pass
+                    continue
                 try:
                     self.queue.put_nowait(ev)
                 except queue.Full:
