@@ -263,6 +263,18 @@ class _Evictions:
         return {"entries": entries, "max_entries": max_entries, "evicted": self.count}
 
 
+def _watch_exits(on_event):
+    """A started cn_proc watcher calling ON_EVENT with exit and exec events."""
+    from pymtrace.procevents import ProcEvents
+
+    return ProcEvents(on_event=on_event, kinds=("exit", "exec")).start()
+
+
+def _process_exit(ev):
+    """EV is the exit of a process (its thread-group leader), not of one of its threads."""
+    return ev.kind == "exit" and ev.pid == ev.tgid
+
+
 class _Collector:
     program = None  # bpf/<program>.bpf.c
 
@@ -284,16 +296,14 @@ class _Collector:
         try:
             self._attach()
             if self.track_exits:
-                from pymtrace.procevents import ProcEvents
-
-                self._events = ProcEvents(on_event=self._on_event, kinds=("exit", "exec")).start()
+                self._events = _watch_exits(self._on_event)
         except BaseException:
             self.close()
             raise
         return self
 
     def _on_event(self, ev):
-        if ev.kind == "exit" and ev.pid == ev.tgid:
+        if _process_exit(ev):
             self.exited(ev.tgid)
         elif ev.kind == "exec":
             self.comms.forget(ev.tgid)
@@ -741,9 +751,7 @@ class Collectors:
                     except Exception as exc:  # its bugs must not take top down
                         self.errors["glibc"] = f"{type(exc).__name__}: {exc}"
             if self.track_exits:
-                from pymtrace.procevents import ProcEvents
-
-                self._events = ProcEvents(on_event=self._on_event, kinds=("exit", "exec")).start()
+                self._events = _watch_exits(self._on_event)
         except BaseException:
             self.close()
             raise
@@ -753,7 +761,7 @@ class Collectors:
         for c in self.collectors.values():
             if isinstance(c, _Collector):
                 c._on_event(ev)
-            elif ev.kind == "exit" and ev.pid == ev.tgid and hasattr(c, "exited"):
+            elif _process_exit(ev) and hasattr(c, "exited"):
                 try:
                     c.exited(ev.tgid)
                 except Exception:
