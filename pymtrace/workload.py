@@ -566,8 +566,7 @@ def convert_file(src, dst, **kw):
 
 
 def run(args):
-    if args.output != "-" and os.path.dirname(os.path.abspath(args.output)) and \
-            not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+    if args.output != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise PymtraceError(f"output directory of {args.output} does not exist")
     stats, counts = convert_file(args.trace, args.output, compat=args.upstream_compat,
                                  freed_cache=args.freed_cache, tmpdir=args.tmpdir,
