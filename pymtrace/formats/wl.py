@@ -35,7 +35,6 @@ NARGS = {
 }
 HEADER_OPS = {NOP, ALLOC_PTRS, ALLOC_SYNCS, NTHREADS, START_THREAD}
 STREAM_OPS = {NOP, MALLOC, CALLOC, REALLOC, FREE, SYNC_W, SYNC_R, MEMALIGN, VALLOC, PVALLOC}
-# ops whose first argument is a pointer index (REALLOC: first two)
 MAX_THREADS = 65536
 MAX_VARINT = (1 << 64) - 1
 # memalign alignments are rounded up to a power of two at replay (as glibc does); beyond this: invalid
