@@ -233,22 +233,12 @@ class Report:
                                 "freed": False}
             self.heap_order.append(a[0])
         elif name in ("memory_heap_more", "memory_heap_less"):
-            h = self.heaps.get(a[0])
-            if h is None:
-                h = self.heaps[a[0]] = {"heap": a[0], "created_by": None, "initial_size": None,
-                                        "max_size": a[1], "final_size": a[1], "grow": 0,
-                                        "shrink": 0, "freed": False}
-                self.heap_order.append(a[0])
+            h = self._heap(a[0], a[1])
             h["final_size"] = a[1]
             h["max_size"] = max(h["max_size"], a[1])
             h["grow" if name == "memory_heap_more" else "shrink"] += 1
         elif name == "memory_heap_free":
-            h = self.heaps.get(a[0])
-            if h is None:
-                h = self.heaps[a[0]] = {"heap": a[0], "created_by": None, "initial_size": None,
-                                        "max_size": a[1], "final_size": a[1], "grow": 0,
-                                        "shrink": 0, "freed": False}
-                self.heap_order.append(a[0])
+            h = self._heap(a[0], a[1])
             h["freed"] = True
             h["final_size"] = a[1]
         elif name in RETRIES:
@@ -276,6 +266,17 @@ class Report:
                                     "cause": ev.cause or "tunable", "probe": name})
         else:
             self.unknown[name] = self.unknown.get(name, 0) + 1
+
+    def _heap(self, addr, size):
+        """The heap at ADDR; one created before attach (no memory_heap_new seen) is added
+        with what is known of it: SIZE, its creator and initial size unknown."""
+        h = self.heaps.get(addr)
+        if h is None:
+            h = self.heaps[addr] = {"heap": addr, "created_by": None, "initial_size": None,
+                                    "max_size": size, "final_size": size, "grow": 0,
+                                    "shrink": 0, "freed": False}
+            self.heap_order.append(addr)
+        return h
 
     def _arena(self, addr):
         return self.arenas.setdefault(addr, {"arena": addr, "created_by": None, "size_request": None,
