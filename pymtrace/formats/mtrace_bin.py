@@ -9,7 +9,6 @@ pymtrace fills the pad words (upstream writes zeros and ignores them):
 Readers check the MAGIC record (type 255, ptr1 0x1234, size = word size) for byte order
 and word size -- upstream never does -- and skip all-zero (UNUSED) records anywhere.
 """
-import collections
 import dataclasses
 import struct
 
@@ -152,17 +151,3 @@ class Writer:
         self.file.write(pack(rec))
         self.count += 1
 
-    def write_raw(self, data, count):
-        """Records already in the on-disk layout (e.g. straight from the BPF ring buffer)."""
-        self.file.write(data)
-        self.count += count
-
-
-def statistics(records):
-    """Per-type counts and requested bytes."""
-    counts = collections.Counter()
-    nbytes = collections.Counter()
-    for rec in records:
-        counts[rec.type_name] += 1
-        nbytes[rec.type_name] += rec.size
-    return counts, nbytes
