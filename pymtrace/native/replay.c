@@ -522,9 +522,8 @@ static long futex(_Atomic uint32_t *uaddr, int op, uint32_t val, const struct ti
   return syscall(SYS_futex, (uint32_t *)uaddr, op, val, ts, NULL, 0);
 }
 
-static void sync_write(struct tstats *st, uint64_t id)
+static void sync_write(uint64_t id)
 {
-  (void)st;
   if (sync_mutex) {
     pthread_mutex_lock(&mutexes[id]);
     msyncs[id] = 1;
@@ -648,7 +647,7 @@ static void *thread_main(void *arg)
       record(st, T_FREE, dt);
       break;
     case C_SYNC_W:
-      sync_write(st, get_int(&cp));
+      sync_write(get_int(&cp));
       break;
     case C_SYNC_R:
       sync_read(me, st, get_int(&cp));
