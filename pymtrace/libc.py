@@ -133,17 +133,21 @@ def symbol(path, name):
         raise PymtraceError(f"{path} has no symbol {name}") from None
 
 
+def file_offset(path, address):
+    """(file offset, bytes of the segment left) of ELF virtual ADDRESS in PATH's PT_LOAD segments."""
+    with open(path, "rb") as f:
+        for seg in ELFFile(f).iter_segments():
+            if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= address < seg["p_vaddr"] + seg["p_filesz"]:
+                return seg["p_offset"] + address - seg["p_vaddr"], seg["p_vaddr"] + seg["p_filesz"] - address
+    raise PymtraceError(f"{path}: address {address:#x} is not in a loaded segment")
+
+
 def read_code(path, address, length):
     """LENGTH bytes of code at ELF virtual ADDRESS of PATH."""
+    offset, left = file_offset(path, address)
     with open(path, "rb") as f:
-        elf = ELFFile(f)
-        for seg in elf.iter_segments():
-            if seg["p_type"] != "PT_LOAD":
-                continue
-            if seg["p_vaddr"] <= address < seg["p_vaddr"] + seg["p_filesz"]:
-                f.seek(seg["p_offset"] + address - seg["p_vaddr"])
-                return f.read(min(length, seg["p_vaddr"] + seg["p_filesz"] - address))
-    raise PymtraceError(f"{path}: address {address:#x} is not in a loaded segment")
+        f.seek(offset)
+        return f.read(min(length, left))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -277,15 +277,6 @@ def test_end_to_end_record_convert_replay_glibc_jemalloc(tmp_path, cbuild):
             assert not any("jemalloc" in p for p in libs)
 
 
-def _file_offset(path, vaddr):
-    from elftools.elf.elffile import ELFFile
-    with open(path, "rb") as f:
-        for seg in ELFFile(f).iter_segments():
-            if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= vaddr < seg["p_vaddr"] + seg["p_filesz"]:
-                return vaddr - seg["p_vaddr"] + seg["p_offset"]
-    raise AssertionError(f"{vaddr:#x} not in a PT_LOAD segment of {path}")
-
-
 def _tracefs_write(path, text):
     fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # no seek: tracefs files refuse SEEK_END
     try:
@@ -301,7 +292,7 @@ def test_uprobed_libc_is_flagged(tmp_path):
     from pymtrace import bpfload, libc
     bpfload.ensure_tracefs()
     path = os.path.realpath(libc.system_libc())
-    off = _file_offset(path, libc.symbol(path, "malloc").address)
+    off, _ = libc.file_offset(path, libc.symbol(path, "malloc").address)
     # on malloc's second instruction: another tracer may own a probe on its first
     import capstone
     with open(path, "rb") as f:
