@@ -30,10 +30,11 @@
 
 /* LRU like pf_regions: a new process evicts the least recently used one when full. */
 BPF_TABLE("lru_percpu_hash", u32, struct pf_totals, pf_totals, PF_MAX_PROCS);
-BPF_TABLE("lru_hash", struct pf_key, struct pf_region, pf_regions, PF_MAX_GRANULES);
 BPF_HASH(pf_targets, u32, u8, 1024);
 BPF_PERCPU_ARRAY(pf_lost, u64, PF_LOST_N);
 #if PF_REGIONS
+/* LRU maps are always preallocated: without regions, no PF_MAX_GRANULES entries to pay for. */
+BPF_TABLE("lru_hash", struct pf_key, struct pf_region, pf_regions, PF_MAX_GRANULES);
 BPF_RINGBUF_OUTPUT(pf_new, PF_RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(pf_wake, u64, 1);  /* when this CPU last woke the pf_new reader */
 #endif

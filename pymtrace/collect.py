@@ -689,10 +689,11 @@ class FaultCollector(_Collector):
                     self._maps.pop(pid, None)
                 for key in [k for k in self._labels if k[0] in gone]:
                     del self._labels[key]
-            table = self.bpf[b"pf_regions"]
-            for pid in gone:  # the granules _read_regions just saw: no second walk of the map
-                for granule, _, _ in self._region_entries.get(pid, ()):
-                    self._delete(table, table.Key(tgid=pid, granule=granule))
+            if self.regions:
+                table = self.bpf[b"pf_regions"]
+                for pid in gone:  # the granules _read_regions just saw: no second walk of the map
+                    for granule, _, _ in self._region_entries.get(pid, ()):
+                        self._delete(table, table.Key(tgid=pid, granule=granule))
         self.evictions.update({pid: p["faults_user"] + p["faults_kernel"] for pid, p in procs.items()}, gone)
         lost = _lost_counts(self.bpf[b"pf_lost"], {i: "fault_" + n for i, n in _lost_names("faults", "PF").items()})
         maps = {"pf_totals": self.evictions.info(len(items), self.max_procs)}
