@@ -86,50 +86,8 @@ def _start_demo():
         from pymtrace import demo
     except ImportError:
         raise PymtraceError("the demo workload (pymtrace/demo) is not installed") from None
-    starter = None
-    for name in ("start_demo", "start"):
-        starter = getattr(demo, name, None)
-        if callable(starter):
-            break
-    if starter is None:
-        raise PymtraceError("pymtrace.demo has no start() function")
-    handle = starter()
-    pid = handle if isinstance(handle, int) else getattr(handle, "pid", None)
-    if pid is None:
-        raise PymtraceError("the demo workload did not report its PID")
-
-    def stop():
-        stopper = getattr(demo, "stop_demo", None)
-        if callable(stopper):
-            try:
-                stopper(handle)
-                return
-            except Exception:
-                pass
-        for name in ("stop", "terminate", "kill"):
-            fn = getattr(handle, name, None)
-            if callable(fn):
-                try:
-                    fn()
-                    if hasattr(handle, "wait"):
-                        handle.wait(timeout=5)
-                except Exception:
-                    pass
-                return
-        for name in ("stop", "stop_demo"):
-            fn = getattr(demo, name, None)
-            if callable(fn):
-                try:
-                    fn(handle)
-                except Exception:
-                    pass
-                return
-        try:
-            os.kill(pid, 15)
-        except OSError:
-            pass
-
-    return pid, stop
+    proc = demo.start_demo()
+    return proc.pid, lambda: demo.stop_demo(proc)
 
 
 def totals_rows(snap, pids=None):
