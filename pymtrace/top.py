@@ -216,6 +216,10 @@ def run(args):
     bpfload.require_root("pymtrace top")
     if args.interval <= 0:
         raise PymtraceError("-i must be > 0")
+    if not (args.batch or args.json):
+        from pymtrace import tui
+
+        tui.require_terminal()  # before seconds of BPF compiling, not after
     pids = list(args.pids or [])
     stop_demo = None
     collectors = None
