@@ -25,7 +25,7 @@ from pymtrace.errors import PymtraceError
 DEFAULT_PORT = 19733
 HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same BPF
 collectors as `pymtrace top`. Per-process series are labelled by comm (default),
-cgroup, or PID (capped: top N plus "other")."""
+cgroup, or PID; at most --max-series label values (default 500, 20 by PID) plus "other"."""
 EPILOG = f"""examples:
   sudo pymtrace exporter                              # all processes, :{DEFAULT_PORT}
   sudo pymtrace exporter --always-on                  # production: tracepoints + USDT + faults only
