@@ -581,11 +581,13 @@ class GlibcCollector:
 
     def attach(self):
         plan = self._plan()
-        with_probes = [(path, pids) for path, pids in plan if libc_status(path)["probes"]]
+        with_probes = []
         for path, pids in plan:
             st = libc_status(path)
             self.libc_info.append({"libc": path, "probes": st["probes"], "sites": st["sites"],
                                    "attached": bool(st["probes"]), "pids": pids})
+            if st["probes"]:
+                with_probes.append((path, pids))
         self.sites, warnings = build_sites([p for p, _ in with_probes])
         self.warnings.extend(warnings)
         self.site_by_id = {s.id: s for s in self.sites}
@@ -737,8 +739,6 @@ class GlibcCollector:
                     pass
         self.pid_libc.pop(pid, None)
         self._comm.pop(pid, None)
-        if self.pids is not None and pid in self.pids:
-            self.pids.remove(pid)
 
     def exited(self, pid):
         """PID has exited (process-events connector): it is reported once more (alive False,
@@ -805,7 +805,6 @@ class GlibcCollector:
         if not st["probes"]:
             return g
         s = s if s is not None else self.Stats()
-        heap_sizes = {a: n for a, n in heaps.items()}
         g.update({
             "events": s.events,
             "arenas": 1 + s.arenas_new,
@@ -816,14 +815,14 @@ class GlibcCollector:
             "arena_list": [{"arena": f"{a:#x}", "creator_tid": v.creator_tid or None,
                             "attaches": v.attaches, "waits": v.waits}
                            for a, v in sorted(arenas.items())],
-            "heaps": len(heap_sizes),
+            "heaps": len(heaps),
             "heap_bytes": s.heap_bytes,
             "heap_bytes_max": s.heap_bytes_max,
             "heaps_created": s.heaps_new,
             "heaps_freed": s.heaps_freed,
             "heap_grow": s.heap_more,
             "heap_shrink": s.heap_less,
-            "heap_list": [{"heap": f"{a:#x}", "size": n} for a, n in sorted(heap_sizes.items())],
+            "heap_list": [{"heap": f"{a:#x}", "size": n} for a, n in sorted(heaps.items())],
             "sbrk_bytes": s.sbrk_more_bytes,
             "sbrk_grow_count": s.sbrk_more_count,
             "sbrk_trimmed_bytes": s.sbrk_less_bytes,
@@ -848,12 +847,10 @@ class GlibcCollector:
                                 "source": "probe"}
             elif name in live:
                 params[name] = {"value": live[name], "cause": "initial", "source": "memory"}
-        if "mmap_threshold" in live and "mmap_threshold" in params:
-            params["mmap_threshold"]["value"] = live["mmap_threshold"]
-            params["mmap_threshold"]["source"] = "memory"
-        if "trim_threshold" in live and "trim_threshold" in params:
-            params["trim_threshold"]["value"] = live["trim_threshold"]
-            params["trim_threshold"]["source"] = "memory"
+        for name in ("mmap_threshold", "trim_threshold"):
+            if name in live and name in params:
+                params[name]["value"] = live[name]
+                params[name]["source"] = "memory"
         g["params"] = params
         g["mmap_threshold"] = params.get("mmap_threshold", {}).get("value")
         g["trim_threshold"] = params.get("trim_threshold", {}).get("value")
