@@ -638,10 +638,6 @@ def run_run(args):
 def run_summary(args):
     bpfload.require_root("pymtrace summary")
     pid = args.pid
-    if not os.path.exists(f"/proc/{pid}"):
-        from pymtrace.errors import ProcessGone
-
-        raise ProcessGone(pid)
     path = libc.process_libc(pid) or usdt.static_exe_with_probes(usdt.process_exe(pid))
     tracer = Tracer(pid, path, faults=not args.no_faults)
     if not tracer.status["probes"]:
