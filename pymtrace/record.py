@@ -6,6 +6,7 @@ itself (no per-event callback), and every poll copies all committed records out 
 with a few strided memoryview copies and one write(2): no per-event Python work.
 """
 import argparse
+import ctypes
 import functools
 import json
 import mmap
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from pymtrace import bpfload, collect, libc, probesite
+from pymtrace import bpfload, collect, libc, probesite, structs
 
 try:  # optional: one vectorised copy per batch instead of one strided copy per word
     import numpy as _np
@@ -523,8 +524,6 @@ class Recorder:
             defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
         if self.follow:
-            import ctypes
-
             self.bpf["traced"][ctypes.c_uint32(self.target)] = ctypes.c_uint32(1)
             self._start_procevents()
         pid = -1 if self.follow else self.target
@@ -536,12 +535,8 @@ class Recorder:
             if not _exists(self.target):
                 raise ProcessGone(self.target) from None
             raise PymtraceError(f"cannot attach uprobes to {libc_path}: {exc}") from None
-        import ctypes
-
         self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(1)
-        from pymtrace import structs
-
-        sample = __import__("ctypes").sizeof(structs.header("record").structs["record_event"])
+        sample = ctypes.sizeof(structs.header("record").structs["record_event"])
         self.reader = RingReader(self.bpf["events"].map_fd, self.pages * _PAGE, sample)
         self.sample = sample
 
@@ -599,13 +594,9 @@ class Recorder:
             i = j
 
     def _lost(self):
-        import ctypes
-
         return int(self.bpf["lost"].sum(ctypes.c_int(0)).value)
 
     def _retried(self):
-        import ctypes
-
         try:
             return int(self.bpf["retried"].sum(ctypes.c_int(0)).value)
         except Exception:
