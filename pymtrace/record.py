@@ -380,8 +380,9 @@ def tcache_shutdown_returns(path):
     return tuple(sorted(set(found)))[:2] if len(set(found)) <= 2 else ()
 
 
-def malloc_site(path):
-    return libc.symbol(path, "malloc").address + probesite.sites(path, "malloc").offset
+def entry_site(path, function):
+    """ELF address of FUNCTION's entry probe in PATH (where pymtrace.probesite puts it)."""
+    return libc.symbol(path, function).address + probesite.sites(path, function).offset
 
 
 def attach(bpf, libs, pid, note_bases=False):
@@ -516,10 +517,10 @@ class Recorder:
         if self.args.format == "mtrace-text":
             defines["NOTE_BASES"] = 1
             for index, (path, _) in enumerate(self.libs):
-                defines[f"MALLOC_SITE_{index}"] = f"{malloc_site(path):#x}ULL"
+                defines[f"MALLOC_SITE_{index}"] = f"{entry_site(path, 'malloc'):#x}ULL"
         skips = tcache_shutdown_returns(libc_path)
         if len(skips) == 2:
-            site = libc.symbol(libc_path, "free").address + probesite.sites(libc_path, "free").offset
+            site = entry_site(libc_path, "free")
             defines["FREE_SKIP1"] = f"{skips[0] - site:#x}ULL"
             defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
