@@ -164,18 +164,25 @@ def test_record_text_matches_glibc_mtrace(cbuild, tmp_path):
     assert T.leaks(pev).keys() == T.leaks(gev).keys()
 
 
+def _record_running(pid, out, records, step):
+    """`pymtrace record -p PID -o OUT --json` in the background, once OUT holds more than
+    RECORDS records (checked every STEP seconds, for at most 60 s)."""
+    rec = subprocess.Popen(PYMTRACE + ["record", "-p", str(pid), "-o", str(out), "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * records):
+        assert rec.poll() is None, rec.stderr.read()
+        time.sleep(step)
+    return rec
+
+
 def test_record_attach_running_sigint(cbuild, tmp_path):
     prog = cbuild("record_loop")
     target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
     try:
         assert target.stdout.readline().strip() == "ready"
         out = tmp_path / "attach.trace"
-        rec = subprocess.Popen(PYMTRACE + ["record", "-p", str(target.pid), "-o", str(out), "--json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * 2000):
-            assert rec.poll() is None, rec.stderr.read()
-            time.sleep(0.2)
+        rec = _record_running(target.pid, out, 2000, 0.2)
         rec.send_signal(signal.SIGINT)
         _, err = rec.communicate(timeout=60)
         assert rec.returncode == 0, err
@@ -283,12 +290,7 @@ def test_record_attach_stops_at_duration_and_at_exit(cbuild, tmp_path):
         assert 1.0 <= s1["duration_s"] < 3 and s1["entries"] == len(list(B.read_file(out1))) > 0
         # the process exits: record notices, drains and ends on its own
         out2 = tmp_path / "e.trace"
-        rec = subprocess.Popen(PYMTRACE + ["record", "-p", str(target.pid), "-o", str(out2), "--json"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (out2.exists() and out2.stat().st_size > 64 * 500):
-            assert rec.poll() is None, rec.stderr.read()
-            time.sleep(0.1)
+        rec = _record_running(target.pid, out2, 500, 0.1)
         target.kill()
         target.wait()
         _, err = rec.communicate(timeout=60)
