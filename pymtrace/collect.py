@@ -389,27 +389,7 @@ class MallocCollector(_Collector):
                     raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
                 targets.setdefault(path, []).append(pid)
             return targets
-        seen = set()
-        paths = []
-        system = libc.system_libc()
-        if system:
-            paths.append(system)
-        for pid in libc.pids():
-            try:
-                path = libc.process_libc(pid)
-            except Exception:
-                continue
-            if path:
-                paths.append(path)
-        for path in paths:
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            ident = (st.st_dev, st.st_ino)
-            if ident in seen:
-                continue
-            seen.add(ident)
+        for path, _pids in libc.distinct_libcs():
             targets[path] = [-1]
         if not targets:
             raise PymtraceError("found no libc to attach to")

@@ -389,55 +389,24 @@ def check_smoke(sim, prerequisites_ok, tracepoints_ok):
     return Check("smoke", name, OK, detail)
 
 
-def _distinct_libcs():
-    """{(dev, ino): (path, [pids])} of the libcs mapped by the processes we can see."""
-    from pymtrace import libc
-
-    found = {}
-    system = libc.system_libc()
-    paths = [(system, os.getpid())] if system else []
-    for pid in libc.pids():
-        try:
-            p = libc.process_libc(pid)
-        except (PymtraceError, OSError):
-            continue
-        if p:
-            paths.append((p, pid))
-    for path, pid in paths:
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        key = (st.st_dev, st.st_ino)
-        entry = found.setdefault(key, [path, set()])
-        entry[1].add(pid)
-    return found, system
-
-
 def check_libcs(sim):
     from pymtrace import libc
 
     if "libc" in sim:
         return [Check("libc", "libc in use", INFO, "(simulated) no libc found", "", False)]
-    found, system = _distinct_libcs()
     checks = []
-    system_key = None
-    if system:
-        try:
-            st = os.stat(system)
-            system_key = (st.st_dev, st.st_ino)
-        except OSError:
-            pass
-    ordered = sorted(found.items(), key=lambda kv: (kv[0] != system_key, kv[1][0]))
-    for key, (path, pids) in ordered:
+    found = libc.distinct_libcs()  # the system libc first
+    system_path = libc.system_libc()
+    for path, pids in found[:1] + sorted(found[1:], key=lambda entry: entry[0]):
         try:
             probes = libc.malloc_probes(path)
             n, distinct = len(probes), len({p.name for p in probes})
         except PymtraceError as exc:
             checks.append(Check("libc", f"libc {path}", INFO, f"cannot read: {exc}", "", False))
             continue
-        label = "system libc" if key == system_key else "libc"
-        users = len(pids - {os.getpid()}) if key == system_key else len(pids)
+        is_system = path == system_path
+        label = "system libc" if is_system else "libc"
+        users = len(pids - {os.getpid()}) if is_system else len(pids)
         detail = f"{path}: {n} malloc USDT probes" + (f" ({distinct} distinct names)" if n != distinct else "")
         detail += f"; {users} process(es) use it"
         if os.geteuid() != 0:

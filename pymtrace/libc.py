@@ -81,6 +81,31 @@ def system_libc():
     return process_libc(os.getpid())
 
 
+def distinct_libcs():
+    """Every libc file in use, once per file: [(path, {pid, ...}), ...], the system libc first.
+
+    Files are told apart by (device, inode), so one libc reached through several paths
+    (containers, symlinks) is listed once; processes whose maps cannot be read are skipped.
+    """
+    found = {}
+    system = system_libc()
+    candidates = [(system, os.getpid())] if system else []
+    for pid in pids():
+        try:
+            path = process_libc(pid)
+        except (PymtraceError, OSError):
+            continue
+        if path:
+            candidates.append((path, pid))
+    for path, pid in candidates:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        found.setdefault((st.st_dev, st.st_ino), (path, set()))[1].add(pid)
+    return list(found.values())
+
+
 def pids():
     return sorted(int(d) for d in os.listdir("/proc") if d.isdigit())
 
