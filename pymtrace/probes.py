@@ -30,7 +30,10 @@ nothing is dropped silently.
 OVERHEAD: glibc's malloc probes sit on slow paths only (heap growth, arena creation and
 contention, mallopt, retries, threshold changes), never on each malloc/free call, so
 tracing them costs next to nothing: one uprobe hit (~1 us, the probe site is a 1-byte
-nop the kernel emulates) per slow-path event. Safe to leave running system-wide."""
+nop the kernel emulates) per slow-path event. Safe to leave running system-wide.
+
+EXIT STATUS: with a command, the command's own (128 + N if a signal N killed it);
+otherwise 0; 1 on a pymtrace error."""
 
 
 def configure(parser):
