@@ -98,7 +98,7 @@ def run(args):
 
     if args.cmd:
         launched = launch.Launched(args.cmd)
-        path = launched.libc_path() or usdt.static_exe_with_probes(launched.exe)
+        path = usdt.launched_probe_file(launched)
         collector = usdt.GlibcCollector(pids=[launched.pid], libcs={launched.pid: path},
                                         on_event=on_event)
     elif args.pid:

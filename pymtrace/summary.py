@@ -606,7 +606,7 @@ def run_run(args):
     launched = launch.Launched(args.cmd)
     tracer = None
     try:
-        path = launched.libc_path() or usdt.static_exe_with_probes(launched.exe)
+        path = usdt.launched_probe_file(launched)
         tracer = Tracer(launched.pid, path, faults=not args.no_faults)
         if not tracer.status["probes"]:
             print(f"pymtrace: {tracer.status['reason']}; glibc internals unavailable, "
@@ -642,7 +642,7 @@ def run_run(args):
 def run_summary(args):
     bpfload.require_root("pymtrace summary")
     pid = args.pid
-    path = libc.process_libc(pid) or usdt.static_exe_with_probes(usdt.process_exe(pid))
+    path = usdt.probe_file(pid)
     tracer = Tracer(pid, path, faults=not args.no_faults)
     if not tracer.status["probes"]:
         print(f"pymtrace: {tracer.status['reason']}; glibc internals unavailable, "

@@ -390,6 +390,18 @@ def process_exe(pid):
         return None
 
 
+def probe_file(pid):
+    """The file whose malloc probes cover PID: the libc it maps, or its executable when that
+    is a static program carrying them; None if neither."""
+    return libc.process_libc(pid) or static_exe_with_probes(process_exe(pid))
+
+
+def launched_probe_file(launched):
+    """probe_file() of a command stopped at exec (pymtrace.launch.Launched), whose libc
+    is not mapped yet: the one its loader will map."""
+    return launched.libc_path() or static_exe_with_probes(launched.exe)
+
+
 def all_libcs():
     """Every distinct libc file mapped by a running process (system-wide attach)."""
     seen, paths = set(), []
@@ -568,7 +580,7 @@ class GlibcCollector:
             for pid in self.pids:
                 path = self.libc_override.get(pid) if isinstance(self.libc_override, dict) else None
                 if path is None:
-                    path = libc.process_libc(pid) or static_exe_with_probes(process_exe(pid))
+                    path = probe_file(pid)
                 self.pid_libc[pid] = path
                 if path is None:
                     continue
