@@ -539,8 +539,11 @@ class Tracer:
         self.started = time.monotonic()
 
     def attach(self):
-        if not self.status["probes"] and not self.faults:
-            return
+        if not self.status["probes"]:
+            print(f"pymtrace: {self.status['reason']}; glibc internals unavailable, "
+                  f"reporting page faults only", file=sys.stderr)
+            if not self.faults:
+                return
         self.collector.attach()
         self.collector.add_fault_pid(self.pid)
         for w in self.collector.warnings:  # e.g. an argument whose symbol is not in the libc
@@ -608,9 +611,6 @@ def run_run(args):
     try:
         path = usdt.launched_probe_file(launched)
         tracer = Tracer(launched.pid, path, faults=not args.no_faults)
-        if not tracer.status["probes"]:
-            print(f"pymtrace: {tracer.status['reason']}; glibc internals unavailable, "
-                  f"reporting page faults only", file=sys.stderr)
         tracer.attach()
     except BaseException:
         launched.kill()
@@ -644,9 +644,6 @@ def run_summary(args):
     pid = args.pid
     path = usdt.probe_file(pid)
     tracer = Tracer(pid, path, faults=not args.no_faults)
-    if not tracer.status["probes"]:
-        print(f"pymtrace: {tracer.status['reason']}; glibc internals unavailable, "
-              f"reporting page faults only", file=sys.stderr)
     tracer.sample()
     try:
         tracer.attach()
