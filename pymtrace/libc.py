@@ -56,13 +56,11 @@ def is_libc_path(path):
 
 def process_libc(pid):
     """Path (as seen from our mount namespace) of the libc PID maps, or None (static binary)."""
-    for m in read_maps(pid):
-        if "x" in m.perms and is_libc_path(m.path):
-            return host_path(pid, m.path)
-    for m in read_maps(pid):
-        if is_libc_path(m.path):
-            return host_path(pid, m.path)
-    return None
+    libc_maps = [m for m in read_maps(pid) if is_libc_path(m.path)]
+    if not libc_maps:
+        return None
+    code_first = min(libc_maps, key=lambda m: "x" not in m.perms)
+    return host_path(pid, code_first.path)
 
 
 def host_path(pid, path):

@@ -403,21 +403,8 @@ def launched_probe_file(launched):
 
 
 def all_libcs():
-    """Every distinct libc file mapped by a running process (system-wide attach)."""
-    seen, paths = set(), []
-    for pid in libc.pids():
-        try:
-            path = libc.process_libc(pid)
-        except (PymtraceError, OSError):
-            continue
-        if path is None:
-            continue
-        key = _file_key(path)
-        if key is None or key in seen:
-            continue
-        seen.add(key)
-        paths.append(path)
-    return paths
+    """Every distinct libc file in use (system-wide attach), the system libc first."""
+    return [path for path, _pids in libc.distinct_libcs()]
 
 
 def _file_key(path):
