@@ -25,11 +25,15 @@
 
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
-/* [0] stats map full, [1] heaps map full, [2] threads map full, [3] arenas map full */
+/* [0] stats entry not created, [1] heaps map full, [2] threads entry not created,
+ * [3] arenas map full (LRU maps evict when full: their counts are allocation failures) */
 BPF_PERCPU_ARRAY(map_full, u64, 4);
 BPF_ARRAY(zero_stats, struct glibc_pid_stats, 1); /* never written: the initial value */
-BPF_HASH(stats, u32, struct glibc_pid_stats, MAX_PIDS);
-BPF_HASH(threads, struct pid_tid, struct glibc_thread, MAX_THREADS);
+/* Per-process and per-thread state: LRU, so churn of short-lived processes/threads stays
+ * bounded even when an exit is missed (user space also deletes exited processes); a full
+ * map evicts the least recently used entry instead of refusing new ones. */
+BPF_TABLE("lru_hash", u32, struct glibc_pid_stats, stats, MAX_PIDS);
+BPF_TABLE("lru_hash", struct pid_tid, struct glibc_thread, threads, MAX_THREADS);
 BPF_HASH(arenas, struct pid_addr, struct glibc_arena, MAX_ARENAS);
 BPF_HASH(heaps, struct pid_addr, u64, MAX_HEAPS);
 BPF_HASH(mallopt_pending, u32, s32, MAX_THREADS); /* tid -> mallopt param in progress */
