@@ -290,6 +290,9 @@ def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
     work = subprocess.Popen(prefix + [cbuild("glibc_idle"), "4", "100000"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     plain = subprocess.Popen(["sleep", "60"])
+    deadline = time.monotonic() + 10  # until its loader has mapped libc (a fresh exec has not)
+    while libc.process_libc(plain.pid) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     c = usdt.GlibcCollector(pids=[work.pid, plain.pid])
     try:
         assert work.stdout.readline().startswith("ready")
