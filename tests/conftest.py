@@ -127,3 +127,13 @@ def run_pymtrace(*args, check=False, timeout=120, **kw):
     if check and proc.returncode != 0:
         raise AssertionError(f"pymtrace {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+def workload_facts(out):
+    """The ground truth a C workload prints, one `KEY VALUE...` line each: {KEY: [[VALUE...], ...]}."""
+    facts = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if parts:
+            facts.setdefault(parts[0], []).append(parts[1:])
+    return facts

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import PYMTRACE, run_pymtrace
+from conftest import PYMTRACE, run_pymtrace, workload_facts
 from pymtrace import libc
 from pymtrace.summary import Report, render_text
 
@@ -64,20 +64,11 @@ def _run_json(*argv, env=None):
     return json.loads(proc.stdout[start:]), proc.stdout[:start]
 
 
-def _facts(out):
-    facts = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if parts:
-            facts.setdefault(parts[0], []).append(parts[1:])
-    return facts
-
-
 @pytest.mark.bpf
 def test_run_sbrk_numbers_exact(sdt_libc, cbuild):
     prefix, path = sdt_libc
     doc, out = _run_json(*prefix, cbuild("glibc_sbrk"), "8", "200000")
-    f = _facts(out)
+    f = workload_facts(out)
     start, grown, final = (int(f[k][0][0], 16) for k in ("start_brk", "grown_brk", "final_brk"))
     assert doc["libc"] == path and doc["probes"] >= 29 and doc["lost_events"] == 0
     s = doc["glibc"]["sbrk"]
@@ -101,7 +92,7 @@ def test_run_sbrk_numbers_exact(sdt_libc, cbuild):
 def test_run_arenas_threads_and_heaps(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     doc, out = _run_json(*prefix, cbuild("glibc_arenas"), "new", "3")
-    f = _facts(out)
+    f = workload_facts(out)
     creators = {int(t) for _, t in f["tid"]}
     reusers = {int(t) for _, t in f["reuse_tid"]}
     g = doc["glibc"]
@@ -127,7 +118,7 @@ def test_run_arenas_threads_and_heaps(sdt_libc, cbuild):
 def test_run_lock_waits_on_main_arena(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     doc, out = _run_json(*prefix, cbuild("glibc_arenas"), "wait", "2")
-    waiters = {int(t) for _, t in _facts(out)["wait_tid"]}
+    waiters = {int(t) for _, t in workload_facts(out)["wait_tid"]}
     g = doc["glibc"]
     assert {w["tid"]: w["waits"] for w in g["arena_lock_waits"]} == {t: 1 for t in waiters}
     assert g["arena_lock_waits_total"] == 2
@@ -141,7 +132,7 @@ def test_run_threshold_history_with_causes(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.tcache_count=5")
     doc, out = _run_json(*prefix, cbuild("glibc_params"), "dyn", env=env)
-    f = _facts(out)
+    f = workload_facts(out)
     (m1, t1), (m2, t2) = ([int(x) for x in f[k][0]] for k in ("dyn1", "dyn2"))
     hist = [(t["param"], t["old"], t["new"], t["cause"]) for t in doc["glibc"]["thresholds"]]
     assert hist == [
@@ -158,7 +149,7 @@ def test_run_threshold_history_with_causes(sdt_libc, cbuild):
 def test_run_retries_and_tcache_scans(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     doc, out = _run_json(*prefix, cbuild("glibc_retry"))
-    big = int(_facts(out)["malloc"][0][0])
+    big = int(workload_facts(out)["malloc"][0][0])
     r = doc["glibc"]["retries"]
     # malloc fails, calloc, realloc (whose fallback malloc fails again), memalign
     assert r["malloc"] == {"count": 2, "bytes": 2 * big}

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from conftest import workload_facts
+
 from pymtrace import bpfload, launch, libc, usdt
 from pymtrace.libc import Symbol, UsdtProbe
 
@@ -122,20 +124,11 @@ def _launch_traced(prefix, argv, env=None):
     return L.pid, out.decode(), mine, snap
 
 
-def _facts(out):
-    facts = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if parts:
-            facts.setdefault(parts[0], []).append(parts[1:])
-    return facts
-
-
 @pytest.mark.bpf
 def test_collector_sbrk_chain_and_aggregates_exact(sdt_libc, cbuild):
     prefix, path = sdt_libc
     pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_sbrk"), "8", "200000"])
-    f = _facts(out)
+    f = workload_facts(out)
     start, grown, final = (int(f[k][0][0], 16) for k in ("start_brk", "grown_brk", "final_brk"))
     more = [e for e in events if e.probe == "memory_sbrk_more"]
     less = [e for e in events if e.probe == "memory_sbrk_less"]
@@ -195,7 +188,7 @@ def test_collector_every_malloc_tunable(sdt_libc, cbuild):
 def test_collector_arenas_heaps(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_arenas"), "new", "3"])
-    f = _facts(out)
+    f = workload_facts(out)
     creators = {int(t) for _, t in f["tid"]}
     reusers = {int(t) for _, t in f["reuse_tid"]}
     new = [e for e in events if e.probe == "memory_arena_new"]
@@ -229,7 +222,7 @@ def test_collector_arenas_heaps(sdt_libc, cbuild):
 def test_collector_arena_lock_waits_per_thread(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_arenas"), "wait", "2"])
-    waiters = {int(t) for _, t in _facts(out)["wait_tid"]}
+    waiters = {int(t) for _, t in workload_facts(out)["wait_tid"]}
     waits = [e for e in events if e.probe == "memory_arena_reuse_wait"]
     assert {e.tid for e in waits} == waiters and len(waits) == 2
     for e in waits:
