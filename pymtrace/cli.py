@@ -44,6 +44,17 @@ def build_parser():
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGINT stops every command like Ctrl-C, even when a non-interactive shell started
+    # pymtrace in the background (`pymtrace record ... & kill -INT $!`): such a shell starts
+    # the job with SIGINT ignored, and Python keeps an ignored SIGINT ignored. A command
+    # launched by pymtrace gets back the disposition pymtrace inherited (pymtrace.launch).
+    # SIGTERM does the same, so every command's cleanup path (flush, detach) runs for both.
+    global INHERITED_SIGINT, _stopping
+    _stopping = False
+    previous = signal.signal(signal.SIGINT, _stop)
+    if INHERITED_SIGINT is None:
+        INHERITED_SIGINT = previous
+    signal.signal(signal.SIGTERM, _stop)
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])  # prints help or the "invalid choice" error
@@ -62,9 +73,6 @@ def main(argv=None):
     configure(sub)
     args = sub.parse_args(argv[1:])
     args.command = name
-    # SIGTERM ends a command like Ctrl-C does, so every command's cleanup path
-    # (detach probes, flush files) runs for both.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         return runner(args) or 0
     except PymtraceError as exc:
@@ -78,8 +86,34 @@ def main(argv=None):
         return 130
 
 
-def _raise_keyboard_interrupt(signum, frame):
+# SIGINT's disposition when pymtrace started (signal.SIG_IGN in a background job of a script)
+INHERITED_SIGINT = None
+_stopping = False
+
+
+def _stop(signum, frame):
+    """The first SIGINT/SIGTERM raises KeyboardInterrupt: the command stops as on Ctrl-C.
+    Later ones are ignored: the command is already stopping (a bounded drain, flushing
+    files, detaching probes), and interrupting that would leave its work half done (and
+    BCC's exit handlers printing tracebacks). SIGKILL still ends it at once; the kernel
+    then removes the probes."""
+    global _stopping
+    if _stopping:
+        return
+    _stopping = True
     raise KeyboardInterrupt
+
+
+def stopping():
+    """Whether a stop signal (SIGINT/SIGTERM) has arrived (or begin_stopping was called)."""
+    return _stopping
+
+
+def begin_stopping():
+    """A command stops by itself (--duration, its target exited): SIGINT/SIGTERM arriving
+    from now on are ignored like a second one, so they cannot cut its clean-up short."""
+    global _stopping
+    _stopping = True
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _traceme():
+    # the command gets the SIGINT disposition pymtrace inherited (ignored in a background job
+    # of a script), not the handler pymtrace installed for itself (pymtrace.cli)
+    from pymtrace import cli
+
+    if cli.INHERITED_SIGINT == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if _libc.ptrace(_PTRACE_TRACEME, 0, None, None) != 0:
         os._exit(126)
 
@@ -59,6 +65,21 @@ class Launched:
     def wait(self, timeout=None):
         self.resume()
         return self.proc.wait(timeout)
+
+    def stop(self, grace=5.0):
+        """After pymtrace was told to stop: give the command GRACE seconds to end by itself
+        (Ctrl-C reached it too), then SIGTERM, then SIGKILL. Returns its exit status."""
+        self.resume()
+        for sig, wait in ((None, grace), (signal.SIGTERM, 2.0), (signal.SIGKILL, None)):
+            if sig is not None and self.proc.poll() is None:
+                try:
+                    os.kill(self.pid, sig)
+                except ProcessLookupError:
+                    pass
+            try:
+                return self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
 
     def kill(self):
         if self.proc.poll() is None:

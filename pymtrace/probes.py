@@ -3,7 +3,7 @@ import json
 import sys
 import time
 
-from pymtrace import bpfload, launch, libc, usdt
+from pymtrace import bpfload, cli, launch, libc, usdt
 from pymtrace.errors import PymtraceError
 
 HELP = """Stream every hit of glibc's malloc USDT probes (provider libc, memory_*), one line
@@ -158,10 +158,13 @@ def run(args):
     finally:
         collector.close()
         if launched is not None and launched.proc.poll() is None:
-            try:
-                launched.wait()
-            except KeyboardInterrupt:
-                launched.kill()
+            if cli.stopping():  # SIGINT/SIGTERM: the command ends too, as with Ctrl-C
+                launched.stop()
+            else:  # --duration: the command runs on, untraced, to its end (or Ctrl-C)
+                try:
+                    launched.wait()
+                except KeyboardInterrupt:
+                    launched.kill()
     if launched is not None:
         return exit_status(launched.proc.returncode)
     return 0

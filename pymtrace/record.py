@@ -6,6 +6,7 @@ itself (no per-event callback), and every poll copies all committed records out 
 with a few strided memoryview copies and one write(2): no per-event Python work.
 """
 import argparse
+import bisect
 import ctypes
 import functools
 import json
@@ -13,13 +14,13 @@ import mmap
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 
-from pymtrace import bpfload, collect, libc, probesite, structs
+from pymtrace import bpfload, cli, collect, libc, probesite, structs
 
 try:  # optional: one vectorised copy per batch instead of one strided copy per word
     import numpy as _np
@@ -66,6 +67,10 @@ _ALLOC_FUNCS = [
     ("pvalloc", "enter_pvalloc"),
 ]
 _DEBUG_LIB = "libc_malloc_debug.so.0"
+_RECORD = struct.Struct("<" + mtrace_bin._FMT)
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_B_FREE = mtrace_bin.FREE
+_B_PLUS = (mtrace_bin.MALLOC, mtrace_bin.CALLOC, mtrace_bin.MEMALIGN, mtrace_bin.VALLOC, mtrace_bin.PVALLOC)
 
 
 def configure(parser):
@@ -141,56 +146,126 @@ def open_unique(base):
             raise
 
 
-class Output:
-    """One process's trace: MAGIC first, then raw records; text is produced at close."""
+class WriteFailed(PymtraceError):
+    """Writing a trace failed (disk full, quota, I/O error): recording stops, the file keeps
+    every complete record written before the failure."""
 
-    def __init__(self, path, fd, fmt, tgid):
+
+class Output:
+    """One process's trace, written as it is recorded: the MAGIC record then raw records
+    (mtrace-bin), or "= Start" then glibc's text lines (mtrace-text). A failed write cuts
+    the file back to its last complete record and raises WriteFailed."""
+
+    def __init__(self, path, fd, fmt, tgid, fallback_maps=None):
         self.path = path
         self.fmt = fmt
         self.tgid = tgid
         self.fd = fd
         self.counts = [0] * 9
         self.entries = 0
+        self.bytes_written = 0
+        self.failed = None
         self.resolver = mtrace_text.CallerResolver() if fmt == "mtrace-text" else None
-        if fmt == "mtrace-text":
-            # records go to an unlinked scratch file next to the output; text is written at the end
-            self.final_fd = fd
+        self.fallback_maps = fallback_maps  # adds the maps BPF saw, for a process gone from /proc
+        self.last_refresh = 0.0
+        _, exc = self._put(b"= Start\n" if self.resolver is not None else mtrace_bin.magic_record(tgid), [])
+        if exc is not None:
+            os.close(fd)
             try:
-                self.fd, scratch = tempfile.mkstemp(prefix=".pymtrace-", dir=os.path.dirname(os.path.abspath(path)))
-                os.unlink(scratch)
-            except OSError as exc:
-                os.close(fd)
-                raise PymtraceError(f"cannot create a scratch file next to {path}: {exc.strerror}") from None
-        os.write(self.fd, mtrace_bin.magic_record(tgid))
-        self.bytes_written = mtrace_bin.RECORD_SIZE
+                os.unlink(path)  # holds nothing
+            except OSError:
+                pass
+            raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}")
+
+    def _put(self, blob, ends):
+        """Append BLOB; ENDS: where each of its records ends in it. Returns how many of them
+        are in the file: all, or, when the write fails, those written whole (WriteFailed)."""
+        view = memoryview(blob)
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self.fd, view[done:])
+        except OSError as exc:
+            kept = bisect.bisect_right(ends, done)
+            keep = self.bytes_written + (ends[kept - 1] if kept else 0)
+            if not ends:  # the file's header itself
+                keep = 0
+            try:
+                os.ftruncate(self.fd, keep)
+            except OSError:
+                pass
+            self.bytes_written = keep
+            self.failed = exc
+            return kept, exc
+        self.bytes_written += done
+        return len(ends), None
 
     def write(self, data, n):
-        view = memoryview(data)
-        while view:
-            k = os.write(self.fd, view)
-            view = view[k:]
-        types = bytes(data[4::mtrace_bin.RECORD_SIZE])  # ~0.014 us/event
+        rs = mtrace_bin.RECORD_SIZE
+        if self.resolver is None:
+            blob, ends = data, range(rs, (n + 1) * rs, rs)
+        else:
+            blob, ends = self._text(data)
+        kept, exc = self._put(blob, ends)
+        types = bytes(data[4:kept * rs:rs])  # ~0.014 us/event
         for t in range(1, 9):
             self.counts[t] += types.count(t)
-        self.entries += n
-        self.bytes_written += len(data)
+        self.entries += kept
+        if exc is not None:
+            raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}")
+
+    def _text(self, data):
+        """glibc's text lines for the records in DATA, as one blob, and each record's end in it.
+        The lines of mtrace_text.record_lines, inlined for the common calls (~1 us a record:
+        this runs while recording)."""
+        rows = list(_RECORD.iter_unpack(data))
+        self._resolve_all({r[8] for r in rows})
+        resolve = self.resolver
+        parts, ends, pos = [], [], 0
+        for row in rows:
+            _, ty, p1, p2, size, _, _, _, caller = row
+            ty &= 0xFF
+            where = resolve(caller)
+            at = f"@ {where} " if where else ""
+            if ty == _B_FREE:
+                text = f"{at}- {p1:#x}\n" if p1 else ""
+            elif ty in _B_PLUS and p2 and size:
+                text = f"{at}+ {p2:#x} {size:#x}\n"
+            else:
+                lines = mtrace_text.record_lines(mtrace_bin.Record(row[0], ty, *row[2:]), where)
+                text = "".join(line + "\n" for line in lines)
+            parts.append(text)
+            pos += len(text)
+            ends.append(pos)
+        return "".join(parts).encode(), ends
+
+    def _resolve_all(self, callers):
+        """Read the maps again (or take BPF's) if a caller is in no module known yet (a
+        library loaded since the last snapshot); at most every 0.2 s."""
+        now = time.monotonic()
+        if now - self.last_refresh < 0.2:
+            return
+        if any(a and self.resolver(a).startswith("[") for a in set(callers)):
+            self.last_refresh = now
+            if not self.snapshot_maps() and self.fallback_maps is not None:
+                self.fallback_maps(self)
 
     def snapshot_maps(self):
         if self.resolver is not None:
             try:
                 self.resolver.add_maps(libc.read_maps(self.tgid))
-            except (ProcessGone, OSError):
+                return True
+            except (PymtraceError, OSError):
                 pass
+        return False
 
     def close(self):
-        if self.fmt == "mtrace-text":
-            os.lseek(self.fd, 0, os.SEEK_SET)
-            with os.fdopen(self.fd, "rb") as src, os.fdopen(self.final_fd, "w", buffering=1 << 20) as dst:
-                mtrace_text.write(mtrace_bin.iter_records(src, name=self.path), dst, self.resolver)
-                dst.flush()
-                self.bytes_written = dst.tell()
-        else:
-            os.close(self.fd)
+        if self.resolver is not None and self.failed is None:
+            _, exc = self._put(b"= End\n", [6])
+            if exc is not None:
+                os.close(self.fd)
+                raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}")
+        os.close(self.fd)
 
     def summary(self):
         return {
@@ -233,11 +308,18 @@ class RingReader:
     def _pos(self):
         return self.cons_pos[0], self.prod_pos[0]
 
-    def read(self, max_records=None):
-        """(bytes of the committed samples' payloads, count); advances the consumer position."""
+    def producer(self):
+        """The producer position: everything reserved before now lies below it."""
+        return self.prod_pos[0]
+
+    def read(self, max_records=None, limit=None):
+        """(bytes of the committed samples' payloads, count); advances the consumer position.
+        LIMIT: a producer position read earlier; samples reserved after it are left alone."""
         cons, prod = self._pos()
         if prod - cons > self.max_backlog:
             self.max_backlog = prod - cons
+        if limit is not None:
+            prod = min(prod, limit)
         avail = (prod - cons) // self.stride
         if avail <= 0:
             return None, 0
@@ -253,7 +335,7 @@ class RingReader:
                 if bad == 0:
                     self.discarded += 1
                     self._advance(cons + self.stride)
-                    return self.read(max_records)
+                    return self.read(max_records, limit)
                 n = bad
             else:
                 raise PymtraceError(f"ring buffer header corrupt at {cons:#x}")
@@ -452,8 +534,11 @@ class Recorder:
                 path, fd = open_unique(f"mtrace.out.{tgid}")
         else:
             base = f"{self.outputs[self.target].path}.{tgid}"
-            path, fd = open_unique(base)
-        out = Output(path, fd, self.args.format, tgid)
+            try:
+                path, fd = open_unique(base)
+            except PymtraceError as exc:  # a full disk: stop like a failed write
+                raise WriteFailed(str(exc)) from None
+        out = Output(path, fd, self.args.format, tgid, fallback_maps=self._note_bases)
         self.outputs[tgid] = out
         out.snapshot_maps()
         if not self.args.quiet and not self.args.json:
@@ -477,6 +562,9 @@ class Recorder:
             libc_path = args.libc or self.launched.libc_path()
         else:
             self.target = _tgid(args.pid)  # a thread id means its whole process
+            if self.target == os.getpid():
+                raise PymtraceError(f"process {self.target} is this pymtrace: recording it would "
+                                    "record its own recording without end")
             libc_path = args.libc or libc.process_libc(self.target)
         try:
             if libc_path is None:
@@ -559,13 +647,24 @@ class Recorder:
             self.max_gap = max(self.max_gap, now - self.last_poll)
         self.last_poll = now
         t0 = time.thread_time()
+        # Only what was reserved when this drain began (the final drain: when stopping
+        # began): a process whose calls our own draining causes (pymtrace's own writes
+        # reaching a traced reader...) can never keep a drain, or the stop, going.
+        limit = self.reader.producer()
+        patience = time.monotonic() + 0.1
+        # a stop signal waits until this drain is done: a batch taken from the ring is
+        # always written whole, and the counts match the file
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
             # Take what is there and go back to sleep: chasing the producer in a loop would
             # read tiny batches, and the per-batch cost would dominate. Read again at once
             # only while batches are large (the buffer was filling up).
             while True:
-                data, n = self.reader.read()
+                data, n = self.reader.read(limit=limit)
                 if not n:
+                    if final and self.reader.cons_pos[0] < limit and time.monotonic() < patience:
+                        time.sleep(0.001)  # a record reserved before the stop, being written
+                        continue
                     return total
                 total += n
                 self._dispatch(data, n)
@@ -574,6 +673,7 @@ class Recorder:
         finally:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _dispatch(self, data, n):
         recs, tg = data
@@ -641,6 +741,7 @@ class Recorder:
             print(f"pymtrace: recording {what}" + ("" if args.duration else "; Ctrl-C to stop"), file=sys.stderr)
         interrupted = False
         last_maps = 0.0
+        self.failure = None
         try:
             while True:
                 self._drain()
@@ -657,13 +758,18 @@ class Recorder:
                 time.sleep(timeout)
         except KeyboardInterrupt:
             interrupted = True
+        except WriteFailed as exc:  # disk full: what was written whole stays, recording stops
+            self.failure = exc
         finally:
             os.close(pidfd)
-        # a last drain: everything committed before we stop
-        try:
-            self._drain(final=True)
-        except KeyboardInterrupt:
-            self._drain(final=True)
+            cli.begin_stopping()  # from here on SIGINT/SIGTERM cannot cut the stop short
+        # a last drain: everything committed before we stop (later SIGINT/SIGTERM are
+        # ignored while stopping, see pymtrace.cli)
+        if self.failure is None:
+            try:
+                self._drain(final=True)
+            except WriteFailed as exc:
+                self.failure = exc
         self.duration = time.monotonic() - self.start
         self.interrupted = interrupted
         return self._finish()
@@ -673,10 +779,11 @@ class Recorder:
         lost = self._lost()
         if self.reader is not None:
             lost += self.reader.discarded
-        if self.args.format == "mtrace-text":
-            self._note_bases()
         for out in self.outputs.values():
-            out.close()
+            try:
+                out.close()
+            except WriteFailed as exc:
+                self.failure = self.failure or exc
         summary = {
             "files": [o.summary() for o in self.outputs.values()],
             "entries": sum(o.entries for o in self.outputs.values()),
@@ -690,6 +797,8 @@ class Recorder:
             "reserve_retries": self._retried(),
             "max_backlog_bytes": self.reader.max_backlog if self.reader is not None else 0,
         }
+        if self.failure is not None:
+            summary["error"] = str(self.failure)
         if self.launched is not None:
             rc = self.launched.proc.poll()
             summary["command_exit_status"] = rc
@@ -704,20 +813,22 @@ class Recorder:
             if lost:
                 print("pymtrace: events were lost: the ring buffer was full; use a larger --buffer-size"
                       + ("" if args.allow_drops else " (or --allow-drops)"), file=sys.stderr)
+        if self.failure is not None:
+            raise WriteFailed(f"{self.failure}; recording stopped, {summary['entries']} complete "
+                              f"entries kept" + (f" in {len(self.outputs)} files" if len(self.outputs) > 1 else ""))
         if lost and not args.allow_drops:
             return EXIT_LOST
         return 0
 
-    def _note_bases(self):
-        """Library load addresses seen by BPF, for processes that exited before /proc was read."""
+    def _note_bases(self, out):
+        """Library load addresses seen by BPF, for a process that exited before /proc was read."""
         try:
             items = list(self.bpf["bases"].items())
         except Exception:
             return
         for key, base in items:
             tgid, index = key.value >> 32, key.value & 0xFFFFFFFF
-            out = self.outputs.get(tgid)
-            if out is None or index >= len(self.libs):
+            if tgid != out.tgid or index >= len(self.libs):
                 continue
             path = self.libs[index][0]
             end = base.value + _image_size(path)
