@@ -43,6 +43,18 @@ def build_parser():
 
 
 def main(argv=None):
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            # pymtrace is exiting: BCC's exit handlers (detach, free maps) and Python's run
+            # next, and a SIGINT/SIGTERM now would break them (a traceback) or kill the
+            # process half way; an ignored signal stays ignored through Python's finalization
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _main(argv):
     argv = list(sys.argv[1:] if argv is None else argv)
     # SIGINT stops every command like Ctrl-C, even when a non-interactive shell started
     # pymtrace in the background (`pymtrace record ... & kill -INT $!`): such a shell starts

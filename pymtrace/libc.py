@@ -48,6 +48,10 @@ def read_maps(pid):
         raise ProcessGone(pid) from None
     except ProcessLookupError:
         raise ProcessGone(pid) from None
+    except OSError as exc:  # EACCES: another user namespace, a sandbox, a hardened /proc
+        raise PymtraceError(f"cannot read /proc/{pid}/maps: {exc.strerror or exc} (pymtrace needs the "
+                            "process's memory map: run it where it can see the process, e.g. in the "
+                            "same container)") from None
 
 
 def is_libc_path(path):

@@ -529,7 +529,11 @@ class Recorder:
             return out
         if tgid == self.target:
             if self.args.output:
-                path, fd = self.args.output, open_exclusive(self.args.output, self.args.force)
+                path = self.args.output
+                try:
+                    fd = open_exclusive(path, self.args.force)
+                except OSError as exc:  # --force could not remove it (/proc/version, EROFS...)
+                    raise PymtraceError(f"cannot replace {path}: {exc.strerror or exc}") from None
             else:
                 path, fd = open_unique(f"mtrace.out.{tgid}")
         else:

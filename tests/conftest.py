@@ -137,3 +137,22 @@ def workload_facts(out):
         if parts:
             facts.setdefault(parts[0], []).append(parts[1:])
     return facts
+
+
+def script_background(*args, env=None):
+    """`pymtrace ARGS &` started by a non-interactive shell, as a script does it (such a shell
+    starts background jobs with SIGINT ignored): returns (the shell's Popen, pymtrace's PID).
+    The shell prints `rc=N` on stdout when pymtrace ends; pymtrace's stderr is the shell's."""
+    import shlex
+
+    line = " ".join(shlex.quote(str(a)) for a in PYMTRACE + list(args))
+    shell = subprocess.Popen(["bash", "-c", f"{line} & echo $!; wait $!; echo rc=$?"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return shell, int(shell.stdout.readline())
+
+
+def sigint_ignored(pid):
+    """Whether PID ignores SIGINT (the SigIgn mask of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (2 - 1)))

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from conftest import PYMTRACE, run_pymtrace
+from conftest import PYMTRACE, ROOT, run_pymtrace, script_background, sigint_ignored
+from pymtrace import bpfload
 from pymtrace.formats import mtrace_bin as B
 from pymtrace.formats import mtrace_text as T
 
@@ -302,3 +303,171 @@ def test_record_attach_stops_at_duration_and_at_exit(cbuild, tmp_path):
         if target.poll() is None:
             target.kill()
             target.wait()
+
+
+def _wait_records(out, records, proc_alive, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * records):
+        assert proc_alive(), "pymtrace ended before recording"
+        time.sleep(0.2)
+    assert out.stat().st_size > 64 * records
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+
+
+def test_record_stops_on_sigint_sent_by_a_script(cbuild, tmp_path):
+    """`pymtrace record -p P -o t & ... kill -INT $!` from a script: a non-interactive shell
+    starts the job with SIGINT ignored; record still stops on it like Ctrl-C, with the trace
+    complete and the probes gone."""
+    check = subprocess.Popen(["bash", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sigint_ignored(int(check.stdout.readline())), "this shell does not ignore SIGINT in background jobs"
+    finally:
+        check.kill()
+        check.wait()
+    prog = cbuild("record_loop")
+    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
+    shell = None
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        out = tmp_path / "bg.trace"
+        shell, pid = script_background("record", "-p", target.pid, "-o", out, "--json")
+        _wait_records(out, 2000, lambda: shell.poll() is None)
+        os.kill(pid, signal.SIGINT)
+        stdout, err = shell.communicate(timeout=60)
+        assert stdout.strip() == "rc=0", err
+        assert _gone(pid)
+        assert bpfload.own_uprobe_events(pid) == []
+        assert target.poll() is None  # the target keeps running, untraced
+    finally:
+        if shell is not None and shell.poll() is None:
+            os.kill(pid, signal.SIGKILL)
+            shell.communicate()
+        target.kill()
+        target.wait()
+    assert "Traceback" not in err
+    summary = json.loads(err.strip().splitlines()[-1])
+    records = list(B.read_file(out))
+    assert summary["lost"] == 0
+    assert summary["entries"] == len(records) >= 2000
+    assert summary["bytes_written"] == out.stat().st_size
+    check_order(records)
+
+
+def test_record_second_stop_signal_while_stopping_is_ignored(cbuild, tmp_path):
+    """SIGTERM, then more SIGTERMs and SIGINTs while record drains and detaches: it finishes
+    its clean stop (no traceback from BCC's exit handlers), exit 0, trace complete."""
+    prog = cbuild("record_loop")
+    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        out = tmp_path / "t.trace"
+        rec = _record_running(target.pid, out, 2000, 0.2)
+        rec.send_signal(signal.SIGTERM)
+        for i in range(40):  # over ~2 s: the drain, the summary, the detach
+            time.sleep(0.05)
+            if rec.poll() is not None:
+                break
+            rec.send_signal(signal.SIGTERM if i % 2 else signal.SIGINT)
+        _, err = rec.communicate(timeout=60)
+    finally:
+        target.kill()
+        target.wait()
+    assert "Traceback" not in err and "Exception" not in err, err
+    assert rec.returncode == 0, err
+    summary = json.loads(err.strip().splitlines()[-1])
+    assert summary["entries"] == len(list(B.read_file(out))) >= 2000
+    assert bpfload.own_uprobe_events(rec.pid) == []
+
+
+def test_record_refuses_its_own_pid():
+    # `exec` keeps the shell's PID: pymtrace is asked to record itself
+    proc = subprocess.run(["bash", "-c", 'exec "$0" -m pymtrace record -p $$ --duration 2', PYMTRACE[0]],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"pymtrace: error: process \d+ is this pymtrace: .*", lines[0]), proc.stderr
+
+
+def test_record_duration_bounds_the_stop_on_a_busy_allocator(cbuild, tmp_path):
+    """--duration on a process that allocates as fast as it can (text format, the slowest
+    consumer): record stops within the duration plus a small bound, and the log holds
+    exactly the records counted."""
+    prog = cbuild("record_storm")
+    target = subprocess.Popen([prog, "1000000000"], stdout=subprocess.DEVNULL)
+    try:
+        out = tmp_path / "busy.log"
+        rec = subprocess.Popen(PYMTRACE + ["record", "-p", str(target.pid), "--duration", "2",
+                                           "--allow-drops", "--format", "mtrace-text", "-o", str(out)],
+                               stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in rec.stderr:  # BPF start-up can take long on a busy machine: time from here
+            lines.append(line)
+            if line.startswith("pymtrace: recording"):
+                break
+        started = time.monotonic()
+        _, rest = rec.communicate(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        target.kill()
+        target.wait()
+    assert rec.returncode == 0, "".join(lines) + rest
+    assert took < 2 + 3, f"record took {took:.1f} s to stop after a 2 s --duration"
+    assert lines[-1].startswith("pymtrace: recording process")
+    entries = int(re.search(r"^pymtrace: (\d+) entries recorded in ", rest, re.M).group(1))
+    events = [e for e in T.read_file(out) if e.op != "="]
+    assert entries > 1000
+    assert len(events) == entries  # one line per malloc/free(non-NULL) of the storm
+    assert out.read_text().endswith("= End\n")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"cannot mount a small tmpfs: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("fmt", ["mtrace-bin", "mtrace-text"])
+def test_record_disk_full_keeps_every_complete_record(cbuild, small_tmpfs, fmt):
+    """The disk fills up during record: it stops, the file keeps every record written whole
+    (text too), one error line says how many, exit 1."""
+    prog = cbuild("record_storm")
+    out = small_tmpfs / "full.trace"
+    proc = run_pymtrace("record", "--json", "--format", fmt, "-o", out, "--", prog, 100000)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    m = re.fullmatch(r"pymtrace: error: cannot write (\S+): No space left on device; recording stopped, "
+                     r"(\d+) complete entries kept", lines[-1])
+    assert m and m.group(1) == str(out), proc.stderr
+    kept = int(m.group(2))
+    summary = json.loads(lines[-2])
+    assert summary["entries"] == kept > 1000
+    size = out.stat().st_size
+    assert summary["bytes_written"] == size > 200 * 1024
+    if fmt == "mtrace-bin":
+        assert size % 64 == 0
+        records = list(B.read_file(out))
+        assert len(records) == kept
+    else:
+        text = out.read_text()
+        assert text.startswith("= Start\n") and text.endswith("\n")
+        events = [e for e in T.read_file(out) if e.op != "="]
+        assert len(events) == kept  # malloc and free(non-NULL): one line each
+        records = events
+    # the storm's calls, in order, up to where the disk was full
+    assert sum(1 for r in records if getattr(r, "size", 0) == 64) >= kept // 2 - 10
