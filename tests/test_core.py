@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import PYMTRACE, ROOT
 from pymtrace import libc, probesite, structs
+from pymtrace.errors import PymtraceError
 from pymtrace.launch import predict_libc
 
 # --- structs: ctypes built from the C headers -------------------------------------------
@@ -123,6 +124,18 @@ def test_parse_maps():
     assert maps[3].path == ""
 
 
+def test_unreadable_maps_is_a_one_line_error(monkeypatch):
+    """A process whose maps cannot be read (another user namespace, a sandbox): PymtraceError
+    naming the file, never a PermissionError traceback."""
+    def denied(path, *a, **kw):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(libc, "open", denied, raising=False)
+    with pytest.raises(PymtraceError, match=r"^cannot read /proc/1/maps: Permission denied \(") as exc:
+        libc.process_libc(1)
+    assert "\n" not in str(exc.value) and not isinstance(exc.value, libc.ProcessGone)
+
+
 @pytest.mark.parametrize("path,yes", [
     ("/usr/lib/x86_64-linux-gnu/libc.so.6", True), ("/lib/libc-2.17.so", True),
     ("/usr/lib/libcrypto.so.3", False), ("/usr/lib/libcap.so.2", False),
@@ -171,3 +184,34 @@ def test_cli_help_lists_every_command():
 def test_cli_unknown_command():
     out = subprocess.run(PYMTRACE + ["frobnicate"], capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+SIGNAL_PROBE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job starts
+from pymtrace import cli, launch
+try:
+    cli.main(["--version"])
+except SystemExit:
+    pass
+assert signal.getsignal(signal.SIGINT) is cli._stop, signal.getsignal(signal.SIGINT)
+assert cli.INHERITED_SIGINT == signal.SIG_IGN
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+os.kill(os.getpid(), signal.SIGTERM)  # a second stop signal: ignored
+print("second ignored")
+# a launched command gets the SIGINT disposition pymtrace inherited, not pymtrace's handler
+l = launch.Launched(["/bin/sh", "-c", "grep SigIgn /proc/$$/status"])
+l.wait()
+"""
+
+
+def test_cli_stops_on_sigint_even_if_started_with_it_ignored():
+    out = subprocess.run([PYMTRACE[0], "-c", SIGNAL_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[2:5] == ["interrupted", "second", "ignored"], out.stdout
+    assert int(out.stdout.split("SigIgn:")[1].split()[0], 16) & 2  # SIGINT still ignored in the child

@@ -327,7 +327,12 @@ def test_record_stops_on_sigint_sent_by_a_script(cbuild, tmp_path):
     complete and the probes gone."""
     check = subprocess.Popen(["bash", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
     try:
-        assert sigint_ignored(int(check.stdout.readline())), "this shell does not ignore SIGINT in background jobs"
+        spid = int(check.stdout.readline())
+        deadline = time.monotonic() + 5  # the job sets its signals up just after the fork
+        while not sigint_ignored(spid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sigint_ignored(spid), "this shell does not ignore SIGINT in background jobs"
+        os.kill(spid, signal.SIGKILL)
     finally:
         check.kill()
         check.wait()
@@ -471,3 +476,18 @@ def test_record_disk_full_keeps_every_complete_record(cbuild, small_tmpfs, fmt):
         records = events
     # the storm's calls, in order, up to where the disk was full
     assert sum(1 for r in records if getattr(r, "size", 0) == 64) >= kept // 2 - 10
+
+
+def test_record_force_onto_a_file_it_cannot_replace(cbuild):
+    """--force -o onto a file that cannot be removed (/proc/version): one line, exit 1."""
+    prog = cbuild("record_loop")
+    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        proc = run_pymtrace("record", "--force", "-o", "/proc/version", "-p", target.pid)
+    finally:
+        target.kill()
+        target.wait()
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["pymtrace: error: cannot replace /proc/version: Operation not permitted"]
+    assert os.path.exists("/proc/version")

@@ -1,11 +1,13 @@
 """`pymtrace top` errors: one line on stderr and a non-zero exit."""
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
 
-from conftest import PYMTRACE, run_pymtrace
+from conftest import PYMTRACE, ROOT, missing_or_fail, run_pymtrace, script_background
+from pymtrace import bpfload
 
 
 def test_gone_pid_is_one_line_error(bpf_ok):
@@ -31,3 +33,56 @@ def test_bad_interval():
     proc = run_pymtrace("top", "--batch", "-i", "0")
     assert proc.returncode != 0
     assert "error" in proc.stderr
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("command", [["top", "--batch", "-n", "1"], ["record"], ["summary"]])
+def test_unreadable_maps_is_one_line_error(command, tmp_path):
+    """`-p PID` of a process whose /proc/PID/maps pymtrace cannot read (pymtrace runs as root
+    of a user namespace of an unprivileged user, like in a container or sandbox): one line,
+    exit 1, no traceback."""
+    if shutil.which("unshare") is None or shutil.which("setpriv") is None:
+        missing_or_fail("unshare/setpriv (util-linux) are not installed")
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "unshare", "-U", "-r",
+               "env", f"PYTHONPATH={ROOT}"] + PYMTRACE + command + ["-p", str(target.pid)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    finally:
+        target.kill()
+        target.wait()
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"pymtrace: error: cannot read /proc/{target.pid}/maps: Permission denied (pymtrace needs the "
+        "process's memory map: run it where it can see the process, e.g. in the same container)"]
+
+
+@pytest.mark.bpf
+def test_top_batch_stops_on_sigint_sent_by_a_script(cbuild):
+    """`pymtrace top --batch -p P & ... kill -INT $!` from a script (SIGINT ignored in the
+    background job): top stops as on Ctrl-C, with its reports printed and its probes gone."""
+    prog = cbuild("record_loop")
+    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
+    shell = None
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        shell, pid = script_background("top", "--batch", "-i", "0.5", "-p", target.pid)
+        seen = []
+        for line in shell.stdout:  # reports every 0.5 s once attached (start-up may take long)
+            seen.append(line)
+            if "iteration 3 " in line:
+                break
+        os.kill(pid, signal.SIGINT)
+        out, err = shell.communicate(timeout=60)
+    finally:
+        if shell is not None and shell.poll() is None:
+            os.kill(pid, signal.SIGKILL)
+            shell.communicate()
+        target.kill()
+        target.wait()
+    out = "".join(seen) + out
+    assert "iteration 3 " in out, err
+    assert out.rstrip().endswith("rc=0"), err
+    assert "Traceback" not in err
+    assert str(target.pid) in out
+    assert bpfload.own_uprobe_events(pid) == []
