@@ -16,7 +16,6 @@ import re
 import select
 import signal
 import struct
-import subprocess
 import sys
 import time
 
@@ -393,25 +392,17 @@ def probe_libraries(libc_path, want_debug=True):
 
 
 def uses_debug_lib(pid=None, launched=None):
-    """Whether the process maps (or, launched, will load) libc_malloc_debug. Each probed
-    function costs ~0.3 s of BCC detach time at exit, so it is probed only when needed."""
-    if pid is not None:
-        try:
-            return any("libc_malloc_debug" in m.path for m in libc.read_maps(pid))
-        except PymtraceError:
-            return False
-    if "libc_malloc_debug" in os.environ.get("LD_PRELOAD", ""):
+    """Whether to probe libc_malloc_debug. A launched command: always, since it may exec
+    other programs (`env LD_PRELOAD=... prog`, `sh -c`, make) and the loader of the one that
+    preloads the debug library maps it and runs the program at once, before pymtrace could
+    see it (the probes cost a process that does not map the library nothing). A running
+    process: only if it maps it, as each probed function adds BCC detach time at exit."""
+    if launched is not None:
         return True
-    from pymtrace.launch import _interpreter
-
-    interp = _interpreter(launched.exe)
-    if interp is None or "ld-linux" in os.path.basename(launched.exe):
-        return True  # static or started through the loader: cannot tell, probe it
-    try:  # the loader's own answer, as pymtrace.launch.predict_libc asks it
-        out = subprocess.run([interp, "--list", launched.exe], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return True
-    return "libc_malloc_debug" in out
+    try:
+        return any("libc_malloc_debug" in m.path for m in libc.read_maps(pid))
+    except PymtraceError:
+        return False
 
 
 _SHUTDOWN_MSG = b"tcache_thread_shutdown(): unaligned tcache chunk detected\0"

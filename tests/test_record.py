@@ -491,3 +491,35 @@ def test_record_force_onto_a_file_it_cannot_replace(cbuild):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == ["pymtrace: error: cannot replace /proc/version: Operation not permitted"]
     assert os.path.exists("/proc/version")
+
+
+def test_record_interposer_preloaded_after_an_exec(cbuild, tmp_path):
+    """`record -- env LD_PRELOAD=libc_malloc_debug.so.0 PROG`: the debug library is loaded
+    only by the program env execs; the program's calls still carry the program's own call
+    sites (not the debug library's), as when LD_PRELOAD is set for the command directly."""
+    import glob
+
+    if not glob.glob("/usr/lib/*/libc_malloc_debug.so.0") + glob.glob("/lib*/libc_malloc_debug.so.0"):
+        pytest.fail("glibc's libc_malloc_debug.so.0 is not installed")
+    prog = cbuild("record_calls", "-no-pie")
+    lo, hi = text_range(prog)
+    out = tmp_path / "exec.trace"
+    proc = run_pymtrace("record", "--json", "-o", out, "--", "env", "LD_PRELOAD=libc_malloc_debug.so.0", prog)
+    assert proc.returncode == 0, proc.stderr
+    truth = ground_truth(proc.stdout)
+    assert len(truth) > 300
+    records = list(B.read_file(out))
+    # the program's blocks, by the pointer each call returned or released
+    mine = {t[3] for t in truth if t[3]} | {t[2] for t in truth if t[1] in (B.FREE, B.REALLOC) and t[2]}
+    calls = [r for r in records if (r.ptr2 in mine and r.type != B.FREE) or (r.type == B.FREE and r.ptr1 in mine)]
+    assert len(calls) >= len(truth) - 10  # (free(NULL) and a failed posix_memalign never reach glibc)
+    wrong = [r for r in calls if not lo <= r.caller < hi]
+    assert not wrong, f"{len(wrong)} of {len(calls)} calls attributed outside {prog}, e.g. {wrong[0]}"
+    # the call sites are the program's: exactly the ones a direct LD_PRELOAD records
+    direct = tmp_path / "direct.trace"
+    env = dict(os.environ, LD_PRELOAD="libc_malloc_debug.so.0")
+    proc2 = run_pymtrace("record", "-q", "-o", direct, "--", prog, env=env)
+    assert proc2.returncode == 0, proc2.stderr
+    sites = collections.Counter(r.caller for r in records if lo <= r.caller < hi)
+    sites2 = collections.Counter(r.caller for r in B.read_file(direct) if lo <= r.caller < hi)
+    assert sites == sites2
