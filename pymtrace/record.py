@@ -43,14 +43,18 @@ OVERHEAD: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~300x slower
 while recorded (4.8 ns -> ~1.4-1.6 us a call, docs/record.md), ordinary programs far
 less. pymtrace itself needs ~0.1 us of CPU per event (mostly writing 64 bytes per event
-to the file) and 64 bytes of disk per event; --format mtrace-text adds ~3.5 us per
-record at the end (conversion to text). --follow-forks puts the probes on every process
+to the file) and 64 bytes of disk per event; --format mtrace-text ~1 us per record
+(text written as it is recorded). --follow-forks puts the probes on every process
 that uses the same libc (filtered in BPF, after the trap): while it runs, every
 malloc-API call of every such process on the machine pays the trap, recorded or not
 (an unrelated malloc/free loop: 5.7 ns -> 0.8-1 us a call).
 
-EXIT STATUS: 0 ok; 1 error; 3 events were lost (the ring buffer was full), unless
---allow-drops: make --buffer-size larger. See docs/record.md for formats and details.
+STOPPING: Ctrl-C, SIGINT (also sent by a script to a background job) or SIGTERM drains
+what was recorded, writes it and detaches; more signals while stopping are ignored. A
+failed write (disk full) stops the recording; the file keeps every complete record.
+
+EXIT STATUS: 0 ok; 1 error (also a failed write); 3 events were lost (the ring buffer was
+full), unless --allow-drops: make --buffer-size larger. See docs/record.md for details.
 """
 
 EXIT_LOST = 3
