@@ -3,10 +3,12 @@
 BPF tests carry `@pytest.mark.bpf` (or use the `bpf_ok` fixture). Without root/BPF/BCC
 they skip with the reason -- except under PYMTRACE_REQUIRE_BPF=1 (CI), where they fail.
 """
+import contextlib
 import functools
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -139,16 +141,24 @@ def workload_facts(out):
     return facts
 
 
+@contextlib.contextmanager
 def script_background(*args, env=None):
     """`pymtrace ARGS &` started by a non-interactive shell, as a script does it (such a shell
-    starts background jobs with SIGINT ignored): returns (the shell's Popen, pymtrace's PID).
-    The shell prints `rc=N` on stdout when pymtrace ends; pymtrace's stderr is the shell's."""
+    starts background jobs with SIGINT ignored): yields (the shell's Popen, pymtrace's PID).
+    The shell prints `rc=N` on stdout when pymtrace ends; pymtrace's stderr is the shell's.
+    A pymtrace still running at the end is killed."""
     import shlex
 
     line = " ".join(shlex.quote(str(a)) for a in PYMTRACE + list(args))
     shell = subprocess.Popen(["bash", "-c", f"{line} & echo $!; wait $!; echo rc=$?"], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return shell, int(shell.stdout.readline())
+    pid = int(shell.stdout.readline())
+    try:
+        yield shell, pid
+    finally:
+        if shell.poll() is None:
+            os.kill(pid, signal.SIGKILL)
+            shell.communicate()
 
 
 def sigint_ignored(pid):

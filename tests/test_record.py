@@ -1,5 +1,6 @@
 """`pymtrace record` with real BPF: exact records, order, glibc mtrace() parity, attach + SIGINT."""
 import collections
+import contextlib
 import json
 import os
 import re
@@ -305,6 +306,18 @@ def test_record_attach_stops_at_duration_and_at_exit(cbuild, tmp_path):
             target.wait()
 
 
+@contextlib.contextmanager
+def _loop_target(cbuild):
+    """record_loop running (it allocates in two threads until killed)."""
+    target = subprocess.Popen([cbuild("record_loop")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout.readline().strip() == "ready"
+        yield target
+    finally:
+        target.kill()
+        target.wait()
+
+
 def _wait_records(out, records, proc_alive, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * records):
@@ -336,26 +349,16 @@ def test_record_stops_on_sigint_sent_by_a_script(cbuild, tmp_path):
     finally:
         check.kill()
         check.wait()
-    prog = cbuild("record_loop")
-    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
-    shell = None
-    try:
-        assert target.stdout.readline().strip() == "ready"
+    with _loop_target(cbuild) as target:
         out = tmp_path / "bg.trace"
-        shell, pid = script_background("record", "-p", target.pid, "-o", out, "--json")
-        _wait_records(out, 2000, lambda: shell.poll() is None)
-        os.kill(pid, signal.SIGINT)
-        stdout, err = shell.communicate(timeout=60)
+        with script_background("record", "-p", target.pid, "-o", out, "--json") as (shell, pid):
+            _wait_records(out, 2000, lambda: shell.poll() is None)
+            os.kill(pid, signal.SIGINT)
+            stdout, err = shell.communicate(timeout=60)
         assert stdout.strip() == "rc=0", err
         assert _gone(pid)
         assert bpfload.own_uprobe_events(pid) == []
         assert target.poll() is None  # the target keeps running, untraced
-    finally:
-        if shell is not None and shell.poll() is None:
-            os.kill(pid, signal.SIGKILL)
-            shell.communicate()
-        target.kill()
-        target.wait()
     assert "Traceback" not in err
     summary = json.loads(err.strip().splitlines()[-1])
     records = list(B.read_file(out))
@@ -368,10 +371,7 @@ def test_record_stops_on_sigint_sent_by_a_script(cbuild, tmp_path):
 def test_record_second_stop_signal_while_stopping_is_ignored(cbuild, tmp_path):
     """SIGTERM, then more SIGTERMs and SIGINTs while record drains and detaches: it finishes
     its clean stop (no traceback from BCC's exit handlers), exit 0, trace complete."""
-    prog = cbuild("record_loop")
-    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
-    try:
-        assert target.stdout.readline().strip() == "ready"
+    with _loop_target(cbuild) as target:
         out = tmp_path / "t.trace"
         rec = _record_running(target.pid, out, 2000, 0.2)
         rec.send_signal(signal.SIGTERM)
@@ -381,9 +381,6 @@ def test_record_second_stop_signal_while_stopping_is_ignored(cbuild, tmp_path):
                 break
             rec.send_signal(signal.SIGTERM if i % 2 else signal.SIGINT)
         _, err = rec.communicate(timeout=60)
-    finally:
-        target.kill()
-        target.wait()
     assert "Traceback" not in err and "Exception" not in err, err
     assert rec.returncode == 0, err
     summary = json.loads(err.strip().splitlines()[-1])
@@ -480,14 +477,8 @@ def test_record_disk_full_keeps_every_complete_record(cbuild, small_tmpfs, fmt):
 
 def test_record_force_onto_a_file_it_cannot_replace(cbuild):
     """--force -o onto a file that cannot be removed (/proc/version): one line, exit 1."""
-    prog = cbuild("record_loop")
-    target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
-    try:
-        assert target.stdout.readline().strip() == "ready"
+    with _loop_target(cbuild) as target:
         proc = run_pymtrace("record", "--force", "-o", "/proc/version", "-p", target.pid)
-    finally:
-        target.kill()
-        target.wait()
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == ["pymtrace: error: cannot replace /proc/version: Operation not permitted"]
     assert os.path.exists("/proc/version")

@@ -63,21 +63,17 @@ def test_top_batch_stops_on_sigint_sent_by_a_script(cbuild):
     background job): top stops as on Ctrl-C, with its reports printed and its probes gone."""
     prog = cbuild("record_loop")
     target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
-    shell = None
     try:
         assert target.stdout.readline().strip() == "ready"
-        shell, pid = script_background("top", "--batch", "-i", "0.5", "-p", target.pid)
-        seen = []
-        for line in shell.stdout:  # reports every 0.5 s once attached (start-up may take long)
-            seen.append(line)
-            if "iteration 3 " in line:
-                break
-        os.kill(pid, signal.SIGINT)
-        out, err = shell.communicate(timeout=60)
+        with script_background("top", "--batch", "-i", "0.5", "-p", target.pid) as (shell, pid):
+            seen = []
+            for line in shell.stdout:  # reports every 0.5 s once attached (start-up may take long)
+                seen.append(line)
+                if "iteration 3 " in line:
+                    break
+            os.kill(pid, signal.SIGINT)
+            out, err = shell.communicate(timeout=60)
     finally:
-        if shell is not None and shell.poll() is None:
-            os.kill(pid, signal.SIGKILL)
-            shell.communicate()
         target.kill()
         target.wait()
     out = "".join(seen) + out
