@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.outfiles import atomic_output, check_new
 
 HELP = "Replay a .wl workload (or a binary trace, converted on the fly) against allocators and tunables and compare them."
 EPILOG = """configurations (one table row each):
@@ -66,6 +67,7 @@ def configure(parser):
     parser.add_argument("--no-fill", action="store_true", help="do not write 0x11/0x22 into blocks (pages stay untouched)")
     parser.add_argument("--timeout", type=float, default=600, metavar="S", help="kill a run after S seconds (default 600)")
     parser.add_argument("--plot", metavar="FILE.png|svg", help="plot RSS over time and cycles per call type")
+    parser.add_argument("--force", action="store_true", help="replace the --plot FILE if it exists (never through a symlink)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON instead of the table")
     parser.add_argument("--text", action="store_true", help="also print each run's upstream-style text report")
 
@@ -305,7 +307,7 @@ def table_rows(rows):
     return headers, out
 
 
-def plot(rows, path):
+def plot(rows, path, force=False):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -336,8 +338,10 @@ def plot(rows, path):
     if ok:
         ax2.legend(fontsize="small")
     fig.tight_layout()
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
     try:
-        fig.savefig(path)
+        with atomic_output(path, force) as out:
+            fig.savefig(out, format=fmt)
     except (OSError, ValueError) as exc:
         raise PymtraceError(f"cannot write the plot {path}: {exc}")
     plt.close(fig)
@@ -346,6 +350,8 @@ def plot(rows, path):
 def run(args):
     if args.repeat < 1:
         raise PymtraceError("--repeat must be at least 1")
+    if args.plot:
+        check_new(args.plot, args.force)  # before the replay, not after it
     specs = args.allocator or ["glibc"]
     configs = [Config(s, args.tunable, args.mallopt, args.trim_interval) for s in specs]
     sim = simulator_path()
@@ -370,7 +376,7 @@ def run(args):
                 results.append(res)
             rows.append((cfg.label, _median_result(results) if not error else None, error))
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.force)
     if args.json:
         json.dump({"workload": args.workload, "converted": conv,
                    "configurations": [{"configuration": label, "error": err, "result": r} for label, r, err in rows]},

@@ -190,6 +190,29 @@ def test_plot(tmp_path, ext):
         assert b"<svg" in data and b"RSS over time" in data and b"cost per call type" in data
 
 
+def test_plot_output_is_safe(tmp_path):
+    """--plot: an existing file is refused before replaying (even a symlink, never followed);
+    --force replaces the link itself; the image is 0600."""
+    pytest.importorskip("matplotlib")
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "cmp.svg"
+    out.symlink_to(victim)
+    proc = run_pymtrace("replay", trace, "--plot", out, timeout=SIM_TIMEOUT)
+    assert proc.returncode == 1 and proc.stdout == ""  # refused before any replay
+    assert proc.stderr.strip() == f"pymtrace: error: {out} exists; choose another file or use --force"
+    assert victim.read_text() == "precious"
+    proc = run_pymtrace("replay", trace, "--plot", out, "--force", timeout=SIM_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert victim.read_text() == "precious" and not out.is_symlink() and b"<svg" in out.read_bytes()
+    assert out.stat().st_mode & 0o777 == 0o600
+    noext = tmp_path / "plainname"
+    run_pymtrace("replay", trace, "--plot", noext, check=True, timeout=SIM_TIMEOUT)
+    assert noext.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and noext.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.svg", "plainname", "single.trace", "victim"]
+
+
 def test_corrupt_workload_is_one_clear_error(tmp_path):
     bad = tmp_path / "bad.wl"
     bad.write_bytes(wl.build(4, 4, [wl.encode_op(wl.SYNC_R, 2) + b"\x01"]))
