@@ -241,6 +241,63 @@ def test_simulator_built_once_into_hash_keyed_cache(tmp_path):
     assert built[0].stat().st_mtime_ns == mtime
 
 
+def _plant(path, marker):
+    """Replace PATH with a 'simulator' that only leaves MARKER behind if it is ever executed."""
+    path.unlink(missing_ok=True)
+    path.write_text(f"#!/bin/sh\necho planted > {marker}\nexit 1\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("how", ["dir-owned-by-other-uid", "parent-world-writable", "parent-group-writable",
+                                 "file-owned-by-other-uid"])
+def test_cached_simulator_not_executed_unless_trusted(tmp_path, how):
+    """A simulator in the build cache runs only if it and every directory above it belong to
+    this user (or root) and nobody else can write them; else a private build is used."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files to another uid (os.chown)")
+    env = dict(os.environ, PYMTRACE_CACHE_DIR=str(tmp_path / "base" / "cache"))
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    run_pymtrace("replay", trace, env=env, check=True, timeout=SIM_TIMEOUT)
+    (exe,) = (tmp_path / "base" / "cache" / "native").iterdir()
+    marker = tmp_path / "marker"
+    _plant(exe, marker)
+    if how == "dir-owned-by-other-uid":
+        os.chown(exe, 65534, 65534)
+        os.chown(exe.parent, 65534, 65534)
+    elif how == "parent-world-writable":
+        (tmp_path / "base").chmod(0o777)
+    elif how == "parent-group-writable":
+        (tmp_path / "base").chmod(0o770)
+    else:
+        os.chown(exe, 65534, 65534)
+    proc = run_pymtrace("replay", trace, "--json", env=env, timeout=SIM_TIMEOUT)
+    assert not marker.exists(), "the planted simulator was executed"
+    assert proc.returncode == 0, proc.stderr
+    assert only_result(json.loads(proc.stdout))["calls"]["malloc"]["count"] == 2
+    if how == "file-owned-by-other-uid":  # a trusted cache: the file is rebuilt in place
+        assert proc.stderr == "" and exe.stat().st_uid == 0 and b"planted" not in exe.read_bytes()
+    else:  # nothing in an untrusted cache is touched; one note line says why
+        assert b"planted" in exe.read_bytes() and len(list(exe.parent.iterdir())) == 1
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("pymtrace: note: not using the simulator cache")
+
+
+def test_simulator_build_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """The build goes to a private directory and is renamed into place: a symlink at the old
+    guessable temporary name (EXE.tmpPID) is not followed."""
+    from pymtrace import replay
+    monkeypatch.setenv("PYMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    exe = replay.simulator_path()
+    os.unlink(exe)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    planted = tmp_path / "cache" / "native" / f"{os.path.basename(exe)}.tmp{os.getpid()}"
+    planted.symlink_to(victim)
+    assert replay.simulator_path() == exe
+    assert victim.read_text() == "precious" and planted.is_symlink()
+    assert os.stat(exe).st_mode & 0o777 == 0o700
+    assert sorted(os.listdir(os.path.dirname(exe))) == sorted([os.path.basename(exe), planted.name])
+
+
 # -- end to end -------------------------------------------------------------------------
 def trace_expectation(path):
     """Per-type call counts the replay must show, straight from the trace."""
