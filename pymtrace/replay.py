@@ -217,7 +217,10 @@ class Config:
             elif item.startswith("M_") or item.split("=")[0].lstrip("-").isdigit():
                 self.mallopts.append(item)
             elif item.startswith("trim="):
-                self.trim = int(item[5:])
+                value = item[5:]
+                if not (value.isascii() and value.isdigit() and len(value) <= 18):
+                    raise PymtraceError(f"--allocator {spec}: trim=N needs a number of calls, not {value!r}")
+                self.trim = int(value)
             else:
                 raise PymtraceError(f"--allocator {spec}: unknown setting {item!r} "
                                     f"(glibc.malloc.X=V, M_NAME=V or trim=N)")

@@ -401,6 +401,8 @@ def test_uprobed_libc_is_flagged(tmp_path):
     (["--mallopt", "M_TOP_PAD=x"], "'x' is not a number"),
     (["--tunable", "malloc.arena_max=1"], "is not glibc.NAMESPACE.NAME=VALUE"),
     (["--allocator", "glibc:foo=1"], "unknown setting 'foo=1'"),
+    (["--allocator", "glibc:trim=abc"], "--allocator glibc:trim=abc: trim=N needs a number of calls, not 'abc'"),
+    (["--allocator", "glibc:trim=" + "9" * 5000], "trim=N needs a number of calls"),
     (["--allocator", "nosuchmalloc"], None),
     (["--repeat", "0"], "--repeat must be at least 1"),
 ])
@@ -411,6 +413,7 @@ def test_bad_settings(tmp_path, args, message):
         assert proc.returncode == 1 and "unknown allocator 'nosuchmalloc'" in proc.stdout
         return
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_hanging_allocator_is_caught(tmp_path, build_dir):
