@@ -9,7 +9,8 @@ byte offset of the first problem: unknown opcodes, varints running off the end o
 bits, stream offsets outside the file or inside the header, pointer indices >= ALLOC_PTRS,
 sync ids beyond ALLOC_SYNCS, streams without DONE, and sync ids that no runnable thread
 ever writes (a deadlock, found by a dry run of the sync order -- sync flags never reset, so
-the dry run's outcome holds for every schedule).
+the dry run's outcome holds for every schedule). Each op is decoded and dry-run once however
+many threads share it, so validation is linear in the file (not threads x stream).
 
 Upstream trace2wl sizes the sync array one short (ids run 1..m with ALLOC_SYNCS m); files it
 wrote are accepted (`Workload.upstream_sync_sizing` says so), pymtrace writes m+1.

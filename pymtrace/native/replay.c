@@ -7,15 +7,17 @@
  *
  * The whole file is validated before any thread starts (opcodes, varints, indices, sync ids,
  * stream bounds, alignments, and a dry run of the sync order that finds deadlocks and sync
- * ids never written); invalid input exits 2 with one line on stderr, never a crash or hang.
+ * ids never written), each op once however many threads share it, so in time linear in the
+ * file; invalid input exits 2 with one line on stderr, never a crash or hang.
  *
  * Cross-thread order: one 32-bit word per sync id; SYNC_W sets it (and futex-wakes only if a
  * reader went to sleep), SYNC_R spins briefly, then futex-waits.  --sync mutex uses a
  * mutex+condvar per id like upstream trace_run (the baseline for the benchmark).
  *
  * Each call is timed with lfence;rdtsc ... rdtscp;lfence when the CPU has RDTSCP, else with
- * clock_gettime(CLOCK_MONOTONIC) in ns (the report says which).  Pointer slots are swapped
- * atomically, so even a hostile workload whose threads race on a slot cannot double-free.
+ * clock_gettime(CLOCK_MONOTONIC) in ns (the report says which).  A slot's pointer and size
+ * change as one unit (the pointer word is a lock meanwhile), so even a hostile workload whose
+ * threads race on a slot can neither double-free nor fill a block with another's size.
  * Allocated blocks get 0x11 every 8 bytes (like upstream), 0x22 before they are freed.
  * RSS over time: a sampler thread pread()s an already-open /proc/self/statm.
  */
