@@ -1165,7 +1165,6 @@ int main(int argc, char **argv)
      its stream as it goes and drops what it has replayed.  The peak RSS (VmHWM, reset here)
      then measures the allocator, not the workload file. */
   madvise((void *)data, n_data, MADV_DONTNEED);
-  madvise((void *)data, n_data, MADV_SEQUENTIAL);
   int hwm_reset = reset_hwm();
 
   for (int k = 0; k < n_mallopts; k++) mallopts[k].result = mallopt(mallopts[k].param, (int)mallopts[k].value);
