@@ -594,7 +594,7 @@ static inline void check_room(uint64_t foot)
 {
   if (!memory_limit) return;
   int64_t cur = single_thread ? foot_live_1 : atomic_load_explicit(&foot_live, memory_order_relaxed);
-  if (foot > (uint64_t)(memory_limit - cur)) too_much(cur + (int64_t)foot);
+  if (cur + (int64_t)foot > memory_limit) too_much(cur + (int64_t)foot);
 }
 
 static inline void peak_max(_Atomic int64_t *peak, int64_t now)
@@ -1017,7 +1017,7 @@ static void cgroup_room(const char *dir, const char *rel, const char *limit_name
   int64_t used = read_number_file(dir, usage_name), cache = stat_field(dir, cache_field);
   if (used < 0) used = 0;
   used = used > cache ? used - cache : 0;
-  int64_t room = limit - limit / 16 > used ? limit - limit / 16 - used : 0;
+  int64_t room = limit - limit / 16 > used ? limit - limit / 16 - used : 1; /* 0 would mean no limit */
   if (room < memory_limit) {
     memory_limit = room;
     snprintf(memory_limit_from, sizeof memory_limit_from, "%s %" PRId64 " of cgroup %s", limit_name, limit, rel);
