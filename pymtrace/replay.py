@@ -34,8 +34,11 @@ examples:
   pymtrace replay app.wl --text        # upstream trace_run style report per run
 
 Times are CPU cycles from RDTSCP (the 'unit' column says ns when the CPU has none and
-clock_gettime was used). Max RSS is getrusage's; Ideal RSS is the peak of requested live
-bytes; peak anon RSS comes from /proc/self/statm sampled every --sample-ms."""
+clock_gettime was used). Max RSS is the simulator's peak RSS during the replay (VmHWM):
+the allocator's memory plus the simulator's own (tables, code), not the workload file, whose
+pages are dropped as they are replayed. Ideal RSS is the peak of requested live bytes; peak
+anon RSS comes from /proc/self/statm sampled every --sample-ms. --timeout also bounds the
+validation of the workload."""
 
 NATIVE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "replay.c")
 CFLAGS = ["-O2", "-g", "-pthread", "-Wall"]
@@ -67,7 +70,8 @@ def configure(parser):
     parser.add_argument("--timer", choices=("auto", "rdtscp", "clock"), default="auto")
     parser.add_argument("--sample-ms", type=int, default=5, metavar="MS", help="RSS sampling interval (default 5)")
     parser.add_argument("--no-fill", action="store_true", help="do not write 0x11/0x22 into blocks (pages stay untouched)")
-    parser.add_argument("--timeout", type=float, default=600, metavar="S", help="kill a run after S seconds (default 600)")
+    parser.add_argument("--timeout", type=float, default=600, metavar="S",
+                        help="stop validating the workload, or a run, after S seconds (default 600)")
     parser.add_argument("--plot", metavar="FILE.png|svg", help="plot RSS over time and cycles per call type")
     parser.add_argument("--force", action="store_true", help="replace the --plot FILE if it exists (never through a symlink)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON instead of the table")
@@ -343,7 +347,7 @@ def _fmt(v, digits=0):
 def table_rows(rows):
     """(headers, rows) for tabulate from [(label, result|None, error|None)]."""
     types = [t for t in CALL_TYPES if any(r and t in r["calls"] and r["calls"][t]["count"] for _, r, _ in rows)]
-    headers = ["configuration", "status", "wall ms", "cpu ms", "Max RSS KiB", "peak anon KiB", "Ideal KiB", "unit"]
+    headers = ["configuration", "status", "wall ms", "cpu ms", "Max RSS KiB (no .wl)", "peak anon KiB", "Ideal KiB", "unit"]
     for t in types:
         headers += [f"{t} mean", f"{t} p99"]
     headers += ["calls"]
@@ -419,7 +423,10 @@ def run(args):
     sim = simulator_path()
     with tempfile.TemporaryDirectory(prefix="pymtrace-replay-") as tmp:
         wl_path, conv = prepare_workload(args.workload, tmp)
-        check = subprocess.run([sim, "--check", wl_path], capture_output=True, text=True)
+        try:
+            check = subprocess.run([sim, "--check", wl_path], capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            raise PymtraceError(f"{args.workload}: validating the workload took more than --timeout {args.timeout:g} s")
         if check.returncode != 0:
             msg = (check.stderr.strip().splitlines() or ["invalid workload"])[-1]
             raise CorruptFile(msg.split(": ", 1)[-1] if msg.startswith("pymtrace-replay: ") else msg)

@@ -444,3 +444,32 @@ def test_clock_gettime_fallback_is_said(tmp_path):
     proc = run_pymtrace("replay", trace, "--timer", "clock", "--text", timeout=SIM_TIMEOUT)
     assert "ns (no RDTSCP: clock_gettime)" in proc.stdout
     assert "clock_gettime(CLOCK_MONOTONIC), no RDTSCP" in proc.stdout
+
+
+def test_max_rss_excludes_the_workload_file(tmp_path):
+    """Issue 10 item 8: Max RSS (VmHWM) included the mapped .wl: a 154 MB workload showed
+    158-163 MB for every allocator against a real peak of 21-30 MB. A 48 MB workload of
+    ops that allocate little must show a Max RSS far below its size."""
+    chunk = b"\x00" * 4000 + wl.encode_op(wl.MALLOC, 1, 64) + wl.encode_op(wl.FREE, 1)
+    stream = chunk * 12000 + b"\x01"
+    path = tmp_path / "big.wl"
+    path.write_bytes(wl.build(4, 1, [stream]))
+    size_kb = path.stat().st_size // 1024
+    assert size_kb > 45 << 10
+    r = only_result(replay_json(path))
+    assert r["calls"]["malloc"]["count"] == 12000
+    assert r["max_rss_kb"] < size_kb / 4, (r["max_rss_kb"], size_kb)
+    assert r["max_rss_reset"] is True
+    proc = run_pymtrace("replay", path, timeout=SIM_TIMEOUT)
+    assert "Max RSS KiB (no .wl)" in proc.stdout.splitlines()[0]
+
+
+def test_timeout_covers_validation(tmp_path):
+    """`replay --timeout` did not bound the validation (`--check`) of the workload."""
+    stream = b"\x00" * (1 << 20) + b"\x01"
+    path = tmp_path / "w.wl"
+    path.write_bytes(wl.build(4, 1, [stream] * 64))
+    proc = run_pymtrace("replay", path, "--timeout", "0.001", timeout=SIM_TIMEOUT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"pymtrace: error: {path}: validating the workload took more than "
+                                   f"--timeout 0.001 s"), proc.stderr
