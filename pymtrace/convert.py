@@ -5,6 +5,7 @@ from pymtrace import libc
 from pymtrace.dump import load_records
 from pymtrace.errors import PymtraceError
 from pymtrace.formats import mtrace_bin, mtrace_text
+from pymtrace.outfiles import atomic_output
 
 HELP = "Convert a malloc trace between mtrace-bin (dj/malloc records) and mtrace-text (glibc MALLOC_TRACE log)."
 EPILOG = """\
@@ -25,12 +26,10 @@ def configure(parser):
     parser.add_argument("output")
     parser.add_argument("--to", required=True, choices=("mtrace-text", "mtrace-bin"))
     parser.add_argument("--maps", metavar="FILE", help="a saved /proc/PID/maps to resolve callers for mtrace-text")
-    parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never through a symlink)")
 
 
 def run(args):
-    from pymtrace.record import open_exclusive
-
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise PymtraceError("input and output are the same file")
     _, records = load_records(args.input)
@@ -43,24 +42,12 @@ def run(args):
             raise PymtraceError(f"cannot read maps file {args.maps}: {exc}") from None
         resolver = mtrace_text.CallerResolver()
         resolver.add_maps(maps)
-    fd = open_exclusive(args.output, args.force)
-    try:
-        if args.to == "mtrace-text":
-            with os.fdopen(fd, "w", buffering=1 << 20) as out:
-                fd = None
-                mtrace_text.write(records, out, resolver)
+    text = args.to == "mtrace-text"
+    with atomic_output(args.output, args.force, "w" if text else "wb", buffering=1 << 20) as out:
+        if text:
+            mtrace_text.write(records, out, resolver)
         else:
-            with os.fdopen(fd, "wb", buffering=1 << 20) as out:
-                fd = None
-                w = mtrace_bin.Writer(out)
-                for r in records:
-                    w.write(r)
-    except BaseException:
-        if fd is not None:
-            os.close(fd)
-        try:
-            os.unlink(args.output)
-        except OSError:
-            pass
-        raise
+            w = mtrace_bin.Writer(out)
+            for r in records:
+                w.write(r)
     return 0

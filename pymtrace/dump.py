@@ -16,7 +16,8 @@ examples:
 
 Columns (mtrace-bin): index, thread id, call, ptr1, ptr2, size, size2, size3, time (ns,
 relative to the first record), caller, path flags. ptr1 of posix_memalign is its return
-code. OVERHEAD: reads the file once; no BPF, no root needed.
+code. OVERHEAD: reads the file once (twice with --json, whose statistics come first), in
+bounded memory; no BPF, no root needed.
 """
 
 
@@ -92,34 +93,52 @@ def _flags(path):
     return ",".join(n for bit, n in mtrace_bin.PATH_FLAGS.items() if path & (1 << (bit - 8)))
 
 
+def _record_json(i, r):
+    return {"index": i, "thread": r.thread, "call": r.type_name, "ptr1": r.ptr1, "ptr2": r.ptr2,
+            "size": r.size, "size2": r.size2, "size3": r.size3, "ts_ns": r.ts_ns,
+            "caller": r.caller, "path": _flags(r.path)}
+
+
+def _write_json(args, fmt, st, out):
+    """The JSON document, streamed: statistics come first, so the records are read again
+    (a second pass over the file) instead of being held in memory."""
+    doc = {"file": args.file, "format": fmt, "stats": st}
+    if args.stats:
+        json.dump(doc, out)
+        out.write("\n")
+        return
+    head = json.dumps({**doc, "records": []})
+    out.write(head[:-2])  # everything up to and including the records' "["
+    n = st["records"] if args.limit is None else max(0, min(args.limit, st["records"]))
+    _, records = load_records(args.file)
+    for i, r in zip(range(n), records):
+        if i:
+            out.write(", ")
+        out.write(json.dumps(_record_json(i, r)))
+    out.write("]}\n")
+
+
 def run(args):
     fmt, records = load_records(args.file)
     stats = Stats()
     out = sys.stdout
-    shown = []
     t0 = None
     try:
         for i, r in enumerate(records):
             stats.add(r)
-            if args.stats or (args.limit is not None and i >= args.limit):
+            if args.json or args.stats or (args.limit is not None and i >= args.limit):
                 continue
-            if args.json:
-                shown.append({"index": i, "thread": r.thread, "call": r.type_name, "ptr1": r.ptr1, "ptr2": r.ptr2,
-                              "size": r.size, "size2": r.size2, "size3": r.size3, "ts_ns": r.ts_ns,
-                              "caller": r.caller, "path": _flags(r.path)})
-            else:
-                if t0 is None and r.ts_ns:
-                    t0 = r.ts_ns
-                rel = r.ts_ns - t0 if (r.ts_ns and t0 is not None) else 0
-                out.write(f"{i:8d} {r.thread:7d} {r.type_name:<14} {r.ptr1:#014x} {r.ptr2:#014x} "
-                          f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {_flags(r.path)}\n")
+            if t0 is None and r.ts_ns:
+                t0 = r.ts_ns
+            rel = r.ts_ns - t0 if (r.ts_ns and t0 is not None) else 0
+            out.write(f"{i:8d} {r.thread:7d} {r.type_name:<14} {r.ptr1:#014x} {r.ptr2:#014x} "
+                      f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {_flags(r.path)}\n")
+        st = stats.as_dict()
+        if args.json:
+            _write_json(args, fmt, st, out)
+            return 0
     except CorruptFile as exc:
         raise CorruptFile(str(exc)) from None
-    st = stats.as_dict()
-    if args.json:
-        json.dump({"file": args.file, "format": fmt, "stats": st, **({} if args.stats else {"records": shown})}, out)
-        out.write("\n")
-        return 0
     out.write(f"\n{args.file}: {fmt}, {st['records']} records, {st['threads']} threads"
               + (f", {st['span_ns'] / 1e9:.6f} s" if st["span_ns"] is not None else "") + "\n")
     out.write(f"{'call':<15}{'count':>10}{'failed':>8}{'requested bytes':>22}{'min':>21}{'max':>21}\n")

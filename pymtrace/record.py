@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - the memoryview path does the same, ~2x
     _np = None
 from pymtrace.errors import PymtraceError, ProcessGone
 from pymtrace.formats import mtrace_bin, mtrace_text
+from pymtrace.outfiles import open_exclusive, open_unique
 
 HELP = "Record every malloc-API call of a process (malloc, calloc, realloc, free, memalign, " \
        "aligned_alloc, posix_memalign, valloc, pvalloc) into an mtrace-format file."
@@ -112,42 +113,6 @@ def parse_size(text):
 
 
 # ---------------------------------------------------------------- output files
-
-def open_exclusive(path, force=False):
-    """Create PATH for writing: O_EXCL|O_NOFOLLOW, mode 0600; never through a symlink."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    if force and os.path.lexists(path):
-        if os.path.isdir(path) and not os.path.islink(path):
-            raise PymtraceError(f"{path} is a directory")
-        os.unlink(path)  # removes a symlink itself, never its target
-    try:
-        return os.open(path, flags, 0o600)
-    except FileExistsError:
-        raise PymtraceError(f"{path} exists; choose another -o FILE or use --force") from None
-    except OSError as exc:
-        raise PymtraceError(f"cannot create {path}: {exc.strerror}") from None
-
-
-def default_name(base):
-    """BASE, or BASE.N for the first N that does not exist (like upstream mtrace-ctl)."""
-    if not os.path.lexists(base):
-        return base
-    n = 1
-    while os.path.lexists(f"{base}.{n}"):
-        n += 1
-    return f"{base}.{n}"
-
-
-def open_unique(base):
-    while True:
-        path = default_name(base)
-        try:
-            return path, open_exclusive(path)
-        except PymtraceError:
-            if os.path.lexists(path):
-                continue  # lost a race: try the next name
-            raise
-
 
 class WriteFailed(PymtraceError):
     """Writing a trace failed (disk full, quota, I/O error): recording stops, the file keeps
@@ -524,11 +489,7 @@ class Recorder:
             return out
         if tgid == self.target:
             if self.args.output:
-                path = self.args.output
-                try:
-                    fd = open_exclusive(path, self.args.force)
-                except OSError as exc:  # --force could not remove it (/proc/version, EROFS...)
-                    raise PymtraceError(f"cannot replace {path}: {exc.strerror or exc}") from None
+                path, fd = self.args.output, open_exclusive(self.args.output, self.args.force)
             else:
                 path, fd = open_unique(f"mtrace.out.{tgid}")
         else:

@@ -6,17 +6,20 @@ process with the allocator LD_PRELOADed, GLIBC_TUNABLES set and mallopt() called
 times; the table shows medians. A configuration that fails (missing library, crash, the
 preload being ignored) is reported in its row and the others still run.
 """
+import atexit
 import hashlib
 import json
 import os
 import shutil
 import signal
+import stat
 import statistics
 import subprocess
 import sys
 import tempfile
 
 from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.outfiles import atomic_output, check_new
 
 HELP = "Replay a .wl workload (or a binary trace, converted on the fly) against allocators and tunables and compare them."
 EPILOG = """configurations (one table row each):
@@ -31,8 +34,11 @@ examples:
   pymtrace replay app.wl --text        # upstream trace_run style report per run
 
 Times are CPU cycles from RDTSCP (the 'unit' column says ns when the CPU has none and
-clock_gettime was used). Max RSS is getrusage's; Ideal RSS is the peak of requested live
-bytes; peak anon RSS comes from /proc/self/statm sampled every --sample-ms."""
+clock_gettime was used). Max RSS is the simulator's peak RSS during the replay (VmHWM):
+the allocator's memory plus the simulator's own (tables, code), not the workload file, whose
+pages are dropped as they are replayed. Ideal RSS is the peak of requested live bytes; peak
+anon RSS comes from /proc/self/statm sampled every --sample-ms. --timeout also bounds the
+validation of the workload."""
 
 NATIVE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "replay.c")
 CFLAGS = ["-O2", "-g", "-pthread", "-Wall"]
@@ -64,8 +70,10 @@ def configure(parser):
     parser.add_argument("--timer", choices=("auto", "rdtscp", "clock"), default="auto")
     parser.add_argument("--sample-ms", type=int, default=5, metavar="MS", help="RSS sampling interval (default 5)")
     parser.add_argument("--no-fill", action="store_true", help="do not write 0x11/0x22 into blocks (pages stay untouched)")
-    parser.add_argument("--timeout", type=float, default=600, metavar="S", help="kill a run after S seconds (default 600)")
+    parser.add_argument("--timeout", type=float, default=600, metavar="S",
+                        help="stop validating the workload, or a run, after S seconds (default 600)")
     parser.add_argument("--plot", metavar="FILE.png|svg", help="plot RSS over time and cycles per call type")
+    parser.add_argument("--force", action="store_true", help="replace the --plot FILE if it exists (never through a symlink)")
     parser.add_argument("--json", action="store_true", help="print all results as JSON instead of the table")
     parser.add_argument("--text", action="store_true", help="also print each run's upstream-style text report")
 
@@ -77,32 +85,89 @@ def _cache_dir():
     return os.path.join(base, "native")
 
 
+def _untrusted(path, kind):
+    """Why PATH (kind "file" or "dir") or a directory above it could be changed by someone
+    other than this user or root, or None. A sticky directory (like /tmp) may be writable
+    by others: they cannot rename or remove what they do not own in it."""
+    uid = os.geteuid()
+    while True:
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            return f"cannot check {path}: {exc.strerror}"
+        want = stat.S_ISREG if kind == "file" else stat.S_ISDIR
+        if not want(st.st_mode):
+            return f"{path} is not a {'regular file' if kind == 'file' else 'directory'}"
+        if st.st_uid not in (uid, 0):
+            return f"{path} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022 and (kind == "file" or not st.st_mode & stat.S_ISVTX):
+            return f"{path} is writable by others"
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path, kind = parent, "dir"
+
+
+def _build(compiler, directory, exe):
+    """Compile the simulator into a private directory inside DIRECTORY, then rename it to EXE
+    (atomic: concurrent builders just race to the same result)."""
+    try:
+        work = tempfile.mkdtemp(prefix=".build-", dir=directory)
+    except OSError as exc:
+        raise PymtraceError(f"cannot build the replay simulator in {directory}: {exc.strerror}") from None
+    try:
+        out = os.path.join(work, "replay")
+        proc = subprocess.run([compiler, *CFLAGS, "-o", out, NATIVE_SRC], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise PymtraceError(f"building the replay simulator failed ({os.path.basename(compiler)}): "
+                                + (proc.stderr.strip().splitlines() or ["no output"])[-1])
+        try:
+            os.chmod(out, 0o700)
+            os.replace(out, exe)
+        except OSError as exc:
+            raise PymtraceError(f"cannot install the replay simulator as {exe}: {exc.strerror}") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def simulator_path():
-    """Path of the compiled simulator, building it if this source has not been built yet."""
+    """Path of the compiled simulator, building it if this source has not been built yet.
+
+    The cache is used only if it and every directory above it belong to this user (or root)
+    and nobody else can write them; otherwise the simulator is built into a private
+    temporary directory, removed at exit, and nothing in the cache is executed."""
     with open(NATIVE_SRC, "rb") as f:
         src = f.read()
     cc = os.environ.get("CC", "gcc")
     key = hashlib.sha256(src + b"\0" + cc.encode() + b"\0" + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    exe = os.path.join(_cache_dir(), f"pymtrace-replay-{key}")
-    if os.access(exe, os.X_OK):
-        return exe
+    name = f"pymtrace-replay-{key}"
+    cache = os.path.abspath(_cache_dir())
+    existing = cache
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    why = _untrusted(os.path.realpath(existing), "dir")  # checked before creating anything in it
+    if why is None:
+        try:
+            os.makedirs(cache, mode=0o700, exist_ok=True)
+            cache = os.path.realpath(cache)
+            why = _untrusted(cache, "dir")
+        except OSError as exc:
+            why = f"cannot create {cache}: {exc.strerror}"
+    if why is None:
+        exe = os.path.join(cache, name)
+        if _untrusted(exe, "file") is None:
+            return exe
     compiler = shutil.which(cc)
     if compiler is None:
         raise PymtraceError(f"building the replay simulator needs a C compiler, and `{cc}` was not found "
                             f"(Debian/Ubuntu: apt install gcc; or set CC)")
-    try:
-        os.makedirs(os.path.dirname(exe), exist_ok=True)
-    except OSError as exc:
-        raise PymtraceError(f"cannot create the build cache {os.path.dirname(exe)}: {exc.strerror} "
-                            f"(set PYMTRACE_CACHE_DIR)")
-    tmp = f"{exe}.tmp{os.getpid()}"
-    proc = subprocess.run([compiler, *CFLAGS, "-o", tmp, NATIVE_SRC], capture_output=True, text=True)
-    if proc.returncode != 0:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise PymtraceError(f"building the replay simulator failed ({cc}): "
-                            + (proc.stderr.strip().splitlines() or ["no output"])[-1])
-    os.replace(tmp, exe)  # atomic: concurrent builders just race to the same result
+    if why is not None:
+        print(f"pymtrace: note: not using the simulator cache ({why}); building it privately",
+              file=sys.stderr)
+        cache = tempfile.mkdtemp(prefix="pymtrace-sim-")
+        atexit.register(shutil.rmtree, cache, True)
+        exe = os.path.join(cache, name)
+    _build(compiler, cache, exe)
     return exe
 
 
@@ -156,7 +221,10 @@ class Config:
             elif item.startswith("M_") or item.split("=")[0].lstrip("-").isdigit():
                 self.mallopts.append(item)
             elif item.startswith("trim="):
-                self.trim = int(item[5:])
+                value = item[5:]
+                if not (value.isascii() and value.isdigit() and len(value) <= 18):
+                    raise PymtraceError(f"--allocator {spec}: trim=N needs a number of calls, not {value!r}")
+                self.trim = int(value)
             else:
                 raise PymtraceError(f"--allocator {spec}: unknown setting {item!r} "
                                     f"(glibc.malloc.X=V, M_NAME=V or trim=N)")
@@ -279,7 +347,7 @@ def _fmt(v, digits=0):
 def table_rows(rows):
     """(headers, rows) for tabulate from [(label, result|None, error|None)]."""
     types = [t for t in CALL_TYPES if any(r and t in r["calls"] and r["calls"][t]["count"] for _, r, _ in rows)]
-    headers = ["configuration", "status", "wall ms", "cpu ms", "Max RSS KiB", "peak anon KiB", "Ideal KiB", "unit"]
+    headers = ["configuration", "status", "wall ms", "cpu ms", "Max RSS KiB (no .wl)", "peak anon KiB", "Ideal KiB", "unit"]
     for t in types:
         headers += [f"{t} mean", f"{t} p99"]
     headers += ["calls"]
@@ -305,7 +373,7 @@ def table_rows(rows):
     return headers, out
 
 
-def plot(rows, path):
+def plot(rows, path, force=False):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -336,8 +404,10 @@ def plot(rows, path):
     if ok:
         ax2.legend(fontsize="small")
     fig.tight_layout()
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
     try:
-        fig.savefig(path)
+        with atomic_output(path, force) as out:
+            fig.savefig(out, format=fmt)
     except (OSError, ValueError) as exc:
         raise PymtraceError(f"cannot write the plot {path}: {exc}")
     plt.close(fig)
@@ -346,12 +416,17 @@ def plot(rows, path):
 def run(args):
     if args.repeat < 1:
         raise PymtraceError("--repeat must be at least 1")
+    if args.plot:
+        check_new(args.plot, args.force)  # before the replay, not after it
     specs = args.allocator or ["glibc"]
     configs = [Config(s, args.tunable, args.mallopt, args.trim_interval) for s in specs]
     sim = simulator_path()
     with tempfile.TemporaryDirectory(prefix="pymtrace-replay-") as tmp:
         wl_path, conv = prepare_workload(args.workload, tmp)
-        check = subprocess.run([sim, "--check", wl_path], capture_output=True, text=True)
+        try:
+            check = subprocess.run([sim, "--check", wl_path], capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            raise PymtraceError(f"{args.workload}: validating the workload took more than --timeout {args.timeout:g} s")
         if check.returncode != 0:
             msg = (check.stderr.strip().splitlines() or ["invalid workload"])[-1]
             raise CorruptFile(msg.split(": ", 1)[-1] if msg.startswith("pymtrace-replay: ") else msg)
@@ -370,7 +445,7 @@ def run(args):
                 results.append(res)
             rows.append((cfg.label, _median_result(results) if not error else None, error))
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, args.force)
     if args.json:
         json.dump({"workload": args.workload, "converted": conv,
                    "configurations": [{"configuration": label, "error": err, "result": r} for label, r, err in rows]},

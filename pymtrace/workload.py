@@ -36,6 +36,7 @@ import tempfile
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.formats import mtrace_bin as mb
 from pymtrace.formats import wl
+from pymtrace.outfiles import atomic_output
 
 HELP = "Convert a binary malloc call trace (pymtrace record or upstream mtrace.out) into a .wl replay workload."
 EPILOG = """examples:
@@ -67,6 +68,7 @@ _ALLOC_OP = {
 def configure(parser):
     parser.add_argument("trace", help="binary trace file, or - for standard input")
     parser.add_argument("-o", "--output", required=True, help="output .wl file (- for standard output)")
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never through a symlink)")
     parser.add_argument("--upstream-compat", action="store_true",
                         help="reproduce upstream trace2wl's output byte for byte, defects included")
     parser.add_argument("--for-trace-run", action="store_true",
@@ -537,8 +539,9 @@ def convert_stream(stream, out, name="trace", compat=False, freed_cache=DEFAULT_
     return stats, conv.counts
 
 
-def convert_file(src, dst, **kw):
-    """Convert trace file SRC ('-' = stdin) into .wl file DST ('-' = stdout)."""
+def convert_file(src, dst, force=False, **kw):
+    """Convert trace file SRC ('-' = stdin) into .wl file DST ('-' = stdout; an existing DST is
+    refused unless FORCE)."""
     if src == "-":
         stream, total, name = sys.stdin.buffer, None, "<stdin>"
     else:
@@ -550,16 +553,8 @@ def convert_file(src, dst, **kw):
     try:
         if dst == "-":
             return convert_stream(stream, sys.stdout.buffer, name=name, total=total, **kw)
-        tmp = f"{dst}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "wb") as out:
-                result = convert_stream(stream, out, name=name, total=total, **kw)
-            os.replace(tmp, dst)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return result
+        with atomic_output(dst, force) as out:
+            return convert_stream(stream, out, name=name, total=total, **kw)
     finally:
         if stream is not sys.stdin.buffer:
             stream.close()
@@ -568,7 +563,7 @@ def convert_file(src, dst, **kw):
 def run(args):
     if args.output != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise PymtraceError(f"output directory of {args.output} does not exist")
-    stats, counts = convert_file(args.trace, args.output, compat=args.upstream_compat,
+    stats, counts = convert_file(args.trace, args.output, force=args.force, compat=args.upstream_compat,
                                  freed_cache=args.freed_cache, tmpdir=args.tmpdir,
                                  progress=args.progress, max_warnings=args.max_warnings,
                                  valloc_as_memalign=args.for_trace_run)

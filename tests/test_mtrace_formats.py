@@ -183,3 +183,98 @@ def test_dump_and_convert_cli(tmp_path):
     bad.write_bytes(b"\x01" * 100)
     p = run_pymtrace("dump", bad)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "MAGIC" in p.stderr
+
+
+@pytest.mark.parametrize("line, command, message", [
+    ("+ 0x1ffffffffffffffff 0x10", ["convert", "--to", "mtrace-bin"], "line 2: address 0x1ffffffffffffffff does not fit in 64 bits"),
+    ("+ 0x1000 0x10000000000000000", ["convert", "--to", "mtrace-bin"], "line 2: size 0x10000000000000000 does not fit"),
+    ("@ [0x" + "f" * 40 + "] + 0x1000 0x10", ["convert", "--to", "mtrace-bin"], "line 2: caller address 0xffff"),
+    ("+ 0x1000 " + "7" * 4300, ["dump"], "line 2: size 777777777777777777777777... does not fit in 64 bits"),
+    ("+ 0x1000 18446744073709551616", ["dump", "--json"], "line 2: size 18446744073709551616 does not fit"),
+    ("- 0x" + "0" * 5000 + "1" + "f" * 4300, ["dump", "--stats"], "line 2: address 0x0000000000000000000000... does not fit"),
+])
+def test_oversized_numbers_in_text_logs_are_one_line_errors(tmp_path, line, command, message):
+    src = tmp_path / "log.txt"
+    src.write_text(f"= Start\n{line}\n= End\n")
+    args = [command[0], src] + ([tmp_path / "out.bin"] if command[0] == "convert" else []) + command[1:]
+    proc = run_pymtrace(*args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_64_bit_extremes_in_text_logs_still_parse():
+    top = (1 << 64) - 1
+    ev = T.parse(f"= Start\n@ [0x{'0' * 30}{top:x}] + 0x{'0' * 30}{top:x} {top}\n".encode())
+    assert (ev[0].addr, ev[0].size) == (top, top)
+    (rec,) = T.to_records(ev)
+    assert rec.caller == top and B.pack(rec)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 1 << 300), st.integers(0, 1 << 300), st.booleans(), st.integers(0, 40))
+def test_fuzz_text_numbers_fit_or_are_corrupt(addr, size, hexsize, zeros):
+    """Any number in a text log: a record that packs into the binary format, or CorruptFile."""
+    s = f"0x{'0' * zeros}{size:x}" if hexsize else f"{'0' * zeros}{size}"
+    data = f"= Start\n@ [0x{addr:x}] + 0x{'0' * zeros}{addr:x} {s}\n"
+    try:
+        recs = list(T.to_records(T.parse(data)))
+    except CorruptFile as exc:
+        assert "does not fit in 64 bits" in str(exc) and (addr >> 64 or size >> 64)
+        return
+    assert addr < 1 << 64 and size < 1 << 64
+    assert B.pack(recs[0]) and recs[0].size == size
+
+
+# -- bounded memory -----------------------------------------------------------------------
+def _synthetic_bin(path, n):
+    rec = struct.Struct("<iIQQQQQQQ")
+    with open(path, "wb") as f:
+        f.write(MAGIC)
+        for i in range(0, n, 2):
+            ptr = 0x10000 + 16 * i
+            f.write(rec.pack(7 + i % 3, B.MALLOC, 0, ptr, 16 + i % 1000, 0, 32, 1000 + i, 0x401000 + i % 64)
+                    + rec.pack(7 + i % 3, B.FREE, ptr, 0, 0, 32, 0, 1001 + i, 0x401100))
+    return path
+
+
+def _synthetic_text(path, n):
+    with open(path, "w") as f:
+        f.write("= Start\n")
+        for i in range(0, n, 2):
+            ptr = 0x10000 + 16 * i
+            f.write(f"@ [{0x401000 + i % 64:#x}] + {ptr:#x} {16 + i % 1000:#x}\n@ /bin/prog:[0x1240] - {ptr:#x}\n")
+        f.write("= End\n")
+    return path
+
+
+def _peak_rss_kib(*args):
+    """Peak RSS of `pymtrace ARGS` (stdout discarded), measured in a fresh parent so that
+    RUSAGE_CHILDREN covers that one child only."""
+    from conftest import PYMTRACE, ROOT
+    import subprocess
+    import sys
+
+    code = ("import resource, subprocess, sys\n"
+            "p = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+            "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
+    out = subprocess.run([sys.executable, "-c", code, *PYMTRACE, *map(str, args)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    rc, kib = out.stdout.split()
+    assert rc == "0", out.stderr
+    return int(kib)
+
+
+@pytest.mark.parametrize("kind, command", [
+    ("bin", ["dump", "--json"]), ("text", ["dump", "--json"]), ("text", ["convert", "--to", "mtrace-bin"]),
+])
+def test_memory_does_not_grow_with_the_file(tmp_path, kind, command):
+    """dump --json and reading text logs stream: 8x the records, about the same peak RSS."""
+    make = _synthetic_bin if kind == "bin" else _synthetic_text
+    peaks = []
+    for n in (30000, 240000):
+        src = make(tmp_path / f"t{n}.{kind}", n)
+        extra = [tmp_path / f"out{n}"] if command[0] == "convert" else []
+        peaks.append(_peak_rss_kib(*command[:1], src, *extra, *command[1:]))
+    small, big = peaks
+    assert big < small * 1.2 + 8192, f"peak RSS {small} KiB for 30,000 records, {big} KiB for 240,000"

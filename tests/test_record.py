@@ -480,7 +480,7 @@ def test_record_force_onto_a_file_it_cannot_replace(cbuild):
     with _loop_target(cbuild) as target:
         proc = run_pymtrace("record", "--force", "-o", "/proc/version", "-p", target.pid)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == ["pymtrace: error: cannot replace /proc/version: Operation not permitted"]
+    assert proc.stderr.strip().splitlines() == ["pymtrace: error: cannot create /proc/version: Operation not permitted"]
     assert os.path.exists("/proc/version")
 
 

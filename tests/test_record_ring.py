@@ -103,24 +103,6 @@ def test_parse_size():
         record.parse_size("lots")
 
 
-def test_open_exclusive_never_follows_symlinks(tmp_path):
-    target = tmp_path / "target"
-    target.write_text("x")
-    link = tmp_path / "link"
-    link.symlink_to(target)
-    with pytest.raises(record.PymtraceError):
-        record.open_exclusive(str(link))
-    fd = record.open_exclusive(str(link), force=True)  # replaces the link, not its target
-    import os
-
-    os.close(fd)
-    assert target.read_text() == "x" and not link.is_symlink()
-    assert oct(link.stat().st_mode & 0o777) == "0o600"
-    (tmp_path / "mtrace.out.5").write_text("")
-    (tmp_path / "mtrace.out.5.1").write_text("")
-    assert record.default_name(str(tmp_path / "mtrace.out.5")) == str(tmp_path / "mtrace.out.5.2")
-
-
 def test_tcache_shutdown_sites_found_in_system_libc():
     from pymtrace import libc
 

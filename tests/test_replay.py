@@ -190,6 +190,29 @@ def test_plot(tmp_path, ext):
         assert b"<svg" in data and b"RSS over time" in data and b"cost per call type" in data
 
 
+def test_plot_output_is_safe(tmp_path):
+    """--plot: an existing file is refused before replaying (even a symlink, never followed);
+    --force replaces the link itself; the image is 0600."""
+    pytest.importorskip("matplotlib")
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "cmp.svg"
+    out.symlink_to(victim)
+    proc = run_pymtrace("replay", trace, "--plot", out, timeout=SIM_TIMEOUT)
+    assert proc.returncode == 1 and proc.stdout == ""  # refused before any replay
+    assert proc.stderr.strip() == f"pymtrace: error: {out} exists; choose another file or use --force"
+    assert victim.read_text() == "precious"
+    proc = run_pymtrace("replay", trace, "--plot", out, "--force", timeout=SIM_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert victim.read_text() == "precious" and not out.is_symlink() and b"<svg" in out.read_bytes()
+    assert out.stat().st_mode & 0o777 == 0o600
+    noext = tmp_path / "plainname"
+    run_pymtrace("replay", trace, "--plot", noext, check=True, timeout=SIM_TIMEOUT)
+    assert noext.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and noext.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.svg", "plainname", "single.trace", "victim"]
+
+
 def test_corrupt_workload_is_one_clear_error(tmp_path):
     bad = tmp_path / "bad.wl"
     bad.write_bytes(wl.build(4, 4, [wl.encode_op(wl.SYNC_R, 2) + b"\x01"]))
@@ -216,6 +239,63 @@ def test_simulator_built_once_into_hash_keyed_cache(tmp_path):
     mtime = built[0].stat().st_mtime_ns
     run_pymtrace("replay", trace, env=env, check=True, timeout=SIM_TIMEOUT)
     assert built[0].stat().st_mtime_ns == mtime
+
+
+def _plant(path, marker):
+    """Replace PATH with a 'simulator' that only leaves MARKER behind if it is ever executed."""
+    path.unlink(missing_ok=True)
+    path.write_text(f"#!/bin/sh\necho planted > {marker}\nexit 1\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("how", ["dir-owned-by-other-uid", "parent-world-writable", "parent-group-writable",
+                                 "file-owned-by-other-uid"])
+def test_cached_simulator_not_executed_unless_trusted(tmp_path, how):
+    """A simulator in the build cache runs only if it and every directory above it belong to
+    this user (or root) and nobody else can write them; else a private build is used."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files to another uid (os.chown)")
+    env = dict(os.environ, PYMTRACE_CACHE_DIR=str(tmp_path / "base" / "cache"))
+    trace = write_trace(tmp_path / "single.trace", SINGLE)
+    run_pymtrace("replay", trace, env=env, check=True, timeout=SIM_TIMEOUT)
+    (exe,) = (tmp_path / "base" / "cache" / "native").iterdir()
+    marker = tmp_path / "marker"
+    _plant(exe, marker)
+    if how == "dir-owned-by-other-uid":
+        os.chown(exe, 65534, 65534)
+        os.chown(exe.parent, 65534, 65534)
+    elif how == "parent-world-writable":
+        (tmp_path / "base").chmod(0o777)
+    elif how == "parent-group-writable":
+        (tmp_path / "base").chmod(0o770)
+    else:
+        os.chown(exe, 65534, 65534)
+    proc = run_pymtrace("replay", trace, "--json", env=env, timeout=SIM_TIMEOUT)
+    assert not marker.exists(), "the planted simulator was executed"
+    assert proc.returncode == 0, proc.stderr
+    assert only_result(json.loads(proc.stdout))["calls"]["malloc"]["count"] == 2
+    if how == "file-owned-by-other-uid":  # a trusted cache: the file is rebuilt in place
+        assert proc.stderr == "" and exe.stat().st_uid == 0 and b"planted" not in exe.read_bytes()
+    else:  # nothing in an untrusted cache is touched; one note line says why
+        assert b"planted" in exe.read_bytes() and len(list(exe.parent.iterdir())) == 1
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("pymtrace: note: not using the simulator cache")
+
+
+def test_simulator_build_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """The build goes to a private directory and is renamed into place: a symlink at the old
+    guessable temporary name (EXE.tmpPID) is not followed."""
+    from pymtrace import replay
+    monkeypatch.setenv("PYMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    exe = replay.simulator_path()
+    os.unlink(exe)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    planted = tmp_path / "cache" / "native" / f"{os.path.basename(exe)}.tmp{os.getpid()}"
+    planted.symlink_to(victim)
+    assert replay.simulator_path() == exe
+    assert victim.read_text() == "precious" and planted.is_symlink()
+    assert os.stat(exe).st_mode & 0o777 == 0o700
+    assert sorted(os.listdir(os.path.dirname(exe))) == sorted([os.path.basename(exe), planted.name])
 
 
 # -- end to end -------------------------------------------------------------------------
@@ -321,6 +401,8 @@ def test_uprobed_libc_is_flagged(tmp_path):
     (["--mallopt", "M_TOP_PAD=x"], "'x' is not a number"),
     (["--tunable", "malloc.arena_max=1"], "is not glibc.NAMESPACE.NAME=VALUE"),
     (["--allocator", "glibc:foo=1"], "unknown setting 'foo=1'"),
+    (["--allocator", "glibc:trim=abc"], "--allocator glibc:trim=abc: trim=N needs a number of calls, not 'abc'"),
+    (["--allocator", "glibc:trim=" + "9" * 5000], "trim=N needs a number of calls"),
     (["--allocator", "nosuchmalloc"], None),
     (["--repeat", "0"], "--repeat must be at least 1"),
 ])
@@ -331,6 +413,7 @@ def test_bad_settings(tmp_path, args, message):
         assert proc.returncode == 1 and "unknown allocator 'nosuchmalloc'" in proc.stdout
         return
     assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_hanging_allocator_is_caught(tmp_path, build_dir):
@@ -361,3 +444,32 @@ def test_clock_gettime_fallback_is_said(tmp_path):
     proc = run_pymtrace("replay", trace, "--timer", "clock", "--text", timeout=SIM_TIMEOUT)
     assert "ns (no RDTSCP: clock_gettime)" in proc.stdout
     assert "clock_gettime(CLOCK_MONOTONIC), no RDTSCP" in proc.stdout
+
+
+def test_max_rss_excludes_the_workload_file(tmp_path):
+    """Issue 10 item 8: Max RSS (VmHWM) included the mapped .wl: a 154 MB workload showed
+    158-163 MB for every allocator against a real peak of 21-30 MB. A 48 MB workload of
+    ops that allocate little must show a Max RSS far below its size."""
+    chunk = b"\x00" * 4000 + wl.encode_op(wl.MALLOC, 1, 64) + wl.encode_op(wl.FREE, 1)
+    stream = chunk * 12000 + b"\x01"
+    path = tmp_path / "big.wl"
+    path.write_bytes(wl.build(4, 1, [stream]))
+    size_kb = path.stat().st_size // 1024
+    assert size_kb > 45 << 10
+    r = only_result(replay_json(path))
+    assert r["calls"]["malloc"]["count"] == 12000
+    assert r["max_rss_kb"] < size_kb / 4, (r["max_rss_kb"], size_kb)
+    assert r["max_rss_reset"] is True
+    proc = run_pymtrace("replay", path, timeout=SIM_TIMEOUT)
+    assert "Max RSS KiB (no .wl)" in proc.stdout.splitlines()[0]
+
+
+def test_timeout_covers_validation(tmp_path):
+    """`replay --timeout` did not bound the validation (`--check`) of the workload."""
+    stream = b"\x00" * (1 << 20) + b"\x01"
+    path = tmp_path / "w.wl"
+    path.write_bytes(wl.build(4, 1, [stream] * 64))
+    proc = run_pymtrace("replay", path, "--timeout", "0.001", timeout=SIM_TIMEOUT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"pymtrace: error: {path}: validating the workload took more than "
+                                   f"--timeout 0.001 s"), proc.stderr

@@ -1,6 +1,8 @@
 """`pymtrace workload`: trace -> .wl conversion, the reference vector, the upstream defects
 it fixes (one test each), streaming in bounded memory, and fuzzing of its trace input."""
 import io
+import os
+import stat
 import subprocess
 import tracemalloc
 
@@ -197,6 +199,34 @@ def test_cli_errors(tmp_path):
     assert proc.returncode == 2 and "truncated" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_pymtrace("workload", tmp_path / "missing", "-o", tmp_path / "z.wl")
     assert proc.returncode == 1 and "cannot read" in proc.stderr
+
+
+def test_output_never_written_through_planted_symlinks(tmp_path):
+    """A symlink at the old guessable temporary name (OUTPUT.tmpPID) or at OUTPUT itself is
+    never followed; outputs are 0600; an existing output is refused unless --force."""
+    src = tmp_path / "t.trace"
+    src.write_bytes(trace_bytes(REFERENCE_RECORDS))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "out.wl"
+    old_tmp = tmp_path / f"out.wl.tmp{os.getpid()}"
+    old_tmp.symlink_to(victim)
+    workload.convert_file(str(src), str(out), warn=lambda m: None)
+    assert victim.read_text() == "precious" and old_tmp.is_symlink()
+    assert len(wl.parse(out.read_bytes()).threads) == 2 and stat.S_IMODE(out.stat().st_mode) == 0o600
+    # through the CLI: the existing output is refused, with a symlink there too
+    proc = run_pymtrace("workload", src, "-o", out)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"pymtrace: error: {out} exists; choose another file or use --force"
+    link = tmp_path / "link.wl"
+    link.symlink_to(victim)
+    proc = run_pymtrace("workload", src, "-o", link)
+    assert proc.returncode == 1 and "exists" in proc.stderr and "Traceback" not in proc.stderr
+    assert victim.read_text() == "precious"
+    proc = run_pymtrace("workload", src, "-o", link, "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert not link.is_symlink() and link.read_bytes() == out.read_bytes() and victim.read_text() == "precious"
+    assert stat.S_IMODE(link.lstat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.wl", "out.wl", old_tmp.name, "t.trace", "victim"]
 
 
 class SyntheticTrace(io.RawIOBase):

@@ -121,44 +121,74 @@ _LINE = re.compile(
 _NEEDS_SIZE = {"+": True, ">": True, "!": True, "-": False, "<": False}
 
 
-def parse(data, name="trace"):
-    """Parse a text trace (bytes or str) into Events; CorruptFile on anything malformed."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        try:
-            data = bytes(data).decode("ascii")
-        except UnicodeDecodeError:
-            raise CorruptFile(f"{name}: not a glibc mtrace text log (non-ASCII bytes)") from None
-    lines = data.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    if not lines or lines[0].rstrip("\r") != "= Start":
-        raise CorruptFile(f"{name}: not a glibc mtrace text log (first line is not `= Start`)")
-    events = []
-    for no, raw in enumerate(lines[1:], start=2):
-        line = raw.rstrip("\r")
+MAX_LINE = 1 << 20  # longer lines are corrupt (a caller is a path and a symbol: a few KiB)
+_DIGITS = {16: 16, 10: 20}  # most digits of a 64-bit value, leading zeros aside
+
+
+def _u64(text, base, what, name, no):
+    """TEXT (hex with 0x, or decimal) as an int; CorruptFile (at line NO of NAME) if it does
+    not fit in 64 bits, checked before converting (int() of 4,300 digits raises ValueError)."""
+    if len(text) <= 18:  # 0x + 16 hex digits, or 18 decimal digits: always below 2^64
+        return int(text, base)
+    digits = text[2:] if base == 16 else text
+    value = int(digits, base) if len(digits.lstrip("0")) <= _DIGITS[base] else 1 << 64
+    if value >> 64:
+        shown = text if len(text) <= 24 else text[:24] + "..."
+        raise CorruptFile(f"{name + ': ' if name else ''}line {no}: {what} {shown} does not fit in 64 bits")
+    return value
+
+
+def iter_events(lines, name="trace"):
+    """Events from an iterable of lines (bytes or str, each with or without its newline);
+    CorruptFile on anything malformed. Streams: nothing is kept between lines."""
+    no = 0
+    for no, raw in enumerate(lines, start=1):
+        if len(raw) > MAX_LINE:
+            raise CorruptFile(f"{name}: line {no} is longer than {MAX_LINE} bytes")
+        if not isinstance(raw, str):
+            try:
+                raw = bytes(raw).decode("ascii")
+            except UnicodeDecodeError:
+                raise CorruptFile(f"{name}: not a glibc mtrace text log (non-ASCII bytes)") from None
+        line = (raw[:-1] if raw.endswith("\n") else raw).rstrip("\r")
+        if no == 1:
+            if line != "= Start":
+                raise CorruptFile(f"{name}: not a glibc mtrace text log (first line is not `= Start`)")
+            continue
         if line == "= Start":
             continue  # several mtrace() calls append to one log
         if line == "= End":
-            events.append(Event("=", line=no))
+            yield Event("=", line=no)
             continue
         m = _LINE.match(line)
         if m is None or (m.group("size") is None) == _NEEDS_SIZE[m.group("op")]:
             raise CorruptFile(f"{name}: line {no} is not an mtrace event: {line[:80]!r}")
         addr = m.group("addr")
         size = m.group("size")
-        events.append(Event(
+        yield Event(
             m.group("op"),
-            0 if addr in ("(nil)", "0") else int(addr, 16),
-            0 if size is None else int(size, 0) if size.startswith("0x") else int(size),
+            0 if addr in ("(nil)", "0") else _u64(addr, 16, "address", name, no),
+            0 if size is None else _u64(size, 16 if size.startswith("0x") else 10, "size", name, no),
             m.group("where") or "",
             no,
-        ))
-    return events
+        )
+    if no == 0:
+        raise CorruptFile(f"{name}: not a glibc mtrace text log (first line is not `= Start`)")
+
+
+def parse(data, name="trace"):
+    """Parse a text trace (bytes or str) into a list of Events; CorruptFile on anything malformed."""
+    lines = bytes(data).split(b"\n") if isinstance(data, (bytes, bytearray, memoryview)) else data.split("\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    return list(iter_events(lines, name))
 
 
 def read_file(path):
+    """Events of a text trace file, streamed."""
     with open(path, "rb") as f:
-        return parse(f.read(), name=str(path))
+        # a line is read at most MAX_LINE + 1 bytes at a time: iter_events refuses a longer one
+        yield from iter_events(iter(lambda: f.readline(MAX_LINE + 1), b""), name=str(path))
 
 
 _ADDR_IN_WHERE = re.compile(r"\[(0x[0-9a-fA-F]+)\]$")
@@ -172,7 +202,7 @@ def to_records(events, thread=0):
         caller = 0
         if ev.where and ":" not in ev.where:
             m = _ADDR_IN_WHERE.search(ev.where)
-            caller = int(m.group(1), 16) if m else 0
+            caller = _u64(m.group(1), 16, "caller address", None, ev.line) if m else 0
         if pending is not None and ev.op != ">":
             raise CorruptFile(f"line {pending.line}: `<` not followed by `>`")
         if ev.op == "+":

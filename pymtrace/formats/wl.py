@@ -9,12 +9,14 @@ byte offset of the first problem: unknown opcodes, varints running off the end o
 bits, stream offsets outside the file or inside the header, pointer indices >= ALLOC_PTRS,
 sync ids beyond ALLOC_SYNCS, streams without DONE, and sync ids that no runnable thread
 ever writes (a deadlock, found by a dry run of the sync order -- sync flags never reset, so
-the dry run's outcome holds for every schedule).
+the dry run's outcome holds for every schedule). Each op is decoded and dry-run once however
+many threads share it, so validation is linear in the file (not threads x stream).
 
 Upstream trace2wl sizes the sync array one short (ids run 1..m with ALLOC_SYNCS m); files it
 wrote are accepted (`Workload.upstream_sync_sizing` says so), pymtrace writes m+1.
 """
 import dataclasses
+import functools
 
 from pymtrace.errors import CorruptFile
 
@@ -82,8 +84,28 @@ class Workload:
     nptrs: int
     nsyncs: int
     offsets: list  # file offset of each thread stream
-    threads: list  # per thread: list of (op, args tuple, byte offset)
+    ops: dict  # byte offset -> (op, args tuple, offset of the next op): every op decoded once
     upstream_sync_sizing: bool = False  # a sync id == ALLOC_SYNCS was used (upstream trace2wl)
+
+    def stream(self, off):
+        """The ops of the stream starting at OFF, DONE excluded: [(op, args, byte offset)]."""
+        out = []
+        while True:
+            op, args, nxt = self.ops[off]
+            if op == DONE:
+                return out
+            out.append((op, args, off))
+            off = nxt
+
+    @functools.cached_property
+    def threads(self):
+        """Per thread: its list of (op, args tuple, byte offset); threads starting at the same
+        offset share one list. Built on first use (a file can make this threads x stream)."""
+        by_off = {}
+        for off in self.offsets:
+            if off not in by_off:
+                by_off[off] = self.stream(off)
+        return [by_off[off] for off in self.offsets]
 
     def counts(self):
         """Per-opcode-name counts over all threads (allocations with index 0 included)."""
@@ -107,7 +129,12 @@ def _read_op(data, pos, name):
 
 
 def parse(data, name="workload", check_deadlock=True):
-    """Decode and validate a whole .wl file (bytes); returns a Workload."""
+    """Decode and validate a whole .wl file (bytes); returns a Workload.
+
+    Every op is decoded once, however many threads share it (streams that reach the same
+    offset are the same from there on), so the cost is linear in the file, not in threads x
+    stream; the sync dry run likewise (check_sync_order).
+    """
     data = bytes(data)
     pos = 0
     nptrs = nsyncs = nthreads = None
@@ -131,6 +158,8 @@ def parse(data, name="workload", check_deadlock=True):
                 raise CorruptFile(f"{name}: byte {start}: {nthreads} threads (at most {MAX_THREADS} supported)")
         elif op == START_THREAD:
             offsets.append((args[0], start))
+            if len(offsets) > MAX_THREADS:
+                raise CorruptFile(f"{name}: byte {start}: more than {MAX_THREADS} threads")
     header_end = pos
     if nptrs is None:
         raise CorruptFile(f"{name}: the header has no ALLOC_PTRS")
@@ -141,19 +170,20 @@ def parse(data, name="workload", check_deadlock=True):
             raise CorruptFile(f"{name}: {what} {n} is absurd")
     if nthreads is not None and nthreads != len(offsets):
         raise CorruptFile(f"{name}: NTHREADS says {nthreads} but the header starts {len(offsets)} threads")
-    threads = []
+    decoded = {}
     upstream_sizing = False
     for off, where in offsets:
         if off < header_end or off >= len(data):
             raise CorruptFile(f"{name}: byte {where}: thread stream offset {off} is outside the file body "
                               f"({header_end}..{len(data) - 1})")
+    for off, _ in offsets:
         p = off
-        ops = []
-        while True:
+        while p not in decoded:
             if p >= len(data):
                 raise CorruptFile(f"{name}: truncated: the thread stream at byte {off} has no DONE")
             start = p
             op, args, p = _read_op(data, p, name)
+            decoded[start] = (op, args, p)
             if op == DONE:
                 break
             if op not in STREAM_OPS:
@@ -170,41 +200,65 @@ def parse(data, name="workload", check_deadlock=True):
                         raise CorruptFile(f"{name}: byte {start}: pointer index {i} out of range (ALLOC_PTRS {nptrs})")
                 if op == MEMALIGN and args[0] and args[1] > MAX_ALIGN:
                     raise CorruptFile(f"{name}: byte {start}: alignment {args[1]} is absurd (more than 2**40)")
-            ops.append((op, args, start))
-        threads.append(ops)
-    wl = Workload(nptrs, nsyncs, [o for o, _ in offsets], threads, upstream_sizing)
+    wl = Workload(nptrs, nsyncs, [o for o, _ in offsets], decoded, upstream_sizing)
     if check_deadlock:
         check_sync_order(wl, name)
     return wl
 
 
 def check_sync_order(wl, name="workload"):
-    """Dry-run the sync operations; CorruptFile naming the stuck threads if some never finish."""
+    """Dry-run the sync operations; CorruptFile naming the stuck threads if some never finish.
+
+    Sync flags never reset, so the state only grows and the outcome holds for every schedule.
+    Each op is executed once: a thread reaching an offset another thread already reached
+    stops and shares that thread's fate, resolved from the end of the file backwards (an op's
+    successor lies after it).
+    """
+    ops = wl.ops
     written = set()
-    waiting = {}  # sync id -> [thread]
-    cursor = [0] * len(wl.threads)
-    runnable = list(range(len(wl.threads)))
+    waiting = {}  # sync id -> [(thread, offset)]
+    reached = set()
+    parked = {}  # thread -> offset of the SYNC_R it waits at
+    runnable = [(t, off, False) for t, off in enumerate(wl.offsets)]
     while runnable:
-        t = runnable.pop()
-        ops = wl.threads[t]
-        i = cursor[t]
-        while i < len(ops):
-            op, args, _ = ops[i]
-            if op == SYNC_R and args[0] not in written:
-                waiting.setdefault(args[0], []).append(t)
+        t, p, resumed = runnable.pop()
+        while True:
+            if not resumed:
+                if p in reached:
+                    break
+                reached.add(p)
+            resumed = False
+            op, args, nxt = ops[p]
+            if op == DONE:
                 break
             if op == SYNC_W and args[0] not in written:
                 written.add(args[0])
-                runnable.extend(waiting.pop(args[0], ()))
-            i += 1
-        cursor[t] = i
-    stuck = [(t, wl.threads[t][cursor[t]]) for t in range(len(wl.threads)) if cursor[t] < len(wl.threads[t])]
+                for u, q in waiting.pop(args[0], ()):
+                    del parked[u]
+                    runnable.append((u, q, True))
+            elif op == SYNC_R and args[0] not in written:
+                waiting.setdefault(args[0], []).append((t, p))
+                parked[t] = p
+                break
+            p = nxt
+    finishes = {}
+    stuck_at = set(parked.values())
+    for p in sorted(reached, reverse=True):
+        op, _, nxt = ops[p]
+        finishes[p] = op == DONE or (p not in stuck_at and finishes[nxt])
+    stuck = [t for t, off in enumerate(wl.offsets) if not finishes[off]]
     if stuck:
-        all_written = {a[0] for ops in wl.threads for op, a, _ in ops if op == SYNC_W}
+        all_written = {a[0] for op, a, _ in ops.values() if op == SYNC_W}
         parts = []
-        for t, (_, args, off) in stuck[:5]:
+        for t in stuck[:5]:
+            p = wl.offsets[t]
+            while True:  # where it waits: the first SYNC_R of an id never written
+                op, args, nxt = ops[p]
+                if op == SYNC_R and args[0] not in written:
+                    break
+                p = nxt
             why = "never written" if args[0] not in all_written else "written only by a thread that is itself stuck"
-            parts.append(f"thread {t} waits at byte {off} for sync id {args[0]} ({why})")
+            parts.append(f"thread {t} waits at byte {p} for sync id {args[0]} ({why})")
         more = f" (and {len(stuck) - 5} more threads)" if len(stuck) > 5 else ""
         raise CorruptFile(f"{name}: deadlock: " + "; ".join(parts) + more)
 

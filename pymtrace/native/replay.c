@@ -7,15 +7,17 @@
  *
  * The whole file is validated before any thread starts (opcodes, varints, indices, sync ids,
  * stream bounds, alignments, and a dry run of the sync order that finds deadlocks and sync
- * ids never written); invalid input exits 2 with one line on stderr, never a crash or hang.
+ * ids never written), each op once however many threads share it, so in time linear in the
+ * file; invalid input exits 2 with one line on stderr, never a crash or hang.
  *
  * Cross-thread order: one 32-bit word per sync id; SYNC_W sets it (and futex-wakes only if a
  * reader went to sleep), SYNC_R spins briefly, then futex-waits.  --sync mutex uses a
  * mutex+condvar per id like upstream trace_run (the baseline for the benchmark).
  *
  * Each call is timed with lfence;rdtsc ... rdtscp;lfence when the CPU has RDTSCP, else with
- * clock_gettime(CLOCK_MONOTONIC) in ns (the report says which).  Pointer slots are swapped
- * atomically, so even a hostile workload whose threads race on a slot cannot double-free.
+ * clock_gettime(CLOCK_MONOTONIC) in ns (the report says which).  A slot's pointer and size
+ * change as one unit (the pointer word is a lock meanwhile), so even a hostile workload whose
+ * threads race on a slot can neither double-free nor fill a block with another's size.
  * Allocated blocks get 0x11 every 8 bytes (like upstream), 0x22 before they are freed.
  * RSS over time: a sampler thread pread()s an already-open /proc/self/statm.
  */
@@ -28,6 +30,7 @@
 #include <linux/futex.h>
 #include <malloc.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -59,6 +62,7 @@ static const char *const typenames[NTYPES] = {
   "malloc", "calloc", "realloc", "free", "memalign", "valloc", "pvalloc", "malloc_trim"};
 
 #define MAX_THREADS 65536
+#define DROP_CHUNK (256 << 10) /* replayed workload pages are dropped from the RSS in such steps */
 #define NBUCKETS 976 /* log-linear histogram: 16 sub-buckets per power of two */
 #define EXIT_INVALID 2
 #define EXIT_DEADLOCK 3
@@ -89,7 +93,12 @@ static uint64_t n_ptrs, n_syncs, n_threads;
 static uint64_t *thread_off;
 static int upstream_sync_sizing;
 
-struct slot { _Atomic(void *) p; uint64_t size; };
+/* A slot's block, its requested size and its footprint (see footprint()) change together:
+   with several threads the pointer word doubles as a lock (SLOT_BUSY) while they are
+   exchanged, so a thread never takes one thread's block with another's size, even when a
+   hostile workload has unsynchronised threads share a slot. */
+struct slot { _Atomic(uintptr_t) p; uint64_t size, foot; };
+#define SLOT_BUSY ((uintptr_t)1) /* no allocator returns an odd address */
 static struct slot *slots;
 static _Atomic uint32_t *syncs;       /* futex mode: 0 unset, 1 set, 2 unset + sleepers */
 static pthread_mutex_t *mutexes;      /* mutex mode */
@@ -151,10 +160,58 @@ static void read_op(size_t *pos, int *op, uint64_t *args)
   *op = o;
 }
 
-struct dry { size_t pos; int32_t next_waiter; };
+/* Bitmaps over the file's byte positions: which positions are the start of an op already
+   decoded (every op is decoded once however many threads share it, so validation is linear
+   in the file, not threads x stream). */
+static inline int bit_get(const uint64_t *b, size_t i) { return (b[i >> 6] >> (i & 63)) & 1; }
+static inline void bit_set(uint64_t *b, size_t i) { b[i >> 6] |= (uint64_t)1 << (i & 63); }
+static inline void bit_clr(uint64_t *b, size_t i) { b[i >> 6] &= ~((uint64_t)1 << (i & 63)); }
+static uint64_t *bitmap_new(void) { return map_zeroed((n_data + 63) / 64, sizeof(uint64_t), "bytes of workload"); }
+static void bitmap_free(uint64_t *b) { munmap(b, ((n_data + 63) / 64 ? (n_data + 63) / 64 : 1) * sizeof(uint64_t)); }
+
+static uint64_t max_sync_id; /* the largest sync id any stream uses: the sync tables' size */
+static int any_sync;
+/* mutex mode: the tables exist before the dry run, which initialises each id it meets */
+static void init_sync_id(uint64_t id)
+{
+  if (sync_mutex) { pthread_mutex_init(&mutexes[id], NULL); pthread_cond_init(&conds[id], NULL); }
+}
+/* the replay's sync tables: as many entries as the largest id used (not as ALLOC_SYNCS
+   declares), reserved lazily, so only the ids really used take memory */
+static void alloc_sync_tables(uint64_t n_ids)
+{
+  if (sync_mutex) {
+    msyncs = map_zeroed(n_ids, 1, "sync ids");
+    mutexes = map_zeroed(n_ids, sizeof *mutexes, "sync mutexes");
+    conds = map_zeroed(n_ids, sizeof *conds, "sync condvars");
+  } else {
+    syncs = map_zeroed(n_ids, sizeof *syncs, "sync ids");
+  }
+}
+
+struct dry { size_t pos; int32_t next_waiter; unsigned char parked; };
+
+/* is sync id ID the operand of a SYNC_W anywhere in the streams?  (one linear pass) */
+static int written_anywhere(uint64_t id)
+{
+  uint64_t *seen = bitmap_new();
+  int found = 0;
+  for (uint64_t t = 0; t < n_threads && !found; t++) {
+    size_t p = thread_off[t];
+    while (!bit_get(seen, p)) {
+      int o; uint64_t b[3];
+      bit_set(seen, p);
+      read_op(&p, &o, b);
+      if (o == C_DONE) break;
+      if (o == C_SYNC_W && b[0] == id) { found = 1; break; }
+    }
+  }
+  bitmap_free(seen);
+  return found;
+}
 
 /* Validate header and streams; dry-run the sync order to find deadlocks. */
-static void validate(void)
+static void validate(int check_only)
 {
   size_t pos = 0;
   int op;
@@ -190,48 +247,31 @@ static void validate(void)
   n_threads = started;
   if (n_ptrs > ((uint64_t)1 << 40)) die(EXIT_INVALID, "%s: ALLOC_PTRS %" PRIu64 " is absurd", wl_name, n_ptrs);
   if (n_syncs > ((uint64_t)1 << 40)) die(EXIT_INVALID, "%s: ALLOC_SYNCS %" PRIu64 " is absurd", wl_name, n_syncs);
-
-  /* one pass per thread, interleaved by the sync dry run */
-  unsigned char *written = map_zeroed(n_syncs + 1, 1, "sync ids");
-  int32_t *waiters = map_zeroed(n_syncs + 1, sizeof(int32_t), "sync ids"); /* head+1, 0 = none */
-  struct dry *d = calloc(n_threads ? n_threads : 1, sizeof *d);
-  int32_t *runq = malloc((n_threads ? n_threads : 1) * sizeof *runq);
-  if (!d || !runq) die(EXIT_RESOURCE, "out of memory");
-  uint64_t nrun = 0, finished = 0;
-  for (uint64_t t = 0; t < n_threads; t++) {
+  for (uint64_t t = 0; t < n_threads; t++)
     if (thread_off[t] < header_end || thread_off[t] >= n_data)
       die(EXIT_INVALID, "%s: thread %" PRIu64 " stream offset %" PRIu64 " is outside the file body (%zu..%zu)",
           wl_name, t, thread_off[t], header_end, n_data ? n_data - 1 : 0);
-    d[t].pos = thread_off[t];
-    runq[nrun++] = (int32_t)t;
-  }
-  while (nrun) {
-    int32_t t = runq[--nrun];
-    size_t p = d[t].pos;
+
+  /* pass 1: decode and check every op once (a stream reaching an op already decoded from
+     another start shares the rest: decoding is deterministic) */
+  uint64_t *seen = bitmap_new();
+  for (uint64_t t = 0; t < n_threads; t++) {
+    size_t p = thread_off[t];
     for (;;) {
       size_t start = p;
-      if (p >= n_data) die(EXIT_INVALID, "%s: truncated: the stream of thread %d has no DONE", wl_name, t);
+      if (p >= n_data) die(EXIT_INVALID, "%s: truncated: the stream of thread %" PRIu64 " has no DONE", wl_name, t);
+      if (bit_get(seen, p)) break;
+      bit_set(seen, p);
       read_op(&p, &op, a);
-      if (op == C_DONE) { finished++; d[t].pos = p; break; }
+      if (op == C_DONE) break;
       switch (op) {
       case C_NOP: break;
       case C_SYNC_W: case C_SYNC_R:
         if (a[0] > n_syncs)
           die(EXIT_INVALID, "%s: byte %zu: sync id %" PRIu64 " out of range (ALLOC_SYNCS %" PRIu64 ")", wl_name, start, a[0], n_syncs);
         if (a[0] == n_syncs) upstream_sync_sizing = 1;
-        if (op == C_SYNC_W) {
-          if (!written[a[0]]) {
-            written[a[0]] = 1;
-            int32_t w = waiters[a[0]];
-            while (w) { runq[nrun++] = w - 1; w = d[w - 1].next_waiter; }
-            waiters[a[0]] = 0;
-          }
-        } else if (!written[a[0]]) {
-          d[t].pos = start; /* park on this SYNC_R */
-          d[t].next_waiter = waiters[a[0]];
-          waiters[a[0]] = t + 1;
-          goto parked;
-        }
+        if (a[0] > max_sync_id) max_sync_id = a[0];
+        any_sync = 1;
         break;
       case C_MALLOC: case C_CALLOC: case C_FREE: case C_VALLOC: case C_PVALLOC: case C_MEMALIGN: case C_REALLOC:
         if (a[0] >= n_ptrs)
@@ -251,38 +291,96 @@ static void validate(void)
         die(EXIT_INVALID, "%s: byte %zu: opcode %s is not allowed in a thread stream", wl_name, start, opnames[op]);
       }
     }
-  parked:;
   }
-  if (finished != n_threads) {
+
+  /* pass 2: dry-run the sync order.  Sync flags never reset, so the state only grows and the
+     outcome holds for every schedule.  A position is executed once: a thread reaching a
+     position another thread already reached stops there and shares that thread's fate. */
+  memset(seen, 0, ((n_data + 63) / 64) * sizeof(uint64_t));
+  uint64_t n_ids = any_sync ? max_sync_id + 1 : 1;
+  if (!check_only) alloc_sync_tables(n_ids);
+  unsigned char *state = map_zeroed(n_ids, 1, "sync ids"); /* 0 unseen, 1 seen, 2 written */
+  int32_t *waiters = map_zeroed(n_ids, sizeof(int32_t), "sync ids"); /* head+1, 0 = none */
+  struct dry *d = calloc(n_threads ? n_threads : 1, sizeof *d);
+  int32_t *runq = malloc((n_threads ? n_threads : 1) * sizeof *runq);
+  if (!d || !runq) die(EXIT_RESOURCE, "out of memory");
+  uint64_t nrun = 0;
+  for (uint64_t t = 0; t < n_threads; t++) {
+    d[t].pos = thread_off[t];
+    runq[nrun++] = (int32_t)t;
+  }
+  while (nrun) {
+    int32_t t = runq[--nrun];
+    size_t p = d[t].pos;
+    int resumed = d[t].parked;
+    d[t].parked = 0;
+    for (;;) {
+      size_t start = p;
+      if (!resumed) {
+        if (bit_get(seen, p)) break; /* merged: resolved below */
+        bit_set(seen, p);
+      }
+      resumed = 0;
+      read_op(&p, &op, a);
+      if (op == C_DONE) break;
+      if (op != C_SYNC_W && op != C_SYNC_R) continue;
+      uint64_t id = a[0];
+      if (!state[id]) { state[id] = 1; if (!check_only) init_sync_id(id); }
+      if (op == C_SYNC_W) {
+        if (state[id] != 2) {
+          state[id] = 2;
+          int32_t w = waiters[id];
+          while (w) { runq[nrun++] = w - 1; w = d[w - 1].next_waiter; }
+          waiters[id] = 0;
+        }
+      } else if (state[id] != 2) {
+        d[t].pos = start; /* park on this SYNC_R */
+        d[t].parked = 1;
+        d[t].next_waiter = waiters[id];
+        waiters[id] = t + 1;
+        break;
+      }
+    }
+  }
+  /* fates, from the end of the file backwards (an op's successor lies after it): a position
+     finishes if it is DONE or its successor finishes; a position still parked does not */
+  for (uint64_t t = 0; t < n_threads; t++)
+    if (d[t].parked) bit_clr(seen, d[t].pos);
+  for (size_t w = (n_data + 63) / 64; w-- > 0;) {
+    uint64_t bits = seen[w];
+    while (bits) {
+      int b = 63 - __builtin_clzll(bits);
+      bits &= ~((uint64_t)1 << b);
+      size_t p = w * 64 + b, q = p;
+      read_op(&q, &op, a);
+      if (op != C_DONE && !bit_get(seen, q)) bit_clr(seen, p);
+    }
+  }
+  uint64_t stuck = 0;
+  for (uint64_t t = 0; t < n_threads; t++) stuck += !bit_get(seen, thread_off[t]);
+  if (stuck) {
     char msg[700];
     int n = 0, shown = 0;
     for (uint64_t t = 0; t < n_threads && shown < 4; t++) {
-      size_t p = d[t].pos;
-      if (p < n_data && data[p] == C_SYNC_R) {
-        uint64_t id = 0; size_t q = p + 1;
-        get_int_checked(&q, &id);
-        /* was it written anywhere at all? scan the parked threads' remaining streams */
-        int anywhere = 0;
-        for (uint64_t u = 0; u < n_threads && !anywhere; u++) {
-          size_t r = d[u].pos;
-          for (;;) {
-            int o; uint64_t b[3];
-            if (r >= n_data) break;
-            read_op(&r, &o, b);
-            if (o == C_DONE) break;
-            if (o == C_SYNC_W && b[0] == id) { anywhere = 1; break; }
-          }
-        }
-        n += snprintf(msg + n, sizeof msg - n, "%sthread %" PRIu64 " waits at byte %zu for sync id %" PRIu64 " (%s)",
-                      shown ? "; " : "", t, p, id, anywhere ? "written only by a thread that is itself stuck" : "never written");
-        shown++;
+      if (bit_get(seen, thread_off[t])) continue;
+      size_t p = thread_off[t], start; /* where it waits: the first SYNC_R of an id never written */
+      uint64_t id;
+      for (;;) {
+        start = p;
+        read_op(&p, &op, a);
+        if (op == C_SYNC_R && state[a[0]] != 2) { id = a[0]; break; }
       }
+      n += snprintf(msg + n, sizeof msg - n, "%sthread %" PRIu64 " waits at byte %zu for sync id %" PRIu64 " (%s)",
+                    shown ? "; " : "", t, start, id,
+                    written_anywhere(id) ? "written only by a thread that is itself stuck" : "never written");
+      shown++;
     }
     die(EXIT_DEADLOCK, "%s: deadlock: %s; %" PRIu64 " of %" PRIu64 " threads can never finish", wl_name, msg,
-        n_threads - finished, n_threads);
+        stuck, n_threads);
   }
-  munmap(written, n_syncs + 1);
-  munmap(waiters, (n_syncs + 1) * sizeof(int32_t));
+  bitmap_free(seen);
+  munmap(state, n_ids);
+  munmap(waiters, n_ids * sizeof(int32_t));
   free(d);
   free(runq);
 }
@@ -456,65 +554,115 @@ static inline void wmem(void *ptr, uint64_t n, unsigned char v)
 static int single_thread; /* one replay thread: plain loads/stores instead of atomics */
 static int64_t ideal_live_1, ideal_peak_1;
 
-static int64_t memory_limit; /* physical memory: a workload wanting more would only end in the OOM killer */
+static int64_t memory_limit; /* what the live blocks may take: MemAvailable, cgroup limits (see main) */
+static char memory_limit_from[200] = "physical memory";
+static _Atomic int64_t foot_live __attribute__((aligned(64)));
+static _Atomic int64_t foot_peak __attribute__((aligned(64)));
+static int64_t foot_live_1, foot_peak_1;
+
+/* What a block really costs, for the memory guard (meant never to be less than what glibc,
+   jemalloc, tcmalloc or mimalloc and the kernel charge for it): a 16-byte header, rounding to
+   16 bytes and a 32-byte minimum, alignment padding; a block that allocators map by itself
+   (>= 128 KiB, or aligned to a page or more) takes whole pages, the page its header lies in
+   and a page of kernel bookkeeping, and with alignments of 2 MiB / 1 GiB the header and the
+   block fall in different page tables / page directories, each a page (measured: 200,000 x
+   memalign(2**30, 1) cost 27 KiB each in a cgroup's usage, 12 KiB of it RSS). */
+static inline uint64_t footprint(uint64_t size, uint64_t align)
+{
+  if (align < 16) align = 16;
+  if (size + align < (128 << 10) && align < page_size) {
+    uint64_t f = (size + 16 + 15) & ~(uint64_t)15;
+    return (f < 32 ? 32 : f) + (align > 16 ? align : 0);
+  }
+  uint64_t f = ((size + page_size - 1) & ~(uint64_t)(page_size - 1)) + 2 * page_size;
+  if (align >= ((uint64_t)2 << 20)) f += 2 * page_size;
+  if (align >= ((uint64_t)1 << 30)) f += 3 * page_size;
+  return f;
+}
+
 static void too_much(int64_t now) __attribute__((noreturn, cold));
 static void too_much(int64_t now)
 {
-  die(EXIT_RESOURCE, "%s: the workload keeps %" PRId64 " requested bytes live, more than the %" PRId64
-      " bytes of memory available here", wl_name, now, memory_limit);
+  int64_t req = single_thread ? ideal_live_1 : atomic_load(&ideal_live);
+  die(EXIT_RESOURCE, "%s: the workload keeps %" PRId64 " bytes live (%" PRId64 " requested, plus allocator overhead and "
+      "alignment), more than the %" PRId64 " bytes of memory available here (%s)", wl_name, now, req, memory_limit,
+      memory_limit_from);
 }
 
-/* before an allocation is made and filled: would it take the live bytes past physical memory? */
-static inline void check_room(uint64_t size)
+/* before an allocation is made and filled: would it take the live footprint past the limit? */
+static inline void check_room(uint64_t foot)
 {
   if (!memory_limit) return;
-  int64_t cur = single_thread ? ideal_live_1 : atomic_load_explicit(&ideal_live, memory_order_relaxed);
-  if (size > (uint64_t)(memory_limit - cur)) too_much(cur + (int64_t)size);
+  int64_t cur = single_thread ? foot_live_1 : atomic_load_explicit(&foot_live, memory_order_relaxed);
+  if (cur + (int64_t)foot > memory_limit) too_much(cur + (int64_t)foot);
 }
 
-static inline void ideal_add(int64_t delta)
+static inline void peak_max(_Atomic int64_t *peak, int64_t now)
+{
+  int64_t old = atomic_load_explicit(peak, memory_order_relaxed);
+  while (now > old && !atomic_compare_exchange_weak_explicit(peak, &old, now, memory_order_relaxed, memory_order_relaxed)) {}
+}
+
+/* requested bytes (the ideal RSS) and footprint (the guard) of the live blocks */
+static inline void live_add(int64_t req, int64_t foot)
 {
   if (single_thread) {
-    ideal_live_1 += delta;
-    if (ideal_live_1 > ideal_peak_1) {
-      ideal_peak_1 = ideal_live_1;
-      if (memory_limit && ideal_live_1 > memory_limit) too_much(ideal_live_1);
+    ideal_live_1 += req;
+    foot_live_1 += foot;
+    if (ideal_live_1 > ideal_peak_1) ideal_peak_1 = ideal_live_1;
+    if (foot_live_1 > foot_peak_1) {
+      foot_peak_1 = foot_live_1;
+      if (memory_limit && foot_live_1 > memory_limit) too_much(foot_live_1);
     }
     return;
   }
-  int64_t now = atomic_fetch_add_explicit(&ideal_live, delta, memory_order_relaxed) + delta;
-  if (delta > 0) {
-    int64_t peak = atomic_load_explicit(&ideal_peak, memory_order_relaxed);
-    while (now > peak && !atomic_compare_exchange_weak_explicit(&ideal_peak, &peak, now, memory_order_relaxed, memory_order_relaxed)) {}
-    if (memory_limit && now > memory_limit) too_much(now);
+  int64_t now = atomic_fetch_add_explicit(&ideal_live, req, memory_order_relaxed) + req;
+  int64_t fnow = atomic_fetch_add_explicit(&foot_live, foot, memory_order_relaxed) + foot;
+  if (req > 0 || foot > 0) {
+    peak_max(&ideal_peak, now);
+    peak_max(&foot_peak, fnow);
+    if (memory_limit && fnow > memory_limit) too_much(fnow);
+  }
+}
+
+static inline uintptr_t slot_lock(struct slot *s)
+{
+  for (unsigned spins = 0;; spins++) {
+    uintptr_t v = atomic_load_explicit(&s->p, memory_order_relaxed);
+    if (v != SLOT_BUSY && atomic_compare_exchange_weak_explicit(&s->p, &v, SLOT_BUSY, memory_order_acquire, memory_order_relaxed))
+      return v;
+    if (spins >= 64) sched_yield(); /* the holder may be preempted */
+#ifdef HAVE_X86
+    else _mm_pause();
+#endif
   }
 }
 
 /* store a fresh block in slot IDX; a block still there (hostile or odd workloads) is freed
    outside the timed region so memory stays bounded */
-static inline void put(struct tstats *st, uint64_t idx, void *p, uint64_t size)
+static inline void put(struct tstats *st, uint64_t idx, void *p, uint64_t size, uint64_t foot)
 {
-  slots[idx].size = size;
-  void *old;
-  if (single_thread) {
-    old = atomic_load_explicit(&slots[idx].p, memory_order_relaxed);
-    atomic_store_explicit(&slots[idx].p, p, memory_order_relaxed);
-  } else
-    old = atomic_exchange_explicit(&slots[idx].p, p, memory_order_acq_rel);
-  if (p) ideal_add((int64_t)size);
-  if (old) { st->overwrites++; free(old); }
+  struct slot *s = &slots[idx];
+  uintptr_t old = single_thread ? atomic_load_explicit(&s->p, memory_order_relaxed) : slot_lock(s);
+  uint64_t osize = s->size, ofoot = s->foot;
+  s->size = size;
+  s->foot = foot;
+  atomic_store_explicit(&s->p, (uintptr_t)p, single_thread ? memory_order_relaxed : memory_order_release);
+  if (p) live_add((int64_t)size, (int64_t)foot);
+  if (old) { st->overwrites++; live_add(-(int64_t)osize, -(int64_t)ofoot); free((void *)old); }
 }
-static inline void *take(uint64_t idx, uint64_t *size)
+static inline void *take(uint64_t idx, uint64_t *size, uint64_t *foot)
 {
-  void *p;
-  if (single_thread) {
-    p = atomic_load_explicit(&slots[idx].p, memory_order_relaxed);
-    atomic_store_explicit(&slots[idx].p, NULL, memory_order_relaxed);
-  } else
-    p = atomic_exchange_explicit(&slots[idx].p, NULL, memory_order_acq_rel);
-  *size = slots[idx].size;
-  if (p) ideal_add(-(int64_t)*size);
-  return p;
+  struct slot *s = &slots[idx];
+  uintptr_t p;
+  if (single_thread) p = atomic_load_explicit(&s->p, memory_order_relaxed);
+  else if (!atomic_load_explicit(&s->p, memory_order_relaxed)) return NULL; /* empty: nothing to claim */
+  else p = slot_lock(s);
+  *size = s->size;
+  *foot = s->foot;
+  atomic_store_explicit(&s->p, 0, single_thread ? memory_order_relaxed : memory_order_release);
+  if (p) live_add(-(int64_t)*size, -(int64_t)*foot);
+  return (void *)p;
 }
 
 static long futex(_Atomic uint32_t *uaddr, int op, uint32_t val, const struct timespec *ts)
@@ -575,11 +723,21 @@ static void *thread_main(void *arg)
   struct thread *me = arg;
   struct tstats *st = me->st;
   const unsigned char *cp = me->start;
-  uint64_t since_trim = 0, t0, dt, a, b, sz, osz;
+  uint64_t since_trim = 0, t0, dt, a, b, sz, osz = 0, ofoot = 0, foot;
   void *p, *q;
   struct timespec c0, c1;
+  /* the workload's pages already replayed are dropped from this process (MADV_DONTNEED; they
+     stay in the page cache), so its RSS holds at most DROP_CHUNK of the file per thread */
+  const unsigned char *dropped = (const unsigned char *)((uintptr_t)cp & ~(uintptr_t)(page_size - 1));
+  const unsigned char *drop_at = dropped + DROP_CHUNK;
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &c0);
   for (;;) {
+    if (__builtin_expect(cp >= drop_at, 0)) {
+      const unsigned char *upto = (const unsigned char *)((uintptr_t)cp & ~(uintptr_t)(page_size - 1));
+      madvise((void *)dropped, upto - dropped, MADV_DONTNEED);
+      dropped = upto;
+      drop_at = upto + DROP_CHUNK;
+    }
     int op = *cp++;
     switch (op) {
     case C_NOP: continue;
@@ -588,7 +746,8 @@ static void *thread_main(void *arg)
       int type = op == C_MALLOC ? T_MALLOC : op == C_CALLOC ? T_CALLOC : op == C_VALLOC ? T_VALLOC : T_PVALLOC;
       a = get_int(&cp); sz = get_int(&cp);
       if (!a) { st->skipped[type]++; break; }
-      check_room(sz);
+      foot = footprint(sz, op == C_VALLOC || op == C_PVALLOC ? page_size : 0);
+      check_room(foot);
       t0 = t_start();
       switch (op) {
       case C_MALLOC: p = malloc(sz); break;
@@ -599,7 +758,7 @@ static void *thread_main(void *arg)
       dt = t_end() - t0;
       record(st, type, dt);
       wmem(p, sz, 0x11);
-      put(st, a, p, sz);
+      put(st, a, p, sz, foot);
       break;
     }
     case C_MEMALIGN:
@@ -608,18 +767,19 @@ static void *thread_main(void *arg)
       /* like glibc's memalign: at least a word, rounded up to a power of two (validated <= 2**40) */
       if (b < sizeof(void *)) b = sizeof(void *);
       if (b & (b - 1)) b = (uint64_t)1 << (64 - __builtin_clzll(b));
-      check_room(sz);
+      foot = footprint(sz, b);
+      check_room(foot);
       t0 = t_start();
       p = f_memalign(b, sz);
       dt = t_end() - t0;
       record(st, T_MEMALIGN, dt);
       wmem(p, sz, 0x11);
-      put(st, a, p, sz);
+      put(st, a, p, sz, foot);
       break;
     case C_REALLOC:
       a = get_int(&cp); b = get_int(&cp); sz = get_int(&cp);
       if (!a && sz) { st->skipped[T_REALLOC]++; break; } /* failed in the trace: the block stays */
-      q = b ? take(b, &osz) : NULL;
+      q = b ? take(b, &osz, &ofoot) : NULL;
       if (q) wmem(q, osz, 0x22);
       if (!a) { /* realloc(p, 0) freed p: replayed as free() so every allocator frees */
         t0 = t_start();
@@ -628,18 +788,19 @@ static void *thread_main(void *arg)
         record(st, T_REALLOC, dt);
         break;
       }
-      check_room(sz);
+      foot = footprint(sz, 0);
+      check_room(foot);
       t0 = t_start();
       p = realloc(q, sz);
       dt = t_end() - t0;
       record(st, T_REALLOC, dt);
-      if (!p && q && sz) { put(st, b, q, osz); break; } /* failed now: keep the old block */
+      if (!p && q && sz) { put(st, b, q, osz, ofoot); break; } /* failed now: keep the old block */
       wmem(p, sz, 0x11);
-      put(st, a, p, sz);
+      put(st, a, p, sz, foot);
       break;
     case C_FREE:
       a = get_int(&cp);
-      p = a ? take(a, &osz) : NULL;
+      p = a ? take(a, &osz, &ofoot) : NULL;
       if (p) wmem(p, osz, 0x22);
       t0 = t_start();
       free(p);
@@ -806,6 +967,123 @@ static const struct { const char *name; int param; } mallopt_names[] = {
   {"M_TOP_PAD", -2}, {"M_MMAP_THRESHOLD", -3}, {"M_MMAP_MAX", -4}, {"M_CHECK_ACTION", -5},
   {"M_PERTURB", -6}, {"M_ARENA_TEST", -7}, {"M_ARENA_MAX", -8}};
 
+/* VmHWM back to the current RSS (Linux >= 4.0), so that it measures the replay only, not the
+   validation pass that read the whole file; 0 if the kernel refuses */
+static int reset_hwm(void)
+{
+  int fd = open("/proc/self/clear_refs", O_WRONLY);
+  if (fd < 0) return 0;
+  int ok = write(fd, "5", 1) == 1;
+  close(fd);
+  return ok;
+}
+
+static int64_t read_number_file(const char *dir, const char *name) /* -1: absent or "max" */
+{
+  char path[4200], buf[64];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return -1;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return -1;
+  buf[n] = 0;
+  char *end;
+  long long v = strtoll(buf, &end, 10);
+  return end == buf || v < 0 ? -1 : (int64_t)v;
+}
+
+static int64_t stat_field(const char *dir, const char *field) /* a "name value" line of memory.stat */
+{
+  char path[4200], line[256];
+  size_t len = strlen(field);
+  snprintf(path, sizeof path, "%s/memory.stat", dir);
+  FILE *f = fopen(path, "r");
+  int64_t v = 0;
+  while (f && fgets(line, sizeof line, f))
+    if (!strncmp(line, field, len) && line[len] == ' ') { v = atoll(line + len + 1); break; }
+  if (f) fclose(f);
+  return v;
+}
+
+/* LIMIT minus what the cgroup at DIR uses (its page cache is reclaimable: not counted), less
+   1/16 of LIMIT of headroom for what the guard does not count (the simulator's own tables
+   and stacks, the kernel's charges beyond footprint()) */
+static void cgroup_room(const char *dir, const char *rel, const char *limit_name, const char *usage_name,
+                        const char *cache_field)
+{
+  int64_t limit = read_number_file(dir, limit_name);
+  if (limit < 0 || limit >= ((int64_t)1 << 62)) return; /* "max", or v1's "unlimited" */
+  int64_t used = read_number_file(dir, usage_name), cache = stat_field(dir, cache_field);
+  if (used < 0) used = 0;
+  used = used > cache ? used - cache : 0;
+  int64_t room = limit - limit / 16 > used ? limit - limit / 16 - used : 1; /* 0 would mean no limit */
+  if (room < memory_limit) {
+    memory_limit = room;
+    snprintf(memory_limit_from, sizeof memory_limit_from, "%s %" PRId64 " of cgroup %s", limit_name, limit, rel);
+  }
+}
+
+/* The live blocks may take what is available now (MemAvailable) and what the cgroups this
+   process is in still allow (cgroup v2 memory.max and memory.high, v1 memory.limit_in_bytes,
+   in every ancestor): beyond either only the OOM killer (or throttling) waits. */
+static void find_memory_limit(void)
+{
+  FILE *f = fopen("/proc/meminfo", "r");
+  char line[4400];
+  while (f && fgets(line, sizeof line, f)) {
+    long long kb;
+    if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1 && kb > 0) {
+      memory_limit = (int64_t)kb * 1024;
+      snprintf(memory_limit_from, sizeof memory_limit_from, "MemAvailable");
+      break;
+    }
+  }
+  if (f) fclose(f);
+  /* where the hierarchies are mounted */
+  char v2root[4096] = "", v1root[4096] = "";
+  f = fopen("/proc/self/mountinfo", "r");
+  while (f && fgets(line, sizeof line, f)) {
+    char mnt[4096], fstype[64], opts[1024];
+    const char *sep = strstr(line, " - ");
+    if (!sep || sscanf(line, "%*s %*s %*s %*s %4095s", mnt) != 1 || sscanf(sep + 3, "%63s %*s %1023s", fstype, opts) != 2)
+      continue;
+    if (!strcmp(fstype, "cgroup2") && !v2root[0]) snprintf(v2root, sizeof v2root, "%s", mnt);
+    if (!strcmp(fstype, "cgroup") && !v1root[0]) {
+      for (char *o = strtok(opts, ","); o; o = strtok(NULL, ","))
+        if (!strcmp(o, "memory")) snprintf(v1root, sizeof v1root, "%s", mnt);
+    }
+  }
+  if (f) fclose(f);
+  f = fopen("/proc/self/cgroup", "r");
+  while (f && fgets(line, sizeof line, f)) {
+    line[strcspn(line, "\n")] = 0;
+    char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+    if (!c2) continue;
+    int v2 = !strncmp(line, "0::", 3);
+    *c2 = 0;
+    int v1 = !v2 && (!strcmp(c1 + 1, "memory") || strstr(c1 + 1, "memory,") || strstr(c1 + 1, ",memory"));
+    const char *root = v2 ? v2root : v1 ? v1root : NULL, *rel = c2 + 1;
+    if (!root || !root[0]) continue;
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s%s", root, strcmp(rel, "/") ? rel : "");
+    size_t rootlen = strlen(root);
+    for (;;) { /* the cgroup and each ancestor up to the mount's root */
+      const char *r = dir[rootlen] ? dir + rootlen : "/";
+      if (v2) {
+        cgroup_room(dir, r, "memory.max", "memory.current", "file");
+        cgroup_room(dir, r, "memory.high", "memory.current", "file");
+      } else {
+        cgroup_room(dir, r, "memory.limit_in_bytes", "memory.usage_in_bytes", "cache");
+      }
+      char *slash = strrchr(dir + rootlen, '/');
+      if (!slash) break;
+      *slash = 0;
+    }
+  }
+  if (f) fclose(f);
+}
+
 int main(int argc, char **argv)
 {
   const char *json_path = NULL;
@@ -861,17 +1139,9 @@ int main(int argc, char **argv)
   long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
   if (pages > 0 && psize > 0) phys_bytes = (uint64_t)pages * (uint64_t)psize;
   memory_limit = (int64_t)phys_bytes;
-  { /* what is available now (MemAvailable) bounds the live bytes: beyond it only the OOM killer waits */
-    FILE *mi = fopen("/proc/meminfo", "r");
-    char line[256];
-    while (mi && fgets(line, sizeof line, mi)) {
-      long long kb;
-      if (sscanf(line, "MemAvailable: %lld kB", &kb) == 1 && kb > 0) { memory_limit = (int64_t)kb * 1024; break; }
-    }
-    if (mi) fclose(mi);
-  }
   page_kb = psize / 1024;
   if (psize > 0) page_size = psize;
+  find_memory_limit();
   resolve_allocator();
 
   int fd = open(wl_name, O_RDONLY);
@@ -884,28 +1154,22 @@ int main(int argc, char **argv)
   if (data == MAP_FAILED) die(EXIT_RESOURCE, "cannot map %s: %s", wl_name, strerror(errno));
   close(fd);
 
-  validate();
+  validate(check_only);
   if (check_only) {
     printf("%s: ok: %" PRIu64 " threads, %" PRIu64 " pointer slots, %" PRIu64 " sync ids%s\n", wl_name, n_threads, n_ptrs,
            n_syncs, upstream_sync_sizing ? " (upstream trace2wl sync sizing: ids up to ALLOC_SYNCS)" : "");
     return 0;
   }
-  /* pre-fault the workload like upstream (its pages are file-backed: not in the anon RSS) */
-  volatile unsigned char sink = 0;
-  for (size_t i = 0; i < n_data; i += 4096) sink ^= data[i];
-  (void)sink;
+  /* Unlike upstream, the workload is not pre-faulted: validation read it all, so its pages are
+     in the page cache; they are dropped from this process now, and each replay thread maps
+     its stream as it goes and drops what it has replayed.  The peak RSS (VmHWM, reset here)
+     then measures the allocator, not the workload file. */
+  madvise((void *)data, n_data, MADV_DONTNEED);
+  int hwm_reset = reset_hwm();
 
   for (int k = 0; k < n_mallopts; k++) mallopts[k].result = mallopt(mallopts[k].param, (int)mallopts[k].value);
 
   slots = map_zeroed(n_ptrs, sizeof *slots, "pointer slots");
-  if (sync_mutex) {
-    msyncs = map_zeroed(n_syncs + 1, 1, "sync ids");
-    mutexes = map_zeroed(n_syncs + 1, sizeof *mutexes, "sync mutexes");
-    conds = map_zeroed(n_syncs + 1, sizeof *conds, "sync condvars");
-    for (uint64_t i = 0; i <= n_syncs; i++) { pthread_mutex_init(&mutexes[i], NULL); pthread_cond_init(&conds[i], NULL); }
-  } else {
-    syncs = map_zeroed(n_syncs + 1, sizeof *syncs, "sync ids");
-  }
   threads = map_zeroed(n_threads, sizeof *threads, "threads");
   struct tstats *stats = map_zeroed(n_threads, sizeof *stats, "thread statistics");
   samples = map_zeroed(cap_samples, sizeof *samples, "RSS samples");
@@ -951,7 +1215,7 @@ int main(int argc, char **argv)
   take_sample();
   getrusage(RUSAGE_SELF, &ru1);
   long hwm1 = read_hwm_kb();
-  if (hwm0 < 0 || hwm1 < 0) { hwm0 = ru0.ru_maxrss; hwm1 = ru1.ru_maxrss; }
+  if (hwm0 < 0 || hwm1 < 0) { hwm0 = ru0.ru_maxrss; hwm1 = ru1.ru_maxrss; hwm_reset = 0; }
 
   uint64_t wall_us = (uint64_t)(t_endts.tv_sec - t_begin.tv_sec) * 1000000 + (t_endts.tv_nsec - t_begin.tv_nsec) / 1000;
   uint64_t user_us = (ru1.ru_utime.tv_sec - ru0.ru_utime.tv_sec) * 1000000 + (ru1.ru_utime.tv_usec - ru0.ru_utime.tv_usec);
@@ -981,6 +1245,7 @@ int main(int argc, char **argv)
   if (single_thread) { atomic_store(&ideal_peak, ideal_peak_1); atomic_store(&ideal_live, ideal_live_1); }
   check_uprobes();
   int64_t ideal_peak_b = atomic_load(&ideal_peak);
+  int64_t foot_peak_b = single_thread ? foot_peak_1 : atomic_load(&foot_peak);
 
   if (text || !json_path) {
     char b1[40], b2[40], b3[40];
@@ -1035,6 +1300,10 @@ int main(int argc, char **argv)
                ", \"ideal_rss_end_bytes\": %" PRId64 ", \"anon_rss_start_kb\": %" PRIu64 ", \"anon_rss_peak_kb\": %" PRIu64
                ", \"rss_start_kb\": %" PRIu64 ", \"rss_peak_kb\": %" PRIu64 ",\n",
             hwm1, hwm0, ideal_peak_b, (int64_t)atomic_load(&ideal_live), anon0, peak_anon, rss0, peak_rss);
+    fprintf(f, " \"max_rss_reset\": %s, \"footprint_peak_bytes\": %" PRId64 ", \"memory_limit_bytes\": %" PRId64
+               ", \"memory_limit_from\": ", hwm_reset ? "true" : "false", foot_peak_b, memory_limit);
+    json_str(f, memory_limit_from);
+    fprintf(f, ",\n");
     fprintf(f, " \"timer_overhead\": %" PRIu64 ", \"uprobed\": ", timer_overhead);
     json_str(f, uprobed);
     fprintf(f, ",");
