@@ -215,3 +215,23 @@ def test_failed_write_keeps_whole_records_only(tmp_path, monkeypatch, fmt):
         assert out.entries == 3 + (3 if len(kept_lines) == 2 else 4)
     assert out.bytes_written == len(data)
     out.close()
+
+
+def test_final_drain_ends_although_draining_makes_records(ring):
+    """A traced process whose every drained batch makes it produce more records (pymtrace
+    itself, a reader of the trace): the last drain takes what was reserved when stopping
+    began, and ends."""
+    rec_ = record.Recorder.__new__(record.Recorder)
+    rec_.reader, rec_.last_poll, rec_.max_gap, rec_.consumer_cpu, rec_.polls = ring, None, 0.0, 0.0, 0
+    got = []
+
+    def dispatch(data, n):
+        got.extend(r.size for r in decode(data[0]))
+        assert len(got) < 1000, "the drain chases its own records"
+        ring.produce(rec(len(got) + 100), 7)  # the drain's own write makes a new record
+
+    rec_._dispatch = dispatch
+    for i in range(10):
+        ring.produce(rec(i), 7)
+    assert rec_._drain(final=True) == 10
+    assert got == list(range(10))
