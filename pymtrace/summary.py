@@ -626,10 +626,7 @@ def run_run(args):
             time.sleep(0.05)
     except KeyboardInterrupt:
         interrupted = True
-        try:
-            launched.proc.wait(timeout=5)
-        except Exception:
-            launched.kill()
+        launched.stop()  # 5 s to end by itself (Ctrl-C reached it too), then SIGTERM, SIGKILL
     code = launched.proc.wait()
     doc = tracer.finish(command=args.cmd, exit_code=code)
     doc["interrupted"] = interrupted
