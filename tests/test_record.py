@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import PYMTRACE, ROOT, run_pymtrace, script_background, sigint_ignored
+from test_top_support import alive
 from pymtrace import bpfload
 from pymtrace.formats import mtrace_bin as B
 from pymtrace.formats import mtrace_text as T
@@ -326,14 +327,6 @@ def _wait_records(out, records, proc_alive, timeout=60):
     assert out.stat().st_size > 64 * records
 
 
-def _gone(pid):
-    try:
-        os.kill(pid, 0)
-        return False
-    except ProcessLookupError:
-        return True
-
-
 def test_record_stops_on_sigint_sent_by_a_script(cbuild, tmp_path):
     """`pymtrace record -p P -o t & ... kill -INT $!` from a script: a non-interactive shell
     starts the job with SIGINT ignored; record still stops on it like Ctrl-C, with the trace
@@ -356,7 +349,7 @@ def test_record_stops_on_sigint_sent_by_a_script(cbuild, tmp_path):
             os.kill(pid, signal.SIGINT)
             stdout, err = shell.communicate(timeout=60)
         assert stdout.strip() == "rc=0", err
-        assert _gone(pid)
+        assert not alive(pid)
         assert bpfload.own_uprobe_events(pid) == []
         assert target.poll() is None  # the target keeps running, untraced
     assert "Traceback" not in err
