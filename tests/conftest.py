@@ -146,19 +146,23 @@ def script_background(*args, env=None):
     """`pymtrace ARGS &` started by a non-interactive shell, as a script does it (such a shell
     starts background jobs with SIGINT ignored): yields (the shell's Popen, pymtrace's PID).
     The shell prints `rc=N` on stdout when pymtrace ends; pymtrace's stderr is the shell's.
-    A pymtrace still running at the end is killed."""
+    Whatever still runs at the end (pymtrace, a command it launched) is killed: the shell
+    runs in a session of its own."""
     import shlex
 
     line = " ".join(shlex.quote(str(a)) for a in PYMTRACE + list(args))
     shell = subprocess.Popen(["bash", "-c", f"{line} & echo $!; wait $!; echo rc=$?"], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
     pid = int(shell.stdout.readline())
     try:
         yield shell, pid
     finally:
-        if shell.poll() is None:
-            os.kill(pid, signal.SIGKILL)
-            shell.communicate()
+        try:
+            os.killpg(shell.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shell.communicate()
 
 
 def sigint_ignored(pid):

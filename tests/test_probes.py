@@ -1,10 +1,13 @@
 """`pymtrace probes`: the live stream, through the real CLI, on real BPF."""
 import json
+import os
+import re
+import signal
 import subprocess
 
 import pytest
 
-from conftest import PYMTRACE, run_pymtrace
+from conftest import PYMTRACE, run_pymtrace, script_background
 
 
 def _split(stdout):
@@ -181,3 +184,20 @@ def test_probes_list_shows_sites_and_specs(sdt_libc):
         names = usdt.arg_names(p.name, len(p.arg_specs))
         line = f"{p.address:#08x} {p.name} " + " ".join(f"{n}={a}" for n, a in zip(names, p.arg_specs))
         assert line.strip() in proc.stdout
+
+
+@pytest.mark.bpf
+def test_probes_of_a_command_stop_on_sigint_sent_by_a_script(sdt_libc, cbuild):
+    """`pymtrace probes -- CMD & ... kill -INT $!` (SIGINT ignored in a script's background
+    job, and sent to pymtrace alone): probes stops as on Ctrl-C, prints its closing line and
+    ends the command it launched (5 s grace, then SIGTERM) instead of waiting for it forever."""
+    prefix, _ = sdt_libc
+    with script_background("probes", "--", *prefix, cbuild("record_loop")) as (shell, pid):
+        for line in shell.stderr:
+            if line.startswith("pymtrace: tracing"):
+                break
+        os.kill(pid, signal.SIGINT)
+        out, err = shell.communicate(timeout=60)
+    assert out.rstrip().endswith("rc=143"), out + err  # the command, ended by SIGTERM
+    assert "Traceback" not in err
+    assert re.search(r"^pymtrace probes: \d+ events shown, 0 lost$", err, re.M), err
