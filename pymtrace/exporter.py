@@ -654,8 +654,12 @@ class MetricsServer(ThreadingHTTPServer):
         ctx = self.web.ssl_context if self.web else None
         if ctx is not None:
             try:
-                request = ctx.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError):
+                request = ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+                request.do_handshake()
+            except (ssl.SSLError, OSError, ValueError):
+                if conn is not None:  # before the descriptor is closed and can be reused
+                    self.forget(conn)
+                request.close()
                 return
         try:
             self.RequestHandlerClass(request, client_address, self, conn=conn)

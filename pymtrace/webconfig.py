@@ -58,8 +58,8 @@ class WebConfigError(PymtraceError):
 # Authentication results of WebConfig.authenticate
 AUTH_OK, AUTH_DENIED, AUTH_LIMITED = "ok", "denied", "limited"
 # bcrypt (~70 ms at cost 10) is what an unauthenticated client can make the exporter spend:
-# per client address, at most _BCRYPT_BURST checks at once and _BCRYPT_RATE a second after
-# that; one check at a time in all (waiting at most _BCRYPT_WAIT seconds for it); the last
+# per client address, a burst of _BCRYPT_BURST checks, then _BCRYPT_RATE a second; one check
+# at a time in all (a request waits at most _BCRYPT_WAIT seconds for its turn); the last
 # _FAILED_MAX wrong credentials are remembered and refused without a check.
 _BCRYPT_BURST, _BCRYPT_RATE, _BCRYPT_WAIT = 5, 1.0, 2.0
 _FAILED_MAX, _CLIENTS_MAX = 256, 4096

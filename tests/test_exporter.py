@@ -972,6 +972,10 @@ def test_cli_help_and_argument_errors():
 
     r = run_pymtrace("exporter", "--help")
     assert r.returncode == 0 and "--web-config" in r.stdout and str(exporter.DEFAULT_PORT) in r.stdout
+    # per-call uprobes are an explicit opt-in whose cost --help states
+    assert "--per-call" in r.stdout and "2 us per malloc+free pair" in " ".join(r.stdout.split())
+    r = run_pymtrace("exporter", "--per-call", "--always-on")
+    assert r.returncode != 0 and "contradict" in r.stderr and "Traceback" not in r.stderr
     r = run_pymtrace("exporter", "--comm", "(")
     assert r.returncode != 0 and "--comm" in r.stderr
     r = run_pymtrace("exporter", "--listen", "nonsense")
