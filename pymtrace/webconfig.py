@@ -76,10 +76,9 @@ class WebConfig:
         self._key = os.urandom(32)  # credentials are cached as HMACs under this key
         self._verified = {}  # user -> HMAC of the credentials that passed bcrypt (one per user)
         self._failed = collections.OrderedDict()  # HMACs of recently refused credentials
-        self._buckets = collections.OrderedDict()  # client address -> [tokens, time]
+        self._buckets = collections.OrderedDict()  # client address -> (checks left, when counted)
         self._lock = threading.Lock()  # guards the three caches
         self._bcrypt = threading.Lock()  # one bcrypt check at a time
-        self.bcrypt_checks = 0
 
     @property
     def auth_required(self):
@@ -145,7 +144,6 @@ class WebConfig:
             import bcrypt
 
             hashed = self.users.get(user)
-            self.bcrypt_checks += 1
             try:  # unknown users cost as much as wrong passwords
                 ok = bcrypt.checkpw(password.encode("utf-8", "surrogatepass"), hashed if hashed else _DUMMY_HASH)
             except ValueError:

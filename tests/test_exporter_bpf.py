@@ -171,8 +171,9 @@ class Exporter:
                 return
             if not line and self.proc.poll() is not None:
                 break
-        self.stop()
-        raise AssertionError(f"exporter did not start: {line} {self.proc.stderr.read() if self.proc.stderr else ''}")
+        rc = self.stop()  # negative: killed by that signal
+        raise AssertionError(f"exporter did not start (exit status {rc}): {line} "
+                             f"{self.proc.stderr.read() if self.proc.stderr else ''}")
 
     def scrape(self):
         status, _, body = http_get(self.url + "/metrics", timeout=30)
