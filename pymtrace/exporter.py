@@ -603,6 +603,11 @@ class MetricsServer(ThreadingHTTPServer):
             self.conns.add(conn)
             return conn
 
+    def open_connections(self):
+        """Connections counted against the caps (evicted ones are on their way out)."""
+        with self.lock:
+            return sum(1 for c in self.conns if not c.evicted)
+
     def forget(self, conn):
         """Called by the connection's thread before it closes the socket (the descriptor
         must not be shut down once it may belong to another connection)."""

@@ -164,15 +164,16 @@ class Exporter:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 120
-        line = ""
+        said = []
         while time.time() < deadline:
             line = self.proc.stderr.readline()
+            said.append(line)
             if "serving" in line:
                 return
             if not line and self.proc.poll() is not None:
                 break
         rc = self.stop()  # negative: killed by that signal
-        raise AssertionError(f"exporter did not start (exit status {rc}): {line} "
+        raise AssertionError(f"exporter did not start (exit status {rc}): {''.join(said)}"
                              f"{self.proc.stderr.read() if self.proc.stderr else ''}")
 
     def scrape(self):
