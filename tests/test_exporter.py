@@ -481,6 +481,9 @@ def test_connection_cap_keeps_memory_bounded_but_scrapes_resume(served):
             s.close()
     time.sleep(1.5)
     assert http_get(ex.url + "/metrics")[0] == 200
+    deadline = time.monotonic() + 5  # the last connection's thread ends just after its reply
+    while ex.server.open_connections() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert ex.server.open_connections() == 0
 
 
