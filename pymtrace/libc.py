@@ -9,6 +9,7 @@ import functools
 import os
 import re
 import struct
+import sys
 
 from elftools.elf.elffile import ELFFile
 
@@ -79,11 +80,15 @@ def system_libc():
     return process_libc(os.getpid())
 
 
-def distinct_libcs():
+def distinct_libcs(skipped=None):
     """Every libc file in use, once per file: [(path, {pid, ...}), ...], the system libc first.
 
     Files are told apart by (device, inode), so one libc reached through several paths
     (containers, symlinks) is listed once; processes whose maps cannot be read are skipped.
+    A file that only looks like a libc (any user can map a file named libc.so.6: not an
+    ELF file, truncated, another architecture, no malloc) is left out and, when SKIPPED
+    is a list, appended to it as (path, {pid, ...}, reason), so one bad file never stops
+    the others from being traced.
     """
     found = {}
     system = system_libc()
@@ -101,7 +106,52 @@ def distinct_libcs():
         except OSError:
             continue
         found.setdefault((st.st_dev, st.st_ino), (path, set()))[1].add(pid)
-    return list(found.values())
+    good = []
+    for path, users in found.values():
+        reason = libc_problem(path)
+        if reason is None:
+            good.append((path, users))
+        elif skipped is not None:
+            skipped.append((path, users, reason))
+    return good
+
+
+def libc_problem(path):
+    """Why PATH cannot be a libc to trace (a sentence), or None when it can."""
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            machine, own = elf["e_machine"], _own_machine()
+            if own is not None and machine != own:
+                return f"built for {machine}, not {own}"
+    except Exception as exc:
+        return f"not a readable ELF file ({type(exc).__name__}: {exc})"
+    try:
+        symbol(path, "malloc")
+    except PymtraceError as exc:
+        return str(exc)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _own_machine():
+    try:
+        with open(sys.executable, "rb") as f:
+            return ELFFile(f)["e_machine"]
+    except Exception:
+        return None
+
+
+def skipped_note(skipped, limit=3):
+    """One line about the files distinct_libcs left out (SKIPPED: its list), or None."""
+    if not skipped:
+        return None
+    parts = []
+    for path, users, reason in skipped[:limit]:
+        who = ",".join(str(p) for p in sorted(users)[:3]) + (",..." if len(users) > 3 else "")
+        parts.append(f"{path} (mapped by PID {who}): {reason}")
+    more = f"; and {len(skipped) - limit} more" if len(skipped) > limit else ""
+    return "skipped " + "; ".join(parts) + more
 
 
 def pids():
@@ -235,3 +285,235 @@ def usdt_probes(path, provider=None, prefix=""):
 def malloc_probes(path):
     """glibc's malloc USDT probes (provider libc, memory_*) carried by PATH."""
     return usdt_probes(path, provider="libc", prefix="memory_")
+
+
+# ---------------------------------------------------------------- whose malloc a process calls
+
+# names of glibc's own objects that export malloc and pass every call on to libc's
+_GLIBC_WRAPPERS = re.compile(r"/(?:libc_malloc_debug\.so[.\d]*|libmemusage\.so)$")
+# a symbol only this allocator exports -> its name
+_SIGNATURES = (("mallocx", "jemalloc"), ("je_malloc", "jemalloc"), ("tc_malloc", "tcmalloc"),
+               ("mi_malloc", "mimalloc"), ("__asan_init", "AddressSanitizer"),
+               ("__hwasan_init", "HWAddressSanitizer"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+    name: str  # "glibc" (or "musl") when traced; "jemalloc", "tcmalloc", ..., "static binary"
+    traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on
+    path: str = None  # the file whose malloc the process calls (None: none found)
+
+    def describe(self):
+        return f"allocator: {self.name}" + ("" if self.traced else " (not traced)")
+
+
+def _dynsym(elf, name):
+    """ELF's dynamic symbol NAME, by hash table when there is one."""
+    for section_name in (".gnu.hash", ".hash"):
+        section = elf.get_section_by_name(section_name)
+        if section is not None and hasattr(section, "get_symbol"):
+            return section.get_symbol(name)
+    section = elf.get_section_by_name(".dynsym")
+    if section is None:
+        return None
+    found = section.get_symbol_by_name(name)
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=256)
+def _malloc_export(path, _key):
+    """The allocator name when PATH defines and exports malloc, else None."""
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            sym = _dynsym(elf, "malloc")
+            if sym is None or sym["st_shndx"] == "SHN_UNDEF":
+                return None
+            for signature, name in _SIGNATURES:
+                sig = _dynsym(elf, signature)
+                if sig is not None and sig["st_shndx"] != "SHN_UNDEF":
+                    return name
+    except Exception:
+        return None
+    base = os.path.basename(path)
+    for name in ("jemalloc", "tcmalloc", "mimalloc", "hoard", "snmalloc", "rpmalloc"):
+        if name in base:
+            return name
+    return f"its own malloc in {base}"
+
+
+def _malloc_export_of(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _malloc_export(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
+
+
+def _link_map(pid, exe, maps):
+    """Paths of the objects of PID in the dynamic linker's search order (its link map:
+    the executable, LD_PRELOADs, then DT_NEEDED breadth-first, then dlopen()ed ones), read
+    from the process's memory through the executable's DT_DEBUG; None when unreadable."""
+    with open(exe, "rb") as f:
+        elf = ELFFile(f)
+        loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+        dyn = next((s for s in elf.iter_segments() if s["p_type"] == "PT_DYNAMIC"), None)
+        if dyn is None or not loads:
+            return None
+        pie = elf["e_type"] == "ET_DYN"
+        first_vaddr = min(s["p_vaddr"] for s in loads) & ~0xFFF
+        dyn_vaddr, dyn_size = dyn["p_vaddr"], dyn["p_memsz"]
+    bias = 0
+    if pie:
+        real = os.path.realpath(exe)
+        starts = [m.start for m in maps if m.offset == 0 and m.path
+                  and os.path.realpath(host_path(pid, m.path)) == real]
+        if not starts:
+            return None
+        bias = min(starts) - first_vaddr
+    with open(f"/proc/{pid}/mem", "rb") as mem:
+        def read(address, n):
+            mem.seek(address)
+            data = mem.read(n)
+            if len(data) != n:
+                raise OSError("short read")
+            return data
+
+        raw = read(bias + dyn_vaddr, min(dyn_size, 16 * 512))
+        r_debug = 0
+        for i in range(0, len(raw) - 15, 16):
+            tag, value = struct.unpack_from("<qQ", raw, i)
+            if tag == 0:
+                break
+            if tag == 21:  # DT_DEBUG: the dynamic linker's struct r_debug
+                r_debug = value
+        if not r_debug:
+            return None
+        entry = struct.unpack("<Q", read(r_debug + 8, 8))[0]  # r_map
+        paths = []
+        for _ in range(4096):
+            if not entry:
+                break
+            name_ptr, _ld, nxt = struct.unpack("<QQQ", read(entry + 8, 24))  # l_name, l_ld, l_next
+            name = b""
+            while name_ptr and b"\0" not in name and len(name) < 4096:
+                chunk = read(name_ptr, 256 - name_ptr % 256)  # never across a page boundary
+                name += chunk
+                name_ptr += len(chunk)
+            name = name.split(b"\0", 1)[0]
+            paths.append(exe if not paths else host_path(pid, os.fsdecode(name)) if name.startswith(b"/") else "")
+            entry = nxt
+    return paths
+
+
+def allocator(pid):
+    """Whose malloc PID calls: an Allocator, or None while that is not known yet (a
+    dynamically linked program whose loader has not mapped its libc). Raises ProcessGone.
+
+    The first object in the dynamic linker's search order (the executable, LD_PRELOADs,
+    then the libraries in load order) that defines malloc is the one every call goes to:
+    the libc -> traced; jemalloc, tcmalloc, mimalloc, ... -> not traced (glibc's own
+    libc_malloc_debug and libmemusage pass calls on to libc, so they do not count). When
+    the link map cannot be read, any mapped object but the libc that exports malloc is
+    taken to be the allocator. No libc mapped: a static binary, not traced."""
+    maps = read_maps(pid)
+    libc_path = process_libc(pid)
+    try:
+        exe = host_path(pid, os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        exe = None
+    order = None
+    if exe is not None and libc_path is not None:
+        try:
+            order = _link_map(pid, exe, maps)
+        except Exception:
+            order = None
+    in_order = order is not None
+    if order is None:
+        order = ([exe] if exe else []) + [host_path(pid, m.path) for m in maps
+                                          if "x" in m.perms and m.path.startswith("/")]
+    libc_key = _file_id(libc_path) if libc_path else None
+    for path in order:
+        if not path:
+            continue  # the vDSO, or an entry without a name
+        if libc_key is not None and _file_id(path) == libc_key:
+            if in_order:
+                break  # libc comes first: objects after it do not interpose
+            continue
+        if _GLIBC_WRAPPERS.search(path) or is_libc_path(path):
+            continue
+        name = _malloc_export_of(path)
+        if name is not None:
+            return Allocator(name, False, path)
+    if libc_path is None:
+        if exe is None or _dynamic(exe):
+            return None  # its dynamic loader has not mapped the libraries yet (just exec'd)
+        return Allocator("static binary (no shared libc)", False, exe)
+    return Allocator("musl" if "musl" in os.path.basename(libc_path) else "glibc", True, libc_path)
+
+
+def _dynamic(path):
+    """PATH has a program interpreter (dynamically linked), or is the dynamic loader itself."""
+    if re.search(r"/ld-linux[^/]*\.so|/ld-musl[^/]*\.so", os.path.realpath(path)):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return any(seg["p_type"] == "PT_INTERP" for seg in ELFFile(f).iter_segments())
+    except Exception:
+        return False
+
+
+def untraced_message(pid, found):
+    """The sentence for a process whose malloc (FOUND: an Allocator) is not the traced glibc."""
+    where = f" in {found.path}" if found.path and not found.name.startswith("static") else ""
+    return (f"process {pid} ({comm(pid)}) does not allocate with glibc's malloc: its allocator is "
+            f"{found.name}{where}, which pymtrace does not trace (only glibc's malloc is), "
+            f"so its malloc calls are not seen")
+
+
+def _file_id(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class AllocatorCache:
+    """allocator() per PID, computed once per program a PID runs (an exec starts afresh)."""
+
+    def __init__(self):
+        self.known = {}  # pid -> (exe identity, Allocator or None)
+
+    def get(self, pid):
+        try:
+            key = os.stat(f"/proc/{pid}/exe")
+            key = (key.st_dev, key.st_ino, _start_time(pid))
+        except OSError:
+            return self.known.get(pid, (None, None))[1]  # exited: what it was
+        old = self.known.get(pid)
+        if old is not None and old[0] == key:
+            return old[1]
+        try:
+            found = allocator(pid)
+        except (PymtraceError, OSError):
+            found = None
+        if found is not None:  # None: not known yet, ask again next time
+            self.known[pid] = (key, found)
+        return found
+
+    def annotate(self, processes):
+        """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict});
+        forget PIDs no longer listed."""
+        for pid, p in processes.items():
+            found = self.get(int(pid))
+            if found is not None and isinstance(p, dict):
+                p["allocator"], p["allocator_traced"] = found.name, found.traced
+        listed = {int(pid) for pid in processes}
+        for pid in [p for p in self.known if p not in listed]:
+            del self.known[pid]
+
+
+def _start_time(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]

@@ -246,9 +246,11 @@ def run(args):
 def _run_batch(args, collectors, pids):
     have_glibc = "glibc" in collectors.collectors
     reporter = Reporter(args, _views_wanted(args, have_glibc), pids)
-    prev = None
+    for note in collectors.notes:
+        print(f"pymtrace: note: {note}", file=sys.stderr, flush=True)
+    # every report covers one interval after attach, the first included: rates from a
+    # baseline taken now, never from the time spent compiling and attaching
     cur = collectors.snapshot()
-    reporter.report(prev, cur)
     next_at = time.monotonic() + args.interval
     while not args.iterations or reporter.iteration < args.iterations:
         time.sleep(max(0.0, next_at - time.monotonic()))
@@ -268,11 +270,14 @@ def _run_tui(args, collectors, pids):
     from pymtrace import tui
 
     state = {"gone": False}
+    notes = list(collectors.notes)
 
     def source():
         if state["gone"]:
             raise StopIteration
         snap = collectors.snapshot()
+        if notes:
+            snap.setdefault("notes", []).extend(notes)
         if pids and not _alive(pids):
             state["gone"] = True  # show the final numbers once, end at the next refresh
         return snap

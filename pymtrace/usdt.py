@@ -53,7 +53,7 @@ GlibcCollector.snapshot() schema (cumulative since attach, JSON-able; consumed b
     }},
      "lost": {"glibc_events": ring-buffer reserve failures},
      "glibc_collector": {"lost_events": the same, "map_full": {map: n},
-                         "libcs": [{"libc", "probes", "sites", "attached"}],
+                         "libcs": [{"libc", "probes", "sites", "attached", "reason"}],
                          "warnings": [str]}}
 """
 import ctypes
@@ -584,7 +584,7 @@ class GlibcCollector:
         for path, pids in plan:
             st = libc_status(path)
             self.libc_info.append({"libc": path, "probes": st["probes"], "sites": st["sites"],
-                                   "attached": bool(st["probes"]), "pids": pids})
+                                   "attached": bool(st["probes"]), "pids": pids, "reason": st["reason"]})
             if st["probes"]:
                 with_probes.append((path, pids))
         self.sites, warnings = build_sites([p for p, _ in with_probes])
