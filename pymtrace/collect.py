@@ -791,7 +791,7 @@ class Collectors:
                     snap[key] = value
         snap["time"] = time.monotonic()
         if "malloc" in self.collectors:  # whose malloc each process calls (not glibc's: not traced)
-            self.allocators.annotate(snap["processes"])
+            self.allocators.annotate(snap["processes"], self.pids or ())
         if self.errors:
             snap["errors"] = dict(self.errors)
         return snap

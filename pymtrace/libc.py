@@ -502,14 +502,20 @@ class AllocatorCache:
             self.known[pid] = (key, found)
         return found
 
-    def annotate(self, processes):
-        """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict});
-        forget PIDs no longer listed."""
+    def annotate(self, processes, pids=()):
+        """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict}),
+        and an entry for each of PIDS (the watched ones) that has none because its malloc
+        is not traced (no event to list it by); forget PIDs no longer listed."""
+        for pid in pids:
+            if pid not in processes and str(pid) not in processes and os.path.exists(f"/proc/{pid}"):
+                found = self.get(pid)
+                if found is not None and not found.traced:
+                    processes[pid] = {"pid": pid, "comm": comm(pid)}
         for pid, p in processes.items():
             found = self.get(int(pid))
             if found is not None and isinstance(p, dict):
                 p["allocator"], p["allocator_traced"] = found.name, found.traced
-        listed = {int(pid) for pid in processes}
+        listed = {int(pid) for pid in processes} | set(pids)
         for pid in [p for p in self.known if p not in listed]:
             del self.known[pid]
 
