@@ -81,13 +81,20 @@ def _assert_noted(text, paths):
 
 def test_top_system_wide_skips_planted_libcs(planted):
     paths, pid = planted
-    r = run_pymtrace("top", "--batch", "-n", "1", "-i", "1", "--view", "processes", timeout=300)
+    r = run_pymtrace("top", "--batch", "-n", "1", "-i", "1", "--view", "processes", "--view", "glibc",
+                     timeout=300)
     assert r.returncode == 0, r.stderr
     _assert_noted(r.stderr, paths)
     assert r.stderr.count("skipped") == 1  # one note, shown once
     rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] == [str(pid)]]
     assert rows and rows[0][1] == "pmt-steady", r.stdout
     assert float(rows[0][2].rstrip("k")) > 0  # its MALLOC/s: the good libc is traced
+    from pymtrace import libc
+
+    if not libc.malloc_probes(libc.system_libc()):  # item 18: view 4 says why it is empty
+        glibc = r.stdout[r.stdout.index("== glibc internals"):]
+        assert "0 processes with probes, 0 without" not in glibc
+        assert f"the libc {libc.system_libc()} has no malloc USDT probes" in glibc, glibc
 
 
 def test_exporter_skips_planted_libcs(planted):
