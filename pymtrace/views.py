@@ -598,7 +598,7 @@ def summary(table):
         text = f"{t.get('processes', 0)} processes, {human_count(t.get('faults_per_s', 0))} faults/s, {t.get('faults', 0)} since attach"
     elif t.get("libcs_without_probes") and not t.get("processes") and not t.get("without_probes"):
         n = t["libcs_without_probes"]
-        text = ("the libc in use has" if n == 1 else f"none of the {n} libcs in use has") + \
+        text = ("the libc in use has no" if n == 1 else f"none of the {n} libcs in use has") + \
             " malloc USDT probes: no glibc internals to show (see below)"
     else:
         text = (f"{t.get('processes', 0)} processes with probes, {t.get('without_probes', 0)} without, "
