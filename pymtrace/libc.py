@@ -10,6 +10,7 @@ import os
 import re
 import struct
 import sys
+import time
 
 from elftools.elf.elffile import ELFFile
 
@@ -55,9 +56,10 @@ def is_libc_path(path):
     return bool(_LIBC_NAME.search(path))
 
 
-def process_libc(pid):
-    """Path (as seen from our mount namespace) of the libc PID maps, or None (static binary)."""
-    libc_maps = [m for m in read_maps(pid) if is_libc_path(m.path)]
+def process_libc(pid, maps=None):
+    """Path (as seen from our mount namespace) of the libc PID maps, or None (static binary).
+    MAPS: PID's maps when already read."""
+    libc_maps = [m for m in (read_maps(pid) if maps is None else maps) if is_libc_path(m.path)]
     if not libc_maps:
         return None
     code_first = min(libc_maps, key=lambda m: "x" not in m.perms)
@@ -307,17 +309,68 @@ class Allocator:
         return f"allocator: {self.name}" + ("" if self.traced else " (not traced)")
 
 
-def _dynsym(elf, name):
-    """ELF's dynamic symbol NAME, by hash table when there is one."""
-    for section_name in (".gnu.hash", ".hash"):
-        section = elf.get_section_by_name(section_name)
-        if section is not None and hasattr(section, "get_symbol"):
-            return section.get_symbol(name)
-    section = elf.get_section_by_name(".dynsym")
-    if section is None:
-        return None
-    found = section.get_symbol_by_name(name)
-    return found[0] if found else None
+class _DynSyms:
+    """Defined-symbol lookups in an ELF file's .dynsym through its GNU hash table (a linear
+    scan without one), reading only what a lookup needs: pyelftools parses every section
+    header first, ~50 ms a file, too slow for every program a system-wide view lists."""
+
+    def __init__(self, f):
+        self.f = f
+        head = self._read(0, 64)
+        if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            raise ValueError("not a 64-bit little-endian ELF file")
+        shoff, = struct.unpack_from("<Q", head, 40)
+        shentsize, shnum = struct.unpack_from("<HH", head, 58)
+        if shentsize < 64 or not 0 < shnum <= 65535:
+            raise ValueError("no section headers")
+        table = self._read(shoff, shentsize * shnum)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
+        # (name, type, flags, addr, offset, size, link, info, addralign, entsize)
+        self.dynsym = next((s for s in sections if s[1] == 11), None)  # SHT_DYNSYM
+        if self.dynsym is None:
+            raise ValueError("no .dynsym")
+        self.strtab = sections[self.dynsym[6]]
+        gnu = next((s for s in sections if s[1] == 0x6FFFFFF6), None)  # SHT_GNU_HASH
+        self.gnu = self._read(gnu[4], gnu[5]) if gnu is not None and gnu[5] < (64 << 20) else None
+
+    def _read(self, offset, n):
+        self.f.seek(offset)
+        data = self.f.read(n)
+        if len(data) != n:
+            raise ValueError("truncated ELF file")
+        return data
+
+    def _entry(self, i):
+        """(name, st_shndx) of symbol I."""
+        st_name, _info, _other, shndx = struct.unpack("<IBBH", self._read(self.dynsym[4] + 24 * i, 8))
+        self.f.seek(self.strtab[4] + st_name)
+        return self.f.read(256).split(b"\0", 1)[0], shndx
+
+    def defined(self, name):
+        """Whether NAME is a symbol defined (not imported) in this file's .dynsym."""
+        want = name.encode()
+        if self.gnu is None:
+            return any(n == want and shndx != 0
+                       for n, shndx in map(self._entry, range(self.dynsym[5] // 24)))
+        nbuckets, symoffset, bloom_size, _shift = struct.unpack_from("<IIII", self.gnu, 0)
+        if not nbuckets:
+            return False
+        h = 5381
+        for c in want:
+            h = (h * 33 + c) & 0xFFFFFFFF
+        buckets = 16 + 8 * bloom_size
+        chains = buckets + 4 * nbuckets
+        idx, = struct.unpack_from("<I", self.gnu, buckets + 4 * (h % nbuckets))
+        while idx >= symoffset and chains + 4 * (idx - symoffset) + 4 <= len(self.gnu):
+            ch, = struct.unpack_from("<I", self.gnu, chains + 4 * (idx - symoffset))
+            if (ch | 1) == (h | 1):
+                n, shndx = self._entry(idx)
+                if n == want:
+                    return shndx != 0
+            if ch & 1:
+                break
+            idx += 1
+        return False
 
 
 @functools.lru_cache(maxsize=256)
@@ -325,13 +378,11 @@ def _malloc_export(path, _key):
     """The allocator name when PATH defines and exports malloc, else None."""
     try:
         with open(path, "rb") as f:
-            elf = ELFFile(f)
-            sym = _dynsym(elf, "malloc")
-            if sym is None or sym["st_shndx"] == "SHN_UNDEF":
+            syms = _DynSyms(f)
+            if not syms.defined("malloc"):
                 return None
             for signature, name in _SIGNATURES:
-                sig = _dynsym(elf, signature)
-                if sig is not None and sig["st_shndx"] != "SHN_UNDEF":
+                if syms.defined(signature):
                     return name
     except Exception:
         return None
@@ -350,24 +401,65 @@ def _malloc_export_of(path):
     return _malloc_export(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
 
 
+_PT_LOAD, _PT_DYNAMIC, _PT_INTERP = 1, 2, 3
+
+
+def _program_headers(path):
+    """(position-independent?, [(p_type, p_vaddr, p_memsz)]) of a 64-bit little-endian ELF
+    file (None otherwise), read directly: this runs for every process a view lists."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _program_headers_cached(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=256)
+def _program_headers_cached(path, _key):
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return None
+            e_type, = struct.unpack_from("<H", head, 16)
+            phoff, = struct.unpack_from("<Q", head, 32)
+            phentsize, phnum = struct.unpack_from("<HH", head, 54)
+            if phentsize < 56 or phnum > 256:
+                return None
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except OSError:
+        return None
+    segments = []
+    for i in range(len(table) // phentsize):
+        p_type, = struct.unpack_from("<I", table, i * phentsize)
+        p_vaddr, = struct.unpack_from("<Q", table, i * phentsize + 16)
+        p_memsz, = struct.unpack_from("<Q", table, i * phentsize + 40)
+        segments.append((p_type, p_vaddr, p_memsz))
+    return e_type == 3, segments  # ET_DYN
+
+
 def _link_map(pid, exe, maps):
     """Paths of the objects of PID in the dynamic linker's search order (its link map:
     the executable, LD_PRELOADs, then DT_NEEDED breadth-first, then dlopen()ed ones), read
     from the process's memory through the executable's DT_DEBUG; None when unreadable."""
-    with open(exe, "rb") as f:
-        elf = ELFFile(f)
-        loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
-        dyn = next((s for s in elf.iter_segments() if s["p_type"] == "PT_DYNAMIC"), None)
-        if dyn is None or not loads:
-            return None
-        pie = elf["e_type"] == "ET_DYN"
-        first_vaddr = min(s["p_vaddr"] for s in loads) & ~0xFFF
-        dyn_vaddr, dyn_size = dyn["p_vaddr"], dyn["p_memsz"]
+    headers = _program_headers(exe)
+    if headers is None:
+        return None
+    pie, segments = headers
+    loads = [s for s in segments if s[0] == _PT_LOAD]
+    dyn = next((s for s in segments if s[0] == _PT_DYNAMIC), None)
+    if dyn is None or not loads:
+        return None
+    first_vaddr = min(s[1] for s in loads) & ~0xFFF
+    dyn_vaddr, dyn_size = dyn[1], dyn[2]
     bias = 0
     if pie:
-        real = os.path.realpath(exe)
-        starts = [m.start for m in maps if m.offset == 0 and m.path
-                  and os.path.realpath(host_path(pid, m.path)) == real]
+        starts = [m.start for m in maps if m.offset == 0 and m.path and host_path(pid, m.path) == exe]
+        if not starts:  # reached through another name
+            real = os.path.realpath(exe)
+            starts = [m.start for m in maps if m.offset == 0 and m.path
+                      and os.path.realpath(host_path(pid, m.path)) == real]
         if not starts:
             return None
         bias = min(starts) - first_vaddr
@@ -417,7 +509,7 @@ def allocator(pid):
     the link map cannot be read, any mapped object but the libc that exports malloc is
     taken to be the allocator. No libc mapped: a static binary, not traced."""
     maps = read_maps(pid)
-    libc_path = process_libc(pid)
+    libc_path = process_libc(pid, maps)
     try:
         exe = host_path(pid, os.readlink(f"/proc/{pid}/exe"))
     except OSError:
@@ -456,11 +548,8 @@ def _dynamic(path):
     """PATH has a program interpreter (dynamically linked), or is the dynamic loader itself."""
     if re.search(r"/ld-linux[^/]*\.so|/ld-musl[^/]*\.so", os.path.realpath(path)):
         return True
-    try:
-        with open(path, "rb") as f:
-            return any(seg["p_type"] == "PT_INTERP" for seg in ELFFile(f).iter_segments())
-    except Exception:
-        return False
+    headers = _program_headers(path)
+    return headers is not None and any(s[0] == _PT_INTERP for s in headers[1])
 
 
 def untraced_message(pid, found):
@@ -485,7 +574,10 @@ class AllocatorCache:
     def __init__(self):
         self.known = {}  # pid -> (exe identity, Allocator or None)
 
-    def get(self, pid):
+    budget = 0.2  # seconds of new detections per annotate() (~1-4 ms a process); the rest wait
+
+    def get(self, pid, deadline=None):
+        """PID's Allocator (None: not known yet; or not looked up when past DEADLINE)."""
         try:
             key = os.stat(f"/proc/{pid}/exe")
             key = (key.st_dev, key.st_ino, _start_time(pid))
@@ -494,6 +586,8 @@ class AllocatorCache:
         old = self.known.get(pid)
         if old is not None and old[0] == key:
             return old[1]
+        if deadline is not None and time.monotonic() > deadline:
+            return None
         try:
             found = allocator(pid)
         except (PymtraceError, OSError):
@@ -505,14 +599,21 @@ class AllocatorCache:
     def annotate(self, processes, pids=()):
         """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict}),
         and an entry for each of PIDS (the watched ones) that has none because its malloc
-        is not traced (no event to list it by); forget PIDs no longer listed."""
+        is not traced (no event to list it by); forget PIDs no longer listed. New lookups
+        stop after `budget` seconds (a system-wide view may list hundreds of new processes):
+        the watched PIDs first, then processes without a traced malloc call (where another
+        allocator would show), then the others, which are left for the next call."""
+        deadline = time.monotonic() + self.budget
         for pid in pids:
             if pid not in processes and str(pid) not in processes and os.path.exists(f"/proc/{pid}"):
                 found = self.get(pid)
                 if found is not None and not found.traced:
                     processes[pid] = {"pid": pid, "comm": comm(pid)}
-        for pid, p in processes.items():
-            found = self.get(int(pid))
+        def busy(item):
+            calls = item[1].get("calls") if isinstance(item[1], dict) else None
+            return int(int(item[0]) not in pids), bool(calls and any(calls.values()))
+        for pid, p in sorted(processes.items(), key=busy):
+            found = self.get(int(pid), deadline)
             if found is not None and isinstance(p, dict):
                 p["allocator"], p["allocator_traced"] = found.name, found.traced
         listed = {int(pid) for pid in processes} | set(pids)
