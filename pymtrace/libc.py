@@ -524,11 +524,11 @@ def allocator(pid):
     if order is None:
         order = ([exe] if exe else []) + [host_path(pid, m.path) for m in maps
                                           if "x" in m.perms and m.path.startswith("/")]
-    libc_key = _file_id(libc_path) if libc_path else None
+    libc_key = file_key(libc_path) if libc_path else None
     for path in order:
         if not path:
             continue  # the vDSO, or an entry without a name
-        if libc_key is not None and _file_id(path) == libc_key:
+        if libc_key is not None and file_key(path) == libc_key:
             if in_order:
                 break  # libc comes first: objects after it do not interpose
             continue
@@ -560,7 +560,8 @@ def untraced_message(pid, found):
             f"so its malloc calls are not seen")
 
 
-def _file_id(path):
+def file_key(path):
+    """(device, inode) of PATH, or None."""
     try:
         st = os.stat(path)
     except OSError:

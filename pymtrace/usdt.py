@@ -407,12 +407,7 @@ def all_libcs():
     return [path for path, _pids in libc.distinct_libcs()]
 
 
-def _file_key(path):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
+_file_key = libc.file_key
 
 
 def load_bias(pid, path):
