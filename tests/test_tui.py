@@ -347,7 +347,10 @@ def test_state_keys_without_terminal():
     t = st.table()
     assert t.columns[t.sort].key == "comm" and not t.reverse
     st.key(curses.KEY_LEFT)
-    st.key(curses.KEY_LEFT)  # wraps around to the last column
+    st.key(curses.KEY_LEFT)  # wraps around to the last column (NOTE: names A-Z)
+    t = st.table()
+    assert t.columns[t.sort].key == "untraced_allocator" and not t.reverse
+    st.key(curses.KEY_LEFT)
     t = st.table()
     assert t.columns[t.sort].key == "faults_per_s" and t.reverse
     assert st.key(ord("x")) is False
