@@ -122,25 +122,30 @@ def libc_problem(path):
     """Why PATH cannot be a libc to trace (a sentence), or None when it can."""
     try:
         with open(path, "rb") as f:
-            elf = ELFFile(f)
-            machine, own = elf["e_machine"], _own_machine()
+            machine, own = _machine(f), _own_machine()
             if own is not None and machine != own:
-                return f"built for {machine}, not {own}"
-    except Exception as exc:
-        return f"not a readable ELF file ({type(exc).__name__}: {exc})"
-    try:
-        symbol(path, "malloc")
-    except PymtraceError as exc:
-        return str(exc)
+                return f"not a libc for this machine (ELF machine {machine}, ours is {own})"
+            if not _DynSyms(f).defined("malloc"):
+                return "exports no malloc"
+    except (OSError, ValueError, struct.error) as exc:
+        return f"not a readable ELF file ({exc})"
     return None
+
+
+def _machine(f):
+    f.seek(0)
+    head = f.read(20)
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        raise ValueError("not an ELF file")
+    return struct.unpack_from("<H", head, 18)[0]
 
 
 @functools.lru_cache(maxsize=None)
 def _own_machine():
     try:
         with open(sys.executable, "rb") as f:
-            return ELFFile(f)["e_machine"]
-    except Exception:
+            return _machine(f)
+    except (OSError, ValueError):
         return None
 
 
@@ -304,9 +309,6 @@ class Allocator:
     name: str  # "glibc" (or "musl") when traced; "jemalloc", "tcmalloc", ..., "static binary"
     traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on
     path: str = None  # the file whose malloc the process calls (None: none found)
-
-    def describe(self):
-        return f"allocator: {self.name}" + ("" if self.traced else " (not traced)")
 
 
 class _DynSyms:

@@ -13,8 +13,6 @@ import pytest
 from conftest import PYMTRACE, run_pymtrace
 from test_exporter import free_port, http_get, parse_metrics
 
-pytestmark = pytest.mark.bpf
-
 NOBODY = 65534
 
 
@@ -79,6 +77,7 @@ def _assert_noted(text, paths):
     assert "Traceback" not in text
 
 
+@pytest.mark.bpf
 def test_top_system_wide_skips_planted_libcs(planted):
     paths, pid = planted
     r = run_pymtrace("top", "--batch", "-n", "1", "-i", "1", "--view", "processes", "--view", "glibc",
@@ -97,6 +96,7 @@ def test_top_system_wide_skips_planted_libcs(planted):
         assert f"the libc {libc.system_libc()} has no malloc USDT probes" in glibc, glibc
 
 
+@pytest.mark.bpf
 def test_exporter_skips_planted_libcs(planted):
     paths, pid = planted
     port = free_port()
@@ -124,3 +124,22 @@ def test_exporter_skips_planted_libcs(planted):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_libc_problem_names_what_is_wrong(tmp_path):
+    """The check distinct_libcs applies to every file named like a libc."""
+    from pymtrace import libc
+
+    real = open(libc.system_libc(), "rb").read()
+    assert libc.libc_problem(libc.system_libc()) is None
+    cases = {"notelf": b"hello\n" * 50, "empty": b"", "truncated": real[:16384],
+             "aarch64": real[:18] + (183).to_bytes(2, "little") + real[20:]}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    assert "not a readable ELF file" in libc.libc_problem(str(tmp_path / "notelf"))
+    assert "not a readable ELF file" in libc.libc_problem(str(tmp_path / "empty"))
+    assert "not a readable ELF file" in libc.libc_problem(str(tmp_path / "truncated"))
+    assert "not a libc for this machine" in libc.libc_problem(str(tmp_path / "aarch64"))
+    assert libc.libc_problem("/usr/lib/x86_64-linux-gnu/libm.so.6") == "exports no malloc"
+    note = libc.skipped_note([(str(tmp_path / "notelf"), {5, 6}, "not a readable ELF file (x)")])
+    assert note == f"skipped {tmp_path / 'notelf'} (mapped by PID 5,6): not a readable ELF file (x)"
