@@ -510,7 +510,10 @@ def allocator(pid):
     libc_malloc_debug and libmemusage pass calls on to libc, so they do not count). When
     the link map cannot be read, any mapped object but the libc that exports malloc is
     taken to be the allocator. No libc mapped: a static binary, not traced."""
-    maps = read_maps(pid)
+    try:
+        maps = read_maps(pid)
+    except PermissionError:
+        return None  # maps unreadable even to root (some sandboxes): cannot tell
     libc_path = process_libc(pid, maps)
     try:
         exe = host_path(pid, os.readlink(f"/proc/{pid}/exe"))
