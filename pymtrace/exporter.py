@@ -450,6 +450,7 @@ class ExporterCollector:
         if have_hist:
             yield hist
         yield faults
+        yield self._allocators(snap, lab)
         yield from g_gauges.values()
         yield from g_counters.values()
 
@@ -498,6 +499,22 @@ class ExporterCollector:
         self.last_duration = time.perf_counter() - t0
         self.scrapes += 1
         yield GaugeMetricFamily("pymtrace_exporter_scrape_duration_seconds", "time this scrape took to read the maps and build the metrics", value=self.last_duration)
+
+
+    def _allocators(self, snap, lab):
+        """pymtrace_process_allocator_traced{LABEL, allocator}: 1 for processes whose malloc is
+        the traced glibc, 0 for another allocator (jemalloc, ...: its calls are not counted)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily("pymtrace_process_allocator_traced", "1 when the processes' malloc is the traced glibc, 0 when it is another allocator (jemalloc, tcmalloc, mimalloc, a static binary) whose calls are not seen", labels=[lab, "allocator"])
+        seen = {}
+        for pid, p in (snap.get("processes") or {}).items():
+            st = self.agg.pids.get(int(pid))
+            if "allocator" in p and st is not None and st.label is not None and not p.get("exited"):
+                seen[(st.label, p["allocator"])] = 1 if p.get("allocator_traced") else 0
+        for key, v in sorted(seen.items()):
+            fam.add_metric(list(key), v)
+        return fam
 
 
 def _fmt_le(v):
@@ -922,6 +939,8 @@ def build_sources(args):
             if c is not None and hasattr(c, "max_procs"):
                 c.max_procs = args.max_processes
     bundle.attach()
+    for note in bundle.notes:
+        print(f"pymtrace exporter: note: {note}", file=sys.stderr, flush=True)
     return [bundle]
 
 
