@@ -6,12 +6,12 @@
 1. Traced-workload slowdown: two single-thread workloads on a private copy of the system
    libc (which the exporter's system-wide probes attach to, but tracers other users of the
    machine put on the system libc do not): bench/storm.c (malloc(64)+free pairs: the
-   per-call uprobes of full mode) and a page-touching loop (malloc(256 KiB), touch every
-   page, free: mmap, 64 page faults, munmap: what --always-on traces), measured in
-   phases: untraced, exporter --always-on, exporter (full mode), untraced again. Min and
+   uprobes of --per-call) and a page-touching loop (malloc(256 KiB), touch every
+   page, free: mmap, 64 page faults, munmap: what the default mode traces), measured in
+   phases: untraced, exporter (default mode), exporter --per-call, untraced again. Min and
    median ns per operation, and the slowdown of the median against untraced (both
    untraced phases pooled).
-2. Scrape cost: with the full-mode exporter running and N idle processes with distinct
+2. Scrape cost: with the --per-call exporter running and N idle processes with distinct
    comms (each made a known malloc), scrape /metrics once a second; report the number of
    series, scrape latency (client side: median, p90, max) and the exporter's CPU seconds
    per wall second (/proc/PID/stat utime+stime of all its threads), idle and while scraped.
@@ -255,7 +255,7 @@ def main():
         res = {"pairs": args.pairs, "rounds": args.rounds, "phases": {}, "scrape": []}
         print("untraced ...", file=sys.stderr)
         res["phases"]["untraced-1"] = measure(storms, args.rounds)
-        for mode, flags in (("always-on", ["--always-on"]), ("full", [])):
+        for mode, flags in (("always-on", []), ("per-call", ["--per-call"])):
             print(f"exporter {mode}: starting ...", file=sys.stderr)
             ex = Exporter(*flags, "--comm", "^pmxbench")
             for st in storms.values():
@@ -264,7 +264,7 @@ def main():
             try:
                 ex.scrape()
                 res["phases"][mode] = measure(storms, args.rounds)
-                if mode == "full":
+                if mode == "per-call":
                     res["idle_cpu"] = idle_cpu(ex, 10)
                     for n in [int(x) for x in args.procs.split(",") if x]:
                         print(f"scrape phase with {n} processes ...", file=sys.stderr)
@@ -300,12 +300,12 @@ def main():
     for wl in storms:
         base = res["phases"]["untraced-1"][wl] + res["phases"]["untraced-2"][wl]
         bmed = statistics.median(base)
-        for name, vals in (("untraced", base), ("exporter --always-on", res["phases"]["always-on"][wl]),
-                           ("exporter (full)", res["phases"]["full"][wl])):
+        for name, vals in (("untraced", base), ("exporter (default)", res["phases"]["always-on"][wl]),
+                           ("exporter --per-call", res["phases"]["per-call"][wl])):
             med = statistics.median(vals)
             print(f"| {wl} | {name} | {min(vals):.0f} | {med:.0f} | {100 * (med / bmed - 1):+.1f} % |")
-    print(f"\nExporter start-up (compile + attach): always-on {res['startup']['always-on']:.1f} s, "
-          f"full {res['startup']['full']:.1f} s; idle CPU (full mode, no scrapes): {res['idle_cpu']:.3f} s/s\n")
+    print(f"\nExporter start-up (compile + attach): default {res['startup']['always-on']:.1f} s, "
+          f"--per-call {res['startup']['per-call']:.1f} s; idle CPU (--per-call, no scrapes): {res['idle_cpu']:.3f} s/s\n")
     print("| idle processes | series in a scrape | of them per-process | scrape bytes | latency median | p90 | max | exporter CPU s/s at 1 scrape/s |")
     print("|---|---|---|---|---|---|---|---|")
     for s in res["scrape"]:

@@ -375,6 +375,7 @@ class MallocCollector(_Collector):
         self.empty = empty  # benchmark floor: same probes, programs that do nothing
         self.attached = []  # (path, function, offset, kind, pid)
         self.libcs = {}  # libc path -> [pids] (or [-1] for every process)
+        self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
         self.fields = _struct_fields(self.program, "ms_stats")
         self.call_names = call_names()
         self.evictions = _Evictions()
@@ -389,7 +390,12 @@ class MallocCollector(_Collector):
                     raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
                 targets.setdefault(path, []).append(pid)
             return targets
-        for path, _pids in libc.distinct_libcs():
+        for path, users in libc.distinct_libcs(self.skipped):
+            try:
+                probe_plan(path)  # one unusable file must not stop the others (any user can map one)
+            except Exception as exc:
+                self.skipped.append((path, users, str(exc)))
+                continue
             targets[path] = [-1]
         if not targets:
             raise PymtraceError("found no libc to attach to")
@@ -702,6 +708,8 @@ class Collectors:
         self.pids = _check_pids(pids)
         self.collectors = {}
         self.errors = {}
+        self.notes = []  # lines to show once (libc files left out of a system-wide attach)
+        self.allocators = libc.AllocatorCache()
         self.track_exits = track_exits
         self._events = None
         self.start = None
@@ -736,6 +744,9 @@ class Collectors:
         except BaseException:
             self.close()
             raise
+        note = libc.skipped_note(getattr(self.collectors.get("malloc"), "skipped", None))
+        if note:
+            self.notes.append(note)
         return self
 
     def _on_event(self, ev):
@@ -779,6 +790,8 @@ class Collectors:
                 else:
                     snap[key] = value
         snap["time"] = time.monotonic()
+        if "malloc" in self.collectors:  # whose malloc each process calls (not glibc's: not traced)
+            self.allocators.annotate(snap["processes"], self.pids or ())
         if self.errors:
             snap["errors"] = dict(self.errors)
         return snap

@@ -6,8 +6,10 @@ Their snapshots are cumulative per PID; this module turns them into per-`comm` (
 cgroup, or capped per-PID) series that stay monotonic while processes come and go, and
 drops the series of processes gone for longer than a grace period.
 """
+import collections
 import gzip
 import html
+import io
 import os
 import re
 import socket
@@ -27,23 +29,25 @@ HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same 
 collectors as `pymtrace top`. Per-process series are labelled by comm (default),
 cgroup, or PID; at most --max-series label values (default 500, 20 by PID) plus "other"."""
 EPILOG = f"""examples:
-  sudo pymtrace exporter                              # all processes, :{DEFAULT_PORT}
-  sudo pymtrace exporter --always-on                  # production: tracepoints + USDT + faults only
+  sudo pymtrace exporter                              # all processes, :{DEFAULT_PORT}: tracepoints + USDT + faults
+  sudo pymtrace exporter --per-call -p 1234           # plus per-call malloc counts (costly, see OVERHEAD)
   sudo pymtrace exporter --comm '^(nginx|postgres)$' --listen 127.0.0.1:{DEFAULT_PORT}
-  sudo pymtrace exporter --label-by pid --max-series 20 -p 1234 -p 5678
+  sudo pymtrace exporter --per-call --label-by pid --max-series 20 -p 1234 -p 5678
   sudo pymtrace exporter --web-config /etc/pymtrace/web.yml   # TLS and basic auth
 
 The default port {DEFAULT_PORT} lies outside the 9100-9999 range of Prometheus's default
 port allocation list (that range is fully allocated). See docs/exporter.md for the metrics
 and the deploy files in exporters/.
 
-OVERHEAD: the full mode runs `pymtrace top`'s per-call uprobes on malloc, calloc, realloc,
-free and the memalign family of every traced libc: a malloc+free pair costs ~2 us instead
-of ~15 ns (~145x, measured on a busy 2-core machine, bench/exporter_bench.py). --always-on
-puts nothing on the malloc path (no measurable slowdown); both modes count page faults and
-slab activity (~0.1-0.3 us per fault). A scrape reads the BPF maps: ~50 ms and ~5 % of a
-core at one scrape a second for ~1,000 series, ~0.5 s for ~14,000. Start-up compiles the
-BPF programs (seconds; longer on a loaded machine). See docs/exporter.md."""
+OVERHEAD: by default nothing runs on the malloc path (page-fault and slab tracepoints,
+glibc's USDT probes on its slow paths: no measurable slowdown of malloc; ~0.1-0.3 us per
+page fault). --per-call adds `pymtrace top`'s uprobes on malloc, calloc, realloc, free and
+the memalign family of every traced libc -- of EVERY glibc process on the host unless -p
+narrows it: a malloc+free pair then costs ~2 us instead of ~15 ns (~145x, measured on a
+busy 2-core machine, bench/exporter_bench.py; an allocation-heavy Python program ran
+8-13x slower). A scrape reads the BPF maps: ~50 ms and ~5 % of a core at one scrape a
+second for ~1,000 series, ~0.5 s for ~14,000. Start-up compiles the BPF programs
+(seconds; longer on a loaded machine). See docs/exporter.md."""
 
 CALL_TYPES = ("malloc", "calloc", "realloc", "free", "free_null", "memalign",
               "posix_memalign", "valloc", "pvalloc", "aligned_alloc")
@@ -340,7 +344,7 @@ def size_bucket_le(i):
 class ExporterCollector:
     """prometheus-client custom collector: reads the collectors' maps at every scrape."""
 
-    def __init__(self, sources, aggregator, bpfstats=None, label_by="comm", mode="full",
+    def __init__(self, sources, aggregator, bpfstats=None, label_by="comm", mode="always-on",
                  bucket_le=size_bucket_le, now=None):
         self.sources = list(sources)
         self.agg = aggregator
@@ -446,6 +450,7 @@ class ExporterCollector:
         if have_hist:
             yield hist
         yield faults
+        yield self._allocators(snap, lab)
         yield from g_gauges.values()
         yield from g_counters.values()
 
@@ -496,6 +501,22 @@ class ExporterCollector:
         yield GaugeMetricFamily("pymtrace_exporter_scrape_duration_seconds", "time this scrape took to read the maps and build the metrics", value=self.last_duration)
 
 
+    def _allocators(self, snap, lab):
+        """pymtrace_process_allocator_traced{LABEL, allocator}: 1 for processes whose malloc is
+        the traced glibc, 0 for another allocator (jemalloc, ...: its calls are not counted)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily("pymtrace_process_allocator_traced", "1 when the processes' malloc is the traced glibc, 0 when it is another allocator (jemalloc, tcmalloc, mimalloc, a static binary) whose calls are not seen", labels=[lab, "allocator"])
+        seen = {}
+        for pid, p in (snap.get("processes") or {}).items():
+            st = self.agg.pids.get(int(pid))
+            if "allocator" in p and st is not None and st.label is not None and not p.get("exited"):
+                seen[(st.label, p["allocator"])] = 1 if p.get("allocator_traced") else 0
+        for key, v in sorted(seen.items()):
+            fam.add_metric(list(key), v)
+        return fam
+
+
 def _fmt_le(v):
     from prometheus_client.utils import floatToGoString
 
@@ -514,55 +535,160 @@ INDEX = """<!DOCTYPE html>
 """
 
 
+class _Conn:
+    """One open connection: its descriptor (to shut it down from another thread), client
+    address, when it began waiting for its current request, and whether that request is
+    still unauthenticated (evictable)."""
+
+    __slots__ = ("fd", "ip", "since", "pending", "evicted")
+
+    def __init__(self, fd, ip):
+        self.fd, self.ip, self.since = fd, ip, time.monotonic()
+        self.pending, self.evicted = True, False
+
+
 class MetricsServer(ThreadingHTTPServer):
-    """One thread per connection, each with a socket timeout, TLS handshakes in that thread
-    (a client that never finishes its handshake only holds its own thread), and a cap on
-    concurrent connections."""
+    """One thread per connection, TLS handshakes in that thread, and bounded resources
+    that keep a scraper served under abuse:
+
+    * each request (TLS handshake, request line, headers) must arrive whole within
+      `request_timeout` of the connection (or of the previous response), not just byte by
+      byte within the socket timeout;
+    * at most `max_connections` connections, `max_per_client` per client address; a new
+      connection beyond a cap evicts the oldest one still waiting for its request or its
+      authentication (of an address that never scraped successfully, if there is one), and
+      is refused only when every connection is busy with an authenticated request;
+    * concurrent /metrics requests share one reading of the maps (single flight).
+    """
 
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+    known_max, known_ttl = 1024, 600.0  # addresses that scraped successfully, remembered
 
-    def __init__(self, address, registry, web=None, timeout=10.0, max_connections=64, index_html=""):
+    def __init__(self, address, registry, web=None, timeout=10.0, max_connections=64, index_html="",
+                 request_timeout=5.0, max_per_client=16):
         host = address[0]
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.registry = registry
         self.web = web
         self.conn_timeout = timeout
+        self.request_timeout = request_timeout
         self.index_html = index_html
-        self.slots = threading.BoundedSemaphore(max_connections)
-        self.rejected = 0
+        self.max_connections = max_connections
+        self.max_per_client = max_per_client
+        self.conns = set()
+        self.known = collections.OrderedDict()  # client address -> last successful request
+        self.lock = threading.Lock()
+        self.rejected = self.evicted = 0
+        self._render_lock = threading.Lock()
+        self._rendered = {}  # content type -> [collection start, body, gzipped body]
         super().__init__(address, MetricsHandler)
 
+    # -- admission
+
+    def _victim(self, conns, now):
+        """The connection to evict among CONNS: the oldest still waiting, preferring
+        addresses that never scraped successfully; None when all are busy."""
+        waiting = [c for c in conns if c.pending]
+        strangers = [c for c in waiting if not self.is_known(c.ip, now)]
+        return min(strangers or waiting, key=lambda c: c.since, default=None)
+
+    def _evict(self, conn):
+        conn.evicted = True
+        self.evicted += 1
+        try:  # shutdown() on a duplicate of the descriptor wakes the thread blocked on it
+            with socket.fromfd(conn.fd, self.address_family, socket.SOCK_STREAM) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _admit(self, request, ip):
+        now = time.monotonic()
+        with self.lock:
+            live = [c for c in self.conns if not c.evicted]
+            if len(self.conns) >= 2 * self.max_connections:  # evicted ones not yet gone
+                return None
+            for group, cap in (([c for c in live if c.ip == ip], self.max_per_client), (live, self.max_connections)):
+                if len(group) >= cap:
+                    victim = self._victim(group, now)
+                    if victim is None:
+                        return None
+                    self._evict(victim)
+                    live.remove(victim)
+            conn = _Conn(request.fileno(), ip)
+            self.conns.add(conn)
+            return conn
+
+    def open_connections(self):
+        """Connections counted against the caps (evicted ones are on their way out)."""
+        with self.lock:
+            return sum(1 for c in self.conns if not c.evicted)
+
+    def forget(self, conn):
+        """Called by the connection's thread before it closes the socket (the descriptor
+        must not be shut down once it may belong to another connection)."""
+        with self.lock:
+            self.conns.discard(conn)
+
+    def set_pending(self, conn, pending):
+        with self.lock:
+            conn.pending = pending
+            if pending:
+                conn.since = time.monotonic()
+
+    def is_known(self, ip, now=None):
+        seen = self.known.get(ip)
+        return seen is not None and (now or time.monotonic()) - seen < self.known_ttl
+
+    def mark_known(self, ip):
+        with self.lock:
+            self.known[ip] = time.monotonic()
+            self.known.move_to_end(ip)
+            while len(self.known) > self.known_max:
+                self.known.popitem(last=False)
+
     def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
+        conn = self._admit(request, client_address[0])
+        if conn is None:
             self.rejected += 1
             self.shutdown_request(request)
             return
+        t = threading.Thread(target=self._serve, args=(request, client_address, conn), daemon=True)
         try:
-            super().process_request(request, client_address)
+            t.start()
+        except RuntimeError:  # cannot start a thread: shed this connection
+            self.forget(conn)
+            self.shutdown_request(request)
+
+    def _serve(self, request, client_address, conn):
+        try:
+            self.finish_request(request, client_address, conn)
         except Exception:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
+            self.handle_error(request, client_address)
         finally:
-            self.slots.release()
+            self.forget(conn)
+            self.shutdown_request(request)
 
-    def finish_request(self, request, client_address):
-        request.settimeout(self.conn_timeout)
+    def finish_request(self, request, client_address, conn=None):
+        # the handshake counts towards the first request's deadline
+        request.settimeout(max(0.001, min(self.conn_timeout, self.request_timeout)))
         ctx = self.web.ssl_context if self.web else None
         if ctx is not None:
             try:
-                request = ctx.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError):
+                request = ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+                request.do_handshake()
+            except (ssl.SSLError, OSError, ValueError):
+                if conn is not None:  # before the descriptor is closed and can be reused
+                    self.forget(conn)
+                request.close()
                 return
         try:
-            self.RequestHandlerClass(request, client_address, self)
+            self.RequestHandlerClass(request, client_address, self, conn=conn)
         finally:
             if ctx is not None:
+                if conn is not None:
+                    self.forget(conn)
                 try:
                     request.close()
                 except OSError:
@@ -571,11 +697,75 @@ class MetricsServer(ThreadingHTTPServer):
     def handle_error(self, request, client_address):
         pass  # a client that went away is not an error worth a traceback
 
+    # -- /metrics
+
+    def render(self, accept, gzip_ok):
+        """(body, content type, gzipped?) of /metrics. Requests that wait while the maps
+        are being read share the next reading instead of queueing one each; a reading that
+        began before a request arrived is never served to it."""
+        encoder, ctype = choose_encoder(accept)
+        arrived = time.monotonic()
+        with self._render_lock:
+            hit = self._rendered.get(ctype)
+            if hit is None or hit[0] < arrived:
+                started = time.monotonic()
+                hit = self._rendered[ctype] = [started, encoder(self.registry), None]
+            body = hit[1]
+            if gzip_ok and len(body) > 1024:
+                if hit[2] is None:
+                    hit[2] = gzip.compress(body, compresslevel=5)
+                return hit[2], ctype, True
+        return body, ctype, False
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The request side of a connection: every read waits at most until the handler's
+    deadline, so a request must arrive whole in time, not just each byte."""
+
+    def __init__(self, sock, handler):
+        self.sock, self.handler = sock, handler
+
+    def readable(self):
+        return True
+
+    def readinto(self, buf):
+        idle = self.handler.server.conn_timeout
+        deadline = self.handler.deadline
+        left = idle if deadline is None else min(idle, deadline - time.monotonic())
+        if left <= 0:
+            raise TimeoutError("the request did not arrive before its deadline")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buf)
+        finally:
+            self.sock.settimeout(idle)
+
 
 class MetricsHandler(BaseHTTPRequestHandler):
     server_version = f"pymtrace-exporter/{__version__}"
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # answer garbage with a real status line, not HTTP/0.9
+
+    def __init__(self, request, client_address, server, conn=None):
+        self.conn = conn
+        self.deadline = (conn.since if conn else time.monotonic()) + server.request_timeout
+        super().__init__(request, client_address, server)
+
+    def setup(self):
+        super().setup()
+        self.connection.settimeout(self.server.conn_timeout)
+        self.rfile.close()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
+
+    def handle_one_request(self):
+        if self.deadline is None:  # keep-alive: the next request has its own deadline
+            self.deadline = time.monotonic() + self.server.request_timeout
+            if self.conn:
+                self.server.set_pending(self.conn, True)
+        try:
+            super().handle_one_request()
+        finally:
+            self.deadline = None
 
     def log_message(self, fmt, *args):
         if os.environ.get("PYMTRACE_EXPORTER_ACCESS_LOG"):
@@ -599,12 +789,21 @@ class MetricsHandler(BaseHTTPRequestHandler):
 
     def _authorized(self):
         web = self.server.web
-        if web is None or not web.auth_required:
-            return True
-        if web.check_authorization(self.headers.get("Authorization")):
-            return True
-        self._send(401, "Unauthorized\n", extra={"WWW-Authenticate": 'Basic realm="pymtrace"'})
-        return False
+        if web is not None and web.auth_required:
+            from pymtrace import webconfig
+
+            result = web.authenticate(self.headers.get("Authorization"), self.client_address[0])
+            if result == webconfig.AUTH_LIMITED:
+                self.close_connection = True
+                self._send(429, "Too Many Requests: too many password checks from this address\n",
+                           extra={"Retry-After": "1"})
+                return False
+            if result != webconfig.AUTH_OK:
+                self._send(401, "Unauthorized\n", extra={"WWW-Authenticate": 'Basic realm="pymtrace"'})
+                return False
+        if self.conn:  # authenticated: no longer evictable
+            self.server.set_pending(self.conn, False)
+        return True
 
     def do_GET(self):
         path = self.path.split("?", 1)[0]
@@ -612,17 +811,14 @@ class MetricsHandler(BaseHTTPRequestHandler):
             return
         if path == "/metrics":
             # prometheus-client picks text 0.0.4 or OpenMetrics from the Accept header.
-            encoder, ctype = choose_encoder(self.headers.get("Accept"))
             try:
-                body = encoder(self.server.registry)
+                body, ctype, gzipped = self.server.render(self.headers.get("Accept"),
+                                                          "gzip" in (self.headers.get("Accept-Encoding") or ""))
             except Exception as exc:
                 self._send(500, f"collecting metrics failed: {exc}\n")
                 return
-            extra = {}
-            if "gzip" in (self.headers.get("Accept-Encoding") or "") and len(body) > 1024:
-                body = gzip.compress(body, compresslevel=5)
-                extra["Content-Encoding"] = "gzip"
-            self._send(200, body, ctype, extra)
+            self._send(200, body, ctype, {"Content-Encoding": "gzip"} if gzipped else None)
+            self.server.mark_known(self.client_address[0])
         elif path == "/":
             self._send(200, self.server.index_html, "text/html; charset=utf-8")
         else:
@@ -651,11 +847,13 @@ def parse_listen(text):
     return host, port
 
 
-def make_server(listen, registry, web=None, timeout=10.0, index_html="", max_connections=64):
+def make_server(listen, registry, web=None, timeout=10.0, index_html="", max_connections=64,
+                request_timeout=5.0, max_per_client=16):
     host, port = parse_listen(listen) if isinstance(listen, str) else listen
     try:
         return MetricsServer((host, port), registry, web=web, timeout=timeout,
-                             index_html=index_html, max_connections=max_connections)
+                             index_html=index_html, max_connections=max_connections,
+                             request_timeout=request_timeout, max_per_client=max_per_client)
     except OSError as exc:
         raise PymtraceError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from None
 
@@ -668,8 +866,13 @@ def configure(parser):
     parser.add_argument("-p", "--pid", type=int, action="append", default=[], metavar="PID",
                         help="only these processes (repeatable; default: all)")
     parser.add_argument("--comm", metavar="REGEX", help="only processes whose comm matches REGEX")
+    parser.add_argument("--per-call", action="store_true",
+                        help="also count every malloc-API call (pymtrace_malloc_* series) with uprobes on "
+                             "malloc/free/...: ~2 us per malloc+free pair in every traced process (~145x "
+                             "a bare pair), all glibc processes of the host unless -p narrows it")
     parser.add_argument("--always-on", action="store_true",
-                        help="production mode: tracepoints, USDT probes and faults only, no per-call uprobes")
+                        help="accepted for compatibility: tracepoints, USDT probes and faults only, "
+                             "which is now the default")
     parser.add_argument("--web-config", metavar="FILE",
                         help="TLS and basic-auth settings (Prometheus exporter-toolkit web config format)")
     parser.add_argument("--label-by", choices=("comm", "cgroup", "pid"), default="comm",
@@ -682,6 +885,14 @@ def configure(parser):
                         help="capacity of the collectors' per-process BPF maps (LRU; default the collectors')")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                         help="per-connection socket timeout (default 10)")
+    parser.add_argument("--request-timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="a request (TLS handshake, request line, headers) must arrive whole within "
+                             "this time of the connection or of the previous response (default 5)")
+    parser.add_argument("--max-connections", type=int, default=64, metavar="N",
+                        help="concurrent connections (default 64); beyond it the oldest connection still "
+                             "waiting for its request or authentication is closed")
+    parser.add_argument("--max-connections-per-client", type=int, default=16, metavar="N",
+                        help="concurrent connections per client address (default 16)")
     parser.add_argument("--no-bpf-stats", action="store_true",
                         help="do not turn on the kernel's BPF run-time statistics")
 
@@ -698,6 +909,12 @@ def _check_args(args):
         raise PymtraceError("--max-series must be at least 1")
     if args.grace < 0:
         raise PymtraceError("--grace must be >= 0")
+    if args.per_call and args.always_on:
+        raise PymtraceError("--per-call and --always-on contradict each other (--always-on is the default)")
+    if not (args.timeout > 0 and args.request_timeout > 0):
+        raise PymtraceError("--timeout and --request-timeout must be > 0")
+    if args.max_connections < 1 or args.max_connections_per_client < 1:
+        raise PymtraceError("--max-connections and --max-connections-per-client must be at least 1")
     for pid in args.pid:
         if not os.path.exists(f"/proc/{pid}"):
             from pymtrace.errors import ProcessGone
@@ -707,11 +924,11 @@ def _check_args(args):
 
 def build_sources(args):
     """The same collectors as `pymtrace top` (pymtrace.collect.Collectors), attached for the
-    exporter's mode: full = malloc uprobes + slab + faults + glibc USDT; always-on = the
-    same without the per-call malloc uprobes."""
+    exporter's mode: always-on (default) = slab + faults + glibc USDT, nothing on the
+    malloc path; per-call = the same plus the per-call malloc uprobes."""
     from pymtrace import collect
 
-    bundle = collect.Collectors(pids=args.pid or None, malloc=not args.always_on, slab=True,
+    bundle = collect.Collectors(pids=args.pid or None, malloc=args.per_call, slab=True,
                                 faults=True, glibc=True)
     faults = bundle.collectors.get("faults")
     if faults is not None and hasattr(faults, "regions"):
@@ -722,6 +939,8 @@ def build_sources(args):
             if c is not None and hasattr(c, "max_procs"):
                 c.max_procs = args.max_processes
     bundle.attach()
+    for note in bundle.notes:
+        print(f"pymtrace exporter: note: {note}", file=sys.stderr, flush=True)
     return [bundle]
 
 
@@ -736,14 +955,15 @@ def run(args):
     from pymtrace import bpfload
 
     _check_args(args)
-    bpfload.require_root("pymtrace exporter")
     web = None
-    if args.web_config:
+    if args.web_config:  # checked first: a broken file is reported without root or BPF
         from pymtrace import webconfig
 
         web = webconfig.load(args.web_config)
-    mode = "always-on" if args.always_on else "full"
-    server = make_server(args.listen, None, web=web, timeout=args.timeout,
+    bpfload.require_root("pymtrace exporter")
+    mode = "per-call" if args.per_call else "always-on"
+    server = make_server(args.listen, None, web=web, timeout=args.timeout, request_timeout=args.request_timeout,
+                         max_connections=args.max_connections, max_per_client=args.max_connections_per_client,
                          index_html=INDEX.format(mode=mode, label=html.escape(args.label_by), version=__version__))
     stats = None
     sources = []

@@ -481,6 +481,8 @@ class Recorder:
         self.polls = 0
         self.last_poll = None
         self.max_gap = 0.0
+        self.allocators = libc.AllocatorCache()  # -- CMD: whose malloc it calls (_warn_allocator)
+        self.allocator_checked, self.allocator_warned = 0.0, []
 
     # -- files
     def output_for(self, tgid):
@@ -526,6 +528,9 @@ class Recorder:
                 raise PymtraceError(f"process {self.target} is this pymtrace: recording it would "
                                     "record its own recording without end")
             libc_path = args.libc or libc.process_libc(self.target)
+            found = None if args.libc else libc.allocator(self.target)
+            if found is not None and not found.traced and libc_path is not None:
+                raise PymtraceError(libc.untraced_message(self.target, found) + ": nothing to record")
         try:
             if libc_path is None:
                 raise PymtraceError("the process does not use a shared libc (static binary?): "
@@ -710,6 +715,8 @@ class Recorder:
                     for out in self.outputs.values():
                         out.snapshot_maps()
                     last_maps = now
+                if self.launched is not None and not args.libc:
+                    self._warn_allocator()
                 if deadline is not None and now >= deadline:
                     break
                 if not self._target_alive(pidfd) and not self._children_alive():
@@ -733,6 +740,18 @@ class Recorder:
         self.duration = time.monotonic() - self.start
         self.interrupted = interrupted
         return self._finish()
+
+    def _warn_allocator(self):
+        """-- CMD: once the command's libraries are loaded (after each exec), warn once if its
+        malloc is not glibc's (jemalloc, tcmalloc, ...): those calls are not recorded."""
+        now = time.monotonic()
+        if now - self.allocator_checked < 0.02:
+            return
+        self.allocator_checked = now
+        found = self.allocators.get(self.target)
+        if found is not None and not found.traced and found not in self.allocator_warned:
+            self.allocator_warned.append(found)
+            print(f"pymtrace: warning: {libc.untraced_message(self.target, found)}", file=sys.stderr)
 
     def _finish(self):
         args = self.args

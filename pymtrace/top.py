@@ -15,8 +15,9 @@ from pymtrace.errors import PymtraceError
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested
-               bytes/s, mean size, live bytes (allocated minus freed chunk bytes since
-               attach), page faults/s
+               bytes/s, mean size (of the interval's calls), live bytes (allocated minus
+               freed chunk bytes since attach), page faults/s; a process whose malloc is
+               not glibc's says e.g. "allocator: jemalloc (not traced)"
   2 slab       kernel slab caches: allocs/s, frees/s, bytes/s, net objects
   3 faults     page faults per process and per mapped region (file, [heap], [stack], [anon])
   4 glibc      glibc arenas, heaps, sbrk, thresholds, arena lock waits (needs a libc built
@@ -60,7 +61,8 @@ def configure(parser):
     parser.add_argument("-p", "--pid", type=int, action="append", dest="pids", metavar="PID",
                         help="trace this process (repeatable; default: every process)")
     parser.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS",
-                        help="refresh interval (default 1)")
+                        help="refresh interval (default 1); every report, the first included, "
+                             "covers one interval after attach")
     parser.add_argument("-b", "--batch", action="store_true",
                         help="print plain tables every interval instead of the full-screen view")
     parser.add_argument("--json", action="store_true",
@@ -246,9 +248,11 @@ def run(args):
 def _run_batch(args, collectors, pids):
     have_glibc = "glibc" in collectors.collectors
     reporter = Reporter(args, _views_wanted(args, have_glibc), pids)
-    prev = None
+    for note in collectors.notes:
+        print(f"pymtrace: note: {note}", file=sys.stderr, flush=True)
+    # every report covers one interval after attach, the first included: rates from a
+    # baseline taken now, never from the time spent compiling and attaching
     cur = collectors.snapshot()
-    reporter.report(prev, cur)
     next_at = time.monotonic() + args.interval
     while not args.iterations or reporter.iteration < args.iterations:
         time.sleep(max(0.0, next_at - time.monotonic()))
@@ -268,11 +272,14 @@ def _run_tui(args, collectors, pids):
     from pymtrace import tui
 
     state = {"gone": False}
+    notes = list(collectors.notes)
 
     def source():
         if state["gone"]:
             raise StopIteration
         snap = collectors.snapshot()
+        if notes:
+            snap.setdefault("notes", []).extend(notes)
         if pids and not _alive(pids):
             state["gone"] = True  # show the final numbers once, end at the next refresh
         return snap

@@ -142,8 +142,12 @@ def draw(scr, state, table):
     if state.paused:
         status += "  PAUSED"
     _put(scr, 0, 0, f"pymtrace top  {tabs}  {status}", width, curses.A_BOLD)
-    _put(scr, 1, 0, views.summary(table), width)
     head, lines = layout(table, width)
+    if state.prev is None:  # the first interval after attach is running: no rates yet
+        _put(scr, 1, 0, f"measuring the first {state.interval:g}s interval...", width)
+        lines = []
+    else:
+        _put(scr, 1, 0, views.summary(table), width)
     _put(scr, 2, 0, head.ljust(width)[:width], width, curses.A_REVERSE)
     body_top, body_bottom = 3, height - 2  # last line: help
     room = body_bottom - body_top + 1

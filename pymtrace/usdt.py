@@ -53,7 +53,7 @@ GlibcCollector.snapshot() schema (cumulative since attach, JSON-able; consumed b
     }},
      "lost": {"glibc_events": ring-buffer reserve failures},
      "glibc_collector": {"lost_events": the same, "map_full": {map: n},
-                         "libcs": [{"libc", "probes", "sites", "attached"}],
+                         "libcs": [{"libc", "probes", "sites", "attached", "reason"}],
                          "warnings": [str]}}
 """
 import ctypes
@@ -407,12 +407,7 @@ def all_libcs():
     return [path for path, _pids in libc.distinct_libcs()]
 
 
-def _file_key(path):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
+_file_key = libc.file_key
 
 
 def load_bias(pid, path):
@@ -584,7 +579,7 @@ class GlibcCollector:
         for path, pids in plan:
             st = libc_status(path)
             self.libc_info.append({"libc": path, "probes": st["probes"], "sites": st["sites"],
-                                   "attached": bool(st["probes"]), "pids": pids})
+                                   "attached": bool(st["probes"]), "pids": pids, "reason": st["reason"]})
             if st["probes"]:
                 with_probes.append((path, pids))
         self.sites, warnings = build_sites([p for p, _ in with_probes])

@@ -134,7 +134,9 @@ PROCESS_COLUMNS = [
     Column("mean_size", "MEAN SIZE", "bytes"),
     Column("live_bytes", "LIVE", "bytes"),
     Column("faults_per_s", "FAULTS/s", "rate"),
+    Column("untraced_allocator", "NOTE", "allocator", False),  # set when malloc is not glibc's
 ]
+FAULTS_COLUMN = len(PROCESS_COLUMNS) - 2
 
 
 def _old_row(old_procs, pid):
@@ -157,14 +159,12 @@ def processes_view(prev, cur, interval=None):
         calls = {c: _delta(_get(p, "calls", c), _get(o, "calls", c)) for c in ALLOC_CALLS + ("free",)}
         n_alloc = sum(calls[c] for c in ALLOC_CALLS)
         req = _delta(_get(p, "requested_bytes"), _get(o, "requested_bytes"))
-        if n_alloc:
-            mean = req / n_alloc
-        else:  # idle this interval: the mean since attach
-            total_calls = sum(_get(p, "calls", c) for c in ALLOC_CALLS)
-            mean = _get(p, "requested_bytes") / total_calls if total_calls else 0
+        mean = req / n_alloc if n_alloc else None  # per interval: none when idle (blank, null)
         faults = _delta(_get(p, "faults_user") + _get(p, "faults_kernel"),
                         _get(o, "faults_user") + _get(o, "faults_kernel"))
         traced = "calls" in p  # no per-call data (e.g. --always-on): blank, not zero
+        untraced = p.get("allocator") if p.get("allocator_traced") is False else None
+        traced = traced and untraced is None  # another allocator: its calls are not seen
         has_faults = "faults_user" in p or "faults_kernel" in p
         row = [
             pid,
@@ -178,6 +178,7 @@ def processes_view(prev, cur, interval=None):
             mean if traced else None,
             _get(p, "live_bytes") if traced else None,
             faults / dt if has_faults else None,
+            untraced,
         ]
         rows.append(row)
         tot["processes"] += 1
@@ -187,7 +188,7 @@ def processes_view(prev, cur, interval=None):
         tot["live_bytes"] += _get(p, "live_bytes")
         tot["faults_per_s"] += faults / dt
     # without per-call data (--always-on) the faults are all there is to sort by
-    sort = 2 if tot.get("traced") or not rows else len(PROCESS_COLUMNS) - 1
+    sort = 2 if tot.get("traced") or not rows else FAULTS_COLUMN
     return Table("processes", TITLES["processes"], PROCESS_COLUMNS, rows, sort=sort, totals=tot, interval=dt)
 
 
@@ -304,15 +305,16 @@ def _has_probes(g):
     return bool(_num(probes)) if not isinstance(probes, (list, tuple, dict)) else bool(probes)
 
 
-def no_probes_sentence(pid, comm, g):
-    """The plain sentence shown for a process whose libc has no malloc USDT probes."""
+def no_probes_sentence(pid, comm, g, who=None, whose="its"):
+    """The plain sentence shown for a process whose libc has no malloc USDT probes (WHO:
+    instead of "PID (comm)", e.g. for every process of a system-wide view)."""
     libc_path = g.get("libc") if isinstance(g, dict) else None
     reason = g.get("reason") if isinstance(g, dict) else None
-    who = f"PID {pid} ({comm})"
+    who = who or f"PID {pid} ({comm})"
     if not libc_path:
         why = str(reason).rstrip(".") if reason else "no libc with malloc USDT probes is mapped"
         return f"{who}: glibc allocator internals are not available ({why})."
-    where = f"its libc {libc_path}"
+    where = f"{whose} libc {libc_path}"
     text = f"{who}: {where} has no malloc USDT probes, so glibc allocator internals are not available"
     if reason:
         reason = str(reason).rstrip(".")
@@ -359,10 +361,21 @@ def glibc_view(prev, cur, interval=None):
                          _rate(n, old_waits.get(tid, 0), dt)])
             groups.append(pid)
             leaders.append(False)
-    if not glibc:
+    probeless = _probeless_libcs(cur) if not glibc else []
+    for info in probeless:  # system-wide: no libc in use has probes, so no process is listed
+        notes.append(no_probes_sentence(None, None, info, who="every process (system-wide)", whose="the"))
+    tot["libcs_without_probes"] = len(probeless)
+    if not glibc and not probeless:
         notes.append("No process is being watched through glibc's malloc probes yet.")
     return Table("glibc", TITLES["glibc"], GLIBC_COLUMNS, rows, sort=0, reverse=False, groups=groups,
                  leaders=leaders, notes=notes, totals=tot, interval=dt)
+
+
+def _probeless_libcs(cur):
+    """The libcs the glibc collector looked at, when none of them had probes to attach."""
+    gc = cur.get("glibc_collector")
+    libcs = [i for i in (gc.get("libcs") or ()) if isinstance(i, dict)] if isinstance(gc, dict) else []
+    return [] if any(i.get("attached") for i in libcs) else libcs
 
 
 def _opt(d, key):
@@ -410,6 +423,7 @@ def build(view, prev, cur, interval=None, sort=None, reverse=None):
         table.reverse = bool(reverse)
     sort_rows(table)
     table.lost = _lost(cur or {})
+    table.notes.extend(str(n) for n in (cur or {}).get("notes") or ())
     return table
 
 
@@ -531,6 +545,8 @@ def format_cell(kind, value):
         return str(int(value)) if isinstance(value, (int, float)) else str(value)
     if kind == "pct":
         return f"{_num(value):.1f}%"
+    if kind == "allocator":
+        return f"allocator: {value} (not traced)"
     return str(value)
 
 
@@ -580,6 +596,10 @@ def summary(table):
                 f"{human_count(t.get('frees_per_s', 0))} frees/s, {human_bytes(t.get('bytes_per_s', 0))}/s")
     elif table.view == "faults":
         text = f"{t.get('processes', 0)} processes, {human_count(t.get('faults_per_s', 0))} faults/s, {t.get('faults', 0)} since attach"
+    elif t.get("libcs_without_probes") and not t.get("processes") and not t.get("without_probes"):
+        n = t["libcs_without_probes"]
+        text = ("the libc in use has no" if n == 1 else f"none of the {n} libcs in use has") + \
+            " malloc USDT probes: no glibc internals to show (see below)"
     else:
         text = (f"{t.get('processes', 0)} processes with probes, {t.get('without_probes', 0)} without, "
                 f"{human_count(t.get('lock_waits_per_s', 0))} arena lock waits/s")

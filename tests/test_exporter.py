@@ -468,12 +468,275 @@ def test_bad_requests_and_stalled_clients_do_not_block_scrapes(served):
 def test_connection_cap_keeps_memory_bounded_but_scrapes_resume(served):
     ex = served([FakeSource()], timeout=1.0, max_connections=4)
     held = [socket.create_connection(("127.0.0.1", ex.port)) for _ in range(8)]
-    time.sleep(0.3)
-    assert ex.server.rejected >= 4
-    for s in held:
-        s.close()
+    try:
+        time.sleep(0.3)
+        # beyond the cap, the oldest connections still waiting for their request are closed
+        assert ex.server.evicted >= 4
+        assert ex.server.open_connections() <= 4
+        held[0].settimeout(2)
+        assert held[0].recv(10) == b""
+        assert http_get(ex.url + "/metrics", timeout=2)[0] == 200  # while the newest ones are held
+    finally:
+        for s in held:
+            s.close()
     time.sleep(1.5)
     assert http_get(ex.url + "/metrics")[0] == 200
+    deadline = time.monotonic() + 5  # the last connection's thread ends just after its reply
+    while ex.server.open_connections() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ex.server.open_connections() == 0
+
+
+class SlowClients:
+    """Slowloris: clients that each send one more byte of a request every PERIOD seconds
+    (well within the server's per-read timeout) and reconnect whenever the server closes
+    them, from the given source addresses; one thread, bounded in count and time."""
+
+    def __init__(self, port, sources, period=0.5, duration=10.0):
+        self.port, self.sources, self.period, self.duration = port, sources, period, duration
+        self.connects = self.closed_by_server = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import select
+
+        payload = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 2000
+        socks = {}  # index -> [socket, bytes sent]
+        end = time.monotonic() + self.duration
+        while not self.stop.is_set() and time.monotonic() < end:
+            for i, src in enumerate(self.sources):
+                entry = socks.get(i)
+                if entry is not None:
+                    if select.select([entry[0]], [], [], 0)[0]:  # EOF or a reply: closed by the server
+                        entry[0].close()
+                        self.closed_by_server += 1
+                        del socks[i]
+                        entry = None
+                if entry is None:
+                    try:
+                        s = socket.create_connection(("127.0.0.1", self.port), timeout=1, source_address=(src, 0))
+                    except OSError:
+                        continue
+                    self.connects += 1
+                    entry = socks[i] = [s, 0]
+                try:
+                    entry[0].send(payload[entry[1]:entry[1] + 1])
+                    entry[1] += 1
+                except OSError:
+                    entry[0].close()
+                    del socks[i]
+            self.stop.wait(self.period)
+        for s, _ in socks.values():
+            s.close()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _timed_get(url, headers=None, source=None):
+    """(status or the exception's name, seconds) of one GET, from SOURCE address if given."""
+    import http.client
+
+    u = urllib.parse.urlsplit(url)
+    t0 = time.monotonic()
+    try:
+        c = http.client.HTTPConnection(u.hostname, u.port, timeout=5, source_address=(source, 0) if source else None)
+        c.request("GET", u.path or "/", headers=headers or {})
+        r = c.getresponse()
+        r.read()
+        c.close()
+        return r.status, time.monotonic() - t0
+    except OSError as exc:
+        return type(exc).__name__, time.monotonic() - t0
+
+
+def test_slowloris_clients_do_not_block_a_concurrent_scrape(served):
+    """70 clients trickling their requests a byte at a time (from 5 addresses, 14 each:
+    more than the 64 connection slots, under the per-address cap) never time out byte by
+    byte; they used to hold every slot so that every scrape was refused. A request must
+    now arrive whole within the request timeout, and a new connection evicts the oldest
+    one still waiting for its request: every scrape is served within a bound."""
+    ex = served([FakeSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})], timeout=3.0,
+                request_timeout=2.0)
+    assert _timed_get(ex.url + "/metrics")[0] == 200  # the scraper, before the attack
+    sources = [f"127.0.0.{2 + i // 14}" for i in range(70)]
+    slow = SlowClients(ex.port, sources, period=0.5, duration=12)
+    try:
+        deadline = time.monotonic() + 5
+        while slow.connects < 70 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # all slots taken by now (before the fix: for good)
+        results = []
+        for _ in range(6):
+            results.append(_timed_get(ex.url + "/metrics"))
+            time.sleep(0.5)
+        assert all(status == 200 for status, _ in results), results
+        assert max(t for _, t in results) < 3.0, results
+        # the slow clients were cut off (deadline or eviction), not just outnumbered
+        assert slow.closed_by_server >= 6, (slow.connects, slow.closed_by_server)
+        assert ex.server.open_connections() <= 64
+    finally:
+        slow.close()
+
+
+def test_a_request_must_arrive_whole_within_the_request_timeout(served):
+    """A client trickling a byte every 0.5 s never trips the 3 s per-read timeout; the
+    connection is closed once its request has not arrived whole within the 1.5 s deadline."""
+    ex = served([FakeSource()], timeout=3.0, request_timeout=1.5)
+    s = socket.create_connection(("127.0.0.1", ex.port), timeout=10)
+    try:
+        t0 = time.monotonic()
+        closed = None
+        for b in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 20:
+            try:
+                s.send(bytes([b]))
+            except OSError:
+                closed = time.monotonic() - t0
+                break
+            s.settimeout(0.5)
+            try:
+                if s.recv(100) == b"":
+                    closed = time.monotonic() - t0
+                    break
+            except socket.timeout:
+                pass
+            if time.monotonic() - t0 > 8:
+                break
+        assert closed is not None and 1.3 < closed < 6.0, closed
+    finally:
+        s.close()
+
+
+def _auth_config(tmp_path, cost=8):
+    import bcrypt
+
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(cost)).decode()
+    cfg = tmp_path / "auth.yml"
+    cfg.write_text(f"basic_auth_users:\n  prom: '{hashed}'\n")
+    return webconfig.load(cfg)
+
+
+@pytest.fixture
+def bcrypt_calls(monkeypatch):
+    """Counts bcrypt.checkpw calls (what a password check costs: ~70 ms at cost 10)."""
+    import bcrypt
+
+    calls = []
+    real = bcrypt.checkpw
+
+    def counting(password, hashed):
+        calls.append(password)
+        return real(password, hashed)
+
+    monkeypatch.setattr(bcrypt, "checkpw", counting)
+    return calls
+
+
+def test_repeated_valid_credentials_cost_one_bcrypt_check(served, tmp_path, bcrypt_calls):
+    ex = served([FakeSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})], web=_auth_config(tmp_path))
+    # a burst of concurrent requests with the same credentials, then sequential ones
+    barrier = threading.Barrier(12)
+    results = []
+
+    def get():
+        barrier.wait()
+        results.append(http_get(ex.url + "/metrics", _basic("prom", "s3cret"))[0])
+
+    threads = [threading.Thread(target=get) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    results += [http_get(ex.url + "/metrics", _basic("prom", "s3cret"))[0] for _ in range(10)]
+    assert results == [200] * 22
+    assert len(bcrypt_calls) == 1
+    # a wrong password is refused, and refused again without another bcrypt check
+    assert http_get(ex.url + "/metrics", _basic("prom", "s3cre"))[0] == 401
+    assert http_get(ex.url + "/metrics", _basic("prom", "s3cre"))[0] == 401
+    assert len(bcrypt_calls) == 2
+    assert http_get(ex.url + "/metrics", _basic("prom", "s3cret"))[0] == 200
+    assert len(bcrypt_calls) == 2
+
+
+def test_wrong_password_flood_costs_bounded_bcrypt_and_a_valid_scrape_is_served(served, tmp_path, bcrypt_calls):
+    """4 clients send wrong passwords as fast as they can for 3 s (one repeated wrong
+    password, and a new one each time), from another address than the scraper's. Each used
+    to cost a bcrypt check; now repeats cost none and each address gets a few checks a
+    second (then 429). Scrapes with the valid password go on being served meanwhile."""
+    ex = served([FakeSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})], web=_auth_config(tmp_path))
+    statuses = {}
+    lock = threading.Lock()
+    stop = time.monotonic() + 3.0
+
+    def flood(k):
+        for i in range(400):
+            if time.monotonic() > stop:
+                break
+            pw = "wrong" if i % 2 else f"wrong-{k}-{i}"
+            status, _ = _timed_get(ex.url + "/metrics", _basic("prom", pw), source="127.0.0.2")
+            with lock:
+                statuses[status] = statuses.get(status, 0) + 1
+
+    threads = [threading.Thread(target=flood, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    scrapes = []
+    while time.monotonic() < stop:
+        scrapes.append(_timed_get(ex.url + "/metrics", _basic("prom", "s3cret")))
+        time.sleep(0.3)
+    for t in threads:
+        t.join(30)
+    # 1 for the scraper, a burst of 5 and about 1/s for the flooding address
+    assert len(bcrypt_calls) <= 1 + 5 + 4 + 1, (len(bcrypt_calls), statuses)
+    assert sum(statuses.values()) >= 100, statuses  # it was a flood
+    assert set(statuses) <= {401, 429}, statuses
+    assert scrapes and all(status == 200 for status, _ in scrapes), scrapes
+    assert max(t for _, t in scrapes) < 3.0, scrapes
+
+
+class SlowSource(FakeSource):
+    """A source whose snapshot takes as long as reading real BPF maps (~0.1 s)."""
+
+    def snapshot(self):
+        time.sleep(0.1)
+        return super().snapshot()
+
+
+def test_a_flood_of_valid_requests_does_not_starve_another_scraper(served):
+    """48 clients from one address request /metrics as fast as they can for 3 s (field
+    report: 1,000/s let few scrapes through). Each request used to read the maps on its own,
+    one after the other, so a scrape queued behind all of them; now concurrent requests
+    share one reading, and one address holds at most 16 connections."""
+    src = SlowSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})
+    ex = served([src])
+    served_flood = [0]
+    lock = threading.Lock()
+    stop = time.monotonic() + 3.0
+
+    def flood():
+        for _ in range(300):
+            if time.monotonic() > stop:
+                break
+            if _timed_get(ex.url + "/metrics", source="127.0.0.2")[0] == 200:
+                with lock:
+                    served_flood[0] += 1
+
+    threads = [threading.Thread(target=flood) for _ in range(48)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    scrapes = []
+    while time.monotonic() < stop:
+        scrapes.append(_timed_get(ex.url + "/metrics"))
+        time.sleep(0.2)
+    for t in threads:
+        t.join(30)
+    assert scrapes and all(status == 200 for status, _ in scrapes), scrapes
+    assert max(t for _, t in scrapes) < 2.5, scrapes  # ~5 s before
+    assert served_flood[0] > src.calls, (served_flood[0], src.calls)  # readings were shared
 
 
 def test_listen_parsing():
@@ -567,13 +830,57 @@ def test_web_config_errors(tmp_path, tls_files):
         "  min_version: TLS99\n": "min_version",
         ": : :\n": "YAML",
     }
-    for text, needle in cases.items():
+    for text, needle in {**cases, **BAD_WEB_CONFIGS(tls_files)}.items():
         f = tmp_path / "w.yml"
         f.write_text(text)
         with pytest.raises(webconfig.WebConfigError, match=needle):
             webconfig.load(f)
     with pytest.raises(webconfig.WebConfigError, match="cannot read"):
         webconfig.load(tmp_path / "missing.yml")
+    (tmp_path / "bin.yml").write_bytes(b"\xff\xfe\x00\x01 binary")
+    with pytest.raises(webconfig.WebConfigError, match="web config"):
+        webconfig.load(tmp_path / "bin.yml")
+
+
+def BAD_WEB_CONFIGS(tls_files):
+    """Web configs that cannot work or have the wrong types -> the one-line error expected."""
+    tls = f"tls_server_config:\n  cert_file: {tls_files}/cert.pem\n  key_file: {tls_files}/key.pem\n"
+    return {
+        # no TLS version is both >= min and <= max: refused instead of failing every handshake
+        tls + "  min_version: TLS13\n  max_version: TLS12\n": "min_version TLS13 is above max_version TLS12",
+        tls + "  max_version: TLS11\n": "min_version TLS12 is above max_version TLS11",  # default min TLS12
+        # a header value with CR/LF would inject headers into every response
+        'http_server_config:\n  headers:\n    X-Frame-Options: "deny\\r\\nSet-Cookie: a=b"\n': "line break",
+        'http_server_config:\n  headers:\n    X-Frame-Options: "deny\\nX: y"\n': "line break",
+        "http_server_config:\n  headers:\n    'X Bad': deny\n": "not a valid header name",
+        # wrong types: one line each, never a traceback
+        "tls_server_config:\n  cert_file: [a, b]\n  key_file: k\n": "cert_file must be a string, not a list",
+        tls + "  client_auth_type: [RequireAndVerifyClientCert]\n": "client_auth_type must be a string",
+        tls + "  min_version: [TLS12]\n": "min_version must be a string",
+        tls + "  max_version: {a: 1}\n": "max_version must be a string, not a mapping",
+        tls + "  client_ca_file: 7\n": "client_ca_file must be a string, not a number",
+        tls + "  cipher_suites: [1, 2]\n": "cipher_suites must be a list of strings",
+        tls + "  prefer_server_cipher_suites: maybe\n": "true or false",
+        "http_server_config:\n  headers:\n    X-Frame-Options: [deny, sameorigin]\n": "X-Frame-Options must be a string",
+        "http_server_config:\n  headers: [a]\n": "headers must be a mapping, not a list",
+        "http_server_config: [1]\n": "http_server_config must be a mapping",
+        "http_server_config:\n  http2: [true]\n": "http2 must be true or false",
+        "basic_auth_users:\n  prom: [a, b]\n": "bcrypt hash",
+        "basic_auth_users: [prom]\n": "basic_auth_users must be a mapping",
+        "- a\n- b\n": "the file must be a mapping",
+    }
+
+
+def test_bad_web_configs_are_one_line_errors_from_the_cli(tmp_path, tls_files):
+    from conftest import run_pymtrace
+
+    for i, text in enumerate(BAD_WEB_CONFIGS(tls_files)):
+        f = tmp_path / f"bad{i}.yml"
+        f.write_text(text)
+        r = run_pymtrace("exporter", "--listen", "127.0.0.1:0", "--web-config", str(f), timeout=30)
+        assert r.returncode == 2, (text, r.returncode, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pymtrace: error: web config"), (text, r.stderr)
 
 
 def test_real_prometheus_scrapes_over_tls_with_basic_auth(served, tls_files, tmp_path):
@@ -710,6 +1017,10 @@ def test_cli_help_and_argument_errors():
 
     r = run_pymtrace("exporter", "--help")
     assert r.returncode == 0 and "--web-config" in r.stdout and str(exporter.DEFAULT_PORT) in r.stdout
+    # per-call uprobes are an explicit opt-in whose cost --help states
+    assert "--per-call" in r.stdout and "2 us per malloc+free pair" in " ".join(r.stdout.split())
+    r = run_pymtrace("exporter", "--per-call", "--always-on")
+    assert r.returncode != 0 and "contradict" in r.stderr and "Traceback" not in r.stderr
     r = run_pymtrace("exporter", "--comm", "(")
     assert r.returncode != 0 and "--comm" in r.stderr
     r = run_pymtrace("exporter", "--listen", "nonsense")

@@ -1,6 +1,8 @@
 """`pymtrace exporter` for real: BPF collectors, a C workload with known calls, a real
 Prometheus scraping every second, promtool on a live scrape, churn of 1,000 short-lived
 processes, and glibc internals on the probe-carrying libc."""
+import os
+import re
 import signal
 import subprocess
 import time
@@ -162,15 +164,17 @@ class Exporter:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 120
-        line = ""
+        said = []
         while time.time() < deadline:
             line = self.proc.stderr.readline()
+            said.append(line)
             if "serving" in line:
                 return
             if not line and self.proc.poll() is not None:
                 break
-        self.stop()
-        raise AssertionError(f"exporter did not start: {line} {self.proc.stderr.read() if self.proc.stderr else ''}")
+        rc = self.stop()  # negative: killed by that signal
+        raise AssertionError(f"exporter did not start (exit status {rc}): {''.join(said)}"
+                             f"{self.proc.stderr.read() if self.proc.stderr else ''}")
 
     def scrape(self):
         status, _, body = http_get(self.url + "/metrics", timeout=30)
@@ -211,17 +215,27 @@ class Workload:
 
 
 def _uprobes_of(pid):
-    try:
-        with open("/sys/kernel/tracing/uprobe_events") as f:
-            return [line for line in f if f"_bcc_{pid}" in line]
-    except OSError:
-        return []
+    """[(file, offset)] of the uprobes process PID holds: BCC creates them either as perf
+    events (listed by `bpftool perf list`) or as tracefs uprobe_events named ..._bcc_PID."""
+    from pymtrace import bpfload
+    from test_top_support import bpf_uprobes_of
+
+    held = bpf_uprobes_of(pid)
+    if held is None:
+        from conftest import missing_or_fail
+
+        missing_or_fail("bpftool is not installed (Debian package bpftool)")
+    probes = [(e.get("filename"), e.get("offset")) for e in held]
+    for line in bpfload.own_uprobe_events(pid):
+        m = re.search(r" (\S+):0x([0-9a-fA-F]+)", line)
+        probes.append((m.group(1), int(m.group(2), 16)) if m else (line, None))
+    return probes
 
 
 def test_real_prometheus_stores_the_exact_calls_of_a_workload(tmp_path):
     binary = compile_c(tmp_path, "pmx_known", WORKLOAD_C)
     promtool = need_tool("promtool")
-    ex = Exporter("--comm", "^pmx-known$")
+    ex = Exporter("--per-call", "--comm", "^pmx-known$")
     prom = None
     w = None
     try:
@@ -302,7 +316,7 @@ def test_churn_of_1000_processes_keeps_series_and_maps_bounded(tmp_path):
     values plus "other", the per-process BPF map shrinks back, and after the grace period
     the series of the gone processes disappear."""
     binary = compile_c(tmp_path, "churn", CHURN_C)
-    ex = Exporter("--max-series", "20", "--grace", "3", "--comm", r"^churn\d+$")
+    ex = Exporter("--per-call", "--max-series", "20", "--grace", "3", "--comm", r"^churn\d+$")
     totals = {}  # label -> [finished segments, current value]: a label dropped and re-created restarts at 0
 
     def observe():
@@ -360,7 +374,7 @@ def test_churn_of_1000_processes_keeps_series_and_maps_bounded(tmp_path):
 def test_label_by_pid_is_capped(tmp_path):
     binary = compile_c(tmp_path, "pmx_known", WORKLOAD_C)
     workloads = [Workload([binary, "pmx-pid"]) for _ in range(4)]
-    ex = Exporter("--label-by", "pid", "--max-series", "2", "--comm", "^pmx-pid$")
+    ex = Exporter("--per-call", "--label-by", "pid", "--max-series", "2", "--comm", "^pmx-pid$")
     try:
         for w in workloads:
             w.send("go", expect="done")
@@ -379,9 +393,9 @@ def test_label_by_pid_is_capped(tmp_path):
         assert ex.stop() == 0
 
 
-def test_always_on_mode_has_faults_and_slab_but_no_per_call_uprobes(tmp_path):
+def test_default_mode_has_faults_and_slab_but_no_per_call_series(tmp_path):
     binary = compile_c(tmp_path, "pmx_known", WORKLOAD_C)
-    ex = Exporter("--always-on", "--comm", "^pmx-ao$")
+    ex = Exporter("--comm", "^pmx-ao$")
     w = None
     try:
         w = Workload([binary, "pmx-ao"])
@@ -399,6 +413,63 @@ def test_always_on_mode_has_faults_and_slab_but_no_per_call_uprobes(tmp_path):
         if w:
             w.close()
         assert ex.stop() == 0
+
+
+def _malloc_path(libc_path):
+    """{function: (first, end) file offsets} of the malloc-API entry points in LIBC_PATH."""
+    from pymtrace import libc
+
+    out = {}
+    for name in ("malloc", "free", "calloc", "realloc"):
+        sym = libc.symbol(libc_path, name)
+        start = libc.file_offset(libc_path, sym.address)[0]
+        out[name] = (start, start + max(sym.size, 1))
+    return out
+
+
+def _on_malloc_path(probes, libc_path, ranges):
+    """The functions of RANGES that PROBES ([(file, offset)]) put a uprobe on."""
+    hit = set()
+    for path, off in probes:
+        try:
+            same = os.path.samefile(path, libc_path)
+        except (OSError, TypeError):
+            same = False
+        if same:
+            hit |= {name for name, (a, b) in ranges.items() if a <= off < b}
+    return hit
+
+
+def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tmp_path):
+    """An exporter runs always: by default (and with the old --always-on, now a no-op alias)
+    it must not trap the malloc calls of every process; --per-call is the opt-in that does."""
+    from pymtrace import libc
+
+    binary = compile_c(tmp_path, "pmx_known", WORKLOAD_C)
+    w = Workload([binary, "pmx-mode"])
+    try:
+        libc_path = libc.process_libc(w.proc.pid)
+        ranges = _malloc_path(libc_path)
+        probe_free_libc = not libc.malloc_probes(libc_path)  # no USDT probes to attach either
+        for args, mode in (([], "always-on"), (["--always-on"], "always-on"), (["--per-call"], "per-call")):
+            ex = Exporter(*args, "-p", str(w.proc.pid))
+            try:
+                ours = _uprobes_of(ex.proc.pid)  # while it runs
+                hit = _on_malloc_path(ours, libc_path, ranges)
+                if mode == "per-call":
+                    assert hit == set(ranges), (hit, ours)
+                else:
+                    assert hit == set(), (args, ours)
+                    if probe_free_libc:
+                        assert ours == [], (args, ours)
+                m = parse_metrics(ex.scrape())
+                info = [dict(lb) for (n, lb) in m if n == "pymtrace_exporter_build_info"]
+                assert info and info[0]["mode"] == mode, info
+            finally:
+                assert ex.stop() == 0
+            assert _uprobes_of(ex.proc.pid) == []
+    finally:
+        w.close()
 
 
 def test_glibc_internals_from_usdt_probes(tmp_path, sdt_libc):

@@ -244,3 +244,44 @@ def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
         f.close()
         for w in ws:
             w.kill()
+
+
+def _steady(cbuild, rate, name, env=None):
+    """tests/workloads/top_steady.c: RATE malloc+free pairs per second until stdin closes."""
+    import subprocess
+
+    proc = subprocess.Popen([cbuild("top_steady"), str(rate), "0", name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert line.startswith("ready "), line
+    return proc, int(line.split()[1])
+
+
+@pytest.mark.bpf
+def test_first_report_covers_one_interval_after_attach(cbuild):
+    """Issue 10 item 6: the first report's rates are over one real interval after attach,
+    not over the start-up (BPF compile) time: interval ~= -i, rate = the workload's."""
+    import json
+
+    from conftest import run_pymtrace
+
+    rate = 20_000
+    proc, pid = _steady(cbuild, rate, "pmt-rate")
+    try:
+        started = time.monotonic()
+        r = run_pymtrace("top", "--json", "-n", "1", "-i", "2", "-p", pid, "--no-glibc", timeout=300)
+        took = time.monotonic() - started
+        assert r.returncode == 0, r.stderr
+        docs = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
+        assert len(docs) == 1
+        doc = docs[0]
+        assert doc["interval"] == pytest.approx(2.0, abs=0.25), (doc["interval"], took)
+        rows = [row for row in doc["views"]["processes"]["rows"] if row["pid"] == pid]
+        assert rows[0]["malloc_per_s"] == pytest.approx(rate, rel=0.15)
+        assert rows[0]["free_per_s"] == pytest.approx(rate, rel=0.15)
+        assert rows[0]["mean_size"] == 64
+        # the counts since attach span at least the interval: attach happened before it
+        assert doc["snapshot"]["processes"][str(pid)]["calls"]["malloc"] >= 0.85 * rate * 2
+    finally:
+        proc.stdin.close()
+        proc.wait(30)

@@ -222,6 +222,19 @@ def test_fake_source_views_sort_pause_quit(tmux):
     assert_clean_shell(t, before)
 
 
+def test_first_screen_waits_for_one_interval(tmux):
+    """No rates until one interval after the first snapshot (issue 10 item 6): the first
+    screen says so, the rows come one interval later."""
+    t = tmux
+    before = t.stty("before")
+    t.type(" ".join([sys.executable, HERE, "-i", "3"]))
+    s = t.wait_for(lambda s: "pymtrace top" in s, "UI up")
+    assert "measuring the first 3s interval" in s and "aaa-malloc" not in s
+    wait_order(t, ["aaa-malloc", "bbb-calloc", "ccc-idle"], "rows after one interval")
+    t.send("q")
+    assert_clean_shell(t, before)
+
+
 def test_sigterm_restores_terminal(tmux, tmp_path):
     pidfile = tmp_path / "ui.pid"
     before = start_fake(tmux, "--pidfile", str(pidfile))
@@ -334,7 +347,10 @@ def test_state_keys_without_terminal():
     t = st.table()
     assert t.columns[t.sort].key == "comm" and not t.reverse
     st.key(curses.KEY_LEFT)
-    st.key(curses.KEY_LEFT)  # wraps around to the last column
+    st.key(curses.KEY_LEFT)  # wraps around to the last column (NOTE: names A-Z)
+    t = st.table()
+    assert t.columns[t.sort].key == "untraced_allocator" and not t.reverse
+    st.key(curses.KEY_LEFT)
     t = st.table()
     assert t.columns[t.sort].key == "faults_per_s" and t.reverse
     assert st.key(ord("x")) is False

@@ -235,7 +235,7 @@ def test_processes_without_per_call_data_are_blank_not_zero():
     row = dict(zip([c.key for c in t.columns], t.rows[0]))
     assert row["malloc_per_s"] is None and row["live_bytes"] is None and row["faults_per_s"] == 4.0
     cells = views.format_rows(t)[0]
-    assert cells[2] == "" and cells[-1] == "4"
+    assert cells[2] == "" and cells[views.FAULTS_COLUMN] == "4"
     assert views.to_json(t)["rows"][0]["malloc_per_s"] is None
     assert t.columns[t.sort].key == "faults_per_s"
     assert "no per-call malloc data" in views.summary(t)
@@ -245,3 +245,60 @@ def test_unknown_view():
     with pytest.raises(ValueError):
         views.build(5, None, {})
     assert views.view_name("2") == "slab"
+
+
+def test_mean_size_is_per_interval_blank_when_idle():
+    # PID 20 made calls before PREV and none since: no mean for this interval (docs: per interval)
+    prev = {"time": 1.0, "processes": {20: proc(20, "idle", malloc=10, requested=1000)}}
+    cur = {"time": 2.0, "processes": {20: proc(20, "idle", malloc=10, requested=1000)}}
+    t = views.build(1, prev, cur)
+    row = row_dict(t)[0]
+    assert row["malloc_per_s"] == 0 and row["mean_size"] is None
+    assert views.format_rows(t)[0][t.column_index("mean_size")] == ""
+    assert views.to_json(t)["rows"][0]["mean_size"] is None
+    # busy again: the mean of this interval only (10 calls of 1 MB), not since attach
+    cur2 = {"time": 3.0, "processes": {20: proc(20, "idle", malloc=20, requested=1000 + 10 * 2 ** 20)}}
+    assert row_dict(views.build(1, cur, cur2))[0]["mean_size"] == 2 ** 20
+
+
+def test_process_with_another_allocator_says_so_instead_of_blank():
+    p = {"pid": 40, "comm": "redis-server", "faults_user": 3, "faults_kernel": 0,
+         "allocator": "jemalloc", "allocator_traced": False}
+    g = dict(proc(41, "plain", malloc=5, requested=50), allocator="glibc", allocator_traced=True)
+    prev = {"time": 1.0, "processes": {}}
+    cur = {"time": 2.0, "processes": {40: p, 41: g}}
+    t = views.build(1, prev, cur)
+    rows = {r["pid"]: r for r in row_dict(t)}
+    assert rows[40]["untraced_allocator"] == "jemalloc" and rows[40]["malloc_per_s"] is None
+    assert rows[41]["untraced_allocator"] is None and rows[41]["malloc_per_s"] == 5
+    text = views.text_table(t)
+    line = [l for l in text.splitlines() if "redis-server" in l][0]
+    assert "allocator: jemalloc (not traced)" in line
+    assert "not traced" not in [l for l in text.splitlines() if " plain " in l][0]
+    assert views.to_json(t)["rows"][[r["pid"] for r in views.to_json(t)["rows"]].index(40)]["untraced_allocator"] == "jemalloc"
+
+
+def test_glibc_view_system_wide_on_a_probeless_libc_explains():
+    # system-wide on a libc without USDT probes: the glibc collector attached nothing and
+    # lists no process; the view says why, as it does per PID with -p
+    libc_path = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+    cur = {"time": 2.0, "processes": {}, "glibc": {},
+           "glibc_collector": {"libcs": [{"libc": libc_path, "probes": 0, "sites": 0, "attached": False,
+                                          "reason": f"libc {libc_path} has no USDT probes (Debian builds glibc "
+                                                    "without --enable-systemtap)"}]}}
+    t = views.build(4, {"time": 1.0}, cur)
+    line = views.summary(t)
+    assert "0 processes with probes, 0 without" not in line
+    assert line.startswith("the libc in use has no malloc USDT probes"), line
+    assert any(libc_path in n and "no malloc USDT probes" in n and "enable-systemtap" in n for n in t.notes), t.notes
+    assert not any("No process is being watched" in n for n in t.notes)
+    # with a libc that has probes attached, nothing changes
+    cur["glibc_collector"]["libcs"][0].update(probes=29, sites=37, attached=True, reason=None)
+    t = views.build(4, {"time": 1.0}, cur)
+    assert "0 processes with probes" in views.summary(t)
+
+
+def test_snapshot_notes_are_shown_in_every_view():
+    cur = {"time": 2.0, "processes": {}, "notes": ["skipped /tmp/x/libc.so.6 (mapped by PID 5): not a readable ELF file"]}
+    for v in views.VIEWS:
+        assert "skipped /tmp/x/libc.so.6 (mapped by PID 5): not a readable ELF file" in views.build(v, {"time": 1.0}, cur).notes
