@@ -42,6 +42,10 @@ def parse_maps_text(text):
     return maps
 
 
+class MapsUnreadable(PymtraceError):
+    """/proc/PID/maps exists but cannot be read (EACCES even for root in some sandboxes)."""
+
+
 def read_maps(pid):
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -51,7 +55,7 @@ def read_maps(pid):
     except ProcessLookupError:
         raise ProcessGone(pid) from None
     except OSError as exc:  # EACCES: another user namespace, a sandbox, a hardened /proc
-        raise PymtraceError(f"cannot read /proc/{pid}/maps: {exc.strerror or exc} (pymtrace needs the "
+        raise MapsUnreadable(f"cannot read /proc/{pid}/maps: {exc.strerror or exc} (pymtrace needs the "
                             "process's memory map: run it where it can see the process, e.g. in the "
                             "same container)") from None
 
@@ -516,7 +520,7 @@ def allocator(pid):
     taken to be the allocator. No libc mapped: a static binary, not traced."""
     try:
         maps = read_maps(pid)
-    except PermissionError:
+    except MapsUnreadable:
         return None  # maps unreadable even to root (some sandboxes): cannot tell
     libc_path = process_libc(pid, maps)
     try:
