@@ -5,6 +5,7 @@ slower: BCC's clang is one of the processes they trap), and compiles nothing it 
 Not timed (bench/startup.py measures the time). The commands run as users run them, with a
 sitecustomize that reports every bcc.BPF() compile (which programs: found by their map
 names) and every uprobe attached, in order; so the old code is measured the same way."""
+import json
 import os
 import subprocess
 import time
@@ -69,9 +70,18 @@ def test_top_full_mode_compiles_once_before_its_uprobes(tmp_path):
 @pytest.mark.bpf
 def test_top_always_on_compiles_no_per_call_program(tmp_path):
     proc, compiles, events = traced_run(tmp_path, "top", "--always-on", "--batch", "-n", "1", "-i", "0.2",
-                                        "--view", "slab")
+                                        "--limit", "1")
     assert proc.returncode == 0, proc.stderr
     assert len(compiles) == 1 and compiles[0] - {"glibc_usdt"} == {"faults", "slab"}, events
+
+
+@pytest.mark.bpf
+def test_top_batch_compiles_only_what_its_views_show(tmp_path):
+    """--view slab needs neither the malloc uprobes nor the fault tracepoints."""
+    proc, compiles, events = traced_run(tmp_path, "top", "--batch", "-n", "1", "-i", "0.2", "--view", "slab")
+    assert proc.returncode == 0, proc.stderr
+    assert compiles == [{"slab"}] and "uprobe" not in events, events
+    assert "== slab caches" in proc.stdout, proc.stdout
 
 
 @pytest.mark.bpf
@@ -98,12 +108,12 @@ def test_top_compiles_glibc_probes_with_the_rest(tmp_path, sdt_libc, cbuild):
                             text=True)
     try:
         assert work.stdout.readline().startswith("ready")
-        proc, compiles, events = traced_run(tmp_path, "top", "-p", work.pid, "--batch", "-n", "1", "-i", "0.2",
-                                            "--view", "glibc")
+        proc, compiles, events = traced_run(tmp_path, "top", "-p", work.pid, "--json", "-n", "1", "-i", "0.2")
     finally:
         work.kill()
         work.wait()
     assert proc.returncode == 0, proc.stderr
     assert compiles == [{"malloc_stats", "faults", "slab", "glibc_usdt"}], events
     assert compiled_before_uprobes(events), events
-    assert str(work.pid) in proc.stdout, proc.stdout
+    glibc = json.loads(proc.stdout.splitlines()[0])["snapshot"]["glibc"][str(work.pid)]
+    assert glibc["probes"] > 0, glibc
