@@ -301,8 +301,11 @@ class _Collector:
         return {}
 
     def prepare(self):
-        """What can be done before the compile (finding the libcs to probe, ...)."""
+        """Before the compile: find what to attach to (errors before seconds of compiling)."""
         self.prepared = True
+
+    def plan(self):
+        """Work that can run while the compile does (Collectors runs it in parallel)."""
 
     def attach(self, bpf=None):
         """Compile, load, attach. BPF: a module compiled with part() among others
@@ -313,6 +316,7 @@ class _Collector:
         try:
             if not self.prepared:
                 self.prepare()
+                self.plan()
             if bpf is None:
                 bpf = bpfload.load_parts([self.part()], what=self.what)
                 self.owns_bpf = True
@@ -425,8 +429,10 @@ class MallocCollector(_Collector):
 
     def prepare(self):
         self.libcs = self._targets()
-        self.plans = {path: probe_plan(path) for path in self.libcs}
         super().prepare()
+
+    def plan(self):
+        self.plans = {path: probe_plan(path) for path in self.libcs}  # decoding libc: ~0.1-0.3 s
 
     def _attach(self):
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
@@ -731,8 +737,9 @@ def _glibc_collector_class():
 
 class Collectors:
     """The collectors top runs, attached together, with one merged snapshot and one
-    process-exit watcher. glibc=True adds pymtrace.usdt.GlibcCollector when that module
-    exists (its failures are reported in snapshot["errors"]["glibc"], not raised)."""
+    process-exit watcher; their programs are compiled as ONE BCC module (attach()).
+    glibc=True adds pymtrace.usdt.GlibcCollector when that module exists (its failures are
+    reported in snapshot["errors"]["glibc"], not raised)."""
 
     def __init__(self, pids=None, malloc=True, slab=True, faults=True, glibc=True, track_exits=True):
         self.pids = _check_pids(pids)
@@ -759,13 +766,15 @@ class Collectors:
         compiling = None
         try:
             own = list(self.collectors.values())
+            for c in own:
+                c.prepare()
             glibc = self._prepare_glibc()
             parts = [c.part() for c in own] + ([glibc.compiled] if glibc is not None else [])
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pymtrace-bpf-compile")
             compiling = pool.submit(self._compile, parts, glibc)  # BCC's C++ releases the GIL
             pool.shutdown(wait=False)
             for c in own:
-                c.prepare()
+                c.plan()
             self.bpf, compiling = compiling.result(), None
             if glibc is not None and "glibc" not in self.errors and self._glibc_step(glibc.attach, self.bpf):
                 self.collectors["glibc"] = glibc
