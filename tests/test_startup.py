@@ -52,6 +52,17 @@ def traced_run(tmp_path, *args, timeout=600):
     return proc, compiles, events
 
 
+@pytest.fixture
+def target():
+    """A process to trace with -p (system-wide runs would also probe every libc other tests
+    map, planted fakes included)."""
+    proc = subprocess.Popen(["sleep", "120"])
+    time.sleep(0.2)  # its libc mapped
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
 def compiled_before_uprobes(events):
     """Every compile precedes every uprobe attach."""
     kinds = [e.split(" ", 1)[0] for e in events]
@@ -59,41 +70,36 @@ def compiled_before_uprobes(events):
 
 
 @pytest.mark.bpf
-def test_top_full_mode_compiles_once_before_its_uprobes(tmp_path):
-    proc, compiles, events = traced_run(tmp_path, "top", "--batch", "-n", "1", "-i", "0.2", "--limit", "1")
+def test_top_full_mode_compiles_once_before_its_uprobes(tmp_path, target):
+    proc, compiles, events = traced_run(tmp_path, "top", "-p", target, "--batch", "-n", "1", "-i", "0.2")
     assert proc.returncode == 0, proc.stderr
-    # glibc_usdt joins when a running process maps a libc with malloc probes (not compiled otherwise)
+    # glibc_usdt joins when the libc has malloc probes (not compiled otherwise)
     assert len(compiles) == 1 and compiles[0] - {"glibc_usdt"} == {"malloc_stats", "faults", "slab"}, events
     assert "uprobe" in " ".join(events) and compiled_before_uprobes(events), events
 
 
 @pytest.mark.bpf
-def test_top_always_on_compiles_no_per_call_program(tmp_path):
-    proc, compiles, events = traced_run(tmp_path, "top", "--always-on", "--batch", "-n", "1", "-i", "0.2",
-                                        "--limit", "1")
+def test_top_always_on_compiles_no_per_call_program(tmp_path, target):
+    proc, compiles, events = traced_run(tmp_path, "top", "-p", target, "--always-on", "--batch", "-n", "1",
+                                        "-i", "0.2")
     assert proc.returncode == 0, proc.stderr
     assert len(compiles) == 1 and compiles[0] - {"glibc_usdt"} == {"faults", "slab"}, events
 
 
 @pytest.mark.bpf
-def test_top_batch_compiles_only_what_its_views_show(tmp_path):
+def test_top_batch_compiles_only_what_its_views_show(tmp_path, target):
     """--view slab needs neither the malloc uprobes nor the fault tracepoints."""
-    proc, compiles, events = traced_run(tmp_path, "top", "--batch", "-n", "1", "-i", "0.2", "--view", "slab")
+    proc, compiles, events = traced_run(tmp_path, "top", "-p", target, "--batch", "-n", "1", "-i", "0.2",
+                                        "--view", "slab")
     assert proc.returncode == 0, proc.stderr
     assert compiles == [{"slab"}] and "uprobe" not in events, events
     assert "== slab caches" in proc.stdout, proc.stdout
 
 
 @pytest.mark.bpf
-def test_record_compiles_only_the_record_program(tmp_path):
-    target = subprocess.Popen(["sleep", "60"])
-    try:
-        time.sleep(0.2)  # its libc mapped
-        proc, compiles, events = traced_run(tmp_path, "record", "-p", target.pid, "--duration", "0.3",
-                                            "-o", tmp_path / "trace.mtrace")
-    finally:
-        target.kill()
-        target.wait()
+def test_record_compiles_only_the_record_program(tmp_path, target):
+    proc, compiles, events = traced_run(tmp_path, "record", "-p", target, "--duration", "0.3",
+                                        "-o", tmp_path / "trace.mtrace")
     assert proc.returncode == 0, proc.stderr
     assert compiles == [{"record"}], events
     assert compiled_before_uprobes(events), events
