@@ -11,7 +11,7 @@
  * malloc/free internally: while an outer call runs on a thread (ms_outer entry), the
  * malloc/free probes skip, so each public call is counted once.
  *
- *   sched:sched_process_exec  (tracepoint) the process's new name into its entry
+ *   sched:sched_process_exec  (tracepoint, ms_exec) the process's new name into its entry
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
  * the benchmark's floor on the same attach points).
  */
@@ -37,7 +37,7 @@ BPF_PERCPU_ARRAY(ms_lost, u64, MS_LOST_N);
  * seen), which costs a lookup, never a wrong count. */
 BPF_ARRAY(ms_active, s64, 1);
 
-static __always_inline void lost(int idx)
+static __always_inline void ms_lost_inc(int idx)
 {
     u64 *v = ms_lost.lookup(&idx);
     if (v)
@@ -62,7 +62,7 @@ static __always_inline struct ms_stats *stats_for(u32 tgid)
     int made = ms_stats.insert(&tgid, z) == 0;
     s = ms_stats.lookup(&tgid);
     if (!s)
-        lost(MS_LOST_STATS_FULL);
+        ms_lost_inc(MS_LOST_STATS_FULL);
     else if (made)
         set_comm(s);
     return s;
@@ -212,7 +212,7 @@ static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, 
         o.old_chunk = chunk_bytes(arg_ptr);
     int fresh = ms_outer.lookup(&id) == 0;
     if (ms_outer.update(&id, &o) != 0)
-        lost(MS_LOST_OUTER_FULL);
+        ms_lost_inc(MS_LOST_OUTER_FULL);
     else if (fresh)
         add_active(1);
     struct ms_stats *s = stats_for(id >> 32);
@@ -303,7 +303,10 @@ int ms_outer_return(struct pt_regs *ctx)
 
 /* ---- exec: the process has a new name ------------------------------------------ */
 
-TRACEPOINT_PROBE(sched, sched_process_exec)
+/* Attached by user space to sched:sched_process_exec. Not TRACEPOINT_PROBE: its function
+ * and argument struct are named after the tracepoint, and bpf/faults.bpf.c, compiled in the
+ * same module by pymtrace top, has its own exec probe. The record is not read. */
+int ms_exec(void *ctx)
 {
 #if MS_EMPTY
     return 0;

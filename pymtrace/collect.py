@@ -78,6 +78,7 @@ memalign -> malloc) are not counted (see bpf/malloc_stats.bpf.c).
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from pymtrace import bpfload, libc, probesite, structs
 from pymtrace.errors import ProcessGone, PymtraceError
@@ -277,11 +278,14 @@ def _process_exit(ev):
 
 class _Collector:
     program = None  # bpf/<program>.bpf.c
+    what = None  # what the program does, for errors ("tracing ...")
 
     def __init__(self, pids=None, track_exits=True):
         self.pids = _check_pids(pids)
         self.track_exits = track_exits
         self.bpf = None
+        self.owns_bpf = False  # False: the module is shared (Collectors compiled it) and closed by its owner
+        self.prepared = False
         self.start = None
         self._events = None
         self._exited = set()  # tgids seen exiting, reported once more then dropped
@@ -289,11 +293,34 @@ class _Collector:
         self.comms = _Comms()
 
     # -- lifecycle
-    def attach(self):
+    def part(self):
+        """The bpfload.Part this collector's program is compiled from (read by attach())."""
+        return bpfload.Part(self.program, self._defines())
+
+    def _defines(self):
+        return {}
+
+    def prepare(self):
+        """Before the compile: find what to attach to (errors before seconds of compiling)."""
+        self.prepared = True
+
+    def plan(self):
+        """Work that can run while the compile does (Collectors runs it in parallel)."""
+
+    def attach(self, bpf=None):
+        """Compile, load, attach. BPF: a module compiled with part() among others
+        (Collectors: one compile for all), left for its owner to close; None: compile here."""
         self.start = time.monotonic()
         for pid in self.pids or ():
             self.comms.get(pid)  # remembered in case it exits before its first snapshot
         try:
+            if not self.prepared:
+                self.prepare()
+                self.plan()
+            if bpf is None:
+                bpf = bpfload.load_parts([self.part()], what=self.what)
+                self.owns_bpf = True
+            self.bpf = bpf
             self._attach()
             if self.track_exits:
                 self._events = _watch_exits(self._on_event)
@@ -325,7 +352,8 @@ class _Collector:
         if self._events is not None:
             self._events.stop()
             self._events = None
-        detach_parallel(self.bpf)
+        if self.owns_bpf:
+            detach_parallel(self.bpf)
         self.bpf = None
 
     def __enter__(self):
@@ -368,6 +396,7 @@ class MallocCollector(_Collector):
     """Per-process malloc-API counters from uprobes on each process's libc."""
 
     program = "malloc_stats"
+    what = "tracing malloc calls"
 
     def __init__(self, pids=None, track_exits=True, max_procs=8192, empty=False):
         super().__init__(pids, track_exits)
@@ -401,16 +430,24 @@ class MallocCollector(_Collector):
             raise PymtraceError("found no libc to attach to")
         return targets
 
-    def _attach(self):
+    def _defines(self):
+        return {"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)}
+
+    def prepare(self):
         self.libcs = self._targets()
-        self.bpf = bpfload.load(self.program, defines={"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)},
-                                what="tracing malloc calls")
+        super().prepare()
+
+    def plan(self):
+        self.plans = {path: probe_plan(path) for path in self.libcs}  # decoding libc: ~0.1-0.3 s
+
+    def _attach(self):
+        self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
         for path, pids in self.libcs.items():
             for pid in pids:
                 self._attach_libc(path, pid)
 
     def _attach_libc(self, path, pid):
-        for function, probes in probe_plan(path):
+        for function, probes in self.plans[path]:
             try:
                 for kind, off, fn_name in probes:
                     if kind == "entry":
@@ -460,15 +497,18 @@ class SlabCollector(_Collector):
     """Per-cache slab counters from kmem:kmem_cache_alloc/free (system-wide)."""
 
     program = "slab"
+    what = "tracing slab caches"
 
     def __init__(self, pids=None, track_exits=False, max_caches=2048):
         super().__init__(None, False)  # slab activity is not attributed to processes
         self.max_caches = max_caches
         self.fields = _struct_fields(self.program, "slab_stats")
 
+    def _defines(self):
+        return {"SLAB_MAX_CACHES": self.max_caches}
+
     def _attach(self):
-        self.bpf = bpfload.load(self.program, defines={"SLAB_MAX_CACHES": self.max_caches},
-                                what="tracing slab caches")
+        pass  # tracepoints only: attached by BCC when the module is loaded
 
     def snapshot(self):
         now = time.monotonic()
@@ -518,6 +558,7 @@ class FaultCollector(_Collector):
     in between are read at the next wake-up or within poll_ms."""
 
     program = "faults"
+    what = "tracing page faults"
     max_labels_factor = 2  # remembered granule labels: at most this many times max_granules
     poll_ms = 50  # the reader also consumes un-woken pf_new records at least this often
 
@@ -539,10 +580,11 @@ class FaultCollector(_Collector):
         self.maps_reads = 0  # /proc/PID/maps reads made for new granules (cost, for tests/bench)
         self._shift = structs.header(self.program).consts["PF_GRANULE_SHIFT"]
 
+    def _defines(self):
+        return {"PF_MAX_PROCS": self.max_procs, "PF_MAX_GRANULES": self.max_granules,
+                "PF_FILTER": int(self.pids is not None), "PF_REGIONS": int(self.regions)}
+
     def _attach(self):
-        defines = {"PF_MAX_PROCS": self.max_procs, "PF_MAX_GRANULES": self.max_granules,
-                   "PF_FILTER": int(self.pids is not None), "PF_REGIONS": int(self.regions)}
-        self.bpf = bpfload.load(self.program, defines=defines, what="tracing page faults")
         if self.pids is not None:
             targets = self.bpf[b"pf_targets"]
             for pid in self.pids:
@@ -701,8 +743,9 @@ def _glibc_collector_class():
 
 class Collectors:
     """The collectors top runs, attached together, with one merged snapshot and one
-    process-exit watcher. glibc=True adds pymtrace.usdt.GlibcCollector when that module
-    exists (its failures are reported in snapshot["errors"]["glibc"], not raised)."""
+    process-exit watcher; their programs are compiled as ONE BCC module (attach()).
+    glibc=True adds pymtrace.usdt.GlibcCollector when that module exists (its failures are
+    reported in snapshot["errors"]["glibc"], not raised)."""
 
     def __init__(self, pids=None, malloc=True, slab=True, faults=True, glibc=True, track_exits=True):
         self.pids = _check_pids(pids)
@@ -713,6 +756,7 @@ class Collectors:
         self.track_exits = track_exits
         self._events = None
         self.start = None
+        self.bpf = None  # the one BCC module of every collector
         if malloc:
             self.collectors["malloc"] = MallocCollector(self.pids, track_exits=False)
         if faults:
@@ -722,32 +766,79 @@ class Collectors:
         self.want_glibc = glibc
 
     def attach(self):
+        """One BCC compile for every collector's program, made before any uprobe is attached
+        (a compile under top's malloc uprobes runs ~10x slower: BCC's clang is one of the
+        processes they trap), while the malloc collector decodes its libcs. Then slab,
+        faults and glibc attach, and the per-call malloc uprobes last."""
         self.start = time.monotonic()
+        compiling = None
         try:
-            for c in self.collectors.values():
-                c.attach()
-            if self.want_glibc:
-                cls = _glibc_collector_class()
-                if cls is None:
-                    self.errors["glibc"] = "glibc USDT collector (pymtrace.usdt) not available"
-                else:
-                    try:
-                        g = cls(pids=self.pids)
-                        g.attach()
-                        self.collectors["glibc"] = g
-                    except PymtraceError as exc:
-                        self.errors["glibc"] = str(exc)
-                    except Exception as exc:  # its bugs must not take top down
-                        self.errors["glibc"] = f"{type(exc).__name__}: {exc}"
+            own = list(self.collectors.values())
+            for c in own:
+                c.prepare()
+            glibc = self._prepare_glibc()
+            parts = [c.part() for c in own] + ([glibc.compiled] if glibc is not None else [])
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pymtrace-bpf-compile")
+            compiling = pool.submit(self._compile, parts, glibc)  # BCC's C++ releases the GIL
+            pool.shutdown(wait=False)
+            for c in own:
+                c.plan()
+            self.bpf, compiling = compiling.result(), None
+            if glibc is not None and "glibc" not in self.errors and self._glibc_step(glibc.attach, self.bpf):
+                self.collectors["glibc"] = glibc
+            for c in sorted(own, key=lambda c: isinstance(c, MallocCollector)):
+                c.attach(self.bpf)
             if self.track_exits:
                 self._events = _watch_exits(self._on_event)
         except BaseException:
+            if compiling is not None:  # failed while compiling: the module is closed below
+                try:
+                    self.bpf = compiling.result()
+                except BaseException:
+                    pass
             self.close()
             raise
         note = libc.skipped_note(getattr(self.collectors.get("malloc"), "skipped", None))
         if note:
             self.notes.append(note)
         return self
+
+    def _prepare_glibc(self):
+        """The GlibcCollector to compile with the others, or None (not wanted, no libc with
+        probes: nothing to compile; reasons in self.errors)."""
+        if not self.want_glibc:
+            return None
+        cls = _glibc_collector_class()
+        if cls is None:
+            self.errors["glibc"] = "glibc USDT collector (pymtrace.usdt) not available"
+            return None
+        g = self._glibc_step(cls, self.pids)  # aggregates only: no ring buffer (the fault reader polls the module's)
+        if g is None or self._glibc_step(g.prepare) is None:
+            if g is not None and "glibc" not in self.errors:
+                self.collectors["glibc"] = g  # nothing to compile: it reports why (view 4)
+            return None
+        return g
+
+    def _glibc_step(self, step, *args):
+        """STEP(*ARGS) of the glibc collector; its failures go to errors["glibc"] (None returned)."""
+        try:
+            return step(*args)
+        except PymtraceError as exc:
+            self.errors["glibc"] = str(exc)
+        except Exception as exc:  # its bugs must not take top down
+            self.errors["glibc"] = f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _compile(self, parts, glibc):
+        if not parts:
+            return None
+        try:
+            return bpfload.load_parts(parts, what="tracing memory allocations")
+        except PymtraceError as exc:
+            if glibc is None:
+                raise
+            self.errors["glibc"] = str(exc)  # its generated code must not take top down
+            return bpfload.load_parts(parts[:-1], what="tracing memory allocations")
 
     def _on_event(self, ev):
         for c in self.collectors.values():
@@ -800,18 +891,13 @@ class Collectors:
         if self._events is not None:
             self._events.stop()
             self._events = None
-        def close(c):
+        for c in self.collectors.values():  # their threads stop; the shared module stays
             try:
                 c.close()
             except Exception:
                 pass
-
-        # independent BPF objects: detach them concurrently (each waits for RCU grace periods)
-        threads = [threading.Thread(target=close, args=(c,)) for c in self.collectors.values()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        detach_parallel(self.bpf)
+        self.bpf = None
 
     def __enter__(self):
         return self.attach()

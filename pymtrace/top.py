@@ -70,7 +70,8 @@ def configure(parser):
     parser.add_argument("-n", "--iterations", type=int, default=0, metavar="N",
                         help="stop after N reports in --batch/--json mode (default: until Ctrl-C)")
     parser.add_argument("--view", action="append", choices=VIEW_CHOICES + ("1", "2", "3", "4"),
-                        help="full screen: the view to start in; --batch/--json: views to print "
+                        help="full screen: the view to start in; --batch/--json: views to print, and "
+                             "only their programs are compiled and attached (--view slab: no uprobes) "
                              "(repeatable; default all; `totals` = exact counts since attach)")
     parser.add_argument("--limit", type=int, default=0, metavar="ROWS",
                         help="--batch: at most ROWS rows per table (default: all)")
@@ -123,6 +124,18 @@ def _views_wanted(args, have_glibc):
     if not wanted:
         wanted = ["processes", "totals", "slab", "faults"] + (["glibc"] if have_glibc else [])
     return wanted
+
+
+VIEW_SOURCES = {"processes": ("malloc", "faults"), "totals": ("malloc", "faults"), "slab": ("slab",),
+                "faults": ("faults",), "glibc": ("glibc",)}
+
+
+def _sources(args):
+    """The collectors the views shown need (none other is compiled or attached); the full
+    screen can switch to any view: all of them."""
+    if not (args.batch or args.json) or not args.view:
+        return {"malloc", "slab", "faults", "glibc"}
+    return {s for view in _views_wanted(args, True) for s in VIEW_SOURCES[view]}
 
 
 def _alive(pids):
@@ -229,8 +242,10 @@ def run(args):
         if args.demo:
             pid, stop_demo = _start_demo()
             pids.append(pid)
-        collectors = Collectors(pids=pids or None, malloc=not args.always_on, slab=True, faults=True,
-                                glibc=not args.no_glibc)
+        need = _sources(args)
+        collectors = Collectors(pids=pids or None, malloc=not args.always_on and "malloc" in need,
+                                slab="slab" in need, faults="faults" in need,
+                                glibc=not args.no_glibc and "glibc" in need)
         collectors.attach()
         pids = collectors.pids or []
         if args.batch or args.json:

@@ -530,6 +530,10 @@ class GlibcCollector:
         self.faults = faults
         self.ringbuf_pages = ringbuf_pages or (4096 if faults else 256)
         self.bpf = None
+        self.owns_bpf = False
+        self.prepared = False
+        self.compiled = None  # the bpfload.Part of prepare(), None: nothing to compile
+        self.with_probes = []
         self.sites = []
         self.site_by_id = {}
         self.warnings = []
@@ -573,7 +577,12 @@ class GlibcCollector:
                 entry[1].append(pid)
         return list(plan.values())
 
-    def attach(self):
+    def prepare(self):
+        """Find the libcs and probe sites to attach; the bpfload.Part to compile, or None
+        when there is nothing to compile (no probes and no faults: a collector that only
+        reports why). attach() calls it; pymtrace.collect.Collectors calls it first to
+        compile this program together with the others."""
+        self.prepared = True
         plan = self._plan()
         with_probes = []
         for path, pids in plan:
@@ -587,12 +596,28 @@ class GlibcCollector:
         self.site_by_id = {s.id: s for s in self.sites}
         for s in self.sites:
             self.names[s.probe_id] = s.name
+        self.with_probes = with_probes
+        self.compiled = self.part() if self.sites or self.faults else None
+        return self.compiled
+
+    def part(self):
+        defines = {"RINGBUF_PAGES": self.ringbuf_pages}
+        if self.faults:
+            defines["WITH_FAULTS"] = 1
+        if not self.stream:
+            defines["NO_STREAM"] = 1  # aggregates only: nothing fills the ring buffer
+        return bpfload.Part("glibc_usdt", defines, generate(self.sites))
+
+    def attach(self, bpf=None):
+        """BPF: a module compiled with part() among others, left for its owner to close."""
+        if not self.prepared:
+            self.prepare()
+        if self.compiled is None:
+            return self  # nothing to attach: a collector that only reports why
+        self._load(bpf)
         if not self.sites:
-            # nothing to attach: a collector that only reports why
-            if self.faults:
-                self._load()
             return self
-        self._load()
+        with_probes = self.with_probes
         sites_by_libc = {}
         for s in self.sites:
             sites_by_libc.setdefault(s.libc, []).append(s)
@@ -606,14 +631,9 @@ class GlibcCollector:
             raise PymtraceError(f"cannot attach uprobe to a malloc probe of {path}: {exc}") from None
         return self
 
-    def _load(self):
-        defines = {"RINGBUF_PAGES": self.ringbuf_pages}
-        if self.faults:
-            defines["WITH_FAULTS"] = 1
-        if not self.stream:
-            defines["NO_STREAM"] = 1  # aggregates only: nothing fills the ring buffer
-        self.bpf = bpfload.load("glibc_usdt", defines=defines, prelude=generate(self.sites),
-                                what="tracing glibc's malloc probes")
+    def _load(self, bpf=None):
+        self.owns_bpf = bpf is None
+        self.bpf = bpfload.load_parts([self.compiled], what="tracing glibc's malloc probes") if bpf is None else bpf
         if self.stream:
             self.bpf["events"].open_ring_buffer(self._on_raw)
 
@@ -623,7 +643,8 @@ class GlibcCollector:
                 self.poll()
             except Exception:
                 pass
-            bpfload.detach_all(self.bpf)
+            if self.owns_bpf:
+                bpfload.detach_all(self.bpf)
             self.bpf = None
 
     def __enter__(self):
