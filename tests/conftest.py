@@ -252,6 +252,8 @@ class ProbeWatch:
         are attached for too short a time to wait for them."""
         import threading
 
+        self.sample()  # in this thread: a missing bpftool fails (or skips) the test here
+
         def loop():
             while proc.poll() is None:
                 try:
