@@ -359,8 +359,6 @@ def test_collector_counts_every_lost_event(sdt_libc, cbuild):
                             ringbuf_pages=1)
     try:
         c.attach()
-        if watch:
-            watch.wait_attached(29)
         L.resume()
         L.proc.wait(timeout=60)  # no poll() meanwhile
         snap = c.snapshot()
