@@ -137,6 +137,24 @@ def detach_all(bpf):
         pass
 
 
+def own_perf_event_fds():
+    """This process's open perf-event descriptors. BCC attaches uprobes through
+    perf_event_open (the uprobe PMU), which tracefs's uprobe_events never lists: a probe
+    still attached is a perf-event descriptor still open."""
+    out = []
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[perf_event]":
+                out.append(int(name))
+        except OSError:
+            continue
+    return out
+
+
 def own_uprobe_events(pid=None):
     """uprobe_events lines that belong to this process's BCC (BCC names them ..._bcc_PID)."""
     pid = os.getpid() if pid is None else pid

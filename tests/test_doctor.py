@@ -186,3 +186,25 @@ def test_check_root_reads_capabilities(monkeypatch):
     monkeypatch.setattr(doctor, "_cap_eff", lambda: 0)
     c = doctor.check_root(set())
     assert c.status == "MISSING" and "CAP_SYS_ADMIN" in c.fix
+
+
+@pytest.mark.bpf
+def test_smoke_check_reports_a_uprobe_left_attached(monkeypatch):
+    """The smoke test's leftover check is not hollow: with detaching skipped, the uprobe BCC
+    attached (a perf-event descriptor, invisible in tracefs's uprobe_events) is reported."""
+    from pymtrace import bpfload, doctor
+
+    tracepoints = {"exceptions:page_fault_user", "kmem:kmem_cache_alloc"}
+    assert bpfload.own_perf_event_fds() == []
+    kept = []
+    monkeypatch.setattr(bpfload, "detach_all", kept.append)
+    try:
+        check = doctor.check_smoke(frozenset(), True, tracepoints)
+        assert check.status == doctor.MISSING
+        assert "left attached" in check.detail
+    finally:
+        monkeypatch.undo()
+        for b in kept:
+            bpfload.detach_all(b)
+    assert bpfload.own_perf_event_fds() == []
+    assert doctor.check_smoke(frozenset(), True, tracepoints).status == doctor.OK
