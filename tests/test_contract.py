@@ -1,0 +1,68 @@
+"""Contracts defined once in a C header and read by Python: what Python reads is what gcc sees."""
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+from pymtrace import replay, structs
+from pymtrace.formats import wl
+
+NATIVE = ROOT / "pymtrace" / "native"
+
+
+def _gcc(tmp_path, name, lines, include):
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc is not installed")
+    src = tmp_path / f"{name}.c"
+    src.write_text("\n".join(lines) + "\n")
+    exe = tmp_path / name
+    subprocess.run(["gcc", "-Wall", "-Werror", "-I", str(include), "-o", str(exe), str(src)], check=True)
+    return subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_wl_header_constants_python_reads_equal_what_gcc_compiles(tmp_path):
+    """pymtrace/native/wl.h (included by replay.c) is the only definition of the .wl opcodes,
+    their argument counts, the simulator's call names, exit codes and limits: every constant
+    Python parses from it has gcc's value, no numeric macro is missed, and formats/wl.py and
+    replay.py hold exactly what the C tables built from it hold."""
+    h = structs.native_header("wl")
+    macros = subprocess.run(["gcc", "-dM", "-E", str(NATIVE / "wl.h")], capture_output=True, text=True,
+                            check=True).stdout
+    object_like = {m for m in re.findall(r"^#define (WL_\w+) \S", macros, re.M)}
+    assert set(h.consts) == object_like  # every value macro of wl.h is a constant Python reads
+
+    prog = ["#include <stdio.h>", '#include "wl.h"',
+            '#define OP(op) printf("op %d %s %d\\n", WL_OP_##op, #op, WL_NARGS_##op);',
+            '#define CALL(c) printf("call %d %s\\n", WL_CALL_##c, #c);',
+            "int main(void) {"]
+    prog += [f'printf("const {n} %llu\\n", (unsigned long long)({n}));' for n in sorted(h.consts)]
+    prog += ["WL_OPS(OP) WL_CALLS(CALL) return 0; }"]
+    out = _gcc(tmp_path, "wl_consts", prog, NATIVE)
+
+    c_consts = {n: int(v) for kind, n, v in (line.split() for line in out if line.startswith("const "))}
+    assert c_consts == h.consts
+    c_ops = [line.split()[1:] for line in out if line.startswith("op ")]
+    assert wl.OP_NAMES == {int(num): name for num, name, _ in c_ops}
+    assert wl.NARGS == {int(num): int(n) for num, _, n in c_ops}
+    assert sorted(wl.OP_NAMES) == list(range(c_consts["WL_NOPS"]))
+    assert {name: getattr(wl, name) for name in wl.OP_NAMES.values()} == {name: int(num) for num, name, _ in c_ops}
+    c_calls = sorted((int(num), name) for num, name in (line.split()[1:] for line in out if line.startswith("call ")))
+    assert replay.CALL_TYPES == [name for _, name in c_calls]
+    assert [num for num, _ in c_calls] == list(range(c_consts["WL_NCALLS"]))
+    assert (wl.MAX_THREADS, wl.MAX_TABLE, wl.MAX_ALIGN) == (
+        c_consts["WL_MAX_THREADS"], c_consts["WL_MAX_TABLE"], c_consts["WL_MAX_ALIGN"])
+    assert set(replay.EXIT_MEANING) == {c_consts[f"WL_EXIT_{n}"] for n in ("INVALID", "DEADLOCK", "RESOURCE")}
+
+
+def test_simulator_is_rebuilt_when_the_contract_changes(tmp_path, monkeypatch):
+    """The simulator cache is keyed by replay.c AND wl.h (a stale build would disagree with
+    Python about the opcodes)."""
+    monkeypatch.setenv("PYMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    first = replay.simulator_path()
+    header = tmp_path / "wl.h"
+    header.write_text((NATIVE / "wl.h").read_text() + "/* changed */\n")
+    monkeypatch.setattr(replay, "NATIVE_HEADER", str(header))
+    second = replay.simulator_path()
+    assert first != second
