@@ -1,6 +1,7 @@
 """Contracts defined once in a C header and read by Python: what Python reads is what gcc sees."""
 import re
 import shutil
+import struct
 import subprocess
 
 import pytest
@@ -41,7 +42,7 @@ def test_wl_header_constants_python_reads_equal_what_gcc_compiles(tmp_path):
     prog += ["WL_OPS(OP) WL_CALLS(CALL) return 0; }"]
     out = _gcc(tmp_path, "wl_consts", prog, NATIVE)
 
-    c_consts = {n: int(v) for kind, n, v in (line.split() for line in out if line.startswith("const "))}
+    c_consts = {line.split()[1]: int(line.split()[2]) for line in out if line.startswith("const ")}
     assert c_consts == h.consts
     c_ops = [line.split()[1:] for line in out if line.startswith("op ")]
     assert wl.OP_NAMES == {int(num): name for num, name, _ in c_ops}
@@ -66,3 +67,45 @@ def test_simulator_is_rebuilt_when_the_contract_changes(tmp_path, monkeypatch):
     monkeypatch.setattr(replay, "NATIVE_HEADER", str(header))
     second = replay.simulator_path()
     assert first != second
+
+
+def test_mtrace_bin_layout_is_record_h_as_gcc_compiles_it(tmp_path):
+    """formats/mtrace_bin reads and writes the 64-byte record with bpf/record.h's layout and
+    call type numbers (what the BPF recorder writes), as gcc lays the struct out."""
+    from pymtrace.formats import mtrace_bin as mb
+    h = structs.header("record")
+    fields = [f for f, _ in h.structs["mtrace_record"]._fields_]
+    prog = ["#include <linux/types.h>", "#include <stddef.h>", "#include <stdio.h>", '#include "record.h"',
+            "int main(void) {", 'printf("size %zu\\n", sizeof(struct mtrace_record));']
+    prog += [f'printf("field {f} %zu %zu\\n", offsetof(struct mtrace_record, {f}), '
+             f"sizeof(((struct mtrace_record *)0)->{f}));" for f in fields]
+    prog += [f'printf("const {n} %llu\\n", (unsigned long long)({n}));' for n in sorted(h.consts)]
+    prog += ["return 0; }"]
+    out = [line.split() for line in _gcc(tmp_path, "record_layout", prog, ROOT / "bpf")]
+    c_consts = {line[1]: int(line[2]) for line in out if line[0] == "const"}
+    assert c_consts == h.consts
+    size = int(next(line[1] for line in out if line[0] == "size"))
+    assert size == mb.RECORD_SIZE == struct.calcsize("<" + mb._FMT) == c_consts["RECORD_SIZE"]
+    # each field's offset and width in the struct format equal gcc's (pad[2] is two words)
+    fmt_fields = [(f, int(off), int(width)) for kind, f, off, width in (line for line in out if line[0] == "field")]
+    pos = 0
+    codes = iter(mb._FMT)
+    for f, off, width in fmt_fields:
+        assert pos == off, f
+        n = 0
+        while n < width:
+            n += struct.calcsize("<" + next(codes))
+        assert n == width, f
+        pos += width
+    assert next(codes, None) is None
+    assert {name: getattr(mb, name) for name in ("UNUSED", "MALLOC", "CALLOC", "FREE", "REALLOC", "MEMALIGN",
+                                                  "VALLOC", "PVALLOC", "POSIX_MEMALIGN")} == {
+        n[len("CALL_"):]: v for n, v in c_consts.items() if n.startswith("CALL_") and n != "CALL_MAGIC"}
+    assert (mb.MAGIC_TYPE, mb.MAGIC_PTR) == (c_consts["CALL_MAGIC"], c_consts["MAGIC_PTR"])
+    assert set(mb.TYPE_NAMES) == {v for n, v in c_consts.items() if n.startswith("CALL_") and n != "CALL_UNUSED"}
+
+    # a record packed by mtrace_bin reads back field by field through the header's struct
+    rec = mb.Record(-7, mb.POSIX_MEMALIGN, 0x1111, 0x2222, 3, 4, 5, ts_ns=6, caller=0x7777, path=0x2A)
+    raw = h.structs["mtrace_record"].from_buffer_copy(mb.pack(rec))
+    assert (raw.thread, raw.type, raw.ptr1, raw.ptr2, raw.size, raw.size2, raw.size3, list(raw.pad)) == (
+        -7, mb.POSIX_MEMALIGN | 0x2A << 8, 0x1111, 0x2222, 3, 4, 5, [6, 0x7777])
