@@ -109,3 +109,15 @@ def test_mtrace_bin_layout_is_record_h_as_gcc_compiles_it(tmp_path):
     raw = h.structs["mtrace_record"].from_buffer_copy(mb.pack(rec))
     assert (raw.thread, raw.type, raw.ptr1, raw.ptr2, raw.size, raw.size2, raw.size3, list(raw.pad)) == (
         -7, mb.POSIX_MEMALIGN | 0x2A << 8, 0x1111, 0x2222, 3, 4, 5, [6, 0x7777])
+
+
+def test_call_names_shown_are_the_ones_the_collector_emits():
+    """top and the views list the snapshot's call names once (views.CALLS); they are exactly
+    the names collect.call_names() reads from the BPF headers (no aligned_alloc: glibc's
+    aligned_alloc is memalign and counted there)."""
+    from pymtrace import collect, top, views
+    emitted = collect.call_names()
+    assert len(set(views.CALLS)) == len(views.CALLS)
+    assert set(views.CALLS) == set(emitted.values())
+    assert [k for k, _ in top.TOTAL_COLUMNS if k in emitted.values()] == list(views.CALLS)
+    assert set(views.ALLOC_CALLS) == set(views.CALLS) - {"free", "free_null"}
