@@ -3,6 +3,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 
 import pytest
 
@@ -121,3 +122,19 @@ def test_call_names_shown_are_the_ones_the_collector_emits():
     assert set(views.CALLS) == set(emitted.values())
     assert [k for k, _ in top.TOTAL_COLUMNS if k in emitted.values()] == list(views.CALLS)
     assert set(views.ALLOC_CALLS) == set(views.CALLS) - {"free", "free_null"}
+
+
+def test_installed_layout_reads_the_headers(tmp_path):
+    """Installed from a wheel, the headers are package data (pymtrace/bpf/*.h,
+    pymtrace/native/*.h): the contracts read from them must be found there too."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "pymtrace", site / "pymtrace", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "bpf", site / "pymtrace" / "bpf")
+    code = ("import pymtrace, sys; from pymtrace import replay, structs; from pymtrace.formats import mtrace_bin, wl;"
+            "assert pymtrace.__file__.startswith(sys.argv[1]), pymtrace.__file__;"
+            "print(structs.header('malloc_stats').consts['CALL_MALLOC'], mtrace_bin.RECORD_SIZE, wl.MEMALIGN,"
+            " replay.CALL_TYPES[-1])")
+    out = subprocess.run([sys.executable, "-c", code, str(site)], cwd=tmp_path, env={"PYTHONPATH": str(site)},
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "64", "12", "malloc_trim"]
