@@ -36,7 +36,6 @@ PATH_FLAGS = {
 }
 
 
-
 def _struct_format(ctype):
     """struct-module codes of a ctypes Structure of fixed-width integers (arrays flattened)."""
     out = ""
