@@ -27,9 +27,9 @@ def bpf_dir():
     src = pathlib.Path(__file__).resolve().parent.parent / "bpf"
     if (src / "common.h").exists():
         return src
-    import importlib.resources
-
-    return pathlib.Path(str(importlib.resources.files("pymtrace.bpf")))
+    # installed: the package data pymtrace.bpf sits beside this module (a namespace package,
+    # whose importlib.resources.files() is a MultiplexedPath, not a path string)
+    return pathlib.Path(__file__).resolve().parent / "bpf"
 
 
 def import_bcc():
