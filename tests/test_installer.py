@@ -79,7 +79,7 @@ def test_installer_refuses_non_root_and_bad_options():
     assert out.returncode != 0 and "unknown option" in out.stderr
 
 
-SCRIPTS = ["install.sh", ".ci/run", "vagrant/run-tests.sh"]
+SCRIPTS = ["install.sh", ".ci/run", "vagrant/run-tests.sh", "vagrant/build-box.sh"]
 
 
 def test_shellcheck_clean():
@@ -101,7 +101,7 @@ def test_vagrantfile_defines_three_boxes_provisioned_by_installer():
     if shutil.which("vagrant") is None:
         pytest.skip("vagrant not installed (./install.sh installs it)")
     out = subprocess.run(["vagrant", "status"], cwd=ROOT / "vagrant", capture_output=True, text=True, timeout=300)
-    for box in ("fedora", "ubuntu", "debian"):
+    for box in ("debian12", "debian13", "fedora", "ubuntu"):
         assert box in out.stdout
     text = (ROOT / "vagrant" / "Vagrantfile").read_text()
     assert "./install.sh" in text and "libvirt" in text and "virtualbox" in text
