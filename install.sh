@@ -33,17 +33,36 @@ distro_family() {
     esac
 }
 
-# distro_packages FAMILY -> the system packages pymtrace needs there.
+# distro_packages FAMILY -> the system packages pymtrace needs there. "a|b": the first of
+# these the distribution has (resolve_packages); Debian 13 renamed some libraries.
 distro_packages() {
     case $1 in
         debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc make libc6-dev \
-python3-venv libjemalloc2 libtcmalloc-minimal4 libmimalloc2.0 prometheus libc-devtools \
+python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
+prometheus libc-devtools \
 tmux shellcheck vagrant binutils procps" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc make glibc-devel \
 jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils tmux ShellCheck \
 binutils procps-ng kernel-devel" ;;
         *) return 1 ;;
     esac
+}
+
+# resolve_packages WORD... -> each word on a line, an "a|b" word replaced by the first
+# alternative apt has a package for (else the first one, so apt-get names it in its error).
+# A name apt only knows from another package's relations has no record (exit status 0).
+resolve_packages() {
+    local word alt pick
+    for word in "$@"; do
+        pick=""
+        for alt in ${word//|/ }; do
+            if apt-cache show --no-all-versions "$alt" 2>/dev/null | grep -q '^Package:'; then
+                pick=$alt
+                break
+            fi
+        done
+        echo "${pick:-${word%%|*}}"
+    done
 }
 
 install_packages() {
@@ -53,7 +72,7 @@ install_packages() {
         debian)
             export DEBIAN_FRONTEND=noninteractive
             apt-get update -qq
-            apt-get install -y -qq $(distro_packages debian) >/dev/null
+            apt-get install -y -qq $(resolve_packages $(distro_packages debian)) >/dev/null
             # Headers for the running kernel when the distro has them, else the newest
             # generic ones (linked in below).
             apt-get install -y -qq "linux-headers-$(uname -r)" >/dev/null 2>&1 \

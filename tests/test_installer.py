@@ -73,6 +73,26 @@ def test_package_lists(family, must_have, must_not):
         assert p not in pkgs
 
 
+def test_debian_package_alternatives_resolved_by_what_apt_has(tmp_path):
+    # Debian 13 renamed libtcmalloc-minimal4 (t64) and libmimalloc2.0 (libmimalloc3): the
+    # list names both, and the one the archive has is installed. apt-cache is faked here.
+    fake = tmp_path / "apt-cache"
+    fake.write_text('#!/bin/sh\ncase "$3" in libtcmalloc-minimal4t64|libmimalloc3|gcc) echo "Package: $3" ;; esac\n'
+                    'exit 0\n')  # apt-cache show: exit 0 but no record for names only referenced
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", "-c", f'source "{ROOT}/install.sh"; PATH="{tmp_path}:$PATH"; '
+                          'resolve_packages $(distro_packages debian)'], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    pkgs = out.stdout.split()
+    assert "libtcmalloc-minimal4t64" in pkgs and "libmimalloc3" in pkgs
+    assert not any("|" in p for p in pkgs)
+    assert "libtcmalloc-minimal4" not in pkgs and "libmimalloc2.0" not in pkgs
+    # Nothing known: the first name, for apt-get's error message.
+    out = subprocess.run(["bash", "-c", f'source "{ROOT}/install.sh"; PATH="{tmp_path}:$PATH"; '
+                          'resolve_packages "nope1|nope2" gcc'], capture_output=True, text=True)
+    assert out.stdout.split() == ["nope1", "gcc"]
+
+
 def test_installer_refuses_non_root_and_bad_options():
     # Unknown options are refused before anything is installed.
     out = subprocess.run([str(ROOT / "install.sh"), "--bogus"], capture_output=True, text=True)

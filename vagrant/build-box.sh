@@ -56,6 +56,26 @@ install_sh_packages() {
     (source "$project/install.sh" && distro_packages debian)
 }
 
+# SUITE WORKDIR -> install.sh's list with its "a|b" alternatives resolved by install.sh's
+# own resolve_packages against SUITE's package index (a private apt state in WORKDIR).
+resolved_install_sh_packages() {
+    local suite=$1 dir=$2/apt
+    mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial" "$dir/sources.list.d"
+    apt_sources "$suite" >"$dir/sources.list"
+    printf '%s\n' "Dir::Etc::sourcelist \"$dir/sources.list\";" \
+        "Dir::Etc::sourceparts \"$dir/sources.list.d\";" "Dir::State::Lists \"$dir/lists\";" \
+        "Dir::Cache \"$dir/cache\";" 'Dir::State::status "/dev/null";' \
+        'Acquire::Check-Valid-Until "false";' >"$dir/apt.conf"
+    APT_CONFIG=$dir/apt.conf apt-get update -qq >&2 || return 1
+    # shellcheck disable=SC1091,SC2046
+    (export APT_CONFIG=$dir/apt.conf; source "$project/install.sh" && resolve_packages $(distro_packages debian))
+}
+
+apt_sources() {
+    local suite=$1
+    printf 'deb %s %s main\n' "$mirror" "$suite" "$mirror" "$suite-updates" "$security" "$suite-security"
+}
+
 # The project's Python requirements (runtime + test extra) and the build backend, one a line.
 python_requirements() {
     /usr/bin/python3 - "$project/pyproject.toml" <<'EOF'
@@ -211,8 +231,9 @@ build_box() {
     trap "umount '$work/mnt' 2>/dev/null; rm -rf '$work'" EXIT
     build_wheelhouse "$pyver" "$work/wheels"
 
-    local packages
-    packages=$(printf '%s %s' "$(base_packages)" "$(install_sh_packages)" | tr -s ' \n' ',,' | sed 's/,$//')
+    local packages resolved
+    resolved=$(resolved_install_sh_packages "$suite" "$work") || die "could not read $suite's package index"
+    packages=$(printf '%s %s' "$(base_packages)" "$resolved" | tr -s ' \n' ',,' | sed 's/,$//')
     log "mmdebstrap $suite ($dist) into $work/rootfs"
     start=$(date +%s)
     mmdebstrap --mode=root --variant=apt --format=directory --components=main \
@@ -220,9 +241,7 @@ build_box() {
         --aptopt='APT::Install-Recommends "false"' \
         --include="$packages" \
         --customize-hook="bash '$box_dir/build-box.sh' --customize \"\$1\" '$work/wheels' '$pubkey' '$dist'" \
-        "$suite" "$work/rootfs" \
-        "deb $mirror $suite main" "deb $mirror $suite-updates main" \
-        "deb $security $suite-security main" >&2
+        "$suite" "$work/rootfs" "$work/apt/sources.list" >&2
     log "mmdebstrap took $(( $(date +%s) - start ))s; rootfs $(du -sh "$work/rootfs" | cut -f1)"
 
     start=$(date +%s)
