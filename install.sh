@@ -56,7 +56,9 @@ resolve_packages() {
     for word in "$@"; do
         pick=""
         for alt in ${word//|/ }; do
-            if apt-cache show --no-all-versions "$alt" 2>/dev/null | grep -q '^Package:'; then
+            # grep -c reads it all: grep -q could exit first, and pipefail would then
+            # count apt-cache's SIGPIPE as "not found".
+            if [ "$(apt-cache show --no-all-versions "$alt" 2>/dev/null | grep -c '^Package:')" -gt 0 ]; then
                 pick=$alt
                 break
             fi

@@ -77,8 +77,11 @@ def test_debian_package_alternatives_resolved_by_what_apt_has(tmp_path):
     # Debian 13 renamed libtcmalloc-minimal4 (t64) and libmimalloc2.0 (libmimalloc3): the
     # list names both, and the one the archive has is installed. apt-cache is faked here.
     fake = tmp_path / "apt-cache"
-    fake.write_text('#!/bin/sh\ncase "$3" in libtcmalloc-minimal4t64|libmimalloc3|gcc) echo "Package: $3" ;; esac\n'
-                    'exit 0\n')  # apt-cache show: exit 0 but no record for names only referenced
+    # apt-cache show: exit 0 but no record for names only referenced; a long record for the
+    # others (a reader that stops early must not turn the writer's SIGPIPE into "missing").
+    fake.write_text('#!/bin/sh\ncase "$3" in libtcmalloc-minimal4t64|libmimalloc3|gcc)\n'
+                    '  echo "Package: $3"; i=0; while [ $i -lt 20000 ]; do echo " description"; i=$((i+1)); done ;;\n'
+                    'esac\nexit 0\n')
     fake.chmod(0o755)
     out = subprocess.run(["bash", "-c", f'source "{ROOT}/install.sh"; PATH="{tmp_path}:$PATH"; '
                           'resolve_packages $(distro_packages debian)'], capture_output=True, text=True)

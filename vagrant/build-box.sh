@@ -222,13 +222,22 @@ EOF
     rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin
 }
 
+# Unmount whatever a failed build left mounted under WORK (the loop mount, mmdebstrap's
+# /proc, /sys, /dev), then delete it.
+cleanup_work() {
+    local work=$1 m
+    awk -v w="$work/" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r |
+        while read -r m; do umount -l "$m" 2>/dev/null; done
+    rm -rf --one-file-system "$work"
+}
+
 build_box() {
     local dist=$1 box=$2 suite pyver work pubkey start
     read -r suite pyver < <(dist_info "$dist")
     pubkey=$(vagrant_pubkey) || die "Vagrant's insecure public key not found (is vagrant installed?)"
     work=$(mktemp -d "$cache/build.XXXXXX")
     # shellcheck disable=SC2064
-    trap "umount '$work/mnt' 2>/dev/null; rm -rf '$work'" EXIT
+    trap "cleanup_work '$work'" EXIT
     build_wheelhouse "$pyver" "$work/wheels"
 
     local packages resolved
