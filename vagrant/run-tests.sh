@@ -99,6 +99,11 @@ ensure_pool() {
         virsh -q pool-start default >/dev/null
 }
 
+stamp_lines() {
+    local line
+    while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done
+}
+
 # VM_NAME BOX_FILE BOX_NAME STATE TIMINGS
 inside() {
     local name=$1 box_file=$2 box_name=$3 state=$4 timings=$5 rc=0 t
@@ -118,7 +123,9 @@ inside() {
         remove_stale_boxes "$name" "$box_name"
     fi
     t=$(now)
-    vagrant up "$name" --provider libvirt --no-provision || rc=1
+    # Time-stamped: the log then shows how long the boot took ("Starting domain" to
+    # "Machine booted and ready").
+    vagrant up "$name" --provider libvirt --no-provision 2>&1 | stamp_lines || rc=1
     echo "vagrant_up $(( $(now) - t ))" >>"$timings"
     if [ $rc = 0 ]; then
         # shellcheck disable=SC2016  # expanded in the guest
