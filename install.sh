@@ -6,6 +6,7 @@
 #   sudo ./install.sh            install only
 #   sudo ./install.sh --demo     install, then start `pymtrace top` on a bundled demo workload
 #   sudo ./install.sh --test     install, then run the whole test suite
+#   sudo ./install.sh --test tests/test_doctor.py ...   install, then run these tests
 #
 # Supported: Debian (12+), Ubuntu (22.04+), Fedora (38+). Environment:
 #   PYMTRACE_VENV   where the virtual environment goes (default /opt/pymtrace/venv)
@@ -142,7 +143,7 @@ main() {
         --demo) action="demo" ;;
         --test) action="test" ;;
         ""|--install) action="install" ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) die "unknown option ${1} (use --demo, --test or nothing)" ;;
     esac
     [ "$(id -u)" -eq 0 ] || die "run as root (sudo ./install.sh ${1:-})"
@@ -160,7 +161,9 @@ main() {
         demo) exec pymtrace top --demo ;;
         # PYTHONFAULTHANDLER: a crash of a pymtrace process a test starts (a rare SIGSEGV
         # was seen once in 66 runs of `top --always-on --batch -n 1`) leaves its Python stack.
-        test) cd "$here" && PYTHONFAULTHANDLER=1 exec "$venv/bin/python" -m pytest -ra tests ;;
+        test) shift
+              [ $# -gt 0 ] || set -- tests
+              cd "$here" && PYTHONFAULTHANDLER=1 exec "$venv/bin/python" -m pytest -ra "$@" ;;
     esac
 }
 

@@ -22,6 +22,8 @@
 #   PYMTRACE_VM_NICE     niceness of libvirtd and so of QEMU (default 10)
 #   PYMTRACE_VM_KEEP=1   do not destroy the VM (debugging; the namespace stays too)
 #   PYMTRACE_SHARED      host directory synced to /shared (default ../../shared)
+#   PYMTRACE_VM_TESTS    pytest arguments instead of the whole suite, e.g. a smoke run:
+#                        "tests/test_doctor.py tests/test_top_slab.py"
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -131,7 +133,7 @@ inside() {
         # shellcheck disable=SC2016  # expanded in the guest
         vagrant ssh "$name" -c 'echo "guest: $(uname -r), up $(cut -d" " -f1 /proc/uptime)s"; systemd-analyze 2>/dev/null | head -n1' || true
         t=$(now)
-        vagrant ssh "$name" -c 'cd /pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test' || rc=1
+        vagrant ssh "$name" -c "cd /pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" || rc=1
         echo "suite $(( $(now) - t ))" >>"$timings"
     fi
     if [ "${PYMTRACE_VM_KEEP:-0}" = 1 ]; then
