@@ -133,7 +133,7 @@ inside() {
         # shellcheck disable=SC2016  # expanded in the guest
         vagrant ssh "$name" -c 'echo "guest: $(uname -r), up $(cut -d" " -f1 /proc/uptime)s"; systemd-analyze 2>/dev/null | head -n1' || true
         t=$(now)
-        vagrant ssh "$name" -c "cd /pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" || rc=1
+        vagrant ssh "$name" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" || rc=1
         echo "suite $(( $(now) - t ))" >>"$timings"
     fi
     if [ "${PYMTRACE_VM_KEEP:-0}" = 1 ]; then
@@ -196,7 +196,7 @@ run_local_box() {
 run_network_box() {
     local name=$1 logfile=$2
     (cd "$here" && vagrant up "$name" --provision && vagrant rsync "$name" &&
-        vagrant ssh "$name" -c 'cd /pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test') >>"$logfile" 2>&1
+        vagrant ssh "$name" -c 'cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test') >>"$logfile" 2>&1
 }
 
 timing() { awk -v k="$1" '$1 == k {print $2}' "$timings" | tail -n1; }
