@@ -21,6 +21,8 @@
 #   PYMTRACE_VM_CACHE    build-box.sh's cache (also holds Vagrant's box store and the pool)
 #   PYMTRACE_VM_NICE     niceness of libvirtd and so of QEMU (default 10)
 #   PYMTRACE_VM_KEEP=1   do not destroy the VM (debugging; the namespace stays too)
+#   PYMTRACE_VM_TIMEOUT  limit in seconds for install.sh --test inside (default 14400)
+# The guest's serial console goes to BOX-TIME.console.log next to the log.
 #   PYMTRACE_SHARED      host directory synced to /shared (default ../../shared)
 #   PYMTRACE_VM_TESTS    pytest arguments instead of the whole suite, e.g. a smoke run:
 #                        "tests/test_doctor.py tests/test_top_slab.py"
@@ -133,7 +135,11 @@ inside() {
         # shellcheck disable=SC2016  # expanded in the guest
         vagrant ssh "$name" -c 'echo "guest: $(uname -r), up $(cut -d" " -f1 /proc/uptime)s"; systemd-analyze 2>/dev/null | head -n1' || true
         t=$(now)
-        vagrant ssh "$name" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" || rc=1
+        # A guest that stops answering (a debian13 guest hung once, its kernel spinning)
+        # ends the run: SSH keepalives, and an overall limit.
+        timeout --kill-after=60 "${PYMTRACE_VM_TIMEOUT:-14400}" \
+            vagrant ssh "$name" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" \
+            -- -o ServerAliveInterval=60 -o ServerAliveCountMax=10 || rc=1
         echo "suite $(( $(now) - t ))" >>"$timings"
     fi
     if [ "${PYMTRACE_VM_KEEP:-0}" = 1 ]; then
@@ -176,11 +182,16 @@ run_local_box() {
     key=$(basename "$box_file" .box)
     key=${key#"$name"-}
     ensure_libvirt_user || return 1
+    # One run per box at a time: runs share the pool (the VM's disk is named after the box).
+    local lock
+    exec {lock}>"$cache/.run-$name.lock"
+    flock "$lock"
     state=$(mktemp -d "$cache/run.XXXXXX")
     ns=pymtrace-vm-$$-$name
     ip netns add "$ns" || { rm -rf "$state"; return 1; }
     ip netns exec "$ns" unshare --mount --propagation private \
-        env PYMTRACE_VM_CACHE="$cache" "$here/run-tests.sh" --inside "$name" "$box_file" \
+        env PYMTRACE_VM_CACHE="$cache" PYMTRACE_VM_CONSOLE_LOG="${logfile%.log}.console.log" \
+        "$here/run-tests.sh" --inside "$name" "$box_file" \
         "pymtrace/$name-$key" "$state" "$timings" >>"$logfile" 2>&1
     rc=$?
     if [ "${PYMTRACE_VM_KEEP:-0}" != 1 ]; then
@@ -189,6 +200,7 @@ run_local_box() {
     else
         log "kept namespace $ns and state $state"
     fi
+    exec {lock}>&-
     return $rc
 }
 
