@@ -7,7 +7,8 @@ A snapshot is the JSON-able dict the collectors produce (cumulative counters sin
                          "free_null", "memalign", "posix_memalign", "valloc", "pvalloc"},
                          "requested_bytes", "allocated_bytes", "freed_bytes", "live_bytes",
                          "failed", "size_log2": [...], "faults_user", "faults_kernel"}},
-     "slab": {cache: {"allocs", "frees", "bytes_alloc", "bytes_req"}},
+     "slab": {cache: {"allocs", "frees", "bytes_alloc", "bytes_req"}},  # or {"size N": {...,
+         # "caches": [names]}} on kernels without cache names (see "slab_source", "slab_note")
      "fault_regions": {pid: {region_label: count}},
      "glibc": {pid: {"arenas", "heaps", "heap_bytes", "sbrk_bytes", "mmap_threshold",
                      "trim_threshold", "lock_waits": {tid: n}, ...} or {"probes": 0, "reason"}},
@@ -213,12 +214,19 @@ def slab_view(prev, cur, interval=None):
         a = _rate(_get(s, "allocs"), _get(o, "allocs"), dt)
         f = _rate(_get(s, "frees"), _get(o, "frees"), dt)
         b = _rate(_get(s, "bytes_alloc"), _get(o, "bytes_alloc"), dt)
-        rows.append([str(name), a, f, b, _get(s, "allocs") - _get(s, "frees")])
+        label = f"{name}: {', '.join(s['caches'])}" if s.get("caches") else str(name)  # rows by object size
+        rows.append([label, a, f, b, _get(s, "allocs") - _get(s, "frees")])
         tot["caches"] += 1
         tot["allocs_per_s"] += a
         tot["frees_per_s"] += f
         tot["bytes_per_s"] += b
-    return Table("slab", TITLES["slab"], SLAB_COLUMNS, rows, sort=1, totals=tot, interval=dt)
+    notes = []
+    if cur.get("slab_note"):  # this kernel's tracepoints lack the cache name: the fallback in use
+        notes.append(f"Slab caches by {cur.get('slab_source')}: {cur['slab_note']}.")
+    why = (cur.get("errors") or {}).get("slab")
+    if why:
+        notes.append(f"No slab data: {why}")
+    return Table("slab", TITLES["slab"], SLAB_COLUMNS, rows, sort=1, notes=notes, totals=tot, interval=dt)
 
 
 FAULT_COLUMNS = [
