@@ -70,7 +70,7 @@ install_packages() {
 
 # BCC looks for headers in /lib/modules/$(uname -r)/build. Kernels without a headers
 # package (custom builds) get the distro's nearest headers linked in, build -> the
-# arch directory and source -> the common one (environment.md: BCC_KERNEL_SOURCE alone fails).
+# arch directory and source -> the common one (setting only BCC_KERNEL_SOURCE fails; docs/internals.md).
 link_kernel_headers() {
     local mod hdr common
     mod=/lib/modules/$(uname -r)

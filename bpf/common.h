@@ -6,7 +6,7 @@
 
 #define TASK_COMM_LEN 16
 
-/* malloc-API call types, numbered as in the dj/malloc binary trace (formats.md). */
+/* malloc-API call types, numbered as in the dj/malloc binary trace (docs/formats.md). */
 #define CALL_MALLOC 1
 #define CALL_CALLOC 2
 #define CALL_FREE 3

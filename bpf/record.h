@@ -1,4 +1,4 @@
-/* pymtrace record: one dj/malloc binary-trace record per malloc-API call (formats.md §1).
+/* pymtrace record: one dj/malloc binary-trace record per malloc-API call (docs/formats.md, section 1).
  * Shared with user space through pymtrace/structs.py: fixed-width fields only. */
 #ifndef PYMTRACE_RECORD_H
 #define PYMTRACE_RECORD_H

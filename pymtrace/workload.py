@@ -1,7 +1,7 @@
 """`pymtrace workload TRACE -o OUT.wl`: convert a binary call trace into a replay workload.
 
 Reads a `pymtrace record` trace or an upstream dj/malloc mtrace.out (`-` = stdin) and writes
-the .wl format that `pymtrace replay` and upstream trace_run read (formats.md section 2).
+the .wl format that `pymtrace replay` and upstream trace_run read (docs/formats.md, section 3).
 
 The algorithm is upstream trace2wl's: every address gets a pointer index, each address has an
 owner thread, and a thread touching an address owned by another gets a SYNC_R matched by a

@@ -91,7 +91,7 @@ def test_record_launch_exact_records(cbuild, tmp_path):
     for tid, calls in by_thread.items():
         assert [key(r) for r in own if r.thread == tid] == calls
     assert len(by_thread) == 4
-    # the special cases are really there, as formats.md describes them
+    # the special cases are really there, as docs/formats.md describes them
     kinds = {(t[1], t[2] == 0, t[3] == 0) for t in truth}
     assert (B.FREE, True, True) in kinds  # free(NULL)
     assert any(t[1] == B.REALLOC and t[2] == 0 and t[3] for t in truth)  # realloc(NULL, n)

@@ -25,7 +25,7 @@ REFERENCE_RECORDS = [
     R(A, mb.MALLOC, 0, 0x2000, 24), R(A, mb.MALLOC, 0, 0x4000, 8), R(B, mb.FREE, 0x4000),
     R(A, mb.POSIX_MEMALIGN, 0, 0x5000, 48, 32), R(A, mb.FREE, 0x999), R(A, mb.MALLOC, 0, 0, 1 << 40),
 ]
-# formats.md: upstream trace2wl's output for the trace above
+# docs/formats.md: upstream trace2wl's output for the trace above
 UPSTREAM_HEX = ("080809040a020b0b0b3401"
                 "020210 030320 04040240 0601 0602 0504 0500 0703 020318 0704 020508 0c062030 0200a08080808000 01"
                 "0701 0702 0503 0c054064 0603 0505 0604 01")

@@ -1,6 +1,6 @@
 """glibc dj/malloc binary call trace ("mtrace.out.PID"): 64-byte records, MAGIC first.
 
-Layout (formats.md section 1), native byte order:
+Layout (docs/formats.md, section 1), native byte order:
     int32 thread; uint32 type:8|path:14; uint64 ptr1, ptr2, size, size2, size3; uint64 pad[2]
 pymtrace fills the pad words (upstream writes zeros and ignores them):
     pad[0] = CLOCK_MONOTONIC timestamp of the call in ns (0 = unknown)

@@ -1,6 +1,6 @@
 """Replay workload files (.wl): what upstream trace2wl writes and trace_run reads.
 
-Layout (formats.md section 2): an opcode byte, then unsigned big-endian base-128 varints.
+Layout (docs/formats.md, section 3): an opcode byte, then unsigned big-endian base-128 varints.
 Header `ALLOC_PTRS n, ALLOC_SYNCS m, NTHREADS t, START_THREAD off x t, DONE`, then one
 stream per thread, each ending in DONE.
 
