@@ -58,7 +58,9 @@ json.dumps. Schema (keys a collector does not produce are absent, never faked):
      "glibc": {...}                                         # pymtrace.usdt.GlibcCollector
      "lost": {name: count},   # events the BPF side could not record, by cause
      "maps": {map name: {"entries": n, "max_entries": capacity,   # fill of the bounded maps
-                         "evicted": n}}}   # per-process maps: LRU evictions seen (below)
+                         "evicted": n}},   # per-process maps: LRU evictions seen (below)
+     "errors": {collector: reason}}   # Collectors: those that cannot run here (a kernel
+         # without a tracepoint, a program it will not load; the others run), glibc's failures
 
 Exited processes: a process that exits appears once more with "exited": True, then its
 BPF state is deleted. Every map is bounded and LRU (BPF_TABLE "lru_percpu_hash" /
@@ -782,7 +784,8 @@ class Collectors:
     """The collectors top runs, attached together, with one merged snapshot and one
     process-exit watcher; their programs are compiled as ONE BCC module (attach()).
     glibc=True adds pymtrace.usdt.GlibcCollector when that module exists (its failures are
-    reported in snapshot["errors"]["glibc"], not raised)."""
+    reported in snapshot["errors"]["glibc"], not raised). Likewise slab and faults when this
+    kernel cannot run them (snapshot["errors"][name]); malloc's failures are raised."""
 
     def __init__(self, pids=None, malloc=True, slab=True, faults=True, glibc=True, track_exits=True):
         self.pids = _check_pids(pids)
