@@ -149,3 +149,27 @@ def test_slab_impossible_here_leaves_the_other_collectors_running(tmp_path, monk
         assert top.stop() == 0
     finally:
         top.kill()
+
+
+def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
+    """One compile for all: when it fails, each program is tried alone, the one that fails is
+    dropped with its reason in errors[...] and the rest are compiled together."""
+    from pymtrace import bpfload, collect
+
+    loads = []
+
+    def load_parts(parts, what=None):
+        names = [p.program for p in parts]
+        loads.append(names)
+        if "slab" in names:
+            raise PymtraceError("cannot compile/load BPF program slab: no member named 'data_loc_name'")
+        return object()
+
+    monkeypatch.setattr(bpfload, "load_parts", load_parts)
+    monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
+    cs = collect.Collectors(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    bpf = cs._compile([c.part() for c in cs.collectors.values()], None)
+    assert bpf is not None
+    assert list(cs.collectors) == ["faults"]
+    assert "data_loc_name" in cs.errors["slab"]
+    assert loads[0] == ["faults", "slab"] and loads[-1] == ["faults"]
