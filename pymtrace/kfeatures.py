@@ -100,9 +100,9 @@ def slab_source():
         return SlabSource(SLAB_BY_NAME, frees, "caches named by the kmem tracepoints' `name` field" + free_text)
     if "bytes_alloc" in alloc:
         return SlabSource(SLAB_BY_SIZE, frees,
-                          "this kernel's kmem:kmem_cache_alloc has no cache name: allocations are grouped "
-                          "by object size, each row listing the caches of that size in /proc/slabinfo"
-                          + (" (frees by the cache name kmem_cache_free gives)" if frees else free_text))
+                          "this kernel's kmem:kmem_cache_alloc has no cache name, so a row is an object "
+                          "size with the caches of that size in /proc/slabinfo"
+                          + (" (frees by the name kmem_cache_free gives)" if frees else free_text))
     raise PymtraceError("no slab view: kmem:kmem_cache_alloc has neither `name` nor `bytes_alloc` on this kernel")
 
 

@@ -202,6 +202,14 @@ SLAB_COLUMNS = [
 ]
 
 
+def _size_label(key, caches, most=3):
+    """'size 192: dentry, filp, ... (+8)': a row of the slab view on kernels without cache
+    names; kmalloc's own caches last (kmalloc() has its own tracepoint, not counted here)."""
+    names = sorted(caches, key=lambda c: ("kmalloc-" in c, c))
+    more = f" (+{len(names) - most})" if len(names) > most else ""
+    return f"{key}: {', '.join(names[:most])}{more}"
+
+
 def slab_view(prev, cur, interval=None):
     dt = interval_of(prev, cur, interval)
     old_all = (prev or {}).get("slab") or {}
@@ -214,7 +222,7 @@ def slab_view(prev, cur, interval=None):
         a = _rate(_get(s, "allocs"), _get(o, "allocs"), dt)
         f = _rate(_get(s, "frees"), _get(o, "frees"), dt)
         b = _rate(_get(s, "bytes_alloc"), _get(o, "bytes_alloc"), dt)
-        label = f"{name}: {', '.join(s['caches'])}" if s.get("caches") else str(name)  # rows by object size
+        label = _size_label(name, s["caches"]) if s.get("caches") else str(name)  # rows by object size
         rows.append([label, a, f, b, _get(s, "allocs") - _get(s, "frees")])
         tot["caches"] += 1
         tot["allocs_per_s"] += a
@@ -222,7 +230,7 @@ def slab_view(prev, cur, interval=None):
         tot["bytes_per_s"] += b
     notes = []
     if cur.get("slab_note"):  # this kernel's tracepoints lack the cache name: the fallback in use
-        notes.append(f"Slab caches by {cur.get('slab_source')}: {cur['slab_note']}.")
+        notes.append(f"Slab rows by {cur.get('slab_source')}: {cur['slab_note']}.")
     why = (cur.get("errors") or {}).get("slab")
     if why:
         notes.append(f"No slab data: {why}")

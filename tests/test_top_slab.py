@@ -124,7 +124,7 @@ def test_kernel_without_cache_names_groups_by_object_size(cbuild, tmp_path, monk
         assert CACHE not in doc["snapshot"]["slab"]  # no row by name: the names are not known
         view = doc["views"]["slab"]
         rows = [r for r in view["rows"] if r["cache"].startswith(key + ":")]
-        assert rows and CACHE in rows[0]["cache"]
+        assert rows and (CACHE in rows[0]["cache"] or rows[0]["cache"].endswith(")"))  # up to 3 names, (+N)
         assert any("object size" in n and "/proc/slabinfo" in n for n in view["notes"]), view["notes"]
         assert top.stop() == 0
         assert w.finish() == 0
