@@ -619,6 +619,13 @@ class FaultCollector(_Collector):
         self.maps_reads = 0  # /proc/PID/maps reads made for new granules (cost, for tests/bench)
         self._shift = structs.header(self.program).consts["PF_GRANULE_SHIFT"]
 
+    def prepare(self):
+        for tp in ("page_fault_user", "page_fault_kernel"):
+            if kfeatures.tracepoint_fields("exceptions", tp) is None:
+                raise PymtraceError(f"no page-fault data: this kernel has no readable exceptions:{tp} "
+                                    "tracepoint (x86 kernels have it)")
+        super().prepare()
+
     def _defines(self):
         return {"PF_MAX_PROCS": self.max_procs, "PF_MAX_GRANULES": self.max_granules,
                 "PF_FILTER": int(self.pids is not None), "PF_REGIONS": int(self.regions)}

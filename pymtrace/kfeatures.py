@@ -5,8 +5,9 @@
     has_btf(), uretprobe_syscall()
 
 Tracepoint fields come from /sys/kernel/tracing/events/SYSTEM/NAME/format. For TESTS ONLY,
-PYMTRACE_FAKE_TP_FORMAT_DIR=DIR makes DIR/SYSTEM/NAME/format (when it exists) stand in for
-the kernel's file, so that a kernel without a field can be emulated (e.g. Linux 6.1's
+PYMTRACE_FAKE_TP_FORMAT_DIR=DIR makes DIR/SYSTEM/NAME/format stand in for the kernel's file
+when the directory DIR/SYSTEM/NAME exists (without a format file in it: no such tracepoint),
+so that a kernel without a field or a tracepoint can be emulated (e.g. Linux 6.1's
 kmem_cache_alloc, which has no `name`); BPF programs are still compiled and attached against
 the real kernel, so the emulated format must be a subset of the real one.
 """
@@ -22,10 +23,8 @@ SLABINFO = "/proc/slabinfo"
 
 def tracepoint_format_path(system, name):
     fake = os.environ.get(FAKE_FORMAT_ENV)
-    if fake:
-        path = os.path.join(fake, system, name, "format")
-        if os.path.exists(path):
-            return path
+    if fake and os.path.isdir(os.path.join(fake, system, name)):
+        return os.path.join(fake, system, name, "format")  # none there: no such tracepoint
     return os.path.join(TRACEFS, "events", system, name, "format")
 
 

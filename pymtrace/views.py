@@ -202,6 +202,12 @@ SLAB_COLUMNS = [
 ]
 
 
+def _unavailable(cur, collector):
+    """The note saying why COLLECTOR's data is missing (it could not run on this kernel)."""
+    why = (cur.get("errors") or {}).get(collector)
+    return [f"Not available: {why}"] if why else []
+
+
 def _size_label(key, caches, most=3):
     """'size 192: dentry, filp, ... (+8)': a row of the slab view on kernels without cache
     names; kmalloc's own caches last (kmalloc() has its own tracepoint, not counted here)."""
@@ -231,10 +237,8 @@ def slab_view(prev, cur, interval=None):
     notes = []
     if cur.get("slab_note"):  # this kernel's tracepoints lack the cache name: the fallback in use
         notes.append(f"Slab rows by {cur.get('slab_source')}: {cur['slab_note']}.")
-    why = (cur.get("errors") or {}).get("slab")
-    if why:
-        notes.append(f"No slab data: {why}")
-    return Table("slab", TITLES["slab"], SLAB_COLUMNS, rows, sort=1, notes=notes, totals=tot, interval=dt)
+    return Table("slab", TITLES["slab"], SLAB_COLUMNS, rows, sort=1, notes=notes + _unavailable(cur, "slab"),
+                 totals=tot, interval=dt)
 
 
 FAULT_COLUMNS = [
@@ -287,7 +291,7 @@ def faults_view(prev, cur, interval=None):
             groups.append(pid)
             leaders.append(False)
     return Table("faults", TITLES["faults"], FAULT_COLUMNS, rows, sort=3, groups=groups,
-                 leaders=leaders, totals=tot, interval=dt)
+                 leaders=leaders, notes=_unavailable(cur, "faults"), totals=tot, interval=dt)
 
 
 GLIBC_COLUMNS = [

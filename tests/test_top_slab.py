@@ -30,7 +30,7 @@ def slab_row(cbuild):
         assert doc["snapshot"]["slab_source"] == kfeatures.slab_source().source
         w.go()
         assert w.result()["queues"] == N
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # RCU frees come late on a loaded machine or in a VM
         while True:
             doc = top.json_after(time.monotonic())
             s = doc["snapshot"]["slab"].get(key, {})
@@ -138,7 +138,7 @@ def test_slab_impossible_here_leaves_the_other_collectors_running(tmp_path, monk
         assert "neither `name` nor `bytes_alloc`" in doc["snapshot"]["errors"]["slab"]
         assert "slab" not in doc["snapshot"] or not doc["snapshot"]["slab"]
         assert any(p.get("faults_user", 0) > 0 for p in doc["snapshot"]["processes"].values())
-        assert any("No slab data" in n for n in doc["views"]["slab"]["notes"])
+        assert any(n.startswith("Not available: no slab view") for n in doc["views"]["slab"]["notes"])
         assert top.stop() == 0
     finally:
         top.kill()
@@ -166,3 +166,27 @@ def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
     assert list(cs.collectors) == ["faults"]
     assert "data_loc_name" in cs.errors["slab"]
     assert loads[0] == ["faults", "slab"] and loads[-1] == ["faults"]
+
+
+@pytest.mark.bpf
+def test_kernel_without_fault_tracepoints_leaves_slab_running(tmp_path, monkeypatch):
+    """The page-fault tracepoints exist on x86 only: elsewhere top runs without the fault
+    view's data, and the view says why (emulated: an empty format directory stands for it)."""
+    d = tmp_path / "formats" / "exceptions"
+    for tp in ("page_fault_user", "page_fault_kernel"):
+        (d / tp).mkdir(parents=True)  # a directory without a format file: no such tracepoint
+    monkeypatch.setenv(kfeatures.FAKE_FORMAT_ENV, str(tmp_path / "formats"))
+    assert kfeatures.tracepoint_fields("exceptions", "page_fault_user") is None
+    assert kfeatures.tracepoint_fields("kmem", "kmem_cache_alloc")  # the real one
+    top = Top("--json", "-i", "0.5", "--always-on", "--no-glibc")
+    try:
+        top.json_doc()
+        doc = top.json_after(time.monotonic())
+        snap = doc["snapshot"]
+        assert snap["errors"]["faults"].startswith("no page-fault data: this kernel has no readable exceptions:")
+        assert not any("faults_user" in p for p in snap["processes"].values())
+        assert snap["slab"] and snap["slab_source"] == kfeatures.SLAB_BY_NAME
+        assert any(n.startswith("Not available: no page-fault data") for n in doc["views"]["faults"]["notes"])
+        assert top.stop() == 0
+    finally:
+        top.kill()
