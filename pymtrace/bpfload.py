@@ -27,9 +27,9 @@ def bpf_dir():
     src = pathlib.Path(__file__).resolve().parent.parent / "bpf"
     if (src / "common.h").exists():
         return src
-    import importlib.resources
-
-    return pathlib.Path(str(importlib.resources.files("pymtrace.bpf")))
+    # installed: the package data pymtrace.bpf sits beside this module (a namespace package,
+    # whose importlib.resources.files() is a MultiplexedPath, not a path string)
+    return pathlib.Path(__file__).resolve().parent / "bpf"
 
 
 def import_bcc():
@@ -135,6 +135,24 @@ def detach_all(bpf):
         bpf.cleanup()
     except Exception:  # cleanup after a partially failed attach must not mask the real error
         pass
+
+
+def own_perf_event_fds():
+    """This process's open perf-event descriptors. BCC attaches uprobes through
+    perf_event_open (the uprobe PMU), which tracefs's uprobe_events never lists: a probe
+    still attached is a perf-event descriptor still open."""
+    out = []
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[perf_event]":
+                out.append(int(name))
+        except OSError:
+            continue
+    return out
 
 
 def own_uprobe_events(pid=None):

@@ -379,12 +379,14 @@ def check_smoke(sim, prerequisites_ok, tracepoints_ok):
     finally:
         if b is not None:
             bpfload.detach_all(b)
-    left = bpfload.own_uprobe_events()
+    # both ways a probe can stay attached: a tracefs uprobe event, or (how BCC attaches
+    # here) an open perf-event descriptor
+    left = bpfload.own_uprobe_events() + bpfload.own_perf_event_fds()
     detail = (f"compiled+loaded in {compiled:.1f}s; {tp or 'no tracepoint'}: {tp_hits} hits, "
               f"uprobe {os.path.basename(system)}:getpid: {up_hits} hits; detached")
     if left:
-        return Check("smoke", name, MISSING, detail + f", but {len(left)} uprobe event(s) left behind",
-                     f"remove them from {TRACEFS}/uprobe_events")
+        return Check("smoke", name, MISSING, detail + f", but {len(left)} uprobe(s) left attached",
+                     f"BCC did not detach: check {TRACEFS}/uprobe_events and `bpftool perf list`")
     if up_hits < 3 or (tp and tp_hits == 0):
         return Check("smoke", name, MISSING, detail + " (probes attached but did not fire)",
                      "check that uprobes/tracepoints are not blocked (lockdown, seccomp, LSM)")

@@ -49,8 +49,6 @@ busy 2-core machine, bench/exporter_bench.py; an allocation-heavy Python program
 second for ~1,000 series, ~0.5 s for ~14,000. Start-up compiles the BPF programs
 (seconds; longer on a loaded machine). See docs/exporter.md."""
 
-CALL_TYPES = ("malloc", "calloc", "realloc", "free", "free_null", "memalign",
-              "posix_memalign", "valloc", "pvalloc", "aligned_alloc")
 PROC_COUNTERS = ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", "faults_user", "faults_kernel")
 PROC_GAUGES = ("live_bytes",)
 # glibc (USDT) values per process: gauges (state now) and counters (cumulative)

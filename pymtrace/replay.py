@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+from pymtrace import structs
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.outfiles import atomic_output, check_new
 
@@ -41,6 +42,7 @@ anon RSS comes from /proc/self/statm sampled every --sample-ms. --timeout also b
 validation of the workload."""
 
 NATIVE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "replay.c")
+NATIVE_HEADER = os.path.join(os.path.dirname(NATIVE_SRC), "wl.h")  # the contract, read by both sides
 CFLAGS = ["-O2", "-g", "-pthread", "-Wall"]
 KNOWN_ALLOCATORS = {
     "glibc": None,
@@ -50,8 +52,10 @@ KNOWN_ALLOCATORS = {
 }
 MALLOPT_NAMES = {"M_MXFAST", "M_NLBLKS", "M_GRAIN", "M_KEEP", "M_TRIM_THRESHOLD", "M_TOP_PAD", "M_MMAP_THRESHOLD",
                  "M_MMAP_MAX", "M_CHECK_ACTION", "M_PERTURB", "M_ARENA_TEST", "M_ARENA_MAX"}
-CALL_TYPES = ["malloc", "calloc", "realloc", "free", "memalign", "valloc", "pvalloc", "malloc_trim"]
-EXIT_MEANING = {2: "invalid workload", 3: "deadlock or stall", 4: "out of resources"}
+_WL = structs.native_header("wl")
+CALL_TYPES = list(_WL.names("WL_CALL_").values())  # the simulator's "calls", in its order
+EXIT_MEANING = {_WL.consts["WL_EXIT_INVALID"]: "invalid workload", _WL.consts["WL_EXIT_DEADLOCK"]: "deadlock or stall",
+                _WL.consts["WL_EXIT_RESOURCE"]: "out of resources"}
 
 
 def configure(parser):
@@ -136,8 +140,10 @@ def simulator_path():
     The cache is used only if it and every directory above it belong to this user (or root)
     and nobody else can write them; otherwise the simulator is built into a private
     temporary directory, removed at exit, and nothing in the cache is executed."""
-    with open(NATIVE_SRC, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in (NATIVE_SRC, NATIVE_HEADER):  # a change to either is a new build
+        with open(path, "rb") as f:
+            src += f.read()
     cc = os.environ.get("CC", "gcc")
     key = hashlib.sha256(src + b"\0" + cc.encode() + b"\0" + " ".join(CFLAGS).encode()).hexdigest()[:16]
     name = f"pymtrace-replay-{key}"

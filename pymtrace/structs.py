@@ -8,9 +8,13 @@ so a field added to a header is seen by Python at once.
     rec = structs.header("record")            # parses bpf/record.h (+ its #includes)
     Event = rec.structs["record_event"]       # a ctypes.Structure
     rec.consts["CALL_MALLOC"]                 # 1
+
+The native replay simulator's contract is read the same way from pymtrace/native/wl.h
+(`native_header("wl")`).
 """
 import ctypes
 import functools
+import pathlib
 import re
 
 from pymtrace.bpfload import bpf_dir
@@ -37,6 +41,11 @@ class Header:
     def __init__(self, consts, structs):
         self.consts = consts
         self.structs = structs
+
+    def names(self, prefix):
+        """{value: name without PREFIX} of the constants named PREFIX..., in value order."""
+        found = sorted((v, k) for k, v in self.consts.items() if k.startswith(prefix))
+        return {v: k[len(prefix):] for v, k in found}
 
     def __getattr__(self, name):
         try:
@@ -90,4 +99,12 @@ def header(program):
         return path.read_text() if path.exists() else ""
 
     consts, structs = parse(include(f"{program}.h"), include=include)
+    return Header(consts, structs)
+
+
+@functools.lru_cache(maxsize=None)
+def native_header(name):
+    """Parse pymtrace/native/NAME.h (the contract the native simulator shares with Python)."""
+    path = pathlib.Path(__file__).resolve().parent / "native" / f"{name}.h"
+    consts, structs = parse(path.read_text())
     return Header(consts, structs)

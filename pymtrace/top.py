@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from pymtrace import bpfload
+from pymtrace import bpfload, views
 from pymtrace.errors import PymtraceError
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
@@ -48,9 +48,7 @@ VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "totals")
 
 TOTAL_COLUMNS = (
     ("pid", "PID"), ("comm", "COMM"),
-    ("malloc", "MALLOC"), ("calloc", "CALLOC"), ("realloc", "REALLOC"), ("free", "FREE"),
-    ("free_null", "FREE(NULL)"), ("memalign", "MEMALIGN"), ("posix_memalign", "POSIX_MEMALIGN"),
-    ("valloc", "VALLOC"), ("pvalloc", "PVALLOC"),
+    *((c, "FREE(NULL)" if c == "free_null" else c.upper()) for c in views.CALLS),
     ("requested_bytes", "REQUESTED"), ("allocated_bytes", "ALLOCATED"), ("freed_bytes", "FREED"),
     ("live_bytes", "LIVE"), ("failed", "FAILED"), ("faults_user", "FAULTS_USER"),
     ("faults_kernel", "FAULTS_KERNEL"),
@@ -106,8 +104,7 @@ def totals_rows(snap, pids=None):
                 row.append(pid)
             elif key == "comm":
                 row.append(p.get("comm", "?"))
-            elif key in calls or key in ("malloc", "calloc", "realloc", "free", "free_null", "memalign",
-                                         "posix_memalign", "valloc", "pvalloc"):
+            elif key in calls or key in views.CALLS:
                 row.append(int(calls.get(key, 0)))
             else:
                 row.append(int(p.get(key, 0)))

@@ -32,8 +32,11 @@ TITLES = {
     "faults": "page faults",
     "glibc": "glibc internals",
 }
+# The snapshot's "calls" names in display order: the names are collect.call_names() (from the
+# BPF headers; tests/test_contract.py checks they agree), the order is this view's choice.
+CALLS = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
 MEMALIGN_FAMILY = ("memalign", "posix_memalign", "valloc", "pvalloc")
-ALLOC_CALLS = ("malloc", "calloc", "realloc") + MEMALIGN_FAMILY
+ALLOC_CALLS = tuple(c for c in CALLS if c not in ("free", "free_null"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import PYMTRACE, ROOT, run_pymtrace
+from conftest import PYMTRACE, ROOT, ProbeWatch, run_pymtrace
 
 REQUIRED_IDS = {"root", "bpf", "tracefs", "uprobes", "headers", "bcc", "smoke", "ringbuf",
                 "kmem:kmem_cache_alloc", "kmem:kmem_cache_free",
@@ -20,13 +20,44 @@ def doctor_json(*args, env=None, **kw):
     return proc, json.loads(proc.stdout)
 
 
+# The smoke test's uprobe is attached for milliseconds only: too briefly to sample it from
+# outside. This sitecustomize reports, right after each attach_uprobe, the BPF programs
+# the doctor process then holds through perf-event uprobes (bpftool perf list).
+HELD_REPORTER = '''
+import json, os, subprocess, sys
+try:
+    import bcc
+except ImportError:
+    bcc = None
+if bcc is not None and hasattr(bcc, "BPF"):
+    _attach = bcc.BPF.attach_uprobe
+
+    def _reporting_attach(self, *args, **kw):
+        result = _attach(self, *args, **kw)
+        out = subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True).stdout
+        ids = [e["prog_id"] for e in json.loads(out or "[]")
+               if e.get("pid") == os.getpid() and e.get("fd_type") in ("uprobe", "uretprobe")]
+        print("probecheck: held " + " ".join(map(str, ids)), file=sys.stderr, flush=True)
+        return result
+
+    bcc.BPF.attach_uprobe = _reporting_attach
+'''
+
+
 @pytest.mark.bpf
-def test_doctor_passes_here_with_every_check_real():
+def test_doctor_passes_here_with_every_check_real(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYMTRACE_DOCTOR_SIMULATE_MISSING"}
+    (tmp_path / "sitecustomize.py").write_text(HELD_REPORTER)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(PYMTRACE + ["doctor", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
+    watch = ProbeWatch(proc.pid).follow(proc)  # checks bpftool is there; samples what it can
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, out + err
+    for line in err.splitlines():
+        if line.startswith("probecheck: held "):
+            watch.prog_ids.update(int(i) for i in line.split()[2:])
+    assert watch.prog_ids, f"the smoke test's uprobe was never seen attached: {err}"
     doc = json.loads(out)
     assert doc["ok"] is True and doc["missing"] == []
     by_id = {}
@@ -46,8 +77,7 @@ def test_doctor_passes_here_with_every_check_real():
     libcs = [c for c in doc["checks"] if c["id"] == "libc"]
     assert libcs and "malloc USDT probes" in libcs[0]["detail"]
     # no uprobe of the doctor process is left behind
-    with open("/sys/kernel/tracing/uprobe_events") as f:
-        assert f"_bcc_{proc.pid}" not in f.read()
+    watch.assert_gone()
 
 
 @pytest.mark.bpf
@@ -156,6 +186,28 @@ def test_check_root_reads_capabilities(monkeypatch):
     monkeypatch.setattr(doctor, "_cap_eff", lambda: 0)
     c = doctor.check_root(set())
     assert c.status == "MISSING" and "CAP_SYS_ADMIN" in c.fix
+
+
+@pytest.mark.bpf
+def test_smoke_check_reports_a_uprobe_left_attached(monkeypatch):
+    """The smoke test's leftover check is not hollow: with detaching skipped, the uprobe BCC
+    attached (a perf-event descriptor, invisible in tracefs's uprobe_events) is reported."""
+    from pymtrace import bpfload, doctor
+
+    tracepoints = {"exceptions:page_fault_user", "kmem:kmem_cache_alloc"}
+    assert bpfload.own_perf_event_fds() == []
+    kept = []
+    monkeypatch.setattr(bpfload, "detach_all", kept.append)
+    try:
+        check = doctor.check_smoke(frozenset(), True, tracepoints)
+        assert check.status == doctor.MISSING
+        assert "left attached" in check.detail
+    finally:
+        monkeypatch.undo()
+        for b in kept:
+            bpfload.detach_all(b)
+    assert bpfload.own_perf_event_fds() == []
+    assert doctor.check_smoke(frozenset(), True, tracepoints).status == doctor.OK
 
 
 @pytest.mark.bpf

@@ -2,14 +2,13 @@
 Prometheus scraping every second, promtool on a live scrape, churn of 1,000 short-lived
 processes, and glibc internals on the probe-carrying libc."""
 import os
-import re
 import signal
 import subprocess
 import time
 
 import pytest
 
-from conftest import PYMTRACE
+from conftest import PYMTRACE, ProbeWatch
 from test_exporter import Prometheus, free_port, http_get, need_tool, parse_metrics, sample
 
 pytestmark = pytest.mark.bpf
@@ -162,6 +161,7 @@ class Exporter:
         self.port = port or free_port()
         self.proc = subprocess.Popen(PYMTRACE + ["exporter", "--listen", f"127.0.0.1:{self.port}", *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.watch = ProbeWatch(self.proc.pid)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 120
         said = []
@@ -214,22 +214,10 @@ class Workload:
                 self.proc.wait()
 
 
-def _uprobes_of(pid):
-    """[(file, offset)] of the uprobes process PID holds: BCC creates them either as perf
-    events (listed by `bpftool perf list`) or as tracefs uprobe_events named ..._bcc_PID."""
-    from pymtrace import bpfload
-    from test_top_support import bpf_uprobes_of
-
-    held = bpf_uprobes_of(pid)
-    if held is None:
-        from conftest import missing_or_fail
-
-        missing_or_fail("bpftool is not installed (Debian package bpftool)")
-    probes = [(e.get("filename"), e.get("offset")) for e in held]
-    for line in bpfload.own_uprobe_events(pid):
-        m = re.search(r" (\S+):0x([0-9a-fA-F]+)", line)
-        probes.append((m.group(1), int(m.group(2), 16)) if m else (line, None))
-    return probes
+def _uprobes_of(ex):
+    """[(file, offset)] of the uprobes the running exporter EX holds (perf-event uprobes and
+    tracefs uprobe_events), recorded in ex.watch for its check after exit."""
+    return [(p["file"], p["offset"]) for p in ex.watch.sample()]
 
 
 def test_real_prometheus_stores_the_exact_calls_of_a_workload(tmp_path):
@@ -239,6 +227,7 @@ def test_real_prometheus_stores_the_exact_calls_of_a_workload(tmp_path):
     prom = None
     w = None
     try:
+        ex.watch.wait_attached(3)  # --per-call: the malloc-path uprobes, held while it runs
         prom = Prometheus(tmp_path, [{"job_name": "pymtrace",
                                       "static_configs": [{"targets": [f"127.0.0.1:{ex.port}"]}]}])
         w = Workload([binary, "pmx-known"])
@@ -305,9 +294,8 @@ def test_real_prometheus_stores_the_exact_calls_of_a_workload(tmp_path):
             w.close()
         if prom:
             prom.stop()
-        pid = ex.proc.pid
         assert ex.stop() == 0
-        assert _uprobes_of(pid) == []
+        ex.watch.assert_gone()
 
 
 def test_churn_of_1000_processes_keeps_series_and_maps_bounded(tmp_path):
@@ -454,7 +442,7 @@ def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tm
         for args, mode in (([], "always-on"), (["--always-on"], "always-on"), (["--per-call"], "per-call")):
             ex = Exporter(*args, "-p", str(w.proc.pid))
             try:
-                ours = _uprobes_of(ex.proc.pid)  # while it runs
+                ours = _uprobes_of(ex)  # while it runs
                 hit = _on_malloc_path(ours, libc_path, ranges)
                 if mode == "per-call":
                     assert hit == set(ranges), (hit, ours)
@@ -467,7 +455,7 @@ def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tm
                 assert info and info[0]["mode"] == mode, info
             finally:
                 assert ex.stop() == 0
-            assert _uprobes_of(ex.proc.pid) == []
+            ex.watch.assert_gone()
     finally:
         w.close()
 

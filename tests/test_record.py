@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from conftest import PYMTRACE, ROOT, run_pymtrace, script_background, sigint_ignored
+from conftest import PYMTRACE, ROOT, ProbeWatch, run_pymtrace, script_background, sigint_ignored
 from test_top_support import alive
-from pymtrace import bpfload
 from pymtrace.formats import mtrace_bin as B
 from pymtrace.formats import mtrace_text as T
 
@@ -346,11 +345,13 @@ def test_record_stops_on_sigint_sent_by_a_script(cbuild, tmp_path):
         out = tmp_path / "bg.trace"
         with script_background("record", "-p", target.pid, "-o", out, "--json") as (shell, pid):
             _wait_records(out, 2000, lambda: shell.poll() is None)
+            watch = ProbeWatch(pid)
+            watch.wait_attached(3)
             os.kill(pid, signal.SIGINT)
             stdout, err = shell.communicate(timeout=60)
         assert stdout.strip() == "rc=0", err
         assert not alive(pid)
-        assert bpfload.own_uprobe_events(pid) == []
+        watch.assert_gone()
         assert target.poll() is None  # the target keeps running, untraced
     assert "Traceback" not in err
     summary = json.loads(err.strip().splitlines()[-1])
@@ -367,6 +368,8 @@ def test_record_second_stop_signal_while_stopping_is_ignored(cbuild, tmp_path):
     with _loop_target(cbuild) as target:
         out = tmp_path / "t.trace"
         rec = _record_running(target.pid, out, 2000, 0.2)
+        watch = ProbeWatch(rec.pid)
+        watch.wait_attached(3)
         rec.send_signal(signal.SIGTERM)
         for i in range(40):  # over ~2 s: the drain, the summary, the detach
             time.sleep(0.05)
@@ -378,7 +381,7 @@ def test_record_second_stop_signal_while_stopping_is_ignored(cbuild, tmp_path):
     assert rec.returncode == 0, err
     summary = json.loads(err.strip().splitlines()[-1])
     assert summary["entries"] == len(list(B.read_file(out))) >= 2000
-    assert bpfload.own_uprobe_events(rec.pid) == []
+    watch.assert_gone()
 
 
 def test_record_refuses_its_own_pid():

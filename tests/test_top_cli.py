@@ -7,8 +7,7 @@ import tempfile
 
 import pytest
 
-from conftest import PYMTRACE, ROOT, missing_or_fail, run_pymtrace, script_background
-from pymtrace import bpfload
+from conftest import PYMTRACE, ROOT, ProbeWatch, missing_or_fail, run_pymtrace, script_background
 
 
 def test_gone_pid_is_one_line_error(bpf_ok):
@@ -89,10 +88,12 @@ def test_top_batch_stops_on_sigint_sent_by_a_script(cbuild):
         assert target.stdout.readline().strip() == "ready"
         with script_background("top", "--batch", "-i", "0.5", "-p", target.pid) as (shell, pid):
             seen = []
+            watch = ProbeWatch(pid)
             for line in shell.stdout:  # reports every 0.5 s once attached (start-up may take long)
                 seen.append(line)
                 if "iteration 3 " in line:
                     break
+            watch.wait_attached(3, timeout=5)
             os.kill(pid, signal.SIGINT)
             out, err = shell.communicate(timeout=60)
     finally:
@@ -103,4 +104,4 @@ def test_top_batch_stops_on_sigint_sent_by_a_script(cbuild):
     assert out.rstrip().endswith("rc=0"), err
     assert "Traceback" not in err
     assert str(target.pid) in out
-    assert bpfload.own_uprobe_events(pid) == []
+    watch.assert_gone()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from test_top_support import Top, own_uprobes
+from test_top_support import Top
 
 
 def _first_doc_with(top, pid, timeout=20):
@@ -27,6 +27,7 @@ def test_short_lived_process_shows_under_its_own_comm(cbuild):
     top = Top("--json", "-i", "0.5", "--no-glibc")  # system-wide: the child is not known in advance
     try:
         top.json_doc(timeout=180)  # attached
+        top.probes_attached(3)
         for attempt in range(5):
             child = subprocess.Popen([exe])
             assert child.wait(timeout=30) == 0
@@ -43,6 +44,6 @@ def test_short_lived_process_shows_under_its_own_comm(cbuild):
         else:
             pytest.fail("every run of the child was caught alive by a snapshot")
         assert top.stop() == 0
-        assert own_uprobes(top.proc.pid) == []
+        top.watch.assert_gone()
     finally:
         top.kill()

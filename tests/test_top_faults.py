@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_top_support import Top, Workload, alive, own_uprobes, proc_faults
+from test_top_support import Top, Workload, alive, proc_faults
 
 TOLERANCE = 0.005  # relative; plus 8 faults absolute
 
@@ -25,6 +25,10 @@ def test_faults_match_kernel_count_and_land_in_anon(cbuild, mode):
     top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc", *extra)
     try:
         top.json_doc()  # attached
+        if mode == "full":
+            top.probes_attached(3)
+        else:  # tracepoints only
+            assert top.watch.sample() == []
         before = proc_faults(w.pid)  # the workload is blocked on stdin: no faults meanwhile
         w.go()
         result = w.result()
@@ -44,7 +48,7 @@ def test_faults_match_kernel_count_and_land_in_anon(cbuild, mode):
         assert anon and anon[0]["faults"] >= result["pages"]
         assert mode == "full" or "calls" not in p  # --always-on: no per-call uprobes
         assert top.stop() == 0
-        assert own_uprobes(top.proc.pid) == []
+        top.watch.assert_gone()
         assert alive(w.pid)
         assert w.finish() == 0
     finally:

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from test_top_support import Top, Workload, alive, assert_probes_gone, assert_probes_installed, own_uprobes
+from conftest import ProbeWatch
+from test_top_support import Top, Workload, alive, assert_probes_gone, assert_probes_installed
 
 CALLS = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
 
@@ -26,7 +27,7 @@ def test_json_counts_every_call_once_exactly(cbuild):
         first = top.json_doc()  # printed right after attach
         assert first["pids"] == [w.pid]
         assert not top.proc.poll()
-        assert_probes_installed(top.proc.pid, w.pid)
+        assert_probes_installed(top, w.pid)
         w.go()
         expected = w.result()
         _expected_ok(expected)
@@ -45,7 +46,7 @@ def test_json_counts_every_call_once_exactly(cbuild):
         assert all(r["pid"] == w.pid for r in doc["views"]["processes"]["rows"])
         # Ctrl-C: clean exit, no uprobes of ours left, the workload unharmed
         assert top.stop(signal.SIGINT) == 0
-        assert_probes_gone(top.proc.pid, w.pid)
+        assert_probes_gone(top, w.pid)
         assert alive(w.pid)
         assert w.finish() == 0
     finally:
@@ -71,6 +72,7 @@ def test_batch_totals_match_and_sigterm_detaches(cbuild):
     top = Top("--batch", "-p", w.pid, "-i", "0.5", "--no-glibc", "--view", "totals", "--view", "processes")
     try:
         top.block()  # first report: attached
+        top.probes_attached(3)
         w.go()
         expected = w.result()
         t = time.monotonic()
@@ -89,7 +91,7 @@ def test_batch_totals_match_and_sigterm_detaches(cbuild):
         assert int(row["FAILED"]) == expected["failed"]
         assert any(line.startswith("== processes") for line in block)
         assert top.stop(signal.SIGTERM) == 0
-        assert_probes_gone(top.proc.pid, w.pid)
+        assert_probes_gone(top, w.pid)
         assert alive(w.pid)
         assert w.finish() == 0
     finally:
@@ -103,10 +105,10 @@ def test_ends_by_itself_after_iterations_without_leftover_probes(cbuild):
     top = Top("--json", "-n", "2", "-p", w.pid, "-i", "1.5", "--no-glibc")
     try:
         top.json_doc()
-        assert_probes_installed(top.proc.pid, w.pid)  # 1.5 s before the second (last) report
+        assert_probes_installed(top, w.pid)  # 1.5 s before the second (last) report
         top.json_doc()
         assert top.proc.wait(timeout=30) == 0
-        assert_probes_gone(top.proc.pid, w.pid)
+        assert_probes_gone(top, w.pid)
         assert alive(w.pid)
         w.go()  # the workload still works normally after the tracer left
         expected = w.result()
@@ -126,6 +128,7 @@ def test_system_wide_mode_counts_the_workload_exactly(cbuild):
     try:
         first = top.json_doc()
         assert first["pids"] == []
+        top.probes_attached(3)
         w.go()
         expected = w.result()
         doc = top.json_after(time.monotonic())
@@ -135,7 +138,7 @@ def test_system_wide_mode_counts_the_workload_exactly(cbuild):
         assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
         assert len(doc["snapshot"]["processes"]) > 1  # other processes are traced too
         assert top.stop() == 0
-        assert own_uprobes(top.proc.pid) == []
+        top.watch.assert_gone()
         assert w.finish() == 0
     finally:
         top.kill()
@@ -150,6 +153,7 @@ def test_exited_process_reported_once_then_dropped(cbuild):
     top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc")
     try:
         top.json_doc()
+        top.probes_attached(3)
         w.go()
         expected = w.result()
         assert w.finish() == 0
@@ -169,7 +173,7 @@ def test_exited_process_reported_once_then_dropped(cbuild):
         assert final[0]["calls"]["free"] >= expected["calls"]["free"]
         after = states[states.index(final[0]) + 1:]
         assert all(s is None for s in after)
-        assert own_uprobes(top.proc.pid) == []
+        top.watch.assert_gone()
     finally:
         top.kill()
         w.kill()
@@ -188,6 +192,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
     top = Top("--json", "-p", w.pid, "-i", "0.5", "--view", "totals", "--view", "glibc")
     try:
         top.json_doc()
+        top.probes_attached(3)
         w.go()
         expected = w.result()
         doc = top.json_after(time.monotonic())
@@ -199,7 +204,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
         assert "glibc" in snap, snap.get("errors")  # pymtrace.usdt's collector ran alongside
         assert snap["glibc"][str(w.pid)]["probes"] > 0
         assert top.stop() == 0
-        assert own_uprobes(top.proc.pid) == []
+        top.watch.assert_gone()
         assert w.finish() == 0
     finally:
         top.kill()
@@ -218,9 +223,11 @@ def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
     pids = [w.pid for w in ws]
     c = MallocCollector(pids=pids, max_procs=2)
     f = FaultCollector(pids=pids, max_procs=2)
+    watch = ProbeWatch(os.getpid())
     try:
         c.attach()
         f.attach()
+        watch.wait_attached(3)
         for w in ws:
             w.go()
             expected = w.result()
@@ -237,7 +244,7 @@ def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
         c.close()
         c.close()  # idempotent
         f.close()
-        assert own_uprobes(os.getpid()) == []
+        watch.assert_gone()
         assert all(w.finish() == 0 for w in ws)
     finally:
         c.close()

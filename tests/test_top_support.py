@@ -8,8 +8,7 @@ import subprocess
 import threading
 import time
 
-from conftest import PYMTRACE
-from pymtrace import bpfload
+from conftest import PYMTRACE, ProbeWatch, bpftool_perf_list
 
 
 class Lines:
@@ -69,6 +68,11 @@ class Top:
         self.proc = subprocess.Popen(PYMTRACE + ["top", *map(str, args)], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
         self.out = Lines(self.proc.stdout)
+        self.watch = ProbeWatch(self.proc.pid)
+
+    def probes_attached(self, minimum=1):
+        """top's uprobes while it runs (recorded for watch.assert_gone); fails if it holds none."""
+        return self.watch.wait_attached(minimum, running=lambda: self.proc.poll() is None)
 
     def json_doc(self, timeout=90):
         while True:
@@ -108,10 +112,6 @@ class Top:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-
-
-def own_uprobes(pid):
-    return bpfload.own_uprobe_events(pid)
 
 
 def proc_faults(pid):
@@ -160,16 +160,6 @@ def probe_site_bytes(pid, function, offset=0):
     raise AssertionError(f"{function} not mapped in {pid}")
 
 
-def bpf_uprobes_of(pid):
-    """Uprobes with BPF programs held by process PID (bpftool perf list), or None if unknown."""
-    import shutil
-
-    if shutil.which("bpftool") is None:
-        return None
-    out = subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True, timeout=30).stdout
-    return [e for e in json.loads(out or "[]") if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")]
-
-
 def _sites(pid):
     from pymtrace import libc, probesite
 
@@ -178,29 +168,24 @@ def _sites(pid):
     return [("malloc", 0), ("free", free.offset)] + [("free", o) for o in free.side_paths]
 
 
-def assert_probes_installed(top_pid, pid):
-    """top's uprobes are really in PID: int3 at its probe sites, BPF uprobes held by top."""
+def assert_probes_installed(top, pid):
+    """TOP's uprobes are really in PID: int3 at its probe sites, BPF uprobes held by top
+    (recorded in top.watch for assert_probes_gone)."""
     for function, offset in _sites(pid):
         mem, orig = probe_site_bytes(pid, function, offset)
         assert mem == 0xCC and orig != 0xCC, (function, offset, mem, orig)
-    held = bpf_uprobes_of(top_pid)
-    assert held is None or len(held) >= 3
+    top.probes_attached(3)
 
 
 def _probed_by_others(top_pid, pid, function, offset):
     """Whether another process (other tests, system-wide tracers on this shared machine)
     holds a uprobe at FUNCTION+OFFSET of PID's libc file: then the int3 stays, rightly."""
-    import shutil
-
     from pymtrace import libc
 
-    if shutil.which("bpftool") is None:
-        return True  # cannot tell: do not blame top
     path = libc.process_libc(pid)
     ident = os.stat(path)
     off = _file_offset(path, libc.symbol(path, function).address + offset)
-    out = subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True, timeout=30).stdout
-    for e in json.loads(out or "[]"):
+    for e in bpftool_perf_list():
         if e.get("pid") == top_pid or e.get("fd_type") not in ("uprobe", "uretprobe") or e.get("offset") != off:
             continue
         try:
@@ -212,13 +197,12 @@ def _probed_by_others(top_pid, pid, function, offset):
     return False
 
 
-def assert_probes_gone(top_pid, pid):
-    """After top ended: PID's code is the file's again (unless another tracer on the machine
-    probes the same site), nothing of top's remains attached (tracefs uprobe_events, BPF
-    perf uprobes)."""
+def assert_probes_gone(top, pid):
+    """After TOP ended: PID's code is the file's again (unless another tracer on the machine
+    probes the same site), nothing of top's remains attached (the BPF programs its perf
+    uprobes used while it ran, tracefs uprobe_events)."""
     for function, offset in _sites(pid):
         mem, orig = probe_site_bytes(pid, function, offset)
         if mem != orig:
-            assert _probed_by_others(top_pid, pid, function, offset), (function, offset, mem, orig)
-    assert own_uprobes(top_pid) == []
-    assert not bpf_uprobes_of(top_pid)
+            assert _probed_by_others(top.proc.pid, pid, function, offset), (function, offset, mem, orig)
+    top.watch.assert_gone()

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from conftest import ProbeWatch
+
 HERE = os.path.abspath(__file__)
 
 # pid, comm, malloc/s, calloc/s, live bytes
@@ -275,6 +277,8 @@ def test_real_top_on_real_workloads(tmux, tmp_path):
                        and comms(s) and comms(s)[0] == "pymtrace-demo", "real top with both processes", timeout=120,
                        fail_on="pymtrace: error")
         top_pid = int(pidfile.read_text())
+        watch = ProbeWatch(top_pid)
+        watch.wait_attached(3)  # its uprobes, while it runs
         demo_row = [r for r in rows(s, "PID") if r[1] == "pymtrace-demo"][0]
         assert demo_row[2] not in ("0", "0.0")  # MALLOC/s of the demo
         # r: ascending MALLOC/s puts the slow python3 first
@@ -299,8 +303,7 @@ def test_real_top_on_real_workloads(tmux, tmp_path):
         t.wait_for(lambda s: "PAUSED" in s, "paused")
         t.send("q")
         assert_clean_shell(t, before)
-        with open("/sys/kernel/tracing/uprobe_events") as f:
-            assert f"_bcc_{top_pid}" not in f.read(), "uprobes left behind"
+        watch.assert_gone()
         assert slow.poll() is None, "the traced process must keep running"
     finally:
         slow.kill()

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from conftest import workload_facts
+from conftest import ProbeWatch, workload_facts
 
-from pymtrace import bpfload, launch, libc, usdt
+from pymtrace import launch, libc, usdt
 from pymtrace.libc import Symbol, UsdtProbe
 
 TRICKY = {
@@ -107,13 +107,16 @@ def test_libc_without_probes_reason():
 
 # ------------------------------------------------------------------ BPF: the collector
 
-def _launch_traced(prefix, argv, env=None):
-    """Launch on the sdt libc stopped at exec, attach a streaming collector, run to the end."""
+def _launch_traced(prefix, argv, env=None, watch=None):
+    """Launch on the sdt libc stopped at exec, attach a streaming collector, run to the end.
+    WATCH (a ProbeWatch of this process) records the uprobes held while attached."""
     events = []
     L = launch.Launched(prefix + argv, env=env, stdout=subprocess.PIPE)
     c = usdt.GlibcCollector(pids=[L.pid], libcs={L.pid: L.libc_path()}, on_event=events.append)
     try:
         c.attach()
+        if watch:
+            watch.wait_attached(29)
         L.resume()
         out, _ = L.proc.communicate(timeout=60)
         snap = c.snapshot()
@@ -127,7 +130,8 @@ def _launch_traced(prefix, argv, env=None):
 @pytest.mark.bpf
 def test_collector_sbrk_chain_and_aggregates_exact(sdt_libc, cbuild):
     prefix, path = sdt_libc
-    pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_sbrk"), "8", "200000"])
+    watch = ProbeWatch(os.getpid())
+    pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_sbrk"), "8", "200000"], watch=watch)
     f = workload_facts(out)
     start, grown, final = (int(f[k][0][0], 16) for k in ("start_brk", "grown_brk", "final_brk"))
     more = [e for e in events if e.probe == "memory_sbrk_more"]
@@ -148,7 +152,7 @@ def test_collector_sbrk_chain_and_aggregates_exact(sdt_libc, cbuild):
     assert g["params"]["top_pad"] == {"value": 0, "cause": "mallopt", "source": "probe"}
     assert g["events"] == len(events)
     assert snap["glibc_collector"]["lost_events"] == 0
-    assert bpfload.own_uprobe_events() == []
+    watch.assert_gone()
 
 
 TUNABLES = {  # tunable: (value, probe, old value in glibc 2.36)
@@ -287,9 +291,11 @@ def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
     while libc.process_libc(plain.pid) is None and time.monotonic() < deadline:
         time.sleep(0.01)
     c = usdt.GlibcCollector(pids=[work.pid, plain.pid])
+    watch = ProbeWatch(os.getpid())
     try:
         assert work.stdout.readline().startswith("ready")
         c.attach()
+        watch.wait_attached(29)
         assert not c.stream
         before = c.snapshot()["glibc"][work.pid]  # alive: parameters read from its memory
         assert before["mmap_threshold"] == 1 << 20 and before["trim_threshold"] == 64 << 20
@@ -322,7 +328,7 @@ def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
         work.kill()
         plain.kill()
         plain.wait()
-    assert bpfload.own_uprobe_events() == []
+    watch.assert_gone()
 
 
 def test_read_params_of_a_live_process(sdt_libc, cbuild):

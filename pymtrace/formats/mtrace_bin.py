@@ -6,24 +6,28 @@ pymtrace fills the pad words (upstream writes zeros and ignores them):
     pad[0] = CLOCK_MONOTONIC timestamp of the call in ns (0 = unknown)
     pad[1] = the caller's return address (0 = unknown)
 
+The layout and the call type numbers come from bpf/record.h and bpf/common.h (via
+pymtrace.structs), the definition the BPF recorder writes with.
+
 Readers check the MAGIC record (type 255, ptr1 0x1234, size = word size) for byte order
 and word size -- upstream never does -- and skip all-zero (UNUSED) records anywhere.
 """
+import ctypes
 import dataclasses
 import struct
 
+from pymtrace import structs
 from pymtrace.errors import CorruptFile
 
-RECORD_SIZE = 64
-MAGIC_TYPE = 255
-MAGIC_PTR = 0x1234
+_H = structs.header("record")
+RECORD_SIZE = _H.consts["RECORD_SIZE"]
+MAGIC_TYPE = _H.consts["CALL_MAGIC"]
+MAGIC_PTR = _H.consts["MAGIC_PTR"]
 
-UNUSED, MALLOC, CALLOC, FREE, REALLOC, MEMALIGN, VALLOC, PVALLOC, POSIX_MEMALIGN = range(9)
-TYPE_NAMES = {
-    MALLOC: "malloc", CALLOC: "calloc", FREE: "free", REALLOC: "realloc",
-    MEMALIGN: "memalign", VALLOC: "valloc", PVALLOC: "pvalloc",
-    POSIX_MEMALIGN: "posix_memalign", MAGIC_TYPE: "magic",
-}
+UNUSED, MALLOC, CALLOC, FREE, REALLOC, MEMALIGN, VALLOC, PVALLOC, POSIX_MEMALIGN = (
+    _H.consts["CALL_" + n] for n in (
+        "UNUSED", "MALLOC", "CALLOC", "FREE", "REALLOC", "MEMALIGN", "VALLOC", "PVALLOC", "POSIX_MEMALIGN"))
+TYPE_NAMES = {t: name.lower() for t, name in _H.names("CALL_").items() if t != UNUSED}
 PATH_FLAGS = {
     8: "thread_cache", 9: "cpu_cache", 10: "cpu_cache2", 11: "sbrk", 12: "mmap",
     13: "munmap", 14: "m_f_realloc", 15: "hook", 16: "unsorted_add",
@@ -31,7 +35,24 @@ PATH_FLAGS = {
     20: "fastbin_remove", 21: "malloc_consolidate",
 }
 
-_FMT = "iIQQQQQQQ"  # thread, type|path, ptr1, ptr2, size, size2, size3, pad0, pad1
+
+def _struct_format(ctype):
+    """struct-module codes of a ctypes Structure of fixed-width integers (arrays flattened)."""
+    out = ""
+    for _, t in ctype._fields_:
+        n = 1
+        while issubclass(t, ctypes.Array):
+            n, t = n * t._length_, t._type_
+        code = {1: "b", 2: "h", 4: "i", 8: "q"}[ctypes.sizeof(t)]
+        out += (code if t(-1).value < 0 else code.upper()) * n
+    return out
+
+
+# thread, type|path, ptr1, ptr2, size, size2, size3, pad0, pad1: struct mtrace_record
+_FMT = _struct_format(_H.structs["mtrace_record"])
+_STRUCT = {order: struct.Struct(order + _FMT) for order in "<>"}
+if _STRUCT["<"].size != ctypes.sizeof(_H.structs["mtrace_record"]) or _STRUCT["<"].size != RECORD_SIZE:
+    raise ImportError("bpf/record.h: struct mtrace_record is not RECORD_SIZE bytes without padding")
 
 
 @dataclasses.dataclass
@@ -53,8 +74,8 @@ class Record:
 
 
 def pack(rec, byteorder="<"):
-    return struct.pack(
-        byteorder + _FMT, rec.thread, (rec.type & 0xFF) | ((rec.path & 0x3FFF) << 8),
+    return _STRUCT[byteorder].pack(
+        rec.thread, (rec.type & 0xFF) | ((rec.path & 0x3FFF) << 8),
         rec.ptr1, rec.ptr2, rec.size, rec.size2, rec.size3, rec.ts_ns, rec.caller,
     )
 
@@ -68,7 +89,7 @@ def detect_byteorder(first):
     if len(first) < RECORD_SIZE:
         raise CorruptFile(f"not an mtrace binary trace: {len(first)} bytes, a record is {RECORD_SIZE}")
     for order in "<>":
-        _, typ, ptr1, _, size = struct.unpack_from(order + "iIQQQ", first)
+        _, typ, ptr1, _, size = struct.unpack_from(order + _FMT[:5], first)
         if typ & 0xFF == MAGIC_TYPE and ptr1 == MAGIC_PTR:
             if size != 8:
                 raise CorruptFile(f"trace written with {size}-byte pointers; only 64-bit traces are supported")
@@ -94,7 +115,7 @@ def iter_records(stream, name="trace", chunk_records=8192):
         order = detect_byteorder(first)
     except CorruptFile as exc:
         raise CorruptFile(f"{name}: {exc}") from None
-    unpack = struct.Struct(order + _FMT).iter_unpack
+    unpack = _STRUCT[order].iter_unpack
     offset = RECORD_SIZE
     while True:
         buf = _read_full(stream, RECORD_SIZE * chunk_records)

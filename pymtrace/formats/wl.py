@@ -18,30 +18,25 @@ wrote are accepted (`Workload.upstream_sync_sizing` says so), pymtrace writes m+
 import dataclasses
 import functools
 
+from pymtrace import structs
 from pymtrace.errors import CorruptFile
 
+_WL = structs.native_header("wl")  # pymtrace/native/wl.h: opcodes, arguments, limits
+OP_NAMES = _WL.names("WL_OP_")  # opcode -> name, in opcode order
 NOP, DONE, MALLOC, CALLOC, REALLOC, FREE, SYNC_W, SYNC_R, ALLOC_PTRS, ALLOC_SYNCS, \
-    NTHREADS, START_THREAD, MEMALIGN, VALLOC, PVALLOC = range(15)
-
-OP_NAMES = {
-    NOP: "NOP", DONE: "DONE", MALLOC: "MALLOC", CALLOC: "CALLOC", REALLOC: "REALLOC",
-    FREE: "FREE", SYNC_W: "SYNC_W", SYNC_R: "SYNC_R", ALLOC_PTRS: "ALLOC_PTRS",
-    ALLOC_SYNCS: "ALLOC_SYNCS", NTHREADS: "NTHREADS", START_THREAD: "START_THREAD",
-    MEMALIGN: "MEMALIGN", VALLOC: "VALLOC", PVALLOC: "PVALLOC",
-}
+    NTHREADS, START_THREAD, MEMALIGN, VALLOC, PVALLOC = (
+        _WL.consts["WL_OP_" + n] for n in (
+            "NOP", "DONE", "MALLOC", "CALLOC", "REALLOC", "FREE", "SYNC_W", "SYNC_R", "ALLOC_PTRS",
+            "ALLOC_SYNCS", "NTHREADS", "START_THREAD", "MEMALIGN", "VALLOC", "PVALLOC"))
 # number of varint arguments per opcode
-NARGS = {
-    NOP: 0, DONE: 0, MALLOC: 2, CALLOC: 2, REALLOC: 3, FREE: 1, SYNC_W: 1, SYNC_R: 1,
-    ALLOC_PTRS: 1, ALLOC_SYNCS: 1, NTHREADS: 1, START_THREAD: 1, MEMALIGN: 3, VALLOC: 2,
-    PVALLOC: 2,
-}
+NARGS = {op: _WL.consts["WL_NARGS_" + name] for op, name in OP_NAMES.items()}
 HEADER_OPS = {NOP, ALLOC_PTRS, ALLOC_SYNCS, NTHREADS, START_THREAD}
 STREAM_OPS = {NOP, MALLOC, CALLOC, REALLOC, FREE, SYNC_W, SYNC_R, MEMALIGN, VALLOC, PVALLOC}
-MAX_THREADS = 65536
+MAX_THREADS = _WL.consts["WL_MAX_THREADS"]
 MAX_VARINT = (1 << 64) - 1
 # memalign alignments are rounded up to a power of two at replay (as glibc does); beyond this: invalid
-MAX_ALIGN = 1 << 40
-MAX_TABLE = 1 << 40  # pointer slots / sync ids (the simulator's limit too)
+MAX_ALIGN = _WL.consts["WL_MAX_ALIGN"]
+MAX_TABLE = _WL.consts["WL_MAX_TABLE"]  # pointer slots / sync ids (the simulator's limit too)
 
 
 def encode_varint(value):

@@ -50,23 +50,18 @@
 #define HAVE_X86 1
 #endif
 
-enum { C_NOP, C_DONE, C_MALLOC, C_CALLOC, C_REALLOC, C_FREE, C_SYNC_W, C_SYNC_R, C_ALLOC_PTRS,
-       C_ALLOC_SYNCS, C_NTHREADS, C_START_THREAD, C_MEMALIGN, C_VALLOC, C_PVALLOC, C_NOPS };
-static const int nargs[C_NOPS] = {0, 0, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1, 3, 2, 2};
-static const char *const opnames[C_NOPS] = {
-  "NOP", "DONE", "MALLOC", "CALLOC", "REALLOC", "FREE", "SYNC_W", "SYNC_R", "ALLOC_PTRS",
-  "ALLOC_SYNCS", "NTHREADS", "START_THREAD", "MEMALIGN", "VALLOC", "PVALLOC"};
+#include "wl.h"
 
-enum { T_MALLOC, T_CALLOC, T_REALLOC, T_FREE, T_MEMALIGN, T_VALLOC, T_PVALLOC, T_TRIM, NTYPES };
-static const char *const typenames[NTYPES] = {
-  "malloc", "calloc", "realloc", "free", "memalign", "valloc", "pvalloc", "malloc_trim"};
+#define WL_OPNAME(op) [WL_OP_##op] = #op,
+#define WL_OPNARGS(op) [WL_OP_##op] = WL_NARGS_##op,
+static const int nargs[WL_NOPS] = {WL_OPS(WL_OPNARGS)};
+static const char *const opnames[WL_NOPS] = {WL_OPS(WL_OPNAME)};
 
-#define MAX_THREADS 65536
+#define WL_CALLNAME(c) [WL_CALL_##c] = #c,
+static const char *const typenames[WL_NCALLS] = {WL_CALLS(WL_CALLNAME)};
+
 #define DROP_CHUNK (256 << 10) /* replayed workload pages are dropped from the RSS in such steps */
 #define NBUCKETS 976 /* log-linear histogram: 16 sub-buckets per power of two */
-#define EXIT_INVALID 2
-#define EXIT_DEADLOCK 3
-#define EXIT_RESOURCE 4
 
 static const char *progname = "pymtrace-replay";
 static const char *wl_name;
@@ -137,9 +132,9 @@ static inline uint64_t get_int(const unsigned char **cp)
 static void *map_zeroed(uint64_t count, size_t elem, const char *what)
 {
   if (count == 0) count = 1;
-  if (count > (uint64_t)SIZE_MAX / elem) die(EXIT_RESOURCE, "%s: %" PRIu64 " %s do not fit in memory", wl_name, count, what);
+  if (count > (uint64_t)SIZE_MAX / elem) die(WL_EXIT_RESOURCE, "%s: %" PRIu64 " %s do not fit in memory", wl_name, count, what);
   void *p = mmap(NULL, count * elem, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) die(EXIT_RESOURCE, "%s: cannot reserve memory for %" PRIu64 " %s: %s", wl_name, count, what, strerror(errno));
+  if (p == MAP_FAILED) die(WL_EXIT_RESOURCE, "%s: cannot reserve memory for %" PRIu64 " %s: %s", wl_name, count, what, strerror(errno));
   return p;
 }
 
@@ -148,14 +143,14 @@ static uint64_t phys_bytes;
 static void read_op(size_t *pos, int *op, uint64_t *args)
 {
   size_t start = *pos;
-  if (*pos >= n_data) die(EXIT_INVALID, "%s: truncated at byte %zu", wl_name, start);
+  if (*pos >= n_data) die(WL_EXIT_INVALID, "%s: truncated at byte %zu", wl_name, start);
   int o = data[(*pos)++];
-  if (o >= C_NOPS) die(EXIT_INVALID, "%s: byte %zu: unknown opcode %d", wl_name, start, o);
+  if (o >= WL_NOPS) die(WL_EXIT_INVALID, "%s: byte %zu: unknown opcode %d", wl_name, start, o);
   for (int i = 0; i < nargs[o]; i++) {
     size_t at = *pos;
     int r = get_int_checked(pos, &args[i]);
-    if (r == -1) die(EXIT_INVALID, "%s: truncated: varint at byte %zu runs off the end of the file", wl_name, at);
-    if (r == -2) die(EXIT_INVALID, "%s: varint at byte %zu exceeds 64 bits", wl_name, at);
+    if (r == -1) die(WL_EXIT_INVALID, "%s: truncated: varint at byte %zu runs off the end of the file", wl_name, at);
+    if (r == -2) die(WL_EXIT_INVALID, "%s: varint at byte %zu exceeds 64 bits", wl_name, at);
   }
   *op = o;
 }
@@ -202,8 +197,8 @@ static int written_anywhere(uint64_t id)
       int o; uint64_t b[3];
       bit_set(seen, p);
       read_op(&p, &o, b);
-      if (o == C_DONE) break;
-      if (o == C_SYNC_W && b[0] == id) { found = 1; break; }
+      if (o == WL_OP_DONE) break;
+      if (o == WL_OP_SYNC_W && b[0] == id) { found = 1; break; }
     }
   }
   bitmap_free(seen);
@@ -221,35 +216,35 @@ static void validate(int check_only)
   thread_off = malloc(cap * sizeof *thread_off);
   for (;;) {
     size_t start = pos;
-    if (pos >= n_data) die(EXIT_INVALID, "%s: truncated: the header has no DONE", wl_name);
+    if (pos >= n_data) die(WL_EXIT_INVALID, "%s: truncated: the header has no DONE", wl_name);
     read_op(&pos, &op, a);
-    if (op == C_DONE) break;
+    if (op == WL_OP_DONE) break;
     switch (op) {
-    case C_NOP: break;
-    case C_ALLOC_PTRS: n_ptrs = a[0]; have_ptrs = 1; break;
-    case C_ALLOC_SYNCS: n_syncs = a[0]; break;
-    case C_NTHREADS:
-      if (a[0] > MAX_THREADS) die(EXIT_INVALID, "%s: byte %zu: %" PRIu64 " threads (at most %d supported)", wl_name, start, a[0], MAX_THREADS);
+    case WL_OP_NOP: break;
+    case WL_OP_ALLOC_PTRS: n_ptrs = a[0]; have_ptrs = 1; break;
+    case WL_OP_ALLOC_SYNCS: n_syncs = a[0]; break;
+    case WL_OP_NTHREADS:
+      if (a[0] > WL_MAX_THREADS) die(WL_EXIT_INVALID, "%s: byte %zu: %" PRIu64 " threads (at most %d supported)", wl_name, start, a[0], WL_MAX_THREADS);
       n_threads = a[0]; have_nthreads = 1; break;
-    case C_START_THREAD:
-      if (started >= MAX_THREADS) die(EXIT_INVALID, "%s: byte %zu: more than %d threads", wl_name, start, MAX_THREADS);
-      if (started == cap) { cap *= 2; thread_off = realloc(thread_off, cap * sizeof *thread_off); if (!thread_off) die(EXIT_RESOURCE, "out of memory"); }
+    case WL_OP_START_THREAD:
+      if (started >= WL_MAX_THREADS) die(WL_EXIT_INVALID, "%s: byte %zu: more than %d threads", wl_name, start, WL_MAX_THREADS);
+      if (started == cap) { cap *= 2; thread_off = realloc(thread_off, cap * sizeof *thread_off); if (!thread_off) die(WL_EXIT_RESOURCE, "out of memory"); }
       thread_off[started++] = a[0];
       break;
     default:
-      die(EXIT_INVALID, "%s: byte %zu: opcode %s is not allowed in the header", wl_name, start, opnames[op]);
+      die(WL_EXIT_INVALID, "%s: byte %zu: opcode %s is not allowed in the header", wl_name, start, opnames[op]);
     }
   }
   size_t header_end = pos;
-  if (!have_ptrs) die(EXIT_INVALID, "%s: the header has no ALLOC_PTRS", wl_name);
+  if (!have_ptrs) die(WL_EXIT_INVALID, "%s: the header has no ALLOC_PTRS", wl_name);
   if (have_nthreads && n_threads != started)
-    die(EXIT_INVALID, "%s: NTHREADS says %" PRIu64 " but the header starts %" PRIu64 " threads", wl_name, n_threads, started);
+    die(WL_EXIT_INVALID, "%s: NTHREADS says %" PRIu64 " but the header starts %" PRIu64 " threads", wl_name, n_threads, started);
   n_threads = started;
-  if (n_ptrs > ((uint64_t)1 << 40)) die(EXIT_INVALID, "%s: ALLOC_PTRS %" PRIu64 " is absurd", wl_name, n_ptrs);
-  if (n_syncs > ((uint64_t)1 << 40)) die(EXIT_INVALID, "%s: ALLOC_SYNCS %" PRIu64 " is absurd", wl_name, n_syncs);
+  if (n_ptrs > WL_MAX_TABLE) die(WL_EXIT_INVALID, "%s: ALLOC_PTRS %" PRIu64 " is absurd", wl_name, n_ptrs);
+  if (n_syncs > WL_MAX_TABLE) die(WL_EXIT_INVALID, "%s: ALLOC_SYNCS %" PRIu64 " is absurd", wl_name, n_syncs);
   for (uint64_t t = 0; t < n_threads; t++)
     if (thread_off[t] < header_end || thread_off[t] >= n_data)
-      die(EXIT_INVALID, "%s: thread %" PRIu64 " stream offset %" PRIu64 " is outside the file body (%zu..%zu)",
+      die(WL_EXIT_INVALID, "%s: thread %" PRIu64 " stream offset %" PRIu64 " is outside the file body (%zu..%zu)",
           wl_name, t, thread_off[t], header_end, n_data ? n_data - 1 : 0);
 
   /* pass 1: decode and check every op once (a stream reaching an op already decoded from
@@ -259,36 +254,36 @@ static void validate(int check_only)
     size_t p = thread_off[t];
     for (;;) {
       size_t start = p;
-      if (p >= n_data) die(EXIT_INVALID, "%s: truncated: the stream of thread %" PRIu64 " has no DONE", wl_name, t);
+      if (p >= n_data) die(WL_EXIT_INVALID, "%s: truncated: the stream of thread %" PRIu64 " has no DONE", wl_name, t);
       if (bit_get(seen, p)) break;
       bit_set(seen, p);
       read_op(&p, &op, a);
-      if (op == C_DONE) break;
+      if (op == WL_OP_DONE) break;
       switch (op) {
-      case C_NOP: break;
-      case C_SYNC_W: case C_SYNC_R:
+      case WL_OP_NOP: break;
+      case WL_OP_SYNC_W: case WL_OP_SYNC_R:
         if (a[0] > n_syncs)
-          die(EXIT_INVALID, "%s: byte %zu: sync id %" PRIu64 " out of range (ALLOC_SYNCS %" PRIu64 ")", wl_name, start, a[0], n_syncs);
+          die(WL_EXIT_INVALID, "%s: byte %zu: sync id %" PRIu64 " out of range (ALLOC_SYNCS %" PRIu64 ")", wl_name, start, a[0], n_syncs);
         if (a[0] == n_syncs) upstream_sync_sizing = 1;
         if (a[0] > max_sync_id) max_sync_id = a[0];
         any_sync = 1;
         break;
-      case C_MALLOC: case C_CALLOC: case C_FREE: case C_VALLOC: case C_PVALLOC: case C_MEMALIGN: case C_REALLOC:
+      case WL_OP_MALLOC: case WL_OP_CALLOC: case WL_OP_FREE: case WL_OP_VALLOC: case WL_OP_PVALLOC: case WL_OP_MEMALIGN: case WL_OP_REALLOC:
         if (a[0] >= n_ptrs)
-          die(EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[0], n_ptrs);
-        if (op == C_REALLOC && a[1] >= n_ptrs)
-          die(EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[1], n_ptrs);
-        if (op == C_MEMALIGN && a[0] && a[1] > ((uint64_t)1 << 40))
-          die(EXIT_INVALID, "%s: byte %zu: alignment %" PRIu64 " is absurd (more than 2**40)", wl_name, start, a[1]);
+          die(WL_EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[0], n_ptrs);
+        if (op == WL_OP_REALLOC && a[1] >= n_ptrs)
+          die(WL_EXIT_INVALID, "%s: byte %zu: pointer index %" PRIu64 " out of range (ALLOC_PTRS %" PRIu64 ")", wl_name, start, a[1], n_ptrs);
+        if (op == WL_OP_MEMALIGN && a[0] && a[1] > WL_MAX_ALIGN)
+          die(WL_EXIT_INVALID, "%s: byte %zu: alignment %" PRIu64 " is absurd (more than 2**40)", wl_name, start, a[1]);
         {
-          uint64_t sz = op == C_MALLOC || op == C_CALLOC || op == C_VALLOC || op == C_PVALLOC ? a[1] : a[2];
-          if (op == C_FREE) sz = 0;
+          uint64_t sz = op == WL_OP_MALLOC || op == WL_OP_CALLOC || op == WL_OP_VALLOC || op == WL_OP_PVALLOC ? a[1] : a[2];
+          if (op == WL_OP_FREE) sz = 0;
           if (a[0] != 0 && phys_bytes && sz > phys_bytes)
-            die(EXIT_INVALID, "%s: byte %zu: %s of %" PRIu64 " bytes exceeds this machine's memory", wl_name, start, opnames[op], sz);
+            die(WL_EXIT_INVALID, "%s: byte %zu: %s of %" PRIu64 " bytes exceeds this machine's memory", wl_name, start, opnames[op], sz);
         }
         break;
       default:
-        die(EXIT_INVALID, "%s: byte %zu: opcode %s is not allowed in a thread stream", wl_name, start, opnames[op]);
+        die(WL_EXIT_INVALID, "%s: byte %zu: opcode %s is not allowed in a thread stream", wl_name, start, opnames[op]);
       }
     }
   }
@@ -303,7 +298,7 @@ static void validate(int check_only)
   int32_t *waiters = map_zeroed(n_ids, sizeof(int32_t), "sync ids"); /* head+1, 0 = none */
   struct dry *d = calloc(n_threads ? n_threads : 1, sizeof *d);
   int32_t *runq = malloc((n_threads ? n_threads : 1) * sizeof *runq);
-  if (!d || !runq) die(EXIT_RESOURCE, "out of memory");
+  if (!d || !runq) die(WL_EXIT_RESOURCE, "out of memory");
   uint64_t nrun = 0;
   for (uint64_t t = 0; t < n_threads; t++) {
     d[t].pos = thread_off[t];
@@ -322,11 +317,11 @@ static void validate(int check_only)
       }
       resumed = 0;
       read_op(&p, &op, a);
-      if (op == C_DONE) break;
-      if (op != C_SYNC_W && op != C_SYNC_R) continue;
+      if (op == WL_OP_DONE) break;
+      if (op != WL_OP_SYNC_W && op != WL_OP_SYNC_R) continue;
       uint64_t id = a[0];
       if (!state[id]) { state[id] = 1; if (!check_only) init_sync_id(id); }
-      if (op == C_SYNC_W) {
+      if (op == WL_OP_SYNC_W) {
         if (state[id] != 2) {
           state[id] = 2;
           int32_t w = waiters[id];
@@ -353,7 +348,7 @@ static void validate(int check_only)
       bits &= ~((uint64_t)1 << b);
       size_t p = w * 64 + b, q = p;
       read_op(&q, &op, a);
-      if (op != C_DONE && !bit_get(seen, q)) bit_clr(seen, p);
+      if (op != WL_OP_DONE && !bit_get(seen, q)) bit_clr(seen, p);
     }
   }
   uint64_t stuck = 0;
@@ -368,14 +363,14 @@ static void validate(int check_only)
       for (;;) {
         start = p;
         read_op(&p, &op, a);
-        if (op == C_SYNC_R && state[a[0]] != 2) { id = a[0]; break; }
+        if (op == WL_OP_SYNC_R && state[a[0]] != 2) { id = a[0]; break; }
       }
       n += snprintf(msg + n, sizeof msg - n, "%sthread %" PRIu64 " waits at byte %zu for sync id %" PRIu64 " (%s)",
                     shown ? "; " : "", t, start, id,
                     written_anywhere(id) ? "written only by a thread that is itself stuck" : "never written");
       shown++;
     }
-    die(EXIT_DEADLOCK, "%s: deadlock: %s; %" PRIu64 " of %" PRIu64 " threads can never finish", wl_name, msg,
+    die(WL_EXIT_DEADLOCK, "%s: deadlock: %s; %" PRIu64 " of %" PRIu64 " threads can never finish", wl_name, msg,
         stuck, n_threads);
   }
   bitmap_free(seen);
@@ -428,8 +423,8 @@ static uint64_t bucket_value(int b) /* midpoint of the bucket */
 
 /* ---------- per thread ---------- */
 struct tstats {
-  uint64_t count[NTYPES], skipped[NTYPES], total[NTYPES], min[NTYPES], max[NTYPES];
-  uint64_t hist[NTYPES][NBUCKETS];
+  uint64_t count[WL_NCALLS], skipped[WL_NCALLS], total[WL_NCALLS], min[WL_NCALLS], max[WL_NCALLS];
+  uint64_t hist[WL_NCALLS][NBUCKETS];
   uint64_t handoffs, waits, sleeps, overwrites;
   int64_t cpu_ns;
 };
@@ -584,7 +579,7 @@ static void too_much(int64_t now) __attribute__((noreturn, cold));
 static void too_much(int64_t now)
 {
   int64_t req = single_thread ? ideal_live_1 : atomic_load(&ideal_live);
-  die(EXIT_RESOURCE, "%s: the workload keeps %" PRId64 " bytes live (%" PRId64 " requested, plus allocator overhead and "
+  die(WL_EXIT_RESOURCE, "%s: the workload keeps %" PRId64 " bytes live (%" PRId64 " requested, plus allocator overhead and "
       "alignment), more than the %" PRId64 " bytes of memory available here (%s)", wl_name, now, req, memory_limit,
       memory_limit_from);
 }
@@ -740,19 +735,19 @@ static void *thread_main(void *arg)
     }
     int op = *cp++;
     switch (op) {
-    case C_NOP: continue;
-    case C_DONE: goto done;
-    case C_MALLOC: case C_CALLOC: case C_VALLOC: case C_PVALLOC: {
-      int type = op == C_MALLOC ? T_MALLOC : op == C_CALLOC ? T_CALLOC : op == C_VALLOC ? T_VALLOC : T_PVALLOC;
+    case WL_OP_NOP: continue;
+    case WL_OP_DONE: goto done;
+    case WL_OP_MALLOC: case WL_OP_CALLOC: case WL_OP_VALLOC: case WL_OP_PVALLOC: {
+      int type = op == WL_OP_MALLOC ? WL_CALL_malloc : op == WL_OP_CALLOC ? WL_CALL_calloc : op == WL_OP_VALLOC ? WL_CALL_valloc : WL_CALL_pvalloc;
       a = get_int(&cp); sz = get_int(&cp);
       if (!a) { st->skipped[type]++; break; }
-      foot = footprint(sz, op == C_VALLOC || op == C_PVALLOC ? page_size : 0);
+      foot = footprint(sz, op == WL_OP_VALLOC || op == WL_OP_PVALLOC ? page_size : 0);
       check_room(foot);
       t0 = t_start();
       switch (op) {
-      case C_MALLOC: p = malloc(sz); break;
-      case C_CALLOC: p = calloc(sz, 1); break;
-      case C_VALLOC: p = f_valloc(sz); break;
+      case WL_OP_MALLOC: p = malloc(sz); break;
+      case WL_OP_CALLOC: p = calloc(sz, 1); break;
+      case WL_OP_VALLOC: p = f_valloc(sz); break;
       default: p = f_pvalloc(sz); break;
       }
       dt = t_end() - t0;
@@ -761,9 +756,9 @@ static void *thread_main(void *arg)
       put(st, a, p, sz, foot);
       break;
     }
-    case C_MEMALIGN:
+    case WL_OP_MEMALIGN:
       a = get_int(&cp); b = get_int(&cp); sz = get_int(&cp);
-      if (!a) { st->skipped[T_MEMALIGN]++; break; }
+      if (!a) { st->skipped[WL_CALL_memalign]++; break; }
       /* like glibc's memalign: at least a word, rounded up to a power of two (validated <= 2**40) */
       if (b < sizeof(void *)) b = sizeof(void *);
       if (b & (b - 1)) b = (uint64_t)1 << (64 - __builtin_clzll(b));
@@ -772,20 +767,20 @@ static void *thread_main(void *arg)
       t0 = t_start();
       p = f_memalign(b, sz);
       dt = t_end() - t0;
-      record(st, T_MEMALIGN, dt);
+      record(st, WL_CALL_memalign, dt);
       wmem(p, sz, 0x11);
       put(st, a, p, sz, foot);
       break;
-    case C_REALLOC:
+    case WL_OP_REALLOC:
       a = get_int(&cp); b = get_int(&cp); sz = get_int(&cp);
-      if (!a && sz) { st->skipped[T_REALLOC]++; break; } /* failed in the trace: the block stays */
+      if (!a && sz) { st->skipped[WL_CALL_realloc]++; break; } /* failed in the trace: the block stays */
       q = b ? take(b, &osz, &ofoot) : NULL;
       if (q) wmem(q, osz, 0x22);
       if (!a) { /* realloc(p, 0) freed p: replayed as free() so every allocator frees */
         t0 = t_start();
         free(q);
         dt = t_end() - t0;
-        record(st, T_REALLOC, dt);
+        record(st, WL_CALL_realloc, dt);
         break;
       }
       foot = footprint(sz, 0);
@@ -793,33 +788,33 @@ static void *thread_main(void *arg)
       t0 = t_start();
       p = realloc(q, sz);
       dt = t_end() - t0;
-      record(st, T_REALLOC, dt);
+      record(st, WL_CALL_realloc, dt);
       if (!p && q && sz) { put(st, b, q, osz, ofoot); break; } /* failed now: keep the old block */
       wmem(p, sz, 0x11);
       put(st, a, p, sz, foot);
       break;
-    case C_FREE:
+    case WL_OP_FREE:
       a = get_int(&cp);
       p = a ? take(a, &osz, &ofoot) : NULL;
       if (p) wmem(p, osz, 0x22);
       t0 = t_start();
       free(p);
       dt = t_end() - t0;
-      record(st, T_FREE, dt);
+      record(st, WL_CALL_free, dt);
       break;
-    case C_SYNC_W:
+    case WL_OP_SYNC_W:
       sync_write(get_int(&cp));
       break;
-    case C_SYNC_R:
+    case WL_OP_SYNC_R:
       sync_read(me, st, get_int(&cp));
       break;
     }
     atomic_store_explicit(&me->progress, atomic_load_explicit(&me->progress, memory_order_relaxed) + 1, memory_order_relaxed);
-    if (trim_every && op != C_SYNC_W && op != C_SYNC_R && ++since_trim >= trim_every) {
+    if (trim_every && op != WL_OP_SYNC_W && op != WL_OP_SYNC_R && ++since_trim >= trim_every) {
       since_trim = 0;
       t0 = t_start();
       malloc_trim(0);
-      record(st, T_TRIM, t_end() - t0);
+      record(st, WL_CALL_malloc_trim, t_end() - t0);
     }
   }
 done:
@@ -905,7 +900,7 @@ static void *sampler_main(void *arg)
       }
       stalled = (moved || !alive) ? 0 : stalled + sample_ms / 1000.0;
       if (stalled >= stall_timeout)
-        die(EXIT_DEADLOCK, "%s: replay stalled: no thread made progress for %.1f s (%d threads alive)", wl_name, stalled, alive);
+        die(WL_EXIT_DEADLOCK, "%s: replay stalled: no thread made progress for %.1f s (%d threads alive)", wl_name, stalled, alive);
     }
   }
   free(last);
@@ -1091,7 +1086,7 @@ int main(int argc, char **argv)
   const char *timer = "auto";
   for (int i = 1; i < argc; i++) {
     const char *o = argv[i];
-#define NEED() do { if (i + 1 >= argc) die(1, "option %s needs a value", o); } while (0)
+#define NEED() do { if (i + 1 >= argc) die(WL_EXIT_USAGE, "option %s needs a value", o); } while (0)
     if (!strcmp(o, "--check")) check_only = 1;
     else if (!strcmp(o, "--text")) text = 1;
     else if (!strcmp(o, "--no-fill")) fill = 0;
@@ -1099,7 +1094,7 @@ int main(int argc, char **argv)
     else if (!strcmp(o, "--sync")) {
       NEED(); i++;
       if (!strcmp(argv[i], "mutex")) sync_mutex = 1;
-      else if (strcmp(argv[i], "futex")) die(1, "--sync is futex or mutex");
+      else if (strcmp(argv[i], "futex")) die(WL_EXIT_USAGE, "--sync is futex or mutex");
     } else if (!strcmp(o, "--timer")) { NEED(); timer = argv[++i]; }
     else if (!strcmp(o, "--sample-ms")) { NEED(); sample_ms = atol(argv[++i]); if (sample_ms < 1) sample_ms = 1; }
     else if (!strcmp(o, "--trim")) { NEED(); trim_every = strtoull(argv[++i], NULL, 0); }
@@ -1107,34 +1102,34 @@ int main(int argc, char **argv)
     else if (!strcmp(o, "--stall-timeout")) { NEED(); stall_timeout = atof(argv[++i]); }
     else if (!strcmp(o, "--mallopt")) {
       NEED(); i++;
-      if (n_mallopts == 32) die(1, "too many --mallopt settings");
+      if (n_mallopts == 32) die(WL_EXIT_USAGE, "too many --mallopt settings");
       struct mallopt_setting *m = &mallopts[n_mallopts];
       const char *eq = strchr(argv[i], '=');
-      if (!eq || eq == argv[i] || (size_t)(eq - argv[i]) >= sizeof m->name) die(1, "--mallopt wants NAME=VALUE, got %s", argv[i]);
+      if (!eq || eq == argv[i] || (size_t)(eq - argv[i]) >= sizeof m->name) die(WL_EXIT_USAGE, "--mallopt wants NAME=VALUE, got %s", argv[i]);
       memcpy(m->name, argv[i], eq - argv[i]);
       m->name[eq - argv[i]] = 0;
       char *end;
       m->value = strtol(eq + 1, &end, 0);
-      if (*end || end == eq + 1) die(1, "--mallopt %s: value is not a number", argv[i]);
+      if (*end || end == eq + 1) die(WL_EXIT_USAGE, "--mallopt %s: value is not a number", argv[i]);
       int found = 0;
       for (size_t k = 0; k < sizeof mallopt_names / sizeof *mallopt_names; k++)
         if (!strcmp(mallopt_names[k].name, m->name)) { m->param = mallopt_names[k].param; found = 1; }
       if (!found) {
         m->param = (int)strtol(m->name, &end, 0);
-        if (*end) die(1, "--mallopt: unknown parameter %s (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX, M_ARENA_TEST, M_MXFAST, M_PERTURB, or a number)", m->name);
+        if (*end) die(WL_EXIT_USAGE, "--mallopt: unknown parameter %s (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX, M_ARENA_TEST, M_MXFAST, M_PERTURB, or a number)", m->name);
       }
       n_mallopts++;
-    } else if (o[0] == '-' && o[1]) die(1, "unknown option %s", o);
-    else if (wl_name) die(1, "more than one workload file given");
+    } else if (o[0] == '-' && o[1]) die(WL_EXIT_USAGE, "unknown option %s", o);
+    else if (wl_name) die(WL_EXIT_USAGE, "more than one workload file given");
     else wl_name = o;
   }
-  if (!wl_name) die(1, "usage: %s [--check] [--json FILE] [--text] [--sync futex|mutex] [--timer auto|rdtscp|clock] "
+  if (!wl_name) die(WL_EXIT_USAGE, "usage: %s [--check] [--json FILE] [--text] [--sync futex|mutex] [--timer auto|rdtscp|clock] "
                        "[--sample-ms N] [--trim N] [--mallopt NAME=VALUE] [--no-fill] [--stall-timeout S] FILE.wl", progname);
 
   if (!strcmp(timer, "auto")) use_rdtscp = cpu_has_rdtscp();
-  else if (!strcmp(timer, "rdtscp")) { use_rdtscp = cpu_has_rdtscp(); if (!use_rdtscp) die(1, "this CPU has no RDTSCP"); }
+  else if (!strcmp(timer, "rdtscp")) { use_rdtscp = cpu_has_rdtscp(); if (!use_rdtscp) die(WL_EXIT_USAGE, "this CPU has no RDTSCP"); }
   else if (!strcmp(timer, "clock")) use_rdtscp = 0;
-  else die(1, "--timer is auto, rdtscp or clock");
+  else die(WL_EXIT_USAGE, "--timer is auto, rdtscp or clock");
 
   long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
   if (pages > 0 && psize > 0) phys_bytes = (uint64_t)pages * (uint64_t)psize;
@@ -1145,13 +1140,13 @@ int main(int argc, char **argv)
   resolve_allocator();
 
   int fd = open(wl_name, O_RDONLY);
-  if (fd < 0) die(EXIT_INVALID, "cannot open %s: %s", wl_name, strerror(errno));
+  if (fd < 0) die(WL_EXIT_INVALID, "cannot open %s: %s", wl_name, strerror(errno));
   struct stat sb;
-  if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) die(EXIT_INVALID, "%s: not a regular file", wl_name);
+  if (fstat(fd, &sb) < 0 || !S_ISREG(sb.st_mode)) die(WL_EXIT_INVALID, "%s: not a regular file", wl_name);
   n_data = sb.st_size;
-  if (n_data == 0) die(EXIT_INVALID, "%s: empty file", wl_name);
+  if (n_data == 0) die(WL_EXIT_INVALID, "%s: empty file", wl_name);
   data = mmap(NULL, n_data, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (data == MAP_FAILED) die(EXIT_RESOURCE, "cannot map %s: %s", wl_name, strerror(errno));
+  if (data == MAP_FAILED) die(WL_EXIT_RESOURCE, "cannot map %s: %s", wl_name, strerror(errno));
   close(fd);
 
   validate(check_only);
@@ -1176,7 +1171,7 @@ int main(int argc, char **argv)
   for (uint64_t t = 0; t < n_threads; t++) {
     threads[t].start = data + thread_off[t];
     threads[t].st = &stats[t];
-    for (int k = 0; k < NTYPES; k++) stats[t].min[k] = UINT64_MAX;
+    for (int k = 0; k < WL_NCALLS; k++) stats[t].min[k] = UINT64_MAX;
   }
   single_thread = n_threads == 1;
   /* the timer's own cost (an empty timed region), reported, not subtracted (upstream neither) */
@@ -1202,7 +1197,7 @@ int main(int argc, char **argv)
   pthread_attr_setstacksize(&attr, 256 * 1024);
   for (uint64_t t = 0; t < n_threads; t++) {
     int err = pthread_create(&threads[t].id, &attr, thread_main, &threads[t]);
-    if (err) die(EXIT_RESOURCE, "cannot start replay thread %" PRIu64 " of %" PRIu64 ": %s", t, n_threads, strerror(err));
+    if (err) die(WL_EXIT_RESOURCE, "cannot start replay thread %" PRIu64 " of %" PRIu64 ": %s", t, n_threads, strerror(err));
   }
   pthread_t sampler;
   int have_sampler = pthread_create(&sampler, NULL, sampler_main, NULL) == 0;
@@ -1223,11 +1218,11 @@ int main(int argc, char **argv)
 
   /* merge */
   static struct tstats all;
-  for (int k = 0; k < NTYPES; k++) all.min[k] = UINT64_MAX;
+  for (int k = 0; k < WL_NCALLS; k++) all.min[k] = UINT64_MAX;
   int64_t thread_cpu_ns = 0;
   for (uint64_t t = 0; t < n_threads; t++) {
     struct tstats *s = &stats[t];
-    for (int k = 0; k < NTYPES; k++) {
+    for (int k = 0; k < WL_NCALLS; k++) {
       all.count[k] += s->count[k]; all.skipped[k] += s->skipped[k]; all.total[k] += s->total[k];
       if (s->min[k] < all.min[k]) all.min[k] = s->min[k];
       if (s->max[k] > all.max[k]) all.max[k] = s->max[k];
@@ -1256,8 +1251,8 @@ int main(int argc, char **argv)
     printf("%s Kb Max Ideal RSS\n", comma(ideal_peak_b / 1024, b1));
     printf("\nsizeof ticks_t is 8\n");
     uint64_t total = 0;
-    for (int k = 0; k < NTYPES; k++) {
-      if (!all.count[k] && k > T_FREE) continue;
+    for (int k = 0; k < WL_NCALLS; k++) {
+      if (!all.count[k] && k > WL_CALL_free) continue;
       char label[40];
       snprintf(label, sizeof label, "Avg %s time:", typenames[k]);
       printf("%-18s %6s in %10s calls\n", label, comma(all.count[k] ? (int64_t)(all.total[k] / all.count[k]) : 0, b1),
@@ -1270,7 +1265,7 @@ int main(int argc, char **argv)
     printf("%s Kb peak anonymous RSS (%s at start), %s Kb peak RSS sampled every %ld ms\n",
            comma((int64_t)peak_anon, b1), comma((int64_t)anon0, b2), comma((int64_t)peak_rss, b3), sample_ms);
     printf("%-12s %10s %10s %8s %8s %8s %8s %10s (%s)\n", "call", "count", "skipped", "mean", "p50", "p90", "p99", "max", unit);
-    for (int k = 0; k < NTYPES; k++) {
+    for (int k = 0; k < WL_NCALLS; k++) {
       if (!all.count[k] && !all.skipped[k]) continue;
       clamp_min = all.count[k] ? all.min[k] : 0; clamp_max = all.max[k];
       printf("%-12s %10" PRIu64 " %10" PRIu64 " %8" PRIu64 " %8" PRIu64 " %8" PRIu64 " %8" PRIu64 " %10" PRIu64 "\n", typenames[k],
@@ -1286,7 +1281,7 @@ int main(int argc, char **argv)
   }
   if (json_path) {
     FILE *f = strcmp(json_path, "-") ? fopen(json_path, "w") : stdout;
-    if (!f) die(EXIT_RESOURCE, "cannot write %s: %s", json_path, strerror(errno));
+    if (!f) die(WL_EXIT_RESOURCE, "cannot write %s: %s", json_path, strerror(errno));
     fprintf(f, "{\"workload\": ");
     json_str(f, wl_name);
     fprintf(f, ", \"timer\": \"%s\", \"unit\": \"%s\", \"sync\": \"%s\", \"threads\": %" PRIu64 ", \"pointer_slots\": %" PRIu64
@@ -1321,7 +1316,7 @@ int main(int argc, char **argv)
     }
     fprintf(f, "],\n \"calls\": {");
     int first = 1;
-    for (int k = 0; k < NTYPES; k++) {
+    for (int k = 0; k < WL_NCALLS; k++) {
       if (!all.count[k] && !all.skipped[k]) continue;
       clamp_min = all.count[k] ? all.min[k] : 0; clamp_max = all.max[k];
       fprintf(f, "%s\n  \"%s\": {\"count\": %" PRIu64 ", \"skipped\": %" PRIu64 ", \"total\": %" PRIu64 ", \"mean\": %.1f, \"min\": %" PRIu64
