@@ -185,7 +185,7 @@ def test_kernel_without_fault_tracepoints_leaves_slab_running(tmp_path, monkeypa
         snap = doc["snapshot"]
         assert snap["errors"]["faults"].startswith("no page-fault data: this kernel has no readable exceptions:")
         assert not any("faults_user" in p for p in snap["processes"].values())
-        assert snap["slab"] and snap["slab_source"] == kfeatures.SLAB_BY_NAME
+        assert snap["slab"] and snap["slab_source"] == kfeatures.slab_source().source
         assert any(n.startswith("Not available: no page-fault data") for n in doc["views"]["faults"]["notes"])
         assert top.stop() == 0
     finally:
