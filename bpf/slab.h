@@ -8,6 +8,7 @@
 
 struct slab_key {
     char name[SLAB_NAME_LEN];
+    __u64 size;  /* object size when the kernel gives no name (SLAB_ALLOC_BY_NAME 0), else 0 */
 };
 
 /* Value of the per-CPU LRU hash `slab_stats` keyed by struct slab_key. */

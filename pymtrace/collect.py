@@ -47,6 +47,10 @@ json.dumps. Schema (keys a collector does not produce are absent, never faked):
          "faults_user": faults raised in user mode,
          "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user)}},
      "slab": {cache_name: {"allocs", "frees", "bytes_alloc", "bytes_req"}},   # SlabCollector
+     "slab_source": "tracepoint name" | "object size via /proc/slabinfo",  # SlabCollector: on a
+         # kernel whose kmem_cache_alloc has no cache name, "slab" is keyed "size N" and each
+         # value has "caches": [names of that object size]; "frees" is absent when
+         # kmem_cache_free has no name either; "slab_note": one sentence saying so
      "fault_regions": {pid: {label: user+kernel faults}},  # FaultCollector; label is the
          # mapped file's path, "[heap]", "[stack]", "[anon]" (anonymous mmap, incl. thread
          # stacks), another [special] name, or "[unmapped]": gone by snapshot time and not
@@ -54,7 +58,9 @@ json.dumps. Schema (keys a collector does not produce are absent, never faked):
      "glibc": {...}                                         # pymtrace.usdt.GlibcCollector
      "lost": {name: count},   # events the BPF side could not record, by cause
      "maps": {map name: {"entries": n, "max_entries": capacity,   # fill of the bounded maps
-                         "evicted": n}}}   # per-process maps: LRU evictions seen (below)
+                         "evicted": n}},   # per-process maps: LRU evictions seen (below)
+     "errors": {collector: reason}}   # Collectors: those that cannot run here (a kernel
+         # without a tracepoint, a program it will not load; the others run), glibc's failures
 
 Exited processes: a process that exits appears once more with "exited": True, then its
 BPF state is deleted. Every map is bounded and LRU (BPF_TABLE "lru_percpu_hash" /
@@ -80,8 +86,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pymtrace import bpfload, libc, probesite, structs
-from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace import bpfload, kfeatures, libc, probesite, structs
+from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
 
 def call_names():
     """{index in ms_stats.calls: snapshot name}, from the CALL_* / MS_FREE_NULL constants of
@@ -494,7 +500,15 @@ class MallocCollector(_Collector):
 
 
 class SlabCollector(_Collector):
-    """Per-cache slab counters from kmem:kmem_cache_alloc/free (system-wide)."""
+    """Per-cache slab counters from kmem:kmem_cache_alloc/free (system-wide).
+
+    How caches are identified depends on the kernel (pymtrace.kfeatures.slab_source(), read
+    from the tracepoints' format files in prepare()): by the `name` field where the
+    tracepoints have it; otherwise allocations are keyed by object size, under the key
+    "size N", whose value also lists the caches of that size from /proc/slabinfo
+    ("caches": [...]), and frees (by name, when kmem_cache_free has it) are added to the row
+    of their cache's size (a cache /proc/slabinfo no longer lists keeps a row of its own).
+    The snapshot says which: "slab_source" (kfeatures.SLAB_BY_NAME / SLAB_BY_SIZE)."""
 
     program = "slab"
     what = "tracing slab caches"
@@ -503,9 +517,16 @@ class SlabCollector(_Collector):
         super().__init__(None, False)  # slab activity is not attributed to processes
         self.max_caches = max_caches
         self.fields = _struct_fields(self.program, "slab_stats")
+        self.source = None
+
+    def prepare(self):
+        self.source = kfeatures.slab_source()  # PymtraceError: this kernel cannot do it at all
+        super().prepare()
 
     def _defines(self):
-        return {"SLAB_MAX_CACHES": self.max_caches}
+        if self.source is None:
+            self.source = kfeatures.slab_source()
+        return {"SLAB_MAX_CACHES": self.max_caches, **self.source.defines()}
 
     def _attach(self):
         pass  # tracepoints only: attached by BCC when the module is loaded
@@ -513,13 +534,31 @@ class SlabCollector(_Collector):
     def snapshot(self):
         now = time.monotonic()
         caches = {}
+        by_size = self.source.source == kfeatures.SLAB_BY_SIZE
+        sizes = kfeatures.slab_sizes() if by_size else {}
+        fields = self.fields if self.source.frees else [f for f in self.fields if f != "frees"]
         for key, values in _percpu_items(self.bpf[b"slab_stats"]):
             name = bytes(key.name).split(b"\0", 1)[0].decode("utf-8", "replace")
             s = _sum_percpu(values, self.fields)
-            caches[name] = {f: int(s[f]) for f in self.fields}
+            if by_size:  # allocations come keyed by size, frees by name
+                size = int(key.size) if not name else sizes.get(name)
+                name = kfeatures.size_key(size) if size is not None else name
+            row = caches.setdefault(name, dict.fromkeys(fields, 0))
+            for f in fields:
+                row[f] += int(s[f])
+        if by_size:
+            names = {}
+            for cache, size in sorted(sizes.items()):
+                names.setdefault(kfeatures.size_key(size), []).append(cache)
+            for key, row in caches.items():
+                row["caches"] = names.get(key, [])
         lost = _lost_counts(self.bpf[b"slab_lost"], {i: "slab_" + n for i, n in _lost_names("slab", "SLAB").items()})
         maps = {"slab_stats": {"entries": len(caches), "max_entries": self.max_caches}}
-        return {"time": now, "start": self.start, "slab": caches, "lost": lost, "maps": maps}
+        snap = {"time": now, "start": self.start, "slab": caches, "slab_source": self.source.source,
+                "lost": lost, "maps": maps}
+        if by_size or not self.source.frees:
+            snap["slab_note"] = self.source.detail  # what the fallback in use means, for the view
+        return snap
 
 
 def region_label(mapping):
@@ -579,6 +618,13 @@ class FaultCollector(_Collector):
         self._reader = None
         self.maps_reads = 0  # /proc/PID/maps reads made for new granules (cost, for tests/bench)
         self._shift = structs.header(self.program).consts["PF_GRANULE_SHIFT"]
+
+    def prepare(self):
+        for tp in ("page_fault_user", "page_fault_kernel"):
+            if kfeatures.tracepoint_fields("exceptions", tp) is None:
+                raise PymtraceError(f"no page-fault data: this kernel has no readable exceptions:{tp} "
+                                    "tracepoint (x86 kernels have it)")
+        super().prepare()
 
     def _defines(self):
         return {"PF_MAX_PROCS": self.max_procs, "PF_MAX_GRANULES": self.max_granules,
@@ -745,7 +791,8 @@ class Collectors:
     """The collectors top runs, attached together, with one merged snapshot and one
     process-exit watcher; their programs are compiled as ONE BCC module (attach()).
     glibc=True adds pymtrace.usdt.GlibcCollector when that module exists (its failures are
-    reported in snapshot["errors"]["glibc"], not raised)."""
+    reported in snapshot["errors"]["glibc"], not raised). Likewise slab and faults when this
+    kernel cannot run them (snapshot["errors"][name]); malloc's failures are raised."""
 
     def __init__(self, pids=None, malloc=True, slab=True, faults=True, glibc=True, track_exits=True):
         self.pids = _check_pids(pids)
@@ -773,9 +820,8 @@ class Collectors:
         self.start = time.monotonic()
         compiling = None
         try:
+            self._prepare_own()
             own = list(self.collectors.values())
-            for c in own:
-                c.prepare()
             glibc = self._prepare_glibc()
             parts = [c.part() for c in own] + ([glibc.compiled] if glibc is not None else [])
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pymtrace-bpf-compile")
@@ -786,6 +832,7 @@ class Collectors:
             self.bpf, compiling = compiling.result(), None
             if glibc is not None and "glibc" not in self.errors and self._glibc_step(glibc.attach, self.bpf):
                 self.collectors["glibc"] = glibc
+            own = [c for c in own if c in self.collectors.values()]  # those that compiled
             for c in sorted(own, key=lambda c: isinstance(c, MallocCollector)):
                 c.attach(self.bpf)
             if self.track_exits:
@@ -829,16 +876,54 @@ class Collectors:
             self.errors["glibc"] = f"{type(exc).__name__}: {exc}"
         return None
 
+    def _prepare_own(self):
+        """prepare() each collector; slab and faults that cannot work on this kernel (e.g. a
+        missing tracepoint) are dropped with the reason in errors[name], the rest go on."""
+        for name, c in list(self.collectors.items()):
+            try:
+                c.prepare()
+            except (ProcessGone, NotRootError):
+                raise
+            except PymtraceError as exc:
+                if name == "malloc":
+                    raise
+                self.errors[name] = str(exc)
+                del self.collectors[name]
+
     def _compile(self, parts, glibc):
         if not parts:
             return None
+        what = "tracing memory allocations"
         try:
-            return bpfload.load_parts(parts, what="tracing memory allocations")
+            return bpfload.load_parts(parts, what=what)
+        except NotRootError:
+            raise
         except PymtraceError as exc:
-            if glibc is None:
-                raise
-            self.errors["glibc"] = str(exc)  # its generated code must not take top down
-            return bpfload.load_parts(parts[:-1], what="tracing memory allocations")
+            if len(parts) == 1:
+                if glibc is None:
+                    raise
+                self.errors["glibc"] = str(exc)
+                return None
+            first = exc
+        # One program this kernel cannot compile (a tracepoint field, a map type it lacks)
+        # must not take the others down: compile each alone to find it (a second try only
+        # on this failure path), drop it with the reason in errors[...], compile the rest.
+        owners = {c.program: name for name, c in self.collectors.items() if isinstance(c, _Collector)}
+        keep = []
+        for part in parts:
+            name = "glibc" if glibc is not None and part is glibc.compiled else owners.get(part.program, part.program)
+            try:
+                bpfload.detach_all(bpfload.load_parts([part], what=what))
+            except PymtraceError as exc:
+                if name == "malloc":  # what top is for: not a view to leave empty
+                    raise
+                self.errors[name] = str(exc)
+                self.collectors.pop(name, None)
+                continue
+            keep.append(part)
+        if not keep:
+            raise first
+        return bpfload.load_parts(keep, what=what)
 
     def _on_event(self, ev):
         for c in self.collectors.values():

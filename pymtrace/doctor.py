@@ -21,7 +21,9 @@ from pymtrace.errors import PymtraceError
 HELP = """Check that this machine can run pymtrace: root and capabilities, the BPF syscall,
 JIT, BTF, tracefs, uprobes, the kmem/exceptions tracepoints, kprobes (informational:
 never needed), kernel headers for BCC, a BCC compile/load/attach/detach smoke test, the
-libc(s) in use with their malloc USDT probe counts, and BPF ring buffer support.
+libc(s) in use with their malloc USDT probe counts, BPF ring buffer support, and per
+kernel feature what this kernel offers and which fallback pymtrace uses (slab cache names
+from the tracepoints or by object size; the uretprobe syscall).
 Every failed check comes with a fix. Exit status 0 only when everything needed is there."""
 
 EPILOG = """examples:
@@ -42,7 +44,7 @@ TRACEFS = "/sys/kernel/tracing"
 TRACEPOINTS = ("kmem:kmem_cache_alloc", "kmem:kmem_cache_free",
                "exceptions:page_fault_user", "exceptions:page_fault_kernel")
 CHECK_IDS = ("root", "bpf", "jit", "btf", "tracefs", "uprobes", "tracepoints", "kprobes",
-             "headers", "bcc", "smoke", "libc", "ringbuf") + TRACEPOINTS
+             "headers", "bcc", "smoke", "libc", "ringbuf", "slab-source", "uretprobe") + TRACEPOINTS
 
 OK, MISSING, WARN, INFO, SKIPPED = "ok", "MISSING", "warn", "info", "skipped"
 
@@ -440,7 +442,42 @@ def run_checks(sim=frozenset()):
     checks.append(check_smoke(sim, ready, {c.id for c in tps if c.status == OK}))
     checks += check_libcs(sim)
     checks.append(check_ringbuf(sim))
+    checks += [check_slab_source(sim, tracefs.status == OK), check_uretprobe(sim)]
     return checks
+
+
+def check_slab_source(sim, tracefs_ok):
+    """Which way the slab view identifies caches on this kernel (kfeatures.slab_source)."""
+    from pymtrace import kfeatures
+
+    name = "slab view: cache identification"
+    if "slab-source" in sim:
+        return Check("slab-source", name, WARN, "(simulated) no cache name in the kmem tracepoints", "", False)
+    if not tracefs_ok:
+        return Check("slab-source", name, SKIPPED, "cannot check: tracefs is not available", "", False)
+    try:
+        src = kfeatures.slab_source()
+    except PymtraceError as exc:
+        return Check("slab-source", name, WARN, f"{exc} (the other views still work)",
+                     "use a kernel with the kmem tracepoints for the slab view", False)
+    if src.source == kfeatures.SLAB_BY_NAME and src.frees:
+        return Check("slab-source", name, OK, f"{src.source}: {src.detail}", "", False)
+    return Check("slab-source", name, INFO, f"fallback in use, {src.source}: {src.detail}", "", False)
+
+
+def check_uretprobe(sim):
+    name = "uretprobe syscall"
+    if "uretprobe" in sim:
+        return Check("uretprobe", name, INFO, "(simulated) not available", "", False)
+    from pymtrace import kfeatures
+
+    have = kfeatures.uretprobe_syscall()
+    if have is None:
+        return Check("uretprobe", name, SKIPPED, "cannot read /proc/kallsyms", "", False)
+    if have:
+        return Check("uretprobe", name, OK, "available: malloc's return probes cost one syscall", "", False)
+    return Check("uretprobe", name, INFO, "not in this kernel: return probes trap instead (same counts, "
+                 "higher per-call overhead with `top` per-call probes, `record`, `probes`)", "", False)
 
 
 def render(checks):

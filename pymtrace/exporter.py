@@ -459,7 +459,8 @@ class ExporterCollector:
         s_req = CounterMetricFamily("pymtrace_slab_requested_bytes", "bytes requested per slab cache", labels=["cache"])
         for cache, v in sorted(slab.items()):
             s_allocs.add_metric([cache], v.get("allocs", 0))
-            s_frees.add_metric([cache], v.get("frees", 0))
+            if "frees" in v:  # absent when this kernel cannot attribute frees to caches
+                s_frees.add_metric([cache], v["frees"])
             s_bytes.add_metric([cache], v.get("bytes_alloc", 0))
             if "bytes_req" in v:
                 s_req.add_metric([cache], v["bytes_req"])

@@ -7,7 +7,8 @@ A snapshot is the JSON-able dict the collectors produce (cumulative counters sin
                          "free_null", "memalign", "posix_memalign", "valloc", "pvalloc"},
                          "requested_bytes", "allocated_bytes", "freed_bytes", "live_bytes",
                          "failed", "size_log2": [...], "faults_user", "faults_kernel"}},
-     "slab": {cache: {"allocs", "frees", "bytes_alloc", "bytes_req"}},
+     "slab": {cache: {"allocs", "frees", "bytes_alloc", "bytes_req"}},  # or {"size N": {...,
+         # "caches": [names]}} on kernels without cache names (see "slab_source", "slab_note")
      "fault_regions": {pid: {region_label: count}},
      "glibc": {pid: {"arenas", "heaps", "heap_bytes", "sbrk_bytes", "mmap_threshold",
                      "trim_threshold", "lock_waits": {tid: n}, ...} or {"probes": 0, "reason"}},
@@ -204,6 +205,20 @@ SLAB_COLUMNS = [
 ]
 
 
+def _unavailable(cur, collector):
+    """The note saying why COLLECTOR's data is missing (it could not run on this kernel)."""
+    why = (cur.get("errors") or {}).get(collector)
+    return [f"Not available: {why}"] if why else []
+
+
+def _size_label(key, caches, most=3):
+    """'size 192: dentry, filp, ... (+8)': a row of the slab view on kernels without cache
+    names; kmalloc's own caches last (kmalloc() has its own tracepoint, not counted here)."""
+    names = sorted(caches, key=lambda c: ("kmalloc-" in c, c))
+    more = f" (+{len(names) - most})" if len(names) > most else ""
+    return f"{key}: {', '.join(names[:most])}{more}"
+
+
 def slab_view(prev, cur, interval=None):
     dt = interval_of(prev, cur, interval)
     old_all = (prev or {}).get("slab") or {}
@@ -216,12 +231,17 @@ def slab_view(prev, cur, interval=None):
         a = _rate(_get(s, "allocs"), _get(o, "allocs"), dt)
         f = _rate(_get(s, "frees"), _get(o, "frees"), dt)
         b = _rate(_get(s, "bytes_alloc"), _get(o, "bytes_alloc"), dt)
-        rows.append([str(name), a, f, b, _get(s, "allocs") - _get(s, "frees")])
+        label = _size_label(name, s["caches"]) if s.get("caches") else str(name)  # rows by object size
+        rows.append([label, a, f, b, _get(s, "allocs") - _get(s, "frees")])
         tot["caches"] += 1
         tot["allocs_per_s"] += a
         tot["frees_per_s"] += f
         tot["bytes_per_s"] += b
-    return Table("slab", TITLES["slab"], SLAB_COLUMNS, rows, sort=1, totals=tot, interval=dt)
+    notes = []
+    if cur.get("slab_note"):  # this kernel's tracepoints lack the cache name: the fallback in use
+        notes.append(f"Slab rows by {cur.get('slab_source')}: {cur['slab_note']}.")
+    return Table("slab", TITLES["slab"], SLAB_COLUMNS, rows, sort=1, notes=notes + _unavailable(cur, "slab"),
+                 totals=tot, interval=dt)
 
 
 FAULT_COLUMNS = [
@@ -274,7 +294,7 @@ def faults_view(prev, cur, interval=None):
             groups.append(pid)
             leaders.append(False)
     return Table("faults", TITLES["faults"], FAULT_COLUMNS, rows, sort=3, groups=groups,
-                 leaders=leaders, totals=tot, interval=dt)
+                 leaders=leaders, notes=_unavailable(cur, "faults"), totals=tot, interval=dt)
 
 
 GLIBC_COLUMNS = [

@@ -208,3 +208,31 @@ def test_smoke_check_reports_a_uprobe_left_attached(monkeypatch):
             bpfload.detach_all(b)
     assert bpfload.own_perf_event_fds() == []
     assert doctor.check_smoke(frozenset(), True, tracepoints).status == doctor.OK
+
+
+@pytest.mark.bpf
+def test_doctor_reports_the_slab_fallback_of_a_kernel_without_cache_names(tmp_path):
+    """The kernel's own tracepoint format decides (emulated here: 6.1's kmem_cache_alloc has no
+    `name`); doctor names the fallback in use and still passes."""
+    from test_top_slab import FORMAT_ALLOC_NO_NAME
+
+    d = tmp_path / "kmem" / "kmem_cache_alloc"
+    d.mkdir(parents=True)
+    (d / "format").write_text(FORMAT_ALLOC_NO_NAME)
+    env = dict(os.environ, PYMTRACE_FAKE_TP_FORMAT_DIR=str(tmp_path))
+    env.pop("PYMTRACE_DOCTOR_SIMULATE_MISSING", None)
+    proc, doc = doctor_json(env=env)
+    assert proc.returncode == 0, proc.stderr
+    by_id = {c["id"]: c for c in doc["checks"]}
+    slab = by_id["slab-source"]
+    assert slab["status"] == "info" and slab["required"] is False
+    assert "fallback in use, object size via /proc/slabinfo" in slab["detail"]
+    assert by_id["uretprobe"]["status"] in ("ok", "info")
+    env.pop("PYMTRACE_FAKE_TP_FORMAT_DIR")
+    proc, doc = doctor_json(env=env)
+    slab = {c["id"]: c for c in doc["checks"]}["slab-source"]
+    from pymtrace import kfeatures
+
+    real = kfeatures.slab_source()  # this kernel's own (6.1: by object size too)
+    assert real.source in slab["detail"]
+    assert slab["status"] == ("ok" if real.source == kfeatures.SLAB_BY_NAME and real.frees else "info")

@@ -3,6 +3,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 
 import pytest
 
@@ -26,6 +27,27 @@ def test_not_root_is_one_line_error():
     proc = subprocess.run(cmd + ["top", "--batch", "-n", "1"], capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == ["pymtrace: error: pymtrace top needs root (BPF and uprobes); run it with sudo"]
+
+
+def test_not_root_is_one_line_error_beside_a_checkout_named_pymtrace():
+    """The test VMs' layout: the project synced to /pymtrace and `python -m pymtrace` run from
+    / with an editable install. The checkout shadowed the package (a namespace package from
+    the current directory) and the error was an ImportError traceback (Debian 12 VM)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run as another user (setpriv)")
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv is not installed")
+    where = tempfile.mkdtemp(prefix="pymtrace-cwd-")
+    try:
+        os.chmod(where, 0o755)  # the other user must see the checkout from there
+        os.symlink(ROOT, os.path.join(where, "pymtrace"))
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + PYMTRACE
+        proc = subprocess.run(cmd + ["top", "--batch", "-n", "1"], capture_output=True, text=True,
+                              timeout=60, cwd=where)
+    finally:
+        shutil.rmtree(where)
+    assert proc.stderr.strip().splitlines() == ["pymtrace: error: pymtrace top needs root (BPF and uprobes); run it with sudo"]
+    assert proc.returncode == 1
 
 
 def test_bad_interval():
