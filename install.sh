@@ -6,6 +6,7 @@
 #   sudo ./install.sh            install only
 #   sudo ./install.sh --demo     install, then start `pymtrace top` on a bundled demo workload
 #   sudo ./install.sh --test     install, then run the whole test suite
+#   sudo ./install.sh --test tests/test_doctor.py ...   install, then run these tests
 #
 # Supported: Debian (12+), Ubuntu (22.04+), Fedora (38+). Environment:
 #   PYMTRACE_VENV   where the virtual environment goes (default /opt/pymtrace/venv)
@@ -33,17 +34,38 @@ distro_family() {
     esac
 }
 
-# distro_packages FAMILY -> the system packages pymtrace needs there.
+# distro_packages FAMILY -> the system packages pymtrace needs there. "a|b": the first of
+# these the distribution has (resolve_packages); Debian 13 renamed some libraries.
 distro_packages() {
     case $1 in
         debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc make libc6-dev \
-python3-venv libjemalloc2 libtcmalloc-minimal4 libmimalloc2.0 prometheus libc-devtools \
+python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
+prometheus libc-devtools \
 tmux shellcheck vagrant binutils procps" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc make glibc-devel \
 jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils tmux ShellCheck \
 binutils procps-ng kernel-devel" ;;
         *) return 1 ;;
     esac
+}
+
+# resolve_packages WORD... -> each word on a line, an "a|b" word replaced by the first
+# alternative apt has a package for (else the first one, so apt-get names it in its error).
+# A name apt only knows from another package's relations has no record (exit status 0).
+resolve_packages() {
+    local word alt pick
+    for word in "$@"; do
+        pick=""
+        for alt in ${word//|/ }; do
+            # grep -c reads it all: grep -q could exit first, and pipefail would then
+            # count apt-cache's SIGPIPE as "not found".
+            if [ "$(apt-cache show --no-all-versions "$alt" 2>/dev/null | grep -c '^Package:')" -gt 0 ]; then
+                pick=$alt
+                break
+            fi
+        done
+        echo "${pick:-${word%%|*}}"
+    done
 }
 
 install_packages() {
@@ -53,7 +75,7 @@ install_packages() {
         debian)
             export DEBIAN_FRONTEND=noninteractive
             apt-get update -qq
-            apt-get install -y -qq $(distro_packages debian) >/dev/null
+            apt-get install -y -qq $(resolve_packages $(distro_packages debian)) >/dev/null
             # Headers for the running kernel when the distro has them, else the newest
             # generic ones (linked in below).
             apt-get install -y -qq "linux-headers-$(uname -r)" >/dev/null 2>&1 \
@@ -121,7 +143,7 @@ main() {
         --demo) action="demo" ;;
         --test) action="test" ;;
         ""|--install) action="install" ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) die "unknown option ${1} (use --demo, --test or nothing)" ;;
     esac
     [ "$(id -u)" -eq 0 ] || die "run as root (sudo ./install.sh ${1:-})"
@@ -139,7 +161,9 @@ main() {
         demo) exec pymtrace top --demo ;;
         # PYTHONFAULTHANDLER: a crash of a pymtrace process a test starts (a rare SIGSEGV
         # was seen once in 66 runs of `top --always-on --batch -n 1`) leaves its Python stack.
-        test) cd "$here" && PYTHONFAULTHANDLER=1 exec "$venv/bin/python" -m pytest -ra tests ;;
+        test) shift
+              [ $# -gt 0 ] || set -- tests
+              cd "$here" && PYTHONFAULTHANDLER=1 exec "$venv/bin/python" -m pytest -ra "$@" ;;
     esac
 }
 

@@ -56,9 +56,10 @@ def fdinfo(fd):
     return out
 
 
-def own_bpf_fds():
-    """[(fd, 'prog'|'map')] for the BPF objects this process holds open."""
-    out = []
+def own_anon_fds():
+    """{fd: 'anon_inode:...' target} of this process's anonymous-inode descriptors (BPF
+    programs and maps, perf events, ...)."""
+    out = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -68,11 +69,17 @@ def own_bpf_fds():
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if target == "anon_inode:bpf-prog":
-            out.append((int(name), "prog"))
-        elif target == "anon_inode:bpf-map":
-            out.append((int(name), "map"))
+        if target.startswith("anon_inode:"):
+            out[int(name)] = target
     return out
+
+
+_BPF_KINDS = {"anon_inode:bpf-prog": "prog", "anon_inode:bpf-map": "map"}
+
+
+def own_bpf_fds():
+    """[(fd, 'prog'|'map')] for the BPF objects this process holds open."""
+    return [(fd, _BPF_KINDS[t]) for fd, t in own_anon_fds().items() if t in _BPF_KINDS]
 
 
 def obj_name(fd, kind):

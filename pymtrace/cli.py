@@ -6,6 +6,7 @@ the parser's description and epilog are set from the module's HELP/EPILOG) and
 and light commands stay fast and do not import BCC.
 """
 import argparse
+import contextlib
 import importlib
 import signal
 import sys
@@ -109,11 +110,35 @@ def _stop(signum, frame):
     files, detaching probes), and interrupting that would leave its work half done (and
     BCC's exit handlers printing tracebacks). SIGKILL still ends it at once; the kernel
     then removes the probes."""
-    global _stopping
+    global _stopping, _deferred
     if _stopping:
+        return
+    if _deferring:
+        _deferred = True
         return
     _stopping = True
     raise KeyboardInterrupt
+
+
+_deferring = False
+_deferred = False
+
+
+@contextlib.contextmanager
+def stop_deferred():
+    """A stop signal arriving inside the block takes effect at its end. Blocking the signals
+    (pthread_sigmask) is not enough: Python runs a handler at a bytecode boundary after the
+    C-level signal, so one that arrived just before the block would still raise in it (a
+    batch of records written but not counted)."""
+    global _deferring, _deferred
+    _deferring = True
+    try:
+        yield
+    finally:
+        _deferring = False
+    if _deferred:  # the block ended normally: stop now, as the signal asked
+        _deferred = False
+        _stop(signal.SIGINT, None)
 
 
 def stopping():

@@ -14,7 +14,6 @@ import mmap
 import os
 import re
 import select
-import signal
 import struct
 import sys
 import time
@@ -72,7 +71,6 @@ _ALLOC_FUNCS = [
 ]
 _DEBUG_LIB = "libc_malloc_debug.so.0"
 _RECORD = struct.Struct("<" + mtrace_bin._FMT)
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 _B_FREE = mtrace_bin.FREE
 _B_PLUS = (mtrace_bin.MALLOC, mtrace_bin.CALLOC, mtrace_bin.MEMALIGN, mtrace_bin.VALLOC, mtrace_bin.PVALLOC)
 
@@ -619,26 +617,25 @@ class Recorder:
         patience = time.monotonic() + 0.1
         # a stop signal waits until this drain is done: a batch taken from the ring is
         # always written whole, and the counts match the file
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
-            # Take what is there and go back to sleep: chasing the producer in a loop would
-            # read tiny batches, and the per-batch cost would dominate. Read again at once
-            # only while batches are large (the buffer was filling up).
-            while True:
-                data, n = self.reader.read(limit=limit)
-                if not n:
-                    if final and self.reader.cons_pos[0] < limit and time.monotonic() < patience:
-                        time.sleep(0.001)  # a record reserved before the stop, being written
-                        continue
-                    return total
-                total += n
-                self._dispatch(data, n)
-                if n < self.reader.max_batch // 8 and not final:
-                    return total
+            with cli.stop_deferred():
+                # Take what is there and go back to sleep: chasing the producer in a loop
+                # would read tiny batches, and the per-batch cost would dominate. Read again
+                # at once only while batches are large (the buffer was filling up).
+                while True:
+                    data, n = self.reader.read(limit=limit)
+                    if not n:
+                        if final and self.reader.cons_pos[0] < limit and time.monotonic() < patience:
+                            time.sleep(0.001)  # a record reserved before the stop, being written
+                            continue
+                        return total
+                    total += n
+                    self._dispatch(data, n)
+                    if n < self.reader.max_batch // 8 and not final:
+                        return total
         finally:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _dispatch(self, data, n):
         recs, tg = data

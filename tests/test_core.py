@@ -2,6 +2,7 @@
 import ctypes
 import os
 import subprocess
+import textwrap
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -215,3 +216,28 @@ def test_cli_stops_on_sigint_even_if_started_with_it_ignored():
     lines = out.stdout.split()
     assert lines[2:5] == ["interrupted", "second", "ignored"], out.stdout
     assert int(out.stdout.split("SigIgn:")[1].split()[0], 16) & 2  # SIGINT still ignored in the child
+
+
+def test_stop_signal_inside_a_deferred_block_takes_effect_at_its_end():
+    """A stop signal whose Python handler runs inside cli.stop_deferred() (record's drain:
+    a batch written but not yet counted) does not interrupt it: KeyboardInterrupt comes when
+    the block ends normally. Run in a child: the handlers are process-wide."""
+    probe = textwrap.dedent('''
+        import os, signal
+        from pymtrace import cli
+        signal.signal(signal.SIGINT, cli._stop)
+        steps = []
+        try:
+            with cli.stop_deferred():
+                os.kill(os.getpid(), signal.SIGINT)  # the handler runs at once, inside
+                for _ in range(1000):
+                    pass
+                steps.append("block finished")
+            steps.append("not reached")
+        except KeyboardInterrupt:
+            steps.append("interrupted after")
+        print("|".join(steps), cli.stopping())
+    ''')
+    out = subprocess.run([PYMTRACE[0], "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "block finished|interrupted after True", out.stdout

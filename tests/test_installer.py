@@ -73,13 +73,36 @@ def test_package_lists(family, must_have, must_not):
         assert p not in pkgs
 
 
+def test_debian_package_alternatives_resolved_by_what_apt_has(tmp_path):
+    # Debian 13 renamed libtcmalloc-minimal4 (t64) and libmimalloc2.0 (libmimalloc3): the
+    # list names both, and the one the archive has is installed. apt-cache is faked here.
+    fake = tmp_path / "apt-cache"
+    # apt-cache show: exit 0 but no record for names only referenced; a long record for the
+    # others (a reader that stops early must not turn the writer's SIGPIPE into "missing").
+    fake.write_text('#!/bin/sh\ncase "$3" in libtcmalloc-minimal4t64|libmimalloc3|gcc)\n'
+                    '  echo "Package: $3"; i=0; while [ $i -lt 20000 ]; do echo " description"; i=$((i+1)); done ;;\n'
+                    'esac\nexit 0\n')
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", "-c", f'source "{ROOT}/install.sh"; PATH="{tmp_path}:$PATH"; '
+                          'resolve_packages $(distro_packages debian)'], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    pkgs = out.stdout.split()
+    assert "libtcmalloc-minimal4t64" in pkgs and "libmimalloc3" in pkgs
+    assert not any("|" in p for p in pkgs)
+    assert "libtcmalloc-minimal4" not in pkgs and "libmimalloc2.0" not in pkgs
+    # Nothing known: the first name, for apt-get's error message.
+    out = subprocess.run(["bash", "-c", f'source "{ROOT}/install.sh"; PATH="{tmp_path}:$PATH"; '
+                          'resolve_packages "nope1|nope2" gcc'], capture_output=True, text=True)
+    assert out.stdout.split() == ["nope1", "gcc"]
+
+
 def test_installer_refuses_non_root_and_bad_options():
     # Unknown options are refused before anything is installed.
     out = subprocess.run([str(ROOT / "install.sh"), "--bogus"], capture_output=True, text=True)
     assert out.returncode != 0 and "unknown option" in out.stderr
 
 
-SCRIPTS = ["install.sh", ".ci/run", "vagrant/run-tests.sh"]
+SCRIPTS = ["install.sh", ".ci/run", "vagrant/run-tests.sh", "vagrant/build-box.sh"]
 
 
 def test_shellcheck_clean():
@@ -101,7 +124,7 @@ def test_vagrantfile_defines_three_boxes_provisioned_by_installer():
     if shutil.which("vagrant") is None:
         pytest.skip("vagrant not installed (./install.sh installs it)")
     out = subprocess.run(["vagrant", "status"], cwd=ROOT / "vagrant", capture_output=True, text=True, timeout=300)
-    for box in ("fedora", "ubuntu", "debian"):
+    for box in ("debian12", "debian13", "fedora", "ubuntu"):
         assert box in out.stdout
     text = (ROOT / "vagrant" / "Vagrantfile").read_text()
     assert "./install.sh" in text and "libvirt" in text and "virtualbox" in text

@@ -1,43 +1,258 @@
 #!/usr/bin/env bash
-# Run pymtrace's test suite in the Vagrant VMs and print a pass/fail line per box.
+# Run pymtrace's test suite in booted VMs and print one PASS/FAIL line per box.
 #
-#   vagrant/run-tests.sh                 fedora, ubuntu and debian, one after another
-#   vagrant/run-tests.sh debian          one box
-#   PYMTRACE_VM_DESTROY=1 vagrant/run-tests.sh    destroy each box after its run
-#   VAGRANT_DEFAULT_PROVIDER=virtualbox vagrant/run-tests.sh   (default: libvirt if installed)
+#   sudo vagrant/run-tests.sh                  debian12 and debian13 (same as "all")
+#   sudo vagrant/run-tests.sh debian12         one box: Debian 12, kernel 6.1
+#   sudo vagrant/run-tests.sh debian13         Debian 13, kernel 6.12
+#   vagrant/run-tests.sh fedora|ubuntu         public boxes: need network and a working
+#                                              Vagrant provider on the host (not used here)
+#
+# The Debian boxes are built locally from Debian's archive by build-box.sh (cached, see
+# there) and need no network at all. For each of them this script, as root:
+#   - creates a network namespace and a private mount namespace, and starts libvirtd and
+#     virtlogd in them with their own /etc/libvirt, /run/libvirt, /var/lib/libvirt, so
+#     vagrant-libvirt's management network (an isolated bridge) exists only in there: the
+#     VM can reach nothing but that bridge, and nothing outside reaches the VM;
+#   - `vagrant up` (libvirt, QEMU's TCG emulator: no KVM needed), rsyncs the project and
+#     ../shared in, runs `install.sh --test` with PYMTRACE_REQUIRE_BPF=1, then destroys
+#     the VM, stops the daemons and deletes the namespace.
+# Environment:
+#   PYMTRACE_VM_LOGS     where the per-box logs go (default vagrant/results)
+#   PYMTRACE_VM_CACHE    build-box.sh's cache (also holds Vagrant's box store and the pool)
+#   PYMTRACE_VM_NICE     niceness of libvirtd and so of QEMU (default 10)
+#   PYMTRACE_VM_KEEP=1   do not destroy the VM (debugging; the namespace stays too)
+#   PYMTRACE_VM_TIMEOUT  limit in seconds for install.sh --test inside (default 14400)
+# The guest's serial console goes to BOX-TIME.console.log next to the log.
+#   PYMTRACE_SHARED      host directory synced to /shared (default ../../shared)
+#   PYMTRACE_VM_TESTS    pytest arguments instead of the whole suite, e.g. a smoke run:
+#                        "tests/test_doctor.py tests/test_top_slab.py"
 set -uo pipefail
 
-cd "$(dirname "${BASH_SOURCE[0]}")" || exit 1
-boxes=("$@")
-[ ${#boxes[@]} -eq 0 ] && boxes=(fedora ubuntu debian)
-logdir=${PYMTRACE_VM_LOGS:-results}
-mkdir -p "$logdir"
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cache=${PYMTRACE_VM_CACHE:-/var/cache/pymtrace-vm}
+LOCAL_BOXES=(debian12 debian13)
 
-declare -A result
-declare -A seconds
-for box in "${boxes[@]}"; do
-    start=$(date +%s)
-    log="$logdir/$box.log"
-    echo "== $box: provisioning and testing (log: vagrant/$log)"
-    if vagrant up "$box" --provision >"$log" 2>&1 \
-        && vagrant rsync "$box" >>"$log" 2>&1 \
-        && vagrant ssh "$box" -c 'cd /pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test' >>"$log" 2>&1; then
-        result[$box]=PASS
+log() { printf 'run-tests: %s\n' "$*" >&2; }
+die() { printf 'run-tests: error: %s\n' "$*" >&2; exit 2; }
+now() { date +%s; }
+
+is_local_box() {
+    case $1 in debian12|debian13) return 0 ;; *) return 1 ;; esac
+}
+
+# ---------------------------------------------------------------------------------------
+# Inside the namespaces (run as: ip netns exec NS unshare --mount ... run-tests.sh --inside)
+
+# Private libvirt state: nothing the daemons define (networks, pools) outlives the run or
+# is seen by a libvirtd in the root namespace.
+private_libvirt() {
+    local state=$1 d
+    for d in etc run lib log cache; do mkdir -p "$state/libvirt-$d"; done
+    cp -a /etc/libvirt/. "$state/libvirt-etc/" 2>/dev/null || true
+    # No libvirt-qemu user or cgroup manager on the host: QEMU runs as root, unconfined.
+    cat >"$state/libvirt-etc/qemu.conf" <<'EOF'
+user = "root"
+group = "root"
+dynamic_ownership = 0
+remember_owner = 0
+security_driver = "none"
+cgroup_controllers = [ ]
+EOF
+    printf 'unix_sock_group = "root"\nunix_sock_rw_perms = "0700"\n' >"$state/libvirt-etc/libvirtd.conf"
+    mkdir -p /etc/libvirt /run/libvirt /var/lib/libvirt /var/log/libvirt /var/cache/libvirt
+    mount --bind "$state/libvirt-etc" /etc/libvirt
+    mount --bind "$state/libvirt-run" /run/libvirt
+    mount --bind "$state/libvirt-lib" /var/lib/libvirt
+    mount --bind "$state/libvirt-log" /var/log/libvirt
+    mount --bind "$state/libvirt-cache" /var/cache/libvirt
+}
+
+start_daemons() {
+    local state=$1 nice=${PYMTRACE_VM_NICE:-10}
+    ip link set lo up
+    # QEMU inherits libvirtd's niceness: the machine is shared.
+    nice -n "$nice" virtlogd -d -p "$state/virtlogd.pid" || return 1
+    nice -n "$nice" libvirtd -d -p "$state/libvirtd.pid" || return 1
+    for _ in $(seq 60); do
+        virsh -c qemu:///system version >/dev/null 2>&1 && return 0
+        sleep 1
+    done
+    log "libvirtd did not come up"
+    return 1
+}
+
+# shellcheck disable=SC2317  # called from a trap
+stop_daemons() {
+    local state=$1 pidfile pid dom net
+    # Guests and dnsmasq outlive libvirtd: stop them first.
+    for dom in $(virsh list --name 2>/dev/null); do virsh -q destroy "$dom" >/dev/null 2>&1; done
+    for net in $(virsh net-list --name 2>/dev/null); do virsh -q net-destroy "$net" >/dev/null 2>&1; done
+    for pidfile in "$state/libvirtd.pid" "$state/virtlogd.pid"; do
+        [ -r "$pidfile" ] || continue
+        pid=$(cat "$pidfile")
+        kill "$pid" 2>/dev/null || continue
+        for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    done
+}
+
+ensure_pool() {
+    local target=$1
+    mkdir -p "$target"
+    chmod 0700 "$target"
+    virsh -q pool-define-as default dir --target "$target" >/dev/null &&
+        virsh -q pool-start default >/dev/null
+}
+
+stamp_lines() {
+    local line
+    while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done
+}
+
+# VM_NAME BOX_FILE BOX_NAME STATE TIMINGS
+inside() {
+    local name=$1 box_file=$2 box_name=$3 state=$4 timings=$5 rc=0 t
+    private_libvirt "$state"
+    # shellcheck disable=SC2064
+    trap "stop_daemons '$state'" EXIT
+    start_daemons "$state" || return 1
+    ensure_pool "$cache/pool" || return 1
+    export VAGRANT_HOME=$cache/vagrant.d VAGRANT_DEFAULT_PROVIDER=libvirt
+    export VAGRANT_DOTFILE_PATH=$state/dot-vagrant VAGRANT_CHECKPOINT_DISABLE=1
+    export "PYMTRACE_BOX_${name^^}=$box_name"
+    cd "$here" || return 1
+    if ! vagrant box list 2>/dev/null | grep -q "^$box_name "; then
+        t=$(now)
+        vagrant box add --name "$box_name" "$box_file" || return 1
+        echo "box_add $(( $(now) - t ))" >>"$timings"
+        remove_stale_boxes "$name" "$box_name"
+    fi
+    t=$(now)
+    # Time-stamped: the log then shows how long the boot took ("Starting domain" to
+    # "Machine booted and ready").
+    vagrant up "$name" --provider libvirt --no-provision 2>&1 | stamp_lines || rc=1
+    echo "vagrant_up $(( $(now) - t ))" >>"$timings"
+    if [ $rc = 0 ]; then
+        # shellcheck disable=SC2016  # expanded in the guest
+        vagrant ssh "$name" -c 'echo "guest: $(uname -r), up $(cut -d" " -f1 /proc/uptime)s"; systemd-analyze 2>/dev/null | head -n1' || true
+        t=$(now)
+        # A guest that stops answering (a debian13 guest hung once, its kernel spinning)
+        # ends the run: SSH keepalives, and an overall limit.
+        timeout --kill-after=60 "${PYMTRACE_VM_TIMEOUT:-14400}" \
+            vagrant ssh "$name" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" \
+            -- -o ServerAliveInterval=60 -o ServerAliveCountMax=10 || rc=1
+        echo "suite $(( $(now) - t ))" >>"$timings"
+    fi
+    if [ "${PYMTRACE_VM_KEEP:-0}" = 1 ]; then
+        log "PYMTRACE_VM_KEEP=1: leaving the VM running"
+        trap - EXIT
+        return $rc
+    fi
+    vagrant destroy -f "$name" || true
+    return $rc
+}
+
+# Older builds of the same box (another cache key) in Vagrant's store and the pool.
+remove_stale_boxes() {
+    local name=$1 current=$2 b
+    for b in $(vagrant box list 2>/dev/null | awk '{print $1}' | grep "^pymtrace/$name-"); do
+        [ "$b" = "$current" ] && continue
+        vagrant box remove --force --all "$b" >/dev/null 2>&1 || true
+        find "$cache/pool" -maxdepth 1 -name "${b//\//-VAGRANTSLASH-}_vagrant_box_image_*" -delete
+    done
+}
+
+# ---------------------------------------------------------------------------------------
+# On the host
+
+# libvirt's QEMU driver needs its build-time user to exist even when qemu.conf says root
+# (libvirt-daemon-system would create it; it is not installed, see build-box.sh).
+ensure_libvirt_user() {
+    getent passwd libvirt-qemu >/dev/null && return 0
+    useradd --system --user-group --no-create-home --home-dir /var/lib/libvirt \
+        --shell /usr/sbin/nologin libvirt-qemu
+}
+
+# NAME LOG -> runs one local box; exit status 0 = suite passed.
+run_local_box() {
+    local name=$1 logfile=$2 box_file key ns state rc
+    local t0
+    t0=$(now)
+    box_file=$("$here/build-box.sh" "$name" 2>>"$logfile") || { log "$name: building the box failed"; return 1; }
+    echo "box_ready $(( $(now) - t0 ))" >>"$timings"
+    key=$(basename "$box_file" .box)
+    key=${key#"$name"-}
+    ensure_libvirt_user || return 1
+    # One run per box at a time: runs share the pool (the VM's disk is named after the box).
+    local lock
+    exec {lock}>"$cache/.run-$name.lock"
+    flock "$lock"
+    state=$(mktemp -d "$cache/run.XXXXXX")
+    ns=pymtrace-vm-$$-$name
+    ip netns add "$ns" || { rm -rf "$state"; return 1; }
+    ip netns exec "$ns" unshare --mount --propagation private \
+        env PYMTRACE_VM_CACHE="$cache" PYMTRACE_VM_CONSOLE_LOG="${logfile%.log}.console.log" \
+        "$here/run-tests.sh" --inside "$name" "$box_file" \
+        "pymtrace/$name-$key" "$state" "$timings" >>"$logfile" 2>&1
+    rc=$?
+    if [ "${PYMTRACE_VM_KEEP:-0}" != 1 ]; then
+        ip netns delete "$ns"
+        rm -rf "$state"
     else
-        result[$box]=FAIL
+        log "kept namespace $ns and state $state"
     fi
-    seconds[$box]=$(( $(date +%s) - start ))
-    if [ "${PYMTRACE_VM_DESTROY:-0}" = 1 ]; then
-        vagrant destroy -f "$box" >>"$log" 2>&1
-    fi
-done
+    exec {lock}>&-
+    return $rc
+}
 
-echo
-echo "box      result  time   last test line"
-failed=0
-for box in "${boxes[@]}"; do
-    summary=$(grep -E '[0-9]+ (passed|failed)' "$logdir/$box.log" | tail -n1)
-    printf '%-8s %-7s %4ds  %s\n' "$box" "${result[$box]}" "${seconds[$box]}" "${summary:-(no pytest summary)}"
-    [ "${result[$box]}" = PASS ] || failed=1
-done
-exit $failed
+# NAME LOG -> a public box with the host's own Vagrant setup (needs network).
+run_network_box() {
+    local name=$1 logfile=$2
+    (cd "$here" && vagrant up "$name" --provision && vagrant rsync "$name" &&
+        vagrant ssh "$name" -c 'cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test') >>"$logfile" 2>&1
+}
+
+timing() { awk -v k="$1" '$1 == k {print $2}' "$timings" | tail -n1; }
+
+main() {
+    if [ "${1:-}" = --inside ]; then
+        shift
+        inside "$@"
+        exit $?
+    fi
+    local boxes=("$@")
+    if [ ${#boxes[@]} -eq 0 ] || [ "${boxes[0]}" = all ]; then boxes=("${LOCAL_BOXES[@]}"); fi
+    local b
+    for b in "${boxes[@]}"; do
+        case $b in debian12|debian13|fedora|ubuntu) ;; *) die "unknown box $b (debian12, debian13, all, fedora, ubuntu)" ;; esac
+    done
+    if is_local_box "${boxes[0]}"; then
+        [ "$(id -u)" -eq 0 ] || die "run as root (it builds images and starts libvirtd in a namespace)"
+    fi
+    local logdir=${PYMTRACE_VM_LOGS:-$here/results} stamp
+    mkdir -p "$logdir"
+    stamp=$(date -u +%Y%m%dT%H%M%SZ)
+    export PYMTRACE_SHARED=${PYMTRACE_SHARED:-$(cd "$here/../.." && pwd)/shared}
+
+    local lines=() failed=0 logfile result start summary
+    for b in "${boxes[@]}"; do
+        logfile=$logdir/$b-$stamp.log
+        timings=$(mktemp)
+        start=$(now)
+        log "$b: log in $logfile"
+        result=PASS
+        if is_local_box "$b"; then
+            run_local_box "$b" "$logfile" || result=FAIL
+        else
+            run_network_box "$b" "$logfile" || result=FAIL
+        fi
+        [ $result = PASS ] || failed=1
+        summary=$(grep -E '^=+ .*[0-9]+ (passed|failed|error)' "$logfile" | tail -n1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+        lines+=("$(printf '%-9s %s %5ds  %s' "$b" "$result" $(( $(now) - start )) "${summary:-(no pytest summary)}")")
+        log "$b: $result; box ready $(timing box_ready)s, box add $(timing box_add)s, vagrant up $(timing vagrant_up)s, suite $(timing suite)s"
+        rm -f "$timings"
+    done
+    printf '%s\n' "${lines[@]}"
+    exit $failed
+}
+
+main "$@"
