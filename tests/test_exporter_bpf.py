@@ -38,6 +38,9 @@ static void wait_for(const char *word)
 int main(int argc, char **argv)
 {
     prctl(PR_SET_NAME, argc > 1 ? argv[1] : "pmx-known");
+    /* THP off: one fault per 4 KiB page, also where THP is "always" (stock Debian kernels:
+     * 825 faults instead of >= 2048 in a Debian 12 VM, the 8 MiB block in 2 MiB pages) */
+    prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
     say("ready\n");
     wait_for("go");
     static void *keep[1000];

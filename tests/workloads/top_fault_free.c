@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #define BLOCK (48UL << 20)
@@ -21,6 +22,10 @@ int main(void)
 {
     char line[256];
     long page = sysconf(_SC_PAGESIZE);
+    /* THP off for the whole process, before calloc writes the chunk header: where THP is
+     * "always" and the kernel aligns large anonymous mappings to 2 MiB, that first write
+     * would fault in a huge page before the madvise below could prevent it */
+    prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
     int n = snprintf(line, sizeof(line), "ready %d\n", (int)getpid());
     if (write(1, line, n) != n) return 3;
     wait_stdin();
