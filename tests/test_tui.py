@@ -288,8 +288,14 @@ def test_real_top_on_real_workloads(tmux, tmp_path):
         t.send("2")
         s = t.wait_for(lambda s: "[2 slab caches]" in s and len(rows(s, "CACHE")) >= 3, "slab view")
         t.send("<")  # from ALLOCS/s to CACHE, A-Z
-        s = t.wait_for(lambda s: "sort CACHE asc" in s, "slab sorted by name")
-        names = [r[0] for r in rows(s, "CACHE") if r]
+        # the header changes first: a capture can catch the rows mid-redraw, so wait for a
+        # whole screen in name order (a sort that never happens still times out)
+        def cache_names(s):
+            return [r[0] for r in rows(s, "CACHE") if r]
+
+        s = t.wait_for(lambda s: "sort CACHE asc" in s and len(cache_names(s)) >= 3
+                       and cache_names(s) == sorted(cache_names(s)), "slab sorted by name")
+        names = cache_names(s)
         assert names == sorted(names)
         t.send("3")
         s = t.wait_for(lambda s: "[3 page faults]" in s and "REGION" in s and "(all)" in s, "faults view")
