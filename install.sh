@@ -6,7 +6,7 @@
 #   sudo ./install.sh            install only
 #   sudo ./install.sh --demo     install, then start `pymtrace top` on a bundled demo workload
 #   sudo ./install.sh --test     install, then run the whole test suite
-#   sudo ./install.sh --test tests/test_doctor.py ...   install, then run these tests
+#   sudo ./install.sh --test tests/live/test_doctor.py ...   install, then run these tests
 #
 # Supported: Debian (12+), Ubuntu (22.04+), Fedora (38+). Environment:
 #   PYMTRACE_VENV   where the virtual environment goes (default /opt/pymtrace/venv)
@@ -41,10 +41,10 @@ distro_packages() {
         debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc make libc6-dev \
 python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
 prometheus libc-devtools \
-tmux shellcheck vagrant binutils procps" ;;
+tmux shellcheck vagrant binutils procps clang-format" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc make glibc-devel \
 jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils tmux ShellCheck \
-binutils procps-ng kernel-devel" ;;
+binutils procps-ng kernel-devel clang-tools-extra" ;;
         *) return 1 ;;
     esac
 }

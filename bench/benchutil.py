@@ -1,4 +1,5 @@
 """Helpers shared by the benchmark scripts in bench/ (imported as a sibling module)."""
+
 import json
 import os
 import subprocess

@@ -19,6 +19,7 @@
 The machine is shared and noisy: only ratios inside one run mean anything. Prints a
 markdown table for docs/exporter.md; --json FILE also writes the raw numbers.
 """
+
 import argparse
 import json
 import os
@@ -123,8 +124,13 @@ class Exporter:
     def __init__(self, *args):
         self.port = free_port()
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(PY + ["exporter", "--listen", f"127.0.0.1:{self.port}", *args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            PY + ["exporter", "--listen", f"127.0.0.1:{self.port}", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
         while True:
             line = self.proc.stderr.readline()
             if "serving" in line:
@@ -163,7 +169,7 @@ class Storm:
     exporter had uprobes on the copy (bpftool perf list) is discarded and repeated."""
 
     def __init__(self, binary, tmp, pairs, size):
-        from pymtrace import libc
+        from pymtrace.target import libc
 
         self.pairs, self.size = pairs, size
         self.libc = os.path.join(tmp, "libc.so.6")
@@ -207,8 +213,11 @@ def measure(storms, rounds):
 
 
 def series_count(text, prefix=None):
-    return sum(1 for line in text.splitlines()
-               if line and not line.startswith("#") and (prefix is None or line.startswith(prefix)))
+    return sum(
+        1
+        for line in text.splitlines()
+        if line and not line.startswith("#") and (prefix is None or line.startswith(prefix))
+    )
 
 
 def scrape_phase(ex, n_scrapes, interval=1.0):
@@ -250,8 +259,10 @@ def main():
         storm_bin = build_c(tmp, "storm", src_path=HERE / "storm.c")
         idle_bin = build_c(tmp, "idle", source=IDLE_C)
         touch_bin = build_c(tmp, "touch", source=TOUCH_C)
-        storms = {"malloc(64)+free": Storm(storm_bin, tmp, args.pairs, 64),
-                  "malloc(256 KiB)+touch+free": Storm(touch_bin, tmp, max(1, args.pairs // 100), 256 << 10)}
+        storms = {
+            "malloc(64)+free": Storm(storm_bin, tmp, args.pairs, 64),
+            "malloc(256 KiB)+touch+free": Storm(touch_bin, tmp, max(1, args.pairs // 100), 256 << 10),
+        }
         res = {"pairs": args.pairs, "rounds": args.rounds, "phases": {}, "scrape": []}
         print("untraced ...", file=sys.stderr)
         res["phases"]["untraced-1"] = measure(storms, args.rounds)
@@ -268,19 +279,28 @@ def main():
                     res["idle_cpu"] = idle_cpu(ex, 10)
                     for n in [int(x) for x in args.procs.split(",") if x]:
                         print(f"scrape phase with {n} processes ...", file=sys.stderr)
-                        idle = subprocess.Popen([idle_bin, str(n), "pmxbench"], stdin=subprocess.PIPE,
-                                                stdout=subprocess.PIPE, text=True)
+                        idle = subprocess.Popen(
+                            [idle_bin, str(n), "pmxbench"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+                        )
                         assert idle.stdout.readline().strip() == "ready"
                         time.sleep(2)
                         ex.scrape()
                         lat, cpu, text = scrape_phase(ex, args.scrapes)
                         idle.stdin.close()
                         idle.wait()
-                        res["scrape"].append({
-                            "processes": n, "series": series_count(text),
-                            "workload_series": series_count(text, "pymtrace_malloc") + series_count(text, "pymtrace_page"),
-                            "bytes": len(text), "latency_median": statistics.median(lat),
-                            "latency_p90": pct(lat, 0.9), "latency_max": max(lat), "cpu_per_s": cpu})
+                        res["scrape"].append(
+                            {
+                                "processes": n,
+                                "series": series_count(text),
+                                "workload_series": series_count(text, "pymtrace_malloc")
+                                + series_count(text, "pymtrace_page"),
+                                "bytes": len(text),
+                                "latency_median": statistics.median(lat),
+                                "latency_p90": pct(lat, 0.9),
+                                "latency_max": max(lat),
+                                "cpu_per_s": cpu,
+                            }
+                        )
             finally:
                 ex.stop()
                 for st in storms.values():
@@ -293,25 +313,36 @@ def main():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\n{args.rounds} measurements per phase and workload, workloads interleaved; "
-          f"{res['discarded']} disturbed measurements discarded and repeated\n")
+    print(
+        f"\n{args.rounds} measurements per phase and workload, workloads interleaved; "
+        f"{res['discarded']} disturbed measurements discarded and repeated\n"
+    )
     print("| workload | mode | ns/op min | ns/op median | slowdown (median) |")
     print("|---|---|---|---|---|")
     for wl in storms:
         base = res["phases"]["untraced-1"][wl] + res["phases"]["untraced-2"][wl]
         bmed = statistics.median(base)
-        for name, vals in (("untraced", base), ("exporter (default)", res["phases"]["always-on"][wl]),
-                           ("exporter --per-call", res["phases"]["per-call"][wl])):
+        for name, vals in (
+            ("untraced", base),
+            ("exporter (default)", res["phases"]["always-on"][wl]),
+            ("exporter --per-call", res["phases"]["per-call"][wl]),
+        ):
             med = statistics.median(vals)
             print(f"| {wl} | {name} | {min(vals):.0f} | {med:.0f} | {100 * (med / bmed - 1):+.1f} % |")
-    print(f"\nExporter start-up (compile + attach): default {res['startup']['always-on']:.1f} s, "
-          f"--per-call {res['startup']['per-call']:.1f} s; idle CPU (--per-call, no scrapes): {res['idle_cpu']:.3f} s/s\n")
-    print("| idle processes | series in a scrape | of them per-process | scrape bytes | latency median | p90 | max | exporter CPU s/s at 1 scrape/s |")
+    print(
+        f"\nExporter start-up (compile + attach): default {res['startup']['always-on']:.1f} s, "
+        f"--per-call {res['startup']['per-call']:.1f} s; idle CPU (--per-call, no scrapes): {res['idle_cpu']:.3f} s/s\n"
+    )
+    print(
+        "| idle processes | series in a scrape | of them per-process | scrape bytes | latency median | p90 | max | exporter CPU s/s at 1 scrape/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for s in res["scrape"]:
-        print(f"| {s['processes']} | {s['series']} | {s['workload_series']} | {s['bytes']} | "
-              f"{1000 * s['latency_median']:.0f} ms | {1000 * s['latency_p90']:.0f} ms | "
-              f"{1000 * s['latency_max']:.0f} ms | {s['cpu_per_s']:.3f} |")
+        print(
+            f"| {s['processes']} | {s['series']} | {s['workload_series']} | {s['bytes']} | "
+            f"{1000 * s['latency_median']:.0f} ms | {1000 * s['latency_p90']:.0f} ms | "
+            f"{1000 * s['latency_max']:.0f} ms | {s['cpu_per_s']:.3f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -26,10 +26,11 @@ symlink), so system-wide pymtrace instances, which look for files named libc.so.
 checks (bpftool perf list) that no other process probes the copy, and discards and repeats
 a measurement that was disturbed.
 """
+
 import argparse
 import os
-import shutil
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,9 +39,12 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from pymtrace import bpfload, collect, libc  # noqa: E402
-from pymtrace.collect import FaultCollector  # noqa: E402
 from benchutil import build_c, uprobe_pids  # noqa: E402
+
+from pymtrace.bpf import load as bpfload  # noqa: E402
+from pymtrace.collect import collectors as collect  # noqa: E402
+from pymtrace.collect.collectors import FaultCollector  # noqa: E402
+from pymtrace.target import libc  # noqa: E402
 
 MEMLEAK = r"""
 #include <uapi/linux/ptrace.h>
@@ -133,7 +137,7 @@ class Attachments:
             self.bpf.attach_tracepoint(tp=tp, fn_name=prog)
 
     def detach(self, pid):
-        for kind, path, fn, off, prog in self.uprobes:
+        for kind, path, fn, off, _prog in self.uprobes:
             if kind == "entry":
                 self.bpf.detach_uprobe(name=path, sym=fn, sym_off=off, pid=pid)
             else:
@@ -144,8 +148,9 @@ class Attachments:
 
 def top_uprobes(path):
     """top's uprobe sites, exactly as MallocCollector attaches them (collect.probe_plan)."""
-    return [(kind, path, function, off, fn) for function, probes in collect.probe_plan(path)
-            for kind, off, fn in probes]
+    return [
+        (kind, path, function, off, fn) for function, probes in collect.probe_plan(path) for kind, off, fn in probes
+    ]
 
 
 def tracepoints(bpf, names):
@@ -181,15 +186,25 @@ def build_modes(path, pid):
     return {
         "untraced": [],
         "floor": [Attachments(floor, top_uprobes(path))],
-        "top": [Attachments(ms, top_uprobes(path)),
-                Attachments(faults, (), tracepoints(faults, FAULT_TPS)),
-                Attachments(slab, (), tracepoints(slab, SLAB_TPS))],
-        "memleak": [Attachments(memleak, [
-            ("entry", path, "malloc", 0, "ml_malloc_entry"),
-            ("return", path, "malloc", 0, "ml_malloc_return"),
-            ("entry", path, "free", 0, "ml_free_entry")])],
-        "always-on": [Attachments(faults2, (), tracepoints(faults2, FAULT_TPS)),
-                      Attachments(slab2, (), tracepoints(slab2, SLAB_TPS))],
+        "top": [
+            Attachments(ms, top_uprobes(path)),
+            Attachments(faults, (), tracepoints(faults, FAULT_TPS)),
+            Attachments(slab, (), tracepoints(slab, SLAB_TPS)),
+        ],
+        "memleak": [
+            Attachments(
+                memleak,
+                [
+                    ("entry", path, "malloc", 0, "ml_malloc_entry"),
+                    ("return", path, "malloc", 0, "ml_malloc_return"),
+                    ("entry", path, "free", 0, "ml_free_entry"),
+                ],
+            )
+        ],
+        "always-on": [
+            Attachments(faults2, (), tracepoints(faults2, FAULT_TPS)),
+            Attachments(slab2, (), tracepoints(slab2, SLAB_TPS)),
+        ],
     }, [floor, ms, faults, slab, faults2, slab2, memleak]
 
 
@@ -207,18 +222,32 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--pairs", type=int, default=300000, help="pairs per measurement of the traced modes")
-    ap.add_argument("--fast-pairs", type=int, default=20000000,
-                    help="pairs per measurement of untraced and always-on (~10 ns a pair: a short run "
-                         "would measure scheduling noise)")
+    ap.add_argument(
+        "--fast-pairs",
+        type=int,
+        default=20000000,
+        help="pairs per measurement of untraced and always-on (~10 ns a pair: a short run "
+        "would measure scheduling noise)",
+    )
     ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--fault-pages", type=int, default=200000,
-                    help="also measure a page-fault storm of this many pages per measurement "
-                         "(untraced, top, always-on); 0: skip")
-    ap.add_argument("--fresh-fault-pages", type=int, default=200000,
-                    help="also measure a page-fault storm on fresh addresses (every granule new) "
-                         "of this many pages per measurement (untraced, top's fault collector); 0: skip")
-    ap.add_argument("--modes", default="untraced,floor,top,memleak,always-on",
-                    help="comma-separated subset of the modes (untraced and floor are always kept)")
+    ap.add_argument(
+        "--fault-pages",
+        type=int,
+        default=200000,
+        help="also measure a page-fault storm of this many pages per measurement (untraced, top, always-on); 0: skip",
+    )
+    ap.add_argument(
+        "--fresh-fault-pages",
+        type=int,
+        default=200000,
+        help="also measure a page-fault storm on fresh addresses (every granule new) "
+        "of this many pages per measurement (untraced, top's fault collector); 0: skip",
+    )
+    ap.add_argument(
+        "--modes",
+        default="untraced,floor,top,memleak,always-on",
+        help="comma-separated subset of the modes (untraced and floor are always kept)",
+    )
     args = ap.parse_args()
     bpfload.require_root("the overhead benchmark")
 
@@ -256,6 +285,7 @@ def main():
         finally:
             for a in fresh_modes[name]:
                 a.detach(fresh_pid)
+
     wanted = set(args.modes.split(",")) | {"untraced", "floor"}
     names = [n for n in modes if n in wanted]
     results = {n: [] for n in names}
@@ -284,7 +314,7 @@ def main():
     try:
         measure()  # warm up the process (stdio buffers, tcache)
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 for a in modes[name]:
                     a.attach(pid)
@@ -296,10 +326,12 @@ def main():
                     for a in modes[name]:
                         a.detach(pid)
             if fresh is not None:
-                for name in (("untraced", "top") if r % 2 == 0 else ("top", "untraced")):
+                for name in ("untraced", "top") if r % 2 == 0 else ("top", "untraced"):
                     measure_fresh(name)
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {results[n][-1]:.0f}" for n in names),
-                  file=sys.stderr)
+            print(
+                f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {results[n][-1]:.0f}" for n in names),
+                file=sys.stderr,
+            )
     finally:
         storm.stdin.close()
         storm.wait()
@@ -324,9 +356,11 @@ def main():
         between rounds; within a round the modes run back to back)."""
         return statistics.median(x / y for x, y in zip(results[a], results[b]))
 
-    print(f"{args.rounds} interleaved rounds, one thread, malloc({args.size})+free pairs "
-          f"({args.pairs} per traced measurement, {args.fast_pairs} untraced/always-on), "
-          f"libc copy of {libc.system_libc()}, kernel {os.uname().release}\n")
+    print(
+        f"{args.rounds} interleaved rounds, one thread, malloc({args.size})+free pairs "
+        f"({args.pairs} per traced measurement, {args.fast_pairs} untraced/always-on), "
+        f"libc copy of {libc.system_libc()}, kernel {os.uname().release}\n"
+    )
     print("| mode | ns/pair min | ns/pair median | vs untraced (paired median) | vs floor (paired median) |")
     print("|---|---|---|---|---|")
     for n in names:
@@ -337,22 +371,32 @@ def main():
         print_fault_table(fault_results)
     if fresh is not None:
         print()
-        print(f"page-fault storm on fresh addresses ({args.fresh_fault_pages} pages per measurement, every 64 KiB "
-              f"granule new: a pf_new record per 16 faults, /proc/PID/maps re-read per new mapping; "
-              f"{getattr(COLLECTORS[-1], 'maps_reads', 0)} maps reads in all):")
+        print(
+            f"page-fault storm on fresh addresses ({args.fresh_fault_pages} pages per measurement, every 64 KiB "
+            f"granule new: a pf_new record per 16 faults, /proc/PID/maps re-read per new mapping; "
+            f"{getattr(COLLECTORS[-1], 'maps_reads', 0)} maps reads in all):"
+        )
         print_fault_table(fresh_results)
     if set(names) != set(modes):
         return 0
     print()
-    print(f"top / floor = {paired('top', 'floor'):.2f}x paired median, {mins['top'] / mins['floor']:.2f}x of minima "
-          f"(target <= 1.2x)")
-    print(f"memleak-style / top = {paired('memleak', 'top'):.2f}x paired median, "
-          f"{mins['memleak'] / mins['top']:.2f}x of minima (target >= 2.5x)")
-    print(f"always-on slowdown = {(paired('always-on', 'untraced') - 1) * 100:+.1f}% paired median, "
-          f"{(mins['always-on'] / mins['untraced'] - 1) * 100:+.1f}% of minima (target < 2%)")
+    print(
+        f"top / floor = {paired('top', 'floor'):.2f}x paired median, {mins['top'] / mins['floor']:.2f}x of minima "
+        f"(target <= 1.2x)"
+    )
+    print(
+        f"memleak-style / top = {paired('memleak', 'top'):.2f}x paired median, "
+        f"{mins['memleak'] / mins['top']:.2f}x of minima (target >= 2.5x)"
+    )
+    print(
+        f"always-on slowdown = {(paired('always-on', 'untraced') - 1) * 100:+.1f}% paired median, "
+        f"{(mins['always-on'] / mins['untraced'] - 1) * 100:+.1f}% of minima (target < 2%)"
+    )
     if discarded:
-        print(f"{len(discarded)} measurement(s) discarded and repeated because other processes "
-              f"probed the benchmark's libc: {discarded}")
+        print(
+            f"{len(discarded)} measurement(s) discarded and repeated because other processes "
+            f"probed the benchmark's libc: {discarded}"
+        )
     return 0
 
 

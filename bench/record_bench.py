@@ -10,6 +10,7 @@ one run mean anything):
   - bytes per event on disk
 Usage: sudo bench/record_bench.py [--pairs N] [--rounds R] [--buffer-size 32M] [--markdown]
 """
+
 import argparse
 import json
 import os
@@ -22,7 +23,7 @@ import tempfile
 from benchutil import build_c
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SRC = ROOT / "tests" / "workloads" / "record_storm.c"
+SRC = ROOT / "tests" / "support" / "workloads" / "record_storm.c"
 
 
 def build(tmp):
@@ -43,9 +44,27 @@ def untraced(exe, pairs):
 def traced(exe, pairs, tmp, buffer_size, fmt="mtrace-bin"):
     out = os.path.join(tmp, f"trace.{os.getpid()}.{len(os.listdir(tmp))}")
     proc = subprocess.run(
-        [sys.executable, "-m", "pymtrace", "record", "--json", "--allow-drops", "--buffer-size", buffer_size,
-         "--format", fmt, "-o", out, "--", exe, str(pairs)],
-        capture_output=True, text=True, cwd=tmp)
+        [
+            sys.executable,
+            "-m",
+            "pymtrace",
+            "record",
+            "--json",
+            "--allow-drops",
+            "--buffer-size",
+            buffer_size,
+            "--format",
+            fmt,
+            "-o",
+            out,
+            "--",
+            exe,
+            str(pairs),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr)
     summary = json.loads(proc.stderr.strip().splitlines()[-1])
@@ -78,19 +97,25 @@ def main():
             cpu = [r[1]["consumer_cpu_s"] / max(1, r[1]["entries"]) * 1e6 for r in rec]
             bpe = [r[1]["bytes_written"] / max(1, r[1]["entries"]) for r in rec]
             rate = [2e9 / r[0] for r in rec]  # events per second during the storm (max: fastest round)
-            rows.append({
-                "buffer": buf, "pairs": args.pairs, "rounds": args.rounds,
-                "untraced_ns_per_call": round(ns_base / 2, 1), "traced_ns_per_call": round(ns_rec / 2, 1),
-                "traced_ns_per_call_median": round(statistics.median(r[0] for r in rec) / 2, 1),
-                "slowdown_ns_per_call": round((ns_rec - ns_base) / 2, 1),
-                "consumer_us_per_event": round(statistics.median(cpu), 3),
-                "consumer_us_per_event_max": round(max(cpu), 3),
-                "events_per_s": int(max(rate)),
-                "events_recorded": int(statistics.median(events)), "lost_max": max(lost),
-                "reserve_retries_max": max(r[1].get("reserve_retries", 0) for r in rec),
-                "max_backlog_MiB": round(max(r[1].get("max_backlog_bytes", 0) for r in rec) / 2**20, 2),
-                "bytes_per_event": round(statistics.median(bpe), 2),
-            })
+            rows.append(
+                {
+                    "buffer": buf,
+                    "pairs": args.pairs,
+                    "rounds": args.rounds,
+                    "untraced_ns_per_call": round(ns_base / 2, 1),
+                    "traced_ns_per_call": round(ns_rec / 2, 1),
+                    "traced_ns_per_call_median": round(statistics.median(r[0] for r in rec) / 2, 1),
+                    "slowdown_ns_per_call": round((ns_rec - ns_base) / 2, 1),
+                    "consumer_us_per_event": round(statistics.median(cpu), 3),
+                    "consumer_us_per_event_max": round(max(cpu), 3),
+                    "events_per_s": int(max(rate)),
+                    "events_recorded": int(statistics.median(events)),
+                    "lost_max": max(lost),
+                    "reserve_retries_max": max(r[1].get("reserve_retries", 0) for r in rec),
+                    "max_backlog_MiB": round(max(r[1].get("max_backlog_bytes", 0) for r in rec) / 2**20, 2),
+                    "bytes_per_event": round(statistics.median(bpe), 2),
+                }
+            )
     # other people's system-wide malloc probes can inflate every untraced round of one
     # configuration: the baseline is the best untraced round of the whole run
     best = min(all_base)

@@ -13,6 +13,7 @@
 
 Prints a markdown table (docs/replay.md has one). Keep it short on shared machines: --calls.
 """
+
 import argparse
 import json
 import os
@@ -22,8 +23,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pymtrace import replay  # noqa: E402
-from pymtrace.formats import wl  # noqa: E402
+from pymtrace.replay import runner as replay  # noqa: E402
+from pymtrace.trace.formats import wl  # noqa: E402
 
 
 def churn_stream(calls, base_idx, window=256):
@@ -95,8 +96,9 @@ def run(sim, path, *extra, repeat=3):
     results = []
     for _ in range(repeat):
         with tempfile.NamedTemporaryFile(suffix=".json") as j:
-            subprocess.run([sim, "--json", j.name, "--sample-ms", "50", *extra, path], check=True,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sim, "--json", j.name, "--sample-ms", "50", *extra, path], check=True, stdout=subprocess.DEVNULL
+            )
             results.append(json.load(open(j.name)))
     results.sort(key=lambda r: r["wall_us"])
     return results[len(results) // 2]
@@ -108,8 +110,10 @@ def overhead_row(label, r):
     alloc_ns = sum(c["total"] - c["count"] * r["timer_overhead"] for c in r["calls"].values()) / ticks_per_ns
     cpu_ns = r["thread_cpu_us"] * 1000
     over = (cpu_ns - alloc_ns) / calls
-    return (f"| {label} | {calls:,} | {calls / (r['wall_us'] / 1e6) / 1e6:.2f} M/s | "
-            f"{alloc_ns / calls:.1f} ns | {over:.1f} ns ({over * ticks_per_ns:.0f} cycles) |")
+    return (
+        f"| {label} | {calls:,} | {calls / (r['wall_us'] / 1e6) / 1e6:.2f} M/s | "
+        f"{alloc_ns / calls:.1f} ns | {over:.1f} ns ({over * ticks_per_ns:.0f} cycles) |"
+    )
 
 
 def glibc_probed(r):
@@ -126,6 +130,7 @@ def main():
     args = ap.parse_args()
     sim = replay.simulator_path()
     with tempfile.TemporaryDirectory() as tmp:
+
         def save(name, data):
             p = os.path.join(tmp, name)
             with open(p, "wb") as f:
@@ -135,13 +140,17 @@ def main():
         one = save("one.wl", churn(args.calls, 1))
         many = save("many.wl", churn(args.calls, args.threads))
         r1 = run(sim, one, "--no-fill", repeat=args.repeat)
-        print(f"timer: {r1['timer']} (empty timed region: {r1['timer_overhead']} {r1['unit']}, counted as "
-              f"simulator overhead below); {os.cpu_count()} CPUs; median of {args.repeat}\n")
+        print(
+            f"timer: {r1['timer']} (empty timed region: {r1['timer_overhead']} {r1['unit']}, counted as "
+            f"simulator overhead below); {os.cpu_count()} CPUs; median of {args.repeat}\n"
+        )
         print("| workload | calls | replayed calls/s (wall) | allocator time/call | simulator overhead/call |")
         print("|---|---|---|---|---|")
         if glibc_probed(r1):
-            print("WARNING: glibc malloc takes > 2000 cycles: libc is being uprobed by a tracer right now; "
-                  "glibc rows measure the probes\n")
+            print(
+                "WARNING: glibc malloc takes > 2000 cycles: libc is being uprobed by a tracer right now; "
+                "glibc rows measure the probes\n"
+            )
         print(overhead_row("churn, 1 thread, glibc", r1))
         print(overhead_row("churn, 1 thread, glibc, with 0x11/0x22 fill", run(sim, one, repeat=args.repeat)))
         print(overhead_row(f"churn, {args.threads} threads, glibc", run(sim, many, "--no-fill", repeat=args.repeat)))
@@ -160,15 +169,21 @@ def main():
         st_, n_st = stream(args.handoffs)
         so, n_so = sync_only(args.handoffs)
         pp, st_, so = save("pp.wl", pp), save("st.wl", st_), save("so.wl", so)
-        print("\n| handoff pattern | handoffs | futex words: wall/handoff | mutex+condvar: wall/handoff | futex sleeps | mutex waits |")
+        print(
+            "\n| handoff pattern | handoffs | futex words: wall/handoff | mutex+condvar: wall/handoff | futex sleeps | mutex waits |"
+        )
         print("|---|---|---|---|---|---|")
-        for label, path, n in (("sync write+read, no waiting (1 thread)", so, n_so),
-                               ("ping-pong (every handoff waits)", pp, n_pp),
-                               ("producer/consumer stream", st_, n_st)):
+        for label, path, n in (
+            ("sync write+read, no waiting (1 thread)", so, n_so),
+            ("ping-pong (every handoff waits)", pp, n_pp),
+            ("producer/consumer stream", st_, n_st),
+        ):
             f = run(sim, path, "--no-fill", "--sync", "futex", repeat=args.repeat)
             m = run(sim, path, "--no-fill", "--sync", "mutex", repeat=args.repeat)
-            print(f"| {label} | {n:,} | {f['wall_us'] * 1000 / n:.0f} ns | {m['wall_us'] * 1000 / n:.0f} ns | "
-                  f"{f['sync_sleeps']:,} | {m['sync_waits']:,} |")
+            print(
+                f"| {label} | {n:,} | {f['wall_us'] * 1000 / n:.0f} ns | {m['wall_us'] * 1000 / n:.0f} ns | "
+                f"{f['sync_sleeps']:,} | {m['sync_waits']:,} |"
+            )
 
 
 if __name__ == "__main__":

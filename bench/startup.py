@@ -16,6 +16,7 @@ and the exporter: until they exit after SIGINT), which the load does not inflate
 before/after table. Usage: sudo bench/startup.py [--rounds 5] [--before /path/to/old/tree]
                                                  [--commands top,record] [--markdown]
 """
+
 import argparse
 import itertools
 import os
@@ -59,7 +60,9 @@ def scrape(port, deadline):
     """Seconds until GET /metrics is answered with metrics (the exporter binds before it attaches)."""
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=max(1.0, deadline - time.monotonic())) as r:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/metrics", timeout=max(1.0, deadline - time.monotonic())
+            ) as r:
                 if r.status == 200 and b"pymtrace_" in r.read():
                     return True
         except OSError:
@@ -73,8 +76,13 @@ def run_once(tree, name, target, tmp, timeout):
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "pymtrace", *argv], cwd=tree, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(tree)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pymtrace", *argv],
+        cwd=tree,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(tree)),
+    )
     deadline = start + timeout
     elapsed = None
     try:
@@ -136,8 +144,11 @@ def main():
                         res = run_once(versions[v], name, target.pid, tmp, args.timeout)
                         if res is not None:
                             results[(v, name)].append(res)
-                            print(f"round {r + 1} {name:10} {v:6} {res[0]:6.2f} s  cpu {res[1]:5.2f} s  "
-                                  f"load {res[2]:.1f}", file=sys.stderr)
+                            print(
+                                f"round {r + 1} {name:10} {v:6} {res[0]:6.2f} s  cpu {res[1]:5.2f} s  "
+                                f"load {res[2]:.1f}",
+                                file=sys.stderr,
+                            )
     finally:
         target.kill()
         target.wait()
@@ -155,9 +166,17 @@ def print_table(results, versions, names, markdown):
                 continue
             wall = [x[0] for x in res]
             loads = [x[2] for x in res]
-            rows.append([name, v, f"{min(wall):.2f}", f"{statistics.median(wall):.2f}",
-                         f"{statistics.median(x[1] for x in res):.2f}",
-                         f"{min(loads):.1f}-{max(loads):.1f}", str(len(res))])
+            rows.append(
+                [
+                    name,
+                    v,
+                    f"{min(wall):.2f}",
+                    f"{statistics.median(wall):.2f}",
+                    f"{statistics.median(x[1] for x in res):.2f}",
+                    f"{min(loads):.1f}-{max(loads):.1f}",
+                    str(len(res)),
+                ]
+            )
     if markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))

@@ -9,15 +9,13 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now_ns(void)
-{
+static double now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e9 + ts.tv_nsec;
 }
 
-int main(void)
-{
+int main(void) {
     long n, size;
     void *volatile sink;
     printf("ready %d\n", (int)getpid());
@@ -27,12 +25,11 @@ int main(void)
             long page = sysconf(_SC_PAGESIZE), chunk = 1024;
             double t0 = now_ns();
             for (long done = 0; done < n; done += chunk) {
-                char *p = mmap(NULL, chunk * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-                if (p == MAP_FAILED)
-                    return 1;
+                char *p =
+                    mmap(NULL, chunk * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+                if (p == MAP_FAILED) return 1;
                 madvise(p, chunk * page, MADV_NOHUGEPAGE);
-                for (long i = 0; i < chunk; i++)
-                    p[i * page] = 1;
+                for (long i = 0; i < chunk; i++) p[i * page] = 1;
                 munmap(p, chunk * page);
             }
             printf("%.1f\n", (now_ns() - t0) / n);

@@ -15,7 +15,7 @@
 #define PF_REGIONS 1
 #endif
 #ifndef PF_RINGBUF_PAGES
-#define PF_RINGBUF_PAGES 64   /* 256 KiB: ~10,000 new-granule records between two reads */
+#define PF_RINGBUF_PAGES 64 /* 256 KiB: ~10,000 new-granule records between two reads */
 #endif
 /* Wake-ups of the reader are rationed: a record wakes it (BPF_RB_FORCE_WAKEUP) only when
  * this CPU woke it no sooner than PF_WAKE_NS ago; other records go without (NO_WAKEUP) and
@@ -36,24 +36,19 @@ BPF_PERCPU_ARRAY(pf_lost, u64, PF_LOST_N);
 /* LRU maps are always preallocated: without regions, no PF_MAX_GRANULES entries to pay for. */
 BPF_TABLE("lru_hash", struct pf_key, struct pf_region, pf_regions, PF_MAX_GRANULES);
 BPF_RINGBUF_OUTPUT(pf_new, PF_RINGBUF_PAGES);
-BPF_PERCPU_ARRAY(pf_wake, u64, 1);  /* when this CPU last woke the pf_new reader */
+BPF_PERCPU_ARRAY(pf_wake, u64, 1); /* when this CPU last woke the pf_new reader */
 #endif
 
-static __always_inline void pf_lost_inc(int idx)
-{
+static __always_inline void pf_lost_inc(int idx) {
     u64 *v = pf_lost.lookup(&idx);
-    if (v)
-        (*v)++;
+    if (v) (*v)++;
 }
 
-static __always_inline void count_fault(u64 address, int kernel)
-{
+static __always_inline void count_fault(u64 address, int kernel) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    if (tgid == 0)
-        return;
+    if (tgid == 0) return;
 #if PF_FILTER
-    if (!pf_targets.lookup(&tgid))
-        return;
+    if (!pf_targets.lookup(&tgid)) return;
 #endif
     struct pf_totals *t = pf_totals.lookup(&tgid);
     if (!t) {
@@ -81,11 +76,10 @@ static __always_inline void count_fault(u64 address, int kernel)
         r->last_address = address;
     } else {
         struct pf_region init = {1, address};
-        if (pf_regions.insert(&key, &init) != 0) {   /* another CPU inserted it first */
+        if (pf_regions.insert(&key, &init) != 0) { /* another CPU inserted it first */
             r = pf_regions.lookup(&key);
-            if (r)
-                __sync_fetch_and_add(&r->count, 1);
-        } else {                                      /* a new granule: tell user space */
+            if (r) __sync_fetch_and_add(&r->count, 1);
+        } else { /* a new granule: tell user space */
             struct pf_new_granule ev = {};
             ev.tgid = tgid;
             ev.address = address;
@@ -101,31 +95,26 @@ static __always_inline void count_fault(u64 address, int kernel)
                 flags = BPF_RB_FORCE_WAKEUP;
             }
 #endif
-            if (pf_new.ringbuf_output(&ev, sizeof(ev), flags) != 0)
-                pf_lost_inc(PF_LOST_RINGBUF);
+            if (pf_new.ringbuf_output(&ev, sizeof(ev), flags) != 0) pf_lost_inc(PF_LOST_RINGBUF);
         }
     }
 #endif
 }
 
-TRACEPOINT_PROBE(exceptions, page_fault_user)
-{
+TRACEPOINT_PROBE(exceptions, page_fault_user) {
     count_fault(args->address, 0);
     return 0;
 }
 
-TRACEPOINT_PROBE(exceptions, page_fault_kernel)
-{
+TRACEPOINT_PROBE(exceptions, page_fault_kernel) {
     /* Only faults on user addresses (top bit clear) count toward a process. */
-    if ((s64)args->address < 0)
-        return 0;
+    if ((s64)args->address < 0) return 0;
     count_fault(args->address, 1);
     return 0;
 }
 
 /* exec: the process has a new name (a forked child faults before it execs). */
-TRACEPOINT_PROBE(sched, sched_process_exec)
-{
+TRACEPOINT_PROBE(sched, sched_process_exec) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     struct pf_totals *t = pf_totals.lookup(&tgid);
     if (t) {

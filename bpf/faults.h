@@ -1,5 +1,5 @@
 /* faults: page faults per process and per 64 KiB granule of its address space, from the
- * exceptions:page_fault_user/kernel tracepoints; shared with pymtrace/collect.py. */
+ * exceptions:page_fault_user/kernel tracepoints; shared with pymtrace/collect/collectors.py. */
 #ifndef PYMTRACE_FAULTS_H
 #define PYMTRACE_FAULTS_H
 
@@ -10,8 +10,8 @@
 /* Value of the per-CPU LRU hash `pf_totals` keyed by tgid (__u32): exact per-process counts
  * (unless the entry is evicted: more than PF_MAX_PROCS processes faulting). */
 struct pf_totals {
-    __u64 user;    /* faults raised in user mode */
-    __u64 kernel;  /* faults on user addresses raised in kernel mode (copy_to/from_user) */
+    __u64 user;   /* faults raised in user mode */
+    __u64 kernel; /* faults on user addresses raised in kernel mode (copy_to/from_user) */
     /* The process's name at the entry's creation and at exec, in the slot of the CPU that
      * wrote it (user space takes the latest comm_ns): an exited process keeps its name. */
     __u64 comm_ns;
@@ -22,12 +22,12 @@ struct pf_totals {
 struct pf_key {
     __u32 tgid;
     __u32 pad;
-    __u64 granule;  /* address >> PF_GRANULE_SHIFT */
+    __u64 granule; /* address >> PF_GRANULE_SHIFT */
 };
 
 struct pf_region {
     __u64 count;
-    __u64 last_address;  /* user space attributes the granule to the mapping holding this */
+    __u64 last_address; /* user space attributes the granule to the mapping holding this */
 };
 
 /* Record of the ring buffer `pf_new`: a (tgid, granule) key of pf_regions was created.
@@ -40,8 +40,8 @@ struct pf_new_granule {
     __u64 address;
 };
 
-#define PF_LOST_TOTALS_FULL 0  /* no pf_totals entry could be made (LRU: allocation failure) */
-#define PF_LOST_RINGBUF 1      /* pf_new record dropped: ring buffer full (region from snapshot time) */
-#define PF_LOST_N 2
+#define PF_LOST_TOTALS_FULL 0 /* no pf_totals entry could be made (LRU: allocation failure) */
+#define PF_LOST_RINGBUF     1 /* pf_new record dropped: ring buffer full (region from snapshot time) */
+#define PF_LOST_N           2
 
 #endif

@@ -1,7 +1,7 @@
 /* malloc_stats: count every public malloc-API call once per process, with requested,
  * allocated and freed chunk bytes and a log2 histogram of requested sizes.
  *
- * Attach points (see pymtrace/collect.py MallocCollector, which picks the sites):
+ * Attach points (see pymtrace/collect/collectors.py MallocCollector, which picks the sites):
  *   malloc, calloc            entry + return
  *   realloc                   entry + return (outer call)
  *   memalign (=aligned_alloc), posix_memalign, valloc, pvalloc   entry + return (outer)
@@ -26,10 +26,10 @@
 #endif
 
 /* LRU: when MS_MAX_PROCS processes are tracked, a new one evicts the least recently used
- * entry (user space notices the counters restart: pymtrace.collect, exporter.Aggregator)
+ * entry (user space notices the counters restart: pymtrace.collect.collectors, exporter.Aggregator)
  * instead of being dropped; entries of exited processes are deleted by user space. */
 BPF_TABLE("lru_percpu_hash", u32, struct ms_stats, ms_stats, MS_MAX_PROCS);
-BPF_PERCPU_ARRAY(ms_zero, struct ms_stats, 1);   /* never written: the zero value */
+BPF_PERCPU_ARRAY(ms_zero, struct ms_stats, 1); /* never written: the zero value */
 BPF_TABLE("lru_hash", u64, struct ms_outer, ms_outer, MS_MAX_THREADS);
 BPF_PERCPU_ARRAY(ms_lost, u64, MS_LOST_N);
 /* Outer calls in progress on all threads: while 0 (nearly always), malloc and free need not
@@ -37,28 +37,22 @@ BPF_PERCPU_ARRAY(ms_lost, u64, MS_LOST_N);
  * seen), which costs a lookup, never a wrong count. */
 BPF_ARRAY(ms_active, s64, 1);
 
-static __always_inline void ms_lost_inc(int idx)
-{
+static __always_inline void ms_lost_inc(int idx) {
     u64 *v = ms_lost.lookup(&idx);
-    if (v)
-        (*v)++;
+    if (v) (*v)++;
 }
 
-static __always_inline void set_comm(struct ms_stats *s)
-{
+static __always_inline void set_comm(struct ms_stats *s) {
     s->comm_ns = bpf_ktime_get_ns();
     bpf_get_current_comm(s->comm, sizeof(s->comm));
 }
 
-static __always_inline struct ms_stats *stats_for(u32 tgid)
-{
+static __always_inline struct ms_stats *stats_for(u32 tgid) {
     struct ms_stats *s = ms_stats.lookup(&tgid);
-    if (s)
-        return s;
+    if (s) return s;
     int zero = 0;
     struct ms_stats *z = ms_zero.lookup(&zero);
-    if (!z)
-        return 0;
+    if (!z) return 0;
     int made = ms_stats.insert(&tgid, z) == 0;
     s = ms_stats.lookup(&tgid);
     if (!s)
@@ -68,77 +62,80 @@ static __always_inline struct ms_stats *stats_for(u32 tgid)
     return s;
 }
 
-static __always_inline u32 bitlen(u64 v)
-{
+static __always_inline u32 bitlen(u64 v) {
     u32 n = 0;
-    if (v >> 32) { v >>= 32; n += 32; }
-    if (v >> 16) { v >>= 16; n += 16; }
-    if (v >> 8) { v >>= 8; n += 8; }
-    if (v >> 4) { v >>= 4; n += 4; }
-    if (v >> 2) { v >>= 2; n += 2; }
-    if (v >> 1) { v >>= 1; n += 1; }
+    if (v >> 32) {
+        v >>= 32;
+        n += 32;
+    }
+    if (v >> 16) {
+        v >>= 16;
+        n += 16;
+    }
+    if (v >> 8) {
+        v >>= 8;
+        n += 8;
+    }
+    if (v >> 4) {
+        v >>= 4;
+        n += 4;
+    }
+    if (v >> 2) {
+        v >>= 2;
+        n += 2;
+    }
+    if (v >> 1) {
+        v >>= 1;
+        n += 1;
+    }
     return n + (u32)v;
 }
 
-static __always_inline void count_call(struct ms_stats *s, u32 type, u64 size)
-{
-    if (type < MS_NCALLS)
-        s->calls[type]++;
+static __always_inline void count_call(struct ms_stats *s, u32 type, u64 size) {
+    if (type < MS_NCALLS) s->calls[type]++;
     s->requested_bytes += size;
     u32 b = bitlen(size);
-    if (b < MS_LOG2_BUCKETS)
-        s->size_log2[b]++;
+    if (b < MS_LOG2_BUCKETS) s->size_log2[b]++;
 }
 
 /* Chunk bytes of a block returned by / given to glibc: the size word before it, low 3
  * flag bits masked off. 0 if unreadable. */
-static __always_inline u64 chunk_bytes(u64 ptr)
-{
+static __always_inline u64 chunk_bytes(u64 ptr) {
     u64 hdr = 0;
-    if (ptr < 8 || bpf_probe_read_user(&hdr, sizeof(hdr), (void *)(ptr - 8)) != 0)
-        return 0;
+    if (ptr < 8 || bpf_probe_read_user(&hdr, sizeof(hdr), (void *)(ptr - 8)) != 0) return 0;
     return hdr & ~7ULL;
 }
 
-static __always_inline int inside_outer(void)
-{
+static __always_inline int inside_outer(void) {
     int zero = 0;
     s64 *active = ms_active.lookup(&zero);
-    if (active && *active <= 0)
-        return 0;
+    if (active && *active <= 0) return 0;
     u64 id = bpf_get_current_pid_tgid();
     return ms_outer.lookup(&id) != 0;
 }
 
-static __always_inline void add_active(s64 n)
-{
+static __always_inline void add_active(s64 n) {
     int zero = 0;
     s64 *active = ms_active.lookup(&zero);
-    if (active)
-        __sync_fetch_and_add(active, n);
+    if (active) __sync_fetch_and_add(active, n);
 }
 
 /* ---- malloc, calloc ------------------------------------------------------------ */
 
-int ms_malloc_entry(struct pt_regs *ctx)
-{
+int ms_malloc_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
-    if (inside_outer())
-        return 0;
+    if (inside_outer()) return 0;
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
-    if (s)
-        count_call(s, CALL_MALLOC, PT_REGS_PARM1(ctx));
+    if (s) count_call(s, CALL_MALLOC, PT_REGS_PARM1(ctx));
     return 0;
 }
 
-static __always_inline int alloc_return(struct pt_regs *ctx)
-{
+static __always_inline int alloc_return(struct pt_regs *ctx) {
     u64 ret = PT_REGS_RC(ctx);
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
-    if (!s)
-        return 0;
+    if (!s) return 0;
     if (ret)
         s->allocated_bytes += chunk_bytes(ret);
     else
@@ -146,29 +143,24 @@ static __always_inline int alloc_return(struct pt_regs *ctx)
     return 0;
 }
 
-int ms_malloc_return(struct pt_regs *ctx)
-{
+int ms_malloc_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
-    if (inside_outer())
-        return 0;
+    if (inside_outer()) return 0;
     return alloc_return(ctx);
 }
 
-int ms_calloc_entry(struct pt_regs *ctx)
-{
+int ms_calloc_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
-    if (s)
-        count_call(s, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx));
+    if (s) count_call(s, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx));
     return 0;
 }
 
-int ms_calloc_return(struct pt_regs *ctx)
-{
+int ms_calloc_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
@@ -180,16 +172,13 @@ int ms_calloc_return(struct pt_regs *ctx)
 /* Attached at free's first emulated instruction (`push %rbp`: the pointer is not NULL) and
  * at each early-exit branch target before it (free(NULL)'s `ret`); both see the argument
  * register unchanged. */
-int ms_free_entry(struct pt_regs *ctx)
-{
+int ms_free_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
-    if (inside_outer())
-        return 0;
+    if (inside_outer()) return 0;
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
-    if (!s)
-        return 0;
+    if (!s) return 0;
     u64 ptr = PT_REGS_PARM1(ctx);
     s->calls[CALL_FREE]++;
     if (ptr)
@@ -201,35 +190,31 @@ int ms_free_entry(struct pt_regs *ctx)
 
 /* ---- outer calls: realloc and the memalign family -------------------------------- */
 
-static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr)
-{
+static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr) {
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer o = {};
     o.type = type;
     o.requested = size;
     o.arg_ptr = arg_ptr;
-    if (type == CALL_REALLOC && arg_ptr)
-        o.old_chunk = chunk_bytes(arg_ptr);
+    if (type == CALL_REALLOC && arg_ptr) o.old_chunk = chunk_bytes(arg_ptr);
     int fresh = ms_outer.lookup(&id) == 0;
     if (ms_outer.update(&id, &o) != 0)
         ms_lost_inc(MS_LOST_OUTER_FULL);
     else if (fresh)
         add_active(1);
     struct ms_stats *s = stats_for(id >> 32);
-    if (s)
-        count_call(s, type, size);
+    if (s) count_call(s, type, size);
     return 0;
 }
 
-int ms_realloc_entry(struct pt_regs *ctx)
-{
+int ms_realloc_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
     return outer_entry(ctx, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
 }
 
-int ms_memalign_entry(struct pt_regs *ctx)      /* memalign(align, size), aligned_alloc */
+int ms_memalign_entry(struct pt_regs *ctx) /* memalign(align, size), aligned_alloc */
 {
 #if MS_EMPTY
     return 0;
@@ -245,50 +230,43 @@ int ms_posix_memalign_entry(struct pt_regs *ctx) /* posix_memalign(&p, align, si
     return outer_entry(ctx, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx));
 }
 
-int ms_valloc_entry(struct pt_regs *ctx)
-{
+int ms_valloc_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
     return outer_entry(ctx, CALL_VALLOC, PT_REGS_PARM1(ctx), 0);
 }
 
-int ms_pvalloc_entry(struct pt_regs *ctx)
-{
+int ms_pvalloc_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
     return outer_entry(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0);
 }
 
-int ms_outer_return(struct pt_regs *ctx)
-{
+int ms_outer_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer *op = ms_outer.lookup(&id);
-    if (!op)
-        return 0;   /* attached while the call was running */
+    if (!op) return 0; /* attached while the call was running */
     struct ms_outer o = *op;
-    if (ms_outer.delete(&id) == 0)
-        add_active(-1);
+    if (ms_outer.delete(&id) == 0) add_active(-1);
     struct ms_stats *s = stats_for(id >> 32);
-    if (!s)
-        return 0;
+    if (!s) return 0;
     u64 ret = PT_REGS_RC(ctx);
     u64 block = ret;
     if (o.type == CALL_POSIX_MEMALIGN) {
         block = 0;
-        if ((u32)ret == 0 && o.arg_ptr)
-            bpf_probe_read_user(&block, sizeof(block), (void *)o.arg_ptr);
+        if ((u32)ret == 0 && o.arg_ptr) bpf_probe_read_user(&block, sizeof(block), (void *)o.arg_ptr);
     }
     if (o.type == CALL_REALLOC && o.arg_ptr) {
-        if (o.requested == 0) {          /* realloc(p, 0) frees p and returns NULL */
+        if (o.requested == 0) { /* realloc(p, 0) frees p and returns NULL */
             s->freed_bytes += o.old_chunk;
             return 0;
         }
-        if (!ret) {                      /* failed: the old block stays */
+        if (!ret) { /* failed: the old block stays */
             s->failed++;
             return 0;
         }
@@ -306,14 +284,12 @@ int ms_outer_return(struct pt_regs *ctx)
 /* Attached by user space to sched:sched_process_exec. Not TRACEPOINT_PROBE: its function
  * and argument struct are named after the tracepoint, and bpf/faults.bpf.c, compiled in the
  * same module by pymtrace top, has its own exec probe. The record is not read. */
-int ms_exec(void *ctx)
-{
+int ms_exec(void *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     struct ms_stats *s = ms_stats.lookup(&tgid);
-    if (s)
-        set_comm(s);
+    if (s) set_comm(s);
     return 0;
 }

@@ -1,5 +1,5 @@
 /* malloc_stats: per-process malloc-API counters, shared between malloc_stats.bpf.c and
- * pymtrace/collect.py (parsed by pymtrace/structs.py: fixed-width types only). */
+ * pymtrace/collect/collectors.py (parsed by pymtrace/bpf/structs.py: fixed-width types only). */
 #ifndef PYMTRACE_MALLOC_STATS_H
 #define PYMTRACE_MALLOC_STATS_H
 
@@ -7,8 +7,8 @@
 
 /* calls[] is indexed by the CALL_* numbers of common.h (1..8); index MS_FREE_NULL counts
  * free(NULL), which is ALSO counted in calls[CALL_FREE] (every free() call once). */
-#define MS_FREE_NULL 9
-#define MS_NCALLS 10
+#define MS_FREE_NULL    9
+#define MS_NCALLS       10
 /* size_log2[i] counts requests whose size has bit length i: [0] size 0, [1] size 1,
  * [2] 2..3, [3] 4..7, ..., [64] 2^63..2^64-1. */
 #define MS_LOG2_BUCKETS 65
@@ -16,10 +16,10 @@
 /* Value of the per-CPU LRU hash `ms_stats` keyed by tgid (__u32); user space sums the CPUs. */
 struct ms_stats {
     __u64 calls[MS_NCALLS];
-    __u64 requested_bytes;  /* sizes passed in (calloc: nmemb*size) */
-    __u64 allocated_bytes;  /* chunk sizes of returned blocks (header at ptr-8, & ~7) */
-    __u64 freed_bytes;      /* chunk sizes of freed blocks (free, realloc's old block) */
-    __u64 failed;           /* calls that returned NULL / an error (size > 0) */
+    __u64 requested_bytes; /* sizes passed in (calloc: nmemb*size) */
+    __u64 allocated_bytes; /* chunk sizes of returned blocks (header at ptr-8, & ~7) */
+    __u64 freed_bytes;     /* chunk sizes of freed blocks (free, realloc's old block) */
+    __u64 failed;          /* calls that returned NULL / an error (size > 0) */
     __u64 size_log2[MS_LOG2_BUCKETS];
     /* The process's name, written at the entry's creation and again at exec (sched_process_exec)
      * into the slot of the CPU that ran it; user space takes the slot with the latest
@@ -31,17 +31,18 @@ struct ms_stats {
 /* Per-thread state of an outer call (realloc, memalign family), keyed by pid_tgid.
  * While it exists, the malloc/free probes hit by glibc's internal calls are skipped. */
 struct ms_outer {
-    __u64 arg_ptr;    /* realloc: old pointer; posix_memalign: the memptr argument */
-    __u64 old_chunk;  /* realloc: chunk bytes of the old block */
+    __u64 arg_ptr;   /* realloc: old pointer; posix_memalign: the memptr argument */
+    __u64 old_chunk; /* realloc: chunk bytes of the old block */
     __u64 requested;
-    __u32 type;       /* CALL_* */
+    __u32 type; /* CALL_* */
     __u32 pad;
 };
 
 /* Indexes of the per-CPU array `ms_lost`. */
-#define MS_LOST_STATS_FULL 0   /* event dropped: no ms_stats entry could be made (LRU: only
-                                * when the kernel cannot allocate one; a full map evicts) */
-#define MS_LOST_OUTER_FULL 1   /* outer-call state not stored: nested calls may count twice */
-#define MS_LOST_N 2
+/* MS_LOST_STATS_FULL: event dropped, no ms_stats entry could be made (LRU: only when the kernel
+ * cannot allocate one; a full map evicts) */
+#define MS_LOST_STATS_FULL 0
+#define MS_LOST_OUTER_FULL 1 /* outer-call state not stored: nested calls may count twice */
+#define MS_LOST_N          2
 
 #endif

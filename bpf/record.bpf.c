@@ -34,8 +34,8 @@
 
 struct stash {
     u32 depth;
-    u32 type;   /* the call recorded */
-    u32 inner;  /* the glibc function actually probed (differs under an interposer) */
+    u32 type;  /* the call recorded */
+    u32 inner; /* the glibc function actually probed (differs under an interposer) */
     u32 pad;
     u64 a0;
     u64 a1;
@@ -46,7 +46,7 @@ struct stash {
 
 BPF_RINGBUF_OUTPUT(events, RB_PAGES);
 BPF_PERCPU_ARRAY(lost, u64, 1);
-BPF_PERCPU_ARRAY(retried, u64, 1);  /* reservations that failed once */
+BPF_PERCPU_ARRAY(retried, u64, 1); /* reservations that failed once */
 /* set by user space once every probe is attached: records start together for all functions
  * (a call missed because its entry probe was not attached yet cannot leave holes later) */
 BPF_ARRAY(enabled, u32, 1);
@@ -59,7 +59,7 @@ BPF_HASH(stash, u64, struct stash, STASH_ENTRIES);
 struct outer_call {
     u64 caller;
     u64 sp;
-    u32 type;  /* the interposer's call; glibc may see another (calloc -> malloc) */
+    u32 type; /* the interposer's call; glibc may see another (calloc -> malloc) */
     u32 pad;
     u64 a0;
     u64 a1;
@@ -70,76 +70,64 @@ BPF_HASH(outer, u64, struct outer_call, STASH_ENTRIES);
 #ifdef FOLLOW
 BPF_HASH(traced, u32, u32, 65536);
 
-TRACEPOINT_PROBE(sched, sched_process_fork)
-{
+TRACEPOINT_PROBE(sched, sched_process_fork) {
     u32 parent = bpf_get_current_pid_tgid() >> 32;
-    if (!traced.lookup(&parent))
-        return 0;
+    if (!traced.lookup(&parent)) return 0;
     u32 child = args->child_pid;
     u32 one = 1;
     traced.update(&child, &one);
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_process_exit)
-{
+TRACEPOINT_PROBE(sched, sched_process_exit) {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = id;
     u32 tgid = id >> 32;
-    if (tid != tgid)  /* a thread: its tid was only added because fork cannot tell */
+    if (tid != tgid) /* a thread: its tid was only added because fork cannot tell */
         traced.delete(&tid);
     stash.delete(&id);
     return 0;
 }
 
-static __always_inline int wanted(u32 tgid)
-{
+static __always_inline int wanted(u32 tgid) {
     return traced.lookup(&tgid) != 0;
 }
 #else
-static __always_inline int wanted(u32 tgid)
-{
+static __always_inline int wanted(u32 tgid) {
     return TARGET_TGID == 0 || tgid == TARGET_TGID;
 }
 #endif
 
-static __always_inline u64 chunk_size(u64 p)
-{
+static __always_inline u64 chunk_size(u64 p) {
     u64 h = 0;
-    if (!GLIBC_CHUNKS || p == 0)
-        return 0;
+    if (!GLIBC_CHUNKS || p == 0) return 0;
     bpf_probe_read_user(&h, sizeof(h), (void *)(p - 8));
     return h & ~7ULL;
 }
 
-static __always_inline struct record_event *reserve(void)
-{
+static __always_inline struct record_event *reserve(void) {
     int zero = 0;
     u32 *on = enabled.lookup(&zero);
-    if (!on || !*on)
-        return 0;
+    if (!on || !*on) return 0;
     struct record_event *e = events.ringbuf_reserve(sizeof(struct record_event));
     if (!e) {
         /* A full buffer (the consumer fell behind): one more try, counted, in case the
          * consumer just made room; then the event is counted as lost. */
         u64 *r = retried.lookup(&zero);
-        if (r)
-            *r += 1;
+        if (r) *r += 1;
 #pragma unroll
         for (int i = 0; i < RESERVE_RETRIES && !e; i++)
             e = events.ringbuf_reserve(sizeof(struct record_event));
     }
     if (!e) {
         u64 *n = lost.lookup(&zero);
-        if (n)
-            *n += 1;
+        if (n) *n += 1;
     }
     return e;
 }
 
-static __always_inline void fill(struct record_event *e, u64 id, u32 type, u64 ptr1, u64 ptr2,
-                                 u64 size, u64 size2, u64 size3, u64 caller)
-{
+static __always_inline void fill(struct record_event *e, u64 id, u32 type, u64 ptr1, u64 ptr2, u64 size,
+                                 u64 size2, u64 size3, u64 caller) {
     e->rec.thread = (u32)id;
     e->rec.type = type;
     e->rec.ptr1 = ptr1;
@@ -153,8 +141,7 @@ static __always_inline void fill(struct record_event *e, u64 id, u32 type, u64 p
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 }
 
-static __always_inline u64 caller_of(struct pt_regs *ctx)
-{
+static __always_inline u64 caller_of(struct pt_regs *ctx) {
     u64 ra = 0;
     bpf_probe_read_user(&ra, sizeof(ra), (void *)PT_REGS_SP(ctx));
     return ra;
@@ -162,25 +149,20 @@ static __always_inline u64 caller_of(struct pt_regs *ctx)
 
 /* The interposer's caller if this outermost glibc call was made by it (our stack is at
  * most 16 KiB below its entry); consumed once. */
-static __always_inline int outer_call(u64 id, struct pt_regs *ctx, struct outer_call *out)
-{
+static __always_inline int outer_call(u64 id, struct pt_regs *ctx, struct outer_call *out) {
     struct outer_call *o = outer.lookup(&id);
-    if (!o || !o->caller)
-        return 0;
+    if (!o || !o->caller) return 0;
     u64 sp = PT_REGS_SP(ctx);
     __builtin_memcpy(out, o, sizeof(*out));
     o->caller = 0;
     return sp < out->sp && out->sp - sp < 16384;
 }
 
-static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2)
-{
+static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!wanted(id >> 32))
-        return 0;
+    if (!wanted(id >> 32)) return 0;
     struct stash *s = stash.lookup(&id);
-    if (s && s->depth)
-        return 0;
+    if (s && s->depth) return 0;
     struct outer_call o = {};
     o.caller = caller_of(ctx);
     o.sp = PT_REGS_SP(ctx);
@@ -192,8 +174,10 @@ static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 a0, u6
     return 0;
 }
 
-#define OUTER(name, TYPE, A0, A1, A2) \
-    int enter_outer_##name(struct pt_regs *ctx) { return outer_entry(ctx, TYPE, A0, A1, A2); }
+#define OUTER(name, TYPE, A0, A1, A2)                                                                        \
+    int enter_outer_##name(struct pt_regs *ctx) {                                                            \
+        return outer_entry(ctx, TYPE, A0, A1, A2);                                                           \
+    }
 OUTER(malloc, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
 OUTER(calloc, CALL_CALLOC, PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx), 0, 0)
 OUTER(realloc, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
@@ -203,11 +187,9 @@ OUTER(valloc, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
 OUTER(pvalloc, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
 OUTER(free, CALL_FREE, PT_REGS_PARM1(ctx), 0, 0)
 
-static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2)
-{
+static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!wanted(id >> 32))
-        return 0;
+    if (!wanted(id >> 32)) return 0;
     struct stash *s = stash.lookup(&id);
     if (s && s->depth) {
         s->depth++;
@@ -221,107 +203,95 @@ static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, 
     n.a1 = a1;
     n.a2 = a2;
     struct outer_call o;
-    if (outer_call(id, ctx, &o)) {  /* made by the interposer: record the program's call */
+    if (outer_call(id, ctx, &o)) { /* made by the interposer: record the program's call */
         n.caller = o.caller;
         n.type = o.type;
         n.a0 = o.a0;
         n.a1 = o.a1;
         n.a2 = o.a2;
-    }  /* else n.caller stays 0: the return address, taken at return */
-    if (n.type == CALL_REALLOC)
-        n.old_size = chunk_size(n.a0);
+    } /* else n.caller stays 0: the return address, taken at return */
+    if (n.type == CALL_REALLOC) n.old_size = chunk_size(n.a0);
     stash.update(&id, &n);
     return 0;
 }
 
-int enter_malloc(struct pt_regs *ctx) { return enter(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0); }
+int enter_malloc(struct pt_regs *ctx) {
+    return enter(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0);
+}
 
 #ifdef NOTE_BASES
 /* --format mtrace-text: the load address of each probed library in each process, taken
  * from the probe address (the process may be gone before /proc/PID/maps is read). */
 BPF_HASH(bases, u64, u64, 4096);
 
-static __always_inline void note_base(struct pt_regs *ctx, u64 lib, u64 site)
-{
+static __always_inline void note_base(struct pt_regs *ctx, u64 lib, u64 site) {
     u64 key = (bpf_get_current_pid_tgid() & ~0xffffffffULL) | lib;
     if (!bases.lookup(&key) && wanted(key >> 32)) {
         u64 base = PT_REGS_IP(ctx) - site;
         bases.update(&key, &base);
     }
 }
-#ifdef MALLOC_SITE_0  /* glibc */
-int enter_malloc_0(struct pt_regs *ctx)
-{
+#ifdef MALLOC_SITE_0 /* glibc */
+int enter_malloc_0(struct pt_regs *ctx) {
     note_base(ctx, 0, MALLOC_SITE_0);
     return enter(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0);
 }
 #endif
-#ifdef MALLOC_SITE_1  /* the interposer */
-int enter_malloc_1(struct pt_regs *ctx)
-{
+#ifdef MALLOC_SITE_1 /* the interposer */
+int enter_malloc_1(struct pt_regs *ctx) {
     note_base(ctx, 1, MALLOC_SITE_1);
     return outer_entry(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0);
 }
 #endif
 #endif
-int enter_calloc(struct pt_regs *ctx)
-{
+int enter_calloc(struct pt_regs *ctx) {
     return enter(ctx, CALL_CALLOC, PT_REGS_PARM1(ctx) * PT_REGS_PARM2(ctx), 0, 0);
 }
-int enter_realloc(struct pt_regs *ctx)
-{
+int enter_realloc(struct pt_regs *ctx) {
     return enter(ctx, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0);
 }
-int enter_memalign(struct pt_regs *ctx)
-{
+int enter_memalign(struct pt_regs *ctx) {
     return enter(ctx, CALL_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0);
 }
-int enter_posix_memalign(struct pt_regs *ctx)
-{
+int enter_posix_memalign(struct pt_regs *ctx) {
     return enter(ctx, CALL_POSIX_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx));
 }
-int enter_valloc(struct pt_regs *ctx) { return enter(ctx, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0); }
-int enter_pvalloc(struct pt_regs *ctx) { return enter(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0); }
+int enter_valloc(struct pt_regs *ctx) {
+    return enter(ctx, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0);
+}
+int enter_pvalloc(struct pt_regs *ctx) {
+    return enter(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0);
+}
 
 /* free in the innermost allocator (glibc): no return probe, recorded at entry unless nested.
  * FREE_SKIP1/2: (return address - probe address) of glibc's own calls to free in
  * tcache_thread_shutdown, which hands blocks the program already freed (sitting in the
  * thread cache) back to the arena at thread exit: not API calls, and they would read as
  * double frees. */
-int enter_free(struct pt_regs *ctx)
-{
+int enter_free(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!wanted(id >> 32))
-        return 0;
+    if (!wanted(id >> 32)) return 0;
     struct stash *s = stash.lookup(&id);
-    if (s && s->depth)
-        return 0;
+    if (s && s->depth) return 0;
     u64 p = PT_REGS_PARM1(ctx);
-    u64 caller = caller_of(ctx);  /* free has no return probe: [sp] is the return address */
+    u64 caller = caller_of(ctx); /* free has no return probe: [sp] is the return address */
 #ifdef FREE_SKIP1
     u64 delta = caller - PT_REGS_IP(ctx);
-    if (delta == FREE_SKIP1 || delta == FREE_SKIP2)
-        return 0;
+    if (delta == FREE_SKIP1 || delta == FREE_SKIP2) return 0;
 #endif
     struct outer_call o;
-    if (outer_call(id, ctx, &o))
-        caller = o.caller;
+    if (outer_call(id, ctx, &o)) caller = o.caller;
     struct record_event *e = reserve();
-    if (e)
-        fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller);
+    if (e) fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller);
     return 0;
 }
 
-int leave(struct pt_regs *ctx)
-{
+int leave(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!wanted(id >> 32))
-        return 0;
+    if (!wanted(id >> 32)) return 0;
     struct stash *s = stash.lookup(&id);
-    if (!s || !s->depth)
-        return 0;  /* entry not seen (attached mid-call) */
-    if (--s->depth)
-        return 0;  /* nested call */
+    if (!s || !s->depth) return 0; /* entry not seen (attached mid-call) */
+    if (--s->depth) return 0;      /* nested call */
     u32 type = s->type;
     u64 rc = PT_REGS_RC(ctx);
     u64 ptr1 = 0, ptr2 = rc, size = 0, size2 = 0;
@@ -345,14 +315,13 @@ int leave(struct pt_regs *ctx)
         size2 = s->a0;
         break;
     case CALL_POSIX_MEMALIGN:
-        if (s->inner != CALL_POSIX_MEMALIGN) {  /* interposer -> glibc memalign: rc not visible */
+        if (s->inner != CALL_POSIX_MEMALIGN) { /* interposer -> glibc memalign: rc not visible */
             ptr1 = rc ? 0 : 12 /* ENOMEM */;
             ptr2 = rc;
         } else {
             ptr1 = (u32)rc;
             ptr2 = 0;
-            if ((u32)rc == 0 && s->a0)
-                bpf_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
+            if ((u32)rc == 0 && s->a0) bpf_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
         }
         size = s->a2;
         size2 = s->a1;
@@ -364,7 +333,6 @@ int leave(struct pt_regs *ctx)
      * probe may sit after the return address was redirected to the uretprobe trampoline) */
     u64 caller = s->caller ? s->caller : PT_REGS_IP(ctx);
     struct record_event *e = reserve();
-    if (e)
-        fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller);
+    if (e) fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller);
     return 0;
 }

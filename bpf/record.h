@@ -1,13 +1,13 @@
 /* pymtrace record: one dj/malloc binary-trace record per malloc-API call (docs/formats.md, section 1).
- * Shared with user space through pymtrace/structs.py: fixed-width fields only. */
+ * Shared with user space through pymtrace/bpf/structs.py: fixed-width fields only. */
 #ifndef PYMTRACE_RECORD_H
 #define PYMTRACE_RECORD_H
 
 #include "common.h"
 
 #define CALL_UNUSED 0
-#define CALL_MAGIC 255
-#define MAGIC_PTR 0x1234
+#define CALL_MAGIC  255
+#define MAGIC_PTR   0x1234
 #define RECORD_SIZE 64
 
 /* The exact 64-byte on-disk record of glibc's dj/malloc tracer (x86-64, little endian).

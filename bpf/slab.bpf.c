@@ -1,6 +1,6 @@
 /* slab: allocations/frees per kmem cache name, from tracepoints only (no kprobes).
  * Defines: SLAB_MAX_CACHES; SLAB_ALLOC_BY_NAME, SLAB_FREE_BY_NAME (1: the tracepoint has
- * the `name` field; pymtrace.kfeatures.slab_source() reads that from the kernel's format
+ * the `name` field; pymtrace.bpf.kfeatures.slab_source() reads that from the kernel's format
  * files). Cache names come from the tracepoints' __data_loc `name` field; merged caches
  * (see /sys/kernel/slab/NAME -> :A-...) report the name of the cache they were merged
  * into, as the kernel does. Without `name` in kmem_cache_alloc (e.g. Linux 6.1), an
@@ -23,25 +23,21 @@
 BPF_TABLE("lru_percpu_hash", struct slab_key, struct slab_stats, slab_stats, SLAB_MAX_CACHES);
 BPF_PERCPU_ARRAY(slab_lost, u64, SLAB_LOST_N);
 
-static __always_inline struct slab_stats *slab_for(struct slab_key *key)
-{
+static __always_inline struct slab_stats *slab_for(struct slab_key *key) {
     struct slab_stats *s = slab_stats.lookup(key);
-    if (s)
-        return s;
+    if (s) return s;
     struct slab_stats zero = {};
     slab_stats.insert(key, &zero);
     s = slab_stats.lookup(key);
     if (!s) {
         int idx = SLAB_LOST_FULL;
         u64 *v = slab_lost.lookup(&idx);
-        if (v)
-            (*v)++;
+        if (v) (*v)++;
     }
     return s;
 }
 
-TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
-{
+TRACEPOINT_PROBE(kmem, kmem_cache_alloc) {
     struct slab_key key = {};
 #if SLAB_ALLOC_BY_NAME
     TP_DATA_LOC_READ_STR(&key.name, name, sizeof(key.name));
@@ -58,13 +54,11 @@ TRACEPOINT_PROBE(kmem, kmem_cache_alloc)
 }
 
 #if SLAB_FREE_BY_NAME
-TRACEPOINT_PROBE(kmem, kmem_cache_free)
-{
+TRACEPOINT_PROBE(kmem, kmem_cache_free) {
     struct slab_key key = {};
     TP_DATA_LOC_READ_STR(&key.name, name, sizeof(key.name));
     struct slab_stats *s = slab_for(&key);
-    if (s)
-        s->frees++;
+    if (s) s->frees++;
     return 0;
 }
 #endif

@@ -11,6 +11,7 @@ if getattr(sys.modules.get("pymtrace"), "__file__", None) is None:
     saved = list(sys.path)
     sys.path[:] = [p for p in saved if os.path.abspath(os.path.join(p or ".", "pymtrace")) not in shadows]
     import pymtrace  # noqa: F401,E402
+
     sys.path[:] = saved
 
 from pymtrace.cli import main  # noqa: E402

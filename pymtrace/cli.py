@@ -5,28 +5,28 @@ the parser's description and epilog are set from the module's HELP/EPILOG) and
 `run(args) -> int`. Modules are imported only when their command runs, so `--help`
 and light commands stay fast and do not import BCC.
 """
+
 import argparse
-import contextlib
 import importlib
 import signal
 import sys
 
-from pymtrace import __version__
+from pymtrace import __version__, stopping
 from pymtrace.errors import PymtraceError
 
 # name -> (module, one-line summary)
 COMMANDS = {
-    "doctor": ("pymtrace.doctor", "check that this machine can run pymtrace, with a fix for each problem"),
-    "top": ("pymtrace.top", "live full-screen view of malloc, slab, page-fault and glibc arena activity"),
-    "record": ("pymtrace.record", "record every malloc-API call of a process into an mtrace-format file"),
-    "dump": ("pymtrace.dump", "decode a recorded trace (like upstream trace_dump) with per-type statistics"),
-    "convert": ("pymtrace.convert", "convert a trace between mtrace-bin and mtrace-text"),
-    "workload": ("pymtrace.workload", "convert a trace into a .wl replay workload"),
-    "replay": ("pymtrace.replay", "replay a workload against allocators and tunables and compare them"),
-    "exporter": ("pymtrace.exporter", "serve the live metrics to Prometheus"),
-    "probes": ("pymtrace.probes", "stream glibc's malloc USDT probe events, one line each"),
-    "run": ("pymtrace.summary", "run a command and report glibc allocator internals at its exit"),
-    "summary": ("pymtrace.summary", "attach to a process and report glibc allocator internals on Ctrl-C"),
+    "doctor": ("pymtrace.commands.doctor", "check that this machine can run pymtrace, with a fix for each problem"),
+    "top": ("pymtrace.commands.top", "live full-screen view of malloc, slab, page-fault and glibc arena activity"),
+    "record": ("pymtrace.commands.record", "record every malloc-API call of a process into an mtrace-format file"),
+    "dump": ("pymtrace.commands.dump", "decode a recorded trace (like upstream trace_dump) with per-type statistics"),
+    "convert": ("pymtrace.commands.convert", "convert a trace between mtrace-bin and mtrace-text"),
+    "workload": ("pymtrace.trace.workload", "convert a trace into a .wl replay workload"),
+    "replay": ("pymtrace.replay.runner", "replay a workload against allocators and tunables and compare them"),
+    "exporter": ("pymtrace.commands.exporter", "serve the live metrics to Prometheus"),
+    "probes": ("pymtrace.commands.probes", "stream glibc's malloc USDT probe events, one line each"),
+    "run": ("pymtrace.commands.summary", "run a command and report glibc allocator internals at its exit"),
+    "summary": ("pymtrace.commands.summary", "attach to a process and report glibc allocator internals on Ctrl-C"),
 }
 
 
@@ -38,7 +38,7 @@ def build_parser():
     )
     parser.add_argument("--version", action="version", version=f"pymtrace {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, summary) in COMMANDS.items():
+    for name, (_module, summary) in COMMANDS.items():
         sub.add_parser(name, help=summary, add_help=False)
     return parser
 
@@ -60,14 +60,9 @@ def _main(argv):
     # SIGINT stops every command like Ctrl-C, even when a non-interactive shell started
     # pymtrace in the background (`pymtrace record ... & kill -INT $!`): such a shell starts
     # the job with SIGINT ignored, and Python keeps an ignored SIGINT ignored. A command
-    # launched by pymtrace gets back the disposition pymtrace inherited (pymtrace.launch).
+    # launched by pymtrace gets back the disposition pymtrace inherited (pymtrace.target.launch, pymtrace.stopping).
     # SIGTERM does the same, so every command's cleanup path (flush, detach) runs for both.
-    global INHERITED_SIGINT, _stopping
-    _stopping = False
-    previous = signal.signal(signal.SIGINT, _stop)
-    if INHERITED_SIGINT is None:
-        INHERITED_SIGINT = previous
-    signal.signal(signal.SIGTERM, _stop)
+    stopping.install()
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])  # prints help or the "invalid choice" error
@@ -97,60 +92,6 @@ def _main(argv):
         # Commands that trace clean up in their own finally blocks; one that was simply
         # interrupted (a long dump, a conversion) ends quietly, as shells expect.
         return 130
-
-
-# SIGINT's disposition when pymtrace started (signal.SIG_IGN in a background job of a script)
-INHERITED_SIGINT = None
-_stopping = False
-
-
-def _stop(signum, frame):
-    """The first SIGINT/SIGTERM raises KeyboardInterrupt: the command stops as on Ctrl-C.
-    Later ones are ignored: the command is already stopping (a bounded drain, flushing
-    files, detaching probes), and interrupting that would leave its work half done (and
-    BCC's exit handlers printing tracebacks). SIGKILL still ends it at once; the kernel
-    then removes the probes."""
-    global _stopping, _deferred
-    if _stopping:
-        return
-    if _deferring:
-        _deferred = True
-        return
-    _stopping = True
-    raise KeyboardInterrupt
-
-
-_deferring = False
-_deferred = False
-
-
-@contextlib.contextmanager
-def stop_deferred():
-    """A stop signal arriving inside the block takes effect at its end. Blocking the signals
-    (pthread_sigmask) is not enough: Python runs a handler at a bytecode boundary after the
-    C-level signal, so one that arrived just before the block would still raise in it (a
-    batch of records written but not counted)."""
-    global _deferring, _deferred
-    _deferring = True
-    try:
-        yield
-    finally:
-        _deferring = False
-    if _deferred:  # the block ended normally: stop now, as the signal asked
-        _deferred = False
-        _stop(signal.SIGINT, None)
-
-
-def stopping():
-    """Whether a stop signal (SIGINT/SIGTERM) has arrived (or begin_stopping was called)."""
-    return _stopping
-
-
-def begin_stopping():
-    """A command stops by itself (--duration, its target exited): SIGINT/SIGTERM arriving
-    from now on are ignored like a second one, so they cannot cut its clean-up short."""
-    global _stopping
-    _stopping = True
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 BPF tests carry `@pytest.mark.bpf` (or use the `bpf_ok` fixture). Without root/BPF/BCC
 they skip with the reason -- except under PYMTRACE_REQUIRE_BPF=1 (CI), where they fail.
 """
+
 import contextlib
 import functools
 import os
@@ -15,7 +16,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKLOADS = ROOT / "tests" / "workloads"
+WORKLOADS = ROOT / "tests" / "support" / "workloads"
 REQUIRE_BPF = os.environ.get("PYMTRACE_REQUIRE_BPF") == "1"
 PYMTRACE = [sys.executable, "-m", "pymtrace"]
 
@@ -38,7 +39,7 @@ def bpf_problem():
         return "BCC's Python module (python3-bpfcc) is not importable"
     if not hasattr(bcc, "BPF"):
         return "the `bcc` module is the unrelated PyPI package"
-    from pymtrace import bpfload
+    from pymtrace.bpf import load as bpfload
 
     try:
         bpfload.ensure_tracefs()
@@ -70,7 +71,7 @@ def _sdt_libc_dir():
     Found by inspecting ELF notes, never by distro name: the system libc if it carries the
     malloc probes (Fedora, Ubuntu, ...), else ../shared/glibc-sdt, else $PYMTRACE_SDT_LIBC_DIR.
     """
-    from pymtrace import libc
+    from pymtrace.target import libc
 
     candidates = [os.environ.get("PYMTRACE_SDT_LIBC_DIR"), str(ROOT.parent / "shared" / "glibc-sdt")]
     system = libc.system_libc()
@@ -88,7 +89,7 @@ def sdt_libc():
     d = _sdt_libc_dir()
     if d is None:
         missing_or_fail("no glibc with malloc USDT probes (system libc has none, ../shared/glibc-sdt absent)")
-    from pymtrace import libc
+    from pymtrace.target import libc
 
     if d == "system":
         return [], libc.system_libc()
@@ -102,7 +103,7 @@ def build_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def cbuild(build_dir):
-    """cbuild("name", *extra_flags) compiles tests/workloads/name.c and returns the binary path.
+    """cbuild("name", *extra_flags) compiles tests/support/workloads/name.c and returns the binary path.
 
     -fno-builtin keeps gcc from eliding malloc/free pairs; frame pointers keep stacks usable.
     """
@@ -113,8 +114,20 @@ def cbuild(build_dir):
     def build(name, *flags):
         src = WORKLOADS / f"{name}.c"
         out = build_dir / (name + ("-" + "-".join(f.strip("-").replace("=", "_") for f in flags) if flags else ""))
-        cmd = ["gcc", "-O1", "-g", "-fno-builtin", "-fno-omit-frame-pointer", "-pthread",
-               "-I", str(WORKLOADS), "-o", str(out), str(src), *flags]
+        cmd = [
+            "gcc",
+            "-O1",
+            "-g",
+            "-fno-builtin",
+            "-fno-omit-frame-pointer",
+            "-pthread",
+            "-I",
+            str(WORKLOADS),
+            "-o",
+            str(out),
+            str(src),
+            *flags,
+        ]
         subprocess.run(cmd, check=True)
         return str(out)
 
@@ -151,9 +164,15 @@ def script_background(*args, env=None):
     import shlex
 
     line = " ".join(shlex.quote(str(a)) for a in PYMTRACE + list(args))
-    shell = subprocess.Popen(["bash", "-c", f"{line} & echo $!; wait $!; echo rc=$?"], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    shell = subprocess.Popen(
+        ["bash", "-c", f"{line} & echo $!; wait $!; echo rc=$?"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     pid = int(shell.stdout.readline())
     try:
         yield shell, pid
@@ -190,23 +209,38 @@ def uprobes_of(pid):
     source ("perf" or "tracefs"), file, offset, prog_id (None for tracefs), line (tracefs)."""
     import re
 
-    from pymtrace import bpfload
+    from pymtrace.bpf import load as bpfload
 
-    probes = [{"source": "perf", "file": e.get("filename"), "offset": e.get("offset"),
-               "prog_id": e.get("prog_id"), "line": None}
-              for e in bpftool_perf_list()
-              if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")]
+    probes = [
+        {
+            "source": "perf",
+            "file": e.get("filename"),
+            "offset": e.get("offset"),
+            "prog_id": e.get("prog_id"),
+            "line": None,
+        }
+        for e in bpftool_perf_list()
+        if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")
+    ]
     for line in bpfload.own_uprobe_events(pid):
         m = re.search(r" (\S+):0x([0-9a-fA-F]+)", line)
-        probes.append({"source": "tracefs", "file": m.group(1) if m else None,
-                       "offset": int(m.group(2), 16) if m else None, "prog_id": None, "line": line.strip()})
+        probes.append(
+            {
+                "source": "tracefs",
+                "file": m.group(1) if m else None,
+                "offset": int(m.group(2), 16) if m else None,
+                "prog_id": None,
+                "line": line.strip(),
+            }
+        )
     return probes
 
 
 def bpf_prog_exists(prog_id):
     """Whether BPF program PROG_ID still exists (IDs are not reused soon: allocated cyclically)."""
-    proc = subprocess.run(["bpftool", "-j", "prog", "show", "id", str(prog_id)], capture_output=True, text=True,
-                          timeout=30)
+    proc = subprocess.run(
+        ["bpftool", "-j", "prog", "show", "id", str(prog_id)], capture_output=True, text=True, timeout=30
+    )
     return proc.returncode == 0
 
 
@@ -243,8 +277,9 @@ class ProbeWatch:
             probes = self.sample()
             if len(probes) >= minimum:
                 return probes
-            assert running() and time.monotonic() < deadline, \
+            assert running() and time.monotonic() < deadline, (
                 f"process {self.pid} never held {minimum} uprobe(s) (held {probes})"
+            )
             time.sleep(0.1)
 
     def follow(self, proc):
@@ -270,7 +305,7 @@ class ProbeWatch:
         allow TIMEOUT seconds)."""
         import time
 
-        from pymtrace import bpfload
+        from pymtrace.bpf import load as bpfload
 
         if self._thread is not None:
             self._thread.join(timeout=60)

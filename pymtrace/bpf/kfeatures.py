@@ -1,0 +1,137 @@
+"""What this kernel offers pymtrace, read from the kernel itself, never from a version number.
+
+    tracepoint_fields("kmem", "kmem_cache_alloc")  -> {"call_site": "unsigned long", ...} or None
+    slab_source()     -> SlabSource: how the slab view identifies caches on this kernel
+    has_btf(), uretprobe_syscall()
+
+Tracepoint fields come from /sys/kernel/tracing/events/SYSTEM/NAME/format. For TESTS ONLY,
+PYMTRACE_FAKE_TP_FORMAT_DIR=DIR makes DIR/SYSTEM/NAME/format stand in for the kernel's file
+when the directory DIR/SYSTEM/NAME exists (without a format file in it: no such tracepoint),
+so that a kernel without a field or a tracepoint can be emulated (e.g. Linux 6.1's
+kmem_cache_alloc, which has no `name`); BPF programs are still compiled and attached against
+the real kernel, so the emulated format must be a subset of the real one.
+"""
+
+import os
+import typing
+
+from pymtrace.errors import PymtraceError
+
+TRACEFS = "/sys/kernel/tracing"
+FAKE_FORMAT_ENV = "PYMTRACE_FAKE_TP_FORMAT_DIR"
+SLABINFO = "/proc/slabinfo"
+
+
+def tracepoint_format_path(system, name):
+    fake = os.environ.get(FAKE_FORMAT_ENV)
+    if fake and os.path.isdir(os.path.join(fake, system, name)):
+        return os.path.join(fake, system, name, "format")  # none there: no such tracepoint
+    return os.path.join(TRACEFS, "events", system, name, "format")
+
+
+def parse_format(text):
+    """{field name: C type} of a tracepoint format file's own fields (common_* left out)."""
+    fields = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("field:"):
+            continue
+        decl = line[len("field:") :].split(";", 1)[0].split()
+        if not decl:
+            continue
+        last = decl[-1]
+        fname, _, dims = last.partition("[")
+        ftype = " ".join(decl[:-1]) + (f"[{dims}" if dims else "")
+        if fname and not fname.startswith("common_"):
+            fields[fname] = ftype
+    return fields
+
+
+def tracepoint_fields(system, name):
+    """The tracepoint's fields, or None when this kernel has no such tracepoint (or tracefs
+    cannot be read: not root, not mounted)."""
+    try:
+        with open(tracepoint_format_path(system, name)) as f:
+            return parse_format(f.read())
+    except OSError:
+        return None
+
+
+def has_btf():
+    return os.path.exists("/sys/kernel/btf/vmlinux")
+
+
+def uretprobe_syscall():
+    """True when the kernel has the uretprobe syscall (uretprobes return through one syscall
+    instead of a trap), False when not, None when /proc/kallsyms cannot be read."""
+    try:
+        with open("/proc/kallsyms") as f:
+            return any(line.rstrip().endswith("sys_uretprobe") for line in f)
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------- slab caches
+
+SLAB_BY_NAME = "tracepoint name"
+SLAB_BY_SIZE = "object size via /proc/slabinfo"
+
+
+class SlabSource(typing.NamedTuple):
+    source: str  # SLAB_BY_NAME or SLAB_BY_SIZE
+    frees: bool  # kmem_cache_free can be attributed to a cache (it has `name`)
+    detail: str  # one sentence for the view and doctor
+
+    def defines(self):
+        """-D switches of bpf/slab.bpf.c."""
+        return {"SLAB_ALLOC_BY_NAME": int(self.source == SLAB_BY_NAME), "SLAB_FREE_BY_NAME": int(self.frees)}
+
+
+def slab_source():
+    """How the slab program can identify caches here; PymtraceError when it cannot at all."""
+    alloc = tracepoint_fields("kmem", "kmem_cache_alloc")
+    free = tracepoint_fields("kmem", "kmem_cache_free")
+    if alloc is None:
+        raise PymtraceError(
+            "no slab view: this kernel has no readable kmem:kmem_cache_alloc tracepoint "
+            f"({tracepoint_format_path('kmem', 'kmem_cache_alloc')})"
+        )
+    frees = free is not None and "name" in free
+    free_text = "" if frees else "; frees not counted (kmem:kmem_cache_free has no cache name here)"
+    if "name" in alloc:
+        return SlabSource(SLAB_BY_NAME, frees, "caches named by the kmem tracepoints' `name` field" + free_text)
+    if "bytes_alloc" in alloc:
+        return SlabSource(
+            SLAB_BY_SIZE,
+            frees,
+            "this kernel's kmem:kmem_cache_alloc has no cache name, so a row is an object "
+            "size with the caches of that size in /proc/slabinfo"
+            + (" (frees by the name kmem_cache_free gives)" if frees else free_text),
+        )
+    raise PymtraceError("no slab view: kmem:kmem_cache_alloc has neither `name` nor `bytes_alloc` on this kernel")
+
+
+def slab_sizes():
+    """{cache name: object size} from /proc/slabinfo (readable by root only): the `objsize`
+    column is the cache's object size with its metadata, the value kmem_cache_alloc reports
+    as bytes_alloc. Merged caches appear under the cache they were merged into."""
+    sizes = {}
+    try:
+        with open(SLABINFO) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return sizes
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4 or line.startswith(("#", "slabinfo")):
+            continue
+        try:
+            sizes[parts[0]] = int(parts[3])
+        except ValueError:
+            continue
+    return sizes
+
+
+def size_key(size):
+    """The snapshot key of the row of objects of SIZE bytes (stable across snapshots)."""
+    return f"size {size}"

@@ -1,0 +1,255 @@
+"""The full-screen (curses) display of `pymtrace top`.
+
+    run(source, args) -> exit code
+
+SOURCE is a callable returning the current snapshot (cumulative counters since attach, the
+dict views.py documents). It should return at once; this module calls it every
+args.interval seconds (default 1), computes the rates from the snapshot before (using the
+snapshots' "time" fields) and draws the chosen view. SOURCE may return None (nothing new:
+the last snapshot stays) or raise StopIteration (end: the UI exits with 0, e.g. when every
+watched process is gone).
+
+Keys: 1-4 view (Tab / Shift-Tab cycle), Left/Right or < > sort column, r reverse order,
+p or space pause, Up/Down/PgUp/PgDn/Home scroll, q quit.
+
+The terminal is restored on every way out: q, Ctrl-C, SIGTERM (turned into
+KeyboardInterrupt) and exceptions (curses.wrapper restores the terminal before the
+exception propagates).
+"""
+
+import curses
+import os
+import signal
+import sys
+import time
+
+from pymtrace.errors import PymtraceError
+from pymtrace.sinks import views
+
+HELP = "1-4/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
+
+KEY_VIEW = {ord(str(i + 1)): i for i in range(len(views.VIEWS))}
+
+
+class State:
+    """Everything the screen shows, separate from curses so it can be tested directly."""
+
+    def __init__(self, interval=1.0, view=0):
+        self.interval = float(interval) if interval and interval > 0 else 1.0
+        self.view = view
+        self.sort = {}  # view index -> (column index, descending)
+        self.paused = False
+        self.prev = None
+        self.cur = None
+        self.scroll = 0
+        self.quit = False
+
+    def push(self, snapshot):
+        if snapshot is None:
+            return
+        self.prev, self.cur = self.cur, snapshot
+
+    def table(self):
+        sort, reverse = self.sort.get(self.view, (None, None))
+        return views.build(self.view + 1, self.prev, self.cur or {}, interval=self.interval, sort=sort, reverse=reverse)
+
+    def key(self, ch):
+        """Apply key CH (an int as from getch); returns True when the screen must be redrawn."""
+        n = len(views.VIEWS)
+        if ch in (ord("q"), ord("Q")):
+            self.quit = True
+        elif ch in KEY_VIEW:
+            self._set_view(KEY_VIEW[ch])
+        elif ch == ord("\t"):
+            self._set_view((self.view + 1) % n)
+        elif ch == curses.KEY_BTAB:
+            self._set_view((self.view - 1) % n)
+        elif ch in (curses.KEY_LEFT, ord("<"), ord(",")):
+            self._move_sort(-1)
+        elif ch in (curses.KEY_RIGHT, ord(">"), ord(".")):
+            self._move_sort(+1)
+        elif ch in (ord("r"), ord("R")):
+            t = self.table()
+            self.sort[self.view] = (t.sort, not t.reverse)
+        elif ch in (ord("p"), ord("P"), ord(" ")):
+            self.paused = not self.paused
+        elif ch == curses.KEY_DOWN:
+            self.scroll += 1
+        elif ch == curses.KEY_UP:
+            self.scroll = max(0, self.scroll - 1)
+        elif ch == curses.KEY_NPAGE:
+            self.scroll += 10
+        elif ch == curses.KEY_PPAGE:
+            self.scroll = max(0, self.scroll - 10)
+        elif ch == curses.KEY_HOME:
+            self.scroll = 0
+        elif ch == curses.KEY_RESIZE:
+            pass
+        else:
+            return False
+        return True
+
+    def _set_view(self, i):
+        if i != self.view:
+            self.view = i
+            self.scroll = 0
+
+    def _move_sort(self, step):
+        t = self.table()
+        col = (t.sort + step) % len(t.columns)
+        # numbers sort biggest first, names alphabetically, like top
+        self.sort[self.view] = (col, t.columns[col].numeric)
+
+
+def layout(table, width):
+    """(header line, row lines) with columns sized to their content, cut to WIDTH."""
+    heads = views.headers(table)
+    cells = views.format_rows(table)
+    widths = [len(h) for h in heads]
+    for row in cells:
+        for i, c in enumerate(row):
+            widths[i] = max(widths[i], len(c))
+    # a long name column (COMM, CACHE, REGION) must not push the numbers off screen
+    for i, c in enumerate(table.columns):
+        if not c.numeric:
+            widths[i] = min(widths[i], 40)
+
+    tail_cut = {i for i, c in enumerate(table.columns) if c.key == "region"}  # paths: keep the file name
+
+    def line(values):
+        parts = []
+        for i, (v, w) in enumerate(zip(values, widths)):
+            if len(v) > w:
+                v = "~" + v[len(v) - w + 1 :] if i in tail_cut else v[: w - 1] + "~"
+            parts.append(v.rjust(w) if table.columns[i].numeric else v.ljust(w))
+        return " ".join(parts)[:width]
+
+    return line(heads), [line(r) for r in cells]
+
+
+def draw(scr, state, table):
+    scr.erase()
+    height, width = scr.getmaxyx()
+    if height < 5 or width < 20:
+        _put(scr, 0, 0, "terminal too small", width)
+        scr.refresh()
+        return
+    tabs = "  ".join(
+        (f"[{i + 1} {views.TITLES[v]}]" if i == state.view else f"{i + 1} {views.TITLES[v]}")
+        for i, v in enumerate(views.VIEWS)
+    )
+    sort_col = table.columns[table.sort].title
+    status = f"every {state.interval:g}s  sort {sort_col} {'desc' if table.reverse else 'asc'}"
+    if state.paused:
+        status += "  PAUSED"
+    _put(scr, 0, 0, f"pymtrace top  {tabs}  {status}", width, curses.A_BOLD)
+    head, lines = layout(table, width)
+    if state.prev is None:  # the first interval after attach is running: no rates yet
+        _put(scr, 1, 0, f"measuring the first {state.interval:g}s interval...", width)
+        lines = []
+    else:
+        _put(scr, 1, 0, views.summary(table), width)
+    _put(scr, 2, 0, head.ljust(width)[:width], width, curses.A_REVERSE)
+    body_top, body_bottom = 3, height - 2  # last line: help
+    room = body_bottom - body_top + 1
+    notes = list(table.notes)
+    note_lines = min(len(notes), max(0, room // 2)) if notes else 0
+    room_rows = room - note_lines - (1 if note_lines and lines else 0)
+    state.scroll = max(0, min(state.scroll, max(0, len(lines) - room_rows)))
+    y = body_top
+    for i, text in enumerate(lines[state.scroll : state.scroll + room_rows]):
+        bold = table.leaders is not None and table.groups and table.leaders[state.scroll + i]
+        _put(scr, y, 0, text, width, curses.A_BOLD if bold else 0)
+        y += 1
+    if not lines and not notes:
+        _put(scr, y, 0, "(no activity yet)" if state.prev is None else "(no activity)", width)
+        y += 1
+    if note_lines:
+        if lines:
+            y += 1
+        for text in notes[:note_lines]:
+            _put(scr, y, 0, text, width)
+            y += 1
+    more = len(lines) - state.scroll - room_rows
+    help_text = HELP + (f"  (+{more} rows)" if more > 0 else "")
+    _put(scr, height - 1, 0, help_text, width, curses.A_REVERSE)
+    scr.refresh()
+
+
+def _put(scr, y, x, text, width, attr=0):
+    try:
+        scr.addnstr(y, x, text, max(0, width - x - (1 if y == scr.getmaxyx()[0] - 1 else 0)), attr)
+    except curses.error:  # writing into the bottom-right cell, or a resize race
+        pass
+
+
+def _loop(scr, source, state):
+    try:
+        curses.curs_set(0)
+    except curses.error:
+        pass
+    scr.keypad(True)
+    try:
+        state.push(source())
+    except StopIteration:
+        return 0
+    draw(scr, state, state.table())
+    next_at = time.monotonic() + state.interval
+    while not state.quit:
+        wait = next_at - time.monotonic()
+        scr.timeout(max(0, int(wait * 1000)))
+        ch = scr.getch()
+        if ch == -1:
+            if time.monotonic() < next_at:
+                continue
+            next_at = max(next_at + state.interval, time.monotonic() + state.interval / 10)
+            if state.paused:
+                continue
+            try:
+                state.push(source())
+            except StopIteration:
+                return 0
+        elif not state.key(ch):
+            continue
+        if state.quit:
+            break
+        draw(scr, state, state.table())
+    return 0
+
+
+def run(source, args=None):
+    """Show the live view until q, Ctrl-C or SIGTERM; returns the exit code (0).
+
+    args: a namespace with optional `interval` (seconds, default 1) and `view` (1-4 or a name).
+    """
+    interval = getattr(args, "interval", None) or 1.0
+    view = getattr(args, "view", None) or 1
+    require_terminal()
+    state = State(interval=interval, view=views.VIEWS.index(views.view_name(view)))
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_DFL, signal.SIG_IGN, None):
+        signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        return curses.wrapper(_loop, source, state)
+    except KeyboardInterrupt:
+        return 0
+    except curses.error as exc:
+        if "setupterm" in str(exc) or "cbreak" in str(exc) or "initscr" in str(exc):
+            raise PymtraceError(
+                f"cannot start the full-screen view on this terminal "
+                f"(TERM={os.environ.get('TERM', '')!r}: {exc}); use --batch"
+            ) from None
+        raise
+    finally:
+        if previous in (signal.SIG_DFL, signal.SIG_IGN, None):
+            signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+
+
+def require_terminal():
+    """Raise PymtraceError unless stdin and stdout are a terminal (call it before attaching)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise PymtraceError("the full-screen view needs a terminal; use --batch or --json for output to a pipe or file")
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt

@@ -1,0 +1,193 @@
+"""glibc dj/malloc binary call trace ("mtrace.out.PID"): 64-byte records, MAGIC first.
+
+Layout (docs/formats.md, section 1), native byte order:
+    int32 thread; uint32 type:8|path:14; uint64 ptr1, ptr2, size, size2, size3; uint64 pad[2]
+pymtrace fills the pad words (upstream writes zeros and ignores them):
+    pad[0] = CLOCK_MONOTONIC timestamp of the call in ns (0 = unknown)
+    pad[1] = the caller's return address (0 = unknown)
+
+The layout and the call type numbers come from bpf/record.h and bpf/common.h (via
+pymtrace.bpf.structs), the definition the BPF recorder writes with.
+
+Readers check the MAGIC record (type 255, ptr1 0x1234, size = word size) for byte order
+and word size -- upstream never does -- and skip all-zero (UNUSED) records anywhere.
+"""
+
+import ctypes
+import dataclasses
+import struct
+
+from pymtrace.bpf import structs
+from pymtrace.errors import CorruptFile
+
+_H = structs.header("record")
+RECORD_SIZE = _H.consts["RECORD_SIZE"]
+MAGIC_TYPE = _H.consts["CALL_MAGIC"]
+MAGIC_PTR = _H.consts["MAGIC_PTR"]
+
+UNUSED, MALLOC, CALLOC, FREE, REALLOC, MEMALIGN, VALLOC, PVALLOC, POSIX_MEMALIGN = (
+    _H.consts["CALL_" + n]
+    for n in ("UNUSED", "MALLOC", "CALLOC", "FREE", "REALLOC", "MEMALIGN", "VALLOC", "PVALLOC", "POSIX_MEMALIGN")
+)
+TYPE_NAMES = {t: name.lower() for t, name in _H.names("CALL_").items() if t != UNUSED}
+PATH_FLAGS = {
+    8: "thread_cache",
+    9: "cpu_cache",
+    10: "cpu_cache2",
+    11: "sbrk",
+    12: "mmap",
+    13: "munmap",
+    14: "m_f_realloc",
+    15: "hook",
+    16: "unsorted_add",
+    17: "unsorted_remove",
+    18: "unsorted_empty",
+    19: "fastbin_add",
+    20: "fastbin_remove",
+    21: "malloc_consolidate",
+}
+
+
+def _struct_format(ctype):
+    """struct-module codes of a ctypes Structure of fixed-width integers (arrays flattened)."""
+    out = ""
+    for _, t in ctype._fields_:
+        n = 1
+        while issubclass(t, ctypes.Array):
+            n, t = n * t._length_, t._type_
+        code = {1: "b", 2: "h", 4: "i", 8: "q"}[ctypes.sizeof(t)]
+        out += (code if t(-1).value < 0 else code.upper()) * n
+    return out
+
+
+# thread, type|path, ptr1, ptr2, size, size2, size3, pad0, pad1: struct mtrace_record
+# struct format of one record without byte order (the BPF recorder packs with it too)
+RECORD_FORMAT = _struct_format(_H.structs["mtrace_record"])
+_STRUCT = {order: struct.Struct(order + RECORD_FORMAT) for order in "<>"}
+if _STRUCT["<"].size != ctypes.sizeof(_H.structs["mtrace_record"]) or _STRUCT["<"].size != RECORD_SIZE:
+    raise ImportError("bpf/record.h: struct mtrace_record is not RECORD_SIZE bytes without padding")
+
+
+@dataclasses.dataclass
+class Record:
+    thread: int
+    type: int
+    ptr1: int = 0
+    ptr2: int = 0
+    size: int = 0
+    size2: int = 0
+    size3: int = 0
+    ts_ns: int = 0
+    caller: int = 0
+    path: int = 0  # path flag bits 8-21, already shifted down by 8
+
+    @property
+    def type_name(self):
+        return TYPE_NAMES.get(self.type, f"type{self.type}")
+
+
+def pack(rec, byteorder="<"):
+    return _STRUCT[byteorder].pack(
+        rec.thread,
+        (rec.type & 0xFF) | ((rec.path & 0x3FFF) << 8),
+        rec.ptr1,
+        rec.ptr2,
+        rec.size,
+        rec.size2,
+        rec.size3,
+        rec.ts_ns,
+        rec.caller,
+    )
+
+
+def magic_record(thread=0, byteorder="<"):
+    return pack(Record(thread, MAGIC_TYPE, ptr1=MAGIC_PTR, size=8), byteorder)
+
+
+def detect_byteorder(first):
+    """Byte order of a trace from its first record; raises CorruptFile if it is no MAGIC."""
+    if len(first) < RECORD_SIZE:
+        raise CorruptFile(f"not an mtrace binary trace: {len(first)} bytes, a record is {RECORD_SIZE}")
+    for order in "<>":
+        _, typ, ptr1, _, size = struct.unpack_from(order + RECORD_FORMAT[:5], first)
+        if typ & 0xFF == MAGIC_TYPE and ptr1 == MAGIC_PTR:
+            if size != 8:
+                raise CorruptFile(f"trace written with {size}-byte pointers; only 64-bit traces are supported")
+            return order
+    # A 32-bit trace has 4-byte pointer fields: ptr1 sits at offset 8 as a 4-byte word.
+    for order in "<>":
+        typ, ptr1 = struct.unpack_from(order + "II", first, 4)
+        if typ & 0xFF == MAGIC_TYPE and ptr1 == MAGIC_PTR:
+            raise CorruptFile("trace written by a 32-bit process; only 64-bit traces are supported")
+    raise CorruptFile("not an mtrace binary trace: the first record is not the MAGIC record (type 255, ptr1 0x1234)")
+
+
+def iter_records(stream, name="trace", chunk_records=8192):
+    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself.
+
+    Raises CorruptFile (one line, with the byte offset) on a missing MAGIC, an unknown call
+    type, or a trailing partial record.
+    """
+    first = _read_full(stream, RECORD_SIZE)
+    if not first:
+        raise CorruptFile(f"{name}: empty file, not an mtrace binary trace")
+    try:
+        order = detect_byteorder(first)
+    except CorruptFile as exc:
+        raise CorruptFile(f"{name}: {exc}") from None
+    unpack = _STRUCT[order].iter_unpack
+    offset = RECORD_SIZE
+    while True:
+        buf = _read_full(stream, RECORD_SIZE * chunk_records)
+        if not buf:
+            return
+        whole = len(buf) - len(buf) % RECORD_SIZE
+        for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf[:whole]):
+            t = typ & 0xFF
+            if t == UNUSED:
+                if thread or typ or p1 or p2 or s1 or s2 or s3 or ts or caller:
+                    raise CorruptFile(f"{name}: record at byte {offset} has call type 0 but is not all zero")
+                offset += RECORD_SIZE
+                continue
+            if t not in TYPE_NAMES or t == MAGIC_TYPE:
+                if t == MAGIC_TYPE and p1 == MAGIC_PTR:
+                    offset += RECORD_SIZE
+                    continue  # concatenated traces repeat the MAGIC record
+                raise CorruptFile(f"{name}: record at byte {offset} has unknown call type {t}")
+            yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, (typ >> 8) & 0x3FFF)
+            offset += RECORD_SIZE
+        if whole != len(buf):
+            raise CorruptFile(
+                f"{name}: truncated: {len(buf) - whole} stray bytes after the last whole record (byte {offset})"
+            )
+
+
+def _read_full(stream, n):
+    """Read N bytes, or fewer only at end of file (pipes return short reads)."""
+    parts = []
+    got = 0
+    while got < n:
+        b = stream.read(n - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        yield from iter_records(f, name=str(path))
+
+
+class Writer:
+    """Append records to a file object, MAGIC first."""
+
+    def __init__(self, fileobj, thread=0):
+        self.file = fileobj
+        self.count = 0
+        self.file.write(magic_record(thread))
+
+    def write(self, rec):
+        self.file.write(pack(rec))
+        self.count += 1

@@ -1,0 +1,125 @@
+"""Start-up (issue 10, item 16): a command compiles everything it loads in ONE BCC compile,
+before it attaches any uprobe (a compile under pymtrace's own malloc uprobes runs many times
+slower: BCC's clang is one of the processes they trap), and compiles nothing it does not use.
+
+Not timed (bench/startup.py measures the time). The commands run as users run them, with a
+sitecustomize that reports every bcc.BPF() compile (which programs: found by their map
+names) and every uprobe attached, in order; so the old code is measured the same way."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+from conftest import run_pymtrace
+
+SITECUSTOMIZE = '''
+import sys
+try:
+    import bcc
+except ImportError:
+    bcc = None
+if bcc is not None and hasattr(bcc, "BPF"):
+    _MARKERS = (("malloc_stats", b"ms_stats"), ("faults", b"pf_totals"), ("slab", b"slab_stats"),
+                ("glibc_usdt", b"glibc_pid_stats"), ("record", b"record_event"))
+    _init, _attach = bcc.BPF.__init__, bcc.BPF.attach_uprobe
+
+    def _counting_init(self, *args, **kw):
+        text = kw.get("text") or b""
+        text = text.encode() if isinstance(text, str) else text
+        found = [name for name, marker in _MARKERS if marker in text]
+        print("bcc-test: compile " + ",".join(found), file=sys.stderr, flush=True)
+        return _init(self, *args, **kw)
+
+    def _counting_attach(self, *args, **kw):
+        print("bcc-test: uprobe", file=sys.stderr, flush=True)
+        return _attach(self, *args, **kw)
+
+    bcc.BPF.__init__, bcc.BPF.attach_uprobe = _counting_init, _counting_attach
+'''
+
+
+def traced_run(tmp_path, *args, timeout=600):
+    """Run pymtrace ARGS; (process, [set of programs of each compile, in order], events)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    proc = run_pymtrace(*args, env=env, timeout=timeout)
+    events = [line[len("bcc-test: ") :] for line in proc.stderr.splitlines() if line.startswith("bcc-test: ")]
+    compiles = [set(e.split(" ", 1)[1].split(",")) - {""} for e in events if e.startswith("compile")]
+    return proc, compiles, events
+
+
+@pytest.fixture
+def target():
+    """A process to trace with -p (system-wide runs would also probe every libc other tests
+    map, planted fakes included)."""
+    proc = subprocess.Popen(["sleep", "120"])
+    time.sleep(0.2)  # its libc mapped
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def compiled_before_uprobes(events):
+    """Every compile precedes every uprobe attach."""
+    kinds = [e.split(" ", 1)[0] for e in events]
+    return "uprobe" not in kinds or "compile" not in kinds[kinds.index("uprobe") :]
+
+
+@pytest.mark.bpf
+def test_top_full_mode_compiles_once_before_its_uprobes(tmp_path, target):
+    proc, compiles, events = traced_run(tmp_path, "top", "-p", target, "--batch", "-n", "1", "-i", "0.2")
+    assert proc.returncode == 0, proc.stderr
+    # glibc_usdt joins when the libc has malloc probes (not compiled otherwise)
+    assert len(compiles) == 1 and compiles[0] - {"glibc_usdt"} == {"malloc_stats", "faults", "slab"}, events
+    assert "uprobe" in " ".join(events) and compiled_before_uprobes(events), events
+
+
+@pytest.mark.bpf
+def test_top_always_on_compiles_no_per_call_program(tmp_path, target):
+    proc, compiles, events = traced_run(tmp_path, "top", "-p", target, "--always-on", "--batch", "-n", "1", "-i", "0.2")
+    assert proc.returncode == 0, proc.stderr
+    assert len(compiles) == 1 and compiles[0] - {"glibc_usdt"} == {"faults", "slab"}, events
+
+
+@pytest.mark.bpf
+def test_top_batch_compiles_only_what_its_views_show(tmp_path, target):
+    """--view slab needs neither the malloc uprobes nor the fault tracepoints."""
+    proc, compiles, events = traced_run(
+        tmp_path, "top", "-p", target, "--batch", "-n", "1", "-i", "0.2", "--view", "slab"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert compiles == [{"slab"}] and "uprobe" not in events, events
+    assert "== slab caches" in proc.stdout, proc.stdout
+
+
+@pytest.mark.bpf
+def test_record_compiles_only_the_record_program(tmp_path, target):
+    proc, compiles, events = traced_run(
+        tmp_path, "record", "-p", target, "--duration", "0.3", "-o", tmp_path / "trace.mtrace"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert compiles == [{"record"}], events
+    assert compiled_before_uprobes(events), events
+
+
+@pytest.mark.bpf
+def test_top_compiles_glibc_probes_with_the_rest(tmp_path, sdt_libc, cbuild):
+    """A process on a libc with malloc USDT probes: its probe readers (generated C) are
+    compiled in the same module as top's programs, and view 4 reads them."""
+    prefix, _ = sdt_libc
+    work = subprocess.Popen(prefix + [cbuild("glibc_idle")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert work.stdout.readline().startswith("ready")
+        proc, compiles, events = traced_run(tmp_path, "top", "-p", work.pid, "--json", "-n", "1", "-i", "0.2")
+    finally:
+        work.kill()
+        work.wait()
+    assert proc.returncode == 0, proc.stderr
+    assert compiles == [{"malloc_stats", "faults", "slab", "glibc_usdt"}], events
+    assert compiled_before_uprobes(events), events
+    glibc = json.loads(proc.stdout.splitlines()[0])["snapshot"]["glibc"][str(work.pid)]
+    assert glibc["probes"] > 0, glibc

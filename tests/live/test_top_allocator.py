@@ -1,0 +1,136 @@
+"""Processes whose malloc is not glibc's (issue 10 item 7): the test workload run with
+Debian's libjemalloc.so.2 preloaded. pymtrace traces glibc's malloc only, so every command
+must say so for that process instead of reporting silent zeros."""
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+from conftest import PYMTRACE, run_pymtrace
+from support.prometheus import free_port, http_get, parse_metrics
+
+pytestmark = pytest.mark.bpf
+
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+
+
+@pytest.fixture
+def jemalloc():
+    if not os.path.exists(JEMALLOC):
+        pytest.fail(f"{JEMALLOC} is missing: install.sh installs Debian's libjemalloc2")
+    return JEMALLOC
+
+
+def _steady(cbuild, name, preload=None, seconds=0, rate=2000):
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        env["LD_PRELOAD"] = preload
+    proc = subprocess.Popen(
+        [cbuild("top_steady"), str(rate), str(seconds), name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    line = proc.stdout.readline()
+    assert line.startswith("ready "), line
+    return proc, int(line.split()[1])
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.stdin.close()
+        proc.wait(30)
+
+
+def test_record_pid_refuses_a_jemalloc_process(cbuild, jemalloc, tmp_path):
+    proc, pid = _steady(cbuild, "pmt-jemalloc", preload=jemalloc)
+    try:
+        out = tmp_path / "trace"
+        r = run_pymtrace("record", "-p", pid, "-o", out, "--duration", "1", timeout=300)
+        assert r.returncode != 0
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "jemalloc" in lines[0] and str(pid) in lines[0] and "not trace" in lines[0]
+        assert not out.exists()
+        assert proc.poll() is None  # untouched
+    finally:
+        _stop(proc)
+
+
+def test_record_cmd_warns_when_the_command_uses_jemalloc(cbuild, jemalloc, tmp_path):
+    out = tmp_path / "trace"
+    r = run_pymtrace(
+        "record", "-o", out, "--", "env", f"LD_PRELOAD={jemalloc}", cbuild("top_steady"), "2000", "1", timeout=300
+    )
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line and "jemalloc" in line]
+    assert len(warnings) == 1, r.stderr
+    assert "not trace" in warnings[0]
+    # the same command on glibc's malloc: no such warning
+    r = run_pymtrace("record", "-o", tmp_path / "trace2", "--", cbuild("top_steady"), "2000", "1", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr
+
+
+def test_top_row_names_the_untraced_allocator(cbuild, jemalloc):
+    je, je_pid = _steady(cbuild, "pmt-jemalloc", preload=jemalloc)
+    gl, gl_pid = _steady(cbuild, "pmt-glibc")
+    try:
+        r = run_pymtrace(
+            "top", "--batch", "--json", "-n", "1", "-i", "1", "-p", je_pid, "-p", gl_pid, "--no-glibc", timeout=300
+        )
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout.splitlines()[0])
+        rows = {row["pid"]: row for row in doc["views"]["processes"]["rows"]}
+        assert rows[je_pid]["untraced_allocator"] == "jemalloc"
+        assert rows[je_pid]["malloc_per_s"] is None  # not a silent 0
+        assert rows[gl_pid]["untraced_allocator"] is None
+        assert rows[gl_pid]["malloc_per_s"] == pytest.approx(2000, rel=0.25)
+        snap = doc["snapshot"]["processes"]
+        assert snap[str(je_pid)]["allocator"] == "jemalloc" and snap[str(je_pid)]["allocator_traced"] is False
+        assert snap[str(gl_pid)]["allocator"] == "glibc" and snap[str(gl_pid)]["allocator_traced"] is True
+        r = run_pymtrace(
+            "top", "--batch", "-n", "1", "-i", "1", "-p", je_pid, "--no-glibc", "--view", "processes", timeout=300
+        )
+        line = [line for line in r.stdout.splitlines() if line.split()[:1] == [str(je_pid)]][0]
+        assert "allocator: jemalloc (not traced)" in line
+    finally:
+        _stop(je)
+        _stop(gl)
+
+
+def test_exporter_gauge_says_which_processes_are_not_traced(cbuild, jemalloc):
+    je, je_pid = _steady(cbuild, "pmt-jemalloc", preload=jemalloc)
+    gl, gl_pid = _steady(cbuild, "pmt-glibc")
+    port = free_port()
+    mode = ["--per-call"] if "--per-call" in run_pymtrace("exporter", "--help").stdout else []
+    exp = subprocess.Popen(
+        PYMTRACE
+        + ["exporter", "--listen", f"127.0.0.1:{port}", "--no-bpf-stats", "-p", str(je_pid), "-p", str(gl_pid), *mode],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            line = exp.stderr.readline()
+            if "serving" in line or (not line and exp.poll() is not None):
+                break
+        assert "serving" in line, line
+        time.sleep(1.0)
+        status, _, body = http_get(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        assert status == 200
+        m = parse_metrics(body.decode())
+        gauge = "pymtrace_process_allocator_traced"
+        assert m.get((gauge, frozenset({("comm", "pmt-jemalloc"), ("allocator", "jemalloc")}))) == 0
+        assert m.get((gauge, frozenset({("comm", "pmt-glibc"), ("allocator", "glibc")}))) == 1
+        assert m.get(("pymtrace_malloc_calls_total", frozenset({("comm", "pmt-glibc"), ("call", "malloc")}))) > 0
+    finally:
+        exp.terminate()
+        exp.wait(60)
+        _stop(je)
+        _stop(gl)

@@ -1,0 +1,194 @@
+"""Slab view of `pymtrace top`: a workload creating N POSIX message queues shows N
+allocations (and, after RCU, N frees) in the mqueue_inode_cache row. Slab counts are
+system-wide (slab frees often run in RCU callbacks, not in the allocating process), so the
+test allows a little activity from others on this rarely used cache."""
+
+import time
+
+import pytest
+from support.top import Top, Workload, alive
+
+from pymtrace.bpf import kfeatures
+from pymtrace.errors import PymtraceError
+
+N = 500
+CACHE = "mqueue_inode_cache"
+
+
+def slab_row(cbuild):
+    """Run the mqueue workload under `top --json --view slab`; return (the last JSON document,
+    the snapshot key of the cache's row, its counters, whether that row is the cache's alone).
+    The row is the cache's name, or on a kernel without cache names in its kmem tracepoints
+    (6.1, or emulated) its object size, shared with the other caches of that size."""
+    by_name = kfeatures.slab_source().source == kfeatures.SLAB_BY_NAME
+    sizes = kfeatures.slab_sizes()
+    key = CACHE if by_name else kfeatures.size_key(sizes[CACHE])
+    alone = by_name or [c for c, s in sizes.items() if s == sizes[CACHE]] == [CACHE]
+    w = Workload([cbuild("top_slab"), str(N)])
+    top = Top("--json", "-i", "0.5", "--always-on", "--no-glibc", "--view", "slab")
+    try:
+        doc = top.json_doc()  # attached (system-wide)
+        assert doc["snapshot"]["slab_source"] == kfeatures.slab_source().source
+        w.go()
+        assert w.result()["queues"] == N
+        deadline = time.monotonic() + 60  # RCU frees come late on a loaded machine or in a VM
+        while True:
+            doc = top.json_after(time.monotonic())
+            s = doc["snapshot"]["slab"].get(key, {})
+            if s.get("allocs", 0) >= N and s.get("frees", 0) >= N or time.monotonic() > deadline:
+                break
+        assert N <= s["allocs"] and N <= s["frees"], s  # inodes are freed after an RCU grace period
+        if alone:  # no other cache in the row: the counts are this cache's
+            assert s["allocs"] <= N + 20 and s["frees"] <= N + 20, s
+        assert s["bytes_alloc"] >= N * 64
+        assert top.stop() == 0
+        assert alive(w.pid)
+        assert w.finish() == 0
+        return doc, key, s, alone
+    finally:
+        top.kill()
+        w.kill()
+
+
+@pytest.mark.bpf
+def test_known_slab_cache_row(cbuild):
+    doc, key, s, _ = slab_row(cbuild)
+    rows = [r for r in doc["views"]["slab"]["rows"] if r["cache"] == key or r["cache"].startswith(key + ":")]
+    assert rows and rows[0]["net_objects"] == s["allocs"] - s["frees"]
+
+
+# kmem_cache_alloc as Linux 6.1 (Debian 12) has it: no `name` field (TP_STRUCT__entry of its
+# include/trace/events/kmem.h); kmem_cache_free there has call_site, ptr and name, like this host.
+FORMAT_ALLOC_NO_NAME = """name: kmem_cache_alloc
+ID: 1
+format:
+\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
+\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;
+\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;
+\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;
+
+\tfield:unsigned long call_site;\toffset:8;\tsize:8;\tsigned:0;
+\tfield:const void * ptr;\toffset:16;\tsize:8;\tsigned:0;
+\tfield:size_t bytes_req;\toffset:24;\tsize:8;\tsigned:0;
+\tfield:size_t bytes_alloc;\toffset:32;\tsize:8;\tsigned:0;
+\tfield:unsigned long gfp_flags;\toffset:40;\tsize:8;\tsigned:0;
+\tfield:int node;\toffset:48;\tsize:4;\tsigned:1;
+\tfield:bool accounted;\toffset:52;\tsize:1;\tsigned:0;
+
+print fmt: "call_site=%pS ptr=%p bytes_req=%zu bytes_alloc=%zu", REC->call_site, REC->ptr, REC->bytes_req, REC->bytes_alloc
+"""
+FORMAT_FREE_NO_NAME = """name: kmem_cache_free
+ID: 2
+format:
+\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
+\tfield:unsigned long call_site;\toffset:8;\tsize:8;\tsigned:0;
+\tfield:const void * ptr;\toffset:16;\tsize:8;\tsigned:0;
+"""
+
+
+def fake_formats(tmp_path, monkeypatch, **formats):
+    """Emulate a kernel whose kmem tracepoints have the given format files (kfeatures' test hook)."""
+    for tp, text in formats.items():
+        d = tmp_path / "formats" / "kmem" / tp
+        d.mkdir(parents=True)
+        (d / "format").write_text(text)
+    monkeypatch.setenv(kfeatures.FAKE_FORMAT_ENV, str(tmp_path / "formats"))
+
+
+def test_slab_source_follows_the_tracepoint_fields(tmp_path, monkeypatch):
+    assert kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)["bytes_alloc"] == "size_t"
+    assert "name" not in kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)
+    assert "common_pid" not in kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)
+    fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME, kmem_cache_free=FORMAT_FREE_NO_NAME)
+    src = kfeatures.slab_source()
+    assert src.source == kfeatures.SLAB_BY_SIZE and not src.frees and "frees not counted" in src.detail
+    assert src.defines() == {"SLAB_ALLOC_BY_NAME": 0, "SLAB_FREE_BY_NAME": 0}
+    (tmp_path / "formats" / "kmem" / "kmem_cache_alloc" / "format").write_text(
+        FORMAT_ALLOC_NO_NAME.replace("bytes_alloc", "other")
+    )
+    with pytest.raises(PymtraceError, match="neither `name` nor `bytes_alloc`"):
+        kfeatures.slab_source()
+
+
+@pytest.mark.bpf
+def test_kernel_without_cache_names_groups_by_object_size(cbuild, tmp_path, monkeypatch):
+    """On a kernel whose kmem_cache_alloc has no `name` (6.1), the slab program keys
+    allocations by object size and the view labels each size with its caches from
+    /proc/slabinfo; frees (by name) land in the row of their cache's size."""
+    fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME)
+    doc, key, s, alone = slab_row(cbuild)
+    size = kfeatures.slab_sizes()[CACHE]
+    assert doc["snapshot"]["slab_source"] == kfeatures.SLAB_BY_SIZE and key == f"size {size}"
+    assert CACHE in s["caches"] and s["bytes_alloc"] == s["allocs"] * size
+    assert CACHE not in doc["snapshot"]["slab"]  # no row by name: the names are not known
+    view = doc["views"]["slab"]
+    rows = [r for r in view["rows"] if r["cache"].startswith(key + ":")]
+    assert rows and (CACHE in rows[0]["cache"] or rows[0]["cache"].endswith(")"))  # up to 3 names, (+N)
+    assert any("object size" in n and "/proc/slabinfo" in n for n in view["notes"]), view["notes"]
+
+
+@pytest.mark.bpf
+def test_slab_impossible_here_leaves_the_other_collectors_running(tmp_path, monkeypatch):
+    """A kernel on which the slab program cannot work: top still runs (faults), and the slab
+    view and the snapshot's errors say why."""
+    fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME.replace("bytes_alloc", "other"))
+    top = Top("--json", "-i", "0.5", "--always-on", "--no-glibc")
+    try:
+        doc = top.json_doc()
+        doc = top.json_after(time.monotonic())
+        assert "neither `name` nor `bytes_alloc`" in doc["snapshot"]["errors"]["slab"]
+        assert "slab" not in doc["snapshot"] or not doc["snapshot"]["slab"]
+        assert any(p.get("faults_user", 0) > 0 for p in doc["snapshot"]["processes"].values())
+        assert any(n.startswith("Not available: no slab view") for n in doc["views"]["slab"]["notes"])
+        assert top.stop() == 0
+    finally:
+        top.kill()
+
+
+def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
+    """One compile for all: when it fails, each program is tried alone, the one that fails is
+    dropped with its reason in errors[...] and the rest are compiled together."""
+    from pymtrace.bpf import load as bpfload
+    from pymtrace.collect import collectors as collect
+
+    loads = []
+
+    def load_parts(parts, what=None):
+        names = [p.program for p in parts]
+        loads.append(names)
+        if "slab" in names:
+            raise PymtraceError("cannot compile/load BPF program slab: no member named 'data_loc_name'")
+        return object()
+
+    monkeypatch.setattr(bpfload, "load_parts", load_parts)
+    monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
+    cs = collect.Collectors(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    bpf = cs._compile([c.part() for c in cs.collectors.values()], None)
+    assert bpf is not None
+    assert list(cs.collectors) == ["faults"]
+    assert "data_loc_name" in cs.errors["slab"]
+    assert loads[0] == ["faults", "slab"] and loads[-1] == ["faults"]
+
+
+@pytest.mark.bpf
+def test_kernel_without_fault_tracepoints_leaves_slab_running(tmp_path, monkeypatch):
+    """The page-fault tracepoints exist on x86 only: elsewhere top runs without the fault
+    view's data, and the view says why (emulated: an empty format directory stands for it)."""
+    d = tmp_path / "formats" / "exceptions"
+    for tp in ("page_fault_user", "page_fault_kernel"):
+        (d / tp).mkdir(parents=True)  # a directory without a format file: no such tracepoint
+    monkeypatch.setenv(kfeatures.FAKE_FORMAT_ENV, str(tmp_path / "formats"))
+    assert kfeatures.tracepoint_fields("exceptions", "page_fault_user") is None
+    assert kfeatures.tracepoint_fields("kmem", "kmem_cache_alloc")  # the real one
+    top = Top("--json", "-i", "0.5", "--always-on", "--no-glibc")
+    try:
+        top.json_doc()
+        doc = top.json_after(time.monotonic())
+        snap = doc["snapshot"]
+        assert snap["errors"]["faults"].startswith("no page-fault data: this kernel has no readable exceptions:")
+        assert not any("faults_user" in p for p in snap["processes"].values())
+        assert snap["slab"] and snap["slab_source"] == kfeatures.slab_source().source
+        assert any(n.startswith("Not available: no page-fault data") for n in doc["views"]["faults"]["notes"])
+        assert top.stop() == 0
+    finally:
+        top.kill()

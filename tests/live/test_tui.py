@@ -1,0 +1,428 @@
+"""The full-screen UI driven in tmux (send-keys, capture-pane).
+
+Run as a script, this file is the tiny test entry point: the real pymtrace.sinks.tui.run() on a
+fake snapshot source with known rates, so the order of rows under each sort is known.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+if __name__ == "__main__":  # run as the UI entry point: tests/ on the path for conftest
+    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+from conftest import ProbeWatch  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+
+# pid, comm, malloc/s, calloc/s, live bytes
+FAKE = [
+    (101, "aaa-malloc", 900, 1, 1 << 10),
+    (102, "bbb-calloc", 100, 500, 1 << 30),
+    (103, "ccc-idle", 10, 50, 1 << 20),
+]
+
+
+class FakeSource:
+    """Cumulative counters growing at the FAKE rates, like the real collectors' snapshots."""
+
+    def __init__(self, fail_after=None):
+        self.t0 = time.monotonic() - 1.0
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def __call__(self):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("fake source failed on purpose")
+        now = time.monotonic()
+        el = now - self.t0
+        procs = {}
+        for pid, comm, m, c, live in FAKE:
+            procs[pid] = {
+                "pid": pid,
+                "comm": comm,
+                "calls": {
+                    "malloc": int(m * el),
+                    "calloc": int(c * el),
+                    "realloc": 0,
+                    "free": int(m * el),
+                    "free_null": 0,
+                    "memalign": 0,
+                    "posix_memalign": 0,
+                    "valloc": 0,
+                    "pvalloc": 0,
+                },
+                "requested_bytes": int((m + c) * el * 64),
+                "allocated_bytes": 0,
+                "freed_bytes": 0,
+                "live_bytes": live,
+                "failed": 0,
+                "size_log2": [],
+                "faults_user": int(pid * el),
+                "faults_kernel": 0,
+            }
+        return {
+            "time": now,
+            "processes": procs,
+            "slab": {
+                "filp": {"allocs": int(300 * el), "frees": int(290 * el), "bytes_alloc": int(76800 * el)},
+                "kmalloc-64": {"allocs": int(40 * el), "frees": int(40 * el), "bytes_alloc": int(2560 * el)},
+            },
+            "fault_regions": {101: {"[heap]": int(60 * el), "anon": int(41 * el)}},
+            "glibc": {
+                101: {
+                    "arenas": 2,
+                    "heaps": 1,
+                    "heap_bytes": 135168,
+                    "sbrk_bytes": 1 << 20,
+                    "mmap_threshold": 131072,
+                    "trim_threshold": 262144,
+                    "lock_waits": {"105": 3},
+                },
+                102: {"probes": 0, "libc": "/usr/lib/x86_64-linux-gnu/libc.so.6"},
+            },
+        }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-i", "--interval", type=float, default=0.5)
+    ap.add_argument("--fail-after", type=int)
+    ap.add_argument("--pidfile")
+    args = ap.parse_args()
+    if args.pidfile:
+        with open(args.pidfile, "w") as f:
+            f.write(str(os.getpid()))
+    from pymtrace.sinks import tui
+
+    return tui.run(FakeSource(args.fail_after), args)
+
+
+# ----------------------------------------------------------------------------- tmux driver
+
+
+class Tmux:
+    def __init__(self, tmp_path, width=170, height=40):
+        if shutil.which("tmux") is None:
+            pytest.skip("tmux is not installed")
+        self.sock = f"pymtrace-test-{os.getpid()}-{id(self)}"
+        self.tmp = tmp_path
+        self.run(
+            "new-session",
+            "-d",
+            "-s",
+            "t",
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            "env -i PATH=/usr/bin:/bin TERM=screen HOME=/tmp PS1='READY$ ' bash --norc --noprofile",
+        )
+        self.wait_for(lambda s: "READY$" in s, "shell prompt")
+
+    def run(self, *args):
+        return subprocess.run(["tmux", "-L", self.sock, *args], check=True, capture_output=True, text=True).stdout
+
+    def send(self, *keys):
+        self.run("send-keys", "-t", "t", *keys)
+
+    def type(self, line):
+        self.run("send-keys", "-t", "t", "-l", line)
+        self.send("Enter")
+
+    def screen(self):
+        return self.run("capture-pane", "-p", "-t", "t")
+
+    def alternate_on(self):
+        return self.run("display-message", "-p", "-t", "t", "#{alternate_on}").strip() == "1"
+
+    def wait_for(self, pred, what, timeout=20, fail_on=None):
+        deadline = time.monotonic() + timeout
+        s = ""
+        while time.monotonic() < deadline:
+            s = self.screen()
+            if pred(s):
+                return s
+            if fail_on and fail_on in s:
+                raise AssertionError(f"{fail_on!r} while waiting for {what}; screen:\n{s}")
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{s}")
+
+    def stty(self, name):
+        path = self.tmp / name
+        self.type(f"stty -g > {path}; echo STTY-{name}-DONE")
+        self.wait_for(lambda s: f"STTY-{name}-DONE" in s.replace(f"echo STTY-{name}-DONE", ""), "stty")
+        return path.read_text().strip()
+
+    def kill(self):
+        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
+
+
+@pytest.fixture
+def tmux(tmp_path):
+    t = Tmux(tmp_path)
+    yield t
+    t.kill()
+
+
+def rows(screen, header_word):
+    """The table rows (lists of fields) under the header line that contains HEADER_WORD."""
+    lines = screen.splitlines()
+    for i, line in enumerate(lines):
+        words = line.split()
+        if words and words[0].rstrip("v^") == header_word:
+            out = []
+            for row in lines[i + 1 :]:
+                if not row.strip() or row.lstrip().startswith("1-4/Tab"):
+                    break
+                out.append(row.split())
+            return out
+    raise AssertionError(f"no header with {header_word!r} on screen:\n{screen}")
+
+
+def comms(screen):
+    return [r[1] for r in rows(screen, "PID") if r and r[0].isdigit()]
+
+
+def wait_order(t, order, what):
+    return t.wait_for(lambda s: "PID" in s and comms(s) == order, what)
+
+
+def assert_clean_shell(t, before):
+    t.wait_for(lambda s: not t.alternate_on(), "alternate screen off", timeout=10)
+    t.type("echo BACK-AT-SHELL")
+    s = t.wait_for(lambda s: re.search(r"^BACK-AT-SHELL$", s, re.M), "shell after exit")
+    assert "READY$" in s
+    assert t.stty("after") == before, "terminal modes not restored"
+
+
+def start_fake(t, *extra):
+    before = t.stty("before")
+    t.type(" ".join([sys.executable, HERE, "-i", "0.3", *extra]))
+    return before
+
+
+def test_fake_source_views_sort_pause_quit(tmux):
+    t = tmux
+    before = start_fake(t)
+    s = wait_order(t, ["aaa-malloc", "bbb-calloc", "ccc-idle"], "processes view sorted by MALLOC/s")
+    assert t.alternate_on()
+    assert "[1 processes]" in s and "sort MALLOC/s desc" in s
+    head = [ln for ln in s.splitlines() if "PID" in ln and "COMM" in ln][0]
+    for col in ("MALLOC/s", "CALLOC/s", "REALLOC/s", "FREE/s", "MEMALIGN/s", "REQ", "MEAN", "LIVE", "FAULTS/s"):
+        assert col in head
+    assert "3 processes" in s and "q quit" in s
+
+    # right: sort by CALLOC/s, biggest first
+    t.send("Right")
+    s = wait_order(t, ["bbb-calloc", "ccc-idle", "aaa-malloc"], "sorted by CALLOC/s")
+    assert "sort CALLOC/s desc" in s
+    # r: reverse
+    t.send("r")
+    wait_order(t, ["aaa-malloc", "ccc-idle", "bbb-calloc"], "reversed")
+    # '<' back to MALLOC/s (descending again)
+    t.send("<")
+    wait_order(t, ["aaa-malloc", "bbb-calloc", "ccc-idle"], "sorted by MALLOC/s again")
+    # '>' ... to LIVE (column 9): bbb has 1 GiB live
+    for _ in range(7):
+        t.send(">")
+    s = wait_order(t, ["bbb-calloc", "ccc-idle", "aaa-malloc"], "sorted by LIVE")
+    assert "sort LIVE desc" in s and "1.00 GiB" in s
+
+    # views: 2 slab, 3 faults, 4 glibc, Tab cycles back to 1
+    t.send("2")
+    s = t.wait_for(lambda s: "[2 slab caches]" in s and "CACHE" in s, "slab view")
+    assert [r[0] for r in rows(s, "CACHE")] == ["filp", "kmalloc-64"]
+    t.send("3")
+    s = t.wait_for(lambda s: "[3 page faults]" in s and "REGION" in s, "faults view")
+    assert "[heap]" in s and "(all)" in s
+    t.send("4")
+    s = t.wait_for(lambda s: "[4 glibc internals]" in s and "ARENAS" in s, "glibc view")
+    assert "MMAP" in s and "128 KiB" in s
+    assert "PID 102 (bbb-calloc)" in s and "no malloc USDT probes" in s
+    t.send("Tab")
+    s = t.wait_for(lambda s: "[1 processes]" in s, "Tab back to processes")
+    assert "sort LIVE desc" in s  # each view keeps its sort
+
+    # pause: the screen stops changing; space resumes
+    t.send("p")
+    s1 = t.wait_for(lambda s: "PAUSED" in s, "paused")
+    time.sleep(1.0)
+    assert t.screen() == s1
+    t.send("Space")
+    t.wait_for(lambda s: "PAUSED" not in s, "resumed")
+
+    t.send("q")
+    assert_clean_shell(t, before)
+
+
+def test_first_screen_waits_for_one_interval(tmux):
+    """No rates until one interval after the first snapshot (issue 10 item 6): the first
+    screen says so, the rows come one interval later."""
+    t = tmux
+    before = t.stty("before")
+    t.type(" ".join([sys.executable, HERE, "-i", "3"]))
+    s = t.wait_for(lambda s: "pymtrace top" in s, "UI up")
+    assert "measuring the first 3s interval" in s and "aaa-malloc" not in s
+    wait_order(t, ["aaa-malloc", "bbb-calloc", "ccc-idle"], "rows after one interval")
+    t.send("q")
+    assert_clean_shell(t, before)
+
+
+def test_sigterm_restores_terminal(tmux, tmp_path):
+    pidfile = tmp_path / "ui.pid"
+    before = start_fake(tmux, "--pidfile", str(pidfile))
+    tmux.wait_for(lambda s: "[1 processes]" in s, "UI up")
+    os.kill(int(pidfile.read_text()), signal.SIGTERM)
+    assert_clean_shell(tmux, before)
+
+
+def test_exception_restores_terminal(tmux):
+    before = start_fake(tmux, "--fail-after", "4")
+    s = tmux.wait_for(lambda s: "fake source failed on purpose" in s, "traceback after the UI")
+    assert "RuntimeError" in s
+    assert_clean_shell(tmux, before)
+
+
+LOW_RATE_WORKLOAD = """
+import time
+keep = []
+while True:
+    keep = [bytearray(100000) for _ in range(5)]   # > pymalloc's limit: real malloc/free calls
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.bpf
+def test_real_top_on_real_workloads(tmux, tmp_path):
+    """The real `pymtrace top` (BPF) in tmux on the demo plus a slow python3 allocator."""
+    t = tmux
+    slow = subprocess.Popen(["/usr/bin/python3", "-c", LOW_RATE_WORKLOAD])
+    pidfile = tmp_path / "top.pid"
+    try:
+        before = t.stty("before")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+        t.type(
+            f"cd {root} && sh -c 'echo $$ > {pidfile}; exec {sys.executable} -m pymtrace top --demo "
+            f"-p {slow.pid} -i 0.5'"
+        )
+        # compiling and attaching takes a few seconds on a busy machine
+        s = t.wait_for(
+            lambda s: (
+                "[1 processes]" in s
+                and "pymtrace-demo" in s
+                and "python3" in s
+                and comms(s)
+                and comms(s)[0] == "pymtrace-demo"
+            ),
+            "real top with both processes",
+            timeout=120,
+            fail_on="pymtrace: error",
+        )
+        top_pid = int(pidfile.read_text())
+        watch = ProbeWatch(top_pid)
+        watch.wait_attached(3)  # its uprobes, while it runs
+        demo_row = [r for r in rows(s, "PID") if r[1] == "pymtrace-demo"][0]
+        assert demo_row[2] not in ("0", "0.0")  # MALLOC/s of the demo
+        # r: ascending MALLOC/s puts the slow python3 first
+        t.send("r")
+        t.wait_for(lambda s: comms(s) == ["python3", "pymtrace-demo"], "reversed order")
+        # slab view: system-wide caches; sorting by name really reorders the rows
+        t.send("2")
+        s = t.wait_for(lambda s: "[2 slab caches]" in s and len(rows(s, "CACHE")) >= 3, "slab view")
+        t.send("<")  # from ALLOCS/s to CACHE, A-Z
+
+        # the header changes first: a capture can catch the rows mid-redraw, so wait for a
+        # whole screen in name order (a sort that never happens still times out)
+        def cache_names(s):
+            return [r[0] for r in rows(s, "CACHE") if r]
+
+        s = t.wait_for(
+            lambda s: "sort CACHE asc" in s and len(cache_names(s)) >= 3 and cache_names(s) == sorted(cache_names(s)),
+            "slab sorted by name",
+        )
+        names = cache_names(s)
+        assert names == sorted(names)
+        t.send("3")
+        s = t.wait_for(lambda s: "[3 page faults]" in s and "REGION" in s and "(all)" in s, "faults view")
+        t.send("4")
+        s = t.wait_for(lambda s: "[4 glibc internals]" in s, "glibc view")
+        from pymtrace.target import libc
+
+        if not libc.malloc_probes(libc.system_libc()):
+            t.wait_for(lambda s: "no malloc USDT probes" in s, "glibc view says the probes are missing")
+        t.send("p")
+        t.wait_for(lambda s: "PAUSED" in s, "paused")
+        t.send("q")
+        assert_clean_shell(t, before)
+        watch.assert_gone()
+        assert slow.poll() is None, "the traced process must keep running"
+    finally:
+        slow.kill()
+        slow.wait()
+
+
+def test_no_terminal_is_a_clear_error():
+    proc = subprocess.run([sys.executable, HERE], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert proc.returncode != 0
+    assert "the full-screen view needs a terminal; use --batch or --json" in proc.stderr
+    assert "\x1b[" not in proc.stdout  # no escape sequences written to the pipe
+
+
+def test_long_region_paths_keep_their_file_name():
+    from pymtrace.sinks import tui, views
+
+    path = "/usr/lib/x86_64-linux-gnu/" + "very-long-directory-name/" * 3 + "libexample.so.1"
+    cur = {
+        "time": 2.0,
+        "start": 1.0,
+        "processes": {1: {"comm": "x", "faults_user": 5}},
+        "fault_regions": {1: {path: 5}},
+    }
+    head, lines = tui.layout(views.build(3, None, cur), 200)
+    assert lines[1].split()[0].startswith("~") and "libexample.so.1" in lines[1]
+
+
+def test_state_keys_without_terminal():
+    """The key handling itself, no curses screen needed."""
+    import curses
+
+    from pymtrace.sinks import tui
+
+    src = FakeSource()
+    st = tui.State(interval=1.0)
+    st.push(src())
+    time.sleep(0.05)
+    st.push(src())
+    assert st.table().view == "processes"
+    st.key(ord("\t"))
+    assert st.table().view == "slab"
+    st.key(curses.KEY_BTAB)
+    st.key(curses.KEY_BTAB)
+    assert st.table().view == "glibc"
+    st.key(ord("1"))
+    st.key(curses.KEY_LEFT)  # from MALLOC/s to COMM: names sort A-Z
+    t = st.table()
+    assert t.columns[t.sort].key == "comm" and not t.reverse
+    st.key(curses.KEY_LEFT)
+    st.key(curses.KEY_LEFT)  # wraps around to the last column (NOTE: names A-Z)
+    t = st.table()
+    assert t.columns[t.sort].key == "untraced_allocator" and not t.reverse
+    st.key(curses.KEY_LEFT)
+    t = st.table()
+    assert t.columns[t.sort].key == "faults_per_s" and t.reverse
+    assert st.key(ord("x")) is False
+    st.key(ord("q"))
+    assert st.quit
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""The installer's distro detection and package choice, shellcheck, and `vagrant validate`.
+
+install.sh defines its functions without running anything when sourced, so each
+supported /etc/os-release is fed to the real shell function.
+"""
+
+import shutil
+import subprocess
+
+import pytest
+from conftest import ROOT
+
+OS_RELEASES = {
+    "debian12": (
+        'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nNAME="Debian GNU/Linux"\nVERSION_ID="12"\nID=debian\n',
+        "debian",
+    ),
+    "ubuntu2204": (
+        'NAME="Ubuntu"\nVERSION="22.04.4 LTS (Jammy Jellyfish)"\nID=ubuntu\nID_LIKE=debian\nVERSION_ID="22.04"\n',
+        "debian",
+    ),
+    "ubuntu2404": (
+        'PRETTY_NAME="Ubuntu 24.04.1 LTS"\nNAME="Ubuntu"\nVERSION_ID="24.04"\nID=ubuntu\nID_LIKE=debian\n',
+        "debian",
+    ),
+    "fedora40": (
+        'NAME="Fedora Linux"\nVERSION="40 (Cloud Edition)"\nID=fedora\nVERSION_ID=40\nPLATFORM_ID="platform:f40"\n',
+        "fedora",
+    ),
+    "rocky9": (
+        'NAME="Rocky Linux"\nVERSION="9.4 (Blue Onyx)"\nID="rocky"\nID_LIKE="rhel centos fedora"\nVERSION_ID="9.4"\n',
+        "fedora",
+    ),
+    "linuxmint": ('NAME="Linux Mint"\nID=linuxmint\nID_LIKE="ubuntu debian"\n', "debian"),
+}
+UNSUPPORTED = {
+    "alpine": 'NAME="Alpine Linux"\nID=alpine\nVERSION_ID=3.20.0\n',
+    "arch": 'NAME="Arch Linux"\nID=arch\n',
+    "empty": "",
+}
+
+
+def shell(func_call):
+    script = f'source "{ROOT}/install.sh"; {func_call}'
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("name", sorted(OS_RELEASES))
+def test_supported_distro_detected(tmp_path, name):
+    text, family = OS_RELEASES[name]
+    f = tmp_path / "os-release"
+    f.write_text(text)
+    out = shell(f"distro_family {f}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == family
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_distro_rejected(tmp_path, name):
+    f = tmp_path / "os-release"
+    f.write_text(UNSUPPORTED[name])
+    out = shell(f"distro_family {f}")
+    assert out.returncode != 0
+    assert out.stdout.strip() == "unknown"
+
+
+def test_missing_os_release_rejected(tmp_path):
+    out = shell(f"distro_family {tmp_path}/nope")
+    assert out.returncode != 0
+
+
+@pytest.mark.parametrize(
+    "family,must_have,must_not",
+    [
+        (
+            "debian",
+            ["bpfcc-tools", "python3-bpfcc", "systemtap-sdt-dev", "libjemalloc2", "prometheus"],
+            ["python3-bcc"],
+        ),
+        ("fedora", ["bcc", "python3-bcc", "kernel-devel", "jemalloc", "systemtap-sdt-devel"], ["python3-bpfcc"]),
+    ],
+)
+def test_package_lists(family, must_have, must_not):
+    out = shell(f"distro_packages {family}")
+    assert out.returncode == 0
+    pkgs = out.stdout.split()
+    for p in must_have:
+        assert p in pkgs
+    for p in must_not:
+        assert p not in pkgs
+
+
+def test_debian_package_alternatives_resolved_by_what_apt_has(tmp_path):
+    # Debian 13 renamed libtcmalloc-minimal4 (t64) and libmimalloc2.0 (libmimalloc3): the
+    # list names both, and the one the archive has is installed. apt-cache is faked here.
+    fake = tmp_path / "apt-cache"
+    # apt-cache show: exit 0 but no record for names only referenced; a long record for the
+    # others (a reader that stops early must not turn the writer's SIGPIPE into "missing").
+    fake.write_text(
+        '#!/bin/sh\ncase "$3" in libtcmalloc-minimal4t64|libmimalloc3|gcc)\n'
+        '  echo "Package: $3"; i=0; while [ $i -lt 20000 ]; do echo " description"; i=$((i+1)); done ;;\n'
+        'esac\nexit 0\n'
+    )
+    fake.chmod(0o755)
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'source "{ROOT}/install.sh"; PATH="{tmp_path}:$PATH"; resolve_packages $(distro_packages debian)',
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    pkgs = out.stdout.split()
+    assert "libtcmalloc-minimal4t64" in pkgs and "libmimalloc3" in pkgs
+    assert not any("|" in p for p in pkgs)
+    assert "libtcmalloc-minimal4" not in pkgs and "libmimalloc2.0" not in pkgs
+    # Nothing known: the first name, for apt-get's error message.
+    out = subprocess.run(
+        ["bash", "-c", f'source "{ROOT}/install.sh"; PATH="{tmp_path}:$PATH"; resolve_packages "nope1|nope2" gcc'],
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout.split() == ["nope1", "gcc"]
+
+
+def test_installer_refuses_non_root_and_bad_options():
+    # Unknown options are refused before anything is installed.
+    out = subprocess.run([str(ROOT / "install.sh"), "--bogus"], capture_output=True, text=True)
+    assert out.returncode != 0 and "unknown option" in out.stderr
+
+
+SCRIPTS = ["install.sh", ".ci/run", "vagrant/run-tests.sh", "vagrant/build-box.sh"]
+
+
+def test_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (./install.sh installs it)")
+    out = subprocess.run(["shellcheck", *SCRIPTS], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_vagrantfile_valid():
+    if shutil.which("vagrant") is None:
+        pytest.skip("vagrant not installed (./install.sh installs it)")
+    out = subprocess.run(["vagrant", "validate"], cwd=ROOT / "vagrant", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "validated successfully" in out.stdout
+
+
+def test_vagrantfile_defines_three_boxes_provisioned_by_installer():
+    if shutil.which("vagrant") is None:
+        pytest.skip("vagrant not installed (./install.sh installs it)")
+    out = subprocess.run(["vagrant", "status"], cwd=ROOT / "vagrant", capture_output=True, text=True, timeout=300)
+    for box in ("debian12", "debian13", "fedora", "ubuntu"):
+        assert box in out.stdout
+    text = (ROOT / "vagrant" / "Vagrantfile").read_text()
+    assert "./install.sh" in text and "libvirt" in text and "virtualbox" in text
