@@ -334,3 +334,34 @@ def _alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------- exporter (tests/support/exporter.py)
+
+
+@pytest.fixture
+def served():
+    """make(sources, **kw) -> an exporter HTTP(S) server in a thread (support.exporter.ServedExporter),
+    closed after the test."""
+    from support.exporter import ServedExporter
+
+    made = []
+
+    def make(*a, **kw):
+        s = ServedExporter(*a, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A directory with cert.pem, key.pem and web.yml (TLS + basic auth prom:s3cret)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    from support.exporter import make_tls_files
+
+    return make_tls_files(tmp_path_factory.mktemp("tls"))

@@ -70,7 +70,7 @@ and 65536 address granules ("pf_regions"), SlabCollector 2048 cache names ("slab
 When a map is full, a new key evicts the least recently used one instead of being dropped:
 an evicted process disappears from the snapshots or, at its next event, comes back with
 counters restarted from 0 ("evicted" counts both cases, as seen between two snapshots;
-pymtrace.commands.exporter.Aggregator keeps its counters monotonic across them). Evicted granules
+pymtrace.sinks.prometheus.Aggregator keeps its counters monotonic across them). Evicted granules
 lose their per-region counts; the per-process totals are unaffected.
 
 Probe placement (MallocCollector): uprobes on the process's libc (from /proc/PID/maps;

@@ -1,4 +1,7 @@
-"""The traced process as /proc shows it: liveness and exit status (one definition each)."""
+"""The traced process as /proc shows it: liveness, exit status, name and cgroup (one definition each)."""
+
+import os
+from typing import Optional
 
 
 def alive(pid):
@@ -8,6 +11,46 @@ def alive(pid):
             return f.read().split(") ")[-1][:1] not in ("Z", "X")
     except OSError:
         return False
+
+
+def exists(pid: int) -> bool:
+    """Whether /proc/PID exists (a zombie counts: it has not been reaped yet)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+def comm(pid: int, missing: str = "") -> str:
+    """The process's name from /proc/PID/comm, or MISSING when it cannot be read (exited)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return missing
+
+
+_cgroup_cache = {}
+
+
+def cgroup(pid: int) -> Optional[str]:
+    """The process's cgroup v2 path (or the v1 memory controller's), cached per PID;
+    None when /proc/PID/cgroup cannot be read."""
+    hit = _cgroup_cache.get(pid)
+    if hit is not None:
+        return hit
+    path = None
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and (parts[0] == "0" and parts[1] == "" or "memory" in parts[1].split(",")):
+                    path = parts[2] or "/"
+                    if parts[0] == "0":
+                        break
+    except OSError:
+        return None
+    if len(_cgroup_cache) > 65536:
+        _cgroup_cache.clear()
+    _cgroup_cache[pid] = path
+    return path
 
 
 def exit_status(code):

@@ -1,0 +1,145 @@
+"""The exporter's aggregation (pymtrace.sinks.prometheus.Aggregator), without BPF or HTTP:
+per-comm series summed over processes and monotonic through exit, exec, PID reuse and LRU
+eviction; label-by-pid caps with "other"; comm/PID filters; label-by-cgroup."""
+
+import os
+
+from support.exporter import proc_entry
+
+from pymtrace.sinks import prometheus
+from pymtrace.target import proc
+
+
+def test_series_keyed_by_comm_sum_processes_and_stay_monotonic_when_they_exit():
+    t = [0.0]
+    agg = prometheus.Aggregator(grace=60, alive=lambda pid: pid in alive)
+    alive = {1, 2, 3}
+    procs = {
+        1: proc_entry(1, "web", malloc=10, requested=100, live=50),
+        2: proc_entry(2, "web", malloc=5, requested=40, live=8),
+        3: proc_entry(3, "db", malloc=7, requested=70, live=70),
+    }
+    agg.update(procs, now=t[0])
+    s = agg.series()
+    assert s["web"]["counters"][("calls", "malloc")] == 15
+    assert s["web"]["counters"]["requested_bytes"] == 140
+    assert s["web"]["gauges"]["live_bytes"] == 58
+    assert s["db"]["counters"][("calls", "malloc")] == 7
+    assert not any(lb.isdigit() for lb in s)  # never a PID label by default
+
+    # pid 1 exits and leaves the collector's map: its calls stay counted, its live bytes go
+    alive.discard(1)
+    del procs[1]
+    procs[2] = proc_entry(2, "web", malloc=6, requested=50, live=8)
+    agg.update(procs, now=1.0)
+    s = agg.series()
+    assert s["web"]["counters"][("calls", "malloc")] == 16
+    assert s["web"]["counters"]["requested_bytes"] == 150
+    assert s["web"]["gauges"]["live_bytes"] == 8
+
+    # exec: pid 3 becomes "worker"; "db" keeps what it did, "worker" counts from there
+    procs[3] = proc_entry(3, "worker", malloc=9, requested=90, live=70)
+    agg.update(procs, now=2.0)
+    s = agg.series()
+    assert s["db"]["counters"][("calls", "malloc")] == 7
+    assert s["worker"]["counters"][("calls", "malloc")] == 2
+
+    # PID reuse: pid 2's counters restart from zero under the same comm -> no decrease
+    procs[2] = proc_entry(2, "web", malloc=1, requested=10, live=10)
+    agg.update(procs, now=3.0)
+    assert agg.series()["web"]["counters"][("calls", "malloc")] == 17
+
+    # everything of "web" gone: the series disappears after the grace period, not before
+    alive.discard(2)
+    del procs[2]
+    agg.update(procs, now=4.0)
+    assert "web" in agg.series()
+    agg.update(procs, now=4.0 + 59)
+    assert "web" in agg.series()
+    agg.update(procs, now=4.0 + 61)
+    assert "web" not in agg.series() and "db" not in agg.series()
+    assert "worker" in agg.series()
+    assert "web" not in agg.retired
+
+
+def test_a_process_dropped_by_one_collector_before_another_is_counted_once():
+    alive = {1}
+    agg = prometheus.Aggregator(alive=lambda pid: pid in alive)
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 3}, "faults_user": 5}}, now=0)
+    alive.clear()
+    # the fault collector already forgot the exited process, the malloc collector not yet
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 3}, "exited": True}}, now=1)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 3 and c["faults_user"] == 5
+    agg.update({}, now=2)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 3 and c["faults_user"] == 5
+    assert agg.pids == {}
+
+
+def test_an_lru_evicted_entry_recreated_keeps_the_counters_monotonic():
+    """The malloc map (LRU) evicted a live process's entry and re-created it at its next
+    call: its malloc counters restart from 0, its fault counters (another map) do not.
+    The series adds the restarted counters to what was counted before, and counts the
+    faults once."""
+    agg = prometheus.Aggregator(alive=lambda pid: True)
+    agg.update(
+        {1: {"pid": 1, "comm": "x", "calls": {"malloc": 100}, "requested_bytes": 1000, "faults_user": 50}}, now=0
+    )
+    # evicted from the malloc map: only the fault collector reports it for a while
+    agg.update({1: {"pid": 1, "comm": "x", "faults_user": 60}}, now=1)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 100 and c["faults_user"] == 60
+    # re-created by its next calls: counted from 0 again, on top of the 100
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 4}, "requested_bytes": 40, "faults_user": 70}}, now=2)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 104 and c["requested_bytes"] == 1040 and c["faults_user"] == 70
+    agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 9}, "requested_bytes": 90, "faults_user": 75}}, now=3)
+    c = agg.series()["x"]["counters"]
+    assert c[("calls", "malloc")] == 109 and c["requested_bytes"] == 1090 and c["faults_user"] == 75
+
+
+def test_label_by_pid_is_capped_with_other_and_other_never_decreases():
+    alive = set(range(1, 11))
+    agg = prometheus.Aggregator(label_by="pid", max_series=3, grace=5, alive=lambda pid: pid in alive)
+    procs = {p: proc_entry(p, "w", malloc=p * 10) for p in range(1, 11)}
+    agg.update(procs, now=0)
+    s = agg.series()
+    assert set(s) == {"10", "9", "8", "other"}  # the three busiest get their own series
+    assert s["other"]["counters"][("calls", "malloc")] == sum(p * 10 for p in range(1, 8))
+    total = sum(v["counters"][("calls", "malloc")] for v in s.values())
+    assert total == sum(p * 10 for p in range(1, 11))
+    # pid 10 exits; after the grace period its place goes to a process from "other",
+    # which continues from its current value while "other" keeps what it had
+    alive.discard(10)
+    del procs[10]
+    prev_other = s["other"]["counters"][("calls", "malloc")]
+    for p in procs:
+        procs[p] = proc_entry(p, "w", malloc=p * 10 + 1)
+    for now in (1, 3, 7, 8):
+        agg.update(procs, now=now)
+        s = agg.series()
+        other = s["other"]["counters"][("calls", "malloc")]
+        assert other >= prev_other
+        prev_other = other
+        assert len(s) <= 4
+    assert "10" not in s and "7" in s
+
+
+def test_comm_and_pid_filters():
+    agg = prometheus.Aggregator(comm="^ngi", alive=lambda pid: True)
+    agg.update({1: proc_entry(1, "nginx", malloc=1), 2: proc_entry(2, "bash", malloc=1)}, now=0)
+    assert set(agg.series()) == {"nginx"}
+    agg = prometheus.Aggregator(pids=[2], alive=lambda pid: True)
+    agg.update({1: proc_entry(1, "nginx", malloc=1), 2: proc_entry(2, "bash", malloc=1)}, now=0)
+    assert set(agg.series()) == {"bash"}
+
+
+def test_label_by_cgroup():
+    groups = {1: "/system.slice/nginx.service", 2: "/system.slice/nginx.service", 3: "/user.slice"}
+    agg = prometheus.Aggregator(label_by="cgroup", alive=lambda pid: True, cgroup_of=groups.get)
+    agg.update({p: proc_entry(p, "x", malloc=p) for p in groups}, now=0)
+    s = agg.series()
+    assert s["/system.slice/nginx.service"]["counters"][("calls", "malloc")] == 3
+    assert s["/user.slice"]["counters"][("calls", "malloc")] == 3
+    assert (proc.cgroup(os.getpid()) or "/").startswith("/")
