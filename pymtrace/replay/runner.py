@@ -262,9 +262,10 @@ def check_workload(sim: str, wl_path: str, name: str, timeout: float) -> None:
 
 
 def run_once(
-    sim: str, wl_path: str, cfg: Config, args: RunOptions, json_path: str
+    sim: str, wl_path: str, cfg: Config, options: RunOptions, json_path: str
 ) -> tuple[dict | None, str | None, str]:
-    """Run the simulator once; returns (result dict or None, error string or None, text)."""
+    """Run the simulator SIM once on WL_PATH under configuration CFG, its --json report going to
+    JSON_PATH; returns (result dict or None, error string or None, the text report)."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     lib = None
@@ -275,10 +276,20 @@ def run_once(
         env["GLIBC_TUNABLES"] = ":".join(cfg.tunables)
     else:
         env.pop("GLIBC_TUNABLES", None)
-    cmd = [sim, "--json", json_path, "--sync", args.sync, "--timer", args.timer, "--sample-ms", str(args.sample_ms)]
-    if args.text:
+    cmd = [
+        sim,
+        "--json",
+        json_path,
+        "--sync",
+        options.sync,
+        "--timer",
+        options.timer,
+        "--sample-ms",
+        str(options.sample_ms),
+    ]
+    if options.text:
         cmd.append("--text")
-    if args.no_fill:
+    if options.no_fill:
         cmd.append("--no-fill")
     if cfg.trim:
         cmd += ["--trim", str(cfg.trim)]
@@ -286,9 +297,9 @@ def run_once(
         cmd += ["--mallopt", m]
     cmd.append(wl_path)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=options.timeout)
     except subprocess.TimeoutExpired:
-        return None, f"timed out after {args.timeout:g} s", ""
+        return None, f"timed out after {options.timeout:g} s", ""
     err = proc.stderr.strip()
     if proc.returncode < 0:
         try:
