@@ -6,7 +6,7 @@
 #   sudo ./install.sh            install only
 #   sudo ./install.sh --demo     install, then start `pymtrace top` on a bundled demo workload
 #   sudo ./install.sh --test     install, then run the whole test suite
-#   sudo ./install.sh --test tests/live/test_doctor.py ...   install, then run these tests
+#   sudo ./install.sh --test tests/live/test_doctor_bpf.py ...   install, then run these tests
 #
 # Supported: Debian (12+), Ubuntu (22.04+), Fedora (38+). Environment:
 #   PYMTRACE_VENV   where the virtual environment goes (default /opt/pymtrace/venv)

@@ -6,8 +6,8 @@
 1. Traced-workload slowdown: two single-thread workloads on a private copy of the system
    libc (which the exporter's system-wide probes attach to, but tracers other users of the
    machine put on the system libc do not): bench/storm.c (malloc(64)+free pairs: the
-   uprobes of --per-call) and a page-touching loop (malloc(256 KiB), touch every
-   page, free: mmap, 64 page faults, munmap: what the default mode traces), measured in
+   uprobes of --per-call) and its page-touching loop (`storm touch`: malloc(256 KiB), touch
+   every page, free: mmap, 64 page faults, munmap: what the default mode traces), measured in
    phases: untraced, exporter (default mode), exporter --per-call, untraced again. Min and
    median ns per operation, and the slowdown of the median against untraced (both
    untraced phases pooled).
@@ -39,42 +39,6 @@ from benchutil import build_c, uprobe_pids
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 PY = [sys.executable, "-m", "pymtrace"]
-
-TOUCH_C = r"""
-/* Like bench/storm.c, but each iteration mallocs SIZE bytes, touches every page, frees:
- * above the (fixed) mmap threshold that is mmap + one page fault per page + munmap, the
- * activity the always-on mode traces (page faults; the kernel's slab/kmem work). */
-#include <malloc.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <time.h>
-#include <unistd.h>
-static double now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e9 + ts.tv_nsec;
-}
-int main(void)
-{
-    long n, size;
-    mallopt(M_MMAP_THRESHOLD, 64 * 1024); /* fixed: no dynamic threshold, every block is mmap'd */
-    printf("ready %d\n", (int)getpid());
-    fflush(stdout);
-    while (scanf("%ld %ld", &n, &size) == 2) {
-        double t0 = now_ns();
-        for (long i = 0; i < n; i++) {
-            char *volatile p = malloc(size);
-            for (long off = 0; off < size; off += 4096)
-                p[off] = 1;
-            free(p);
-        }
-        printf("%.1f\n", (now_ns() - t0) / n);
-        fflush(stdout);
-    }
-    return 0;
-}
-"""
 
 IDLE_C = r"""
 /* Fork N idle processes named <prefix><i>; each mallocs 100 bytes once and waits for
@@ -168,7 +132,7 @@ class Storm:
     running process maps) does probe it. A measurement during which any process but the
     exporter had uprobes on the copy (bpftool perf list) is discarded and repeated."""
 
-    def __init__(self, binary, tmp, pairs, size):
+    def __init__(self, argv, tmp, pairs, size):
         from pymtrace.target import libc
 
         self.pairs, self.size = pairs, size
@@ -176,7 +140,7 @@ class Storm:
         if not os.path.exists(self.libc):
             shutil.copy2(libc.system_libc(), self.libc)
         env = dict(os.environ, LD_LIBRARY_PATH=tmp)
-        self.proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout.readline().startswith("ready")
         if not any(m.path == self.libc for m in libc.read_maps(self.proc.pid)):
             raise SystemExit("the storm did not load the private libc copy")
@@ -258,10 +222,10 @@ def main():
     try:
         storm_bin = build_c(tmp, "storm", src_path=HERE / "storm.c")
         idle_bin = build_c(tmp, "idle", source=IDLE_C)
-        touch_bin = build_c(tmp, "touch", source=TOUCH_C)
+        touch_bin = build_c(tmp, "touch", src_path=HERE / "storm.c")  # its own name: comm "touch", as before
         storms = {
-            "malloc(64)+free": Storm(storm_bin, tmp, args.pairs, 64),
-            "malloc(256 KiB)+touch+free": Storm(touch_bin, tmp, max(1, args.pairs // 100), 256 << 10),
+            "malloc(64)+free": Storm([storm_bin], tmp, args.pairs, 64),
+            "malloc(256 KiB)+touch+free": Storm([touch_bin, "touch"], tmp, max(1, args.pairs // 100), 256 << 10),
         }
         res = {"pairs": args.pairs, "rounds": args.rounds, "phases": {}, "scrape": []}
         print("untraced ...", file=sys.stderr)

@@ -72,48 +72,6 @@ int ml_free_entry(struct pt_regs *ctx) {
 """
 
 
-# Page-fault storm on FRESH addresses: like storm.c's "N 0", but every 1024-page chunk is
-# mapped at a new address (MAP_FIXED_NOREPLACE, advancing through a 64 TiB-spaced window),
-# so each 64 KiB granule is new: the faults program creates a pf_regions key and sends a
-# pf_new record every 16 faults, and FaultCollector's reader re-reads /proc/PID/maps for
-# each new chunk (the worst case for region attribution). storm.c's storm reuses the same
-# addresses after its first chunk: no new granules there.
-FRESH_C = r"""
-#define _GNU_SOURCE
-#include <stdio.h>
-#include <sys/mman.h>
-#include <time.h>
-#include <unistd.h>
-static double now_ns(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1e9 + ts.tv_nsec; }
-int main(void)
-{
-    long n, page = sysconf(_SC_PAGESIZE), chunk = 1024;
-    unsigned long next = 0x100000000000UL;
-    printf("ready %d\n", (int)getpid());
-    fflush(stdout);
-    while (scanf("%ld", &n) == 1) {
-        double t0 = now_ns();
-        for (long done = 0; done < n; done += chunk) {
-            char *p = mmap((void *)next, chunk * page, PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
-            if (p == MAP_FAILED)
-                return 1;
-            next += chunk * page;
-            if (next >= 0x500000000000UL)
-                next = 0x100000000000UL;
-            madvise(p, chunk * page, MADV_NOHUGEPAGE);
-            for (long i = 0; i < chunk; i++)
-                p[i * page] = 1;
-            munmap(p, chunk * page);
-        }
-        printf("%.1f\n", (now_ns() - t0) / n);
-        fflush(stdout);
-    }
-    return 0;
-}
-"""
-
-
 class Attachments:
     """Uprobes/tracepoints of one compiled program that can be attached and detached."""
 
@@ -266,8 +224,12 @@ def main():
     fresh = fresh_modes = None
     fresh_results = {"untraced": [], "top": []}
     if args.fresh_fault_pages:
-        fresh_exe = build_c(tmp, "fresh", source=FRESH_C, flags=["-O2"])
-        fresh = subprocess.Popen([fresh_exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # storm.c's fresh-address fault storm: each 64 KiB granule is new, so the faults program
+        # creates a pf_regions key and sends a pf_new record every 16 faults, and
+        # FaultCollector's reader re-reads /proc/PID/maps for each new chunk (the worst case
+        # for region attribution); the "N 0" storm reuses its addresses after the first chunk
+        fresh_exe = build_c(tmp, "fresh", HERE / "storm.c", flags=["-O2"])
+        fresh = subprocess.Popen([fresh_exe, "fresh"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         fresh_pid = int(fresh.stdout.readline().split()[1])
         fc = fault_collector(fresh_pid)
         fresh_modes = {"untraced": [], "top": [Attachments(fc, (), tracepoints(fc, FAULT_TPS))]}

@@ -22,11 +22,11 @@ import tempfile
 
 from benchutil import build_c
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SRC = ROOT / "tests" / "support" / "workloads" / "record_storm.c"
+SRC = pathlib.Path(__file__).resolve().parent / "storm.c"
 
 
 def build(tmp):
+    """storm.c as `record_storm` (the traced command's name, as before); run it as [exe, "once", N]."""
     return build_c(tmp, "record_storm", SRC, flags=["-O2", "-fno-builtin", "-fno-omit-frame-pointer"])
 
 
@@ -38,7 +38,7 @@ def storm_ns(out):
 
 
 def untraced(exe, pairs):
-    return storm_ns(subprocess.run([exe, str(pairs)], capture_output=True, text=True, check=True).stdout)
+    return storm_ns(subprocess.run([exe, "once", str(pairs)], capture_output=True, text=True, check=True).stdout)
 
 
 def traced(exe, pairs, tmp, buffer_size, fmt="mtrace-bin"):
@@ -59,6 +59,7 @@ def traced(exe, pairs, tmp, buffer_size, fmt="mtrace-bin"):
             out,
             "--",
             exe,
+            "once",
             str(pairs),
         ],
         capture_output=True,

@@ -25,7 +25,7 @@
 # The guest's serial console goes to BOX-TIME.console.log next to the log.
 #   PYMTRACE_SHARED      host directory synced to /shared (default ../../shared)
 #   PYMTRACE_VM_TESTS    pytest arguments instead of the whole suite, e.g. a smoke run:
-#                        "tests/live/test_doctor.py tests/live/test_top_slab.py"
+#                        "tests/live/test_doctor_bpf.py tests/live/test_top_slab.py"
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

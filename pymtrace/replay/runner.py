@@ -1,13 +1,17 @@
-"""`pymtrace replay`: replay a workload against allocators and settings, side by side.
+"""The replay library behind `pymtrace replay`: build the native simulator, configure and run it.
 
 The replay itself is the native simulator pymtrace/replay/native/replay.c, compiled on first use
-into a cache directory keyed by the source's hash. Each configuration runs it in its own
-process with the allocator LD_PRELOADed, GLIBC_TUNABLES set and mallopt() called, --repeat
-times; the table shows medians. A configuration that fails (missing library, crash, the
-preload being ignored) is reported in its row and the others still run.
+into a cache directory keyed by the source's hash (trusted only if nobody else can write it).
+Each configuration (`Config`) runs it in its own process with the allocator LD_PRELOADed,
+GLIBC_TUNABLES set and mallopt() called (`run_once`); `median_result` folds repeated runs.
+What the simulator and Python share (call names, exit codes, mallopt parameters) is read from
+pymtrace/replay/native/wl.h. The table and the plot are pymtrace/replay/report.py's.
 """
 
+from __future__ import annotations
+
 import atexit
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,31 +22,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 
 from pymtrace.bpf import structs
 from pymtrace.errors import CorruptFile, PymtraceError
-from pymtrace.trace.files import atomic_output, check_new
-
-HELP = (
-    "Replay a .wl workload (or a binary trace, converted on the fly) against allocators and tunables and compare them."
-)
-EPILOG = """configurations (one table row each):
-  --allocator NAME[:SETTING,...]   NAME: glibc, jemalloc, tcmalloc, mimalloc or /path/lib.so
-      SETTING: glibc.malloc.X=V (GLIBC_TUNABLES), M_NAME=V (mallopt), trim=N (malloc_trim)
-  --tunable/--mallopt/--trim-interval apply to every configuration.
-
-examples:
-  pymtrace replay app.wl --allocator glibc --allocator jemalloc --allocator tcmalloc
-  pymtrace replay app.mtrace --allocator glibc --allocator glibc:glibc.malloc.arena_max=1 --repeat 5
-  pymtrace replay app.wl --allocator glibc:M_MMAP_THRESHOLD=65536,trim=10000 --plot cmp.png --json
-  pymtrace replay app.wl --text        # upstream trace_run style report per run
-
-Times are CPU cycles from RDTSCP (the 'unit' column says ns when the CPU has none and
-clock_gettime was used). Max RSS is the simulator's peak RSS during the replay (VmHWM):
-the allocator's memory plus the simulator's own (tables, code), not the workload file, whose
-pages are dropped as they are replayed. Ideal RSS is the peak of requested live bytes; peak
-anon RSS comes from /proc/self/statm sampled every --sample-ms. --timeout also bounds the
-validation of the workload."""
 
 NATIVE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "replay.c")
 NATIVE_HEADER = os.path.join(os.path.dirname(NATIVE_SRC), "wl.h")  # the contract, read by both sides
@@ -51,24 +34,15 @@ KNOWN_ALLOCATORS = {
     "glibc": None,
     "jemalloc": ["libjemalloc.so.2", "libjemalloc.so"],
     "tcmalloc": ["libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"],
-    "mimalloc": ["libmimalloc.so.2", "libmimalloc.so"],
-}
-MALLOPT_NAMES = {
-    "M_MXFAST",
-    "M_NLBLKS",
-    "M_GRAIN",
-    "M_KEEP",
-    "M_TRIM_THRESHOLD",
-    "M_TOP_PAD",
-    "M_MMAP_THRESHOLD",
-    "M_MMAP_MAX",
-    "M_CHECK_ACTION",
-    "M_PERTURB",
-    "M_ARENA_TEST",
-    "M_ARENA_MAX",
+    "mimalloc": ["libmimalloc.so.2", "libmimalloc.so.3", "libmimalloc.so"],  # .3: Debian 13
 }
 _WL = structs.native_header("wl")
 CALL_TYPES = list(_WL.names("WL_CALL_").values())  # the simulator's "calls", in its order
+# mallopt() parameters the simulator knows by name: {"M_MMAP_THRESHOLD": -3, ...}
+MALLOPT_PARAMS = {
+    "M_" + name[len("WL_MALLOPT_") :]: value for name, value in _WL.consts.items() if name.startswith("WL_MALLOPT_")
+}
+MALLOPT_NAMES = frozenset(MALLOPT_PARAMS)
 EXIT_MEANING = {
     _WL.consts["WL_EXIT_INVALID"]: "invalid workload",
     _WL.consts["WL_EXIT_DEADLOCK"]: "deadlock or stall",
@@ -76,73 +50,15 @@ EXIT_MEANING = {
 }
 
 
-def configure(parser):
-    parser.add_argument("workload", help=".wl workload, or a binary mtrace trace (converted first)")
-    parser.add_argument(
-        "--allocator",
-        action="append",
-        metavar="NAME[:SETTINGS]",
-        help="a configuration to run (repeatable; default glibc)",
-    )
-    parser.add_argument(
-        "--tunable",
-        action="append",
-        default=[],
-        metavar="glibc.malloc.X=V",
-        help="GLIBC_TUNABLES entry for every configuration (repeatable)",
-    )
-    parser.add_argument(
-        "--mallopt",
-        action="append",
-        default=[],
-        metavar="M_NAME=V",
-        help="mallopt() setting for every configuration (repeatable)",
-    )
-    parser.add_argument(
-        "--trim-interval",
-        type=int,
-        default=0,
-        metavar="N",
-        help="each replay thread calls malloc_trim(0) after every N of its calls",
-    )
-    parser.add_argument(
-        "--repeat", type=int, default=1, metavar="K", help="run each configuration K times, report medians"
-    )
-    parser.add_argument(
-        "--sync",
-        choices=("futex", "mutex"),
-        default="futex",
-        help="cross-thread ordering: futex words (default) or upstream's mutex+condvar",
-    )
-    parser.add_argument("--timer", choices=("auto", "rdtscp", "clock"), default="auto")
-    parser.add_argument("--sample-ms", type=int, default=5, metavar="MS", help="RSS sampling interval (default 5)")
-    parser.add_argument(
-        "--no-fill", action="store_true", help="do not write 0x11/0x22 into blocks (pages stay untouched)"
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=600,
-        metavar="S",
-        help="stop validating the workload, or a run, after S seconds (default 600)",
-    )
-    parser.add_argument("--plot", metavar="FILE.png|svg", help="plot RSS over time and cycles per call type")
-    parser.add_argument(
-        "--force", action="store_true", help="replace the --plot FILE if it exists (never through a symlink)"
-    )
-    parser.add_argument("--json", action="store_true", help="print all results as JSON instead of the table")
-    parser.add_argument("--text", action="store_true", help="also print each run's upstream-style text report")
-
-
 # -- building the simulator ----------------------------------------------------------------
-def _cache_dir():
+def _cache_dir() -> str:
     base = os.environ.get("PYMTRACE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pymtrace"
     )
     return os.path.join(base, "native")
 
 
-def _untrusted(path, kind):
+def _untrusted(path: str, kind: str) -> str | None:
     """Why PATH (kind "file" or "dir") or a directory above it could be changed by someone
     other than this user or root, or None. A sticky directory (like /tmp) may be writable
     by others: they cannot rename or remove what they do not own in it."""
@@ -165,7 +81,7 @@ def _untrusted(path, kind):
         path, kind = parent, "dir"
 
 
-def _build(compiler, directory, exe):
+def _build(compiler: str, directory: str, exe: str) -> None:
     """Compile the simulator into a private directory inside DIRECTORY, then rename it to EXE
     (atomic: concurrent builders just race to the same result)."""
     try:
@@ -189,7 +105,7 @@ def _build(compiler, directory, exe):
         shutil.rmtree(work, ignore_errors=True)
 
 
-def simulator_path():
+def simulator_path() -> str:
     """Path of the compiled simulator, building it if this source has not been built yet.
 
     The cache is used only if it and every directory above it belong to this user (or root)
@@ -234,7 +150,7 @@ def simulator_path():
 
 
 # -- configurations -------------------------------------------------------------------------
-def find_library(name):
+def find_library(name: str) -> str:
     """Path of an allocator library, or raise PymtraceError saying what is missing."""
     if "/" in name:
         if not os.path.exists(name):
@@ -247,14 +163,18 @@ def find_library(name):
     for cand in candidates:
         if cand in found:
             return os.path.realpath(found[cand])
-    pkg = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4", "mimalloc": "libmimalloc2.0"}[name]
+    pkg = {
+        "jemalloc": "libjemalloc2",
+        "tcmalloc": "libtcmalloc-minimal4",
+        "mimalloc": "libmimalloc2.0 (Debian 13: libmimalloc3)",
+    }[name]
     raise PymtraceError(f"{name} not installed ({' / '.join(candidates)} not in ldconfig; Debian: apt install {pkg})")
 
 
 _LDCONFIG = None
 
 
-def _ldconfig():
+def _ldconfig() -> dict[str, str]:
     global _LDCONFIG
     if _LDCONFIG is None:
         _LDCONFIG = {}
@@ -270,7 +190,10 @@ def _ldconfig():
 
 
 class Config:
-    def __init__(self, spec, tunables=(), mallopts=(), trim=0):
+    """One configuration (one table row): an allocator with its tunables, mallopt() settings
+    and malloc_trim interval, parsed and checked from `NAME[:SETTING,...]`."""
+
+    def __init__(self, spec: str, tunables: Iterable[str] = (), mallopts: Iterable[str] = (), trim: int = 0):
         name, _, settings = spec.partition(":")
         self.spec = spec
         self.allocator = name or "glibc"
@@ -308,13 +231,41 @@ class Config:
                 raise PymtraceError(f"mallopt setting {m!r}: {value!r} is not a number") from None
 
     @property
-    def label(self):
+    def label(self) -> str:
+        """The configuration as the table's first column shows it."""
         parts = [self.allocator] + self.tunables + self.mallopts + ([f"trim={self.trim}"] if self.trim else [])
         return " ".join(parts)
 
 
-def run_once(sim, wl_path, cfg, args, json_path):
-    """Run the simulator once; returns (result dict or None, error string or None, text)."""
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How every configuration's simulator runs (the replay command's common options)."""
+
+    sync: str = "futex"  # cross-thread ordering: "futex" or "mutex"
+    timer: str = "auto"  # "auto", "rdtscp" or "clock"
+    sample_ms: int = 5  # RSS sampling interval
+    text: bool = False  # also produce the upstream-style text report
+    no_fill: bool = False  # do not write into the blocks
+    timeout: float = 600  # seconds for one run
+
+
+def check_workload(sim: str, wl_path: str, name: str, timeout: float) -> None:
+    """Validate the workload with the simulator's --check (bounded by TIMEOUT seconds); raise
+    CorruptFile with the simulator's one-line reason if it is invalid."""
+    try:
+        check = subprocess.run([sim, "--check", wl_path], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise PymtraceError(f"{name}: validating the workload took more than --timeout {timeout:g} s") from None
+    if check.returncode != 0:
+        msg = (check.stderr.strip().splitlines() or ["invalid workload"])[-1]
+        raise CorruptFile(msg.split(": ", 1)[-1] if msg.startswith("pymtrace-replay: ") else msg)
+
+
+def run_once(
+    sim: str, wl_path: str, cfg: Config, options: RunOptions, json_path: str
+) -> tuple[dict | None, str | None, str]:
+    """Run the simulator SIM once on WL_PATH under configuration CFG, its --json report going to
+    JSON_PATH; returns (result dict or None, error string or None, the text report)."""
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     lib = None
@@ -325,10 +276,20 @@ def run_once(sim, wl_path, cfg, args, json_path):
         env["GLIBC_TUNABLES"] = ":".join(cfg.tunables)
     else:
         env.pop("GLIBC_TUNABLES", None)
-    cmd = [sim, "--json", json_path, "--sync", args.sync, "--timer", args.timer, "--sample-ms", str(args.sample_ms)]
-    if args.text:
+    cmd = [
+        sim,
+        "--json",
+        json_path,
+        "--sync",
+        options.sync,
+        "--timer",
+        options.timer,
+        "--sample-ms",
+        str(options.sample_ms),
+    ]
+    if options.text:
         cmd.append("--text")
-    if args.no_fill:
+    if options.no_fill:
         cmd.append("--no-fill")
     if cfg.trim:
         cmd += ["--trim", str(cfg.trim)]
@@ -336,9 +297,9 @@ def run_once(sim, wl_path, cfg, args, json_path):
         cmd += ["--mallopt", m]
     cmd.append(wl_path)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=options.timeout)
     except subprocess.TimeoutExpired:
-        return None, f"timed out after {args.timeout:g} s", ""
+        return None, f"timed out after {options.timeout:g} s", ""
     err = proc.stderr.strip()
     if proc.returncode < 0:
         try:
@@ -369,7 +330,7 @@ def run_once(sim, wl_path, cfg, args, json_path):
     return result, None, proc.stdout
 
 
-def _median_result(results):
+def median_result(results: list[dict]) -> dict:
     """Per-field medians over repeated runs; the RSS curve is the median-wall run's."""
     if len(results) == 1:
         return results[0]
@@ -390,8 +351,9 @@ def _median_result(results):
     return out
 
 
-def prepare_workload(path, tmpdir):
-    """A .wl path for PATH: itself, or a conversion of the binary trace it holds."""
+def prepare_workload(path: str, tmpdir: str) -> tuple[str, dict | None]:
+    """A .wl path for PATH: itself, or a conversion of the binary trace it holds (into TMPDIR);
+    with the conversion's statistics, or None when PATH is used as it is."""
     from pymtrace.trace.formats import mtrace_bin
 
     try:
@@ -408,154 +370,3 @@ def prepare_workload(path, tmpdir):
     out = os.path.join(tmpdir, "workload.wl")
     stats, counts = workload.convert_file(path, out, max_warnings=5)
     return out, stats
-
-
-def _fmt(v, digits=0):
-    if v is None:
-        return ""
-    if isinstance(v, float) and digits:
-        return f"{v:,.{digits}f}"
-    return f"{int(round(v)):,}"
-
-
-def table_rows(rows):
-    """(headers, rows) for tabulate from [(label, result|None, error|None)]."""
-    types = [t for t in CALL_TYPES if any(r and t in r["calls"] and r["calls"][t]["count"] for _, r, _ in rows)]
-    headers = [
-        "configuration",
-        "status",
-        "wall ms",
-        "cpu ms",
-        "Max RSS KiB (no .wl)",
-        "peak anon KiB",
-        "Ideal KiB",
-        "unit",
-    ]
-    for t in types:
-        headers += [f"{t} mean", f"{t} p99"]
-    headers += ["calls"]
-    out = []
-    for label, r, err in rows:
-        if r is None:
-            out.append([label, err] + [""] * (len(headers) - 2))
-            continue
-        notes = []
-        if r.get("runs", 1) > 1:
-            notes.append(f"median of {r['runs']}")
-        if r.get("uprobed"):
-            notes.append("UPROBED: " + r["uprobed"].split()[0] + "... times include trace traps")
-        line = [
-            label,
-            "ok" + (f" ({'; '.join(notes)})" if notes else ""),
-            _fmt(r["wall_us"] / 1000, 1),
-            _fmt((r["cpu_user_us"] + r["cpu_sys_us"]) / 1000, 1),
-            _fmt(r["max_rss_kb"]),
-            _fmt(r["anon_rss_peak_kb"]),
-            _fmt(r["ideal_rss_peak_bytes"] / 1024),
-            r["unit"],
-        ]
-        for t in types:
-            c = r["calls"].get(t)
-            line += [_fmt(c["mean"]) if c and c["count"] else "", _fmt(c["p99"]) if c and c["count"] else ""]
-        line.append(_fmt(sum(c["count"] for k, c in r["calls"].items() if k != "malloc_trim")))
-        out.append(line)
-    return headers, out
-
-
-def plot(rows, path, force=False):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PymtraceError("--plot needs matplotlib (pip install 'pymtrace[plot]')") from None
-    ok = [(label, r) for label, r, _ in rows if r is not None]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 8))
-    for label, r in ok:
-        xs = [s[0] / 1000 for s in r["rss_samples"]]
-        ax1.plot(xs, [s[2] / 1024 for s in r["rss_samples"]], label=label)
-    ok = [(label + (" (uprobed: times include traps)" if r.get("uprobed") else ""), r) for label, r in ok]
-    ax1.set_xlabel("time (ms)")
-    ax1.set_ylabel("anonymous RSS (MiB)")
-    ax1.set_title("RSS over time")
-    if ok:
-        ax1.legend(fontsize="small")
-    types = [t for t in CALL_TYPES if any(t in r["calls"] and r["calls"][t]["count"] for _, r in ok)]
-    width = 0.8 / max(1, len(ok))
-    for i, (label, r) in enumerate(ok):
-        vals = [r["calls"][t]["mean"] if t in r["calls"] else 0 for t in types]
-        ax2.bar([x + i * width for x in range(len(types))], vals, width, label=label)
-    ax2.set_xticks([x + width * (len(ok) - 1) / 2 for x in range(len(types))])
-    ax2.set_xticklabels(types)
-    ax2.set_ylabel(f"mean {ok[0][1]['unit'] if ok else 'cycles'} per call")
-    ax2.set_yscale("log")
-    ax2.set_title("cost per call type")
-    if ok:
-        ax2.legend(fontsize="small")
-    fig.tight_layout()
-    fmt = os.path.splitext(path)[1][1:].lower() or "png"
-    try:
-        with atomic_output(path, force) as out:
-            fig.savefig(out, format=fmt)
-    except (OSError, ValueError) as exc:
-        raise PymtraceError(f"cannot write the plot {path}: {exc}") from None
-    plt.close(fig)
-
-
-def run(args):
-    if args.repeat < 1:
-        raise PymtraceError("--repeat must be at least 1")
-    if args.plot:
-        check_new(args.plot, args.force)  # before the replay, not after it
-    specs = args.allocator or ["glibc"]
-    configs = [Config(s, args.tunable, args.mallopt, args.trim_interval) for s in specs]
-    sim = simulator_path()
-    with tempfile.TemporaryDirectory(prefix="pymtrace-replay-") as tmp:
-        wl_path, conv = prepare_workload(args.workload, tmp)
-        try:
-            check = subprocess.run([sim, "--check", wl_path], capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            raise PymtraceError(
-                f"{args.workload}: validating the workload took more than --timeout {args.timeout:g} s"
-            ) from None
-        if check.returncode != 0:
-            msg = (check.stderr.strip().splitlines() or ["invalid workload"])[-1]
-            raise CorruptFile(msg.split(": ", 1)[-1] if msg.startswith("pymtrace-replay: ") else msg)
-        rows = []
-        for n, cfg in enumerate(configs):
-            results, error = [], None
-            for k in range(args.repeat):
-                try:
-                    res, error, text = run_once(sim, wl_path, cfg, args, os.path.join(tmp, f"run{n}-{k}.json"))
-                except PymtraceError as exc:
-                    res, error, text = None, str(exc), ""
-                if args.text and text:
-                    print(f"== {cfg.label} (run {k + 1}) ==\n{text}", file=sys.stderr if args.json else sys.stdout)
-                if error:
-                    break
-                results.append(res)
-            rows.append((cfg.label, _median_result(results) if not error else None, error))
-    if args.plot:
-        plot(rows, args.plot, args.force)
-    if args.json:
-        json.dump(
-            {
-                "workload": args.workload,
-                "converted": conv,
-                "configurations": [{"configuration": label, "error": err, "result": r} for label, r, err in rows],
-            },
-            sys.stdout,
-            indent=1,
-        )
-        print()
-    else:
-        from tabulate import tabulate
-
-        headers, body = table_rows(rows)
-        print(
-            tabulate(
-                body, headers=headers, disable_numparse=True, colalign=["left", "left"] + ["right"] * (len(headers) - 2)
-            )
-        )
-    return 0 if any(r is not None for _, r, _ in rows) else 1

@@ -1,4 +1,4 @@
-"""`pymtrace workload TRACE -o OUT.wl`: convert a binary call trace into a replay workload.
+"""Convert a binary call trace into a .wl replay workload (the library of `pymtrace workload`).
 
 Reads a `pymtrace record` trace or an upstream dj/malloc mtrace.out (`-` = stdin) and writes
 the .wl format that `pymtrace replay` and upstream trace_run read (docs/formats.md, section 3).
@@ -30,26 +30,18 @@ index reuse race-free without extra syncs. Forgetting only drops a SYNC that ord
 address's reuse after its free in another thread (replay slots differ, so nothing breaks).
 """
 
+from __future__ import annotations
+
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterable
+from typing import BinaryIO
 
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.trace.files import atomic_output
 from pymtrace.trace.formats import mtrace_bin as mb
 from pymtrace.trace.formats import wl
-
-HELP = "Convert a binary malloc call trace (pymtrace record or upstream mtrace.out) into a .wl replay workload."
-EPILOG = """examples:
-  pymtrace workload app.mtrace -o app.wl
-  cat mtrace.out.1234 | pymtrace workload - -o app.wl
-  pymtrace workload --upstream-compat mtrace.out.1234 -o same-bytes-as-trace2wl.wl
-  pymtrace workload --for-trace-run app.mtrace -o app.wl   # also replayable by upstream trace_run
-
-Memory stays bounded by the live pointers, threads and --freed-cache, not the trace size;
-per-thread streams are spooled to a temporary file (--tmpdir, default $TMPDIR).
-Warnings about unrepaired inversions and invalid frees go to stderr, one line per record
-(the first --max-warnings); the summary line (stdout, or stderr with -o -) counts them all."""
 
 FLUSH_BYTES = 16384
 _SMALL = [wl.encode_varint(v) for v in range(1 << 14)]
@@ -68,44 +60,6 @@ _ALLOC_OP = {
     mb.VALLOC: wl.VALLOC,
     mb.PVALLOC: wl.PVALLOC,
 }
-
-
-def configure(parser):
-    parser.add_argument("trace", help="binary trace file, or - for standard input")
-    parser.add_argument("-o", "--output", required=True, help="output .wl file (- for standard output)")
-    parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never through a symlink)")
-    parser.add_argument(
-        "--upstream-compat",
-        action="store_true",
-        help="reproduce upstream trace2wl's output byte for byte, defects included",
-    )
-    parser.add_argument(
-        "--for-trace-run",
-        action="store_true",
-        help="write valloc/pvalloc as MEMALIGN(pagesize, ...) so upstream trace_run, which aborts "
-        "on VALLOC/PVALLOC, can replay the file",
-    )
-    parser.add_argument(
-        "--freed-cache",
-        type=int,
-        default=DEFAULT_FREED_CACHE,
-        metavar="N",
-        help=f"freed addresses remembered before their index is recycled (default {DEFAULT_FREED_CACHE})",
-    )
-    parser.add_argument("--tmpdir", help="directory for the spooled thread streams")
-    parser.add_argument(
-        "--max-warnings",
-        type=int,
-        default=20,
-        metavar="N",
-        help="per-record warnings printed (default 20; the summary counts all)",
-    )
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="progress bar on stderr (auto: when stderr is a terminal)",
-    )
 
 
 class _Thread:
@@ -139,12 +93,12 @@ class Converter:
 
     def __init__(
         self,
-        compat=False,
-        freed_cache=DEFAULT_FREED_CACHE,
-        tmpdir=None,
-        warn=None,
-        max_warnings=20,
-        valloc_as_memalign=False,
+        compat: bool = False,
+        freed_cache: int = DEFAULT_FREED_CACHE,
+        tmpdir: str | None = None,
+        warn: Callable[[str], None] | None = None,
+        max_warnings: int = 20,
+        valloc_as_memalign: bool = False,
     ):
         self.compat = compat
         self.valloc_as_memalign = valloc_as_memalign
@@ -173,7 +127,7 @@ class Converter:
         self.live_bytes = self.peak_bytes = 0  # requested bytes of live blocks, in trace order
 
     @property
-    def counts(self):
+    def counts(self) -> dict[str, int]:
         """Calls per type name in the trace."""
         return {mb.TYPE_NAMES.get(t, f"type{t}"): n for t, n in self._tcounts.items()}
 
@@ -293,7 +247,7 @@ class Converter:
         self.stats["inversions_fixed"] += 1
 
     # -- the conversion ----------------------------------------------------------------
-    def set_magic_thread(self, tid):
+    def set_magic_thread(self, tid: int) -> None:
         """Upstream processes the MAGIC record like a call: its thread becomes the master
         thread and its ptr1 0x1234 takes pointer index 1. Only --upstream-compat copies that."""
         if self.compat:
@@ -302,7 +256,8 @@ class Converter:
             t.started = True
             self._addr(mb.MAGIC_PTR, t)
 
-    def feed(self, rec):
+    def feed(self, rec: mb.Record) -> None:
+        """Convert one record (in trace order)."""
         self.recno += 1
         tc = self._tcounts
         tc[rec.type] = tc.get(rec.type, 0) + 1
@@ -310,7 +265,7 @@ class Converter:
             self._evict()
         self._process(rec, self.recno)
 
-    def feed_all(self, records):
+    def feed_all(self, records: Iterable[mb.Record]) -> None:
         """feed() for an iterable, with the common case (malloc/free of a known thread) inlined."""
         if self.compat:
             for rec in records:
@@ -481,7 +436,7 @@ class Converter:
             elif not self.compat and not x.valid:
                 self._forgettable(x.ptr)
 
-    def finish(self, out):
+    def finish(self, out: BinaryIO) -> dict[str, int]:
         """Report unrepaired inversions, then write the .wl to the binary file object OUT."""
         for a in list(self.addrs.values()):
             for rec, recno in a.pending or ():
@@ -566,18 +521,18 @@ def _progress_bar(total, mode):
 
 
 def convert_stream(
-    stream,
-    out,
-    name="trace",
-    compat=False,
-    freed_cache=DEFAULT_FREED_CACHE,
-    tmpdir=None,
-    total=None,
-    progress="never",
-    warn=None,
-    max_warnings=20,
-    valloc_as_memalign=False,
-):
+    stream: BinaryIO,
+    out: BinaryIO,
+    name: str = "trace",
+    compat: bool = False,
+    freed_cache: int = DEFAULT_FREED_CACHE,
+    tmpdir: str | None = None,
+    total: int | None = None,
+    progress: str = "never",
+    warn: Callable[[str], None] | None = None,
+    max_warnings: int = 20,
+    valloc_as_memalign: bool = False,
+) -> tuple[dict[str, int], dict[str, int]]:
     """Convert a binary trace stream into .wl bytes written to OUT; returns (stats, counts)."""
     first = stream.read(mb.RECORD_SIZE)
     try:
@@ -599,7 +554,7 @@ def convert_stream(
     return stats, conv.counts
 
 
-def convert_file(src, dst, force=False, **kw):
+def convert_file(src: str, dst: str, force: bool = False, **kw) -> tuple[dict[str, int], dict[str, int]]:
     """Convert trace file SRC ('-' = stdin) into .wl file DST ('-' = stdout; an existing DST is
     refused unless FORCE)."""
     if src == "-":
@@ -618,38 +573,3 @@ def convert_file(src, dst, force=False, **kw):
     finally:
         if stream is not sys.stdin.buffer:
             stream.close()
-
-
-def run(args):
-    if args.output != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise PymtraceError(f"output directory of {args.output} does not exist")
-    stats, counts = convert_file(
-        args.trace,
-        args.output,
-        force=args.force,
-        compat=args.upstream_compat,
-        freed_cache=args.freed_cache,
-        tmpdir=args.tmpdir,
-        progress=args.progress,
-        max_warnings=args.max_warnings,
-        valloc_as_memalign=args.for_trace_run,
-    )
-    dest = sys.stderr if args.output == "-" else sys.stdout
-    extra = []
-    for key in (
-        "inversions_fixed",
-        "inversions_unrepaired",
-        "invalid_frees",
-        "null_results",
-        "unknown_reallocs",
-        "forgotten_addresses",
-    ):
-        if stats[key]:
-            extra.append(f"{key.replace('_', ' ')} {stats[key]}")
-    print(
-        f"{args.output}: {stats['records']} calls, {stats['threads']} threads, {stats['syncs']} syncs, "
-        f"{stats['pointer_slots']} pointer slots, {stats['bytes']} bytes, "
-        f"ideal RSS {stats['ideal_rss_bytes']} bytes" + (" (" + ", ".join(extra) + ")" if extra else ""),
-        file=dest,
-    )
-    return 0

@@ -1,5 +1,6 @@
 """Contracts defined once in a C header and read by Python: what Python reads is what gcc sees."""
 
+import json
 import re
 import shutil
 import struct
@@ -28,9 +29,10 @@ def _gcc(tmp_path, name, lines, include):
 
 def test_wl_header_constants_python_reads_equal_what_gcc_compiles(tmp_path):
     """pymtrace/replay/native/wl.h (included by replay.c) is the only definition of the .wl opcodes,
-    their argument counts, the simulator's call names, exit codes and limits: every constant
-    Python parses from it has gcc's value, no numeric macro is missed, and formats/wl.py and
-    replay.py hold exactly what the C tables built from it hold."""
+    their argument counts, the simulator's call names, mallopt parameters, exit codes and
+    limits: every constant Python parses from it has gcc's value, no numeric macro is missed,
+    formats/wl.py and replay/runner.py hold exactly what the C tables built from it hold, and
+    each mallopt parameter is <malloc.h>'s."""
     h = structs.native_header("wl")
     macros = subprocess.run(
         ["gcc", "-dM", "-E", str(NATIVE / "wl.h")], capture_output=True, text=True, check=True
@@ -39,14 +41,16 @@ def test_wl_header_constants_python_reads_equal_what_gcc_compiles(tmp_path):
     assert set(h.consts) == object_like  # every value macro of wl.h is a constant Python reads
 
     prog = [
+        "#include <malloc.h>",
         "#include <stdio.h>",
         '#include "wl.h"',
         '#define OP(op) printf("op %d %s %d\\n", WL_OP_##op, #op, WL_NARGS_##op);',
         '#define CALL(c) printf("call %d %s\\n", WL_CALL_##c, #c);',
+        '#define MALLOPT(n) printf("mallopt M_%s %d %d\\n", #n, WL_MALLOPT_##n, M_##n);',
         "int main(void) {",
     ]
-    prog += [f'printf("const {n} %llu\\n", (unsigned long long)({n}));' for n in sorted(h.consts)]
-    prog += ["WL_OPS(OP) WL_CALLS(CALL) return 0; }"]
+    prog += [f'printf("const {n} %lld\\n", (long long)({n}));' for n in sorted(h.consts)]
+    prog += ["WL_OPS(OP) WL_CALLS(CALL) WL_MALLOPTS(MALLOPT) return 0; }"]
     out = _gcc(tmp_path, "wl_consts", prog, NATIVE)
 
     c_consts = {line.split()[1]: int(line.split()[2]) for line in out if line.startswith("const ")}
@@ -65,6 +69,27 @@ def test_wl_header_constants_python_reads_equal_what_gcc_compiles(tmp_path):
         c_consts["WL_MAX_ALIGN"],
     )
     assert set(replay.EXIT_MEANING) == {c_consts[f"WL_EXIT_{n}"] for n in ("INVALID", "DEADLOCK", "RESOURCE")}
+    c_mallopts = [line.split()[1:] for line in out if line.startswith("mallopt ")]
+    assert len(c_mallopts) == c_consts["WL_NMALLOPTS"]
+    assert replay.MALLOPT_PARAMS == {name: int(wl_value) for name, wl_value, _ in c_mallopts}
+    assert all(wl_value == glibc_value for _, wl_value, glibc_value in c_mallopts), c_mallopts  # <malloc.h>'s
+    assert replay.MALLOPT_NAMES == set(replay.MALLOPT_PARAMS)
+
+
+def test_simulator_knows_every_mallopt_name_python_accepts(tmp_path, monkeypatch):
+    """replay.c's --mallopt table is built from wl.h: the compiled simulator maps each name
+    `pymtrace replay` accepts to the parameter number Python read from wl.h."""
+    monkeypatch.setenv("PYMTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    sim = replay.simulator_path()
+    path = tmp_path / "empty.wl"
+    path.write_bytes(wl.build(2, 1, [bytes((wl.DONE,))]))
+    report = tmp_path / "report.json"
+    cmd = [sim, "--json", str(report)]
+    for name in sorted(replay.MALLOPT_PARAMS):
+        cmd += ["--mallopt", f"{name}=0"]
+    subprocess.run([*cmd, str(path)], check=True, capture_output=True, timeout=60)
+    got = {m["name"]: m["param"] for m in json.loads(report.read_text())["mallopt"]}
+    assert got == replay.MALLOPT_PARAMS
 
 
 def test_simulator_is_rebuilt_when_the_contract_changes(tmp_path, monkeypatch):

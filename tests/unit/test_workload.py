@@ -11,6 +11,7 @@ import pytest
 from conftest import PYMTRACE, run_pymtrace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.replay import REFERENCE_RECORDS, UPSTREAM
 
 from pymtrace.errors import CorruptFile
 from pymtrace.trace import workload
@@ -19,29 +20,6 @@ from pymtrace.trace.formats import wl
 
 R = mb.Record
 A, B = 1000, 1016
-
-REFERENCE_RECORDS = [
-    R(A, mb.MALLOC, 0, 0x1000, 16),
-    R(A, mb.CALLOC, 0, 0x2000, 32),
-    R(A, mb.REALLOC, 0x1000, 0x3000, 64),
-    R(B, mb.FREE, 0x2000),
-    R(B, mb.MEMALIGN, 0, 0x4000, 100, 64),
-    R(A, mb.FREE, 0x3000),
-    R(A, mb.FREE, 0),
-    R(A, mb.MALLOC, 0, 0x2000, 24),
-    R(A, mb.MALLOC, 0, 0x4000, 8),
-    R(B, mb.FREE, 0x4000),
-    R(A, mb.POSIX_MEMALIGN, 0, 0x5000, 48, 32),
-    R(A, mb.FREE, 0x999),
-    R(A, mb.MALLOC, 0, 0, 1 << 40),
-]
-# docs/formats.md: upstream trace2wl's output for the trace above
-UPSTREAM_HEX = (
-    "080809040a020b0b0b3401"
-    "020210 030320 04040240 0601 0602 0504 0500 0703 020318 0704 020508 0c062030 0200a08080808000 01"
-    "0701 0702 0503 0c054064 0603 0505 0604 01"
-)
-UPSTREAM = bytes.fromhex(UPSTREAM_HEX.replace(" ", ""))
 
 
 def trace_bytes(records, magic_tid=None):

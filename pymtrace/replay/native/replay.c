@@ -1074,13 +1074,15 @@ struct mallopt_setting {
 static struct mallopt_setting mallopts[32];
 static int n_mallopts;
 
+/* the names --mallopt knows, from wl.h; each number is <malloc.h>'s */
+#define WL_MALLOPT_ENTRY(name) {"M_" #name, WL_MALLOPT_##name},
+#define WL_MALLOPT_SAME(name)                                                                                \
+    _Static_assert(WL_MALLOPT_##name == M_##name, "wl.h disagrees with <malloc.h>: M_" #name);
+WL_MALLOPTS(WL_MALLOPT_SAME)
 static const struct {
     const char *name;
     int param;
-} mallopt_names[] = {
-    {"M_MXFAST", 1},          {"M_NLBLKS", 2},   {"M_GRAIN", 3},           {"M_KEEP", 4},
-    {"M_TRIM_THRESHOLD", -1}, {"M_TOP_PAD", -2}, {"M_MMAP_THRESHOLD", -3}, {"M_MMAP_MAX", -4},
-    {"M_CHECK_ACTION", -5},   {"M_PERTURB", -6}, {"M_ARENA_TEST", -7},     {"M_ARENA_MAX", -8}};
+} mallopt_names[WL_NMALLOPTS] = {WL_MALLOPTS(WL_MALLOPT_ENTRY)};
 
 /* VmHWM back to the current RSS (Linux >= 4.0), so that it measures the replay only, not the
    validation pass that read the whole file; 0 if the kernel refuses */

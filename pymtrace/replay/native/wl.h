@@ -1,10 +1,11 @@
 /* wl.h: the replay contract, defined once.
  *
  * The .wl workload format (docs/formats.md, section 3), the call names the simulator
- * reports, its exit codes and the limits its validator shares with Python's.  replay.c
- * includes this file; pymtrace/trace/formats/wl.py and pymtrace/replay/runner.py read it at import time
- * with pymtrace.bpf.structs.parse, which understands only `#define NAME NUMBER` (so every value
- * here is a plain number: no expressions, no enums).
+ * reports, the mallopt() parameters it knows by name, its exit codes and the limits its
+ * validator shares with Python's.  replay.c includes this file; pymtrace/trace/formats/wl.py
+ * and pymtrace/replay/runner.py read it at import time with pymtrace.bpf.structs.parse,
+ * which understands only `#define NAME NUMBER` (so every value here is a plain number: no
+ * expressions, no enums).
  */
 #ifndef PYMTRACE_WL_H
 #define PYMTRACE_WL_H
@@ -87,6 +88,41 @@
 #define WL_COUNT_(x) +1
 _Static_assert(0 WL_OPS(WL_COUNT_) == WL_NOPS, "WL_OPS lists every opcode");
 _Static_assert(0 WL_CALLS(WL_COUNT_) == WL_NCALLS, "WL_CALLS lists every call type");
+
+/* The mallopt() parameters `--mallopt M_<name>=VALUE` knows by name (pymtrace replay accepts
+   these names, the simulator maps them to these numbers): glibc's <malloc.h> values, which
+   replay.c checks at compile time. */
+#define WL_MALLOPT_MXFAST         1
+#define WL_MALLOPT_NLBLKS         2
+#define WL_MALLOPT_GRAIN          3
+#define WL_MALLOPT_KEEP           4
+#define WL_MALLOPT_TRIM_THRESHOLD -1
+#define WL_MALLOPT_TOP_PAD        -2
+#define WL_MALLOPT_MMAP_THRESHOLD -3
+#define WL_MALLOPT_MMAP_MAX       -4
+#define WL_MALLOPT_CHECK_ACTION   -5
+#define WL_MALLOPT_PERTURB        -6
+#define WL_MALLOPT_ARENA_TEST     -7
+#define WL_MALLOPT_ARENA_MAX      -8
+#define WL_NMALLOPTS              12
+
+/* X(name) for every mallopt parameter above (C builds its name table from it). */
+/* clang-format off */
+#define WL_MALLOPTS(X) \
+    X(MXFAST) \
+    X(NLBLKS) \
+    X(GRAIN) \
+    X(KEEP) \
+    X(TRIM_THRESHOLD) \
+    X(TOP_PAD) \
+    X(MMAP_THRESHOLD) \
+    X(MMAP_MAX) \
+    X(CHECK_ACTION) \
+    X(PERTURB) \
+    X(ARENA_TEST) \
+    X(ARENA_MAX)
+/* clang-format on */
+_Static_assert(0 WL_MALLOPTS(WL_COUNT_) == WL_NMALLOPTS, "WL_MALLOPTS lists every mallopt parameter");
 
 /* The simulator's exit status (a signal: it crashed, e.g. in the allocator under test). */
 #define WL_EXIT_OK       0

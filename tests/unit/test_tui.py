@@ -1,4 +1,5 @@
-"""The full-screen UI driven in tmux (send-keys, capture-pane).
+"""The full-screen UI driven in tmux (send-keys, capture-pane) on a fake snapshot source; the
+real `pymtrace top` in tmux (BPF) is tests/live/test_tui_bpf.py.
 
 Run as a script, this file is the tiny test entry point: the real pymtrace.sinks.tui.run() on a
 fake snapshot source with known rates, so the order of rows under each sort is known.
@@ -6,8 +7,6 @@ fake snapshot source with known rates, so the order of rows under each sort is k
 
 import argparse
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,11 +14,12 @@ import time
 
 import pytest
 
-if __name__ == "__main__":  # run as the UI entry point: tests/ on the path for conftest
+if __name__ == "__main__":  # run as the UI entry point: tests/ on the path for support
     sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from conftest import ProbeWatch  # noqa: E402
+from support.tui import Tmux, assert_clean_shell, rows, wait_order  # noqa: E402
 
 HERE = os.path.abspath(__file__)
+
 
 # pid, comm, malloc/s, calloc/s, live bytes
 FAKE = [
@@ -105,102 +105,11 @@ def main():
     return tui.run(FakeSource(args.fail_after), args)
 
 
-# ----------------------------------------------------------------------------- tmux driver
-
-
-class Tmux:
-    def __init__(self, tmp_path, width=170, height=40):
-        if shutil.which("tmux") is None:
-            pytest.skip("tmux is not installed")
-        self.sock = f"pymtrace-test-{os.getpid()}-{id(self)}"
-        self.tmp = tmp_path
-        self.run(
-            "new-session",
-            "-d",
-            "-s",
-            "t",
-            "-x",
-            str(width),
-            "-y",
-            str(height),
-            "env -i PATH=/usr/bin:/bin TERM=screen HOME=/tmp PS1='READY$ ' bash --norc --noprofile",
-        )
-        self.wait_for(lambda s: "READY$" in s, "shell prompt")
-
-    def run(self, *args):
-        return subprocess.run(["tmux", "-L", self.sock, *args], check=True, capture_output=True, text=True).stdout
-
-    def send(self, *keys):
-        self.run("send-keys", "-t", "t", *keys)
-
-    def type(self, line):
-        self.run("send-keys", "-t", "t", "-l", line)
-        self.send("Enter")
-
-    def screen(self):
-        return self.run("capture-pane", "-p", "-t", "t")
-
-    def alternate_on(self):
-        return self.run("display-message", "-p", "-t", "t", "#{alternate_on}").strip() == "1"
-
-    def wait_for(self, pred, what, timeout=20, fail_on=None):
-        deadline = time.monotonic() + timeout
-        s = ""
-        while time.monotonic() < deadline:
-            s = self.screen()
-            if pred(s):
-                return s
-            if fail_on and fail_on in s:
-                raise AssertionError(f"{fail_on!r} while waiting for {what}; screen:\n{s}")
-            time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}; screen:\n{s}")
-
-    def stty(self, name):
-        path = self.tmp / name
-        self.type(f"stty -g > {path}; echo STTY-{name}-DONE")
-        self.wait_for(lambda s: f"STTY-{name}-DONE" in s.replace(f"echo STTY-{name}-DONE", ""), "stty")
-        return path.read_text().strip()
-
-    def kill(self):
-        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
-
-
 @pytest.fixture
 def tmux(tmp_path):
     t = Tmux(tmp_path)
     yield t
     t.kill()
-
-
-def rows(screen, header_word):
-    """The table rows (lists of fields) under the header line that contains HEADER_WORD."""
-    lines = screen.splitlines()
-    for i, line in enumerate(lines):
-        words = line.split()
-        if words and words[0].rstrip("v^") == header_word:
-            out = []
-            for row in lines[i + 1 :]:
-                if not row.strip() or row.lstrip().startswith("1-4/Tab"):
-                    break
-                out.append(row.split())
-            return out
-    raise AssertionError(f"no header with {header_word!r} on screen:\n{screen}")
-
-
-def comms(screen):
-    return [r[1] for r in rows(screen, "PID") if r and r[0].isdigit()]
-
-
-def wait_order(t, order, what):
-    return t.wait_for(lambda s: "PID" in s and comms(s) == order, what)
-
-
-def assert_clean_shell(t, before):
-    t.wait_for(lambda s: not t.alternate_on(), "alternate screen off", timeout=10)
-    t.type("echo BACK-AT-SHELL")
-    s = t.wait_for(lambda s: re.search(r"^BACK-AT-SHELL$", s, re.M), "shell after exit")
-    assert "READY$" in s
-    assert t.stty("after") == before, "terminal modes not restored"
 
 
 def start_fake(t, *extra):
@@ -289,84 +198,6 @@ def test_exception_restores_terminal(tmux):
     s = tmux.wait_for(lambda s: "fake source failed on purpose" in s, "traceback after the UI")
     assert "RuntimeError" in s
     assert_clean_shell(tmux, before)
-
-
-LOW_RATE_WORKLOAD = """
-import time
-keep = []
-while True:
-    keep = [bytearray(100000) for _ in range(5)]   # > pymalloc's limit: real malloc/free calls
-    time.sleep(0.1)
-"""
-
-
-@pytest.mark.bpf
-def test_real_top_on_real_workloads(tmux, tmp_path):
-    """The real `pymtrace top` (BPF) in tmux on the demo plus a slow python3 allocator."""
-    t = tmux
-    slow = subprocess.Popen(["/usr/bin/python3", "-c", LOW_RATE_WORKLOAD])
-    pidfile = tmp_path / "top.pid"
-    try:
-        before = t.stty("before")
-        root = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-        t.type(
-            f"cd {root} && sh -c 'echo $$ > {pidfile}; exec {sys.executable} -m pymtrace top --demo "
-            f"-p {slow.pid} -i 0.5'"
-        )
-        # compiling and attaching takes a few seconds on a busy machine
-        s = t.wait_for(
-            lambda s: (
-                "[1 processes]" in s
-                and "pymtrace-demo" in s
-                and "python3" in s
-                and comms(s)
-                and comms(s)[0] == "pymtrace-demo"
-            ),
-            "real top with both processes",
-            timeout=120,
-            fail_on="pymtrace: error",
-        )
-        top_pid = int(pidfile.read_text())
-        watch = ProbeWatch(top_pid)
-        watch.wait_attached(3)  # its uprobes, while it runs
-        demo_row = [r for r in rows(s, "PID") if r[1] == "pymtrace-demo"][0]
-        assert demo_row[2] not in ("0", "0.0")  # MALLOC/s of the demo
-        # r: ascending MALLOC/s puts the slow python3 first
-        t.send("r")
-        t.wait_for(lambda s: comms(s) == ["python3", "pymtrace-demo"], "reversed order")
-        # slab view: system-wide caches; sorting by name really reorders the rows
-        t.send("2")
-        s = t.wait_for(lambda s: "[2 slab caches]" in s and len(rows(s, "CACHE")) >= 3, "slab view")
-        t.send("<")  # from ALLOCS/s to CACHE, A-Z
-
-        # the header changes first: a capture can catch the rows mid-redraw, so wait for a
-        # whole screen in name order (a sort that never happens still times out)
-        def cache_names(s):
-            return [r[0] for r in rows(s, "CACHE") if r]
-
-        s = t.wait_for(
-            lambda s: "sort CACHE asc" in s and len(cache_names(s)) >= 3 and cache_names(s) == sorted(cache_names(s)),
-            "slab sorted by name",
-        )
-        names = cache_names(s)
-        assert names == sorted(names)
-        t.send("3")
-        s = t.wait_for(lambda s: "[3 page faults]" in s and "REGION" in s and "(all)" in s, "faults view")
-        t.send("4")
-        s = t.wait_for(lambda s: "[4 glibc internals]" in s, "glibc view")
-        from pymtrace.target import libc
-
-        if not libc.malloc_probes(libc.system_libc()):
-            t.wait_for(lambda s: "no malloc USDT probes" in s, "glibc view says the probes are missing")
-        t.send("p")
-        t.wait_for(lambda s: "PAUSED" in s, "paused")
-        t.send("q")
-        assert_clean_shell(t, before)
-        watch.assert_gone()
-        assert slow.poll() is None, "the traced process must keep running"
-    finally:
-        slow.kill()
-        slow.wait()
 
 
 def test_no_terminal_is_a_clear_error():

@@ -1,28 +1,27 @@
 """.wl reader (Python) and the native simulator's input validation: corrupt, truncated and
 hostile workloads give one clear error line, never a crash or a hang; both are fuzzed and must
-agree on what is valid."""
+agree on what is valid. (The guard under a memory cgroup, which needs root: tests/live/test_wl_bpf.py.)"""
 
 import json
 import os
 import subprocess
 import time
-import uuid
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.replay import UPSTREAM, one_thread, op, simulator  # UPSTREAM: the reference vector as upstream wrote it
 
 from pymtrace.errors import CorruptFile
 from pymtrace.trace.formats import wl
 
-TIMEOUT = 20
-
 
 @pytest.fixture(scope="session")
 def sim():
-    from pymtrace.replay import runner as replay
+    return simulator()
 
-    return replay.simulator_path()
+
+TIMEOUT = 20
 
 
 # the simulator under AddressSanitizer + UndefinedBehaviorSanitizer: every fuzzed and hostile
@@ -70,14 +69,6 @@ def run_asan(asan_sim, path, *extra, timeout=TIMEOUT):
     )
     assert proc.returncode >= 0, f"sanitized simulator killed by signal {-proc.returncode}"
     return proc
-
-
-def op(o, *args):
-    return wl.encode_op(o, *args)
-
-
-def one_thread(body, nptrs=8, nsyncs=4):
-    return wl.build(nptrs, nsyncs, [body + bytes((wl.DONE,))])
 
 
 def run_sim(sim, tmp_path, data, *extra, name="w.wl"):
@@ -199,8 +190,6 @@ def test_overwritten_slot_leaves_the_live_bytes(sim, tmp_path):
 
 
 def test_upstream_sized_sync_ids_accepted(sim, tmp_path):
-    from test_workload import UPSTREAM  # the reference vector as upstream wrote it
-
     assert wl.parse(UPSTREAM).upstream_sync_sizing
     proc = run_sim(sim, tmp_path, UPSTREAM, "--check")
     assert proc.returncode == 0 and "upstream trace2wl sync sizing" in proc.stdout
@@ -244,6 +233,8 @@ _stream_op = st.one_of(
     st.just(b"\x00"),
     st.binary(min_size=1, max_size=3),
 )
+
+
 _workloads = st.builds(
     lambda streams, nptrs, nsyncs: wl.build(nptrs, nsyncs, [b"".join(s) + b"\x01" for s in streams]),
     st.lists(st.lists(_stream_op, max_size=12), min_size=0, max_size=4),
@@ -265,8 +256,6 @@ def test_fuzz_structured_workloads(sim, asan_sim, tmp_path, data):
 )
 @given(st.binary(max_size=64), st.integers(0, 63), st.binary(max_size=4))
 def test_fuzz_mutated_and_random_bytes(sim, asan_sim, tmp_path, raw, pos, patch):
-    from test_workload import UPSTREAM
-
     mutated = bytearray(UPSTREAM)
     mutated[pos : pos + len(patch)] = patch
     for data in (raw, bytes(mutated)):
@@ -366,52 +355,3 @@ def test_guard_counts_the_real_footprint(sim, tmp_path):
     grew = (r["max_rss_kb"] - r["max_rss_start_kb"]) * 1024
     assert grew > n * 4096  # the blocks really cost pages
     assert r["footprint_peak_bytes"] >= grew
-
-
-def _memory_cgroup(limit):
-    """A fresh memory cgroup limited to LIMIT bytes (v2 under the root, or v1 under ours)."""
-    name = f"pymtrace-test-{uuid.uuid4().hex[:12]}"
-    mounts = [line.split() for line in open("/proc/self/mountinfo")]
-    v2 = next((m[4] for m in mounts if m[m.index("-") + 1] == "cgroup2"), None)
-    if v2 and "memory" in open(os.path.join(v2, "cgroup.subtree_control")).read().split():
-        path = os.path.join(v2, name)
-        os.mkdir(path)
-        with open(os.path.join(path, "memory.max"), "w") as f:
-            f.write(str(limit))
-        return path
-    v1 = next(m[4] for m in mounts if m[m.index("-") + 1] == "cgroup" and "memory" in m[-1].split(","))
-    rel = next(
-        line.strip().split(":", 2)[2] for line in open("/proc/self/cgroup") if "memory" in line.split(":")[1].split(",")
-    )
-    path = os.path.join(v1 + rel, name)
-    os.mkdir(path)
-    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-        f.write(str(limit))
-    return path
-
-
-@pytest.mark.bpf  # needs root (a memory cgroup of our own)
-def test_guard_honours_the_cgroup_limit(sim, tmp_path):
-    """The guard read MemAvailable only: in a cgroup limited to 64 MiB, 200,000 x
-    MEMALIGN(2**30, 1) (or 100 MB of malloc) met the OOM killer instead of a clear error."""
-    cg = _memory_cgroup(64 << 20)
-
-    def enter():
-        with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-
-    n = 200000
-    cases = [
-        wl.build(n + 1, 0, [b"".join(op(wl.MEMALIGN, i, 1 << 30, 1) for i in range(1, n + 1)) + b"\x01"]),
-        one_thread(b"".join(op(wl.MALLOC, i, 10 << 20) for i in range(1, 11)), nptrs=12),
-    ]
-    try:
-        for data in cases:
-            path = tmp_path / "big.wl"
-            path.write_bytes(data)
-            proc = subprocess.run([sim, str(path)], capture_output=True, text=True, timeout=60, preexec_fn=enter)
-            assert proc.returncode == 4, (proc.returncode, proc.stderr)
-            (line,) = proc.stderr.splitlines()
-            assert "more than the" in line and "of cgroup" in line, line
-    finally:
-        os.rmdir(cg)
