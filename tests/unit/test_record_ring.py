@@ -111,11 +111,11 @@ def test_parse_size():
 
 
 def test_tcache_shutdown_sites_found_in_system_libc():
-    from pymtrace.target import libc
+    from pymtrace.target import elf, libc
 
     path = libc.system_libc()
     sites = probesite.tcache_shutdown_returns(path)
-    free = libc.symbol(path, "free")
+    free = elf.symbol(path, "free")
     # glibc 2.26+: two calls (the cached blocks, then the cache itself), near each other
     assert len(sites) == 2 and 0 < sites[1] - sites[0] < 0x100
     assert all(abs(s - free.address) < 0x10000 for s in sites)
