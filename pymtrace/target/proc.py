@@ -3,8 +3,6 @@
 import os
 from typing import Optional
 
-import os
-
 from pymtrace.errors import ProcessGone
 
 
@@ -74,14 +72,3 @@ def tgid(pid: int) -> int:
     except (FileNotFoundError, ProcessLookupError):
         pass
     raise ProcessGone(pid)
-
-
-def exists(pid: int) -> bool:
-    """Whether PID exists at all, a zombie included (unlike alive): it can still be signalled."""
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
