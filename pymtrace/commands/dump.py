@@ -1,11 +1,10 @@
 """`pymtrace dump`: decode a recorded trace, like upstream trace_dump, plus per-type statistics."""
 
-import collections
-import json
 import sys
 
 from pymtrace.errors import CorruptFile
-from pymtrace.trace.formats import load_records, mtrace_bin
+from pymtrace.trace.formats import load_records
+from pymtrace.trace.tracestats import Stats, path_flags, write_json
 
 HELP = "Decode a recorded malloc trace (mtrace-bin or mtrace-text), one call a line, with per-type statistics."
 EPILOG = """\
@@ -29,98 +28,6 @@ def configure(parser):
     parser.add_argument("--json", action="store_true", help="JSON output")
 
 
-class Stats:
-    def __init__(self):
-        self.count = collections.Counter()
-        self.bytes = collections.Counter()
-        self.failed = collections.Counter()
-        self.min = {}
-        self.max = {}
-        self.threads = set()
-        self.free_null = 0
-        self.first_ts = None
-        self.last_ts = None
-        self.total = 0
-
-    def add(self, r):
-        name = r.type_name
-        self.total += 1
-        self.count[name] += 1
-        self.threads.add(r.thread)
-        if r.ts_ns:
-            self.first_ts = r.ts_ns if self.first_ts is None else min(self.first_ts, r.ts_ns)
-            self.last_ts = r.ts_ns if self.last_ts is None else max(self.last_ts, r.ts_ns)
-        if r.type == mtrace_bin.FREE:
-            self.free_null += r.ptr1 == 0
-            return
-        self.bytes[name] += r.size
-        self.min[name] = min(self.min.get(name, r.size), r.size)
-        self.max[name] = max(self.max.get(name, r.size), r.size)
-        failed = (
-            (r.ptr1 != 0)
-            if r.type == mtrace_bin.POSIX_MEMALIGN
-            else (r.ptr2 == 0 and not (r.type == mtrace_bin.REALLOC and r.size == 0))
-        )
-        self.failed[name] += failed
-
-    def as_dict(self):
-        return {
-            "records": self.total,
-            "threads": len(self.threads),
-            "span_ns": (self.last_ts - self.first_ts) if self.first_ts is not None else None,
-            "free_null": self.free_null,
-            "types": {
-                name: {
-                    "count": self.count[name],
-                    "requested_bytes": self.bytes[name],
-                    "failed": self.failed[name],
-                    "min_size": self.min.get(name),
-                    "max_size": self.max.get(name),
-                }
-                for name in self.count
-            },
-        }
-
-
-def _flags(path):
-    return ",".join(n for bit, n in mtrace_bin.PATH_FLAGS.items() if path & (1 << (bit - 8)))
-
-
-def _record_json(i, r):
-    return {
-        "index": i,
-        "thread": r.thread,
-        "call": r.type_name,
-        "ptr1": r.ptr1,
-        "ptr2": r.ptr2,
-        "size": r.size,
-        "size2": r.size2,
-        "size3": r.size3,
-        "ts_ns": r.ts_ns,
-        "caller": r.caller,
-        "path": _flags(r.path),
-    }
-
-
-def _write_json(args, fmt, st, out):
-    """The JSON document, streamed: statistics come first, so the records are read again
-    (a second pass over the file) instead of being held in memory."""
-    doc = {"file": args.file, "format": fmt, "stats": st}
-    if args.stats:
-        json.dump(doc, out)
-        out.write("\n")
-        return
-    head = json.dumps({**doc, "records": []})
-    out.write(head[:-2])  # everything up to and including the records' "["
-    n = st["records"] if args.limit is None else max(0, min(args.limit, st["records"]))
-    _, records = load_records(args.file)
-    for i, r in zip(range(n), records):
-        if i:
-            out.write(", ")
-        out.write(json.dumps(_record_json(i, r)))
-    out.write("]}\n")
-
-
 def run(args):
     fmt, records = load_records(args.file)
     stats = Stats()
@@ -136,11 +43,11 @@ def run(args):
             rel = r.ts_ns - t0 if (r.ts_ns and t0 is not None) else 0
             out.write(
                 f"{i:8d} {r.thread:7d} {r.type_name:<14} {r.ptr1:#014x} {r.ptr2:#014x} "
-                f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {_flags(r.path)}\n"
+                f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {path_flags(r.path)}\n"
             )
         st = stats.as_dict()
         if args.json:
-            _write_json(args, fmt, st, out)
+            write_json(args.file, fmt, st, out, stats_only=args.stats, limit=args.limit)
             return 0
     except CorruptFile as exc:
         raise CorruptFile(str(exc)) from None

@@ -14,7 +14,7 @@ import signal
 import subprocess
 
 from pymtrace.errors import PymtraceError
-from pymtrace.target import libc
+from pymtrace.target import elf, libc
 
 _PTRACE_TRACEME = 0
 _PTRACE_DETACH = 17
@@ -97,20 +97,6 @@ class Launched:
             self.proc.wait()
 
 
-def _interpreter(path):
-    from elftools.elf.elffile import ELFFile
-
-    try:
-        with open(path, "rb") as f:
-            elf = ELFFile(f)
-            for seg in elf.iter_segments():
-                if seg["p_type"] == "PT_INTERP":
-                    return seg.get_interp_name()
-    except Exception:
-        return None
-    return None
-
-
 def predict_libc(argv, exe=None):
     """Which libc ARGV will load, asked from its own dynamic loader (`ld.so --list`).
 
@@ -130,7 +116,7 @@ def predict_libc(argv, exe=None):
             return None
         cmd = [exe] + opts + ["--list", shutil.which(rest[0]) or rest[0]]
     else:
-        interp = _interpreter(exe)
+        interp = elf.interpreter(exe)
         if interp is None:
             return None
         cmd = [interp, "--list", exe]

@@ -2,7 +2,7 @@
 
 Everything is read from the process's own view (/proc/PID/maps, /proc/PID/root/...), so a
 process in a container or running on another libc is traced through the file it really
-maps. ELF parsing uses pyelftools.
+maps. ELF files are read through pymtrace.target.elf.
 """
 
 import dataclasses
@@ -10,12 +10,13 @@ import functools
 import os
 import re
 import struct
-import sys
 import time
 
-from elftools.elf.elffile import ELFFile
-
 from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.target import elf
+
+# read through libc by callers that predate pymtrace.target.elf; defined there
+from pymtrace.target.elf import Symbol, UsdtProbe, file_offset, read_code, symbol, symbols, usdt_probes  # noqa: F401
 
 # libc.so.6, libc-2.36.so, libc.musl-x86_64.so.1; not libcrypto, libcap, ...
 _LIBC_NAME = re.compile(r"/libc(?:\.so(?:\.\d+)*|-[\d.]+\.so)$")
@@ -133,31 +134,14 @@ def libc_problem(path):
     """Why PATH cannot be a libc to trace (a sentence), or None when it can."""
     try:
         with open(path, "rb") as f:
-            machine, own = _machine(f), _own_machine()
+            machine, own = elf.machine(f), elf.own_machine()
             if own is not None and machine != own:
                 return f"not a libc for this machine (ELF machine {machine}, ours is {own})"
-            if not _DynSyms(f).defined("malloc"):
+            if not elf.DynamicSymbols(f).defined("malloc"):
                 return "exports no malloc"
     except (OSError, ValueError, struct.error) as exc:
         return f"not a readable ELF file ({exc})"
     return None
-
-
-def _machine(f):
-    f.seek(0)
-    head = f.read(20)
-    if len(head) < 20 or head[:4] != b"\x7fELF":
-        raise ValueError("not an ELF file")
-    return struct.unpack_from("<H", head, 18)[0]
-
-
-@functools.lru_cache(maxsize=None)
-def _own_machine():
-    try:
-        with open(sys.executable, "rb") as f:
-            return _machine(f)
-    except (OSError, ValueError):
-        return None
 
 
 def skipped_note(skipped, limit=3):
@@ -182,122 +166,6 @@ def comm(pid):
             return f.read().strip()
     except OSError:
         return "?"
-
-
-@dataclasses.dataclass(frozen=True)
-class Symbol:
-    name: str
-    address: int  # ELF virtual address
-    size: int
-
-
-@functools.lru_cache(maxsize=64)
-def _symbols(path, _mtime):
-    table = {}
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        for section_name in (".symtab", ".dynsym"):
-            section = elf.get_section_by_name(section_name)
-            if section is None:
-                continue
-            for sym in section.iter_symbols():
-                if sym["st_value"] == 0 or not sym.name:
-                    continue
-                name = sym.name.split("@")[0]
-                table.setdefault(name, Symbol(name, sym["st_value"], sym["st_size"]))
-    return table
-
-
-def symbols(path):
-    try:
-        return _symbols(path, os.stat(path).st_mtime_ns)
-    except FileNotFoundError:
-        raise PymtraceError(f"{path}: no such file") from None
-    except Exception as exc:
-        raise PymtraceError(f"{path}: not a readable ELF file ({exc})") from None
-
-
-def symbol(path, name):
-    try:
-        return symbols(path)[name]
-    except KeyError:
-        raise PymtraceError(f"{path} has no symbol {name}") from None
-
-
-def file_offset(path, address):
-    """(file offset, bytes of the segment left) of ELF virtual ADDRESS in PATH's PT_LOAD segments."""
-    with open(path, "rb") as f:
-        for seg in ELFFile(f).iter_segments():
-            if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= address < seg["p_vaddr"] + seg["p_filesz"]:
-                return seg["p_offset"] + address - seg["p_vaddr"], seg["p_vaddr"] + seg["p_filesz"] - address
-    raise PymtraceError(f"{path}: address {address:#x} is not in a loaded segment")
-
-
-def read_code(path, address, length):
-    """LENGTH bytes of code at ELF virtual ADDRESS of PATH."""
-    offset, left = file_offset(path, address)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(min(length, left))
-
-
-@dataclasses.dataclass(frozen=True)
-class UsdtProbe:
-    provider: str
-    name: str
-    address: int  # ELF virtual address of the probe site (prelink-adjusted)
-    semaphore: int
-    args: str  # the raw argument spec, e.g. "-4@%esi 8@%rdi"
-
-    @property
-    def arg_specs(self):
-        return self.args.split() if self.args else []
-
-
-def _parse_stapsdt(elf):
-    notes = elf.get_section_by_name(".note.stapsdt")
-    if notes is None:
-        return []
-    base_section = elf.get_section_by_name(".stapsdt.base")
-    base_addr = base_section["sh_addr"] if base_section is not None else None
-    data = notes.data()
-    probes = []
-    pos = 0
-    while pos + 12 <= len(data):
-        namesz, descsz, ntype = struct.unpack_from("<III", data, pos)
-        pos += 12
-        name = data[pos : pos + namesz].rstrip(b"\0")
-        pos += (namesz + 3) & ~3
-        desc = data[pos : pos + descsz]
-        pos += (descsz + 3) & ~3
-        if name != b"stapsdt" or ntype != 3 or len(desc) < 24:
-            continue
-        pc, base, sem = struct.unpack_from("<QQQ", desc, 0)
-        strings = desc[24:].split(b"\0")
-        if len(strings) < 3:
-            continue
-        provider, pname, args = (s.decode("ascii", "replace") for s in strings[:3])
-        if base_addr is not None:
-            pc += base_addr - base  # prelink adjustment, as systemtap does
-        probes.append(UsdtProbe(provider, pname, pc, sem, args))
-    return probes
-
-
-@functools.lru_cache(maxsize=64)
-def _usdt_probes(path, _mtime):
-    with open(path, "rb") as f:
-        return tuple(_parse_stapsdt(ELFFile(f)))
-
-
-def usdt_probes(path, provider=None, prefix=""):
-    """USDT probes in PATH's .note.stapsdt (optionally one provider, names with PREFIX)."""
-    try:
-        probes = _usdt_probes(path, os.stat(path).st_mtime_ns)
-    except FileNotFoundError:
-        raise PymtraceError(f"{path}: no such file") from None
-    except Exception as exc:
-        raise PymtraceError(f"{path}: not a readable ELF file ({exc})") from None
-    return [p for p in probes if (provider is None or p.provider == provider) and p.name.startswith(prefix)]
 
 
 def malloc_probes(path):
@@ -327,81 +195,18 @@ class Allocator:
     path: str = None  # the file whose malloc the process calls (None: none found)
 
 
-class _DynSyms:
-    """Defined-symbol lookups in an ELF file's .dynsym through its GNU hash table (a linear
-    scan without one), reading only what a lookup needs: pyelftools parses every section
-    header first, ~50 ms a file, too slow for every program a system-wide view lists."""
-
-    def __init__(self, f):
-        self.f = f
-        head = self._read(0, 64)
-        if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-            raise ValueError("not a 64-bit little-endian ELF file")
-        (shoff,) = struct.unpack_from("<Q", head, 40)
-        shentsize, shnum = struct.unpack_from("<HH", head, 58)
-        if shentsize < 64 or not 0 < shnum <= 65535:
-            raise ValueError("no section headers")
-        table = self._read(shoff, shentsize * shnum)
-        sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
-        # (name, type, flags, addr, offset, size, link, info, addralign, entsize)
-        self.dynsym = next((s for s in sections if s[1] == 11), None)  # SHT_DYNSYM
-        if self.dynsym is None:
-            raise ValueError("no .dynsym")
-        self.strtab = sections[self.dynsym[6]]
-        gnu = next((s for s in sections if s[1] == 0x6FFFFFF6), None)  # SHT_GNU_HASH
-        self.gnu = self._read(gnu[4], gnu[5]) if gnu is not None and gnu[5] < (64 << 20) else None
-
-    def _read(self, offset, n):
-        self.f.seek(offset)
-        data = self.f.read(n)
-        if len(data) != n:
-            raise ValueError("truncated ELF file")
-        return data
-
-    def _entry(self, i):
-        """(name, st_shndx) of symbol I."""
-        st_name, _info, _other, shndx = struct.unpack("<IBBH", self._read(self.dynsym[4] + 24 * i, 8))
-        self.f.seek(self.strtab[4] + st_name)
-        return self.f.read(256).split(b"\0", 1)[0], shndx
-
-    def defined(self, name):
-        """Whether NAME is a symbol defined (not imported) in this file's .dynsym."""
-        want = name.encode()
-        if self.gnu is None:
-            return any(n == want and shndx != 0 for n, shndx in map(self._entry, range(self.dynsym[5] // 24)))
-        nbuckets, symoffset, bloom_size, _shift = struct.unpack_from("<IIII", self.gnu, 0)
-        if not nbuckets:
-            return False
-        h = 5381
-        for c in want:
-            h = (h * 33 + c) & 0xFFFFFFFF
-        buckets = 16 + 8 * bloom_size
-        chains = buckets + 4 * nbuckets
-        (idx,) = struct.unpack_from("<I", self.gnu, buckets + 4 * (h % nbuckets))
-        while idx >= symoffset and chains + 4 * (idx - symoffset) + 4 <= len(self.gnu):
-            (ch,) = struct.unpack_from("<I", self.gnu, chains + 4 * (idx - symoffset))
-            if (ch | 1) == (h | 1):
-                n, shndx = self._entry(idx)
-                if n == want:
-                    return shndx != 0
-            if ch & 1:
-                break
-            idx += 1
-        return False
-
-
 @functools.lru_cache(maxsize=256)
 def _malloc_export(path, _key):
     """The allocator name when PATH defines and exports malloc, else None."""
     try:
         with open(path, "rb") as f:
-            syms = _DynSyms(f)
+            syms = elf.DynamicSymbols(f)
             if not syms.defined("malloc"):
                 return None
             for signature, name in _SIGNATURES:
                 if syms.defined(signature):
                     return name
-    except Exception:
+    except (OSError, ValueError, struct.error):  # not an ELF file we can read: no malloc of its own
         return None
     base = os.path.basename(path)
     for name in ("jemalloc", "tcmalloc", "mimalloc", "hoard", "snmalloc", "rpmalloc"):
@@ -418,58 +223,20 @@ def _malloc_export_of(path):
     return _malloc_export(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
 
 
-_PT_LOAD, _PT_DYNAMIC, _PT_INTERP = 1, 2, 3
-
-
-def _program_headers(path):
-    """(position-independent?, [(p_type, p_vaddr, p_memsz)]) of a 64-bit little-endian ELF
-    file (None otherwise), read directly: this runs for every process a view lists."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return _program_headers_cached(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=256)
-def _program_headers_cached(path, _key):
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-                return None
-            (e_type,) = struct.unpack_from("<H", head, 16)
-            (phoff,) = struct.unpack_from("<Q", head, 32)
-            phentsize, phnum = struct.unpack_from("<HH", head, 54)
-            if phentsize < 56 or phnum > 256:
-                return None
-            f.seek(phoff)
-            table = f.read(phentsize * phnum)
-    except OSError:
-        return None
-    segments = []
-    for i in range(len(table) // phentsize):
-        (p_type,) = struct.unpack_from("<I", table, i * phentsize)
-        (p_vaddr,) = struct.unpack_from("<Q", table, i * phentsize + 16)
-        (p_memsz,) = struct.unpack_from("<Q", table, i * phentsize + 40)
-        segments.append((p_type, p_vaddr, p_memsz))
-    return e_type == 3, segments  # ET_DYN
-
-
 def _link_map(pid, exe, maps):
     """Paths of the objects of PID in the dynamic linker's search order (its link map:
     the executable, LD_PRELOADs, then DT_NEEDED breadth-first, then dlopen()ed ones), read
     from the process's memory through the executable's DT_DEBUG; None when unreadable."""
-    headers = _program_headers(exe)
+    headers = elf.program_headers(exe)
     if headers is None:
         return None
     pie, segments = headers
-    loads = [s for s in segments if s[0] == _PT_LOAD]
-    dyn = next((s for s in segments if s[0] == _PT_DYNAMIC), None)
+    loads = [s for s in segments if s.type == elf.PT_LOAD]
+    dyn = next((s for s in segments if s.type == elf.PT_DYNAMIC), None)
     if dyn is None or not loads:
         return None
-    first_vaddr = min(s[1] for s in loads) & ~0xFFF
-    dyn_vaddr, dyn_size = dyn[1], dyn[2]
+    first_vaddr = min(s.vaddr for s in loads) & ~0xFFF
+    dyn_vaddr, dyn_size = dyn.vaddr, dyn.memsz
     bias = 0
     if pie:
         starts = [m.start for m in maps if m.offset == 0 and m.path and host_path(pid, m.path) == exe]
@@ -540,8 +307,8 @@ def allocator(pid):
     if exe is not None and libc_path is not None:
         try:
             order = _link_map(pid, exe, maps)
-        except Exception:
-            order = None
+        except Exception:  # the link map lives in the process's own (corruptible) memory:
+            order = None  # any failure to follow it means "order unknown", handled below
     in_order = order is not None
     if order is None:
         order = ([exe] if exe else []) + [
@@ -571,8 +338,8 @@ def _dynamic(path):
     """PATH has a program interpreter (dynamically linked), or is the dynamic loader itself."""
     if re.search(r"/ld-linux[^/]*\.so|/ld-musl[^/]*\.so", os.path.realpath(path)):
         return True
-    headers = _program_headers(path)
-    return headers is not None and any(s[0] == _PT_INTERP for s in headers[1])
+    headers = elf.program_headers(path)
+    return headers is not None and any(s.type == elf.PT_INTERP for s in headers.segments)
 
 
 def untraced_message(pid, found):

@@ -13,11 +13,14 @@ proven, the probe stays at +0: correct first, cheap second.
 
 import dataclasses
 import functools
+import re
+import struct
 
 import capstone
 from capstone import x86_const as X
 
-from pymtrace.target import libc
+from pymtrace.errors import PymtraceError
+from pymtrace.target import elf
 
 _EMULATED = {"push", "nop"}  # 1-byte nop only (size check below)
 _HARMLESS = {"test", "cmp"}  # read registers/memory, write only flags
@@ -98,9 +101,62 @@ def choose(code, start, size, function="?"):
 
 
 @functools.lru_cache(maxsize=128)
-def sites(path, function):
+def sites(path: str, function: str) -> Sites:
     """Probe sites for FUNCTION in the ELF file PATH."""
-    sym = libc.symbol(path, function)
+    sym = elf.symbol(path, function)
     size = sym.size or 256
-    code = libc.read_code(path, sym.address, size)
+    code = elf.read_code(path, sym.address, size)
     return choose(code, sym.address, len(code), function)
+
+
+def entry_site(path: str, function: str) -> int:
+    """ELF address of FUNCTION's (main) entry probe in PATH."""
+    return elf.symbol(path, function).address + sites(path, function).offset
+
+
+_SHUTDOWN_MSG = b"tcache_thread_shutdown(): unaligned tcache chunk detected\0"
+
+
+@functools.lru_cache(maxsize=16)
+def tcache_shutdown_returns(path: str) -> tuple[int, ...]:
+    """Return addresses (ELF vaddrs) of glibc's calls to free inside tcache_thread_shutdown.
+
+    Found without symbols: the function is the code that loads the address of its own
+    error message (`lea reg, [rip+msg]`); its direct `call free` instructions lie within
+    a few dozen bytes of that. Empty if this libc has no such code (then nothing is skipped).
+    """
+    headers = elf.program_headers(path)
+    if headers is None:
+        return ()
+    segs = [s for s in headers.segments if s.type == elf.PT_LOAD]
+    try:
+        free = elf.symbol(path, "free").address
+        with open(path, "rb") as f:
+            blob = f.read()
+    except (PymtraceError, OSError):
+        return ()
+    pos = blob.find(_SHUTDOWN_MSG)
+    if pos < 0:
+        return ()
+
+    def vaddr(off):
+        for s in segs:
+            if s.offset <= off < s.offset + s.filesz:
+                return s.vaddr + off - s.offset
+        return None
+
+    msg = vaddr(pos)
+    found = []
+    for s in segs:
+        if not s.flags & elf.PF_X:
+            continue
+        va, text = s.vaddr, blob[s.offset : s.offset + s.filesz]
+        for m in re.finditer(rb"[\x48\x4c]\x8d[\x05\x0d\x15\x1d\x25\x2d\x35\x3d]", text, re.S):
+            i = m.start()
+            disp = struct.unpack_from("<i", text, i + 3)[0]
+            if va + i + 7 + disp != msg:
+                continue
+            for j in range(max(0, i - 0x80), min(len(text) - 5, i + 0x40)):
+                if text[j] == 0xE8 and va + j + 5 + struct.unpack_from("<i", text, j + 1)[0] == free:
+                    found.append(va + j + 5)
+    return tuple(sorted(set(found)))[:2] if len(set(found)) <= 2 else ()

@@ -3,6 +3,8 @@
 import os
 from typing import Optional
 
+from pymtrace.errors import ProcessGone
+
 
 def alive(pid):
     """Whether PID exists and is neither a zombie nor dead (a zombie's memory is gone)."""
@@ -58,3 +60,15 @@ def exit_status(code):
     if code is None:
         return 0
     return code if code >= 0 else 128 - code
+
+
+def tgid(pid: int) -> int:
+    """The process (thread group) thread PID belongs to. Raises ProcessGone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    raise ProcessGone(pid)

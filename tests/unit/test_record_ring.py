@@ -1,4 +1,5 @@
-"""The ring-buffer consumer of `pymtrace record` on a fake ring with the kernel's layout (no BPF)."""
+"""The ring-buffer consumer of `pymtrace record` on a fake ring with the kernel's layout, and
+the recorder's output files (no BPF)."""
 
 import mmap
 import os
@@ -6,7 +7,11 @@ import struct
 
 import pytest
 
+from pymtrace.bpf import ringbuf
 from pymtrace.commands import record
+from pymtrace.errors import PymtraceError
+from pymtrace.target import probesite
+from pymtrace.trace import recorder
 from pymtrace.trace.formats import mtrace_bin as B
 
 PAGE = mmap.PAGESIZE
@@ -15,11 +20,12 @@ SAMPLE = 72
 STRIDE = 80
 
 
-class FakeRing(record.RingReader):
+class FakeRing(ringbuf.RingReader):
     """Same memory layout as the kernel's mapping: consumer page, producer page, data twice."""
 
     def __init__(self):
         self.size, self.mask, self.sample, self.stride = SIZE, SIZE - 1, SAMPLE, STRIDE
+        self.record_size = B.RECORD_SIZE
         self.cons_map = mmap.mmap(-1, PAGE)
         self.prod_map = mmap.mmap(-1, PAGE + 2 * SIZE)
         self.cons_pos = memoryview(self.cons_map).cast("Q")
@@ -55,8 +61,8 @@ class FakeRing(record.RingReader):
 @pytest.fixture(params=["numpy", "memoryview"])
 def ring(request, monkeypatch):
     if request.param == "memoryview":
-        monkeypatch.setattr(record, "_np", None)
-    elif record._np is None:
+        monkeypatch.setattr(ringbuf, "_np", None)
+    elif ringbuf._np is None:
         pytest.skip("numpy not installed")
     return FakeRing()
 
@@ -100,16 +106,16 @@ def test_stops_at_busy_and_skips_discarded(ring):
 def test_parse_size():
     assert record.parse_size("64M") * PAGE == 64 << 20
     assert record.parse_size("100K") * PAGE == 128 << 10  # rounded up to a power of two
-    with pytest.raises(record.PymtraceError):
+    with pytest.raises(PymtraceError):
         record.parse_size("lots")
 
 
 def test_tcache_shutdown_sites_found_in_system_libc():
-    from pymtrace.target import libc
+    from pymtrace.target import elf, libc
 
     path = libc.system_libc()
-    sites = record.tcache_shutdown_returns(path)
-    free = libc.symbol(path, "free")
+    sites = probesite.tcache_shutdown_returns(path)
+    free = elf.symbol(path, "free")
     # glibc 2.26+: two calls (the cached blocks, then the cache itself), near each other
     assert len(sites) == 2 and 0 < sites[1] - sites[0] < 0x100
     assert all(abs(s - free.address) < 0x10000 for s in sites)
@@ -162,7 +168,7 @@ def test_text_output_streams_the_lines_glibc_writes(tmp_path):
 
     path = tmp_path / "t.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    out = record.Output(str(path), fd, "mtrace-text", 999999999)
+    out = recorder.Output(str(path), fd, "mtrace-text", 999999999)
     maps = [libc.Mapping(0x400000, 0x402000, "r-xp", 0, 1, "/usr/bin/prog")]
     out.resolver.add_maps(maps)
     out.write(_records_bytes(EVERY_KIND[:7]), 7)
@@ -184,7 +190,7 @@ def test_failed_write_keeps_whole_records_only(tmp_path, monkeypatch, fmt):
 
     path = tmp_path / "t"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    out = record.Output(str(path), fd, fmt, 999999999)
+    out = recorder.Output(str(path), fd, fmt, 999999999)
     out.write(_records_bytes(EVERY_KIND[:3]), 3)
     whole = path.read_bytes()
     real_write = os.write
@@ -199,8 +205,8 @@ def test_failed_write_keeps_whole_records_only(tmp_path, monkeypatch, fmt):
         budget[0] -= k
         return k
 
-    monkeypatch.setattr(record.os, "write", full)
-    with pytest.raises(record.WriteFailed, match=r"^cannot write .*: No space left on device$"):
+    monkeypatch.setattr(recorder.os, "write", full)
+    with pytest.raises(recorder.WriteFailed, match=r"^cannot write .*: No space left on device$"):
         out.write(_records_bytes(EVERY_KIND[3:]), len(EVERY_KIND) - 3)
     monkeypatch.undo()
     data = path.read_bytes()
@@ -222,7 +228,7 @@ def test_final_drain_ends_although_draining_makes_records(ring):
     """A traced process whose every drained batch makes it produce more records (pymtrace
     itself, a reader of the trace): the last drain takes what was reserved when stopping
     began, and ends."""
-    rec_ = record.Recorder.__new__(record.Recorder)
+    rec_ = recorder.Recorder.__new__(recorder.Recorder)
     rec_.reader, rec_.last_poll, rec_.max_gap, rec_.consumer_cpu, rec_.polls = ring, None, 0.0, 0.0, 0
     got = []
 

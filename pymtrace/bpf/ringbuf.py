@@ -1,0 +1,124 @@
+"""Consumer of a BPF ring buffer of fixed-size samples that maps its pages itself.
+
+No per-event callback: every read copies all committed samples out of the ring with a few
+strided copies (one vectorised copy with numpy), so a reader pays per batch, not per event.
+"""
+
+import mmap
+
+from pymtrace.errors import PymtraceError
+
+try:  # optional: one vectorised copy per batch instead of one strided copy per word
+    import numpy as _np
+except ImportError:  # pragma: no cover - the memoryview path does the same, ~2x slower
+    _np = None
+
+_PAGE = mmap.PAGESIZE
+
+
+class RingReader:
+    """Consumer of a BPF ring buffer of fixed-size samples, reading its mmap'ed pages directly.
+
+    Kernel layout: page 0 = consumer position (we write it), page 1 = producer position,
+    then the data pages mapped twice in a row, so a sample that wraps is contiguous.
+    Each sample has an 8-byte header (len | BUSY | DISCARD, page offset). A sample is a
+    record of RECORD_SIZE bytes, optionally followed by one u64 (e.g. the process it is from).
+    """
+
+    def __init__(self, map_fd: int, size: int, sample_size: int, record_size: int | None = None):
+        self.size = size
+        self.mask = size - 1
+        self.sample = sample_size
+        self.record_size = sample_size if record_size is None else record_size
+        self.stride = (8 + sample_size + 7) & ~7
+        if self.stride % 8 or (sample_size % 8):
+            raise ValueError("samples must be a multiple of 8 bytes")
+        self.cons_map = mmap.mmap(map_fd, _PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self.prod_map = mmap.mmap(map_fd, _PAGE + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=_PAGE)
+        # positions are read and written as whole aligned 8-byte words (memoryview 'Q' items
+        # are copied with one 8-byte memcpy): struct's "<Q" goes byte by byte, and the kernel
+        # reading a half-written consumer position sees the ring full and drops records
+        self.cons_pos = memoryview(self.cons_map).cast("Q")
+        self.prod_pos = memoryview(self.prod_map)[:8].cast("Q")
+        self.data = memoryview(self.prod_map)[_PAGE:]
+        self.words = self.data.cast("Q")
+        self.max_batch = size // self.stride
+        self.discarded = 0
+        self.max_backlog = 0  # most bytes ever waiting in the ring: how close we came to losing
+
+    def _pos(self):
+        return self.cons_pos[0], self.prod_pos[0]
+
+    def producer(self) -> int:
+        """The producer position: everything reserved before now lies below it."""
+        return self.prod_pos[0]
+
+    def read(self, max_records: int | None = None, limit: int | None = None) -> tuple[object, int]:
+        """((records, u64s) of the committed samples, count), or (None, 0) when there are none;
+        advances the consumer position. Records: their first record_size bytes, concatenated;
+        u64s: the u64 after each record (a list, or a numpy array), None if there is none.
+        LIMIT: a producer position read earlier; samples reserved after it are left alone."""
+        cons, prod = self._pos()
+        if prod - cons > self.max_backlog:
+            self.max_backlog = prod - cons
+        if limit is not None:
+            prod = min(prod, limit)
+        avail = (prod - cons) // self.stride
+        if avail <= 0:
+            return None, 0
+        n = min(avail, self.max_batch, max_records or avail)
+        off = cons & self.mask
+        # stop at the first sample still being written (BUSY) or discarded
+        tops = bytes(self.data[off + 3 : off + n * self.stride : self.stride])
+        bad = len(tops) - len(tops.lstrip(b"\0"))
+        if bad < n:
+            if tops[bad] & 0x80:  # BUSY: not committed yet, read up to it
+                n = bad
+            elif tops[bad] & 0x40:  # DISCARD: skip it (pymtrace never discards; be safe)
+                if bad == 0:
+                    self.discarded += 1
+                    self._advance(cons + self.stride)
+                    return self.read(max_records, limit)
+                n = bad
+            else:
+                raise PymtraceError(f"ring buffer header corrupt at {cons:#x}")
+            if n == 0:
+                return None, 0
+        out = self._extract(off, n)
+        self._advance(cons + n * self.stride)
+        return out, n
+
+    def _extract(self, off, n):
+        """The N samples at data offset OFF, headers dropped: (first record_size bytes of each,
+        concatenated; the u64 after them in each sample as a list, or None if the sample is
+        only a record). One vectorised copy with numpy, strided word copies without it."""
+        rs = self.record_size
+        extra = self.sample > rs
+        if _np is not None:
+            rows = _np.frombuffer(self.prod_map, dtype=_np.uint8, count=n * self.stride, offset=_PAGE + off).reshape(
+                n, self.stride
+            )
+            recs = rows[:, 8 : 8 + rs].tobytes()
+            tg = rows[:, 8 + rs : 16 + rs].copy().view("<u8").ravel() if extra else None
+            return recs, tg
+        qstride = self.stride // 8
+        qoff = off // 8 + 1  # skip the 8-byte header
+        wpr = rs // 8
+        recs = bytearray(n * rs)
+        oq = memoryview(recs).cast("Q")
+        src = self.words[qoff : qoff + n * qstride]
+        for k in range(wpr):
+            oq[k::wpr] = src[k::qstride]
+        tg = src[wpr::qstride].tolist() if extra else None
+        return recs, tg
+
+    def _advance(self, pos):
+        self.cons_pos[0] = pos
+
+    def close(self) -> None:
+        self.cons_pos.release()
+        self.prod_pos.release()
+        self.words.release()
+        self.data.release()
+        self.prod_map.close()
+        self.cons_map.close()

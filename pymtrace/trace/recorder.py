@@ -1,0 +1,615 @@
+"""The recorder behind `pymtrace record`: every malloc-API call of a process into a trace file.
+
+Data path: BPF uprobes/uretprobes on glibc's malloc functions (bpf/record.bpf.c) write
+complete 64-byte dj/malloc records into a BPF ring buffer (no wakeups). The recorder reads
+the ring buffer's pages itself (pymtrace.bpf.ringbuf: no per-event callback), and every
+poll copies all committed records out of it with a few strided copies and one write(2):
+no per-event Python work.
+"""
+
+import bisect
+import ctypes
+import json
+import mmap
+import os
+import select
+import struct
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from pymtrace import stopping
+from pymtrace.bpf import load as bpfload
+from pymtrace.bpf import structs
+from pymtrace.bpf.ringbuf import RingReader
+from pymtrace.collect import collectors as collect
+from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.target import elf, libc, mallocapi, probesite, proc
+from pymtrace.trace.files import open_exclusive, open_unique
+from pymtrace.trace.formats import mtrace_bin, mtrace_text
+
+if TYPE_CHECKING:
+    from pymtrace.target.launch import Launched
+
+EXIT_LOST = 3  # events were lost (the ring buffer was full), unless --allow-drops
+_PAGE = mmap.PAGESIZE
+_DEBUG_LIB = "libc_malloc_debug.so.0"
+_RECORD = struct.Struct("<" + mtrace_bin.RECORD_FORMAT)
+_B_FREE = mtrace_bin.FREE
+_B_PLUS = (mtrace_bin.MALLOC, mtrace_bin.CALLOC, mtrace_bin.MEMALIGN, mtrace_bin.VALLOC, mtrace_bin.PVALLOC)
+
+
+# ---------------------------------------------------------------- output files
+
+
+class WriteFailed(PymtraceError):
+    """Writing a trace failed (disk full, quota, I/O error): recording stops, the file keeps
+    every complete record written before the failure."""
+
+
+class Output:
+    """One process's trace, written as it is recorded: the MAGIC record then raw records
+    (mtrace-bin), or "= Start" then glibc's text lines (mtrace-text). A failed write cuts
+    the file back to its last complete record and raises WriteFailed."""
+
+    def __init__(self, path: str, fd: int, fmt: str, tgid: int, fallback_maps=None):
+        self.path = path
+        self.fmt = fmt
+        self.tgid = tgid
+        self.fd = fd
+        self.counts = [0] * 9
+        self.entries = 0
+        self.bytes_written = 0
+        self.failed = None
+        self.resolver = mtrace_text.CallerResolver() if fmt == "mtrace-text" else None
+        self.fallback_maps = fallback_maps  # adds the maps BPF saw, for a process gone from /proc
+        self.last_refresh = 0.0
+        _, exc = self._put(b"= Start\n" if self.resolver is not None else mtrace_bin.magic_record(tgid), [])
+        if exc is not None:
+            os.close(fd)
+            try:
+                os.unlink(path)  # holds nothing
+            except OSError:
+                pass
+            raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}")
+
+    def _put(self, blob, ends):
+        """Append BLOB; ENDS: where each of its records ends in it. Returns how many of them
+        are in the file: all, or, when the write fails, those written whole (WriteFailed)."""
+        view = memoryview(blob)
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self.fd, view[done:])
+        except OSError as exc:
+            kept = bisect.bisect_right(ends, done)
+            keep = self.bytes_written + (ends[kept - 1] if kept else 0)
+            if not ends:  # the file's header itself
+                keep = 0
+            try:
+                os.ftruncate(self.fd, keep)
+            except OSError:
+                pass
+            self.bytes_written = keep
+            self.failed = exc
+            return kept, exc
+        self.bytes_written += done
+        return len(ends), None
+
+    def write(self, data: bytes, n: int) -> None:
+        rs = mtrace_bin.RECORD_SIZE
+        if self.resolver is None:
+            blob, ends = data, range(rs, (n + 1) * rs, rs)
+        else:
+            blob, ends = self._text(data)
+        kept, exc = self._put(blob, ends)
+        types = bytes(data[4 : kept * rs : rs])  # ~0.014 us/event
+        for t in range(1, 9):
+            self.counts[t] += types.count(t)
+        self.entries += kept
+        if exc is not None:
+            raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}")
+
+    def _text(self, data):
+        """glibc's text lines for the records in DATA, as one blob, and each record's end in it.
+        The lines of mtrace_text.record_lines, inlined for the common calls (~1 us a record:
+        this runs while recording)."""
+        rows = list(_RECORD.iter_unpack(data))
+        self._resolve_all({r[8] for r in rows})
+        resolve = self.resolver
+        parts, ends, pos = [], [], 0
+        for row in rows:
+            _, ty, p1, p2, size, _, _, _, caller = row
+            ty &= 0xFF
+            where = resolve(caller)
+            at = f"@ {where} " if where else ""
+            if ty == _B_FREE:
+                text = f"{at}- {p1:#x}\n" if p1 else ""
+            elif ty in _B_PLUS and p2 and size:
+                text = f"{at}+ {p2:#x} {size:#x}\n"
+            else:
+                lines = mtrace_text.record_lines(mtrace_bin.Record(row[0], ty, *row[2:]), where)
+                text = "".join(line + "\n" for line in lines)
+            parts.append(text)
+            pos += len(text)
+            ends.append(pos)
+        return "".join(parts).encode(), ends
+
+    def _resolve_all(self, callers):
+        """Read the maps again (or take BPF's) if a caller is in no module known yet (a
+        library loaded since the last snapshot); at most every 0.2 s."""
+        now = time.monotonic()
+        if now - self.last_refresh < 0.2:
+            return
+        if any(a and self.resolver(a).startswith("[") for a in set(callers)):
+            self.last_refresh = now
+            if not self.snapshot_maps() and self.fallback_maps is not None:
+                self.fallback_maps(self)
+
+    def snapshot_maps(self) -> bool:
+        """Add the process's current maps to the caller resolver (mtrace-text); whether it could."""
+        if self.resolver is not None:
+            try:
+                self.resolver.add_maps(libc.read_maps(self.tgid))
+                return True
+            except (PymtraceError, OSError):
+                pass
+        return False
+
+    def close(self) -> None:
+        if self.resolver is not None and self.failed is None:
+            _, exc = self._put(b"= End\n", [6])
+            if exc is not None:
+                os.close(self.fd)
+                raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}")
+        os.close(self.fd)
+
+    def summary(self) -> dict:
+        return {
+            "file": self.path,
+            "pid": self.tgid,
+            "format": self.fmt,
+            "entries": self.entries,
+            "counts": {mtrace_bin.TYPE_NAMES[t]: self.counts[t] for t in range(1, 9)},
+            "bytes_written": self.bytes_written,
+        }
+
+
+# ---------------------------------------------------------------- probes
+
+
+def probe_libraries(libc_path: str, want_debug: bool = True) -> list[tuple[str, bool]]:
+    """[(path, outermost)] to probe: glibc, plus glibc's libc_malloc_debug interposer when it
+    is installed next to it and WANT_DEBUG (the process maps or will preload it)."""
+    libs = [(libc_path, False)]
+    debug = os.path.join(os.path.dirname(libc_path), _DEBUG_LIB)
+    if want_debug and os.path.exists(debug) and os.path.realpath(debug) != os.path.realpath(libc_path):
+        libs.append((debug, True))
+    return libs
+
+
+def uses_debug_lib(pid: int | None = None, launched: "Launched | None" = None) -> bool:
+    """Whether to probe libc_malloc_debug. A launched command: always, since it may exec
+    other programs (`env LD_PRELOAD=... prog`, `sh -c`, make) and the loader of the one that
+    preloads the debug library maps it and runs the program at once, before pymtrace could
+    see it (the probes cost a process that does not map the library nothing). A running
+    process: only if it maps it, as each probed function adds BCC detach time at exit."""
+    if launched is not None:
+        return True
+    try:
+        return any("libc_malloc_debug" in m.path for m in libc.read_maps(pid))
+    except PymtraceError:
+        return False
+
+
+def attach(bpf, libs: list[tuple[str, bool]], pid: int, note_bases: bool = False) -> list[tuple[str, str, tuple]]:
+    """Attach every probe. glibc: entry + return probes (free: entry only), return probes
+    first so that a thread inside a function during attach cannot leave a stale depth.
+    An interposer (libc_malloc_debug): entry probes only (see record.bpf.c).
+    Returns [(lib, function, offsets)]."""
+    plan = []
+    for index, (path, outer) in enumerate(libs):
+        seen = set()
+        for function in mallocapi.FUNCTIONS:
+            func = function.name
+            if note_bases and func == "malloc":
+                entry = f"enter_malloc_{index}"
+            elif outer:
+                entry = "enter_outer_" + function.call
+            else:
+                entry = "enter_" + function.call
+            try:
+                sym = elf.symbol(path, func)
+            except PymtraceError:
+                continue
+            if sym.address in seen:
+                continue
+            seen.add(sym.address)
+            sites = probesite.sites(path, func)
+            offsets = (sites.offset,) + tuple(sites.side_paths)
+            plan.append((path, func, sym.address, entry, offsets, function.returns and not outer))
+    if not any(p == libs[0][0] for p, *_ in plan):
+        raise PymtraceError(f"{libs[0][0]}: no malloc/free symbols to probe (not a libc?)")
+    for path, _func, addr, _entry, _offsets, has_ret in plan:
+        if has_ret:
+            bpf.attach_uretprobe(name=path, addr=addr, fn_name="leave", pid=pid)
+    for path, _func, addr, entry, offsets, _has_ret in plan:
+        for off in offsets:
+            bpf.attach_uprobe(name=path, addr=addr + off, fn_name=entry, pid=pid)
+    return [(p, f, o) for p, f, _, _, o, _ in plan]
+
+
+# ---------------------------------------------------------------- the recorder
+
+
+class Recorder:
+    """One `pymtrace record` run: ARGS are its parsed arguments, PAGES the ring buffer's size
+    in pages (a power of two)."""
+
+    def __init__(self, args, pages: int):
+        self.args = args
+        self.pages = pages
+        self.outputs = {}
+        self.bpf = None
+        self.reader = None
+        self.launched = None
+        self.follow = args.follow_forks
+        self.start = None
+        self.alive = set()
+        self.procevents = None
+        self.consumer_cpu = 0.0  # CPU time spent draining the ring buffer and writing
+        self.polls = 0
+        self.last_poll = None
+        self.max_gap = 0.0
+        self.allocators = libc.AllocatorCache()  # -- CMD: whose malloc it calls (_warn_allocator)
+        self.allocator_checked, self.allocator_warned = 0.0, []
+
+    # -- files
+    def output_for(self, tgid: int) -> Output:
+        out = self.outputs.get(tgid)
+        if out is not None:
+            return out
+        if tgid == self.target:
+            if self.args.output:
+                path, fd = self.args.output, open_exclusive(self.args.output, self.args.force)
+            else:
+                path, fd = open_unique(f"mtrace.out.{tgid}")
+        else:
+            base = f"{self.outputs[self.target].path}.{tgid}"
+            try:
+                path, fd = open_unique(base)
+            except PymtraceError as exc:  # a full disk: stop like a failed write
+                raise WriteFailed(str(exc)) from None
+        out = Output(path, fd, self.args.format, tgid, fallback_maps=self._note_bases)
+        self.outputs[tgid] = out
+        out.snapshot_maps()
+        if not self.args.quiet and not self.args.json:
+            print(f"pymtrace: writing to {path}", file=sys.stderr)
+        return out
+
+    def run(self) -> int:
+        """Record until the target exits, --duration or a stop signal; the exit status."""
+        args = self.args
+        if args.cmd and args.cmd[0] == "--":
+            args.cmd = args.cmd[1:]
+        if args.pid is None and not args.cmd:
+            raise PymtraceError("give -p PID or -- CMD ARGS...")
+        if args.pid is not None and args.cmd:
+            raise PymtraceError("give either -p PID or -- CMD, not both")
+        bpfload.require_root("pymtrace record")
+        if args.cmd:
+            from pymtrace.target.launch import Launched
+
+            self.launched = Launched(args.cmd)
+            self.target = self.launched.pid
+            libc_path = args.libc or self.launched.libc_path()
+        else:
+            self.target = proc.tgid(args.pid)  # a thread id means its whole process
+            if self.target == os.getpid():
+                raise PymtraceError(
+                    f"process {self.target} is this pymtrace: recording it would record its own recording without end"
+                )
+            libc_path = args.libc or libc.process_libc(self.target)
+            found = None if args.libc else libc.allocator(self.target)
+            if found is not None and not found.traced and libc_path is not None:
+                raise PymtraceError(libc.untraced_message(self.target, found) + ": nothing to record")
+        try:
+            if libc_path is None:
+                raise PymtraceError(
+                    "the process does not use a shared libc (static binary?): nothing to probe; use --libc PATH"
+                )
+            self.output_for(self.target)
+            try:
+                self._load(libc_path)
+            except BaseException:
+                self._discard_outputs()  # nothing was recorded: leave no empty trace behind
+                raise
+            return self._loop()
+        finally:
+            self._cleanup()
+
+    def _discard_outputs(self):
+        for out in self.outputs.values():
+            for fd in (out.fd, getattr(out, "final_fd", None)):
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            try:
+                os.unlink(out.path)
+            except OSError:
+                pass
+        self.outputs.clear()
+
+    def _load(self, libc_path):
+        if not os.path.isfile(libc_path):
+            raise PymtraceError(f"{libc_path}: no such file")
+        defines = {"RB_PAGES": self.pages, "PAGE_SIZE_BYTES": _PAGE, "TARGET_TGID": self.target}
+        if self.follow:
+            defines["FOLLOW"] = 1
+        want_debug = self.follow or uses_debug_lib(
+            pid=None if self.launched is not None else self.target, launched=self.launched
+        )
+        self.libs = probe_libraries(libc_path, want_debug)
+        if self.args.format == "mtrace-text":
+            defines["NOTE_BASES"] = 1
+            for index, (path, _) in enumerate(self.libs):
+                defines[f"MALLOC_SITE_{index}"] = f"{probesite.entry_site(path, 'malloc'):#x}ULL"
+        skips = probesite.tcache_shutdown_returns(libc_path)
+        if len(skips) == 2:
+            site = probesite.entry_site(libc_path, "free")
+            defines["FREE_SKIP1"] = f"{skips[0] - site:#x}ULL"
+            defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
+        self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
+        if self.follow:
+            self.bpf["traced"][ctypes.c_uint32(self.target)] = ctypes.c_uint32(1)
+            self._start_procevents()
+        pid = -1 if self.follow else self.target
+        try:
+            self.sites = attach(self.bpf, self.libs, pid, note_bases=self.args.format == "mtrace-text")
+        except Exception as exc:  # BCC's attach_uprobe raises plain Exception; reported below
+            if isinstance(exc, PymtraceError):
+                raise
+            if not proc.exists(self.target):
+                raise ProcessGone(self.target) from None
+            raise PymtraceError(f"cannot attach uprobes to {libc_path}: {exc}") from None
+        self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(1)
+        sample = ctypes.sizeof(structs.header("record").structs["record_event"])
+        self.reader = RingReader(self.bpf["events"].map_fd, self.pages * _PAGE, sample, mtrace_bin.RECORD_SIZE)
+        self.sample = sample
+
+    def _start_procevents(self):
+        self.alive = {self.target}
+        try:
+            from pymtrace.target.procevents import ProcEvents
+
+            self.procevents = ProcEvents(kinds=("fork", "exit")).start()
+        except (PymtraceError, OSError):
+            self.procevents = None  # fall back to scanning /proc for children
+
+    def _drain(self, final=False):
+        total = 0
+        now = time.monotonic()
+        if self.last_poll is not None:
+            self.max_gap = max(self.max_gap, now - self.last_poll)
+        self.last_poll = now
+        t0 = time.thread_time()
+        # Only what was reserved when this drain began (the final drain: when stopping
+        # began): a process whose calls our own draining causes (pymtrace's own writes
+        # reaching a traced reader...) can never keep a drain, or the stop, going.
+        limit = self.reader.producer()
+        patience = time.monotonic() + 0.1
+        # a stop signal waits until this drain is done: a batch taken from the ring is
+        # always written whole, and the counts match the file
+        try:
+            with stopping.stop_deferred():
+                # Take what is there and go back to sleep: chasing the producer in a loop
+                # would read tiny batches, and the per-batch cost would dominate. Read again
+                # at once only while batches are large (the buffer was filling up).
+                while True:
+                    data, n = self.reader.read(limit=limit)
+                    if not n:
+                        if final and self.reader.cons_pos[0] < limit and time.monotonic() < patience:
+                            time.sleep(0.001)  # a record reserved before the stop, being written
+                            continue
+                        return total
+                    total += n
+                    self._dispatch(data, n)
+                    if n < self.reader.max_batch // 8 and not final:
+                        return total
+        finally:
+            self.consumer_cpu += time.thread_time() - t0
+            self.polls += 1
+
+    def _dispatch(self, data, n):
+        recs, tg = data
+        rs = mtrace_bin.RECORD_SIZE
+        if tg is None:
+            self.output_for(self.target).write(recs, n)
+            return
+        first = int(tg[0])
+        numpy = not isinstance(tg, list)  # the reader copies with numpy when it is installed
+        if (numpy and bool((tg == first).all())) or (not numpy and tg.count(first) == n):
+            self.output_for(first).write(recs, n)
+            return
+        # several processes in this batch (--follow-forks): split into runs
+        tgids = tg.tolist() if numpy else tg
+        i = 0
+        while i < n:
+            j = i
+            t = tgids[i]
+            while j < n and tgids[j] == t:
+                j += 1
+            self.output_for(t).write(recs[i * rs : j * rs], j - i)
+            i = j
+
+    def _lost(self):
+        return int(self.bpf["lost"].sum(ctypes.c_int(0)).value)
+
+    def _retried(self):
+        try:
+            return int(self.bpf["retried"].sum(ctypes.c_int(0)).value)
+        except KeyError:  # a program without the counter
+            return 0
+
+    def _target_alive(self, pidfd):
+        if self.launched is not None:
+            if self.launched.proc.poll() is not None:
+                return False
+        else:
+            r, _, _ = select.select([pidfd], [], [], 0)
+            if r:
+                return False
+        return True
+
+    def _children_alive(self):
+        if not self.follow:
+            return False
+        if self.procevents is not None:
+            for ev in self.procevents.drain():
+                if ev.kind == "fork" and ev.pid == ev.tgid and ev.parent_tgid in self.alive:
+                    self.alive.add(ev.tgid)
+                elif ev.kind == "exit" and ev.pid == ev.tgid:
+                    self.alive.discard(ev.tgid)
+        self.alive |= set(self.outputs)
+        self.alive = {p for p in self.alive if p != self.target and proc.exists(p)}
+        return bool(self.alive)
+
+    def _loop(self):
+        args = self.args
+        interval = max(args.poll_interval, 0.5) / 1000.0
+        pidfd = os.pidfd_open(self.target)
+        self.start = time.monotonic()
+        deadline = self.start + args.duration if args.duration else None
+        if self.launched is not None:
+            self.launched.resume()
+        if not args.quiet and not args.json:
+            what = " ".join(args.cmd) if args.cmd else f"process {self.target}"
+            print(f"pymtrace: recording {what}" + ("" if args.duration else "; Ctrl-C to stop"), file=sys.stderr)
+        interrupted = False
+        last_maps = 0.0
+        self.failure = None
+        try:
+            while True:
+                self._drain()
+                now = time.monotonic()
+                if args.format == "mtrace-text" and now - last_maps > 0.2:
+                    for out in self.outputs.values():
+                        out.snapshot_maps()
+                    last_maps = now
+                if self.launched is not None and not args.libc:
+                    self._warn_allocator()
+                if deadline is not None and now >= deadline:
+                    break
+                if not self._target_alive(pidfd) and not self._children_alive():
+                    break
+                timeout = interval if deadline is None else max(0.0, min(interval, deadline - now))
+                time.sleep(timeout)
+        except KeyboardInterrupt:
+            interrupted = True
+        except WriteFailed as exc:  # disk full: what was written whole stays, recording stops
+            self.failure = exc
+        finally:
+            os.close(pidfd)
+            stopping.begin_stopping()  # from here on SIGINT/SIGTERM cannot cut the stop short
+        # a last drain: everything committed before we stop (later SIGINT/SIGTERM are
+        # ignored while stopping, see pymtrace.cli)
+        if self.failure is None:
+            try:
+                self._drain(final=True)
+            except WriteFailed as exc:
+                self.failure = exc
+        self.duration = time.monotonic() - self.start
+        self.interrupted = interrupted
+        return self._finish()
+
+    def _warn_allocator(self):
+        """-- CMD: once the command's libraries are loaded (after each exec), warn once if its
+        malloc is not glibc's (jemalloc, tcmalloc, ...): those calls are not recorded."""
+        now = time.monotonic()
+        if now - self.allocator_checked < 0.02:
+            return
+        self.allocator_checked = now
+        found = self.allocators.get(self.target)
+        if found is not None and not found.traced and found not in self.allocator_warned:
+            self.allocator_warned.append(found)
+            print(f"pymtrace: warning: {libc.untraced_message(self.target, found)}", file=sys.stderr)
+
+    def _finish(self):
+        args = self.args
+        lost = self._lost()
+        if self.reader is not None:
+            lost += self.reader.discarded
+        for out in self.outputs.values():
+            try:
+                out.close()
+            except WriteFailed as exc:
+                self.failure = self.failure or exc
+        summary = {
+            "files": [o.summary() for o in self.outputs.values()],
+            "entries": sum(o.entries for o in self.outputs.values()),
+            "lost": lost,
+            "duration_s": round(self.duration, 3),
+            "bytes_written": sum(o.bytes_written for o in self.outputs.values()),
+            "buffer_size": self.pages * _PAGE,
+            "consumer_cpu_s": round(self.consumer_cpu, 6),
+            "polls": self.polls,
+            "max_poll_gap_s": round(self.max_gap, 4),
+            "reserve_retries": self._retried(),
+            "max_backlog_bytes": self.reader.max_backlog if self.reader is not None else 0,
+        }
+        if self.failure is not None:
+            summary["error"] = str(self.failure)
+        if self.launched is not None:
+            rc = self.launched.proc.poll()
+            summary["command_exit_status"] = rc
+        if args.json:
+            print(json.dumps(summary), file=sys.stderr)
+        else:
+            for o in summary["files"]:
+                print(f"pymtrace: {o['entries']} entries recorded in {o['file']}", file=sys.stderr)
+                counts = ", ".join(f"{k} {v}" for k, v in o["counts"].items() if v)
+                print(f"pymtrace:   {counts or 'no calls'}; {o['bytes_written']} bytes written", file=sys.stderr)
+            print(f"pymtrace: {lost} events lost, {summary['duration_s']:.3f} s", file=sys.stderr)
+            if lost:
+                print(
+                    "pymtrace: events were lost: the ring buffer was full; use a larger --buffer-size"
+                    + ("" if args.allow_drops else " (or --allow-drops)"),
+                    file=sys.stderr,
+                )
+        if self.failure is not None:
+            raise WriteFailed(
+                f"{self.failure}; recording stopped, {summary['entries']} complete "
+                f"entries kept" + (f" in {len(self.outputs)} files" if len(self.outputs) > 1 else "")
+            )
+        if lost and not args.allow_drops:
+            return EXIT_LOST
+        return 0
+
+    def _note_bases(self, out):
+        """Library load addresses seen by BPF, for a process that exited before /proc was read."""
+        try:
+            items = list(self.bpf["bases"].items())
+        except KeyError:  # the map exists only with NOTE_BASES (mtrace-text)
+            return
+        for key, base in items:
+            tgid, index = key.value >> 32, key.value & 0xFFFFFFFF
+            if tgid != out.tgid or index >= len(self.libs):
+                continue
+            path = self.libs[index][0]
+            end = base.value + elf.image_size(path)
+            out.resolver.add_maps([libc.Mapping(base.value, end, "r-xp", 0, 0, path)], prefer=False)
+
+    def _cleanup(self):
+        if self.procevents is not None:
+            self.procevents.stop()
+        if self.launched is not None and not self.launched.resumed:
+            self.launched.kill()  # failed before it could run traced: do not let it run
+        # a launched command still running after Ctrl-C/--duration keeps running, untraced
+        if self.reader is not None:
+            try:
+                self.reader.close()
+            except (BufferError, OSError, ValueError):  # a view still exported: the process exit frees it
+                pass
+        collect.detach_parallel(self.bpf)
