@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client.exposition import choose_encoder
 
 from pymtrace import __version__
+from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import PymtraceError
 
 DEFAULT_PORT = 19733
@@ -378,25 +379,19 @@ class ExporterCollector:
 
     def snapshot(self):
         """One merged snapshot of every source (sources are collect.Collectors bundles,
-        single collectors, or test fakes: all produce the collect.py schema)."""
-        merged = {"processes": {}, "slab": {}, "lost": {}, "glibc": {}, "errors": {}}
+        single collectors, or test fakes: all produce pymtrace.collect.snapshot's schema)."""
+        parts = []
         for src in self.sources:
-            snap = src.snapshot() or {}
-            for pid, e in (snap.get("processes") or {}).items():
-                cur = merged["processes"].get(int(pid))
-                merged["processes"][int(pid)] = e if cur is None else {**cur, **e}
-            merged["slab"].update(snap.get("slab") or {})
-            for pid, g in (snap.get("glibc") or {}).items():
-                merged["glibc"][int(pid)] = g
-            for kind, n in (snap.get("lost") or {}).items():
-                merged["lost"][str(kind)] = merged["lost"].get(str(kind), 0) + n
-            gc = snap.get("glibc_collector") or {}
-            if gc:
-                merged["lost"]["glibc_ringbuf"] = gc.get("lost_events", 0)
-                for name, n in (gc.get("map_full") or {}).items():
-                    merged["lost"][f"glibc_{name}_full"] = n
-            merged["errors"].update(snap.get("errors") or {})
+            parts.append(src.snapshot() or {})
             _prune_glibc(src)
+        merged = snapshot_model.merge(parts)  # the one merge rule, shared with top
+        for key in ("slab", "glibc", "errors"):
+            merged.setdefault(key, {})
+        gc = merged.get("glibc_collector") or {}
+        if gc:
+            merged["lost"]["glibc_ringbuf"] = gc.get("lost_events", 0)
+            for name, n in (gc.get("map_full") or {}).items():
+                merged["lost"][f"glibc_{name}_full"] = n
         for pid, g in merged["glibc"].items():  # a process seen only by the glibc probes
             if pid not in merged["processes"] and isinstance(g, dict):
                 merged["processes"][pid] = {

@@ -411,6 +411,9 @@ def prepare_workload(path, tmpdir):
 
 
 def _fmt(v, digits=0):
+    """An exact number with thousands separators ('12,345'): the replay table's columns name
+    their unit (KiB, ms), so not pymtrace.sinks.text's scaled units (which replay, beside
+    sinks in the dependency rule, does not import either)."""
     if v is None:
         return ""
     if isinstance(v, float) and digits:
