@@ -21,46 +21,8 @@ FaultCollector.max_procs / .max_granules / .regions (False: no per-region map, n
 that do nothing (the benchmark's floor). Collectors(...).collectors is {"malloc", "faults",
 "slab", "glibc"} -> collector, for such settings. Snapshots are CUMULATIVE since attach, plus gauges; consumers compute rates from
 two snapshots (pymtrace.sinks.views does). PIDs are int keys here; they become strings after
-json.dumps. Schema (keys a collector does not produce are absent, never faked):
-
-    {"time": time.monotonic() of the snapshot,
-     "start": time.monotonic() of attach,
-     "processes": {pid: {
-         "pid": int, "comm": str,           # /proc/PID/comm; for a process that exited
-                                            # before top read it, the name BPF recorded
-                                            # (at its first event and at exec)
-         "exited": bool,                    # True in the last snapshot holding a process
-         # MallocCollector:
-         "calls": {"malloc", "calloc", "realloc", "free", "free_null", "memalign",
-                   "posix_memalign", "valloc", "pvalloc"},   # each public call once;
-                   # "free" counts every free() call, "free_null" the free(NULL) among them;
-                   # "memalign" includes aligned_alloc (same function in glibc)
-         "requested_bytes": sizes asked for (calloc: nmemb*size; realloc: new size),
-         "allocated_bytes": chunk bytes of blocks returned (malloc_usable_size + 8, or + 16
-                            for mmapped chunks: the chunk header's size field),
-         "freed_bytes": chunk bytes of blocks freed (free, realloc's old block),
-         "live_bytes": allocated_bytes - freed_bytes (negative when blocks allocated
-                       before attach are freed),
-         "failed": calls that returned NULL / an error code,
-         "size_log2": [65 counts]: [0] size 0, [i] sizes in [2^(i-1), 2^i - 1],
-         # FaultCollector:
-         "faults_user": faults raised in user mode,
-         "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user)}},
-     "slab": {cache_name: {"allocs", "frees", "bytes_alloc", "bytes_req"}},   # SlabCollector
-     "slab_source": "tracepoint name" | "object size via /proc/slabinfo",  # SlabCollector: on a
-         # kernel whose kmem_cache_alloc has no cache name, "slab" is keyed "size N" and each
-         # value has "caches": [names of that object size]; "frees" is absent when
-         # kmem_cache_free has no name either; "slab_note": one sentence saying so
-     "fault_regions": {pid: {label: user+kernel faults}},  # FaultCollector; label is the
-         # mapped file's path, "[heap]", "[stack]", "[anon]" (anonymous mmap, incl. thread
-         # stacks), another [special] name, or "[unmapped]": gone by snapshot time and not
-         # seen mapped when its first fault was announced (FaultCollector's docstring)
-     "glibc": {...}                                         # pymtrace.collect.usdt.GlibcCollector
-     "lost": {name: count},   # events the BPF side could not record, by cause
-     "maps": {map name: {"entries": n, "max_entries": capacity,   # fill of the bounded maps
-                         "evicted": n}},   # per-process maps: LRU evictions seen (below)
-     "errors": {collector: reason}}   # Collectors: those that cannot run here (a kernel
-         # without a tracepoint, a program it will not load; the others run), glibc's failures
+json.dumps. The snapshot's schema, typed, and the merge of the collectors' snapshots into
+one: pymtrace.collect.snapshot.
 
 Exited processes: a process that exits appears once more with "exited": True, then its
 BPF state is deleted. Every map is bounded and LRU (BPF_TABLE "lru_percpu_hash" /
@@ -89,17 +51,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pymtrace.bpf import kfeatures, structs
 from pymtrace.bpf import load as bpfload
+from pymtrace.collect import snapshot as snapshot_model
+from pymtrace.collect.snapshot import call_names
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
 from pymtrace.target import libc, probesite
-
-
-def call_names():
-    """{index in ms_stats.calls: snapshot name}, from the CALL_* / MS_FREE_NULL constants of
-    bpf/common.h and bpf/malloc_stats.h."""
-    consts = structs.header("malloc_stats").consts
-    names = {consts[k]: k[len("CALL_") :].lower() for k in consts if k.startswith("CALL_")}
-    names[consts["MS_FREE_NULL"]] = "free_null"
-    return names
 
 
 def _lost_names(program, prefix):
@@ -972,30 +927,18 @@ class Collectors:
                 c.exited(tgid)
 
     def snapshot(self):
-        snap = {"time": None, "start": self.start, "processes": {}, "lost": {}}
+        parts = []
         for name, c in self.collectors.items():
             try:
-                part = c.snapshot()
+                parts.append(c.snapshot())
             except PymtraceError:
                 raise
             except Exception as exc:
                 if name != "glibc":
                     raise
                 self.errors["glibc"] = f"{type(exc).__name__}: {exc}"
-                continue
-            for key, value in part.items():
-                if key == "processes":
-                    for pid, p in value.items():
-                        merged = snap["processes"].setdefault(pid, {})
-                        exited = merged.get("exited", False) or p.get("exited", False)
-                        merged.update(p)
-                        merged["exited"] = exited
-                elif key in ("lost", "maps"):
-                    snap.setdefault(key, {}).update(value or {})
-                elif key in ("time", "start"):
-                    continue
-                else:
-                    snap[key] = value
+        snap = snapshot_model.merge(parts)
+        snap["start"] = self.start  # the bundle's attach, before any collector's
         snap["time"] = time.monotonic()
         if "malloc" in self.collectors:  # whose malloc each process calls (not glibc's: not traced)
             self.allocators.annotate(snap["processes"], self.pids or ())

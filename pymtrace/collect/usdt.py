@@ -19,42 +19,10 @@ This covers the 11 memory_mallopt_* / memory_tunable_* probes whose argument cod
 0.26 fails to generate. Sites are attached as plain uprobes at the probe address, by
 library path (every process using that libc; several libcs at once) or per PID.
 
-GlibcCollector.snapshot() schema (cumulative since attach, JSON-able; consumed by
-`pymtrace top` view 4 (pymtrace/sinks/views.py), the exporter and `pymtrace summary`):
-
-    {"glibc": {pid: {
-        "pid": int, "comm": str, "alive": bool,
-        "libc": path of the libc the process maps (None: static or unknown),
-        "probes": number of distinct memory_* probe names that libc carries (0: none),
-        "reason": None, or why there is no data, e.g. "libc /usr/lib/x86_64-linux-gnu/
-                  libc.so.6 has no USDT probes (Debian builds glibc without
-                  --enable-systemtap)",
-        # the rest only when "probes" > 0
-        "events": probe hits seen for this pid,
-        "arenas": arenas known to exist (main arena + arenas created since attach),
-        "arenas_created", "arena_reuse", "arena_reuse_free_list", "arena_lock_waits": ints,
-        "arena_list": [{"arena": "0x..", "creator_tid": int or None, "attaches": int,
-                        "waits": int}],
-        "heaps": live non-main-arena heaps, "heap_bytes": their current size in bytes,
-        "heap_bytes_max", "heaps_created", "heaps_freed", "heap_grow", "heap_shrink": ints,
-        "heap_list": [{"heap": "0x..", "size": int}],
-        "sbrk_bytes": bytes the main arena grew by sbrk, "sbrk_grow_count",
-        "sbrk_trimmed_bytes", "sbrk_trim_count", "sbrk_failed": ints,
-        "mmap_threshold", "trim_threshold": current value (int) or None if unknown,
-        "params": {name: {"value": int, "cause": "mallopt"|"tunable"|"dynamic"|"initial",
-                          "source": "probe"|"memory"}}  for mxfast, trim_threshold,
-                  top_pad, mmap_threshold, mmap_max, perturb, arena_test, arena_max,
-                  tcache_max, tcache_count, tcache_unsorted_limit (those whose probe
-                  fired, else read from the live process's memory at the probe's operand),
-        "dyn_threshold_changes", "mallopt_calls", "tcache_double_free_scans": ints,
-        "retries": {"malloc", "realloc", "calloc", "memalign", "arena": ints},
-        "lock_waits": {tid: arena lock waits of that thread},
-        "threads": {tid: {"lock_waits": int, "arena": "0x.." or None, "arena_switches": int}},
-    }},
-     "lost": {"glibc_events": ring-buffer reserve failures},
-     "glibc_collector": {"lost_events": the same, "map_full": {map: n},
-                         "libcs": [{"libc", "probes", "sites", "attached", "reason"}],
-                         "warnings": [str]}}
+GlibcCollector.snapshot() (cumulative since attach, JSON-able; consumed by `pymtrace top` view 4
+(pymtrace/sinks/views.py), the exporter and `pymtrace summary`) gives the snapshot keys
+"glibc" ({pid: entry}), "lost" ({"glibc_events": n}) and "glibc_collector": their schema is
+pymtrace.collect.snapshot's (GlibcProcess, GlibcCollectorInfo).
 """
 
 import ctypes

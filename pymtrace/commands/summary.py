@@ -21,6 +21,7 @@ import time
 from pymtrace.bpf import load as bpfload
 from pymtrace.collect import usdt
 from pymtrace.errors import PymtraceError
+from pymtrace.sinks.text import human_bytes
 from pymtrace.target import launch, libc
 
 HELP_RUN = """Run a command and report glibc's allocator internals when it exits: arena lock
@@ -469,12 +470,8 @@ class Report:
 
 
 def _fmt_bytes(n):
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
+    """summary's layout of a byte count: one decimal, up to GiB, '-' when unknown."""
+    return human_bytes(n, decimals=1, none="-", largest="GiB")
 
 
 def render_text(doc):

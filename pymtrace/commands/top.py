@@ -6,14 +6,13 @@ pymtrace.collect.collectors (BPF programs in bpf/malloc_stats, slab, faults) and
 pymtrace.collect.usdt.GlibcCollector (view 4).
 """
 
-import json
 import os
 import sys
 import time
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
-from pymtrace.sinks import views
+from pymtrace.sinks.batch import Reporter
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested
@@ -47,19 +46,6 @@ Limit it with -p, or use --always-on (no per-call uprobes: slab and fault tracep
 glibc's slow-path USDT probes only; nothing runs on a malloc call) in production."""
 
 VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "totals")
-
-TOTAL_COLUMNS = (
-    ("pid", "PID"),
-    ("comm", "COMM"),
-    *((c, "FREE(NULL)" if c == "free_null" else c.upper()) for c in views.CALLS),
-    ("requested_bytes", "REQUESTED"),
-    ("allocated_bytes", "ALLOCATED"),
-    ("freed_bytes", "FREED"),
-    ("live_bytes", "LIVE"),
-    ("failed", "FAILED"),
-    ("faults_user", "FAULTS_USER"),
-    ("faults_kernel", "FAULTS_KERNEL"),
-)
 
 
 def configure(parser):
@@ -125,27 +111,6 @@ def _start_demo():
     return proc.pid, lambda: demo.stop_demo(proc)
 
 
-def totals_rows(snap, pids=None):
-    """Exact cumulative counters per process (the `totals` view): [[values]], sorted by PID."""
-    rows = []
-    for pid, p in sorted(((int(k), v) for k, v in (snap.get("processes") or {}).items())):
-        if pids and pid not in pids:
-            continue
-        calls = p.get("calls") or {}
-        row = []
-        for key, _ in TOTAL_COLUMNS:
-            if key in ("pid",):
-                row.append(pid)
-            elif key == "comm":
-                row.append(p.get("comm", "?"))
-            elif key in calls or key in views.CALLS:
-                row.append(int(calls.get(key, 0)))
-            else:
-                row.append(int(p.get(key, 0)))
-        rows.append(row)
-    return rows
-
-
 def _views_wanted(args, have_glibc):
     wanted = []
     for v in args.view or []:
@@ -184,94 +149,6 @@ def _zombie(pid):
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (OSError, IndexError):
         return True
-
-
-class Reporter:
-    """Formats one interval for --batch or --json."""
-
-    def __init__(self, args, wanted, pids):
-        self.args = args
-        self.wanted = wanted
-        self.pids = pids
-        self.iteration = 0
-
-    def report(self, prev, cur):
-        from pymtrace.sinks import views
-
-        self.iteration += 1
-        tables = {}
-        for name in self.wanted:
-            if name == "totals":
-                continue
-            table = views.build(name, prev, cur, interval=self.args.interval)
-            if self.pids:
-                self._filter(table)
-            tables[name] = table
-        if self.args.json:
-            doc = {
-                "iteration": self.iteration,
-                "time": cur.get("time"),
-                "wall_time": time.time(),
-                "interval": tables[next(iter(tables))].interval if tables else self.args.interval,
-                "pids": self.pids,
-                "views": {name: views.to_json(t) for name, t in tables.items()},
-                "snapshot": cur,
-            }
-            if "totals" in self.wanted:
-                keys = [k for k, _ in TOTAL_COLUMNS]
-                doc["views"]["totals"] = {
-                    "view": "totals",
-                    "columns": keys,
-                    "rows": [dict(zip(keys, r)) for r in totals_rows(cur, self.pids)],
-                }
-            sys.stdout.write(json.dumps(doc, default=str) + "\n")
-        else:
-            from tabulate import tabulate
-
-            out = [
-                f"pymtrace top - {time.strftime('%H:%M:%S')}  iteration {self.iteration}"
-                f"  interval {self.args.interval:g}s"
-                + (f"  pids {','.join(map(str, self.pids))}" if self.pids else "  all processes")
-            ]
-            for name in self.wanted:
-                if name == "totals":
-                    rows = totals_rows(cur, self.pids)
-                    out.append("== since attach (exact counts, bytes)")
-                    out.append(
-                        tabulate(
-                            rows[: self.args.limit or None],
-                            headers=[t for _, t in TOTAL_COLUMNS],
-                            tablefmt="simple",
-                            disable_numparse=True,
-                        )
-                        if rows
-                        else "(no activity)"
-                    )
-                    continue
-                table = tables[name]
-                if self.args.limit:
-                    table.rows = table.rows[: self.args.limit]
-                    if table.groups:
-                        table.groups = table.groups[: self.args.limit]
-                        table.leaders = table.leaders[: self.args.limit]
-                out.append(views.text_table(table))
-            errors = cur.get("errors")
-            if errors:
-                out.extend(f"note: {k}: {v}" for k, v in sorted(errors.items()))
-            sys.stdout.write("\n\n".join(out) + "\n\n")
-        sys.stdout.flush()
-
-    def _filter(self, table):
-        """Keep only rows of the watched PIDs in per-process views (slab is system-wide)."""
-        try:
-            i = table.column_index("pid")
-        except KeyError:
-            return
-        keep = [k for k, r in enumerate(table.rows) if r[i] in self.pids or r[i] in ("", None)]
-        table.rows = [table.rows[k] for k in keep]
-        if table.groups:
-            table.groups = [table.groups[k] for k in keep]
-            table.leaders = [table.leaders[k] for k in keep] if table.leaders else None
 
 
 def run(args):

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pymtrace import __version__
+from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.target import proc
 
 PROC_COUNTERS = ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", "faults_user", "faults_kernel")
@@ -286,26 +287,22 @@ def _prune_glibc(src):
 
 def merge_sources(sources: Iterable) -> dict:
     """One merged snapshot of every source (sources are collect.Collectors bundles,
-    single collectors, or test fakes: all produce the collect.py schema). The exporter's
-    merge rules: lost counts are summed over sources, a process's entries are joined."""
-    merged = {"processes": {}, "slab": {}, "lost": {}, "glibc": {}, "errors": {}}
+    single collectors, or test fakes: all produce pymtrace.collect.snapshot's schema), by
+    snapshot.merge (the rule top uses too), plus the exporter's extras: the glibc
+    collector's ring-buffer and map-full losses as lost causes, and processes only the
+    glibc probes saw."""
+    parts = []
     for src in sources:
-        snap = src.snapshot() or {}
-        for pid, e in (snap.get("processes") or {}).items():
-            cur = merged["processes"].get(int(pid))
-            merged["processes"][int(pid)] = e if cur is None else {**cur, **e}
-        merged["slab"].update(snap.get("slab") or {})
-        for pid, g in (snap.get("glibc") or {}).items():
-            merged["glibc"][int(pid)] = g
-        for kind, n in (snap.get("lost") or {}).items():
-            merged["lost"][str(kind)] = merged["lost"].get(str(kind), 0) + n
-        gc = snap.get("glibc_collector") or {}
-        if gc:
-            merged["lost"]["glibc_ringbuf"] = gc.get("lost_events", 0)
-            for name, n in (gc.get("map_full") or {}).items():
-                merged["lost"][f"glibc_{name}_full"] = n
-        merged["errors"].update(snap.get("errors") or {})
+        parts.append(src.snapshot() or {})
         _prune_glibc(src)
+    merged = snapshot_model.merge(parts)  # the one merge rule, shared with top
+    for key in ("slab", "glibc", "errors"):
+        merged.setdefault(key, {})
+    gc = merged.get("glibc_collector") or {}
+    if gc:
+        merged["lost"]["glibc_ringbuf"] = gc.get("lost_events", 0)
+        for name, n in (gc.get("map_full") or {}).items():
+            merged["lost"][f"glibc_{name}_full"] = n
     for pid, g in merged["glibc"].items():  # a process seen only by the glibc probes
         if pid not in merged["processes"] and isinstance(g, dict):
             merged["processes"][pid] = {

@@ -1,21 +1,10 @@
 """The four views of `pymtrace top`, as pure functions of two snapshots.
 
-A snapshot is the JSON-able dict the collectors produce (cumulative counters since attach):
-
-    {"time": monotonic_seconds,
-     "processes": {pid: {"pid", "comm", "calls": {"malloc", "calloc", "realloc", "free",
-                         "free_null", "memalign", "posix_memalign", "valloc", "pvalloc"},
-                         "requested_bytes", "allocated_bytes", "freed_bytes", "live_bytes",
-                         "failed", "size_log2": [...], "faults_user", "faults_kernel"}},
-     "slab": {cache: {"allocs", "frees", "bytes_alloc", "bytes_req"}},  # or {"size N": {...,
-         # "caches": [names]}} on kernels without cache names (see "slab_source", "slab_note")
-     "fault_regions": {pid: {region_label: count}},
-     "glibc": {pid: {"arenas", "heaps", "heap_bytes", "sbrk_bytes", "mmap_threshold",
-                     "trim_threshold", "lock_waits": {tid: n}, ...} or {"probes": 0, "reason"}},
-     "lost": {name: count}}
-
-PIDs may be ints or strings (a snapshot that went through JSON has string keys). Missing
-keys count as zero, so a view works with whichever collectors are running.
+A snapshot is the model of pymtrace.collect.snapshot (its docstring and TypedDicts are the
+schema): cumulative counters since attach. PIDs may be ints or strings (a snapshot that
+went through JSON has string keys). Keys of collectors that are not running are absent, so
+a view works with whichever collectors are running: it reads the keys the schema marks as
+optional with their neutral value (0, {}, None) and the rest as they are.
 
 `build(view, prev, cur)` returns a Table: column definitions, rows of RAW values (numbers
 stay numbers, for --json), a default sort column, optional grouping (a process row followed
@@ -25,6 +14,10 @@ humans is separate (`format_rows`, `text_table`), so JSON output keeps raw numbe
 
 import dataclasses
 import math
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from pymtrace.collect.snapshot import ALLOC_CALLS, CALLS, Snapshot
+from pymtrace.sinks.text import format_cell, human_bytes, human_count
 
 VIEWS = ("processes", "slab", "faults", "glibc")
 TITLES = {
@@ -33,11 +26,9 @@ TITLES = {
     "faults": "page faults",
     "glibc": "glibc internals",
 }
-# The snapshot's "calls" names in display order: the names are collect.call_names() (from the
-# BPF headers; tests/unit/test_contract.py checks they agree), the order is this view's choice.
-CALLS = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
+# The snapshot's "calls" names (ALLOC_CALLS, ...) come from pymtrace.collect.snapshot, which
+# reads them from the BPF headers; the MEMALIGN/s column sums this family.
 MEMALIGN_FAMILY = ("memalign", "posix_memalign", "valloc", "pvalloc")
-ALLOC_CALLS = tuple(c for c in CALLS if c not in ("free", "free_null"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +43,18 @@ class Column:
 class Table:
     view: str
     title: str
-    columns: list
-    rows: list  # lists of raw values, one per column
+    columns: List[Column]
+    rows: List[list]  # lists of raw values, one per column
     sort: int  # index of the sort column
     reverse: bool = True  # descending
-    groups: list = None  # per row: group key (rows of a group stay together), or None
-    leaders: list = None  # per row: True for the group's leading (summary) row
-    notes: list = dataclasses.field(default_factory=list)
-    totals: dict = dataclasses.field(default_factory=dict)
+    groups: Optional[list] = None  # per row: group key (rows of a group stay together), or None
+    leaders: Optional[List[bool]] = None  # per row: True for the group's leading (summary) row
+    notes: List[str] = dataclasses.field(default_factory=list)
+    totals: Dict[str, Any] = dataclasses.field(default_factory=dict)
     interval: float = 0.0
-    lost: dict = dataclasses.field(default_factory=dict)  # lost-event counters, nonzero only
+    lost: Dict[str, int] = dataclasses.field(default_factory=dict)  # lost-event counters, nonzero only
 
-    def column_index(self, key):
+    def column_index(self, key: str) -> int:
         for i, c in enumerate(self.columns):
             if c.key == key:
                 return i
@@ -73,34 +64,24 @@ class Table:
 # --------------------------------------------------------------------------- helpers
 
 
-def _num(v):
-    if isinstance(v, bool):
-        return int(v)
-    if isinstance(v, (int, float)):
-        return v
-    return 0
+def _by_pid(mapping: Optional[Mapping]) -> Dict[int, Any]:
+    """{pid: value} with int keys whatever the snapshot used (JSON makes them strings)."""
+    return {int(k): v for k, v in (mapping or {}).items()}
 
 
-def _get(d, *path):
-    for p in path:
-        if not isinstance(d, dict):
-            return 0
-        d = d.get(p, 0)
-    return _num(d)
+def _call(p: Mapping, name: str) -> int:
+    """Calls of NAME in process entry P; 0 without per-call data (no malloc collector)."""
+    return p.get("calls", {}).get(name, 0)
 
 
-def _by_pid(mapping):
-    """{pid: value} with int keys whatever the snapshot used."""
-    out = {}
-    for k, v in (mapping or {}).items():
-        try:
-            out[int(k)] = v
-        except (TypeError, ValueError):
-            continue
-    return out
+def _faults(p: Mapping) -> int:
+    return p.get("faults_user", 0) + p.get("faults_kernel", 0)
 
 
-def interval_of(prev, cur, default=1.0):
+Snap = Union[Snapshot, Mapping[str, Any]]  # or one that went through JSON (string PIDs)
+
+
+def interval_of(prev: Optional[Snap], cur: Snap, default: Optional[float] = 1.0) -> float:
     """Seconds between two snapshots (their "time" fields), else DEFAULT."""
     try:
         dt = float(cur["time"]) - float(prev["time"])
@@ -117,12 +98,12 @@ def interval_of(prev, cur, default=1.0):
     return default if default and default > 0 else 1.0
 
 
-def _delta(cur, prev):
-    d = _num(cur) - _num(prev)
+def _delta(cur: float, prev: float) -> float:
+    d = cur - prev
     return d if d > 0 else 0  # counters never go back; a reused PID restarts from zero
 
 
-def _rate(cur, prev, dt):
+def _rate(cur: float, prev: float, dt: float) -> float:
     return _delta(cur, prev) / dt
 
 
@@ -145,30 +126,20 @@ PROCESS_COLUMNS = [
 FAULTS_COLUMN = len(PROCESS_COLUMNS) - 2
 
 
-def _old_row(old_procs, pid):
-    """PID's entry in the previous snapshot's processes (OLD_PROCS: _by_pid of them), or {}."""
-    old = old_procs.get(pid)
-    return old if isinstance(old, dict) else {}
-
-
-def processes_view(prev, cur, interval=None):
+def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
     dt = interval_of(prev, cur, interval)
     rows = []
     tot = {"processes": 0, "calls_per_s": 0.0, "requested_bytes_per_s": 0.0, "live_bytes": 0, "faults_per_s": 0.0}
     old_procs = _by_pid((prev or {}).get("processes"))
     for pid, p in sorted(_by_pid(cur.get("processes")).items()):
-        if not isinstance(p, dict):
-            continue
-        o = _old_row(old_procs, pid)
-        if o and o.get("comm") not in (None, p.get("comm")) and _get(p, "calls", "malloc") < _get(o, "calls", "malloc"):
+        o = old_procs.get(pid, {})
+        if o and o.get("comm") not in (None, p.get("comm")) and _call(p, "malloc") < _call(o, "malloc"):
             o = {}  # PID reused by another program
-        calls = {c: _delta(_get(p, "calls", c), _get(o, "calls", c)) for c in ALLOC_CALLS + ("free",)}
+        calls = {c: _delta(_call(p, c), _call(o, c)) for c in ALLOC_CALLS + ("free",)}
         n_alloc = sum(calls[c] for c in ALLOC_CALLS)
-        req = _delta(_get(p, "requested_bytes"), _get(o, "requested_bytes"))
+        req = _delta(p.get("requested_bytes", 0), o.get("requested_bytes", 0))
         mean = req / n_alloc if n_alloc else None  # per interval: none when idle (blank, null)
-        faults = _delta(
-            _get(p, "faults_user") + _get(p, "faults_kernel"), _get(o, "faults_user") + _get(o, "faults_kernel")
-        )
+        faults = _delta(_faults(p), _faults(o))
         traced = "calls" in p  # no per-call data (e.g. --always-on): blank, not zero
         untraced = p.get("allocator") if p.get("allocator_traced") is False else None
         traced = traced and untraced is None  # another allocator: its calls are not seen
@@ -183,7 +154,7 @@ def processes_view(prev, cur, interval=None):
             sum(calls[c] for c in MEMALIGN_FAMILY) / dt if traced else None,
             req / dt if traced else None,
             mean if traced else None,
-            _get(p, "live_bytes") if traced else None,
+            p.get("live_bytes", 0) if traced else None,
             faults / dt if has_faults else None,
             untraced,
         ]
@@ -192,7 +163,7 @@ def processes_view(prev, cur, interval=None):
         tot["traced"] = tot.get("traced", 0) + (1 if traced else 0)
         tot["calls_per_s"] += (n_alloc + calls["free"]) / dt
         tot["requested_bytes_per_s"] += req / dt
-        tot["live_bytes"] += _get(p, "live_bytes")
+        tot["live_bytes"] += p.get("live_bytes", 0)
         tot["faults_per_s"] += faults / dt
     # without per-call data (--always-on) the faults are all there is to sort by
     sort = 2 if tot.get("traced") or not rows else FAULTS_COLUMN
@@ -208,7 +179,7 @@ SLAB_COLUMNS = [
 ]
 
 
-def _unavailable(cur, collector):
+def _unavailable(cur: Snap, collector: str) -> List[str]:
     """The note saying why COLLECTOR's data is missing (it could not run on this kernel)."""
     why = (cur.get("errors") or {}).get(collector)
     return [f"Not available: {why}"] if why else []
@@ -222,20 +193,18 @@ def _size_label(key, caches, most=3):
     return f"{key}: {', '.join(names[:most])}{more}"
 
 
-def slab_view(prev, cur, interval=None):
+def slab_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
     dt = interval_of(prev, cur, interval)
     old_all = (prev or {}).get("slab") or {}
     rows = []
     tot = {"caches": 0, "allocs_per_s": 0.0, "frees_per_s": 0.0, "bytes_per_s": 0.0}
     for name, s in sorted((cur.get("slab") or {}).items()):
-        if not isinstance(s, dict):
-            continue
-        o = old_all.get(name) or {}
-        a = _rate(_get(s, "allocs"), _get(o, "allocs"), dt)
-        f = _rate(_get(s, "frees"), _get(o, "frees"), dt)
-        b = _rate(_get(s, "bytes_alloc"), _get(o, "bytes_alloc"), dt)
+        o = old_all.get(name, {})
+        a = _rate(s["allocs"], o.get("allocs", 0), dt)
+        f = _rate(s.get("frees", 0), o.get("frees", 0), dt)  # "frees": absent when not attributable
+        b = _rate(s["bytes_alloc"], o.get("bytes_alloc", 0), dt)
         label = _size_label(name, s["caches"]) if s.get("caches") else str(name)  # rows by object size
-        rows.append([label, a, f, b, _get(s, "allocs") - _get(s, "frees")])
+        rows.append([label, a, f, b, s["allocs"] - s.get("frees", 0)])
         tot["caches"] += 1
         tot["allocs_per_s"] += a
         tot["frees_per_s"] += f
@@ -267,7 +236,7 @@ FAULT_COLUMNS = [
 ALL_REGIONS = "(all)"
 
 
-def faults_view(prev, cur, interval=None):
+def faults_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
     """One row per process (region "(all)": user + kernel faults) followed by its regions.
 
     Region rows count user-mode faults by the mapping they hit: a file's path, [heap],
@@ -281,16 +250,16 @@ def faults_view(prev, cur, interval=None):
     rows, groups, leaders = [], [], []
     tot = {"processes": 0, "faults_per_s": 0.0, "faults": 0}
     for pid in sorted(set(procs) | set(regions)):
-        p = procs.get(pid) if isinstance(procs.get(pid), dict) else {}
-        o = _old_row(old_procs, pid)
-        user, kernel = _get(p, "faults_user"), _get(p, "faults_kernel")
-        reg = regions.get(pid) if isinstance(regions.get(pid), dict) else {}
+        p = procs.get(pid, {})
+        o = old_procs.get(pid, {})
+        user, kernel = p.get("faults_user", 0), p.get("faults_kernel", 0)
+        reg = regions.get(pid, {})
         if not p:  # regions without a process row: the total is the sum of the regions
-            user = sum(_num(v) for v in reg.values())
+            user = sum(reg.values())
         if user + kernel == 0 and not reg:
             continue
-        u_rate = _rate(user, _get(o, "faults_user"), dt)
-        k_rate = _rate(kernel, _get(o, "faults_kernel"), dt)
+        u_rate = _rate(user, o.get("faults_user", 0), dt)
+        k_rate = _rate(kernel, o.get("faults_kernel", 0), dt)
         comm = str(p.get("comm") or "?")
         rows.append([pid, comm, ALL_REGIONS, u_rate + k_rate, user + kernel, u_rate, k_rate])
         groups.append(pid)
@@ -298,10 +267,10 @@ def faults_view(prev, cur, interval=None):
         tot["processes"] += 1
         tot["faults_per_s"] += u_rate + k_rate
         tot["faults"] += user + kernel
-        old_reg = old_regions.get(pid) if isinstance(old_regions.get(pid), dict) else {}
+        old_reg = old_regions.get(pid, {})
         for label, count in sorted(reg.items()):
             r = _rate(count, old_reg.get(label, 0), dt)
-            rows.append([pid, comm, str(label), r, _num(count), r, 0.0])
+            rows.append([pid, comm, str(label), r, count, r, 0.0])
             groups.append(pid)
             leaders.append(False)
     return Table(
@@ -333,27 +302,24 @@ GLIBC_COLUMNS = [
 ]
 
 
-def _lock_waits(g):
-    lw = g.get("lock_waits") if isinstance(g, dict) else None
-    if isinstance(lw, dict):
-        return {str(k): _num(v) for k, v in lw.items()}
-    return {}
+def _lock_waits(g: Mapping) -> Dict[str, int]:
+    """{tid as text: arena lock waits} of glibc entry G ({} when its libc has no probes)."""
+    return {str(k): v for k, v in g.get("lock_waits", {}).items()}
 
 
-def _has_probes(g):
-    if not isinstance(g, dict):
-        return False
-    probes = g.get("probes")
-    if probes is None:
-        return True
-    return bool(_num(probes)) if not isinstance(probes, (list, tuple, dict)) else bool(probes)
+def _has_probes(g: Mapping) -> bool:
+    """G's libc has malloc probes: "probes" > 0. An entry without the key (hand-written, as
+    in tests/unit/test_views.py) is read as one with data, as the view always did."""
+    return bool(g.get("probes", True))
 
 
-def no_probes_sentence(pid, comm, g, who=None, whose="its"):
+def no_probes_sentence(
+    pid: Optional[int], comm: Optional[str], g: Mapping, who: Optional[str] = None, whose: str = "its"
+) -> str:
     """The plain sentence shown for a process whose libc has no malloc USDT probes (WHO:
     instead of "PID (comm)", e.g. for every process of a system-wide view)."""
-    libc_path = g.get("libc") if isinstance(g, dict) else None
-    reason = g.get("reason") if isinstance(g, dict) else None
+    libc_path = g.get("libc")
+    reason = g.get("reason")
     who = who or f"PID {pid} ({comm})"
     if not libc_path:
         why = str(reason).rstrip(".") if reason else "no libc with malloc USDT probes is mapped"
@@ -371,7 +337,7 @@ def no_probes_sentence(pid, comm, g, who=None, whose="its"):
     return text + "."
 
 
-def glibc_view(prev, cur, interval=None):
+def glibc_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
     """Per process: arenas, heaps, sbrk, thresholds, lock waits; then one row per waiting thread."""
     dt = interval_of(prev, cur, interval)
     procs = _by_pid(cur.get("processes"))
@@ -381,8 +347,8 @@ def glibc_view(prev, cur, interval=None):
     tot = {"processes": 0, "without_probes": 0, "lock_waits_per_s": 0.0}
     for pid in sorted(glibc):
         g = glibc[pid]
-        p = procs.get(pid) if isinstance(procs.get(pid), dict) else {}
-        comm = str((g.get("comm") if isinstance(g, dict) else None) or p.get("comm") or "?")
+        p = procs.get(pid, {})
+        comm = str(g.get("comm") or p.get("comm") or "?")
         if not _has_probes(g):
             notes.append(no_probes_sentence(pid, comm, g))
             tot["without_probes"] += 1
@@ -390,7 +356,7 @@ def glibc_view(prev, cur, interval=None):
         if g.get("reason"):
             notes.append(f"PID {pid} ({comm}): {str(g['reason']).rstrip('.')}.")
         waits = _lock_waits(g)
-        old_waits = _lock_waits(old_glibc.get(pid))
+        old_waits = _lock_waits(old_glibc.get(pid, {}))
         total_waits = sum(waits.values())
         w_rate = _rate(total_waits, sum(old_waits.values()), dt)
         rows.append(
@@ -398,12 +364,12 @@ def glibc_view(prev, cur, interval=None):
                 pid,
                 "",
                 comm,
-                _get(g, "arenas"),
-                _get(g, "heaps"),
-                _get(g, "heap_bytes"),
-                _get(g, "sbrk_bytes"),
-                _opt(g, "mmap_threshold"),
-                _opt(g, "trim_threshold"),
+                g.get("arenas", 0),
+                g.get("heaps", 0),
+                g.get("heap_bytes", 0),
+                g.get("sbrk_bytes", 0),
+                g.get("mmap_threshold"),  # None: unknown (blank, null in JSON)
+                g.get("trim_threshold"),
                 total_waits,
                 w_rate,
             ]
@@ -437,17 +403,10 @@ def glibc_view(prev, cur, interval=None):
     )
 
 
-def _probeless_libcs(cur):
+def _probeless_libcs(cur: Snap) -> List[Mapping]:
     """The libcs the glibc collector looked at, when none of them had probes to attach."""
-    gc = cur.get("glibc_collector")
-    libcs = [i for i in (gc.get("libcs") or ()) if isinstance(i, dict)] if isinstance(gc, dict) else []
-    return [] if any(i.get("attached") for i in libcs) else libcs
-
-
-def _opt(d, key):
-    """A number that may be unknown (None: shown blank, null in JSON)."""
-    v = d.get(key) if isinstance(d, dict) else None
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    libcs = cur.get("glibc_collector", {}).get("libcs", [])
+    return [] if any(i["attached"] for i in libcs) else libcs
 
 
 def _tid_key(tid):
@@ -465,7 +424,7 @@ _BUILDERS = {
 }
 
 
-def view_name(view):
+def view_name(view: Union[int, str]) -> str:
     """'processes' for 1, '1', 'processes'; raises ValueError otherwise."""
     if isinstance(view, int) or (isinstance(view, str) and view.isdigit()):
         i = int(view)
@@ -476,7 +435,14 @@ def view_name(view):
     raise ValueError(f"unknown view {view!r} (use 1-{len(VIEWS)} or one of {', '.join(VIEWS)})")
 
 
-def build(view, prev, cur, interval=None, sort=None, reverse=None):
+def build(
+    view: Union[int, str],
+    prev: Optional[Snap],
+    cur: Optional[Snap],
+    interval: Optional[float] = None,
+    sort: Union[int, str, None] = None,
+    reverse: Optional[bool] = None,
+) -> Table:
     """The Table of VIEW (1-4 or a name) from snapshot PREV (None at start) to CUR, sorted.
 
     sort: a column index or key overriding the view's default; reverse: descending or not.
@@ -493,15 +459,51 @@ def build(view, prev, cur, interval=None, sort=None, reverse=None):
     return table
 
 
-def build_all(prev, cur, interval=None):
+def build_all(prev: Optional[Snap], cur: Optional[Snap], interval: Optional[float] = None) -> Dict[str, Table]:
     return {name: build(name, prev, cur, interval) for name in VIEWS}
 
 
-def _lost(cur):
-    lost = cur.get("lost") or {}
-    if isinstance(lost, dict):
-        return {str(k): _num(v) for k, v in lost.items() if _num(v)}
-    return {"events": _num(lost)} if _num(lost) else {}
+def _lost(cur: Snap) -> Dict[str, int]:
+    return {str(k): v for k, v in cur.get("lost", {}).items() if v}
+
+
+# --------------------------------------------------------------------------- totals
+
+# The `totals` view of top (--batch/--json): exact cumulative counters since attach.
+TOTAL_COLUMNS = (
+    ("pid", "PID"),
+    ("comm", "COMM"),
+    *((c, "FREE(NULL)" if c == "free_null" else c.upper()) for c in CALLS),
+    ("requested_bytes", "REQUESTED"),
+    ("allocated_bytes", "ALLOCATED"),
+    ("freed_bytes", "FREED"),
+    ("live_bytes", "LIVE"),
+    ("failed", "FAILED"),
+    ("faults_user", "FAULTS_USER"),
+    ("faults_kernel", "FAULTS_KERNEL"),
+)
+
+
+def totals_rows(snap: Snap, pids: Optional[List[int]] = None) -> List[list]:
+    """Exact cumulative counters per process (the `totals` view): [[values]], sorted by PID;
+    a counter of a collector that is not running is 0."""
+    rows = []
+    for pid, p in sorted(_by_pid(snap.get("processes")).items()):
+        if pids and pid not in pids:
+            continue
+        calls = p.get("calls", {})
+        row = []
+        for key, _ in TOTAL_COLUMNS:
+            if key == "pid":
+                row.append(pid)
+            elif key == "comm":
+                row.append(p["comm"])
+            elif key in CALLS:
+                row.append(int(calls.get(key, 0)))
+            else:
+                row.append(int(p.get(key, 0)))
+        rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------- sorting
@@ -515,7 +517,7 @@ def _sort_value(table, row):
     return (1, str(v).lower())
 
 
-def sort_rows(table):
+def sort_rows(table: Table) -> Table:
     """Sort TABLE.rows in place by TABLE.sort (descending when TABLE.reverse).
 
     Grouped tables keep each group together: groups are ordered by their leading row's
@@ -561,65 +563,8 @@ def sort_rows(table):
 
 # --------------------------------------------------------------------------- formatting
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
-
-def human_bytes(n):
-    """1536 -> '1.5 KiB'; exact below 1 KiB ('512 B')."""
-    if n is None:
-        return ""
-    n = _num(n)
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    if n < 1024:
-        return f"{sign}{n:.0f} B" if isinstance(n, float) else f"{sign}{n} B"
-    for unit in _UNITS[1:]:
-        n /= 1024.0
-        if n < 1024 or unit == _UNITS[-1]:
-            if n < 10:
-                return f"{sign}{n:.2f} {unit}"
-            if n < 100:
-                return f"{sign}{n:.1f} {unit}"
-            return f"{sign}{n:.0f} {unit}"
-    return f"{sign}{n}"  # not reached
-
-
-def human_count(x):
-    """A per-second rate or count: '0', '2.5', '812', '12.3k', '4.50M'."""
-    if x is None:
-        return ""
-    x = _num(x)
-    if x == 0:
-        return "0"
-    ax = abs(x)
-    if ax < 10 and not float(x).is_integer():
-        return f"{x:.1f}"
-    if ax < 1000:
-        return f"{x:.0f}"
-    for div, suffix in ((1e3, "k"), (1e6, "M"), (1e9, "G"), (1e12, "T")):
-        v = x / div
-        if abs(v) < 1000 or suffix == "T":
-            return f"{v:.2f}{suffix}" if abs(v) < 10 else (f"{v:.1f}{suffix}" if abs(v) < 100 else f"{v:.0f}{suffix}")
-    return str(x)
-
-
-def format_cell(kind, value):
-    if value is None or value == "":
-        return ""
-    if kind in ("bytes", "byterate"):
-        return human_bytes(value)
-    if kind == "rate":
-        return human_count(value)
-    if kind == "int":
-        return str(int(value)) if isinstance(value, (int, float)) else str(value)
-    if kind == "pct":
-        return f"{_num(value):.1f}%"
-    if kind == "allocator":
-        return f"allocator: {value} (not traced)"
-    return str(value)
-
-
-def format_rows(table):
+def format_rows(table: Table) -> List[List[str]]:
     """Rows as strings for humans (bytes as KiB/MiB/..., rates with k/M suffixes).
 
     In grouped tables the non-leading rows of a group leave PID/COMM blank and indent
@@ -639,7 +584,7 @@ def format_rows(table):
     return out
 
 
-def headers(table, mark_sort=True):
+def headers(table: Table, mark_sort: bool = True) -> List[str]:
     heads = []
     for i, c in enumerate(table.columns):
         t = c.title
@@ -649,7 +594,7 @@ def headers(table, mark_sort=True):
     return heads
 
 
-def summary(table):
+def summary(table: Table) -> str:
     """One line of totals for the header of the view."""
     t = table.totals
     if table.view == "processes":
@@ -687,7 +632,7 @@ def summary(table):
     return text
 
 
-def text_table(table, tablefmt="simple"):
+def text_table(table: Table, tablefmt: str = "simple") -> str:
     """The table as plain text (tabulate), with the notes below it: for --batch."""
     from tabulate import tabulate
 
@@ -709,7 +654,7 @@ def text_table(table, tablefmt="simple"):
     return "\n".join(line for line in lines if line != "")
 
 
-def to_json(table):
+def to_json(table: Table) -> Dict[str, Any]:
     """A JSON-able dict with raw numbers (no units, no rounding): for --json."""
     keys = [c.key for c in table.columns]
     rows = []

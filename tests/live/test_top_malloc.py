@@ -7,9 +7,10 @@ import time
 
 import pytest
 from conftest import ProbeWatch
+from support.schema import problems
 from support.top import Top, Workload, alive, assert_probes_gone, assert_probes_installed
 
-CALLS = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
+from pymtrace.collect.snapshot import CALLS
 
 
 def _expected_ok(expected):
@@ -44,6 +45,7 @@ def test_json_counts_every_call_once_exactly(cbuild):
         assert rows[0]["malloc"] == expected["calls"]["malloc"]
         assert rows[0]["live_bytes"] == p["live_bytes"]
         assert all(r["pid"] == w.pid for r in doc["views"]["processes"]["rows"])
+        assert problems(doc["snapshot"], json_keys=True) == []  # pymtrace.collect.snapshot's schema
         # Ctrl-C: clean exit, no uprobes of ours left, the workload unharmed
         assert top.stop(signal.SIGINT) == 0
         assert_probes_gone(top, w.pid)
@@ -211,6 +213,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
         snap = doc["snapshot"]
         assert "glibc" in snap, snap.get("errors")  # pymtrace.collect.usdt's collector ran alongside
         assert snap["glibc"][str(w.pid)]["probes"] > 0
+        assert problems(snap, json_keys=True) == []  # malloc + faults + glibc: the schema holds
         assert top.stop() == 0
         top.watch.assert_gone()
         assert w.finish() == 0

@@ -166,18 +166,18 @@ def test_mtrace_bin_layout_is_record_h_as_gcc_compiles_it(tmp_path):
 
 
 def test_call_names_shown_are_the_ones_the_collector_emits():
-    """top and the views list the snapshot's call names once (views.CALLS); they are exactly
+    """top and the views list the snapshot's call names once (snapshot.CALLS); they are exactly
     the names collect.call_names() reads from the BPF headers (no aligned_alloc: glibc's
     aligned_alloc is memalign and counted there)."""
     from pymtrace.collect import collectors as collect
-    from pymtrace.commands import top
+    from pymtrace.collect import snapshot
     from pymtrace.sinks import views
 
     emitted = collect.call_names()
-    assert len(set(views.CALLS)) == len(views.CALLS)
-    assert set(views.CALLS) == set(emitted.values())
-    assert [k for k, _ in top.TOTAL_COLUMNS if k in emitted.values()] == list(views.CALLS)
-    assert set(views.ALLOC_CALLS) == set(views.CALLS) - {"free", "free_null"}
+    assert len(set(snapshot.CALLS)) == len(snapshot.CALLS)
+    assert set(snapshot.CALLS) == set(emitted.values())
+    assert [k for k, _ in views.TOTAL_COLUMNS if k in emitted.values()] == list(snapshot.CALLS)
+    assert set(views.ALLOC_CALLS) == set(snapshot.CALLS) - {"free", "free_null"}
 
 
 def test_installed_layout_reads_the_headers(tmp_path):

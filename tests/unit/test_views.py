@@ -5,6 +5,7 @@ import json
 import pytest
 
 from pymtrace.sinks import views
+from pymtrace.sinks.text import human_bytes, human_count
 
 
 def proc(
@@ -276,7 +277,7 @@ def test_glibc_view_empty_says_so():
 
 
 @pytest.mark.parametrize(
-    "n,text",
+    "n,expected",
     [
         (0, "0 B"),
         (512, "512 B"),
@@ -291,12 +292,12 @@ def test_glibc_view_empty_says_so():
         (100.4, "100 B"),
     ],
 )
-def test_human_bytes(n, text):
-    assert views.human_bytes(n) == text
+def test_human_bytes(n, expected):
+    assert human_bytes(n) == expected
 
 
 @pytest.mark.parametrize(
-    "x,text",
+    "x,expected",
     [
         (0, "0"),
         (2.5, "2.5"),
@@ -307,8 +308,8 @@ def test_human_bytes(n, text):
         (999.6, "1000"),
     ],
 )
-def test_human_count(x, text):
-    assert views.human_count(x) == text
+def test_human_count(x, expected):
+    assert human_count(x) == expected
 
 
 def test_batch_text_and_json_keep_raw_numbers():
