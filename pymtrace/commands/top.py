@@ -6,13 +6,13 @@ pymtrace.collect.collectors (BPF programs in bpf/malloc_stats, slab, faults) and
 pymtrace.collect.usdt.GlibcCollector (view 4).
 """
 
-import os
 import sys
 import time
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import Reporter
+from pymtrace.target import proc
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested
@@ -107,8 +107,8 @@ def _start_demo():
         from pymtrace.target import demo
     except ImportError:
         raise PymtraceError("the demo workload (pymtrace/demo) is not installed") from None
-    proc = demo.start_demo()
-    return proc.pid, lambda: demo.stop_demo(proc)
+    child = demo.start_demo()
+    return child.pid, lambda: demo.stop_demo(child)
 
 
 def _views_wanted(args, have_glibc):
@@ -137,18 +137,6 @@ def _sources(args):
     if not (args.batch or args.json) or not args.view:
         return {"malloc", "slab", "faults", "glibc"}
     return {s for view in _views_wanted(args, True) for s in VIEW_SOURCES[view]}
-
-
-def _alive(pids):
-    return [p for p in pids if os.path.exists(f"/proc/{p}") and not _zombie(p)]
-
-
-def _zombie(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def run(args):
@@ -202,7 +190,7 @@ def _run_batch(args, collectors, pids):
     while not args.iterations or reporter.iteration < args.iterations:
         time.sleep(max(0.0, next_at - time.monotonic()))
         next_at += args.interval
-        final = bool(pids) and not _alive(pids)
+        final = bool(pids) and not any(proc.alive(p) for p in pids)
         if final:
             time.sleep(0.3)  # let the exit notifications arrive: the report marks them "exited"
         prev, cur = cur, collectors.snapshot()
@@ -225,7 +213,7 @@ def _run_tui(args, collectors, pids):
         snap = collectors.snapshot()
         if notes:
             snap.setdefault("notes", []).extend(notes)
-        if pids and not _alive(pids):
+        if pids and not any(proc.alive(p) for p in pids):
             state["gone"] = True  # show the final numbers once, end at the next refresh
         return snap
 
