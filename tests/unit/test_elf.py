@@ -1,10 +1,19 @@
 """pymtrace.target.elf: the direct readers agree with pyelftools, and refuse hostile files."""
 
+import os
+import pathlib
 import struct
+import sys
 
+import pytest
 from elftools.elf.elffile import ELFFile
 
 from pymtrace.target import elf, libc, mallocapi
+
+# libc (.symtab stripped: .dynsym only), the interpreter (symtab present), the Python binary
+SYMBOL_FILES = [libc.system_libc(), os.path.realpath(sys.executable)] + [
+    str(p) for p in pathlib.Path("/lib64").glob("ld-linux-x86-64.so.2") if p.exists()
+]
 
 
 def test_program_headers_match_pyelftools():
@@ -72,3 +81,20 @@ def _has(module):
     import importlib.util
 
     return importlib.util.find_spec(f"pymtrace.collect.{module}") is not None
+
+
+@pytest.mark.parametrize("path", SYMBOL_FILES, ids=os.path.basename)
+def test_bulk_symbol_table_equals_pyelftools(path):
+    """elf.symbols reads 64-bit symbol tables in bulk; the table must be what pyelftools'
+    per-symbol parse gives (first definition of a name wins, versions stripped)."""
+    expected = {}
+    with open(path, "rb") as f:
+        ef = ELFFile(f)
+        for section_name in (".symtab", ".dynsym"):
+            section = ef.get_section_by_name(section_name)
+            for sym in section.iter_symbols() if section is not None else ():
+                if sym["st_value"] and sym.name:
+                    name = sym.name.split("@")[0]
+                    expected.setdefault(name, elf.Symbol(name, sym["st_value"], sym["st_size"]))
+    assert elf.symbols(path) == expected
+    assert len(expected) > 10
