@@ -1,6 +1,6 @@
 """`pymtrace exporter`: serve the live malloc/slab/fault/glibc metrics to Prometheus.
 
-The exporter runs the same collectors as `pymtrace top` (pymtrace.collect.collectors, pymtrace.collect.usdt)
+The exporter runs the same collectors as `pymtrace top` (pymtrace.collect.base.Collectors)
 and reads their BPF maps at scrape time through a prometheus-client custom collector.
 Their snapshots are cumulative per PID; this module turns them into per-`comm` (or
 cgroup, or capped per-PID) series that stay monotonic while processes come and go, and
@@ -343,7 +343,7 @@ def _cgroup_of(pid):
 
 
 def size_bucket_le(i):
-    """Upper bound (bytes) of BPF log2 size bucket I as pymtrace.collect.collectors fills them:
+    """Upper bound (bytes) of BPF log2 size bucket I as pymtrace.collect.malloc fills them:
     bucket 0 holds size 0, bucket i sizes in [2**(i-1), 2**i - 1]; sizes are integers, so
     `le` = 2**i - 1 is exact (0, 1, 3, 7, ..., 1023, ...)."""
     return float(2**i - 1) if i > 0 else 0.0
@@ -1088,10 +1088,10 @@ def _check_args(args):
 
 
 def build_sources(args):
-    """The same collectors as `pymtrace top` (pymtrace.collect.collectors.Collectors), attached for the
+    """The same collectors as `pymtrace top` (pymtrace.collect.base.Collectors), attached for the
     exporter's mode: always-on (default) = slab + faults + glibc USDT, nothing on the
     malloc path; per-call = the same plus the per-call malloc uprobes."""
-    from pymtrace.collect import collectors as collect
+    from pymtrace.collect import base as collect
 
     bundle = collect.Collectors(pids=args.pid or None, malloc=args.per_call, slab=True, faults=True, glibc=True)
     faults = bundle.collectors.get("faults")

@@ -6,7 +6,7 @@ import time
 
 from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
-from pymtrace.collect import usdt
+from pymtrace.collect import glibc, usdt
 from pymtrace.errors import PymtraceError
 from pymtrace.target import launch, libc, proc
 
@@ -114,11 +114,11 @@ def run(args):
     if args.cmd:
         launched = launch.Launched(args.cmd)
         path = usdt.launched_probe_file(launched)
-        collector = usdt.GlibcCollector(pids=[launched.pid], libcs={launched.pid: path}, on_event=on_event)
+        collector = glibc.GlibcCollector(pids=[launched.pid], libcs={launched.pid: path}, on_event=on_event)
     elif args.pid:
-        collector = usdt.GlibcCollector(pids=args.pid, on_event=on_event)
+        collector = glibc.GlibcCollector(pids=args.pid, on_event=on_event)
     else:
-        collector = usdt.GlibcCollector(pids=None, libcs=args.libc, on_event=on_event)
+        collector = glibc.GlibcCollector(pids=None, libcs=args.libc, on_event=on_event)
     try:
         try:
             collector.attach()

@@ -22,7 +22,7 @@ import time
 from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import structs
-from pymtrace.collect import collectors as collect
+from pymtrace.collect import base as collect
 from pymtrace.target import libc, probesite
 
 try:  # optional: one vectorised copy per batch instead of one strided copy per word

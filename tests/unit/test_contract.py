@@ -144,7 +144,7 @@ def test_call_names_shown_are_the_ones_the_collector_emits():
     """top and the views list the snapshot's call names once (views.CALLS); they are exactly
     the names collect.call_names() reads from the BPF headers (no aligned_alloc: glibc's
     aligned_alloc is memalign and counted there)."""
-    from pymtrace.collect import collectors as collect
+    from pymtrace.collect import malloc as collect
     from pymtrace.commands import top
     from pymtrace.sinks import views
 
