@@ -169,7 +169,7 @@ def lost_counts(table, names):
         try:
             vals = table.getvalue(table.Key(idx))
             out[name] = int(sum(vals))
-        except Exception:
+        except KeyError:  # BCC's getvalue of a missing index
             continue
     return out
 
@@ -200,8 +200,8 @@ def detach_parallel(bpf):
                 list(pool.map(close, items))
             for ev_name, _ in items:
                 bpf._del_uprobe_fd(ev_name)  # keeps BCC's open-probe count right
-    except Exception:
-        pass  # fall back to BCC's own sequential cleanup below
+    except (ImportError, AttributeError, KeyError, OSError):
+        pass  # BCC without these internals: its own sequential cleanup below does the work
     bpfload.detach_all(bpf)
 
 
@@ -360,6 +360,17 @@ class Collector:
     def snapshot(self):
         """The cumulative state since attach (schema: this module's docstring)."""
         raise NotImplementedError
+
+    def _per_process(self, table):
+        """Read a per-CPU map keyed by pid: ([(pid, counters summed over CPUs, comm)], the
+        pids to report as exited now, the number of entries)."""
+        items = percpu_items(table)
+        gone = self._take_exited(int(k.value) for k, _ in items)
+        rows = []
+        for key, values in items:
+            pid = int(key.value)
+            rows.append((pid, sum_percpu(values, self.fields), self.comms.get(pid, bpf=bpf_comm(values))))
+        return rows, gone, len(items)
 
     def close(self):
         if self._events is not None:

@@ -8,12 +8,9 @@ from pymtrace.bpf import kfeatures, structs
 from pymtrace.collect.base import (
     Collector,
     Evictions,
-    bpf_comm,
     lost_counts,
     lost_names,
-    percpu_items,
     struct_fields,
-    sum_percpu,
 )
 from pymtrace.errors import PymtraceError
 from pymtrace.target import libc
@@ -74,6 +71,7 @@ class FaultCollector(Collector):
         self._maps_lock = threading.Lock()
         self._stop = threading.Event()
         self._reader = None
+        self.reader_error = None  # the last failure of the ring-buffer reader thread, if any
         self.maps_reads = 0  # /proc/PID/maps reads made for new granules (cost, for tests/bench)
         self._shift = structs.header(self.program).consts["PF_GRANULE_SHIFT"]
 
@@ -118,9 +116,10 @@ class FaultCollector(Collector):
             try:
                 self.bpf.ring_buffer_poll(self.poll_ms)  # woken by the first record of a burst
                 self.bpf.ring_buffer_consume()  # records sent without a wake-up (rationed)
-            except Exception:
+            except Exception as exc:  # BCC raises bare Exception ("No ring buffers to poll"); None once closed
                 if self._stop.is_set():
                     return
+                self.reader_error = f"{type(exc).__name__}: {exc}"  # kept for the tests and a debugger
                 time.sleep(0.2)
                 continue
             if self._pending:
@@ -138,7 +137,7 @@ class FaultCollector(Collector):
                 try:
                     maps = sorted(libc.read_maps(pid), key=lambda m: m.start)
                     self.maps_reads += 1
-                except Exception:
+                except PymtraceError:  # gone, or its maps unreadable: labelled at snapshot time if possible
                     maps = maps or []
                 with self._maps_lock:
                     self._maps[pid] = maps
@@ -164,7 +163,7 @@ class FaultCollector(Collector):
             known_before = set(self._labels)
         try:
             items = list(table.items_lookup_batch())
-        except Exception:
+        except Exception:  # BCC raises bare Exception when the kernel lacks batch lookups: read one by one
             items = list(table.items())
         self._regions_entries = len(items)
         per_pid = {}
@@ -178,7 +177,7 @@ class FaultCollector(Collector):
                 maps = sorted(libc.read_maps(pid), key=lambda m: m.start)
                 with self._maps_lock:
                     self._maps[pid] = maps
-            except Exception:
+            except PymtraceError:  # exited (or unreadable): the maps it had when last read
                 with self._maps_lock:
                     maps = self._maps.get(pid, [])
             labels = {}
@@ -205,15 +204,12 @@ class FaultCollector(Collector):
     def snapshot(self):
         now = time.monotonic()
         totals = self.bpf[b"pf_totals"]
-        items = percpu_items(totals)
-        gone = self._take_exited(int(k.value) for k, _ in items)
+        rows, gone, entries = self._per_process(totals)
         procs = {}
-        for key, values in items:
-            pid = int(key.value)
-            s = sum_percpu(values, self.fields)
+        for pid, s, comm in rows:
             procs[pid] = {
                 "pid": pid,
-                "comm": self.comms.get(pid, bpf=bpf_comm(values)),
+                "comm": comm,
                 "faults_user": int(s["user"]),
                 "faults_kernel": int(s["kernel"]),
                 "exited": pid in gone,
@@ -235,7 +231,7 @@ class FaultCollector(Collector):
                         self._delete(table, table.Key(tgid=pid, granule=granule))
         self.evictions.update({pid: p["faults_user"] + p["faults_kernel"] for pid, p in procs.items()}, gone)
         lost = lost_counts(self.bpf[b"pf_lost"], {i: "fault_" + n for i, n in lost_names("faults", "PF").items()})
-        maps = {"pf_totals": self.evictions.info(len(items), self.max_procs)}
+        maps = {"pf_totals": self.evictions.info(entries, self.max_procs)}
         if self.regions:
             maps["pf_regions"] = {"entries": self._regions_entries, "max_entries": self.max_granules}
         snap = {"time": now, "start": self.start, "processes": procs, "lost": lost, "maps": maps}

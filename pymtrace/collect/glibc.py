@@ -243,7 +243,7 @@ class GlibcCollector(Collector):
             defines["WITH_FAULTS"] = 1
         if not self.stream:
             defines["NO_STREAM"] = 1  # aggregates only: nothing fills the ring buffer
-        return bpfload.Part("glibc_usdt", defines, usdt.generate(self.sites))
+        return bpfload.Part(self.program, defines, usdt.generate(self.sites))
 
     def _attach(self):
         if self.stream:

@@ -16,12 +16,9 @@ from pymtrace.bpf import structs
 from pymtrace.collect.base import (
     Collector,
     Evictions,
-    bpf_comm,
     lost_counts,
     lost_names,
-    percpu_items,
     struct_fields,
-    sum_percpu,
 )
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import libc, probesite
@@ -153,16 +150,13 @@ class MallocCollector(Collector):
     def snapshot(self):
         now = time.monotonic()
         table = self.bpf[b"ms_stats"]
-        items = percpu_items(table)
-        gone = self._take_exited(int(k.value) for k, _ in items)
+        rows, gone, entries = self._per_process(table)
         procs = {}
-        for key, values in items:
-            pid = int(key.value)
-            s = sum_percpu(values, self.fields)
+        for pid, s, comm in rows:
             calls = s["calls"]
             procs[pid] = {
                 "pid": pid,
-                "comm": self.comms.get(pid, bpf=bpf_comm(values)),
+                "comm": comm,
                 "calls": {name: int(calls[i]) for i, name in self.call_names.items()},
                 "requested_bytes": int(s["requested_bytes"]),
                 "allocated_bytes": int(s["allocated_bytes"]),
@@ -179,5 +173,5 @@ class MallocCollector(Collector):
         lost = lost_counts(
             self.bpf[b"ms_lost"], {i: "malloc_" + n for i, n in lost_names("malloc_stats", "MS").items()}
         )
-        maps = {"ms_stats": self.evictions.info(len(items), self.max_procs)}
+        maps = {"ms_stats": self.evictions.info(entries, self.max_procs)}
         return {"time": now, "start": self.start, "processes": procs, "lost": lost, "maps": maps}
