@@ -171,7 +171,6 @@ class GlibcCollector(Collector):
         self.libc_info = []  # [{"libc", "probes", "sites", "attached"}]
         self.names = {}  # probe id -> name
         self._status_cache = {}
-        self._comm = {}
         self._exit_new, self._exit_pending = set(), set()
         self.wall_offset = time.time() - time.monotonic()
         h = usdt.header()
@@ -280,7 +279,7 @@ class GlibcCollector(Collector):
         ev.pid = raw.pid
         ev.tid = raw.tid
         ev.comm = raw.comm.decode("utf-8", "replace")
-        self._comm[ev.pid] = ev.comm
+        self.comms.names[ev.pid] = ev.comm  # the name at its last event
         ev.probe_id = raw.probe
         ev.site = raw.site
         ev.flags = raw.flags
@@ -366,7 +365,7 @@ class GlibcCollector(Collector):
                 except KeyError:
                     pass
         self.pid_libc.pop(pid, None)
-        self._comm.pop(pid, None)
+        self.comms.forget(pid)
 
     def exited(self, pid):
         """PID has exited (process-events connector): it is reported once more (alive False,
@@ -421,10 +420,7 @@ class GlibcCollector(Collector):
 
     def _pid_snapshot(self, pid, s, threads, arenas, heaps):
         alive = os.path.exists(f"/proc/{pid}")
-        if alive or pid not in self._comm:
-            c = libc.comm(pid)
-            if c != "?" or pid not in self._comm:
-                self._comm[pid] = c
+        comm = self.comms.get(pid, refresh=alive)  # exited: the name last seen
         path = self.libc_of(pid) if (alive or pid in self.pid_libc) else None
         if path is None and s is not None and s.last_site in self.site_by_id:
             path = self.site_by_id[s.last_site].libc  # exited: the libc its events came from
@@ -436,7 +432,7 @@ class GlibcCollector(Collector):
         )
         g = {
             "pid": pid,
-            "comm": self._comm.get(pid, "?"),
+            "comm": comm,
             "alive": alive,
             "libc": st["libc"],
             "probes": st["probes"],
