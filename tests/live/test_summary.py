@@ -1,5 +1,5 @@
 """`pymtrace run` / `pymtrace summary` on real BPF: the end-of-run report (the model without BPF:
-tests/unit/test_summary.py)."""
+tests/unit/test_glibc_report.py)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""pymtrace.collect.glibc.GlibcCollector on real BPF (argument decoding: tests/unit/test_usdt.py)."""
+"""pymtrace.collect.glibc.GlibcCollector on real BPF (argument decoding: tests/unit/test_usdt_decoding.py)."""
 
 import json
 import os
