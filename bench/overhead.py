@@ -42,8 +42,8 @@ sys.path.insert(0, str(HERE.parent))
 from benchutil import build_c, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.collect import collectors as collect  # noqa: E402
-from pymtrace.collect.collectors import FaultCollector  # noqa: E402
+from pymtrace.collect import malloc as collect  # noqa: E402
+from pymtrace.collect.faults import FaultCollector  # noqa: E402
 from pymtrace.target import libc  # noqa: E402
 
 MEMLEAK = r"""

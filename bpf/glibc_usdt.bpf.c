@@ -47,7 +47,7 @@ static __always_inline void count_full(int idx) {
     if (v) (*v)++;
 }
 
-static __always_inline void emit_pad(u32 probe, u32 site, u64 a0, u64 a1, u64 a2, u32 flags, u32 pad) {
+static __always_inline void emit_fd(u32 probe, u32 site, u64 a0, u64 a1, u64 a2, u32 flags, u32 fd) {
     struct glibc_event *ev = events.ringbuf_reserve(sizeof(struct glibc_event));
     if (!ev) {
         int zero = 0;
@@ -65,13 +65,13 @@ static __always_inline void emit_pad(u32 probe, u32 site, u64 a0, u64 a1, u64 a2
     ev->probe = probe;
     ev->site = site;
     ev->flags = flags;
-    ev->pad = pad;
+    ev->fd = fd;
     bpf_get_current_comm(&ev->comm, sizeof(ev->comm));
     events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
 }
 
 static __always_inline void emit(u32 probe, u32 site, u64 a0, u64 a1, u64 a2, u32 flags) {
-    emit_pad(probe, site, a0, a1, a2, flags, 0);
+    emit_fd(probe, site, a0, a1, a2, flags, 0);
 }
 
 static __always_inline int mallopt_param_index(s32 param) {
@@ -352,7 +352,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mmap) {
     u32 flags = 0;
     /* MAP_ANONYMOUS = 0x20 */
     if (!(call.prot_flags & 0x20) && (s32)call.fd >= 0) flags |= EV_FILE;
-    emit_pad(PROBE_MMAP, 0, (u64)args->ret, call.len, call.prot_flags, flags, (u32)call.fd);
+    emit_fd(PROBE_MMAP, 0, (u64)args->ret, call.len, call.prot_flags, flags, (u32)call.fd);
     return 0;
 }
 
@@ -390,7 +390,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat) {
     pe->ev.probe = PROBE_OPEN;
     pe->ev.site = 0;
     pe->ev.flags = 0;
-    pe->ev.pad = 0;
+    pe->ev.fd = 0;
     bpf_get_current_comm(&pe->ev.comm, sizeof(pe->ev.comm));
     if (bpf_probe_read_user_str(pe->path, sizeof(pe->path), (void *)ptr) < 0) pe->path[0] = 0;
     events.ringbuf_submit(pe, BPF_RB_NO_WAKEUP);

@@ -1,4 +1,5 @@
-/* Structs and constants shared by bpf/glibc_usdt.bpf.c and pymtrace/collect/usdt.py.
+/* Structs and constants shared by bpf/glibc_usdt.bpf.c and pymtrace/collect/glibc.py
+ * (and usdt.py, which decodes the probes' arguments).
  *
  * glibc's malloc USDT probes (provider libc, memory_*): every hit becomes one
  * glibc_event in the ring buffer, and per-process aggregates are kept in BPF maps.
@@ -45,7 +46,7 @@
 
 /* pseudo-probes from tracepoints, only for pids in the fault_pids map */
 #define PROBE_FAULT  200 /* exceptions:page_fault_user: address, ip, error_code */
-#define PROBE_MMAP   201 /* syscalls mmap: addr, len, prot << 32 | flags; EV_FILE if fd-backed, fd in pad */
+#define PROBE_MMAP   201 /* syscalls mmap: addr, len, prot << 32 | flags; EV_FILE if fd-backed, fd in .fd */
 #define PROBE_MUNMAP 202 /* syscalls munmap: addr, len */
 #define PROBE_BRK    203 /* syscalls brk: returned break */
 #define PROBE_OPEN   204 /* syscalls openat: fd in args[0]; a glibc_path_event */
@@ -71,10 +72,15 @@
 #define CAUSE_TUNABLE 2
 #define CAUSE_DYNAMIC 3
 
-/* glibc_event.flags: bits 0-2 = argument N could not be read; bits 8-15 = cause */
+/* glibc_event.flags: bits 0-2 = argument N could not be read (EV_ARG_UNREADABLE << N);
+ * bits 8-15 = cause (CAUSE_*) */
 #define EV_ARG_UNREADABLE 1
 #define EV_FILE           16
 #define EV_CAUSE_SHIFT    8
+#define EV_CAUSE_MASK     0xff
+
+/* arguments decoded per probe hit (glibc_event.args; the generated site_N functions) */
+#define MAX_ARGS 3
 
 #define MAX_PIDS    8192
 #define MAX_HEAPS   16384
@@ -83,19 +89,19 @@
 
 struct glibc_event {
     __u64 ts;
-    __u64 args[3];
+    __u64 args[MAX_ARGS];
     __u32 pid;
     __u32 tid;
     __u32 probe;
     __u32 site;
     __u32 flags;
-    __u32 pad;
+    __u32 fd; /* PROBE_MMAP with EV_FILE: the mapped file's descriptor; else 0 */
     char comm[TASK_COMM_LEN];
 };
 
 #define PATH_LEN 256
 
-/* PROBE_OPEN: names the files that PROBE_MMAP events map (by fd, in ev.pad) */
+/* PROBE_OPEN: names the files that PROBE_MMAP events map (by fd, in ev.fd) */
 struct glibc_path_event {
     struct glibc_event ev;
     char path[PATH_LEN];

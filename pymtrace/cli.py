@@ -25,7 +25,7 @@ COMMANDS = {
     "replay": ("pymtrace.commands.replay", "replay a workload against allocators and tunables and compare them"),
     "exporter": ("pymtrace.commands.exporter", "serve the live metrics to Prometheus"),
     "probes": ("pymtrace.commands.probes", "stream glibc's malloc USDT probe events, one line each"),
-    "run": ("pymtrace.commands.summary", "run a command and report glibc allocator internals at its exit"),
+    "run": ("pymtrace.commands.run", "run a command and report glibc allocator internals at its exit"),
     "summary": ("pymtrace.commands.summary", "attach to a process and report glibc allocator internals on Ctrl-C"),
 }
 
@@ -76,13 +76,11 @@ def _main(argv):
         epilog=getattr(module, "EPILOG", None),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    configure = getattr(module, f"configure_{name}", None) or module.configure
-    runner = getattr(module, f"run_{name}", None) or module.run
-    configure(sub)
+    module.configure(sub)
     args = sub.parse_args(argv[1:])
     args.command = name
     try:
-        return runner(args) or 0
+        return module.run(args) or 0
     except PymtraceError as exc:
         print(f"pymtrace: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -44,7 +44,7 @@ faked, so a consumer works with whichever collectors are running:
          # is the mapped file's path, "[heap]", "[stack]", "[anon]" (anonymous mmap, incl.
          # thread stacks), another [special] name, or "[unmapped]": gone by snapshot time and
          # not seen mapped when its first fault was announced (FaultCollector's docstring)
-     "glibc": {pid: GlibcProcess},            # pymtrace.collect.usdt.GlibcCollector, below
+     "glibc": {pid: GlibcProcess},            # pymtrace.collect.glibc.GlibcCollector, below
      "glibc_collector": {"lost_events": ring-buffer reserve failures, "map_full": {map: n},
                          "libcs": [{"libc", "probes", "sites", "attached", "reason"}],
                          "warnings": [str]},
@@ -87,7 +87,7 @@ GlibcCollector's entry per process ("glibc": {pid: ...}):
      "threads": {tid: {"lock_waits": int, "arena": "0x.." or None, "arena_switches": int}}}
 
 Exited processes: a process that exits appears once more with "exited": True, then its
-state is deleted; every per-process map is bounded and LRU (pymtrace.collect.collectors
+state is deleted; every per-process map is bounded and LRU (pymtrace.collect.base
 says how, and what "evicted" counts).
 
 The TypedDicts are written for Python 3.9 (no Required/NotRequired): a class holds the keys

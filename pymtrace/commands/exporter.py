@@ -1,7 +1,6 @@
 """`pymtrace exporter`: serve the live malloc/slab/fault/glibc metrics to Prometheus.
 
-The exporter runs the same collectors as `pymtrace top` (pymtrace.collect.collectors,
-pymtrace.collect.usdt); pymtrace.sinks.prometheus reads their BPF maps at scrape time and
+The exporter runs the same collectors as `pymtrace top` (pymtrace.collect.base.Collectors); pymtrace.sinks.prometheus reads their BPF maps at scrape time and
 turns them into monotonic per-label series, pymtrace.sinks.http serves them. This module
 holds the arguments, the help text and the orchestration.
 """
@@ -160,10 +159,10 @@ def _check_args(args):
 
 
 def build_sources(args):
-    """The same collectors as `pymtrace top` (pymtrace.collect.collectors.Collectors), attached for the
+    """The same collectors as `pymtrace top` (pymtrace.collect.base.Collectors), attached for the
     exporter's mode: always-on (default) = slab + faults + glibc USDT, nothing on the
     malloc path; per-call = the same plus the per-call malloc uprobes."""
-    from pymtrace.collect import collectors as collect
+    from pymtrace.collect import base as collect
 
     bundle = collect.Collectors(pids=args.pid or None, malloc=args.per_call, slab=True, faults=True, glibc=True)
     faults = bundle.collectors.get("faults")

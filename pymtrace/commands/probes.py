@@ -1,13 +1,13 @@
 """`pymtrace probes`: stream glibc's malloc USDT probe events, one line each."""
 
-import json
 import sys
 import time
 
 from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
-from pymtrace.collect import usdt
+from pymtrace.collect import glibc, usdt
 from pymtrace.errors import PymtraceError
+from pymtrace.sinks.probe_lines import TEXT_HEADER, hit_line, probe_listing
 from pymtrace.target import launch, libc, proc
 
 HELP = """Stream every hit of glibc's malloc USDT probes (provider libc, memory_*), one line
@@ -76,16 +76,8 @@ def _list(args):
         paths.append(libc.process_libc(pid))
     if not paths:
         paths = usdt.all_libcs()
-    for path in paths:
-        st = usdt.libc_status(path)
-        if not st["probes"]:
-            print(f"{path}: {st['reason']}")
-            continue
-        print(f"{path}: {st['probes']} malloc probes at {st['sites']} sites")
-        for p in libc.malloc_probes(path):
-            names = usdt.arg_names(p.name, len(p.arg_specs))
-            spec = " ".join(f"{n}={a}" for n, a in zip(names, p.arg_specs))
-            print(f"  {p.address:#08x} {p.name} {spec}")
+    for line in probe_listing(paths):
+        print(line)
     return 0
 
 
@@ -104,21 +96,16 @@ def run(args):
         if not usdt.match_probe(ev.probe, patterns):
             return
         count[0] += 1
-        if args.json:
-            out.write(json.dumps(ev.as_dict(collector.wall_offset)) + "\n")
-        else:
-            t = ev.ts / 1e9 + collector.wall_offset
-            stamp = time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1e6) % 1000000:06d}"
-            out.write(f"{stamp} {ev.pid:>7} {ev.tid:>7} {ev.comm:<15} {ev.probe} {ev.format_args()}\n")
+        out.write(hit_line(ev, collector.wall_offset, args.json))
 
     if args.cmd:
         launched = launch.Launched(args.cmd)
         path = usdt.launched_probe_file(launched)
-        collector = usdt.GlibcCollector(pids=[launched.pid], libcs={launched.pid: path}, on_event=on_event)
+        collector = glibc.GlibcCollector(pids=[launched.pid], libcs={launched.pid: path}, on_event=on_event)
     elif args.pid:
-        collector = usdt.GlibcCollector(pids=args.pid, on_event=on_event)
+        collector = glibc.GlibcCollector(pids=args.pid, on_event=on_event)
     else:
-        collector = usdt.GlibcCollector(pids=None, libcs=args.libc, on_event=on_event)
+        collector = glibc.GlibcCollector(pids=None, libcs=args.libc, on_event=on_event)
     try:
         try:
             collector.attach()
@@ -150,7 +137,7 @@ def run(args):
                 flush=True,
             )
             if not args.json:
-                out.write(f"{'TIME':<15} {'PID':>7} {'TID':>7} {'COMM':<15} PROBE ARGS\n")
+                out.write(TEXT_HEADER)
                 out.flush()
             while True:
                 collector.poll()

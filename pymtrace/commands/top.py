@@ -2,8 +2,8 @@
 
 Full-screen by default (pymtrace.sinks.tui); --batch prints plain tables every interval like
 `top -b`; --json prints one JSON document per interval. The data comes from
-pymtrace.collect.collectors (BPF programs in bpf/malloc_stats, slab, faults) and, when available,
-pymtrace.collect.usdt.GlibcCollector (view 4).
+pymtrace.collect (BPF programs in bpf/malloc_stats, slab, faults) and, when available,
+pymtrace.collect.glibc.GlibcCollector (view 4).
 """
 
 import sys
@@ -140,7 +140,7 @@ def _sources(args):
 
 
 def run(args):
-    from pymtrace.collect.collectors import Collectors
+    from pymtrace.collect.base import Collectors
 
     bpfload.require_root("pymtrace top")
     if args.interval <= 0:

@@ -317,7 +317,7 @@ def merge_sources(sources: Iterable) -> dict:
 
 
 def size_bucket_le(i: int) -> float:
-    """Upper bound (bytes) of BPF log2 size bucket I as pymtrace.collect.collectors fills them:
+    """Upper bound (bytes) of BPF log2 size bucket I as pymtrace.collect.malloc fills them:
     bucket 0 holds size 0, bucket i sizes in [2**(i-1), 2**i - 1]; sizes are integers, so
     `le` = 2**i - 1 is exact (0, 1, 3, 7, ..., 1023, ...)."""
     return float(2**i - 1) if i > 0 else 0.0

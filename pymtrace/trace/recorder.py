@@ -22,7 +22,7 @@ from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import structs
 from pymtrace.bpf.ringbuf import RingReader
-from pymtrace.collect import collectors as collect
+from pymtrace.collect import base as collect
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import elf, libc, mallocapi, probesite, proc
 from pymtrace.trace.files import open_exclusive, open_unique

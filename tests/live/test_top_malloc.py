@@ -211,7 +211,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
         assert p["requested_bytes"] == expected["requested_bytes"]
         assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
         snap = doc["snapshot"]
-        assert "glibc" in snap, snap.get("errors")  # pymtrace.collect.usdt's collector ran alongside
+        assert "glibc" in snap, snap.get("errors")  # pymtrace.collect.glibc's collector ran alongside
         assert snap["glibc"][str(w.pid)]["probes"] > 0
         assert problems(snap, json_keys=True) == []  # malloc + faults + glibc: the schema holds
         assert top.stop() == 0
@@ -228,7 +228,8 @@ def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
     two processes, tracing four that run one after the other: the per-process maps never
     hold more than two entries, each new process is recorded exactly (the least recently
     used one is evicted, nothing is dropped: no lost events), and the evictions are counted."""
-    from pymtrace.collect.collectors import FaultCollector, MallocCollector
+    from pymtrace.collect.faults import FaultCollector
+    from pymtrace.collect.malloc import MallocCollector
 
     ws = [Workload([cbuild("top_calls")]) for _ in range(4)]
     pids = [w.pid for w in ws]

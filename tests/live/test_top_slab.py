@@ -6,10 +6,10 @@ test allows a little activity from others on this rarely used cache."""
 import time
 
 import pytest
+from support.slab_formats import FORMAT_ALLOC_NO_NAME, fake_formats
 from support.top import Top, Workload, alive
 
 from pymtrace.bpf import kfeatures
-from pymtrace.errors import PymtraceError
 
 N = 500
 CACHE = "mqueue_inode_cache"
@@ -57,59 +57,6 @@ def test_known_slab_cache_row(cbuild):
     assert rows and rows[0]["net_objects"] == s["allocs"] - s["frees"]
 
 
-# kmem_cache_alloc as Linux 6.1 (Debian 12) has it: no `name` field (TP_STRUCT__entry of its
-# include/trace/events/kmem.h); kmem_cache_free there has call_site, ptr and name, like this host.
-FORMAT_ALLOC_NO_NAME = """name: kmem_cache_alloc
-ID: 1
-format:
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
-\tfield:unsigned char common_flags;\toffset:2;\tsize:1;\tsigned:0;
-\tfield:unsigned char common_preempt_count;\toffset:3;\tsize:1;\tsigned:0;
-\tfield:int common_pid;\toffset:4;\tsize:4;\tsigned:1;
-
-\tfield:unsigned long call_site;\toffset:8;\tsize:8;\tsigned:0;
-\tfield:const void * ptr;\toffset:16;\tsize:8;\tsigned:0;
-\tfield:size_t bytes_req;\toffset:24;\tsize:8;\tsigned:0;
-\tfield:size_t bytes_alloc;\toffset:32;\tsize:8;\tsigned:0;
-\tfield:unsigned long gfp_flags;\toffset:40;\tsize:8;\tsigned:0;
-\tfield:int node;\toffset:48;\tsize:4;\tsigned:1;
-\tfield:bool accounted;\toffset:52;\tsize:1;\tsigned:0;
-
-print fmt: "call_site=%pS ptr=%p bytes_req=%zu bytes_alloc=%zu", REC->call_site, REC->ptr, REC->bytes_req, REC->bytes_alloc
-"""
-FORMAT_FREE_NO_NAME = """name: kmem_cache_free
-ID: 2
-format:
-\tfield:unsigned short common_type;\toffset:0;\tsize:2;\tsigned:0;
-\tfield:unsigned long call_site;\toffset:8;\tsize:8;\tsigned:0;
-\tfield:const void * ptr;\toffset:16;\tsize:8;\tsigned:0;
-"""
-
-
-def fake_formats(tmp_path, monkeypatch, **formats):
-    """Emulate a kernel whose kmem tracepoints have the given format files (kfeatures' test hook)."""
-    for tp, text in formats.items():
-        d = tmp_path / "formats" / "kmem" / tp
-        d.mkdir(parents=True)
-        (d / "format").write_text(text)
-    monkeypatch.setenv(kfeatures.FAKE_FORMAT_ENV, str(tmp_path / "formats"))
-
-
-def test_slab_source_follows_the_tracepoint_fields(tmp_path, monkeypatch):
-    assert kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)["bytes_alloc"] == "size_t"
-    assert "name" not in kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)
-    assert "common_pid" not in kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)
-    fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME, kmem_cache_free=FORMAT_FREE_NO_NAME)
-    src = kfeatures.slab_source()
-    assert src.source == kfeatures.SLAB_BY_SIZE and not src.frees and "frees not counted" in src.detail
-    assert src.defines() == {"SLAB_ALLOC_BY_NAME": 0, "SLAB_FREE_BY_NAME": 0}
-    (tmp_path / "formats" / "kmem" / "kmem_cache_alloc" / "format").write_text(
-        FORMAT_ALLOC_NO_NAME.replace("bytes_alloc", "other")
-    )
-    with pytest.raises(PymtraceError, match="neither `name` nor `bytes_alloc`"):
-        kfeatures.slab_source()
-
-
 @pytest.mark.bpf
 def test_kernel_without_cache_names_groups_by_object_size(cbuild, tmp_path, monkeypatch):
     """On a kernel whose kmem_cache_alloc has no `name` (6.1), the slab program keys
@@ -143,31 +90,6 @@ def test_slab_impossible_here_leaves_the_other_collectors_running(tmp_path, monk
         assert top.stop() == 0
     finally:
         top.kill()
-
-
-def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
-    """One compile for all: when it fails, each program is tried alone, the one that fails is
-    dropped with its reason in errors[...] and the rest are compiled together."""
-    from pymtrace.bpf import load as bpfload
-    from pymtrace.collect import collectors as collect
-
-    loads = []
-
-    def load_parts(parts, what=None):
-        names = [p.program for p in parts]
-        loads.append(names)
-        if "slab" in names:
-            raise PymtraceError("cannot compile/load BPF program slab: no member named 'data_loc_name'")
-        return object()
-
-    monkeypatch.setattr(bpfload, "load_parts", load_parts)
-    monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
-    cs = collect.Collectors(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
-    bpf = cs._compile([c.part() for c in cs.collectors.values()], None)
-    assert bpf is not None
-    assert list(cs.collectors) == ["faults"]
-    assert "data_loc_name" in cs.errors["slab"]
-    assert loads[0] == ["faults", "slab"] and loads[-1] == ["faults"]
 
 
 @pytest.mark.bpf

@@ -10,7 +10,7 @@ import sys
 from support.schema import problems
 
 from pymtrace.collect import snapshot
-from pymtrace.collect.collectors import Collectors
+from pymtrace.collect.base import Collectors
 
 
 def malloc_entry(pid, comm, malloc=0, exited=False):

@@ -1,0 +1,538 @@
+"""The collector lifecycle (Collector) and the bundle top and the exporter run (Collectors):
+BPF programs in, JSON-able snapshots out.
+
+Stable API (used by pymtrace.commands.top, pymtrace.sinks.tui via top, and the Prometheus exporter):
+
+    from pymtrace.collect.base import Collectors
+    from pymtrace.collect.malloc import MallocCollector  # likewise slab.SlabCollector, faults.FaultCollector
+
+    c = MallocCollector(pids=None)      # None: every process; or a list of PIDs
+    c.attach()                          # compile, load, attach (raises PymtraceError)
+    snap = c.snapshot()                 # cheap enough to call every second
+    c.close()                           # detach everything; safe to call twice
+
+    # or all at once (one process-exit watcher shared by all collectors):
+    with Collectors(pids=[1234], malloc=True, slab=True, faults=True, glibc=True) as cs:
+        snap = cs.snapshot()
+
+Every collector takes pids=None|[...] and track_exits=True (start its own cn_proc watcher to
+drop the state of exited processes; the bundle passes False and feeds them exits itself via
+exited(tgid)). Attributes read by attach(), settable before it: MallocCollector.max_procs,
+FaultCollector.max_procs / .max_granules / .regions (False: no per-region map, no
+"fault_regions"), SlabCollector.max_caches; MallocCollector(empty=True) attaches programs
+that do nothing (the benchmark's floor). Collectors(...).collectors is {"malloc", "faults",
+"slab", "glibc"} -> collector, for such settings. Snapshots are CUMULATIVE since attach, plus gauges; consumers compute rates from
+two snapshots (pymtrace.sinks.views does). PIDs are int keys here; they become strings after
+json.dumps. The snapshot's schema, typed, and the merge of the collectors' snapshots into
+one: pymtrace.collect.snapshot.
+
+Exited processes: a process that exits appears once more with "exited": True, then its
+BPF state is deleted. Every map is bounded and LRU (BPF_TABLE "lru_percpu_hash" /
+"lru_hash"), so 10,000 short-lived processes cannot grow memory without limit:
+MallocCollector 8192 processes ("ms_stats"), FaultCollector 16384 processes ("pf_totals")
+and 65536 address granules ("pf_regions"), SlabCollector 2048 cache names ("slab_stats").
+When a map is full, a new key evicts the least recently used one instead of being dropped:
+an evicted process disappears from the snapshots or, at its next event, comes back with
+counters restarted from 0 ("evicted" counts both cases, as seen between two snapshots;
+pymtrace.sinks.prometheus.Aggregator keeps its counters monotonic across them). Evicted granules
+lose their per-region counts; the per-process totals are unaffected.
+"""
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pymtrace.bpf import load as bpfload
+from pymtrace.bpf import structs
+from pymtrace.collect import snapshot as snapshot_model
+from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
+from pymtrace.target import libc
+
+
+def lost_names(program, prefix):
+    """{index: name} of a program's lost-event counters (#define PREFIX_LOST_<NAME> i)."""
+    consts = structs.header(program).consts
+    return {
+        v: k[len(prefix) + len("_LOST_") :].lower()
+        for k, v in consts.items()
+        if k.startswith(prefix + "_LOST_") and not k.endswith("_N")
+    }
+
+
+def check_pids(pids):
+    if pids is None:
+        return None
+    out = []
+    for pid in pids:
+        pid = int(pid)
+        if not os.path.exists(f"/proc/{pid}"):
+            raise ProcessGone(pid)
+        out.append(pid)
+    return sorted(set(out))
+
+
+def struct_fields(program, name):
+    return [f for f, _ in structs.header(program).structs[name]._fields_]
+
+
+def to_dict(value, fields):
+    out = {}
+    for f in fields:
+        v = getattr(value, f)
+        out[f] = list(v) if hasattr(v, "__len__") and not isinstance(v, (bytes, str)) else v
+    return out
+
+
+_COMM_FIELDS = ("comm", "comm_ns")
+
+
+def sum_percpu(values, fields):
+    """Sum a per-CPU list of ctypes structs into one dict (array fields elementwise; the
+    comm/comm_ns fields are left out: see bpf_comm)."""
+    fields = [f for f in fields if f not in _COMM_FIELDS]
+    total = None
+    for v in values:
+        d = to_dict(v, fields)
+        if total is None:
+            total = d
+            continue
+        for f, x in d.items():
+            if isinstance(x, list):
+                total[f] = [a + b for a, b in zip(total[f], x)]
+            else:
+                total[f] += x
+    return total or {}
+
+
+def bpf_comm(values):
+    """The process name the BPF program recorded in a per-CPU entry (the slot written last:
+    at the entry's creation or at the process's exec), or None."""
+    best = max(values, key=lambda v: v.comm_ns, default=None)
+    if best is None or not best.comm_ns:
+        return None
+    name = bytes(best.comm).split(b"\0", 1)[0].decode("utf-8", "replace")
+    return name or None
+
+
+def percpu_items(table):
+    """[(key, [per-CPU values])] of a BCC per-CPU table, tolerant of concurrent deletes."""
+    out = []
+    for k in list(table.keys()):
+        try:
+            out.append((k, table.getvalue(k)))
+        except KeyError:
+            continue
+    return out
+
+
+def lost_counts(table, names):
+    out = {}
+    for idx, name in names.items():
+        try:
+            vals = table.getvalue(table.Key(idx))
+            out[name] = int(sum(vals))
+        except KeyError:  # BCC's getvalue of a missing index
+            continue
+    return out
+
+
+def detach_parallel(bpf):
+    """Detach BPF's uprobes concurrently, then everything else (bpfload.detach_all).
+
+    Since kernel 6.x removing a uprobe waits for an RCU grace period; BCC removes them one
+    after the other (~0.1-0.2 s each here, seconds for top's 17 probes on a busy machine).
+    Closing the perf-event fds from threads (BCC's ctypes calls release the GIL) lets the
+    grace periods overlap."""
+    if bpf is None:
+        return
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from bcc import lib
+
+        items = list(bpf.uprobe_fds.items())
+        if len(items) > 1:
+
+            def close(item):
+                ev_name, fd = item
+                lib.bpf_close_perf_event_fd(fd)
+                lib.bpf_detach_uprobe(ev_name)  # removes a tracefs event if BCC made one
+
+            with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
+                list(pool.map(close, items))
+            for ev_name, _ in items:
+                bpf._del_uprobe_fd(ev_name)  # keeps BCC's open-probe count right
+    except (ImportError, AttributeError, KeyError, OSError):
+        pass  # BCC without these internals: its own sequential cleanup below does the work
+    bpfload.detach_all(bpf)
+
+
+class Comms:
+    """PID -> comm, remembered so an exited process keeps its name: /proc/PID/comm while the
+    process lives (its main thread's name), else the name the BPF program recorded (BPF)."""
+
+    def __init__(self):
+        self.names = {}
+
+    def get(self, pid, refresh=False, bpf=None):
+        if refresh or pid not in self.names or (self.names[pid] == "?" and bpf):
+            name = libc.comm(pid)
+            if name == "?" and bpf:
+                name = bpf  # exited before we could read /proc: the name BPF recorded
+            if name != "?" or pid not in self.names:
+                self.names[pid] = name
+        return self.names[pid]
+
+    def forget(self, pid):
+        self.names.pop(pid, None)
+
+
+class Evictions:
+    """Entries of a per-process LRU map that the kernel evicted, as user space sees them: a
+    process of the previous snapshot, not exited, whose entry is gone or whose cumulative
+    count went down (evicted, then re-created by its next event)."""
+
+    def __init__(self):
+        self.prev = {}  # pid -> cumulative activity at the previous snapshot
+        self.count = 0
+
+    def update(self, activity, gone):
+        """ACTIVITY: {pid: cumulative count} of this snapshot; GONE: pids reported exited now."""
+        for pid, before in self.prev.items():
+            now = activity.get(pid)
+            if now is None:
+                if os.path.exists(f"/proc/{pid}"):
+                    self.count += 1
+            elif now < before:
+                self.count += 1
+        self.prev = {pid: n for pid, n in activity.items() if pid not in gone}
+
+    def info(self, entries, max_entries):
+        return {"entries": entries, "max_entries": max_entries, "evicted": self.count}
+
+
+def watch_exits(on_event):
+    """A started cn_proc watcher calling ON_EVENT with exit and exec events."""
+    from pymtrace.target.procevents import ProcEvents
+
+    return ProcEvents(on_event=on_event, kinds=("exit", "exec")).start()
+
+
+def process_exit(ev):
+    """EV is the exit of a process (its thread-group leader), not of one of its threads."""
+    return ev.kind == "exit" and ev.pid == ev.tgid
+
+
+class Collector:
+    """One BPF program's collector, and the lifecycle every collector follows:
+
+    prepare() (find what to attach to, before compiling) -> plan() (work that can overlap the
+    compile) -> part() (the bpfload.Part to compile; None: nothing to compile, the collector
+    only reports why) -> attach(bpf) (load or share the module, then _attach()) ->
+    snapshot() (cumulative counters) ... -> close(). exited(tgid) and on_process_event(ev)
+    feed it process exits. Collectors runs several as one BCC module.
+
+    Class attributes say how Collectors treats a collector's failures: `required` (its
+    failures end the bundle: what top is for), else prepare/compile failures drop it with
+    the reason in snapshot["errors"]; `contained` (every failure, at any step and of any
+    kind, is recorded there and drops it: its bugs must not take top down)."""
+
+    program = None  # bpf/<program>.bpf.c
+    what = None  # what the program does, for errors ("tracing ...")
+    required = False
+    contained = False
+    attach_order = 1  # Collectors attaches lower first (malloc's per-call uprobes last)
+
+    def __init__(self, pids=None, track_exits=True):
+        self.pids = check_pids(pids)
+        self.track_exits = track_exits
+        self.bpf = None
+        self.owns_bpf = False  # False: the module is shared (Collectors compiled it) and closed by its owner
+        self.prepared = False
+        self.start = None
+        self._events = None
+        self._exited = set()  # tgids seen exiting, reported once more then dropped
+        self._lock = threading.Lock()
+        self.comms = Comms()
+
+    # -- lifecycle
+    def part(self):
+        """The bpfload.Part this collector's program is compiled from (read by attach()),
+        or None when there is nothing to compile."""
+        return bpfload.Part(self.program, self._defines())
+
+    def _defines(self):
+        return {}
+
+    def prepare(self):
+        """Before the compile: find what to attach to (errors before seconds of compiling)."""
+        self.prepared = True
+
+    def plan(self):
+        """Work that can run while the compile does (Collectors runs it in parallel)."""
+
+    def attach(self, bpf=None):
+        """Compile, load, attach. BPF: a module compiled with part() among others
+        (Collectors: one compile for all), left for its owner to close; None: compile here."""
+        self.start = time.monotonic()
+        for pid in self.pids or ():
+            self.comms.get(pid)  # remembered in case it exits before its first snapshot
+        try:
+            if not self.prepared:
+                self.prepare()
+                self.plan()
+            part = self.part()
+            if part is None:
+                return self  # nothing to attach: a collector that only reports why
+            if bpf is None:
+                bpf = bpfload.load_parts([part], what=self.what)
+                self.owns_bpf = True
+            self.bpf = bpf
+            self._attach()
+            if self.track_exits:
+                self._events = watch_exits(self.on_process_event)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _attach(self):
+        """Attach this collector's probes to self.bpf (tracepoints: BCC did at load)."""
+
+    def on_process_event(self, ev):
+        """A cn_proc event (pymtrace.target.procevents): exits and execs."""
+        if process_exit(ev):
+            self.exited(ev.tgid)
+        elif ev.kind == "exec":
+            self.comms.forget(ev.tgid)
+
+    def exited(self, tgid):
+        """Tell the collector TGID exited: reported once more (exited=True), then dropped."""
+        with self._lock:
+            self._exited.add(tgid)
+
+    def _take_exited(self, present=()):
+        """TGIDs to report as exited now: exit events seen, plus PIDS in PRESENT that no
+        longer exist (events lost in a fork storm, or exits before the watcher started)."""
+        with self._lock:
+            gone, self._exited = self._exited, set()
+        gone |= {pid for pid in present if not os.path.exists(f"/proc/{pid}")}
+        return gone
+
+    def snapshot(self):
+        """The cumulative state since attach (schema: this module's docstring)."""
+        raise NotImplementedError
+
+    def _per_process(self, table):
+        """Read a per-CPU map keyed by pid: ([(pid, counters summed over CPUs, comm)], the
+        pids to report as exited now, the number of entries)."""
+        items = percpu_items(table)
+        gone = self._take_exited(int(k.value) for k, _ in items)
+        rows = []
+        for key, values in items:
+            pid = int(key.value)
+            rows.append((pid, sum_percpu(values, self.fields), self.comms.get(pid, bpf=bpf_comm(values))))
+        return rows, gone, len(items)
+
+    def close(self):
+        if self._events is not None:
+            self._events.stop()
+            self._events = None
+        if self.owns_bpf:
+            detach_parallel(self.bpf)
+        self.bpf = None
+
+    def __enter__(self):
+        return self.attach()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _delete(self, table, key):
+        try:
+            del table[key]
+        except KeyError:
+            pass
+
+
+class Collectors:
+    """The collectors top runs, attached together, with one merged snapshot and one
+    process-exit watcher; their programs are compiled as ONE BCC module (attach()).
+    glibc=True adds pymtrace.collect.glibc.GlibcCollector (contained: its failures are
+    reported in snapshot["errors"]["glibc"], not raised). Likewise slab and faults when this
+    kernel cannot run them (snapshot["errors"][name]); malloc's failures are raised."""
+
+    def __init__(self, pids=None, malloc=True, slab=True, faults=True, glibc=True, track_exits=True):
+        # the concrete collectors subclass Collector, defined above: imported here, not at the top
+        from pymtrace.collect.faults import FaultCollector
+        from pymtrace.collect.glibc import GlibcCollector
+        from pymtrace.collect.malloc import MallocCollector
+        from pymtrace.collect.slab import SlabCollector
+
+        self.pids = check_pids(pids)
+        self.collectors = {}
+        self.errors = {}
+        self.notes = []  # lines to show once (libc files left out of a system-wide attach)
+        self.allocators = libc.AllocatorCache()
+        self.track_exits = track_exits
+        self._events = None
+        self.start = None
+        self.bpf = None  # the one BCC module of every collector
+        if malloc:
+            self.collectors["malloc"] = MallocCollector(self.pids, track_exits=False)
+        if faults:
+            self.collectors["faults"] = FaultCollector(self.pids, track_exits=False)
+        if slab:
+            self.collectors["slab"] = SlabCollector()
+        if glibc:  # aggregates only: no ring buffer (the fault reader polls the module's)
+            self.collectors["glibc"] = GlibcCollector(self.pids, track_exits=False)
+
+    def attach(self):
+        """One BCC compile for every collector's program, made before any uprobe is attached
+        (a compile under top's malloc uprobes runs ~10x slower: BCC's clang is one of the
+        processes they trap), while the malloc collector decodes its libcs. Then slab,
+        faults and glibc attach, and the per-call malloc uprobes last."""
+        self.start = time.monotonic()
+        compiling = None
+        try:
+            self._prepare()
+            parts = [p for p in (c.part() for c in self.collectors.values()) if p is not None]
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pymtrace-bpf-compile")
+            compiling = pool.submit(self._compile, parts)  # BCC's C++ releases the GIL
+            pool.shutdown(wait=False)
+            for c in list(self.collectors.values()):
+                c.plan()
+            self.bpf, compiling = compiling.result(), None
+            for name, c in sorted(self.collectors.items(), key=lambda item: item[1].attach_order):
+                if c.contained:
+                    self._contain(name, c.attach, self.bpf)
+                else:
+                    c.attach(self.bpf)
+            if self.track_exits:
+                self._events = watch_exits(self._on_event)
+        except BaseException:
+            if compiling is not None:  # failed while compiling: the module is closed below
+                try:
+                    self.bpf = compiling.result()
+                except BaseException:  # the compile's own failure: the one being raised already
+                    pass
+            self.close()
+            raise
+        note = libc.skipped_note(getattr(self.collectors.get("malloc"), "skipped", None))
+        if note:
+            self.notes.append(note)
+        return self
+
+    def _contain(self, name, step, *args):
+        """STEP(*ARGS) of the contained collector NAME; a failure goes to errors[name] and
+        drops the collector. True if it succeeded."""
+        try:
+            step(*args)
+            return True
+        except PymtraceError as exc:
+            self.errors[name] = str(exc)
+        except Exception as exc:  # its bugs must not take top down: reported in errors[name]
+            self.errors[name] = f"{type(exc).__name__}: {exc}"
+        self.collectors.pop(name, None)
+        return False
+
+    def _prepare(self):
+        """prepare() each collector; slab and faults that cannot work on this kernel (e.g. a
+        missing tracepoint) are dropped with the reason in errors[name], the rest go on."""
+        for name, c in list(self.collectors.items()):
+            if c.contained:
+                self._contain(name, c.prepare)
+                continue
+            try:
+                c.prepare()
+            except (ProcessGone, NotRootError):
+                raise
+            except PymtraceError as exc:
+                if c.required:
+                    raise
+                self.errors[name] = str(exc)
+                del self.collectors[name]
+
+    def _compile(self, parts):
+        if not parts:
+            return None
+        what = "tracing memory allocations"
+        owners = {c.program: name for name, c in self.collectors.items()}
+        try:
+            return bpfload.load_parts(parts, what=what)
+        except NotRootError:
+            raise
+        except PymtraceError as exc:
+            if len(parts) == 1:
+                name = owners.get(parts[0].program, parts[0].program)
+                if not self.collectors[name].contained:
+                    raise
+                self.errors[name] = str(exc)
+                del self.collectors[name]
+                return None
+            first = exc
+        # One program this kernel cannot compile (a tracepoint field, a map type it lacks)
+        # must not take the others down: compile each alone to find it (a second try only
+        # on this failure path), drop it with the reason in errors[...], compile the rest.
+        keep = []
+        for part in parts:
+            name = owners.get(part.program, part.program)
+            try:
+                bpfload.detach_all(bpfload.load_parts([part], what=what))
+            except PymtraceError as exc:
+                if self.collectors[name].required:  # what top is for: not a view to leave empty
+                    raise
+                self.errors[name] = str(exc)
+                self.collectors.pop(name, None)
+                continue
+            keep.append(part)
+        if not keep:
+            raise first
+        return bpfload.load_parts(keep, what=what)
+
+    def _on_event(self, ev):
+        for c in self.collectors.values():
+            c.on_process_event(ev)
+
+    def exited(self, tgid):
+        for c in self.collectors.values():
+            c.exited(tgid)
+
+    def snapshot(self):
+        parts = []
+        for name, c in list(self.collectors.items()):
+            try:
+                parts.append(c.snapshot())
+            except PymtraceError:
+                raise
+            except Exception as exc:
+                if not c.contained:
+                    raise
+                self.errors[name] = f"{type(exc).__name__}: {exc}"  # its bugs must not take top down
+        snap = snapshot_model.merge(parts)
+        snap["start"] = self.start  # the bundle's attach, before any collector's
+        snap["time"] = time.monotonic()
+        if "malloc" in self.collectors:  # whose malloc each process calls (not glibc's: not traced)
+            self.allocators.annotate(snap["processes"], self.pids or ())
+        if self.errors:
+            snap["errors"] = dict(self.errors)
+        return snap
+
+    def close(self):
+        if self._events is not None:
+            self._events.stop()
+            self._events = None
+        for name, c in self.collectors.items():  # their threads stop; the shared module stays
+            try:
+                c.close()
+            except Exception as exc:  # one collector's failure must not keep the others attached
+                self.errors.setdefault(name, f"closing: {type(exc).__name__}: {exc}")
+        detach_parallel(self.bpf)
+        self.bpf = None
+
+    def __enter__(self):
+        return self.attach()
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,163 @@
+"""MallocCollector: per-process malloc-API counters from uprobes on each process's libc.
+
+Probe placement (MallocCollector): uprobes on the process's libc (from /proc/PID/maps;
+system-wide: the system libc plus every other libc mapped by a running process), each
+entry probe at the first instruction the kernel emulates (pymtrace.target.probesite; glibc 2.36's
+free goes at +9 `push %rbp` instead of +0 `test %rdi,%rdi`, which is single-stepped at ~5x
+the cost, plus the early-exit `ret` that free(NULL) takes). Return probes for malloc,
+calloc, realloc and the memalign family. Nested internal calls (realloc -> malloc/free,
+memalign -> malloc) are not counted (see bpf/malloc_stats.bpf.c).
+"""
+
+import os
+import time
+
+from pymtrace.collect.base import (
+    Collector,
+    Evictions,
+    lost_counts,
+    lost_names,
+    struct_fields,
+)
+from pymtrace.collect.snapshot import call_names
+from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.target import libc, mallocapi, probesite
+
+# function -> (entry program, return program or None), from the one malloc-API table
+# (target/mallocapi.py): an outer call's return is ms_outer_return (its inner malloc/free
+# calls are not counted again). memalign and aligned_alloc are one function in glibc:
+# attached once, counted as memalign.
+MALLOC_PROBES = tuple(
+    (f.name, f"ms_{f.call}_entry", ("ms_outer_return" if f.outer else f"ms_{f.call}_return") if f.returns else None)
+    for f in mallocapi.FUNCTIONS
+)
+
+
+def probe_plan(path):
+    """top's uprobes on the libc at PATH: [(function, [(kind, offset, bpf_function), ...])].
+
+    Entry probes go where pymtrace.target.probesite finds an emulated instruction (plus the
+    early-exit side paths it proves, e.g. free(NULL)); functions sharing an address
+    (memalign and aligned_alloc) are probed once. The benchmark's floor uses this too.
+    """
+    plan, done = [], set()
+    syms = libc.symbols(path)
+    for function, entry, ret in MALLOC_PROBES:
+        sym = syms.get(function)
+        if sym is None or sym.address in done:
+            continue
+        done.add(sym.address)
+        sites = probesite.sites(path, function)
+        probes = [("entry", off, entry) for off in (sites.offset,) + tuple(sites.side_paths)]
+        if ret:
+            probes.append(("return", 0, ret))
+        plan.append((function, probes))
+    return plan
+
+
+class MallocCollector(Collector):
+    """Per-process malloc-API counters from uprobes on each process's libc."""
+
+    program = "malloc_stats"
+    what = "tracing malloc calls"
+    required = True  # what top is for: not a view to leave empty
+    attach_order = 2  # last: its per-call uprobes slow down everything after them
+
+    def __init__(self, pids=None, track_exits=True, max_procs=8192, empty=False):
+        super().__init__(pids, track_exits)
+        self.max_procs = max_procs
+        self.empty = empty  # benchmark floor: same probes, programs that do nothing
+        self.attached = []  # (path, function, offset, kind, pid)
+        self.libcs = {}  # libc path -> [pids] (or [-1] for every process)
+        self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
+        self.fields = struct_fields(self.program, "ms_stats")
+        self.call_names = call_names()
+        self.evictions = Evictions()
+
+    def _targets(self):
+        """{libc path: [pid, ...] or [-1]}, one path per distinct file (dev, inode)."""
+        targets = {}
+        if self.pids is not None:
+            for pid in self.pids:
+                path = libc.process_libc(pid)
+                if path is None:
+                    raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+                targets.setdefault(path, []).append(pid)
+            return targets
+        for path, users in libc.distinct_libcs(self.skipped):
+            try:
+                probe_plan(path)  # one unusable file must not stop the others (any user can map one)
+            except Exception as exc:
+                self.skipped.append((path, users, str(exc)))
+                continue
+            targets[path] = [-1]
+        if not targets:
+            raise PymtraceError("found no libc to attach to")
+        return targets
+
+    def _defines(self):
+        return {"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)}
+
+    def prepare(self):
+        self.libcs = self._targets()
+        super().prepare()
+
+    def plan(self):
+        self.plans = {path: probe_plan(path) for path in self.libcs}  # decoding libc: ~0.1-0.3 s
+
+    def _attach(self):
+        self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
+        for path, pids in self.libcs.items():
+            for pid in pids:
+                self._attach_libc(path, pid)
+
+    def _attach_libc(self, path, pid):
+        for function, probes in self.plans[path]:
+            try:
+                for kind, off, fn_name in probes:
+                    if kind == "entry":
+                        self.bpf.attach_uprobe(
+                            name=os.fsencode(path),
+                            sym=function.encode(),
+                            sym_off=off,
+                            fn_name=fn_name.encode(),
+                            pid=pid,
+                        )
+                    else:
+                        self.bpf.attach_uretprobe(
+                            name=os.fsencode(path), sym=function.encode(), fn_name=fn_name.encode(), pid=pid
+                        )
+                    self.attached.append((path, function, off, kind, pid))
+            except Exception as exc:
+                if pid != -1 and not os.path.exists(f"/proc/{pid}"):
+                    raise ProcessGone(pid) from None
+                raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
+
+    def snapshot(self):
+        now = time.monotonic()
+        table = self.bpf[b"ms_stats"]
+        rows, gone, entries = self._per_process(table)
+        procs = {}
+        for pid, s, comm in rows:
+            calls = s["calls"]
+            procs[pid] = {
+                "pid": pid,
+                "comm": comm,
+                "calls": {name: int(calls[i]) for i, name in self.call_names.items()},
+                "requested_bytes": int(s["requested_bytes"]),
+                "allocated_bytes": int(s["allocated_bytes"]),
+                "freed_bytes": int(s["freed_bytes"]),
+                "live_bytes": int(s["allocated_bytes"]) - int(s["freed_bytes"]),
+                "failed": int(s["failed"]),
+                "size_log2": [int(x) for x in s["size_log2"]],
+                "exited": pid in gone,
+            }
+        for pid in gone:
+            self._delete(table, table.Key(pid))
+            self.comms.forget(pid)
+        self.evictions.update({pid: sum(p["calls"].values()) for pid, p in procs.items()}, gone)
+        lost = lost_counts(
+            self.bpf[b"ms_lost"], {i: "malloc_" + n for i, n in lost_names("malloc_stats", "MS").items()}
+        )
+        maps = {"ms_stats": self.evictions.info(entries, self.max_procs)}
+        return {"time": now, "start": self.start, "processes": procs, "lost": lost, "maps": maps}

@@ -1,0 +1,48 @@
+"""Slab collector without BPF: the cache source read from the tracepoint format files, and a
+program this kernel rejects leaving the others compiled (on real BPF: tests/live/test_top_slab.py)."""
+
+import pytest
+from support.slab_formats import FORMAT_ALLOC_NO_NAME, FORMAT_FREE_NO_NAME, fake_formats
+
+from pymtrace.bpf import kfeatures
+from pymtrace.errors import PymtraceError
+
+
+def test_slab_source_follows_the_tracepoint_fields(tmp_path, monkeypatch):
+    assert kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)["bytes_alloc"] == "size_t"
+    assert "name" not in kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)
+    assert "common_pid" not in kfeatures.parse_format(FORMAT_ALLOC_NO_NAME)
+    fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME, kmem_cache_free=FORMAT_FREE_NO_NAME)
+    src = kfeatures.slab_source()
+    assert src.source == kfeatures.SLAB_BY_SIZE and not src.frees and "frees not counted" in src.detail
+    assert src.defines() == {"SLAB_ALLOC_BY_NAME": 0, "SLAB_FREE_BY_NAME": 0}
+    (tmp_path / "formats" / "kmem" / "kmem_cache_alloc" / "format").write_text(
+        FORMAT_ALLOC_NO_NAME.replace("bytes_alloc", "other")
+    )
+    with pytest.raises(PymtraceError, match="neither `name` nor `bytes_alloc`"):
+        kfeatures.slab_source()
+
+
+def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
+    """One compile for all: when it fails, each program is tried alone, the one that fails is
+    dropped with its reason in errors[...] and the rest are compiled together."""
+    from pymtrace.bpf import load as bpfload
+    from pymtrace.collect import base as collect
+
+    loads = []
+
+    def load_parts(parts, what=None):
+        names = [p.program for p in parts]
+        loads.append(names)
+        if "slab" in names:
+            raise PymtraceError("cannot compile/load BPF program slab: no member named 'data_loc_name'")
+        return object()
+
+    monkeypatch.setattr(bpfload, "load_parts", load_parts)
+    monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
+    cs = collect.Collectors(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    bpf = cs._compile([c.part() for c in cs.collectors.values()])
+    assert bpf is not None
+    assert list(cs.collectors) == ["faults"]
+    assert "data_loc_name" in cs.errors["slab"]
+    assert loads[0] == ["faults", "slab"] and loads[-1] == ["faults"]
