@@ -15,14 +15,23 @@ import functools
 import os
 import struct
 import sys
-from typing import NamedTuple
-
-from elftools.elf.elffile import ELFFile
+from typing import TYPE_CHECKING, NamedTuple
 
 from pymtrace.errors import PymtraceError
 
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
+
 PT_LOAD, PT_DYNAMIC, PT_INTERP = 1, 2, 3
 PF_X = 1
+
+
+def _elffile(f):
+    # pyelftools (~45 ms to import) is imported on first use, not at module load: the per-
+    # process readers below do not need it, and commands read symbols off their start-up path
+    from elftools.elf.elffile import ELFFile
+
+    return ELFFile(f)
 
 
 # ---------------------------------------------------------------- symbols, code, notes (pyelftools)
@@ -39,7 +48,7 @@ class Symbol:
 def _symbols(path, _mtime):
     table = {}
     with open(path, "rb") as f:
-        elf = ELFFile(f)
+        elf = _elffile(f)
         for section_name in (".symtab", ".dynsym"):
             section = elf.get_section_by_name(section_name)
             if section is None:
@@ -88,7 +97,7 @@ def symbol(path: str, name: str) -> Symbol:
 def file_offset(path: str, address: int) -> tuple[int, int]:
     """(file offset, bytes of the segment left) of ELF virtual ADDRESS in PATH's PT_LOAD segments."""
     with open(path, "rb") as f:
-        for seg in ELFFile(f).iter_segments():
+        for seg in _elffile(f).iter_segments():
             if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= address < seg["p_vaddr"] + seg["p_filesz"]:
                 return seg["p_offset"] + address - seg["p_vaddr"], seg["p_vaddr"] + seg["p_filesz"] - address
     raise PymtraceError(f"{path}: address {address:#x} is not in a loaded segment")
@@ -115,7 +124,7 @@ class UsdtProbe:
         return self.args.split() if self.args else []
 
 
-def parse_stapsdt(elf: ELFFile) -> list[UsdtProbe]:
+def parse_stapsdt(elf: "ELFFile") -> list[UsdtProbe]:
     """The USDT probes of an open ELFFile's .note.stapsdt section."""
     notes = elf.get_section_by_name(".note.stapsdt")
     if notes is None:
@@ -148,7 +157,7 @@ def parse_stapsdt(elf: ELFFile) -> list[UsdtProbe]:
 @functools.lru_cache(maxsize=64)
 def _usdt_probes(path, _mtime):
     with open(path, "rb") as f:
-        return tuple(parse_stapsdt(ELFFile(f)))
+        return tuple(parse_stapsdt(_elffile(f)))
 
 
 def usdt_probes(path: str, provider: str | None = None, prefix: str = "") -> list[UsdtProbe]:
@@ -237,7 +246,7 @@ def interpreter(path: str) -> str | None:
     pyelftools: this runs once per launched command, and reads 32-bit programs too."""
     try:
         with open(path, "rb") as f:
-            for seg in ELFFile(f).iter_segments():
+            for seg in _elffile(f).iter_segments():
                 if seg["p_type"] == "PT_INTERP":
                     return seg.get_interp_name()
     except Exception:  # pyelftools raises many types on a malformed file: no interpreter known

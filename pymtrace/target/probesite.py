@@ -16,9 +16,6 @@ import functools
 import re
 import struct
 
-import capstone
-from capstone import x86_const as X
-
 from pymtrace.errors import PymtraceError
 from pymtrace.target import elf
 
@@ -39,18 +36,26 @@ class Sites:
 
 
 def _decoder():
+    # capstone (~60 ms to import) is imported here, not at module load: commands decode
+    # functions while their BPF programs compile, off their start-up path
+    import capstone
+
     md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     md.detail = True
     return md
 
 
 def _branch_target(insn):
+    from capstone import x86_const as X
+
     if insn.group(X.X86_GRP_JUMP) and insn.operands and insn.operands[0].type == X.X86_OP_IMM:
         return insn.operands[0].imm
     return None
 
 
 def _is_emulated(insn):
+    from capstone import x86_const as X
+
     if insn.mnemonic == "push" and insn.operands and insn.operands[0].type == X.X86_OP_REG:
         return True
     return insn.mnemonic == "nop" and insn.size == 1
