@@ -98,6 +98,8 @@ class ProcEvents:
         self.kinds = frozenset(kinds)
         self.queue = queue.Queue(maxqueue)
         self.dropped = 0  # events lost because the queue was full (nobody drained it)
+        self.callback_errors = 0  # on_event calls that raised (the reader thread goes on)
+        self.last_callback_error = None  # the last such exception, for whoever diagnoses it
         self.overruns = 0  # kernel-side losses (ENOBUFS)
         self._sock = None
         self._thread = None
@@ -125,7 +127,7 @@ class ProcEvents:
                 pass
             sock.bind((0, CN_IDX_PROC))
             sock.send(_control(PROC_CN_MCAST_LISTEN))
-        except Exception as exc:
+        except Exception as exc:  # raised to the caller of start() (it waits on _ready)
             self._error = exc
             self._ready.set()
             return
@@ -162,8 +164,9 @@ class ProcEvents:
                 if self.on_event is not None:
                     try:
                         self.on_event(ev)
-                    except Exception:
-                        pass
+                    except Exception as exc:  # a consumer's bug must not stop exit tracking
+                        self.callback_errors += 1
+                        self.last_callback_error = exc
                     continue
                 try:
                     self.queue.put_nowait(ev)
