@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import structs
@@ -203,7 +203,7 @@ class Evictions:
         self.prev = {}  # pid -> cumulative activity at the previous snapshot
         self.count = 0
 
-    def update(self, activity: Mapping[int, int], gone: Iterable[int]) -> None:
+    def update(self, activity: Mapping[int, int], gone: Collection[int]) -> None:
         """ACTIVITY: {pid: cumulative count} of this snapshot; GONE: pids reported exited now."""
         for pid, before in self.prev.items():
             now = activity.get(pid)

@@ -13,7 +13,7 @@ import os
 import re
 import struct
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Collection, Optional
 
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import elf
@@ -392,7 +392,7 @@ class AllocatorCache:
             self.known[pid] = (key, found)
         return found
 
-    def annotate(self, processes: dict[Any, Any], pids: Iterable[int] = ()) -> None:
+    def annotate(self, processes: dict[Any, Any], pids: Collection[int] = ()) -> None:
         """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict}),
         and an entry for each of PIDS (the watched ones) that has none because its malloc
         is not traced (no event to list it by); forget PIDs no longer listed. New lookups
