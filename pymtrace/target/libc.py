@@ -195,7 +195,7 @@ _SIGNATURES = (
 class Allocator:
     name: str  # "glibc" (or "musl") when traced; "jemalloc", "tcmalloc", ..., "static binary"
     traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on
-    path: str = None  # the file whose malloc the process calls (None: none found)
+    path: Optional[str] = None  # the file whose malloc the process calls (None: none found)
 
 
 @functools.lru_cache(maxsize=256)
