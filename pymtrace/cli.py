@@ -6,10 +6,13 @@ the parser's description and epilog are set from the module's HELP/EPILOG) and
 and light commands stay fast and do not import BCC.
 """
 
+from __future__ import annotations
+
 import argparse
 import importlib
 import signal
 import sys
+from typing import Sequence
 
 from pymtrace import __version__, stopping
 from pymtrace.errors import PymtraceError
@@ -30,7 +33,7 @@ COMMANDS = {
 }
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pymtrace",
         description="Memory-allocation observability for Linux with eBPF (BCC).",
@@ -43,7 +46,7 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
@@ -55,7 +58,7 @@ def main(argv=None):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _main(argv):
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # SIGINT stops every command like Ctrl-C, even when a non-interactive shell started
     # pymtrace in the background (`pymtrace record ... & kill -INT $!`): such a shell starts

@@ -8,12 +8,12 @@ class PymtraceError(Exception):
 
 
 class NotRootError(PymtraceError):
-    def __init__(self, what="this command"):
+    def __init__(self, what: str = "this command") -> None:
         super().__init__(f"{what} needs root (BPF and uprobes); run it with sudo")
 
 
 class ProcessGone(PymtraceError):
-    def __init__(self, pid):
+    def __init__(self, pid: int) -> None:
         super().__init__(f"process {pid} does not exist (or exited)")
         self.pid = pid
 

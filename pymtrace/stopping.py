@@ -3,15 +3,19 @@ clean-up runs as on Ctrl-C), later ones are ignored, and a block can defer a sto
 One module below the commands, so the library code that must honour a stop (record's drain,
 probes' loop, launch's signal dispositions) does not import the CLI."""
 
+from __future__ import annotations
+
 import contextlib
 import signal
+from types import FrameType
+from typing import Iterator
 
 # SIGINT's disposition when pymtrace started (signal.SIG_IGN in a background job of a script)
 INHERITED_SIGINT = None
 _stopping = False
 
 
-def _stop(signum, frame):
+def _stop(signum: int, frame: FrameType | None) -> None:
     """The first SIGINT/SIGTERM raises KeyboardInterrupt: the command stops as on Ctrl-C.
     Later ones are ignored: the command is already stopping (a bounded drain, flushing
     files, detaching probes), and interrupting that would leave its work half done (and
@@ -32,7 +36,7 @@ _deferred = False
 
 
 @contextlib.contextmanager
-def stop_deferred():
+def stop_deferred() -> Iterator[None]:
     """A stop signal arriving inside the block takes effect at its end. Blocking the signals
     (pthread_sigmask) is not enough: Python runs a handler at a bytecode boundary after the
     C-level signal, so one that arrived just before the block would still raise in it (a
@@ -48,19 +52,19 @@ def stop_deferred():
         _stop(signal.SIGINT, None)
 
 
-def stopping():
+def stopping() -> bool:
     """Whether a stop signal (SIGINT/SIGTERM) has arrived (or begin_stopping was called)."""
     return _stopping
 
 
-def begin_stopping():
+def begin_stopping() -> None:
     """A command stops by itself (--duration, its target exited): SIGINT/SIGTERM arriving
     from now on are ignored like a second one, so they cannot cut its clean-up short."""
     global _stopping
     _stopping = True
 
 
-def install():
+def install() -> None:
     """Make SIGINT and SIGTERM stop the command (cli.main calls this first). Remembers the
     SIGINT disposition pymtrace inherited, for the commands it launches."""
     global INHERITED_SIGINT, _stopping

@@ -12,6 +12,8 @@ kmem_cache_alloc, which has no `name`); BPF programs are still compiled and atta
 the real kernel, so the emulated format must be a subset of the real one.
 """
 
+from __future__ import annotations
+
 import os
 import typing
 
@@ -22,14 +24,14 @@ FAKE_FORMAT_ENV = "PYMTRACE_FAKE_TP_FORMAT_DIR"
 SLABINFO = "/proc/slabinfo"
 
 
-def tracepoint_format_path(system, name):
+def tracepoint_format_path(system: str, name: str) -> str:
     fake = os.environ.get(FAKE_FORMAT_ENV)
     if fake and os.path.isdir(os.path.join(fake, system, name)):
         return os.path.join(fake, system, name, "format")  # none there: no such tracepoint
     return os.path.join(TRACEFS, "events", system, name, "format")
 
 
-def parse_format(text):
+def parse_format(text: str) -> dict[str, str]:
     """{field name: C type} of a tracepoint format file's own fields (common_* left out)."""
     fields = {}
     for line in text.splitlines():
@@ -47,7 +49,7 @@ def parse_format(text):
     return fields
 
 
-def tracepoint_fields(system, name):
+def tracepoint_fields(system: str, name: str) -> dict[str, str] | None:
     """The tracepoint's fields, or None when this kernel has no such tracepoint (or tracefs
     cannot be read: not root, not mounted)."""
     try:
@@ -57,11 +59,11 @@ def tracepoint_fields(system, name):
         return None
 
 
-def has_btf():
+def has_btf() -> bool:
     return os.path.exists("/sys/kernel/btf/vmlinux")
 
 
-def uretprobe_syscall():
+def uretprobe_syscall() -> bool | None:
     """True when the kernel has the uretprobe syscall (uretprobes return through one syscall
     instead of a trap), False when not, None when /proc/kallsyms cannot be read."""
     try:
@@ -82,12 +84,12 @@ class SlabSource(typing.NamedTuple):
     frees: bool  # kmem_cache_free can be attributed to a cache (it has `name`)
     detail: str  # one sentence for the view and doctor
 
-    def defines(self):
+    def defines(self) -> dict[str, int]:
         """-D switches of bpf/slab.bpf.c."""
         return {"SLAB_ALLOC_BY_NAME": int(self.source == SLAB_BY_NAME), "SLAB_FREE_BY_NAME": int(self.frees)}
 
 
-def slab_source():
+def slab_source() -> SlabSource:
     """How the slab program can identify caches here; PymtraceError when it cannot at all."""
     alloc = tracepoint_fields("kmem", "kmem_cache_alloc")
     free = tracepoint_fields("kmem", "kmem_cache_free")
@@ -111,7 +113,7 @@ def slab_source():
     raise PymtraceError("no slab view: kmem:kmem_cache_alloc has neither `name` nor `bytes_alloc` on this kernel")
 
 
-def slab_sizes():
+def slab_sizes() -> dict[str, int]:
     """{cache name: object size} from /proc/slabinfo (readable by root only): the `objsize`
     column is the cache's object size with its metadata, the value kmem_cache_alloc reports
     as bytes_alloc. Merged caches appear under the cache they were merged into."""
@@ -132,6 +134,6 @@ def slab_sizes():
     return sizes
 
 
-def size_key(size):
+def size_key(size: int) -> str:
     """The snapshot key of the row of objects of SIZE bytes (stable across snapshots)."""
     return f"size {size}"

@@ -12,10 +12,13 @@ per-program prefixes so that they can share a module. PYMTRACE_DEBUG_BPF=1 print
 line per compile on stderr (the regression tests count them).
 """
 
+from __future__ import annotations
+
 import os
 import pathlib
 import sys
 import time
+import types
 import typing
 
 from pymtrace.errors import NotRootError, PymtraceError
@@ -23,7 +26,7 @@ from pymtrace.errors import NotRootError, PymtraceError
 TRACEFS = "/sys/kernel/tracing"
 
 
-def bpf_dir():
+def bpf_dir() -> pathlib.Path:
     """The directory holding the BPF C sources (source tree or installed package)."""
     src = pathlib.Path(__file__).resolve().parents[2] / "bpf"
     if (src / "common.h").exists():
@@ -33,7 +36,7 @@ def bpf_dir():
     return pathlib.Path(__file__).resolve().parent / "programs"
 
 
-def import_bcc():
+def import_bcc() -> types.ModuleType:
     """Import the distro's BCC module, or fail with what to install."""
     try:
         import bcc  # noqa: F401
@@ -51,12 +54,12 @@ def import_bcc():
     return bcc
 
 
-def require_root(what="this command"):
+def require_root(what: str = "this command") -> None:
     if os.geteuid() != 0:
         raise NotRootError(what)
 
 
-def ensure_tracefs():
+def ensure_tracefs() -> None:
     """BCC creates and removes uprobe events through tracefs; mount it if it is not."""
     if os.path.exists(os.path.join(TRACEFS, "uprobe_events")):
         return
@@ -79,7 +82,7 @@ compiles = []  # (programs, seconds) of each BCC compile made by this process
 DEBUG_ENV = "PYMTRACE_DEBUG_BPF"
 
 
-def load(program, defines=None, prelude="", what=None):
+def load(program: str, defines: dict | None = None, prelude: str = "", what: str | None = None) -> typing.Any:
     """Compile bpf/PROGRAM.bpf.c with BCC and return the bcc.BPF object.
 
     defines: {NAME: value} passed as -DNAME=value (sizes, feature switches).
@@ -88,7 +91,7 @@ def load(program, defines=None, prelude="", what=None):
     return load_parts([Part(program, defines or {}, prelude)], what=what)
 
 
-def load_parts(parts, what=None):
+def load_parts(parts: typing.Sequence[Part], what: str | None = None) -> typing.Any:
     """Compile several programs (Parts) as ONE BCC module and return the bcc.BPF object.
 
     Their maps and functions must have distinct names (each program prefixes its own) and
@@ -129,7 +132,7 @@ def load_parts(parts, what=None):
     return bpf
 
 
-def detach_all(bpf):
+def detach_all(bpf: typing.Any) -> None:
     """Detach every probe and free the maps; safe to call twice."""
     if bpf is None:
         return
@@ -139,7 +142,7 @@ def detach_all(bpf):
         pass
 
 
-def own_perf_event_fds():
+def own_perf_event_fds() -> list[int]:
     """This process's open perf-event descriptors. BCC attaches uprobes through
     perf_event_open (the uprobe PMU), which tracefs's uprobe_events never lists: a probe
     still attached is a perf-event descriptor still open."""
@@ -148,7 +151,7 @@ def own_perf_event_fds():
     return [fd for fd, target in own_anon_fds().items() if target == "anon_inode:[perf_event]"]
 
 
-def own_uprobe_events(pid=None):
+def own_uprobe_events(pid: int | None = None) -> list[str]:
     """uprobe_events lines that belong to this process's BCC (BCC names them ..._bcc_PID)."""
     pid = os.getpid() if pid is None else pid
     try:

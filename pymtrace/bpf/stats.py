@@ -13,6 +13,8 @@ is killed); on kernels without it (< 5.8) it falls back to the sysctl
 kernel.bpf_stats_enabled, restored on close().
 """
 
+from __future__ import annotations
+
 import ctypes
 import os
 import platform
@@ -43,7 +45,7 @@ _libc.syscall.restype = ctypes.c_long
 _NR = _SYS_BPF.get(platform.machine())
 
 
-def _bpf(cmd, attr):
+def _bpf(cmd: int, attr: ctypes.Array) -> int:
     if _NR is None:
         raise OSError(38, "bpf syscall number unknown for this architecture")
     ret = _libc.syscall(ctypes.c_long(_NR), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
@@ -53,7 +55,7 @@ def _bpf(cmd, attr):
     return ret
 
 
-def fdinfo(fd):
+def fdinfo(fd: int) -> dict[str, str] | None:
     out = {}
     try:
         with open(f"/proc/self/fdinfo/{fd}") as f:
@@ -65,7 +67,7 @@ def fdinfo(fd):
     return out
 
 
-def own_anon_fds():
+def own_anon_fds() -> dict[int, str]:
     """{fd: 'anon_inode:...' target} of this process's anonymous-inode descriptors (BPF
     programs and maps, perf events, ...)."""
     out = {}
@@ -86,12 +88,12 @@ def own_anon_fds():
 _BPF_KINDS = {"anon_inode:bpf-prog": "prog", "anon_inode:bpf-map": "map"}
 
 
-def own_bpf_fds():
+def own_bpf_fds() -> list[tuple[int, str]]:
     """[(fd, 'prog'|'map')] for the BPF objects this process holds open."""
     return [(fd, _BPF_KINDS[t]) for fd, t in own_anon_fds().items() if t in _BPF_KINDS]
 
 
-def obj_name(fd, kind):
+def obj_name(fd: int, kind: str) -> str | None:
     """The object's name (bpf_prog_info.name at offset 64, bpf_map_info.name at offset 24)."""
     info = (ctypes.c_uint8 * 256)()
     attr = (ctypes.c_uint8 * 16)()
@@ -121,7 +123,7 @@ def _possible_cpus():
 _CPUS = _possible_cpus()
 
 
-def count_entries_batch(fd, key_size, value_size, percpu, batch=512):
+def count_entries_batch(fd: int, key_size: int, value_size: int, percpu: bool, batch: int = 512) -> int | None:
     """Number of entries of a hash map read with BPF_MAP_LOOKUP_BATCH (kernel >= 5.6):
     one syscall per BATCH entries. None when the kernel or map does not support it."""
     vsize = ((value_size + 7) // 8 * 8) * _CPUS if percpu else value_size
@@ -151,7 +153,7 @@ def count_entries_batch(fd, key_size, value_size, percpu, batch=512):
         first = False
 
 
-def count_entries(fd, key_size, limit):
+def count_entries(fd: int, key_size: int, limit: int) -> int:
     """Number of keys in a hash map (walks it with BPF_MAP_GET_NEXT_KEY), at most LIMIT+1."""
     key = (ctypes.c_uint8 * key_size)()
     nxt = (ctypes.c_uint8 * key_size)()
@@ -172,13 +174,13 @@ def count_entries(fd, key_size, limit):
 
 
 class BpfStats:
-    def __init__(self):
+    def __init__(self) -> None:
         self._stats_fd = None
         self._restore_sysctl = False
         self.enabled_by = None  # "BPF_ENABLE_STATS", "sysctl", "already on", or None
         self._names = {}
 
-    def enable(self):
+    def enable(self) -> bool:
         attr = (ctypes.c_uint8 * 8)()
         ctypes.c_uint32.from_buffer(attr, 0).value = BPF_STATS_RUN_TIME
         try:
@@ -200,7 +202,7 @@ class BpfStats:
         except OSError:
             return False
 
-    def enabled(self):
+    def enabled(self) -> bool:
         if self._stats_fd is not None:
             return True
         try:
@@ -209,7 +211,7 @@ class BpfStats:
         except OSError:
             return False
 
-    def close(self):
+    def close(self) -> None:
         if self._stats_fd is not None:
             os.close(self._stats_fd)
             self._stats_fd = None
@@ -221,13 +223,13 @@ class BpfStats:
                 pass
             self._restore_sysctl = False
 
-    def _name(self, fd, kind, ident):
+    def _name(self, fd: int, kind: str, ident: str | None) -> str:
         key = (kind, ident)
         if key not in self._names:
             self._names[key] = obj_name(fd, kind) or f"{kind}{ident}"
         return self._names[key]
 
-    def read(self, count_limit=1 << 20):
+    def read(self, count_limit: int = 1 << 20) -> dict[str, dict[str, tuple]]:
         """{'progs': {name: (run_cnt, run_time_ns)}, 'maps': {name: (entries|None, max_entries, type)}}."""
         progs, maps = {}, {}
         seen = set()

@@ -13,10 +13,13 @@ The native replay simulator's contract is read the same way from pymtrace/replay
 (`native_header("wl")`).
 """
 
+from __future__ import annotations
+
 import ctypes
 import functools
 import pathlib
 import re
+from typing import Callable
 
 from pymtrace.bpf.load import bpf_dir
 
@@ -51,23 +54,28 @@ _FIELD = re.compile(r"^\s*((?:struct\s+)?[\w ]+?)\s+(\w+)\s*((?:\[\s*\w+\s*\])*)
 
 
 class Header:
-    def __init__(self, consts, structs):
+    def __init__(self, consts: dict[str, int], structs: dict[str, type[ctypes.Structure]]) -> None:
         self.consts = consts
         self.structs = structs
 
-    def names(self, prefix):
+    def names(self, prefix: str) -> dict[int, str]:
         """{value: name without PREFIX} of the constants named PREFIX..., in value order."""
         found = sorted((v, k) for k, v in self.consts.items() if k.startswith(prefix))
         return {v: k[len(prefix) :] for v, k in found}
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> type[ctypes.Structure]:
         try:
             return self.structs[name]
         except KeyError:
             raise AttributeError(name) from None
 
 
-def parse(text, consts=None, structs=None, include=None):
+def parse(
+    text: str,
+    consts: dict[str, int] | None = None,
+    structs: dict[str, type[ctypes.Structure]] | None = None,
+    include: Callable[[str], str] | None = None,
+) -> tuple[dict[str, int], dict[str, type[ctypes.Structure]]]:
     """Parse header TEXT into (consts, structs); include(name) returns an included header's text."""
     consts = dict(consts or {})
     structs = dict(structs or {})
@@ -103,11 +111,11 @@ def parse(text, consts=None, structs=None, include=None):
 
 
 @functools.lru_cache(maxsize=None)
-def header(program):
+def header(program: str) -> Header:
     """Parse bpf/PROGRAM.h (following #include "..." within bpf/)."""
     directory = bpf_dir()
 
-    def include(name):
+    def include(name: str) -> str:
         path = directory / name
         return path.read_text() if path.exists() else ""
 
@@ -116,7 +124,7 @@ def header(program):
 
 
 @functools.lru_cache(maxsize=None)
-def native_header(name):
+def native_header(name: str) -> Header:
     """Parse pymtrace/replay/native/NAME.h (the contract the native simulator shares with Python)."""
     path = pathlib.Path(__file__).resolve().parents[1] / "replay" / "native" / f"{name}.h"
     consts, structs = parse(path.read_text())

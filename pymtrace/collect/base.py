@@ -38,10 +38,13 @@ pymtrace.sinks.prometheus.Aggregator keeps its counters monotonic across them). 
 lose their per-region counts; the per-process totals are unaffected.
 """
 
+from __future__ import annotations
+
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import structs
@@ -49,8 +52,11 @@ from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
 from pymtrace.target import libc
 
+if TYPE_CHECKING:
+    from pymtrace.target.procevents import ProcEvent, ProcEvents
 
-def lost_names(program, prefix):
+
+def lost_names(program: str, prefix: str) -> dict[int, str]:
     """{index: name} of a program's lost-event counters (#define PREFIX_LOST_<NAME> i)."""
     consts = structs.header(program).consts
     return {
@@ -60,7 +66,7 @@ def lost_names(program, prefix):
     }
 
 
-def check_pids(pids):
+def check_pids(pids: Iterable[int | str] | None) -> list[int] | None:
     if pids is None:
         return None
     out = []
@@ -72,11 +78,11 @@ def check_pids(pids):
     return sorted(set(out))
 
 
-def struct_fields(program, name):
+def struct_fields(program: str, name: str) -> list[str]:
     return [f for f, _ in structs.header(program).structs[name]._fields_]
 
 
-def to_dict(value, fields):
+def to_dict(value: Any, fields: Iterable[str]) -> dict[str, Any]:
     out = {}
     for f in fields:
         v = getattr(value, f)
@@ -87,7 +93,7 @@ def to_dict(value, fields):
 _COMM_FIELDS = ("comm", "comm_ns")
 
 
-def sum_percpu(values, fields):
+def sum_percpu(values: Iterable[Any], fields: Iterable[str]) -> dict[str, Any]:
     """Sum a per-CPU list of ctypes structs into one dict (array fields elementwise; the
     comm/comm_ns fields are left out: see bpf_comm)."""
     fields = [f for f in fields if f not in _COMM_FIELDS]
@@ -105,7 +111,7 @@ def sum_percpu(values, fields):
     return total or {}
 
 
-def bpf_comm(values):
+def bpf_comm(values: Iterable[Any]) -> str | None:
     """The process name the BPF program recorded in a per-CPU entry (the slot written last:
     at the entry's creation or at the process's exec), or None."""
     best = max(values, key=lambda v: v.comm_ns, default=None)
@@ -115,7 +121,7 @@ def bpf_comm(values):
     return name or None
 
 
-def percpu_items(table):
+def percpu_items(table: Any) -> list[tuple[Any, list[Any]]]:
     """[(key, [per-CPU values])] of a BCC per-CPU table, tolerant of concurrent deletes."""
     out = []
     for k in list(table.keys()):
@@ -126,7 +132,7 @@ def percpu_items(table):
     return out
 
 
-def lost_counts(table, names):
+def lost_counts(table: Any, names: Mapping[int, str]) -> dict[str, int]:
     out = {}
     for idx, name in names.items():
         try:
@@ -137,7 +143,7 @@ def lost_counts(table, names):
     return out
 
 
-def detach_parallel(bpf):
+def detach_parallel(bpf: Any) -> None:
     """Detach BPF's uprobes concurrently, then everything else (bpfload.detach_all).
 
     Since kernel 6.x removing a uprobe waits for an RCU grace period; BCC removes them one
@@ -154,7 +160,7 @@ def detach_parallel(bpf):
         items = list(bpf.uprobe_fds.items())
         if len(items) > 1:
 
-            def close(item):
+            def close(item: tuple[bytes, int]) -> None:
                 ev_name, fd = item
                 lib.bpf_close_perf_event_fd(fd)
                 lib.bpf_detach_uprobe(ev_name)  # removes a tracefs event if BCC made one
@@ -172,10 +178,10 @@ class Comms:
     """PID -> comm, remembered so an exited process keeps its name: /proc/PID/comm while the
     process lives (its main thread's name), else the name the BPF program recorded (BPF)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.names = {}
 
-    def get(self, pid, refresh=False, bpf=None):
+    def get(self, pid: int, refresh: bool = False, bpf: str | None = None) -> str:
         if refresh or pid not in self.names or (self.names[pid] == "?" and bpf):
             name = libc.comm(pid)
             if name == "?" and bpf:
@@ -184,7 +190,7 @@ class Comms:
                 self.names[pid] = name
         return self.names[pid]
 
-    def forget(self, pid):
+    def forget(self, pid: int) -> None:
         self.names.pop(pid, None)
 
 
@@ -193,11 +199,11 @@ class Evictions:
     process of the previous snapshot, not exited, whose entry is gone or whose cumulative
     count went down (evicted, then re-created by its next event)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.prev = {}  # pid -> cumulative activity at the previous snapshot
         self.count = 0
 
-    def update(self, activity, gone):
+    def update(self, activity: Mapping[int, int], gone: Collection[int]) -> None:
         """ACTIVITY: {pid: cumulative count} of this snapshot; GONE: pids reported exited now."""
         for pid, before in self.prev.items():
             now = activity.get(pid)
@@ -208,18 +214,18 @@ class Evictions:
                 self.count += 1
         self.prev = {pid: n for pid, n in activity.items() if pid not in gone}
 
-    def info(self, entries, max_entries):
+    def info(self, entries: int, max_entries: int) -> dict[str, int]:
         return {"entries": entries, "max_entries": max_entries, "evicted": self.count}
 
 
-def watch_exits(on_event):
+def watch_exits(on_event: Callable[[ProcEvent], None]) -> ProcEvents:
     """A started cn_proc watcher calling ON_EVENT with exit and exec events."""
     from pymtrace.target.procevents import ProcEvents
 
     return ProcEvents(on_event=on_event, kinds=("exit", "exec")).start()
 
 
-def process_exit(ev):
+def process_exit(ev: ProcEvent) -> bool:
     """EV is the exit of a process (its thread-group leader), not of one of its threads."""
     return ev.kind == "exit" and ev.pid == ev.tgid
 
@@ -244,7 +250,7 @@ class Collector:
     contained = False
     attach_order = 1  # Collectors attaches lower first (malloc's per-call uprobes last)
 
-    def __init__(self, pids=None, track_exits=True):
+    def __init__(self, pids: Iterable[int | str] | None = None, track_exits: bool = True) -> None:
         self.pids = check_pids(pids)
         self.track_exits = track_exits
         self.bpf = None
@@ -257,22 +263,22 @@ class Collector:
         self.comms = Comms()
 
     # -- lifecycle
-    def part(self):
+    def part(self) -> bpfload.Part | None:
         """The bpfload.Part this collector's program is compiled from (read by attach()),
         or None when there is nothing to compile."""
         return bpfload.Part(self.program, self._defines())
 
-    def _defines(self):
+    def _defines(self) -> dict[str, Any]:
         return {}
 
-    def prepare(self):
+    def prepare(self) -> None:
         """Before the compile: find what to attach to (errors before seconds of compiling)."""
         self.prepared = True
 
-    def plan(self):
+    def plan(self) -> None:
         """Work that can run while the compile does (Collectors runs it in parallel)."""
 
-    def attach(self, bpf=None):
+    def attach(self, bpf: Any = None) -> Collector:
         """Compile, load, attach. BPF: a module compiled with part() among others
         (Collectors: one compile for all), left for its owner to close; None: compile here."""
         self.start = time.monotonic()
@@ -297,22 +303,22 @@ class Collector:
             raise
         return self
 
-    def _attach(self):
+    def _attach(self) -> None:
         """Attach this collector's probes to self.bpf (tracepoints: BCC did at load)."""
 
-    def on_process_event(self, ev):
+    def on_process_event(self, ev: ProcEvent) -> None:
         """A cn_proc event (pymtrace.target.procevents): exits and execs."""
         if process_exit(ev):
             self.exited(ev.tgid)
         elif ev.kind == "exec":
             self.comms.forget(ev.tgid)
 
-    def exited(self, tgid):
+    def exited(self, tgid: int) -> None:
         """Tell the collector TGID exited: reported once more (exited=True), then dropped."""
         with self._lock:
             self._exited.add(tgid)
 
-    def _take_exited(self, present=()):
+    def _take_exited(self, present: Iterable[int] = ()) -> set[int]:
         """TGIDs to report as exited now: exit events seen, plus PIDS in PRESENT that no
         longer exist (events lost in a fork storm, or exits before the watcher started)."""
         with self._lock:
@@ -320,11 +326,11 @@ class Collector:
         gone |= {pid for pid in present if not os.path.exists(f"/proc/{pid}")}
         return gone
 
-    def snapshot(self):
+    def snapshot(self) -> dict[str, Any]:
         """The cumulative state since attach (schema: this module's docstring)."""
         raise NotImplementedError
 
-    def _per_process(self, table):
+    def _per_process(self, table: Any) -> tuple[list[tuple[int, dict[str, Any], str]], set[int], int]:
         """Read a per-CPU map keyed by pid: ([(pid, counters summed over CPUs, comm)], the
         pids to report as exited now, the number of entries)."""
         items = percpu_items(table)
@@ -335,7 +341,7 @@ class Collector:
             rows.append((pid, sum_percpu(values, self.fields), self.comms.get(pid, bpf=bpf_comm(values))))
         return rows, gone, len(items)
 
-    def close(self):
+    def close(self) -> None:
         if self._events is not None:
             self._events.stop()
             self._events = None
@@ -346,10 +352,10 @@ class Collector:
     def __enter__(self):
         return self.attach()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _delete(self, table, key):
+    def _delete(self, table: Any, key: Any) -> None:
         try:
             del table[key]
         except KeyError:
@@ -363,7 +369,15 @@ class Collectors:
     reported in snapshot["errors"]["glibc"], not raised). Likewise slab and faults when this
     kernel cannot run them (snapshot["errors"][name]); malloc's failures are raised."""
 
-    def __init__(self, pids=None, malloc=True, slab=True, faults=True, glibc=True, track_exits=True):
+    def __init__(
+        self,
+        pids: Iterable[int | str] | None = None,
+        malloc: bool = True,
+        slab: bool = True,
+        faults: bool = True,
+        glibc: bool = True,
+        track_exits: bool = True,
+    ) -> None:
         # the concrete collectors subclass Collector, defined above: imported here, not at the top
         from pymtrace.collect.faults import FaultCollector
         from pymtrace.collect.glibc import GlibcCollector
@@ -388,7 +402,7 @@ class Collectors:
         if glibc:  # aggregates only: no ring buffer (the fault reader polls the module's)
             self.collectors["glibc"] = GlibcCollector(self.pids, track_exits=False)
 
-    def attach(self):
+    def attach(self) -> Collectors:
         """One BCC compile for every collector's program, made before any uprobe is attached
         (a compile under top's malloc uprobes runs ~10x slower: BCC's clang is one of the
         processes they trap), while the malloc collector decodes its libcs. Then slab,
@@ -424,7 +438,7 @@ class Collectors:
             self.notes.append(note)
         return self
 
-    def _contain(self, name, step, *args):
+    def _contain(self, name: str, step: Callable[..., object], *args: Any) -> bool:
         """STEP(*ARGS) of the contained collector NAME; a failure goes to errors[name] and
         drops the collector. True if it succeeded."""
         try:
@@ -437,7 +451,7 @@ class Collectors:
         self.collectors.pop(name, None)
         return False
 
-    def _prepare(self):
+    def _prepare(self) -> None:
         """prepare() each collector; slab and faults that cannot work on this kernel (e.g. a
         missing tracepoint) are dropped with the reason in errors[name], the rest go on."""
         for name, c in list(self.collectors.items()):
@@ -454,7 +468,7 @@ class Collectors:
                 self.errors[name] = str(exc)
                 del self.collectors[name]
 
-    def _compile(self, parts):
+    def _compile(self, parts: Sequence[bpfload.Part]) -> Any:
         if not parts:
             return None
         what = "tracing memory allocations"
@@ -491,15 +505,15 @@ class Collectors:
             raise first
         return bpfload.load_parts(keep, what=what)
 
-    def _on_event(self, ev):
+    def _on_event(self, ev: ProcEvent) -> None:
         for c in self.collectors.values():
             c.on_process_event(ev)
 
-    def exited(self, tgid):
+    def exited(self, tgid: int) -> None:
         for c in self.collectors.values():
             c.exited(tgid)
 
-    def snapshot(self):
+    def snapshot(self) -> snapshot_model.Snapshot:
         parts = []
         for name, c in list(self.collectors.items()):
             try:
@@ -519,7 +533,7 @@ class Collectors:
             snap["errors"] = dict(self.errors)
         return snap
 
-    def close(self):
+    def close(self) -> None:
         if self._events is not None:
             self._events.stop()
             self._events = None

@@ -1,8 +1,11 @@
 """FaultCollector: page faults per process and per mapped region (exceptions tracepoints)."""
 
+from __future__ import annotations
+
 import ctypes
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Iterable
 
 from pymtrace.bpf import kfeatures, structs
 from pymtrace.collect.base import (
@@ -15,8 +18,11 @@ from pymtrace.collect.base import (
 from pymtrace.errors import PymtraceError
 from pymtrace.target import libc
 
+if TYPE_CHECKING:
+    from pymtrace.target.procevents import ProcEvent
 
-def region_label(mapping):
+
+def region_label(mapping: libc.Mapping | None) -> str:
     if mapping is None:
         return "[unmapped]"
     if not mapping.path:
@@ -26,7 +32,7 @@ def region_label(mapping):
     return mapping.path
 
 
-def _find(maps, address):
+def _find(maps: list[libc.Mapping], address: int) -> libc.Mapping | None:
     lo, hi = 0, len(maps)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -56,7 +62,14 @@ class FaultCollector(Collector):
     max_labels_factor = 2  # remembered granule labels: at most this many times max_granules
     poll_ms = 50  # the reader also consumes un-woken pf_new records at least this often
 
-    def __init__(self, pids=None, track_exits=True, max_procs=16384, max_granules=65536, regions=True):
+    def __init__(
+        self,
+        pids: Iterable[int | str] | None = None,
+        track_exits: bool = True,
+        max_procs: int = 16384,
+        max_granules: int = 65536,
+        regions: bool = True,
+    ) -> None:
         super().__init__(pids, track_exits)
         self.max_procs = max_procs
         self.max_granules = max_granules
@@ -75,7 +88,7 @@ class FaultCollector(Collector):
         self.maps_reads = 0  # /proc/PID/maps reads made for new granules (cost, for tests/bench)
         self._shift = structs.header(self.program).consts["PF_GRANULE_SHIFT"]
 
-    def prepare(self):
+    def prepare(self) -> None:
         for tp in ("page_fault_user", "page_fault_kernel"):
             if kfeatures.tracepoint_fields("exceptions", tp) is None:
                 raise PymtraceError(
@@ -91,7 +104,7 @@ class FaultCollector(Collector):
             "PF_REGIONS": int(self.regions),
         }
 
-    def _attach(self):
+    def _attach(self) -> None:
         if self.pids is not None:
             targets = self.bpf[b"pf_targets"]
             for pid in self.pids:
@@ -100,7 +113,7 @@ class FaultCollector(Collector):
             event = structs.header(self.program).structs["pf_new_granule"]
             pending = self._pending
 
-            def on_new(ctx, data, size):
+            def on_new(ctx: Any, data: Any, size: int) -> int:
                 ev = ctypes.cast(data, ctypes.POINTER(event)).contents
                 pending.append((int(ev.tgid), int(ev.address)))
                 return 0
@@ -111,7 +124,7 @@ class FaultCollector(Collector):
             self._reader = threading.Thread(target=self._read_new_granules, name="pymtrace-fault-regions", daemon=True)
             self._reader.start()
 
-    def _read_new_granules(self):
+    def _read_new_granules(self) -> None:
         while not self._stop.is_set():
             try:
                 self.bpf.ring_buffer_poll(self.poll_ms)  # woken by the first record of a burst
@@ -126,7 +139,7 @@ class FaultCollector(Collector):
                 batch, self._pending[:] = list(self._pending), []
                 self._label_new(batch)
 
-    def _label_new(self, batch):
+    def _label_new(self, batch: list[tuple[int, int]]) -> None:
         by_pid = {}
         for pid, address in batch:
             by_pid.setdefault(pid, []).append(address)
@@ -151,7 +164,7 @@ class FaultCollector(Collector):
                     for key in list(self._labels)[:excess]:
                         del self._labels[key]
 
-    def on_process_event(self, ev):
+    def on_process_event(self, ev: ProcEvent) -> None:
         super().on_process_event(ev)
         if ev.kind == "exec":  # a new address space: its cached maps are no use
             with self._maps_lock:
@@ -194,14 +207,14 @@ class FaultCollector(Collector):
                 self._labels.pop(key, None)
         return out
 
-    def close(self):
+    def close(self) -> None:
         self._stop.set()
         if self._reader is not None:
             self._reader.join(timeout=5)
             self._reader = None
         super().close()
 
-    def snapshot(self):
+    def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         totals = self.bpf[b"pf_totals"]
         rows, gone, entries = self._per_process(totals)

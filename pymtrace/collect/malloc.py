@@ -9,8 +9,11 @@ calloc, realloc and the memalign family. Nested internal calls (realloc -> mallo
 memalign -> malloc) are not counted (see bpf/malloc_stats.bpf.c).
 """
 
+from __future__ import annotations
+
 import os
 import time
+from typing import Any, Iterable
 
 from pymtrace.collect.base import (
     Collector,
@@ -33,7 +36,7 @@ MALLOC_PROBES = tuple(
 )
 
 
-def probe_plan(path):
+def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
     """top's uprobes on the libc at PATH: [(function, [(kind, offset, bpf_function), ...])].
 
     Entry probes go where pymtrace.target.probesite finds an emulated instruction (plus the
@@ -63,7 +66,13 @@ class MallocCollector(Collector):
     required = True  # what top is for: not a view to leave empty
     attach_order = 2  # last: its per-call uprobes slow down everything after them
 
-    def __init__(self, pids=None, track_exits=True, max_procs=8192, empty=False):
+    def __init__(
+        self,
+        pids: Iterable[int | str] | None = None,
+        track_exits: bool = True,
+        max_procs: int = 8192,
+        empty: bool = False,
+    ) -> None:
         super().__init__(pids, track_exits)
         self.max_procs = max_procs
         self.empty = empty  # benchmark floor: same probes, programs that do nothing
@@ -96,11 +105,11 @@ class MallocCollector(Collector):
     def _defines(self):
         return {"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)}
 
-    def prepare(self):
+    def prepare(self) -> None:
         self.libcs = self._targets()
         super().prepare()
 
-    def plan(self):
+    def plan(self) -> None:
         """Decode each libc's allocator functions (~0.02-0.1 s a file), run while the programs
         compile (the compile does not depend on it). System-wide, a file that cannot be
         decoded (any user can map one named libc.so.6) is left out with the reason in
@@ -118,13 +127,13 @@ class MallocCollector(Collector):
         if not self.libcs:
             raise PymtraceError("found no libc to attach to")
 
-    def _attach(self):
+    def _attach(self) -> None:
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
         for path, pids in self.libcs.items():
             for pid in pids:
                 self._attach_libc(path, pid)
 
-    def _attach_libc(self, path, pid):
+    def _attach_libc(self, path: str, pid: int) -> None:
         for function, probes in self.plans[path]:
             try:
                 for kind, off, fn_name in probes:
@@ -146,7 +155,7 @@ class MallocCollector(Collector):
                     raise ProcessGone(pid) from None
                 raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
 
-    def snapshot(self):
+    def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         table = self.bpf[b"ms_stats"]
         rows, gone, entries = self._per_process(table)

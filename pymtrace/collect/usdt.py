@@ -21,14 +21,20 @@ This covers the 11 memory_mallopt_* / memory_tunable_* probes whose argument cod
 library path (every process using that libc; several libcs at once) or per PID.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import fnmatch
 import os
 import re
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from pymtrace.bpf import structs
 from pymtrace.errors import PymtraceError
 from pymtrace.target import libc
+
+if TYPE_CHECKING:
+    from pymtrace.target.launch import Launched
 
 NO_PROBES_REASON = "libc {path} has no USDT probes (Debian builds glibc without --enable-systemtap)"
 
@@ -123,7 +129,7 @@ MAX_ARGS = header().consts["MAX_ARGS"]  # arguments decoded per probe hit
 EV_ARG_UNREADABLE = header().consts["EV_ARG_UNREADABLE"]  # flags bit of argument 0 (<< N for argument N)
 
 
-def probe_ids():
+def probe_ids() -> dict[str, int]:
     """{probe name: id} for the probes with a fixed id in bpf/glibc_usdt.h."""
     return {k[len("PROBE_") :]: v for k, v in header().consts.items() if k.startswith("PROBE_memory_")}
 
@@ -204,14 +210,14 @@ class ArgSpec:
     rip: bool = False
 
 
-def _reg(name):
+def _reg(name: str) -> tuple[str, int]:
     name = name.lstrip("%")
     if name not in _REG:
         raise UnresolvedArg(f"unknown register %{name}")
     return _REG[name]
 
 
-def parse_arg(text):
+def parse_arg(text: str) -> ArgSpec:
     """Parse one argument spec (x86-64 `.note.stapsdt` syntax) into an ArgSpec."""
     m = _SPEC.match(text.strip())
     if not m:
@@ -258,11 +264,11 @@ def parse_arg(text):
     )
 
 
-def _ctype(size, signed):
+def _ctype(size: int, signed: bool) -> str:
     return ("s" if signed else "u") + str(size * 8)
 
 
-def arg_code(spec, i, probe_addr, symtab):
+def arg_code(spec: ArgSpec, i: int, probe_addr: int, symtab: Mapping[str, libc.Symbol]) -> str:
     """C statements that set a{i} from ctx per SPEC (flags bit i on a failed read).
 
     symtab: {name: Symbol} of the libc; RIP-relative and symbolic operands resolve to
@@ -299,7 +305,7 @@ def arg_code(spec, i, probe_addr, symtab):
     )
 
 
-def memory_address(spec, probe_addr, symtab, load_bias):
+def memory_address(spec: ArgSpec, probe_addr: int, symtab: Mapping[str, libc.Symbol], load_bias: int) -> int | None:
     """Run-time address of a symbolic/RIP-relative memory operand without registers, or None."""
     if spec.kind != "mem" or spec.reg or spec.index or not spec.symbols:
         return None
@@ -326,20 +332,22 @@ class Site:
     code: str = ""
 
     @property
-    def name(self):
+    def name(self) -> str:
         return self.probe.name
 
     @property
-    def fn(self):
+    def fn(self) -> str:
         return f"site_{self.id}"
 
 
-def arg_names(name, nargs):
+def arg_names(name: str, nargs: int) -> tuple[str, ...]:
     names = ARG_NAMES.get(name, ())
     return tuple(names[i] if i < len(names) else f"arg{i + 1}" for i in range(nargs))
 
 
-def build_sites(libc_paths, start_id=0, unknown_ids=None):
+def build_sites(
+    libc_paths: Iterable[str], start_id: int = 0, unknown_ids: dict[str, int] | None = None
+) -> tuple[list[Site], list[str]]:
     """Sites (with generated C) for every memory_* probe note of each libc in LIBC_PATHS."""
     ids = probe_ids()
     unknown_ids = {} if unknown_ids is None else unknown_ids
@@ -379,7 +387,7 @@ def build_sites(libc_paths, start_id=0, unknown_ids=None):
     return sites, warnings
 
 
-def generate(sites):
+def generate(sites: Iterable[Site]) -> str:
     """The C prelude put before bpf/glibc_usdt.bpf.c: a forward declaration of glibc_hit
     (defined in the file) and one site_N function per probe site."""
     return (
@@ -392,7 +400,7 @@ def generate(sites):
 # ---------------------------------------------------------------- libc status
 
 
-def libc_status(path):
+def libc_status(path: str | None) -> dict[str, Any]:
     """{"libc", "probes" (distinct names), "sites", "reason"} for a libc path (None: static)."""
     if path is None:
         return {
@@ -410,7 +418,7 @@ def libc_status(path):
     return {"libc": path, "probes": len({p.name for p in probes}), "sites": len(probes), "reason": None}
 
 
-def static_exe_with_probes(exe):
+def static_exe_with_probes(exe: str | None) -> str | None:
     """EXE itself when it is a static program carrying glibc's malloc probes, else None."""
     try:
         return exe if exe and libc.malloc_probes(exe) else None
@@ -418,7 +426,7 @@ def static_exe_with_probes(exe):
         return None
 
 
-def process_exe(pid):
+def process_exe(pid: int) -> str | None:
     """PID's executable as a path reachable from here, or None."""
     try:
         return libc.host_path(pid, os.readlink(f"/proc/{pid}/exe"))
@@ -426,19 +434,19 @@ def process_exe(pid):
         return None
 
 
-def probe_file(pid):
+def probe_file(pid: int) -> str | None:
     """The file whose malloc probes cover PID: the libc it maps, or its executable when that
     is a static program carrying them; None if neither."""
     return libc.process_libc(pid) or static_exe_with_probes(process_exe(pid))
 
 
-def launched_probe_file(launched):
+def launched_probe_file(launched: Launched) -> str | None:
     """probe_file() of a command stopped at exec (pymtrace.target.launch.Launched), whose libc
     is not mapped yet: the one its loader will map."""
     return launched.libc_path() or static_exe_with_probes(launched.exe)
 
 
-def all_libcs():
+def all_libcs() -> list[str]:
     """Every distinct libc file in use (system-wide attach), the system libc first."""
     return [path for path, _pids in libc.distinct_libcs()]
 
@@ -446,7 +454,7 @@ def all_libcs():
 _file_key = libc.file_key
 
 
-def load_bias(pid, path):
+def load_bias(pid: int, path: str) -> int | None:
     """Where PID maps PATH: start - file offset of its first mapping (None if not mapped)."""
     key = _file_key(path)
     try:
@@ -461,7 +469,7 @@ def load_bias(pid, path):
     return None
 
 
-def read_params(pid, path):
+def read_params(pid: int, path: str) -> dict[str, int]:
     """Current malloc parameters of a live PID, read from its memory at the operands of the
     mallopt/tunable probes' "old" argument: {name: value}."""
     probes = libc.malloc_probes(path)
@@ -500,7 +508,7 @@ def read_params(pid, path):
     return out
 
 
-def match_probe(name, patterns):
+def match_probe(name: str, patterns: Sequence[str] | None) -> bool:
     """True if probe NAME matches any glob in PATTERNS (with or without the memory_ prefix)."""
     if not patterns:
         return True

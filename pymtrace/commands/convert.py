@@ -1,5 +1,6 @@
 """`pymtrace convert`: mtrace-bin <-> mtrace-text."""
 
+import argparse
 import os
 
 from pymtrace.errors import PymtraceError
@@ -21,7 +22,7 @@ then as glibc's module-relative `FILE:[0xOFF]`. OVERHEAD: one pass over the file
 """
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input")
     parser.add_argument("output")
     parser.add_argument("--to", required=True, choices=("mtrace-text", "mtrace-bin"))
@@ -29,7 +30,7 @@ def configure(parser):
     parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never through a symlink)")
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     if os.path.abspath(args.input) == os.path.abspath(args.output):
         raise PymtraceError("input and output are the same file")
     _, records = load_records(args.input)

@@ -11,6 +11,7 @@ For tests, a requirement can be made to look missing:
 Names: see CHECK_IDS (a tracepoint can be named as e.g. kmem:kmem_cache_alloc).
 """
 
+import argparse
 import ctypes
 import json
 import os
@@ -105,7 +106,7 @@ class Check:
         }
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the checks as one JSON document")
     parser.add_argument("--simulate-missing", metavar="NAMES", default=None, help=argparse_suppress())
 
@@ -600,7 +601,7 @@ def render(checks):
     return tabulate(rows, headers=["CHECK", "STATUS", "DETAIL", "FIX"], tablefmt="simple", maxcolwidths=[40, 8, 56, 44])
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     sim = simulated(args)
     checks = run_checks(sim)
     failed = [c for c in checks if c.failed]

@@ -1,5 +1,6 @@
 """`pymtrace dump`: decode a recorded trace, like upstream trace_dump, plus per-type statistics."""
 
+import argparse
 import sys
 
 from pymtrace.errors import CorruptFile
@@ -21,14 +22,14 @@ bounded memory; no BPF, no root needed.
 """
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="trace file (mtrace-bin, or mtrace-text starting with `= Start`)")
     parser.add_argument("--stats", action="store_true", help="statistics only")
     parser.add_argument("--limit", type=int, metavar="N", help="decode at most N records (statistics still cover all)")
     parser.add_argument("--json", action="store_true", help="JSON output")
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     fmt, records = load_records(args.file)
     stats = Stats()
     out = sys.stdout

@@ -5,6 +5,7 @@ turns them into monotonic per-label series, pymtrace.sinks.http serves them. Thi
 holds the arguments, the help text and the orchestration.
 """
 
+import argparse
 import html
 import os
 import re
@@ -41,7 +42,7 @@ second for ~1,000 series, ~0.5 s for ~14,000. Start-up compiles the BPF programs
 (seconds; longer on a loaded machine). See docs/exporter.md."""
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen",
         default=f":{DEFAULT_PORT}",
@@ -186,7 +187,7 @@ def _close(src):
         print(f"pymtrace exporter: closing {type(src).__name__} failed: {exc}", file=sys.stderr)
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     from pymtrace.bpf import load as bpfload
 
     _check_args(args)

@@ -1,5 +1,6 @@
 """`pymtrace probes`: stream glibc's malloc USDT probe events, one line each."""
 
+import argparse
 import sys
 import time
 
@@ -40,7 +41,7 @@ EXIT STATUS: with a command, the command's own (128 + N if a signal N killed it)
 otherwise 0; 1 on a pymtrace error."""
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-p", "--pid", type=int, action="append", default=[], help="trace only this process (repeatable)"
     )
@@ -81,7 +82,7 @@ def _list(args):
     return 0
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     if args.list:
         return _list(args)
     if args.cmd and args.pid:

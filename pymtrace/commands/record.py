@@ -44,7 +44,7 @@ full), unless --allow-drops: make --buffer-size larger. See docs/record.md for d
 _PAGE = mmap.PAGESIZE
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group()
     target.add_argument("-p", "--pid", type=int, help="record the running process PID (all its threads)")
     parser.add_argument(
@@ -93,5 +93,5 @@ def parse_size(text: str) -> int:
     return pages
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     return Recorder(args, parse_size(args.buffer_size)).run()

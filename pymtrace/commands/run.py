@@ -5,6 +5,7 @@ mmap/munmap and brk (pymtrace.collect.glibc_report.Tracer); the report is render
 pymtrace.sinks.glibc_report (same report as `pymtrace summary`).
 """
 
+import argparse
 import time
 
 from pymtrace.bpf import load as bpfload
@@ -39,14 +40,14 @@ Use --no-faults for fault-heavy programs where that matters.
 EXIT STATUS: the command's own (128 + N if a signal N killed it); 1 on a pymtrace error."""
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     add_report_arguments(parser)
     parser.add_argument(
         "cmd", nargs="+", metavar="CMD", help="the command (and its arguments) to run and trace, after --"
     )
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     bpfload.require_root("pymtrace run")
     launched = launch.Launched(args.cmd)
     tracer = None

@@ -5,6 +5,7 @@ mmap/munmap and brk (pymtrace.collect.glibc_report.Tracer); the report is render
 pymtrace.sinks.glibc_report (same report as `pymtrace run`).
 """
 
+import argparse
 import sys
 import time
 
@@ -27,7 +28,7 @@ OVERHEAD: as for `pymtrace run`: malloc probes on slow paths only; page faults o
 process cost one event each (--no-faults to turn them off)."""
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     add_report_arguments(parser)
     parser.add_argument("-p", "--pid", type=int, required=True, help="the process to trace")
     parser.add_argument(
@@ -40,7 +41,7 @@ def configure(parser):
     )
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     bpfload.require_root("pymtrace summary")
     pid = args.pid
     path = usdt.probe_file(pid)

@@ -6,6 +6,7 @@ pymtrace.collect (BPF programs in bpf/malloc_stats, slab, faults) and, when avai
 pymtrace.collect.glibc.GlibcCollector (view 4).
 """
 
+import argparse
 import sys
 import time
 
@@ -48,7 +49,7 @@ glibc's slow-path USDT probes only; nothing runs on a malloc call) in production
 VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "totals")
 
 
-def configure(parser):
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-p",
         "--pid",
@@ -139,7 +140,7 @@ def _sources(args):
     return {s for view in _views_wanted(args, True) for s in VIEW_SOURCES[view]}
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     from pymtrace.collect.base import Collectors
 
     bpfload.require_root("pymtrace top")

@@ -17,12 +17,17 @@ KeyboardInterrupt) and exceptions (curses.wrapper restores the terminal before t
 exception propagates).
 """
 
+from __future__ import annotations
+
 import curses
 import os
 import signal
 import sys
 import time
+from types import FrameType
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
+from pymtrace.collect.snapshot import Snapshot
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks import views
 
@@ -34,7 +39,7 @@ KEY_VIEW = {ord(str(i + 1)): i for i in range(len(views.VIEWS))}
 class State:
     """Everything the screen shows, separate from curses so it can be tested directly."""
 
-    def __init__(self, interval=1.0, view=0):
+    def __init__(self, interval: float = 1.0, view: int = 0) -> None:
         self.interval = float(interval) if interval and interval > 0 else 1.0
         self.view = view
         self.sort = {}  # view index -> (column index, descending)
@@ -44,16 +49,16 @@ class State:
         self.scroll = 0
         self.quit = False
 
-    def push(self, snapshot):
+    def push(self, snapshot: Optional[Snapshot]) -> None:
         if snapshot is None:
             return
         self.prev, self.cur = self.cur, snapshot
 
-    def table(self):
+    def table(self) -> views.Table:
         sort, reverse = self.sort.get(self.view, (None, None))
         return views.build(self.view + 1, self.prev, self.cur or {}, interval=self.interval, sort=sort, reverse=reverse)
 
-    def key(self, ch):
+    def key(self, ch: int) -> bool:
         """Apply key CH (an int as from getch); returns True when the screen must be redrawn."""
         n = len(views.VIEWS)
         if ch in (ord("q"), ord("Q")):
@@ -89,19 +94,19 @@ class State:
             return False
         return True
 
-    def _set_view(self, i):
+    def _set_view(self, i: int) -> None:
         if i != self.view:
             self.view = i
             self.scroll = 0
 
-    def _move_sort(self, step):
+    def _move_sort(self, step: int) -> None:
         t = self.table()
         col = (t.sort + step) % len(t.columns)
         # numbers sort biggest first, names alphabetically, like top
         self.sort[self.view] = (col, t.columns[col].numeric)
 
 
-def layout(table, width):
+def layout(table: views.Table, width: int) -> tuple[str, list[str]]:
     """(header line, row lines) with columns sized to their content, cut to WIDTH."""
     heads = views.headers(table)
     cells = views.format_rows(table)
@@ -116,7 +121,7 @@ def layout(table, width):
 
     tail_cut = {i for i, c in enumerate(table.columns) if c.key == "region"}  # paths: keep the file name
 
-    def line(values):
+    def line(values: Sequence[str]) -> str:
         parts = []
         for i, (v, w) in enumerate(zip(values, widths)):
             if len(v) > w:
@@ -127,7 +132,7 @@ def layout(table, width):
     return line(heads), [line(r) for r in cells]
 
 
-def draw(scr, state, table):
+def draw(scr: curses.window, state: State, table: views.Table) -> None:
     scr.erase()
     height, width = scr.getmaxyx()
     if height < 5 or width < 20:
@@ -176,14 +181,14 @@ def draw(scr, state, table):
     scr.refresh()
 
 
-def _put(scr, y, x, text, width, attr=0):
+def _put(scr: curses.window, y: int, x: int, text: str, width: int, attr: int = 0) -> None:
     try:
         scr.addnstr(y, x, text, max(0, width - x - (1 if y == scr.getmaxyx()[0] - 1 else 0)), attr)
     except curses.error:  # writing into the bottom-right cell, or a resize race
         pass
 
 
-def _loop(scr, source, state):
+def _loop(scr: curses.window, source: Callable[[], Optional[Snapshot]], state: State) -> int:
     try:
         curses.curs_set(0)
     except curses.error:
@@ -217,7 +222,7 @@ def _loop(scr, source, state):
     return 0
 
 
-def run(source, args=None):
+def run(source: Callable[[], Optional[Snapshot]], args: Any = None) -> int:
     """Show the live view until q, Ctrl-C or SIGTERM; returns the exit code (0).
 
     args: a namespace with optional `interval` (seconds, default 1) and `view` (1-4 or a name).
@@ -245,11 +250,11 @@ def run(source, args=None):
             signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
 
 
-def require_terminal():
+def require_terminal() -> None:
     """Raise PymtraceError unless stdin and stdout are a terminal (call it before attaching)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise PymtraceError("the full-screen view needs a terminal; use --batch or --json for output to a pipe or file")
 
 
-def _sigterm(signum, frame):
+def _sigterm(signum: int, frame: Optional[FrameType]) -> NoReturn:
     raise KeyboardInterrupt

@@ -22,6 +22,8 @@ Unknown keys are errors (as in exporter-toolkit): a typo must not silently disab
 Relative file names are resolved against the config file's directory.
 """
 
+from __future__ import annotations
+
 import base64
 import collections
 import hashlib
@@ -31,6 +33,7 @@ import re
 import ssl
 import threading
 import time
+from typing import Any, Mapping
 
 from pymtrace.errors import PymtraceError
 
@@ -82,7 +85,13 @@ _FAILED_MAX, _CLIENTS_MAX = 256, 4096
 class WebConfig:
     """Parsed web config: an SSLContext (or None), basic-auth users, extra headers."""
 
-    def __init__(self, ssl_context=None, users=None, headers=None, path=None):
+    def __init__(
+        self,
+        ssl_context: ssl.SSLContext | None = None,
+        users: Mapping[str, bytes] | None = None,
+        headers: Mapping[str, str] | None = None,
+        path: str | None = None,
+    ) -> None:
         self.ssl_context = ssl_context
         self.users = dict(users or {})
         self.headers = dict(headers or {})
@@ -95,14 +104,14 @@ class WebConfig:
         self._bcrypt = threading.Lock()  # one bcrypt check at a time
 
     @property
-    def auth_required(self):
+    def auth_required(self) -> bool:
         return bool(self.users)
 
-    def check_authorization(self, header, client=None):
+    def check_authorization(self, header: str | None, client: str | None = None) -> bool:
         """True when HEADER (the Authorization request header) names a configured user."""
         return self.authenticate(header, client) == AUTH_OK
 
-    def authenticate(self, header, client=None):
+    def authenticate(self, header: str | None, client: str | None = None) -> str:
         """AUTH_OK, AUTH_DENIED, or AUTH_LIMITED (CLIENT has used up its bcrypt checks)."""
         if not self.users:
             return AUTH_OK
@@ -114,10 +123,10 @@ class WebConfig:
             return AUTH_DENIED
         return self._check(user, password, client)
 
-    def check_password(self, user, password, client=None):
+    def check_password(self, user: str, password: str, client: str | None = None) -> bool:
         return self._check(user, password, client) == AUTH_OK
 
-    def _known(self, user, digest):
+    def _known(self, user: str, digest: bytes) -> str | None:
         """AUTH_OK / AUTH_DENIED when DIGEST was checked before, else None (call under _lock)."""
         good = self._verified.get(user)
         if good is not None and hmac.compare_digest(good, digest):
@@ -127,7 +136,7 @@ class WebConfig:
             return AUTH_DENIED
         return None
 
-    def _take_token(self, client):
+    def _take_token(self, client: str | None) -> bool:
         """Spend one of CLIENT's bcrypt checks; False when it has none left (call under _lock)."""
         now = time.monotonic()
         tokens, last = self._buckets.pop(client, (_BCRYPT_BURST, now))
@@ -138,7 +147,7 @@ class WebConfig:
             self._buckets.popitem(last=False)
         return ok
 
-    def _check(self, user, password, client):
+    def _check(self, user: str, password: str, client: str | None) -> str:
         # Verified credentials are remembered by a keyed digest (as exporter-toolkit does),
         # so a 1 s scrape interval costs no bcrypt; repeated wrong ones cost none either.
         digest = hmac.new(self._key, f"{user}\0{password}".encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
@@ -175,7 +184,7 @@ class WebConfig:
             self._bcrypt.release()
 
 
-def _expect_mapping(value, where):
+def _expect_mapping(value: Any, where: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -183,7 +192,7 @@ def _expect_mapping(value, where):
     return value
 
 
-def _kind(value):
+def _kind(value: object) -> str:
     return {
         list: "a list",
         dict: "a mapping",
@@ -194,7 +203,9 @@ def _kind(value):
     }.get(type(value), type(value).__name__)
 
 
-def _typed(mapping, key, where, types=(str,), what="a string"):
+def _typed(
+    mapping: Mapping[str, Any], key: str, where: str, types: tuple[type, ...] = (str,), what: str = "a string"
+) -> Any:
     """MAPPING[KEY] when it is one of TYPES (None when absent or null), else a one-line error."""
     value = mapping.get(key)
     if value is not None and (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
@@ -202,14 +213,14 @@ def _typed(mapping, key, where, types=(str,), what="a string"):
     return value
 
 
-def _string_list(mapping, key, where):
+def _string_list(mapping: Mapping[str, Any], key: str, where: str) -> list[str] | None:
     value = _typed(mapping, key, where, (list,), "a list of strings")
     if value and not all(isinstance(v, str) for v in value):
         raise WebConfigError(f"web config: {where}.{key} must be a list of strings")
     return value
 
 
-def _check_keys(mapping, allowed, where):
+def _check_keys(mapping: Mapping[Any, Any], allowed: set[str] | frozenset[str], where: str) -> None:
     unknown = sorted(set(map(str, mapping)) - allowed)
     if unknown:
         raise WebConfigError(f"web config: unknown key(s) in {where}: {', '.join(unknown)}")
@@ -221,7 +232,7 @@ _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEADER_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 
 
-def load(path):
+def load(path: str) -> WebConfig:
     """Read and validate the web config file at PATH; returns a WebConfig."""
     try:
         import yaml
@@ -240,7 +251,7 @@ def load(path):
     _check_keys(doc, _TOP_KEYS, "the top level")
     base = os.path.dirname(os.path.abspath(path))
 
-    def resolve(name):
+    def resolve(name: str) -> str:
         return name if os.path.isabs(name) else os.path.join(base, name)
 
     tls = _expect_mapping(doc.get("tls_server_config"), "tls_server_config")
@@ -326,7 +337,7 @@ def load(path):
     return WebConfig(ctx, parsed, {str(k): str(v) for k, v in headers.items()}, path)
 
 
-def _version(value, what):
+def _version(value: object, what: str) -> str:
     if not isinstance(value, str) or value not in _VERSIONS:
         raise WebConfigError(f"web config: {what} {value!r} is not one of {', '.join(_VERSIONS)}")
     return value

@@ -10,12 +10,14 @@ fail with OSError/ValueError (or return None) on anything else, since any user c
 file of any content under a library's name.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import os
 import struct
 import sys
-from typing import TYPE_CHECKING, NamedTuple
+from typing import IO, TYPE_CHECKING, Iterator, NamedTuple
 
 from pymtrace.errors import PymtraceError
 
@@ -26,7 +28,7 @@ PT_LOAD, PT_DYNAMIC, PT_INTERP = 1, 2, 3
 PF_X = 1
 
 
-def _elffile(f):
+def _elffile(f: IO[bytes]) -> ELFFile:
     # pyelftools (~45 ms to import) is imported on first use, not at module load: the per-
     # process readers below do not need it, and commands read symbols off their start-up path
     from elftools.elf.elffile import ELFFile
@@ -45,7 +47,7 @@ class Symbol:
 
 
 @functools.lru_cache(maxsize=64)
-def _symbols(path, _mtime):
+def _symbols(path: str, _mtime: int) -> dict[str, Symbol]:
     table = {}
     with open(path, "rb") as f:
         elf = _elffile(f)
@@ -68,7 +70,7 @@ def _symbols(path, _mtime):
 _ELF64_SYM = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx, st_value, st_size
 
 
-def _elf64_symbols(data, strtab):
+def _elf64_symbols(data: bytes, strtab: bytes) -> Iterator[tuple[str, int, int]]:
     """(name, value, size) of each Elf64_Sym in DATA, unpacked in bulk: pyelftools parses
     each symbol through construct, ~0.1 s for libc's 3,000, on the path of every command's
     start-up (the bulk read: ~5 ms; same table, tests/unit/test_elf.py)."""
@@ -120,7 +122,7 @@ class UsdtProbe:
     args: str  # the raw argument spec, e.g. "-4@%esi 8@%rdi"
 
     @property
-    def arg_specs(self):
+    def arg_specs(self) -> list[str]:
         return self.args.split() if self.args else []
 
 
@@ -155,7 +157,7 @@ def parse_stapsdt(elf: "ELFFile") -> list[UsdtProbe]:
 
 
 @functools.lru_cache(maxsize=64)
-def _usdt_probes(path, _mtime):
+def _usdt_probes(path: str, _mtime: int) -> tuple[UsdtProbe, ...]:
     with open(path, "rb") as f:
         return tuple(parse_stapsdt(_elffile(f)))
 
@@ -174,7 +176,7 @@ def usdt_probes(path: str, provider: str | None = None, prefix: str = "") -> lis
 # ---------------------------------------------------------------- headers, read directly (see above)
 
 
-def machine(f) -> int:
+def machine(f: IO[bytes]) -> int:
     """e_machine of the open ELF file F; ValueError when F is not ELF."""
     f.seek(0)
     head = f.read(20)
@@ -218,7 +220,7 @@ def program_headers(path: str) -> ProgramHeaders | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _program_headers(path, _key):
+def _program_headers(path: str, _key: tuple) -> ProgramHeaders | None:
     try:
         with open(path, "rb") as f:
             head = f.read(64)
@@ -266,7 +268,7 @@ class DynamicSymbols:
     linear scan without one), reading only what a lookup needs. ValueError (or OSError,
     struct.error) on a file that is not a readable 64-bit little-endian ELF file."""
 
-    def __init__(self, f):
+    def __init__(self, f: IO[bytes]) -> None:
         self.f = f
         head = self._read(0, 64)
         if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
@@ -287,14 +289,14 @@ class DynamicSymbols:
         gnu = next((s for s in sections if s[1] == 0x6FFFFFF6), None)  # SHT_GNU_HASH
         self.gnu = self._read(gnu[4], gnu[5]) if gnu is not None and gnu[5] < (64 << 20) else None
 
-    def _read(self, offset, n):
+    def _read(self, offset: int, n: int) -> bytes:
         self.f.seek(offset)
         data = self.f.read(n)
         if len(data) != n:
             raise ValueError("truncated ELF file")
         return data
 
-    def _entry(self, i):
+    def _entry(self, i: int) -> tuple[bytes, int]:
         """(name, st_shndx) of symbol I."""
         st_name, _info, _other, shndx = struct.unpack("<IBBH", self._read(self.dynsym[4] + 24 * i, 8))
         self.f.seek(self.strtab[4] + st_name)

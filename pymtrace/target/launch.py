@@ -6,22 +6,27 @@ the libc file are inode-based, so they take effect when the loader maps libc lat
 then calls resume(), which detaches ptrace and lets the command run untraced by ptrace.
 """
 
+from __future__ import annotations
+
 import ctypes
 import os
 import re
 import shutil
 import signal
 import subprocess
+from typing import IO, Any, Mapping, Sequence, Union
 
 from pymtrace.errors import PymtraceError
 from pymtrace.target import elf, libc
+
+_Stream = Union[int, IO[Any], None]  # what subprocess.Popen takes as stdin/stdout/stderr
 
 _PTRACE_TRACEME = 0
 _PTRACE_DETACH = 17
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _traceme():
+def _traceme() -> None:
     # the command gets the SIGINT disposition pymtrace inherited (ignored in a background job
     # of a script), not the handler pymtrace installed for itself (pymtrace.cli)
     from pymtrace import stopping
@@ -35,7 +40,14 @@ def _traceme():
 class Launched:
     """A command stopped at exec. Use resume() once probes are attached, then wait()."""
 
-    def __init__(self, argv, env=None, stdin=None, stdout=None, stderr=None):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        stdin: _Stream = None,
+        stdout: _Stream = None,
+        stderr: _Stream = None,
+    ) -> None:
         if not argv:
             raise PymtraceError("no command given after --")
         exe = shutil.which(argv[0]) if "/" not in argv[0] else argv[0]
@@ -59,20 +71,20 @@ class Launched:
             raise PymtraceError(f"{argv[0]} exited before it could be traced (status {code})")
         self.resumed = False
 
-    def libc_path(self):
+    def libc_path(self) -> str | None:
         """The libc the command will map (it is not mapped yet: the loader has not run)."""
         return predict_libc(self.argv, self.exe)
 
-    def resume(self):
+    def resume(self) -> None:
         if not self.resumed:
             _libc.ptrace(_PTRACE_DETACH, self.pid, None, None)
             self.resumed = True
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> int:
         self.resume()
         return self.proc.wait(timeout)
 
-    def stop(self, grace=5.0):
+    def stop(self, grace: float = 5.0) -> int:
         """After pymtrace was told to stop: give the command GRACE seconds to end by itself
         (Ctrl-C reached it too), then SIGTERM, then SIGKILL. Returns its exit status."""
         self.resume()
@@ -87,7 +99,7 @@ class Launched:
             except subprocess.TimeoutExpired:
                 continue
 
-    def kill(self):
+    def kill(self) -> None:
         if self.proc.poll() is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
@@ -97,7 +109,7 @@ class Launched:
             self.proc.wait()
 
 
-def predict_libc(argv, exe=None):
+def predict_libc(argv: Sequence[str], exe: str | None = None) -> str | None:
     """Which libc ARGV will load, asked from its own dynamic loader (`ld.so --list`).
 
     Handles a program started through a loader (`ld-linux-x86-64.so.2 --library-path DIR PROG`)

@@ -5,12 +5,15 @@ process in a container or running on another libc is traced through the file it 
 maps. ELF files are read through pymtrace.target.elf.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import os
 import re
 import struct
 import time
+from typing import Any, Collection, Optional
 
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import elf
@@ -32,7 +35,7 @@ class Mapping:
     path: str  # "" for anonymous; "[heap]", "[stack]", ... for special regions
 
 
-def parse_maps_text(text):
+def parse_maps_text(text: str) -> list[Mapping]:
     maps = []
     for line in text.splitlines():
         parts = line.split(None, 5)
@@ -48,7 +51,7 @@ class MapsUnreadable(PymtraceError):
     """/proc/PID/maps exists but cannot be read (EACCES even for root in some sandboxes)."""
 
 
-def read_maps(pid):
+def read_maps(pid: int) -> list[Mapping]:
     try:
         with open(f"/proc/{pid}/maps") as f:
             return parse_maps_text(f.read())
@@ -64,11 +67,11 @@ def read_maps(pid):
         ) from None
 
 
-def is_libc_path(path):
+def is_libc_path(path: str) -> bool:
     return bool(_LIBC_NAME.search(path))
 
 
-def process_libc(pid, maps=None):
+def process_libc(pid: int, maps: list[Mapping] | None = None) -> str | None:
     """Path (as seen from our mount namespace) of the libc PID maps, or None (static binary).
     MAPS: PID's maps when already read."""
     libc_maps = [m for m in (read_maps(pid) if maps is None else maps) if is_libc_path(m.path)]
@@ -78,7 +81,7 @@ def process_libc(pid, maps=None):
     return host_path(pid, code_first.path)
 
 
-def host_path(pid, path):
+def host_path(pid: int, path: str) -> str:
     """A path inside PID's mount namespace, reachable from ours (containers)."""
     try:
         if os.readlink(f"/proc/{pid}/root") == "/":
@@ -89,12 +92,12 @@ def host_path(pid, path):
 
 
 @functools.lru_cache(maxsize=None)
-def system_libc():
+def system_libc() -> str | None:
     """The libc this Python runs on: the one ordinary programs here use."""
     return process_libc(os.getpid())
 
 
-def distinct_libcs(skipped=None):
+def distinct_libcs(skipped: list[tuple[str, set[int], str]] | None = None) -> list[tuple[str, set[int]]]:
     """Every libc file in use, once per file: [(path, {pid, ...}), ...], the system libc first.
 
     Files are told apart by (device, inode), so one libc reached through several paths
@@ -130,7 +133,7 @@ def distinct_libcs(skipped=None):
     return good
 
 
-def libc_problem(path):
+def libc_problem(path: str) -> Optional[str]:
     """Why PATH cannot be a libc to trace (a sentence), or None when it can."""
     try:
         with open(path, "rb") as f:
@@ -144,7 +147,7 @@ def libc_problem(path):
     return None
 
 
-def skipped_note(skipped, limit=3):
+def skipped_note(skipped: list[tuple[str, set[int], str]] | None, limit: int = 3) -> str | None:
     """One line about the files distinct_libcs left out (SKIPPED: its list), or None."""
     if not skipped:
         return None
@@ -156,11 +159,11 @@ def skipped_note(skipped, limit=3):
     return "skipped " + "; ".join(parts) + more
 
 
-def pids():
+def pids() -> list[int]:
     return sorted(int(d) for d in os.listdir("/proc") if d.isdigit())
 
 
-def comm(pid):
+def comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
@@ -168,7 +171,7 @@ def comm(pid):
         return "?"
 
 
-def malloc_probes(path):
+def malloc_probes(path: str) -> list[UsdtProbe]:
     """glibc's malloc USDT probes (provider libc, memory_*) carried by PATH."""
     return usdt_probes(path, provider="libc", prefix="memory_")
 
@@ -192,11 +195,11 @@ _SIGNATURES = (
 class Allocator:
     name: str  # "glibc" (or "musl") when traced; "jemalloc", "tcmalloc", ..., "static binary"
     traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on
-    path: str = None  # the file whose malloc the process calls (None: none found)
+    path: Optional[str] = None  # the file whose malloc the process calls (None: none found)
 
 
 @functools.lru_cache(maxsize=256)
-def _malloc_export(path, _key):
+def _malloc_export(path: str, _key: tuple) -> str | None:
     """The allocator name when PATH defines and exports malloc, else None."""
     try:
         with open(path, "rb") as f:
@@ -215,7 +218,7 @@ def _malloc_export(path, _key):
     return f"its own malloc in {base}"
 
 
-def _malloc_export_of(path):
+def _malloc_export_of(path: str) -> str | None:
     try:
         st = os.stat(path)
     except OSError:
@@ -223,7 +226,7 @@ def _malloc_export_of(path):
     return _malloc_export(path, (st.st_dev, st.st_ino, st.st_mtime_ns))
 
 
-def _link_map(pid, exe, maps):
+def _link_map(pid: int, exe: str, maps: list[Mapping]) -> list[str] | None:
     """Paths of the objects of PID in the dynamic linker's search order (its link map:
     the executable, LD_PRELOADs, then DT_NEEDED breadth-first, then dlopen()ed ones), read
     from the process's memory through the executable's DT_DEBUG; None when unreadable."""
@@ -250,7 +253,7 @@ def _link_map(pid, exe, maps):
         bias = min(starts) - first_vaddr
     with open(f"/proc/{pid}/mem", "rb") as mem:
 
-        def read(address, n):
+        def read(address: int, n: int) -> bytes:
             mem.seek(address)
             data = mem.read(n)
             if len(data) != n:
@@ -284,7 +287,7 @@ def _link_map(pid, exe, maps):
     return paths
 
 
-def allocator(pid):
+def allocator(pid: int) -> Allocator | None:
     """Whose malloc PID calls: an Allocator, or None while that is not known yet (a
     dynamically linked program whose loader has not mapped its libc). Raises ProcessGone.
 
@@ -334,7 +337,7 @@ def allocator(pid):
     return Allocator("musl" if "musl" in os.path.basename(libc_path) else "glibc", True, libc_path)
 
 
-def _dynamic(path):
+def _dynamic(path: str) -> bool:
     """PATH has a program interpreter (dynamically linked), or is the dynamic loader itself."""
     if re.search(r"/ld-linux[^/]*\.so|/ld-musl[^/]*\.so", os.path.realpath(path)):
         return True
@@ -342,7 +345,7 @@ def _dynamic(path):
     return headers is not None and any(s.type == elf.PT_INTERP for s in headers.segments)
 
 
-def untraced_message(pid, found):
+def untraced_message(pid: int, found: Allocator) -> str:
     """The sentence for a process whose malloc (FOUND: an Allocator) is not the traced glibc."""
     where = f" in {found.path}" if found.path and not found.name.startswith("static") else ""
     return (
@@ -352,7 +355,7 @@ def untraced_message(pid, found):
     )
 
 
-def file_key(path):
+def file_key(path: str) -> tuple[int, int] | None:
     """(device, inode) of PATH, or None."""
     try:
         st = os.stat(path)
@@ -364,12 +367,12 @@ def file_key(path):
 class AllocatorCache:
     """allocator() per PID, computed once per program a PID runs (an exec starts afresh)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.known = {}  # pid -> (exe identity, Allocator or None)
 
     budget = 0.2  # seconds of new detections per annotate() (~1-4 ms a process); the rest wait
 
-    def get(self, pid, deadline=None):
+    def get(self, pid: int, deadline: float | None = None) -> Allocator | None:
         """PID's Allocator (None: not known yet; or not looked up when past DEADLINE)."""
         try:
             key = os.stat(f"/proc/{pid}/exe")
@@ -389,7 +392,7 @@ class AllocatorCache:
             self.known[pid] = (key, found)
         return found
 
-    def annotate(self, processes, pids=()):
+    def annotate(self, processes: dict[Any, Any], pids: Collection[int] = ()) -> None:
         """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict}),
         and an entry for each of PIDS (the watched ones) that has none because its malloc
         is not traced (no event to list it by); forget PIDs no longer listed. New lookups
@@ -403,7 +406,7 @@ class AllocatorCache:
                 if found is not None and not found.traced:
                     processes[pid] = {"pid": pid, "comm": comm(pid)}
 
-        def busy(item):
+        def busy(item: tuple[Any, Any]) -> tuple[int, bool]:
             calls = item[1].get("calls") if isinstance(item[1], dict) else None
             return int(int(item[0]) not in pids), bool(calls and any(calls.values()))
 
@@ -416,6 +419,6 @@ class AllocatorCache:
             del self.known[pid]
 
 
-def _start_time(pid):
+def _start_time(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[19]

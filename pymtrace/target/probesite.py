@@ -11,10 +11,13 @@ that branch alone (checked by decoding the whole function). If any of that canno
 proven, the probe stays at +0: correct first, cheap second.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 import re
 import struct
+from typing import Any
 
 from pymtrace.errors import PymtraceError
 from pymtrace.target import elf
@@ -31,7 +34,7 @@ class Sites:
     reason: str = ""
 
     @property
-    def moved(self):
+    def moved(self) -> bool:
         return self.offset != 0
 
 
@@ -45,7 +48,7 @@ def _decoder():
     return md
 
 
-def _branch_target(insn):
+def _branch_target(insn: Any) -> int | None:
     from capstone import x86_const as X
 
     if insn.group(X.X86_GRP_JUMP) and insn.operands and insn.operands[0].type == X.X86_OP_IMM:
@@ -53,7 +56,7 @@ def _branch_target(insn):
     return None
 
 
-def _is_emulated(insn):
+def _is_emulated(insn: Any) -> bool:
     from capstone import x86_const as X
 
     if insn.mnemonic == "push" and insn.operands and insn.operands[0].type == X.X86_OP_REG:
@@ -61,7 +64,7 @@ def _is_emulated(insn):
     return insn.mnemonic == "nop" and insn.size == 1
 
 
-def choose(code, start, size, function="?"):
+def choose(code: bytes, start: int, size: int, function: str = "?") -> Sites:
     """Pick probe sites for the function whose CODE (bytes) starts at virtual address START."""
     md = _decoder()
     insns = list(md.disasm(code[:size], start))
@@ -144,7 +147,7 @@ def tcache_shutdown_returns(path: str) -> tuple[int, ...]:
     if pos < 0:
         return ()
 
-    def vaddr(off):
+    def vaddr(off: int) -> int | None:
         for s in segs:
             if s.offset <= off < s.offset + s.filesz:
                 return s.vaddr + off - s.offset

@@ -1,12 +1,14 @@
 """The traced process as /proc shows it: liveness, exit status, name and cgroup (one definition each)."""
 
+from __future__ import annotations
+
 import os
 from typing import Optional
 
 from pymtrace.errors import ProcessGone
 
 
-def alive(pid):
+def alive(pid: int) -> bool:
     """Whether PID exists and is neither a zombie nor dead (a zombie's memory is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -55,7 +57,7 @@ def cgroup(pid: int) -> Optional[str]:
     return path
 
 
-def exit_status(code):
+def exit_status(code: Optional[int]) -> int:
     """A child's status as a shell reports it: its exit code, or 128 + the killing signal."""
     if code is None:
         return 0

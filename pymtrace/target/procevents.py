@@ -24,6 +24,8 @@ buffers messages internally, so select() on its socket misses events, and it is 
 the thread that created it. The message layout is pyroute2's (netlink/connector/cn_proc.py).
 """
 
+from __future__ import annotations
+
 import collections
 import errno
 import queue
@@ -32,6 +34,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Callable, Iterable
 
 from pymtrace.errors import PymtraceError
 
@@ -52,13 +55,13 @@ _EVENT = struct.Struct("=IIQ")
 ProcEvent = collections.namedtuple("ProcEvent", "kind pid tgid parent_tgid exit_code time")
 
 
-def _control(action):
+def _control(action: int) -> bytes:
     payload = struct.pack("=I", action)
     cn = _CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(payload), 0) + payload
     return _NLMSGHDR.pack(_NLMSGHDR.size + len(cn), NLMSG_DONE, 0, 0, 0) + cn
 
 
-def parse(data, now=None):
+def parse(data: bytes, now: float | None = None) -> list[ProcEvent]:
     """ProcEvents from one netlink datagram (fork, exec and exit only)."""
     now = time.monotonic() if now is None else now
     out = []
@@ -93,7 +96,12 @@ class ProcEvents:
     to on_event when given, else to the queue drain() empties (a long-running watcher with a
     callback must not fill a queue nobody reads)."""
 
-    def __init__(self, on_event=None, kinds=("fork", "exec", "exit"), maxqueue=100000):
+    def __init__(
+        self,
+        on_event: Callable[[ProcEvent], None] | None = None,
+        kinds: Iterable[str] = ("fork", "exec", "exit"),
+        maxqueue: int = 100000,
+    ) -> None:
         self.on_event = on_event
         self.kinds = frozenset(kinds)
         self.queue = queue.Queue(maxqueue)
@@ -105,7 +113,7 @@ class ProcEvents:
         self._thread = None
         self._stop = threading.Event()
 
-    def start(self):
+    def start(self) -> ProcEvents:
         # pyroute2 (0.9) binds a socket to the thread that created it: create, read and close
         # it all in the background thread; wait here until it listens (or failed).
         self._ready = threading.Event()
@@ -118,7 +126,7 @@ class ProcEvents:
             raise PymtraceError(f"cannot listen to process events (cn_proc): {self._error or 'timeout'}")
         return self
 
-    def _run(self):
+    def _run(self) -> None:
         try:
             sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_CONNECTOR)
             try:
@@ -143,7 +151,7 @@ class ProcEvents:
             sock.close()
             self._sock = None
 
-    def _loop(self, sock):
+    def _loop(self, sock: socket.socket) -> None:
         while not self._stop.is_set():
             try:
                 ready, _, _ = select.select([sock], [], [], 0.2)
@@ -173,7 +181,7 @@ class ProcEvents:
                 except queue.Full:
                     self.dropped += 1
 
-    def drain(self):
+    def drain(self) -> list[ProcEvent]:
         """All events queued so far (non-blocking)."""
         out = []
         while True:
@@ -182,14 +190,14 @@ class ProcEvents:
             except queue.Empty:
                 return out
 
-    def stop(self):
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
             self._thread = None
 
-    def __enter__(self):
+    def __enter__(self) -> ProcEvents:
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -8,18 +8,21 @@ Never through a symlink, never at a guessable name, always mode 0600:
 An existing output is refused unless force; force replaces a symlink itself, never its target.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import tempfile
+from typing import IO, Any, Iterator
 
 from pymtrace.errors import PymtraceError
 
 
-def _exists_error(path):
+def _exists_error(path: str) -> PymtraceError:
     return PymtraceError(f"{path} exists; choose another file or use --force")
 
 
-def check_new(path, force=False):
+def check_new(path: str, force: bool = False) -> None:
     """Refuse PATH up front if it exists (before a long run), unless FORCE."""
     if not os.path.lexists(path):
         return
@@ -29,7 +32,7 @@ def check_new(path, force=False):
         raise _exists_error(path)
 
 
-def open_exclusive(path, force=False):
+def open_exclusive(path: str, force: bool = False) -> int:
     """Create PATH for writing: O_EXCL|O_NOFOLLOW, mode 0600; never through a symlink."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     check_new(path, force)
@@ -43,7 +46,7 @@ def open_exclusive(path, force=False):
         raise PymtraceError(f"cannot create {path}: {exc.strerror}") from None
 
 
-def default_name(base):
+def default_name(base: str) -> str:
     """BASE, or BASE.N for the first N that does not exist (like upstream mtrace-ctl)."""
     if not os.path.lexists(base):
         return base
@@ -53,7 +56,7 @@ def default_name(base):
     return f"{base}.{n}"
 
 
-def open_unique(base):
+def open_unique(base: str) -> tuple[str, int]:
     """(path, fd) of a new file named like default_name(BASE)."""
     while True:
         path = default_name(base)
@@ -65,7 +68,7 @@ def open_unique(base):
             raise
 
 
-def _publish(tmp, path, force):
+def _publish(tmp: str, path: str, force: bool) -> None:
     """Move the finished temporary TMP to PATH atomically."""
     if force:
         os.replace(tmp, path)  # replaces a symlink itself
@@ -83,7 +86,7 @@ def _publish(tmp, path, force):
 
 
 @contextlib.contextmanager
-def atomic_output(path, force=False, mode="wb", **kw):
+def atomic_output(path: str, force: bool = False, mode: str = "wb", **kw: Any) -> Iterator[IO[Any]]:
     """`with atomic_output(PATH) as f:` writes F, then puts it at PATH (mode 0600) only if the
     block succeeds; on any error nothing is left behind. KW goes to os.fdopen."""
     check_new(path, force)

@@ -12,6 +12,8 @@ a half-written binary. The demo dies with its parent (PR_SET_PDEATHSIG), so a ki
 `pymtrace top --demo` does not leave it running.
 """
 
+from __future__ import annotations
+
 import ctypes
 import hashlib
 import os
@@ -21,6 +23,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from typing import IO, Any, Union
 
 from pymtrace.errors import PymtraceError
 
@@ -30,7 +33,7 @@ CFLAGS = ["-O1", "-g", "-fno-builtin", "-fno-omit-frame-pointer", "-pthread"]
 _PR_SET_PDEATHSIG = 1
 
 
-def cache_dir():
+def cache_dir() -> pathlib.Path:
     env = os.environ.get("PYMTRACE_CACHE_DIR")
     if env:
         return pathlib.Path(env)
@@ -40,7 +43,7 @@ def cache_dir():
     return pathlib.Path(base) / "pymtrace"
 
 
-def build_demo(compiler=None):
+def build_demo(compiler: str | None = None) -> str:
     """Path of the compiled demo, compiling it first if needed."""
     try:
         source = SOURCE.read_bytes()
@@ -79,12 +82,16 @@ def build_demo(compiler=None):
     return str(binary)
 
 
-def _die_with_parent():
+def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def start_demo(seconds=None, stdout=subprocess.DEVNULL, stderr=None):
+def start_demo(
+    seconds: Union[float, str, None] = None,
+    stdout: Union[int, IO[Any], None] = subprocess.DEVNULL,
+    stderr: Union[int, IO[Any], None] = None,
+) -> subprocess.Popen:
     """Start the demo (built if needed) and return its subprocess.Popen.
 
     seconds: run that long and exit by itself; default: until stopped.
@@ -101,7 +108,7 @@ def start_demo(seconds=None, stdout=subprocess.DEVNULL, stderr=None):
     return proc
 
 
-def _wait_for_libc(proc, timeout=10.0):
+def _wait_for_libc(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """Return once the demo has mapped its libc, so uprobes can be attached to it at once
     (right after exec the dynamic loader has not mapped it yet)."""
     from pymtrace.target import libc
@@ -120,7 +127,7 @@ def _wait_for_libc(proc, timeout=10.0):
     raise PymtraceError(f"the demo workload did not map its libc within {timeout:g}s")
 
 
-def stop_demo(proc, timeout=5):
+def stop_demo(proc: subprocess.Popen | None, timeout: float = 5) -> None:
     """End the demo started by start_demo (SIGTERM, then SIGKILL); safe to call twice."""
     if proc is None or proc.poll() is not None:
         return

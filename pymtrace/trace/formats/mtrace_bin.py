@@ -13,9 +13,13 @@ Readers check the MAGIC record (type 255, ptr1 0x1234, size = word size) for byt
 and word size -- upstream never does -- and skip all-zero (UNUSED) records anywhere.
 """
 
+from __future__ import annotations
+
 import ctypes
 import dataclasses
+import os
 import struct
+from typing import IO, Iterator, Union
 
 from pymtrace.bpf import structs
 from pymtrace.errors import CorruptFile
@@ -48,7 +52,7 @@ PATH_FLAGS = {
 }
 
 
-def _struct_format(ctype):
+def _struct_format(ctype: type[ctypes.Structure]) -> str:
     """struct-module codes of a ctypes Structure of fixed-width integers (arrays flattened)."""
     out = ""
     for _, t in ctype._fields_:
@@ -82,11 +86,11 @@ class Record:
     path: int = 0  # path flag bits 8-21, already shifted down by 8
 
     @property
-    def type_name(self):
+    def type_name(self) -> str:
         return TYPE_NAMES.get(self.type, f"type{self.type}")
 
 
-def pack(rec, byteorder="<"):
+def pack(rec: Record, byteorder: str = "<") -> bytes:
     return _STRUCT[byteorder].pack(
         rec.thread,
         (rec.type & 0xFF) | ((rec.path & 0x3FFF) << 8),
@@ -100,11 +104,11 @@ def pack(rec, byteorder="<"):
     )
 
 
-def magic_record(thread=0, byteorder="<"):
+def magic_record(thread: int = 0, byteorder: str = "<") -> bytes:
     return pack(Record(thread, MAGIC_TYPE, ptr1=MAGIC_PTR, size=8), byteorder)
 
 
-def detect_byteorder(first):
+def detect_byteorder(first: bytes) -> str:
     """Byte order of a trace from its first record; raises CorruptFile if it is no MAGIC."""
     if len(first) < RECORD_SIZE:
         raise CorruptFile(f"not an mtrace binary trace: {len(first)} bytes, a record is {RECORD_SIZE}")
@@ -122,7 +126,7 @@ def detect_byteorder(first):
     raise CorruptFile("not an mtrace binary trace: the first record is not the MAGIC record (type 255, ptr1 0x1234)")
 
 
-def iter_records(stream, name="trace", chunk_records=8192):
+def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 8192) -> Iterator[Record]:
     """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself.
 
     Raises CorruptFile (one line, with the byte offset) on a missing MAGIC, an unknown call
@@ -162,7 +166,7 @@ def iter_records(stream, name="trace", chunk_records=8192):
             )
 
 
-def _read_full(stream, n):
+def _read_full(stream: IO[bytes], n: int) -> bytes:
     """Read N bytes, or fewer only at end of file (pipes return short reads)."""
     parts = []
     got = 0
@@ -175,7 +179,7 @@ def _read_full(stream, n):
     return b"".join(parts)
 
 
-def read_file(path):
+def read_file(path: Union[str, os.PathLike]) -> Iterator[Record]:
     with open(path, "rb") as f:
         yield from iter_records(f, name=str(path))
 
@@ -183,11 +187,11 @@ def read_file(path):
 class Writer:
     """Append records to a file object, MAGIC first."""
 
-    def __init__(self, fileobj, thread=0):
+    def __init__(self, fileobj: IO[bytes], thread: int = 0) -> None:
         self.file = fileobj
         self.count = 0
         self.file.write(magic_record(thread))
 
-    def write(self, rec):
+    def write(self, rec: Record) -> None:
         self.file.write(pack(rec))
         self.count += 1

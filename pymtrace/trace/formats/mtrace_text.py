@@ -17,22 +17,29 @@ glibc's `mtrace` script resolves `FILE:[0xOFF]` with `addr2line -e FILE`, so pym
 writes the module's absolute path.
 """
 
+from __future__ import annotations
+
 import dataclasses
+import os
 import re
+from typing import IO, TYPE_CHECKING, Callable, Iterable, Iterator, Union
 
 from pymtrace.errors import CorruptFile
 from pymtrace.trace.formats import mtrace_bin as B
 
+if TYPE_CHECKING:
+    from pymtrace.target.libc import Mapping
 
-def _hex(n):
+
+def _hex(n: int) -> str:
     return f"{n:#x}" if n else "0"  # C's %#lx prints 0 as "0"
 
 
-def _ptr(n):
+def _ptr(n: int) -> str:
     return f"{n:#x}" if n else "(nil)"  # C's %p
 
 
-def record_lines(rec, where=""):
+def record_lines(rec: B.Record, where: str = "") -> list[str]:
     """The text lines (without newline) glibc's mtrace hooks would write for one record."""
     at = f"@ {where} " if where else ""
     t = rec.type
@@ -58,11 +65,11 @@ def record_lines(rec, where=""):
 class CallerResolver:
     """Turns absolute caller addresses into glibc's `FILE:[0xOFF]` using /proc/PID/maps snapshots."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.modules = []  # (start, end, base, path), newest snapshot first wins
         self.cache = {}
 
-    def add_maps(self, mappings, prefer=True):
+    def add_maps(self, mappings: Iterable[Mapping], prefer: bool = True) -> None:
         """Add a /proc/PID/maps snapshot; prefer=False puts it behind the ones known already."""
         files = [m for m in mappings if m.path.startswith("/")]
         heads = {}
@@ -77,7 +84,7 @@ class CallerResolver:
             self.modules = new + self.modules if prefer else self.modules + new
             self.cache.clear()
 
-    def __call__(self, addr):
+    def __call__(self, addr: int) -> str:
         if not addr:
             return ""
         hit = self.cache.get(addr)
@@ -92,7 +99,9 @@ class CallerResolver:
         return where
 
 
-def write(records, out, resolve=None, end=True):
+def write(
+    records: Iterable[B.Record], out: IO[str], resolve: Callable[[int], str] | None = None, end: bool = True
+) -> int:
     """Write RECORDS (mtrace_bin.Record) to the text stream OUT; returns the number of lines."""
     resolve = resolve or (lambda addr: f"[{addr:#x}]" if addr else "")
     out.write("= Start\n")
@@ -126,7 +135,7 @@ MAX_LINE = 1 << 20  # longer lines are corrupt (a caller is a path and a symbol:
 _DIGITS = {16: 16, 10: 20}  # most digits of a 64-bit value, leading zeros aside
 
 
-def _u64(text, base, what, name, no):
+def _u64(text: str, base: int, what: str, name: str | None, no: int) -> int:
     """TEXT (hex with 0x, or decimal) as an int; CorruptFile (at line NO of NAME) if it does
     not fit in 64 bits, checked before converting (int() of 4,300 digits raises ValueError)."""
     if len(text) <= 18:  # 0x + 16 hex digits, or 18 decimal digits: always below 2^64
@@ -139,7 +148,7 @@ def _u64(text, base, what, name, no):
     return value
 
 
-def iter_events(lines, name="trace"):
+def iter_events(lines: Iterable[Union[bytes, str]], name: str = "trace") -> Iterator[Event]:
     """Events from an iterable of lines (bytes or str, each with or without its newline);
     CorruptFile on anything malformed. Streams: nothing is kept between lines."""
     no = 0
@@ -177,7 +186,7 @@ def iter_events(lines, name="trace"):
         raise CorruptFile(f"{name}: not a glibc mtrace text log (first line is not `= Start`)")
 
 
-def parse(data, name="trace"):
+def parse(data: Union[bytes, bytearray, memoryview, str], name: str = "trace") -> list[Event]:
     """Parse a text trace (bytes or str) into a list of Events; CorruptFile on anything malformed."""
     lines = bytes(data).split(b"\n") if isinstance(data, (bytes, bytearray, memoryview)) else data.split("\n")
     if lines and not lines[-1]:
@@ -185,7 +194,7 @@ def parse(data, name="trace"):
     return list(iter_events(lines, name))
 
 
-def read_file(path):
+def read_file(path: Union[str, os.PathLike]) -> Iterator[Event]:
     """Events of a text trace file, streamed."""
     with open(path, "rb") as f:
         # a line is read at most MAX_LINE + 1 bytes at a time: iter_events refuses a longer one
@@ -195,7 +204,7 @@ def read_file(path):
 _ADDR_IN_WHERE = re.compile(r"\[(0x[0-9a-fA-F]+)\]$")
 
 
-def to_records(events, thread=0):
+def to_records(events: Iterable[Event], thread: int = 0) -> Iterator[B.Record]:
     """Events -> mtrace_bin.Records (what a text log can tell: no threads, chunk sizes, types
     beyond alloc/free/realloc; the caller only when it is an absolute `[0xADDR]`)."""
     pending = None  # a `<` waiting for its `>`
@@ -223,7 +232,7 @@ def to_records(events, thread=0):
         raise CorruptFile(f"line {pending.line}: `<` not followed by `>`")
 
 
-def leaks(events):
+def leaks(events: Iterable[Event]) -> dict[int, int]:
     """{addr: size} still allocated at the end, the way glibc's `mtrace` script counts."""
     live = {}
     for ev in events:

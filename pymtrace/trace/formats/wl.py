@@ -16,8 +16,12 @@ Upstream trace2wl sizes the sync array one short (ids run 1..m with ALLOC_SYNCS 
 wrote are accepted (`Workload.upstream_sync_sizing` says so), pymtrace writes m+1.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
+import os
+from typing import Sequence, Union
 
 from pymtrace.bpf import structs
 from pymtrace.errors import CorruptFile
@@ -71,7 +75,7 @@ MAX_ALIGN = _WL.consts["WL_MAX_ALIGN"]
 MAX_TABLE = _WL.consts["WL_MAX_TABLE"]  # pointer slots / sync ids (the simulator's limit too)
 
 
-def encode_varint(value):
+def encode_varint(value: int) -> bytes:
     """Big-endian base-128: 16 -> b'\\x10', 2**40 -> a0 80 80 80 80 00."""
     if value < 0:
         raise ValueError("varints are unsigned")
@@ -85,7 +89,7 @@ def encode_varint(value):
     return bytes(reversed(out))
 
 
-def decode_varint(data, pos, name="workload"):
+def decode_varint(data: bytes, pos: int, name: str = "workload") -> tuple[int, int]:
     """(value, new_pos); CorruptFile if it runs off the end or exceeds 64 bits."""
     start = pos
     value = 0
@@ -102,7 +106,7 @@ def decode_varint(data, pos, name="workload"):
             return value, pos
 
 
-def encode_op(op, *args):
+def encode_op(op: int, *args: int) -> bytes:
     return bytes((op,)) + b"".join(encode_varint(a) for a in args)
 
 
@@ -114,7 +118,7 @@ class Workload:
     ops: dict  # byte offset -> (op, args tuple, offset of the next op): every op decoded once
     upstream_sync_sizing: bool = False  # a sync id == ALLOC_SYNCS was used (upstream trace2wl)
 
-    def stream(self, off):
+    def stream(self, off: int) -> list[tuple[int, tuple[int, ...], int]]:
         """The ops of the stream starting at OFF, DONE excluded: [(op, args, byte offset)]."""
         out = []
         while True:
@@ -125,7 +129,7 @@ class Workload:
             off = nxt
 
     @functools.cached_property
-    def threads(self):
+    def threads(self) -> list[list[tuple[int, tuple[int, ...], int]]]:
         """Per thread: its list of (op, args tuple, byte offset); threads starting at the same
         offset share one list. Built on first use (a file can make this threads x stream)."""
         by_off = {}
@@ -134,7 +138,7 @@ class Workload:
                 by_off[off] = self.stream(off)
         return [by_off[off] for off in self.offsets]
 
-    def counts(self):
+    def counts(self) -> dict[str, int]:
         """Per-opcode-name counts over all threads (allocations with index 0 included)."""
         out = {}
         for ops in self.threads:
@@ -143,7 +147,7 @@ class Workload:
         return out
 
 
-def _read_op(data, pos, name):
+def _read_op(data: bytes, pos: int, name: str) -> tuple[int, tuple[int, ...], int]:
     op = data[pos]
     if op not in NARGS:
         raise CorruptFile(f"{name}: byte {pos}: unknown opcode {op}")
@@ -155,7 +159,7 @@ def _read_op(data, pos, name):
     return op, tuple(args), p
 
 
-def parse(data, name="workload", check_deadlock=True):
+def parse(data: Union[bytes, bytearray, memoryview], name: str = "workload", check_deadlock: bool = True) -> Workload:
     """Decode and validate a whole .wl file (bytes); returns a Workload.
 
     Every op is decoded once, however many threads share it (streams that reach the same
@@ -235,7 +239,7 @@ def parse(data, name="workload", check_deadlock=True):
     return wl
 
 
-def check_sync_order(wl, name="workload"):
+def check_sync_order(wl: Workload, name: str = "workload") -> None:
     """Dry-run the sync operations; CorruptFile naming the stuck threads if some never finish.
 
     Sync flags never reset, so the state only grows and the outcome holds for every schedule.
@@ -292,12 +296,12 @@ def check_sync_order(wl, name="workload"):
         raise CorruptFile(f"{name}: deadlock: " + "; ".join(parts) + more)
 
 
-def read_file(path):
+def read_file(path: Union[str, os.PathLike]) -> Workload:
     with open(path, "rb") as f:
         return parse(f.read(), name=str(path))
 
 
-def build(nptrs, nsyncs, streams):
+def build(nptrs: int, nsyncs: int, streams: Sequence[bytes]) -> bytes:
     """A whole .wl file from encoded per-thread streams (each must end with DONE).
 
     Like upstream, the header is rebuilt until its length (which depends on the varint
@@ -306,7 +310,7 @@ def build(nptrs, nsyncs, streams):
     return header_bytes(nptrs, nsyncs, [len(s) for s in streams]) + b"".join(streams)
 
 
-def header_bytes(nptrs, nsyncs, stream_lengths):
+def header_bytes(nptrs: int, nsyncs: int, stream_lengths: Sequence[int]) -> bytes:
     """The header for streams of the given lengths (see build())."""
     old_len, new_len = 1, 2
     header = b""
