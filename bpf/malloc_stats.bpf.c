@@ -4,12 +4,15 @@
  * Attach points (see pymtrace/collect/collectors.py MallocCollector, which picks the sites):
  *   malloc, calloc            entry + return
  *   realloc                   entry + return (outer call)
- *   memalign (=aligned_alloc), posix_memalign, valloc, pvalloc   entry + return (outer)
+ *   memalign, aligned_alloc (one function in glibc 2.36, two in 2.41), posix_memalign,
+ *   valloc, pvalloc           entry + return (outer)
  *   free                      at its first emulated instruction (`push %rbp`, +9 on glibc
  *                             2.36) -> non-NULL frees; plus the early-exit `ret` -> free(NULL)
  * glibc's realloc(NULL, n), realloc(p, 0) and the memalign family (alignment <= 16) reach
  * malloc/free internally: while an outer call runs on a thread (ms_outer entry), the
- * malloc/free probes skip, so each public call is counted once.
+ * malloc/free probes skip, so each public call is counted once. realloc(NULL, n) tail-jumps
+ * into malloc (glibc 2.36, 2.41): malloc's return probe is chained to realloc's and the
+ * kernel runs it first, while the ms_outer entry still exists, so it skips too.
  *
  *   sched:sched_process_exec  (tracepoint, ms_exec) the process's new name into its entry
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:

@@ -28,8 +28,8 @@ from pymtrace.target import libc, mallocapi, probesite
 
 # function -> (entry program, return program or None), from the one malloc-API table
 # (target/mallocapi.py): an outer call's return is ms_outer_return (its inner malloc/free
-# calls are not counted again). memalign and aligned_alloc are one function in glibc:
-# attached once, counted as memalign.
+# calls are not counted again). memalign and aligned_alloc are one function in glibc 2.36
+# (attached once) and two in 2.41; both are counted as memalign.
 MALLOC_PROBES = tuple(
     (f.name, f"ms_{f.call}_entry", ("ms_outer_return" if f.outer else f"ms_{f.call}_return") if f.returns else None)
     for f in mallocapi.FUNCTIONS

@@ -1,8 +1,9 @@
 """The malloc-API functions pymtrace puts uprobes on, and what each probe needs to know.
 
 One table for every attach plan (top's and the exporter's counters, record's trace): which
-functions there are, which are one function in glibc (aligned_alloc is memalign's code,
-so it is probed once, through memalign's programs, and counted as memalign), which have a
+functions there are, which may be one function in glibc (aligned_alloc is memalign's code
+in glibc 2.36: probed once, through memalign's programs; in 2.41 a function of its own,
+probed with memalign's programs; counted as memalign either way), which have a
 return probe, and which are outer calls (realloc and the memalign family call malloc/free
 inside glibc: the BPF programs ignore those inner calls while an outer one runs).
 """
