@@ -4,6 +4,8 @@ No per-event callback: every read copies all committed samples out of the ring w
 strided copies (one vectorised copy with numpy), so a reader pays per batch, not per event.
 """
 
+from __future__ import annotations
+
 import mmap
 
 from pymtrace.errors import PymtraceError
@@ -88,7 +90,7 @@ class RingReader:
         self._advance(cons + n * self.stride)
         return out, n
 
-    def _extract(self, off, n):
+    def _extract(self, off: int, n: int) -> tuple[bytes | bytearray, list[int] | _np.ndarray | None]:
         """The N samples at data offset OFF, headers dropped: (first record_size bytes of each,
         concatenated; the u64 after them in each sample as a list, or None if the sample is
         only a record). One vectorised copy with numpy, strided word copies without it."""
@@ -112,7 +114,7 @@ class RingReader:
         tg = src[wpr::qstride].tolist() if extra else None
         return recs, tg
 
-    def _advance(self, pos):
+    def _advance(self, pos: int) -> None:
         self.cons_pos[0] = pos
 
     def close(self) -> None:

@@ -11,9 +11,12 @@ GlibcCollector.snapshot() (cumulative since attach, JSON-able; consumed by `pymt
 pymtrace.collect.snapshot's (GlibcProcess, GlibcCollectorInfo).
 """
 
+from __future__ import annotations
+
 import ctypes
 import os
 import time
+from typing import Any, Callable, Iterable, Mapping
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.collect import usdt
@@ -59,7 +62,7 @@ class ProbeHit:
         "path",
     )
 
-    def as_dict(self, wall_offset=0.0):
+    def as_dict(self, wall_offset: float = 0.0) -> dict[str, Any]:
         d = {
             "time": round(self.ts / 1e9 + wall_offset, 6),
             "ts_ns": self.ts,
@@ -77,7 +80,7 @@ class ProbeHit:
             d["unreadable"] = sorted(self.names[i] for i in self.unreadable if i < len(self.names))
         return d
 
-    def format_args(self):
+    def format_args(self) -> str:
         out = []
         for i, (n, v) in enumerate(zip(self.names, self.args)):
             if i in self.unreadable:
@@ -93,7 +96,7 @@ class ProbeHit:
         return " ".join(out)
 
 
-def _signed(value, size):
+def _signed(value: int, size: int) -> int:
     bits = size * 8
     value &= (1 << bits) - 1
     return value - (1 << bits) if value >> (bits - 1) else value
@@ -121,8 +124,15 @@ class GlibcCollector(Collector):
     attach_order = 0
 
     def __init__(
-        self, pids=None, libcs=None, stream=False, on_event=None, faults=False, ringbuf_pages=None, track_exits=False
-    ):
+        self,
+        pids: Iterable[int | str] | None = None,
+        libcs: Mapping[int, str | None] | Iterable[str] | None = None,
+        stream: bool = False,
+        on_event: Callable[[ProbeHit], None] | None = None,
+        faults: bool = False,
+        ringbuf_pages: int | None = None,
+        track_exits: bool = False,
+    ) -> None:
         super().__init__(None, track_exits)
         # PIDs as given, unchecked: one that is gone is reported ("no libc"), not raised
         self.pids = None if pids is None else [int(p) for p in pids]
@@ -147,7 +157,7 @@ class GlibcCollector(Collector):
         self.path_event_struct = h.structs["glibc_path_event"]
 
     # -- attach / detach
-    def _plan(self):
+    def _plan(self) -> list[tuple[str, list[int] | None]]:
         """[(libc path, [pid] or None)] to attach."""
         plan = {}
         if self.pids is None:
@@ -174,7 +184,7 @@ class GlibcCollector(Collector):
                 entry[1].append(pid)
         return list(plan.values())
 
-    def prepare(self):
+    def prepare(self) -> None:
         """Find the libcs and probe sites to attach (and generate their BPF code)."""
         super().prepare()
         plan = self._plan()
@@ -200,7 +210,7 @@ class GlibcCollector(Collector):
             self.names[s.probe_id] = s.name
         self.with_probes = with_probes
 
-    def part(self):
+    def part(self) -> bpfload.Part | None:
         """The program with one generated function per probe site, or None when there is
         nothing to compile (no probes and no faults: a collector that only reports why)."""
         if not (self.sites or self.faults):
@@ -212,7 +222,7 @@ class GlibcCollector(Collector):
             defines["NO_STREAM"] = 1  # aggregates only: nothing fills the ring buffer
         return bpfload.Part(self.program, defines, usdt.generate(self.sites))
 
-    def _attach(self):
+    def _attach(self) -> None:
         if self.stream:
             self.bpf["events"].open_ring_buffer(self._on_raw)
         if not self.sites:
@@ -229,18 +239,18 @@ class GlibcCollector(Collector):
         except Exception as exc:  # BCC raises bare Exception for a failed attach
             raise PymtraceError(f"cannot attach uprobe to a malloc probe of {path}: {exc}") from None
 
-    def close(self):
+    def close(self) -> None:
         if self.bpf is not None:
             self.poll()  # the events still in the ring buffer
         super().close()
 
     # -- faults
-    def add_fault_pid(self, pid):
+    def add_fault_pid(self, pid: int) -> None:
         if self.bpf is not None and self.faults:
             self.bpf["fault_pids"][ctypes.c_uint32(pid)] = ctypes.c_uint8(1)
 
     # -- events
-    def _on_raw(self, ctx, data, size):
+    def _on_raw(self, ctx: Any, data: Any, size: int) -> int:
         raw = ctypes.cast(data, ctypes.POINTER(self.event_struct)).contents
         ev = ProbeHit()
         ev.ts = raw.ts
@@ -277,17 +287,17 @@ class GlibcCollector(Collector):
             self.on_event(ev)
         return 0
 
-    def poll(self):
+    def poll(self) -> None:
         """Deliver every event waiting in the ring buffer (stream mode)."""
         if self.bpf is not None and self.stream:
             self.bpf.ring_buffer_consume()
 
-    def lost(self):
+    def lost(self) -> int:
         if self.bpf is None:
             return 0
         return int(sum(self.bpf["lost"].getvalue(ctypes.c_int(0))))
 
-    def map_full(self):
+    def map_full(self) -> dict[str, int]:
         if self.bpf is None:
             return {}
         names = ("stats", "heaps", "threads", "arenas")
@@ -299,7 +309,7 @@ class GlibcCollector(Collector):
         return vals
 
     # -- state
-    def libc_of(self, pid):
+    def libc_of(self, pid: int) -> str | None:
         if pid in self.pid_libc:
             return self.pid_libc[pid]
         try:
@@ -309,12 +319,12 @@ class GlibcCollector(Collector):
         self.pid_libc[pid] = path
         return path
 
-    def _status(self, path):
+    def _status(self, path: str | None) -> dict[str, Any]:
         if path not in self._status_cache:
             self._status_cache[path] = usdt.libc_status(path)
         return self._status_cache[path]
 
-    def forget(self, pid):
+    def forget(self, pid: int) -> None:
         """Drop every BPF map entry of PID (e.g. when it has exited); it is no longer reported."""
         pid = int(pid)
         if self.pids is not None and pid in self.pids:
@@ -335,13 +345,13 @@ class GlibcCollector(Collector):
         self.pid_libc.pop(pid, None)
         self.comms.forget(pid)
 
-    def exited(self, pid):
+    def exited(self, pid: int) -> None:
         """PID has exited (process-events connector): it is reported once more (alive False,
         final values) by the next snapshot() and forgotten at the one after. Thread-safe:
         map entries are only deleted from snapshot()'s thread."""
         self._exit_new.add(int(pid))
 
-    def prune(self):
+    def prune(self) -> None:
         """Forget every process that no longer exists."""
         if self.bpf is None:
             return
@@ -349,7 +359,7 @@ class GlibcCollector(Collector):
             if not os.path.exists(f"/proc/{k.value}"):
                 self.forget(k.value)
 
-    def snapshot(self, pids=None):
+    def snapshot(self, pids: Iterable[int | str] | None = None) -> dict[str, Any]:
         """The cumulative state (see the module docstring). PIDS: also report these."""
         for pid in self._exit_pending:
             self.forget(pid)
@@ -386,7 +396,9 @@ class GlibcCollector(Collector):
             },
         }
 
-    def _pid_snapshot(self, pid, s, threads, arenas, heaps):
+    def _pid_snapshot(
+        self, pid: int, s: Any, threads: Mapping[int, Any], arenas: Mapping[int, Any], heaps: Mapping[int, int]
+    ) -> dict[str, Any]:
         alive = os.path.exists(f"/proc/{pid}")
         comm = self.comms.get(pid, refresh=alive)  # exited: the name last seen
         path = self.libc_of(pid) if (alive or pid in self.pid_libc) else None
@@ -477,6 +489,6 @@ class GlibcCollector(Collector):
         g["trim_threshold"] = params.get("trim_threshold", {}).get("value")
         return g
 
-    def _attached_to(self, path):
+    def _attached_to(self, path: str) -> bool:
         key = libc.file_key(path)
         return any(i["attached"] and libc.file_key(i["libc"]) == key for i in self.libc_info)

@@ -6,10 +6,13 @@ The report is exact for what the probes saw; the BPF map aggregates of GlibcColl
 included under "collector" as a cross-check.
 """
 
+from __future__ import annotations
+
 import bisect
 import os
 import sys
 import time
+from typing import Any, Generic, Iterable, TypeVar
 
 from pymtrace.collect import glibc, usdt
 from pymtrace.errors import PymtraceError
@@ -27,20 +30,23 @@ RETRIES = {
     "memory_arena_retry": "arena",
 }
 PARAM_OF_PROBE = {v: k for k, v in usdt.PARAM_PROBES.items()}
+V = TypeVar("V")  # what an AddressMap maps intervals to
 REGIONS = ("[heap]", "arena heaps", "mmapped chunks", "files", "[stack]", "thread stacks", "other anonymous", "unknown")
 
 
 # ---------------------------------------------------------------- the report
 
 
-class AddressMap:
+class AddressMap(Generic[V]):
     """Non-overlapping [start, end) -> value intervals; a new interval replaces what it
     overlaps (like mmap over an existing mapping). Lookup is a binary search."""
 
-    def __init__(self):
-        self.starts, self.ends, self.values = [], [], []
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.values: list[V] = []
 
-    def set(self, start, end, value):
+    def set(self, start: int, end: int, value: V | None) -> None:
         if end <= start:
             return
         i = bisect.bisect_right(self.starts, start) - 1
@@ -63,16 +69,16 @@ class AddressMap:
         if tail is not None:
             self._insert(*tail)
 
-    def remove(self, start, end):
+    def remove(self, start: int, end: int) -> None:
         self.set(start, end, None)
 
-    def _insert(self, start, end, value):
+    def _insert(self, start: int, end: int, value: V) -> None:
         i = bisect.bisect_left(self.starts, start)
         self.starts.insert(i, start)
         self.ends.insert(i, end)
         self.values.insert(i, value)
 
-    def get(self, addr):
+    def get(self, addr: int) -> tuple[int, int, V] | None:
         i = bisect.bisect_right(self.starts, addr) - 1
         if i >= 0 and addr < self.ends[i]:
             return self.starts[i], self.ends[i], self.values[i]
@@ -82,7 +88,7 @@ class AddressMap:
 class Report:
     """Accumulates the events of one process (glibc.ProbeHit-like objects) into a report."""
 
-    def __init__(self, pid):
+    def __init__(self, pid: int) -> None:
         self.pid = pid
         self.t0 = None
         self.comm = None
@@ -111,25 +117,25 @@ class Report:
         self.fault_total = 0
         self.brk_lo = None
         self.brk_hi = None
-        self.mmaps = AddressMap()  # mmap/munmap events: (kind, prot)
-        self.samples = AddressMap()  # /proc/PID/maps samples: path (latest sample wins)
+        self.mmaps: AddressMap[tuple[str, int]] = AddressMap()  # mmap/munmap events: (kind, prot)
+        self.samples: AddressMap[str] = AddressMap()  # /proc/PID/maps samples: path (latest sample wins)
         self.main_arena = None
         self.fds = {}  # fd -> path, from openat
 
     # -- /proc/PID/maps samples, taken while the process lives
-    def add_maps(self, maps):
+    def add_maps(self, maps: Iterable[libc.Mapping]) -> None:
         for m in maps:
             self.samples.set(m.start, m.end, m.path)
             if m.path == "[heap]":
                 self.brk_lo = m.start if self.brk_lo is None else min(self.brk_lo, m.start)
                 self.brk_hi = m.end if self.brk_hi is None else max(self.brk_hi, m.end)
 
-    def _sample_region(self, addr):
+    def _sample_region(self, addr: int) -> str | None:
         hit = self.samples.get(addr)
         return hit[2] if hit else None
 
     # -- events
-    def add(self, ev):
+    def add(self, ev: glibc.ProbeHit) -> None:
         if ev.pid != self.pid:
             return
         if self.t0 is None:
@@ -276,7 +282,7 @@ class Report:
         else:
             self.unknown[name] = self.unknown.get(name, 0) + 1
 
-    def _heap(self, addr, size):
+    def _heap(self, addr: int, size: int) -> dict[str, Any]:
         """The heap at ADDR; one created before attach (no memory_heap_new seen) is added
         with what is known of it: SIZE, its creator and initial size unknown."""
         h = self.heaps.get(addr)
@@ -294,7 +300,7 @@ class Report:
             self.heap_order.append(addr)
         return h
 
-    def _arena(self, addr):
+    def _arena(self, addr: int) -> dict[str, Any]:
         return self.arenas.setdefault(
             addr,
             {
@@ -307,13 +313,13 @@ class Report:
             },
         )
 
-    def _current(self, param):
+    def _current(self, param: str) -> int | None:
         for t in reversed(self.thresholds):
             if t["param"] == param:
                 return t["new"]
         return None
 
-    def _fault(self, addr):
+    def _fault(self, addr: int) -> None:
         self.fault_total += 1
         region, name = self.classify(addr)
         self.faults[region] += 1
@@ -321,7 +327,7 @@ class Report:
             # named at the end: a maps sample taken later may know the file
             self.fault_files[name] = self.fault_files.get(name, 0) + 1
 
-    def classify(self, addr):
+    def classify(self, addr: int) -> tuple[str, str | tuple[int, int] | None]:
         """(region, file name or None) of a faulting address, with what is known now."""
         info = self.heaps.get(addr & ~(HEAP_MAX_SIZE - 1))  # heaps are HEAP_MAX_SIZE-aligned
         if info is not None and not info["freed"]:
@@ -350,7 +356,7 @@ class Report:
             return "files", path
         return "other anonymous", None
 
-    def _file_faults(self):
+    def _file_faults(self) -> dict[str, int]:
         named = {}
         for key, n in self.fault_files.items():
             if isinstance(key, tuple):
@@ -359,7 +365,7 @@ class Report:
         return dict(sorted(named.items(), key=lambda kv: -kv[1]))
 
     # -- output
-    def result(self):
+    def result(self) -> dict[str, Any]:
         arenas = []
         for addr, ar in sorted(self.arenas.items()):
             arenas.append(
@@ -421,7 +427,7 @@ class Report:
 class Tracer:
     """Trace one process: collector + report + /proc/PID/maps sampling."""
 
-    def __init__(self, pid, libc_path, faults=True):
+    def __init__(self, pid: int, libc_path: str | None, faults: bool = True) -> None:
         self.pid = pid
         self.libc_path = libc_path
         self.report = Report(pid)
@@ -436,7 +442,7 @@ class Tracer:
             self.main_arena_vaddr = sym.address if sym else None
         self.started = time.monotonic()
 
-    def attach(self):
+    def attach(self) -> None:
         if not self.status["probes"]:
             print(
                 f"pymtrace: {self.status['reason']}; glibc internals unavailable, reporting page faults only",
@@ -449,7 +455,7 @@ class Tracer:
         for w in self.collector.warnings:  # e.g. an argument whose symbol is not in the libc
             print(f"pymtrace: warning: {w}", file=sys.stderr)
 
-    def sample(self):
+    def sample(self) -> None:
         try:
             maps = libc.read_maps(self.pid)
         except (PymtraceError, OSError):
@@ -460,11 +466,11 @@ class Tracer:
             if bias is not None:
                 self.report.main_arena = bias + self.main_arena_vaddr
 
-    def step(self):
+    def step(self) -> None:
         self.collector.poll()
         self.sample()
 
-    def finish(self, command=None, exit_code=None):
+    def finish(self, command: list[str] | None = None, exit_code: int | None = None) -> dict[str, Any]:
         self.collector.poll()
         snap = self.collector.snapshot() if self.collector.bpf is not None else {"glibc": {}}
         lost = self.collector.lost()

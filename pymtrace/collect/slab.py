@@ -1,6 +1,9 @@
 """SlabCollector: per-cache slab counters from the kmem tracepoints (system-wide)."""
 
+from __future__ import annotations
+
 import time
+from typing import Any, Iterable
 
 from pymtrace.bpf import kfeatures
 from pymtrace.collect.base import Collector, lost_counts, lost_names, percpu_items, struct_fields, sum_percpu
@@ -20,13 +23,15 @@ class SlabCollector(Collector):
     program = "slab"
     what = "tracing slab caches"
 
-    def __init__(self, pids=None, track_exits=False, max_caches=2048):
+    def __init__(
+        self, pids: Iterable[int | str] | None = None, track_exits: bool = False, max_caches: int = 2048
+    ) -> None:
         super().__init__(None, False)  # slab activity is not attributed to processes
         self.max_caches = max_caches
         self.fields = struct_fields(self.program, "slab_stats")
         self.source = None
 
-    def prepare(self):
+    def prepare(self) -> None:
         self.source = kfeatures.slab_source()  # PymtraceError: this kernel cannot do it at all
         super().prepare()
 
@@ -35,7 +40,7 @@ class SlabCollector(Collector):
             self.source = kfeatures.slab_source()
         return {"SLAB_MAX_CACHES": self.max_caches, **self.source.defines()}
 
-    def snapshot(self):
+    def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         caches = {}
         by_size = self.source.source == kfeatures.SLAB_BY_SIZE

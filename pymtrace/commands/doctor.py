@@ -11,12 +11,15 @@ For tests, a requirement can be made to look missing:
 Names: see CHECK_IDS (a tracepoint can be named as e.g. kmem:kmem_cache_alloc).
 """
 
+from __future__ import annotations
+
 import argparse
 import ctypes
 import json
 import os
 import platform
 import time
+from typing import Collection
 
 from pymtrace.errors import PymtraceError
 
@@ -88,14 +91,14 @@ BPF_MAP_TYPE_RINGBUF = 27
 
 
 class Check:
-    def __init__(self, id, name, status, detail="", fix="", required=True):
+    def __init__(self, id: str, name: str, status: str, detail: str = "", fix: str = "", required: bool = True) -> None:
         self.id, self.name, self.status, self.detail, self.fix, self.required = id, name, status, detail, fix, required
 
     @property
-    def failed(self):
+    def failed(self) -> bool:
         return self.required and self.status != OK
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, str | bool]:
         return {
             "id": self.id,
             "check": self.name,
@@ -111,13 +114,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate-missing", metavar="NAMES", default=None, help=argparse_suppress())
 
 
-def argparse_suppress():
+def argparse_suppress() -> str:
     import argparse
 
     return argparse.SUPPRESS
 
 
-def simulated(args=None):
+def simulated(args: argparse.Namespace | None = None) -> set[str]:
     names = os.environ.get(SIMULATE_ENV, "")
     extra = getattr(args, "simulate_missing", None) or ""
     out = {n.strip() for n in (names + "," + extra).split(",") if n.strip()}
@@ -132,7 +135,7 @@ def simulated(args=None):
 # ----------------------------------------------------------------------------- checks
 
 
-def _cap_eff():
+def _cap_eff() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("CapEff:"):
@@ -140,7 +143,7 @@ def _cap_eff():
     return 0
 
 
-def check_root(sim):
+def check_root(sim: Collection[str]) -> Check:
     if "root" in sim:
         return Check(
             "root", "root / capabilities", MISSING, "(simulated) not root", "run pymtrace as root: sudo pymtrace ..."
@@ -167,7 +170,7 @@ def check_root(sim):
     return Check("root", "root / capabilities", MISSING, detail, fix)
 
 
-def _bpf_syscall(map_type, key_size, value_size, max_entries):
+def _bpf_syscall(map_type: int, key_size: int, value_size: int, max_entries: int) -> int | None:
     """fd, or -errno, of a BPF_MAP_CREATE; None if the syscall number is unknown here."""
     nr = _BPF_SYSCALL.get(platform.machine())
     if nr is None:
@@ -185,13 +188,13 @@ def _bpf_syscall(map_type, key_size, value_size, max_entries):
     return fd
 
 
-def _errno_text(neg):
+def _errno_text(neg: int) -> str:
     import errno
 
     return f"{errno.errorcode.get(-neg, str(-neg))}: {os.strerror(-neg)}"
 
 
-def check_bpf(sim):
+def check_bpf(sim: Collection[str]) -> Check:
     name = "BPF syscall"
     if "bpf" in sim:
         return Check(
@@ -225,7 +228,7 @@ def check_bpf(sim):
     )
 
 
-def check_ringbuf(sim):
+def check_ringbuf(sim: Collection[str]) -> Check:
     name = "BPF ring buffer"
     fix = "needs Linux 5.8+ (BPF_MAP_TYPE_RINGBUF); `pymtrace record` cannot run without it"
     if "ringbuf" in sim:
@@ -243,7 +246,7 @@ def check_ringbuf(sim):
     return Check("ringbuf", name, MISSING, f"BPF_MAP_TYPE_RINGBUF map creation failed ({_errno_text(r)})", fix)
 
 
-def check_jit(sim):
+def check_jit(sim: Collection[str]) -> Check:
     name = "BPF JIT"
     path = "/proc/sys/net/core/bpf_jit_enable"
     fix = f"echo 1 > {path} (BPF programs run interpreted, slower, until then)"
@@ -259,7 +262,7 @@ def check_jit(sim):
     return Check("jit", name, WARN, f"{path} = {v} (interpreter)", fix, False)
 
 
-def check_btf(sim):
+def check_btf(sim: Collection[str]) -> Check:
     name = "BTF"
     path = "/sys/kernel/btf/vmlinux"
     fix = "use a kernel built with CONFIG_DEBUG_INFO_BTF=y (BCC works without it, from kernel headers)"
@@ -270,7 +273,7 @@ def check_btf(sim):
     return Check("btf", name, WARN, f"{path} missing", fix, False)
 
 
-def check_tracefs(sim, is_root):
+def check_tracefs(sim: Collection[str], is_root: bool) -> Check:
     name = "tracefs mounted"
     path = os.path.join(TRACEFS, "uprobe_events")
     fix = f"mount -t tracefs nodev {TRACEFS}"
@@ -291,7 +294,7 @@ def check_tracefs(sim, is_root):
     return Check("tracefs", name, OK, f"{TRACEFS} was not mounted: mounted it now")
 
 
-def check_uprobes(sim):
+def check_uprobes(sim: Collection[str]) -> Check:
     name = "uprobes"
     path = "/sys/bus/event_source/devices/uprobe"
     fix = "use a kernel built with CONFIG_UPROBE_EVENTS=y (per-call malloc statistics need uprobes)"
@@ -303,7 +306,7 @@ def check_uprobes(sim):
     return Check("uprobes", name, MISSING, f"{path} missing", fix)
 
 
-def check_tracepoint(tp, sim, tracefs_ok, is_root):
+def check_tracepoint(tp: str, sim: Collection[str], tracefs_ok: bool, is_root: bool) -> Check:
     name = f"tracepoint {tp}"
     cat, ev = tp.split(":")
     what = {"kmem": "slab view", "exceptions": "page-fault view"}[cat]
@@ -327,7 +330,7 @@ def check_tracepoint(tp, sim, tracefs_ok, is_root):
     return Check(tp, name, MISSING, f"{path} missing", fix)
 
 
-def check_kprobes(sim):
+def check_kprobes(sim: Collection[str]) -> Check:
     name = "kprobes (not needed)"
     if "kprobes" in sim:
         return Check("kprobes", name, INFO, "(simulated) not available; pymtrace uses tracepoints instead", "", False)
@@ -342,7 +345,7 @@ def check_kprobes(sim):
     return Check("kprobes", name, INFO, detail, "", False)
 
 
-def _headers_version(build):
+def _headers_version(build: str) -> str | None:
     for rel in ("include/generated/utsrelease.h", "include/config/kernel.release"):
         try:
             with open(os.path.join(build, rel)) as f:
@@ -355,7 +358,7 @@ def _headers_version(build):
     return None
 
 
-def check_headers(sim):
+def check_headers(sim: Collection[str]) -> Check:
     name = "kernel headers for BCC"
     release = os.uname().release
     build = f"/lib/modules/{release}/build"
@@ -381,7 +384,7 @@ def check_headers(sim):
     return Check("headers", name, MISSING, f"{build} missing", fix)
 
 
-def check_bcc(sim):
+def check_bcc(sim: Collection[str]) -> Check:
     name = "BCC Python module"
     fix = "install python3-bpfcc (Debian/Ubuntu) or python3-bcc (Fedora); ./install.sh does it"
     if "bcc" in sim:
@@ -411,7 +414,7 @@ int on_uprobe(struct pt_regs *ctx) { return hit(1); }
 """
 
 
-def check_smoke(sim, prerequisites_ok, tracepoints_ok):
+def check_smoke(sim: Collection[str], prerequisites_ok: bool, tracepoints_ok: Collection[str]) -> Check:
     """Compile a tiny program with BCC, load it, attach a tracepoint and a uprobe, see both
     fire for this process, detach, and check no uprobe event is left behind."""
     name = "BCC compile/load/attach smoke test"
@@ -484,7 +487,7 @@ def check_smoke(sim, prerequisites_ok, tracepoints_ok):
     return Check("smoke", name, OK, detail)
 
 
-def check_libcs(sim):
+def check_libcs(sim: Collection[str]) -> list[Check]:
     from pymtrace.target import libc
 
     if "libc" in sim:
@@ -524,7 +527,7 @@ def check_libcs(sim):
     return checks
 
 
-def run_checks(sim=frozenset()):
+def run_checks(sim: Collection[str] = frozenset()) -> list[Check]:
     is_root = os.geteuid() == 0 and "root" not in sim
     checks = [check_root(sim), check_bpf(sim), check_jit(sim), check_btf(sim)]
     tracefs = check_tracefs(sim, is_root)
@@ -547,7 +550,7 @@ def run_checks(sim=frozenset()):
     return checks
 
 
-def check_slab_source(sim, tracefs_ok):
+def check_slab_source(sim: Collection[str], tracefs_ok: bool) -> Check:
     """Which way the slab view identifies caches on this kernel (kfeatures.slab_source)."""
     from pymtrace.bpf import kfeatures
 
@@ -572,7 +575,7 @@ def check_slab_source(sim, tracefs_ok):
     return Check("slab-source", name, INFO, f"fallback in use, {src.source}: {src.detail}", "", False)
 
 
-def check_uretprobe(sim):
+def check_uretprobe(sim: Collection[str]) -> Check:
     name = "uretprobe syscall"
     if "uretprobe" in sim:
         return Check("uretprobe", name, INFO, "(simulated) not available", "", False)
@@ -594,7 +597,7 @@ def check_uretprobe(sim):
     )
 
 
-def render(checks):
+def render(checks: list[Check]) -> str:
     from tabulate import tabulate
 
     rows = [[c.name, c.status, c.detail, c.fix if c.status != OK else ""] for c in checks]

@@ -5,16 +5,22 @@ turns them into monotonic per-label series, pymtrace.sinks.http serves them. Thi
 holds the arguments, the help text and the orchestration.
 """
 
+from __future__ import annotations
+
 import argparse
 import html
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from pymtrace import __version__
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.http import INDEX, make_server
 from pymtrace.sinks.prometheus import Aggregator, ExporterCollector
+
+if TYPE_CHECKING:
+    from pymtrace.collect.base import Collectors
 
 DEFAULT_PORT = 19733
 HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same BPF
@@ -134,7 +140,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_args(args):
+def _check_args(args: argparse.Namespace) -> None:
     if args.comm:
         try:
             re.compile(args.comm)
@@ -159,7 +165,7 @@ def _check_args(args):
             raise ProcessGone(pid)
 
 
-def build_sources(args):
+def build_sources(args: argparse.Namespace) -> list[Collectors]:
     """The same collectors as `pymtrace top` (pymtrace.collect.base.Collectors), attached for the
     exporter's mode: always-on (default) = slab + faults + glibc USDT, nothing on the
     malloc path; per-call = the same plus the per-call malloc uprobes."""
@@ -180,7 +186,7 @@ def build_sources(args):
     return [bundle]
 
 
-def _close(src):
+def _close(src: Collectors) -> None:
     try:
         src.close()
     except Exception as exc:  # detaching is BCC's (it raises bare Exception); the others still close

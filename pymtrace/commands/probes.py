@@ -1,5 +1,7 @@
 """`pymtrace probes`: stream glibc's malloc USDT probe events, one line each."""
 
+from __future__ import annotations
+
 import argparse
 import sys
 import time
@@ -71,7 +73,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("cmd", nargs="*", metavar="CMD", help="after --: launch CMD (with its arguments) and trace it")
 
 
-def _list(args):
+def _list(args: argparse.Namespace) -> int:
     paths = list(args.libc)
     for pid in args.pid:
         paths.append(libc.process_libc(pid))
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     launched = None
     count = [0]
 
-    def on_event(ev):
+    def on_event(ev: glibc.ProbeHit) -> None:
         if not usdt.match_probe(ev.probe, patterns):
             return
         count[0] += 1

@@ -6,14 +6,20 @@ pymtrace.collect (BPF programs in bpf/malloc_stats, slab, faults) and, when avai
 pymtrace.collect.glibc.GlibcCollector (view 4).
 """
 
+from __future__ import annotations
+
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import Reporter
 from pymtrace.target import proc
+
+if TYPE_CHECKING:
+    from pymtrace.collect.base import Collectors
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested
@@ -112,7 +118,7 @@ def _start_demo():
     return child.pid, lambda: demo.stop_demo(child)
 
 
-def _views_wanted(args, have_glibc):
+def _views_wanted(args: argparse.Namespace, have_glibc: bool) -> list[str]:
     wanted = []
     for v in args.view or []:
         name = {"1": "processes", "2": "slab", "3": "faults", "4": "glibc"}.get(v, v)
@@ -132,7 +138,7 @@ VIEW_SOURCES = {
 }
 
 
-def _sources(args):
+def _sources(args: argparse.Namespace) -> set[str]:
     """The collectors the views shown need (none other is compiled or attached); the full
     screen can switch to any view: all of them."""
     if not (args.batch or args.json) or not args.view:
@@ -179,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             stop_demo()
 
 
-def _run_batch(args, collectors, pids):
+def _run_batch(args: argparse.Namespace, collectors: Collectors, pids: list[int]) -> int:
     have_glibc = "glibc" in collectors.collectors
     reporter = Reporter(args, _views_wanted(args, have_glibc), pids)
     for note in collectors.notes:
@@ -202,7 +208,7 @@ def _run_batch(args, collectors, pids):
     return 0
 
 
-def _run_tui(args, collectors, pids):
+def _run_tui(args: argparse.Namespace, collectors: Collectors, pids: list[int]) -> int:
     from pymtrace.sinks import tui
 
     state = {"gone": False}

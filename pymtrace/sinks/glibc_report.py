@@ -1,13 +1,16 @@
 """Rendering of the end-of-run report of `pymtrace run` / `pymtrace summary` (the model:
 pymtrace.collect.glibc_report): text tables or JSON, to stdout or a file."""
 
+from __future__ import annotations
+
+import argparse
 import json
 import sys
 
-from pymtrace.sinks.text import human_bytes
+from pymtrace.sinks.text import Number, human_bytes
 
 
-def _fmt_bytes(n):
+def _fmt_bytes(n: Number | None) -> str:
     """The report's layout of a byte count: one decimal, up to GiB, '-' when unknown."""
     return human_bytes(n, decimals=1, none="-", largest="GiB")
 
@@ -170,14 +173,14 @@ def render_text(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def add_report_arguments(parser) -> None:
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """The report options run and summary share."""
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.add_argument("--no-faults", action="store_true", help="do not trace page faults (no fault table)")
     parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE")
 
 
-def emit(doc: dict, args) -> None:
+def emit(doc: dict, args: argparse.Namespace) -> None:
     """Write the report DOC as ARGS ask (--json, -o FILE)."""
     text = json.dumps(doc, indent=1, default=str) + "\n" if args.json else render_text(doc)
     if args.output:

@@ -6,6 +6,8 @@ metrics): one thread per connection, TLS and basic auth from a web config
 (admission with eviction, a per-request deadline, single-flight rendering).
 """
 
+from __future__ import annotations
+
 import collections
 import gzip
 import io
@@ -16,12 +18,17 @@ import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 from prometheus_client.exposition import choose_encoder
 
 from pymtrace import __version__
 from pymtrace.errors import PymtraceError
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+    from pymtrace.sinks.webconfig import WebConfig
 
 INDEX = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>pymtrace exporter</title></head>
@@ -40,7 +47,7 @@ class _Conn:
 
     __slots__ = ("fd", "ip", "since", "pending", "evicted")
 
-    def __init__(self, fd, ip):
+    def __init__(self, fd: int, ip: str) -> None:
         self.fd, self.ip, self.since = fd, ip, time.monotonic()
         self.pending, self.evicted = True, False
 
@@ -67,8 +74,8 @@ class MetricsServer(ThreadingHTTPServer):
     def __init__(
         self,
         address: Tuple[str, int],
-        registry,
-        web=None,
+        registry: Optional[CollectorRegistry],
+        web: Optional[WebConfig] = None,
         timeout: float = 10.0,
         max_connections: int = 64,
         index_html: str = "",
@@ -94,14 +101,14 @@ class MetricsServer(ThreadingHTTPServer):
 
     # -- admission
 
-    def _victim(self, conns, now):
+    def _victim(self, conns: List[_Conn], now: float) -> Optional[_Conn]:
         """The connection to evict among CONNS: the oldest still waiting, preferring
         addresses that never scraped successfully; None when all are busy."""
         waiting = [c for c in conns if c.pending]
         strangers = [c for c in waiting if not self.is_known(c.ip, now)]
         return min(strangers or waiting, key=lambda c: c.since, default=None)
 
-    def _evict(self, conn):
+    def _evict(self, conn: _Conn) -> None:
         conn.evicted = True
         self.evicted += 1
         try:  # shutdown() on a duplicate of the descriptor wakes the thread blocked on it
@@ -110,7 +117,7 @@ class MetricsServer(ThreadingHTTPServer):
         except OSError:
             pass
 
-    def _admit(self, request, ip):
+    def _admit(self, request: socket.socket, ip: str) -> Optional[_Conn]:
         now = time.monotonic()
         with self.lock:
             live = [c for c in self.conns if not c.evicted]
@@ -155,7 +162,7 @@ class MetricsServer(ThreadingHTTPServer):
             while len(self.known) > self.known_max:
                 self.known.popitem(last=False)
 
-    def process_request(self, request, client_address):
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:
         conn = self._admit(request, client_address[0])
         if conn is None:
             self.rejected += 1
@@ -168,7 +175,7 @@ class MetricsServer(ThreadingHTTPServer):
             self.forget(conn)
             self.shutdown_request(request)
 
-    def _serve(self, request, client_address, conn):
+    def _serve(self, request: socket.socket, client_address: tuple, conn: _Conn) -> None:
         try:
             self.finish_request(request, client_address, conn)
         except (OSError, ValueError):  # reset, broken pipe, TLS error, a socket closed by eviction
@@ -177,7 +184,7 @@ class MetricsServer(ThreadingHTTPServer):
             self.forget(conn)
             self.shutdown_request(request)
 
-    def finish_request(self, request, client_address, conn=None):
+    def finish_request(self, request: socket.socket, client_address: tuple, conn: Optional[_Conn] = None) -> None:
         # the handshake counts towards the first request's deadline
         request.settimeout(max(0.001, min(self.conn_timeout, self.request_timeout)))
         ctx = self.web.ssl_context if self.web else None
@@ -201,7 +208,7 @@ class MetricsServer(ThreadingHTTPServer):
                 except OSError:
                     pass
 
-    def handle_error(self, request, client_address):
+    def handle_error(self, request: socket.socket, client_address: tuple) -> None:
         pass  # a client that went away is not an error worth a traceback
 
     # -- /metrics
@@ -229,13 +236,13 @@ class _DeadlineReader(io.RawIOBase):
     """The request side of a connection: every read waits at most until the handler's
     deadline, so a request must arrive whole in time, not just each byte."""
 
-    def __init__(self, sock, handler):
+    def __init__(self, sock: socket.socket, handler: MetricsHandler) -> None:
         self.sock, self.handler = sock, handler
 
-    def readable(self):
+    def readable(self) -> bool:
         return True
 
-    def readinto(self, buf):
+    def readinto(self, buf: memoryview) -> int:
         idle = self.handler.server.conn_timeout
         deadline = self.handler.deadline
         left = idle if deadline is None else min(idle, deadline - time.monotonic())
@@ -253,18 +260,20 @@ class MetricsHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # answer garbage with a real status line, not HTTP/0.9
 
-    def __init__(self, request, client_address, server, conn=None):
+    def __init__(
+        self, request: socket.socket, client_address: tuple, server: MetricsServer, conn: Optional[_Conn] = None
+    ) -> None:
         self.conn = conn
         self.deadline = (conn.since if conn else time.monotonic()) + server.request_timeout
         super().__init__(request, client_address, server)
 
-    def setup(self):
+    def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.server.conn_timeout)
         self.rfile.close()
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self))
 
-    def handle_one_request(self):
+    def handle_one_request(self) -> None:
         if self.deadline is None:  # keep-alive: the next request has its own deadline
             self.deadline = time.monotonic() + self.server.request_timeout
             if self.conn:
@@ -274,11 +283,17 @@ class MetricsHandler(BaseHTTPRequestHandler):
         finally:
             self.deadline = None
 
-    def log_message(self, fmt, *args):
+    def log_message(self, fmt: str, *args: object) -> None:
         if os.environ.get("PYMTRACE_EXPORTER_ACCESS_LOG"):
             super().log_message(fmt, *args)
 
-    def _send(self, code, body, ctype="text/plain; charset=utf-8", extra=None):
+    def _send(
+        self,
+        code: int,
+        body: Union[str, bytes],
+        ctype: str = "text/plain; charset=utf-8",
+        extra: Optional[Dict[str, str]] = None,
+    ) -> None:
         if isinstance(body, str):
             body = body.encode()
         self.send_response(code)
@@ -294,7 +309,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _authorized(self):
+    def _authorized(self) -> bool:
         web = self.server.web
         if web is not None and web.auth_required:
             from pymtrace.sinks import webconfig
@@ -313,7 +328,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
             self.server.set_pending(self.conn, False)
         return True
 
-    def do_GET(self):
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if not self._authorized():
             return
@@ -335,7 +350,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
 
     do_HEAD = do_GET
 
-    def do_POST(self):
+    def do_POST(self) -> None:
         self._send(405, "Method Not Allowed\n", extra={"Allow": "GET, HEAD"})
 
     do_PUT = do_DELETE = do_PATCH = do_POST
@@ -358,8 +373,8 @@ def parse_listen(text: str) -> Tuple[str, int]:
 
 def make_server(
     listen: Union[str, Tuple[str, int]],
-    registry,
-    web=None,
+    registry: Optional[CollectorRegistry],
+    web: Optional[WebConfig] = None,
     timeout: float = 10.0,
     index_html: str = "",
     max_connections: int = 64,

@@ -12,7 +12,21 @@ import re
 import sys
 import threading
 import time
-from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Callable,
+    Collection,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -20,6 +34,9 @@ from prometheus_client.utils import floatToGoString
 from pymtrace import __version__
 from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.target import proc
+
+if TYPE_CHECKING:
+    from pymtrace.bpf.stats import BpfStats
 
 PROC_COUNTERS = ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", "faults_user", "faults_kernel")
 PROC_GAUGES = ("live_bytes",)
@@ -49,6 +66,9 @@ GLIBC_COUNTERS = {
 # gauge thresholds are combined over the processes of one label by max, the rest by sum
 GLIBC_MAX = {"mmap_threshold", "trim_threshold"}
 OTHER = "other"
+# a cumulative counter's key: a process entry's field ("freed_bytes") or (group, name or
+# bucket): ("calls", "malloc"), ("size", 7), ("glibc", "arenas_created")
+CounterKey = Union[str, Tuple[str, Union[str, int]]]
 
 
 # ---------------------------------------------------------------- aggregation
@@ -68,7 +88,7 @@ def flatten_counters(entry: dict) -> dict:
     return out
 
 
-def _glibc_counters(g):
+def _glibc_counters(g: Mapping[str, object]) -> Dict[CounterKey, Union[int, float]]:
     out = {}
     for k in GLIBC_COUNTERS:
         v = g.get(k)
@@ -82,7 +102,7 @@ def _glibc_counters(g):
 class _Pid:
     __slots__ = ("pid", "comm", "want", "label", "base", "last", "gauges", "glibc", "alive", "expired")
 
-    def __init__(self, pid, comm, want):
+    def __init__(self, pid: int, comm: str, want: str) -> None:
         self.pid, self.comm, self.want = pid, comm, want
         self.label = None
         self.base = {}
@@ -133,14 +153,14 @@ class Aggregator:
             return False
         return True
 
-    def _want_label(self, pid, comm):
+    def _want_label(self, pid: int, comm: str) -> str:
         if self.label_by == "pid":
             return str(pid)
         if self.label_by == "cgroup":
             return self.cgroup_of(pid) or "unknown"
         return comm if comm and comm != "?" else "unknown"  # "?": exited before its name was read
 
-    def _retire(self, st, keys=None):
+    def _retire(self, st: _Pid, keys: Optional[Collection[CounterKey]] = None) -> None:
         if st.label is None or st.expired:
             return
         acc = self.retired.setdefault(st.label, {})
@@ -151,7 +171,7 @@ class Aggregator:
             if d:
                 acc[k] = acc.get(k, 0) + d
 
-    def _move(self, st, label):
+    def _move(self, st: _Pid, label: str) -> None:
         """Hand what ST did so far to its current label; it continues under LABEL."""
         if st.label is None:  # first label: everything since attach counts for it
             st.label = label
@@ -267,11 +287,11 @@ class Aggregator:
         return out
 
 
-def _activity(st):
+def _activity(st: _Pid) -> Union[int, float]:
     return sum(v - st.base.get(k, 0) for k, v in st.last.items() if isinstance(k, tuple) and k[0] == "calls")
 
 
-def _prune_glibc(src):
+def _prune_glibc(src: object) -> None:
     """The glibc collector keeps exited processes until told: drop them once read."""
     inner = getattr(src, "collectors", None)
     g = inner.get("glibc") if isinstance(inner, dict) else None
@@ -323,7 +343,7 @@ def size_bucket_le(i: int) -> float:
     return float(2**i - 1) if i > 0 else 0.0
 
 
-def _fmt_le(v):
+def _fmt_le(v: float) -> str:
     return floatToGoString(v)  # "1.0", "1024.0", "1.099511627776e+12": canonical for OpenMetrics
 
 
@@ -358,7 +378,7 @@ class Metric(NamedTuple):
 def _per_label(values: Callable[[dict], Iterable[Tuple[tuple, object]]]) -> Callable[[Scrape], Samples]:
     """Samples of a per-process family: VALUES(one label's series) -> [(further label values, value)]."""
 
-    def samples(scrape):
+    def samples(scrape: Scrape) -> Samples:
         for label, s in scrape.series:
             for more, v in values(s):
                 yield [label, *more], v
@@ -366,7 +386,7 @@ def _per_label(values: Callable[[dict], Iterable[Tuple[tuple, object]]]) -> Call
     return samples
 
 
-def _counter(key) -> Callable[[Scrape], Samples]:
+def _counter(key: CounterKey) -> Callable[[Scrape], Samples]:
     """Per label: its cumulative counter KEY (no sample where it has none)."""
     return _per_label(lambda s: [((), s["counters"][key])] if key in s["counters"] else ())
 
@@ -376,18 +396,18 @@ def _gauge(group: str, key: str) -> Callable[[Scrape], Samples]:
     return _per_label(lambda s: [((), s[group][key])] if key in s[group] else ())
 
 
-def _calls(s):
+def _calls(s: dict) -> List[Tuple[Tuple[str], Union[int, float]]]:
     keyed = sorted((k, v) for k, v in s["counters"].items() if isinstance(k, tuple) and k[0] == "calls")
     return [((key[1],), v) for key, v in keyed]
 
 
-def _faults(s):
+def _faults(s: dict) -> List[Tuple[Tuple[str], Union[int, float]]]:
     return [
         ((mode,), s["counters"][f"faults_{mode}"]) for mode in ("user", "kernel") if f"faults_{mode}" in s["counters"]
     ]
 
 
-def _size_histogram(scrape):
+def _size_histogram(scrape: Scrape) -> Samples:
     """Per label: the BPF log2 size buckets, cumulative, up to the largest bucket seen."""
     for label, s in scrape.series:
         c = s["counters"]
@@ -401,7 +421,7 @@ def _size_histogram(scrape):
             yield [label], (buckets, c.get("requested_bytes", 0))
 
 
-def _allocators(scrape):
+def _allocators(scrape: Scrape) -> Samples:
     """(label, allocator): 1 for processes whose malloc is the traced glibc, 0 for another
     allocator (jemalloc, ...: its calls are not counted)."""
     pids = scrape.collector.agg.pids
@@ -414,10 +434,10 @@ def _allocators(scrape):
         yield list(key), v
 
 
-def _slab(field: str, default=None) -> Callable[[Scrape], Samples]:
+def _slab(field: str, default: Optional[int] = None) -> Callable[[Scrape], Samples]:
     """Per slab cache: its FIELD, or DEFAULT where it has none (None: no sample)."""
 
-    def samples(scrape):
+    def samples(scrape: Scrape) -> Samples:
         for cache, v in sorted((scrape.snap.get("slab") or {}).items()):
             if field in v:
                 yield [cache], v[field]
@@ -427,12 +447,12 @@ def _slab(field: str, default=None) -> Callable[[Scrape], Samples]:
     return samples
 
 
-def _lost(scrape):
+def _lost(scrape: Scrape) -> Samples:
     for kind, n in sorted((scrape.snap.get("lost") or {}).items()):
         yield [kind], n
 
 
-def _collectors_up(scrape):
+def _collectors_up(scrape: Scrape) -> Samples:
     errors = scrape.snap.get("errors") or {}
     for name in sorted(set(scrape.collector.collector_names) | set(errors)):
         yield [name], 0 if name in errors else 1
@@ -441,7 +461,7 @@ def _collectors_up(scrape):
 def _bpf_progs(field: int) -> Callable[[Scrape], Samples]:
     """Per BPF program: its run count (FIELD 0) or run time in seconds (FIELD 1)."""
 
-    def samples(scrape):
+    def samples(scrape: Scrape) -> Samples:
         for name, (cnt, ns) in sorted(scrape.bpf["progs"].items()):
             yield [name], (cnt, ns / 1e9)[field]
 
@@ -451,7 +471,7 @@ def _bpf_progs(field: int) -> Callable[[Scrape], Samples]:
 def _bpf_maps(field: int) -> Callable[[Scrape], Samples]:
     """Per BPF map: its entries (FIELD 0) or capacity (FIELD 1)."""
 
-    def samples(scrape):
+    def samples(scrape: Scrape) -> Samples:
         for name, (n, cap, _t) in sorted(scrape.bpf["maps"].items()):
             yield [name], (n, cap)[field]
 
@@ -463,7 +483,7 @@ def _value(of: Callable[[Scrape], object]) -> Callable[[Scrape], Samples]:
     return lambda scrape: [((), of(scrape))]
 
 
-def _scrape_duration(scrape):
+def _scrape_duration(scrape: Scrape) -> float:
     """The scrape's duration so far (read last: it covers building every other family)."""
     c = scrape.collector
     c.last_duration = time.perf_counter() - scrape.started
@@ -471,7 +491,7 @@ def _scrape_duration(scrape):
     return c.last_duration
 
 
-def _has_bpf(scrape):
+def _has_bpf(scrape: Scrape) -> bool:
     return scrape.bpf is not None
 
 
@@ -683,7 +703,7 @@ class ExporterCollector:
         self,
         sources: Iterable,
         aggregator: Aggregator,
-        bpfstats=None,
+        bpfstats: Optional["BpfStats"] = None,
         label_by: str = "comm",
         mode: str = "always-on",
         bucket_le: Callable[[int], float] = size_bucket_le,

@@ -14,7 +14,7 @@ humans is separate (`format_rows`, `text_table`), so JSON output keeps raw numbe
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Mapping, Optional, Union
+from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple, Union
 
 from pymtrace.collect.snapshot import ALLOC_CALLS, CALLS, Snapshot
 from pymtrace.sinks.text import format_cell, human_bytes, human_count
@@ -185,7 +185,7 @@ def _unavailable(cur: Snap, collector: str) -> List[str]:
     return [f"Not available: {why}"] if why else []
 
 
-def _size_label(key, caches, most=3):
+def _size_label(key: str, caches: Iterable[str], most: int = 3) -> str:
     """'size 192: dentry, filp, ... (+8)': a row of the slab view on kernels without cache
     names; kmalloc's own caches last (kmalloc() has its own tracepoint, not counted here)."""
     names = sorted(caches, key=lambda c: ("kmalloc-" in c, c))
@@ -409,7 +409,7 @@ def _probeless_libcs(cur: Snap) -> List[Mapping]:
     return [] if any(i["attached"] for i in libcs) else libcs
 
 
-def _tid_key(tid):
+def _tid_key(tid: Union[int, str]) -> Tuple[int, Union[int, str]]:
     try:
         return (0, int(tid))
     except (TypeError, ValueError):
@@ -509,7 +509,7 @@ def totals_rows(snap: Snap, pids: Optional[List[int]] = None) -> List[list]:
 # --------------------------------------------------------------------------- sorting
 
 
-def _sort_value(table, row):
+def _sort_value(table: Table, row: list) -> Tuple[int, Union[int, float, str]]:
     v = row[table.sort]
     col = table.columns[table.sort]
     if col.numeric:
@@ -540,7 +540,7 @@ def sort_rows(table: Table) -> Table:
         else:
             grouped[g][1].append(row)
 
-    def group_key(g):
+    def group_key(g: Hashable) -> Tuple[int, Union[int, float, str]]:
         lead, members = grouped[g]
         return _sort_value(table, lead if lead is not None else members[0])
 

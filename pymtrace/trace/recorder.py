@@ -7,6 +7,8 @@ poll copies all committed records out of it with a few strided copies and one wr
 no per-event Python work.
 """
 
+from __future__ import annotations
+
 import bisect
 import ctypes
 import json
@@ -16,7 +18,7 @@ import select
 import struct
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
@@ -29,6 +31,10 @@ from pymtrace.trace.files import open_exclusive, open_unique
 from pymtrace.trace.formats import mtrace_bin, mtrace_text
 
 if TYPE_CHECKING:
+    import argparse
+
+    import numpy
+
     from pymtrace.target.launch import Launched
 
 EXIT_LOST = 3  # events were lost (the ring buffer was full), unless --allow-drops
@@ -52,7 +58,9 @@ class Output:
     (mtrace-bin), or "= Start" then glibc's text lines (mtrace-text). A failed write cuts
     the file back to its last complete record and raises WriteFailed."""
 
-    def __init__(self, path: str, fd: int, fmt: str, tgid: int, fallback_maps=None):
+    def __init__(
+        self, path: str, fd: int, fmt: str, tgid: int, fallback_maps: Callable[[Output], None] | None = None
+    ) -> None:
         self.path = path
         self.fmt = fmt
         self.tgid = tgid
@@ -73,7 +81,7 @@ class Output:
                 pass
             raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}")
 
-    def _put(self, blob, ends):
+    def _put(self, blob: bytes | bytearray, ends: Sequence[int]) -> tuple[int, OSError | None]:
         """Append BLOB; ENDS: where each of its records ends in it. Returns how many of them
         are in the file: all, or, when the write fails, those written whole (WriteFailed)."""
         view = memoryview(blob)
@@ -110,7 +118,7 @@ class Output:
         if exc is not None:
             raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}")
 
-    def _text(self, data):
+    def _text(self, data: bytes | bytearray) -> tuple[bytes, list[int]]:
         """glibc's text lines for the records in DATA, as one blob, and each record's end in it.
         The lines of mtrace_text.record_lines, inlined for the common calls (~1 us a record:
         this runs while recording)."""
@@ -135,7 +143,7 @@ class Output:
             ends.append(pos)
         return "".join(parts).encode(), ends
 
-    def _resolve_all(self, callers):
+    def _resolve_all(self, callers: Iterable[int]) -> None:
         """Read the maps again (or take BPF's) if a caller is in no module known yet (a
         library loaded since the last snapshot); at most every 0.2 s."""
         now = time.monotonic()
@@ -202,7 +210,7 @@ def uses_debug_lib(pid: int | None = None, launched: "Launched | None" = None) -
         return False
 
 
-def attach(bpf, libs: list[tuple[str, bool]], pid: int, note_bases: bool = False) -> list[tuple[str, str, tuple]]:
+def attach(bpf: Any, libs: list[tuple[str, bool]], pid: int, note_bases: bool = False) -> list[tuple[str, str, tuple]]:
     """Attach every probe. glibc: entry + return probes (free: entry only), return probes
     first so that a thread inside a function during attach cannot leave a stale depth.
     An interposer (libc_malloc_debug): entry probes only (see record.bpf.c).
@@ -246,7 +254,7 @@ class Recorder:
     """One `pymtrace record` run: ARGS are its parsed arguments, PAGES the ring buffer's size
     in pages (a power of two)."""
 
-    def __init__(self, args, pages: int):
+    def __init__(self, args: argparse.Namespace, pages: int) -> None:
         self.args = args
         self.pages = pages
         self.outputs = {}
@@ -342,7 +350,7 @@ class Recorder:
                 pass
         self.outputs.clear()
 
-    def _load(self, libc_path):
+    def _load(self, libc_path: str) -> None:
         if not os.path.isfile(libc_path):
             raise PymtraceError(f"{libc_path}: no such file")
         defines = {"RB_PAGES": self.pages, "PAGE_SIZE_BYTES": _PAGE, "TARGET_TGID": self.target}
@@ -388,7 +396,7 @@ class Recorder:
         except (PymtraceError, OSError):
             self.procevents = None  # fall back to scanning /proc for children
 
-    def _drain(self, final=False):
+    def _drain(self, final: bool = False) -> int:
         total = 0
         now = time.monotonic()
         if self.last_poll is not None:
@@ -422,7 +430,7 @@ class Recorder:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
 
-    def _dispatch(self, data, n):
+    def _dispatch(self, data: tuple[bytes | bytearray, list[int] | numpy.ndarray | None], n: int) -> None:
         recs, tg = data
         rs = mtrace_bin.RECORD_SIZE
         if tg is None:
@@ -453,7 +461,7 @@ class Recorder:
         except KeyError:  # a program without the counter
             return 0
 
-    def _target_alive(self, pidfd):
+    def _target_alive(self, pidfd: int) -> bool:
         if self.launched is not None:
             if self.launched.proc.poll() is not None:
                 return False
@@ -587,7 +595,7 @@ class Recorder:
             return EXIT_LOST
         return 0
 
-    def _note_bases(self, out):
+    def _note_bases(self, out: Output) -> None:
         """Library load addresses seen by BPF, for a process that exited before /proc was read."""
         try:
             items = list(self.bpf["bases"].items())

@@ -36,18 +36,21 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.trace.files import atomic_output
 from pymtrace.trace.formats import mtrace_bin as mb
 from pymtrace.trace.formats import wl
 
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
 FLUSH_BYTES = 16384
 _SMALL = [wl.encode_varint(v) for v in range(1 << 14)]
 
 
-def _v(value):
+def _v(value: int) -> bytes:
     """encode_varint with the common small values precomputed."""
     return _SMALL[value] if value < 16384 else wl.encode_varint(value)
 
@@ -65,7 +68,7 @@ _ALLOC_OP = {
 class _Thread:
     __slots__ = ("tid", "started", "buf", "chunks", "total", "free_idx", "index")
 
-    def __init__(self, tid, index):
+    def __init__(self, tid: int, index: int) -> None:
         self.tid = tid
         self.index = index
         self.started = False
@@ -78,13 +81,13 @@ class _Thread:
 class _Addr:
     __slots__ = ("ptr", "idx", "owner", "valid", "reason", "pending", "size")
 
-    def __init__(self, ptr, idx):
+    def __init__(self, ptr: int, idx: int) -> None:
         self.ptr = ptr
         self.idx = idx
-        self.owner = None
+        self.owner: _Thread | None = None
         self.valid = False
-        self.reason = None  # (record number, what) of the last change
-        self.pending = None  # deferred records (inversions), FIFO
+        self.reason: tuple[int, int | str] | None = None  # (record number, what) of the last change
+        self.pending: list[tuple[mb.Record, int]] | None = None  # deferred records (inversions), FIFO
         self.size = 0  # requested bytes while valid
 
 
@@ -132,24 +135,24 @@ class Converter:
         return {mb.TYPE_NAMES.get(t, f"type{t}"): n for t, n in self._tcounts.items()}
 
     # -- helpers -----------------------------------------------------------------------
-    def _warning(self, msg):
+    def _warning(self, msg: str) -> None:
         n = self.stats["inversions_unrepaired"] + self.stats["invalid_frees"]
         if n <= self.max_warnings:
             self.warn(msg)
 
-    def _thread(self, tid):
+    def _thread(self, tid: int) -> _Thread:
         key = (tid & 0xFFFFFFFFFFFFFFFF) >> 3 if self.compat else tid
         t = self.threads.get(key)
         if t is None:
             t = self.threads[key] = _Thread(tid, len(self.threads))
         return t
 
-    def _emit(self, t, data):
+    def _emit(self, t: _Thread, data: bytes) -> None:
         t.buf += data
         if len(t.buf) >= FLUSH_BYTES:
             self._flush(t)
 
-    def _flush(self, t):
+    def _flush(self, t: _Thread) -> None:
         if t.buf:
             self.spool.seek(self.spool_size)
             self.spool.write(t.buf)
@@ -158,7 +161,7 @@ class Converter:
             t.total += len(t.buf)
             t.buf = bytearray()
 
-    def _sync(self, rel, acq):
+    def _sync(self, rel: _Thread, acq: _Thread) -> None:
         if rel is acq:
             return
         self.syncs += 1
@@ -166,14 +169,14 @@ class Converter:
         self._emit(rel, bytes((wl.SYNC_W,)) + v)
         self._emit(acq, bytes((wl.SYNC_R,)) + v)
 
-    def _acq(self, t, a):
+    def _acq(self, t: _Thread, a: _Addr | None) -> None:
         if a is None:
             return
         if a.owner is not None and a.owner is not t:
             self._sync(a.owner, t)
         a.owner = t
 
-    def _addr(self, ptr, t):
+    def _addr(self, ptr: int, t: _Thread | None) -> _Addr | None:
         if ptr == 0:
             return None
         key = ptr >> 3 if self.compat else ptr
@@ -189,10 +192,10 @@ class Converter:
                 self._forgettable(key)
         return a
 
-    def _forgettable(self, key):
+    def _forgettable(self, key: int) -> None:
         self.freed[key] = None
 
-    def _evict(self):
+    def _evict(self) -> None:
         """Forget the oldest freed addresses beyond --freed-cache (only between records, so
         no _Addr is in use); the index goes to the last owner thread's free list."""
         while len(self.freed) > self.freed_cache:
@@ -208,11 +211,11 @@ class Converter:
             # an address no thread ever touched keeps its index unused (harmless)
 
     @staticmethod
-    def _what(reason):
+    def _what(reason: tuple[int, int | str]) -> int | str:
         what = reason[1]
         return mb.TYPE_NAMES.get(what, what) if isinstance(what, int) else what
 
-    def _set_valid(self, a, recno, what, size=0):
+    def _set_valid(self, a: _Addr, recno: int, what: int | str, size: int = 0) -> None:
         if a.valid:
             self.live_bytes -= a.size
         self.live_bytes += size
@@ -224,7 +227,7 @@ class Converter:
         if not self.compat:
             self.freed.pop(a.ptr, None)
 
-    def _set_invalid(self, a, recno, what):
+    def _set_invalid(self, a: _Addr, recno: int, what: str) -> None:
         if a.valid:
             self.live_bytes -= a.size
         a.valid = False
@@ -232,7 +235,7 @@ class Converter:
         if not self.compat and not a.pending:
             self._forgettable(a.ptr)
 
-    def _defer(self, a, rec, recno):
+    def _defer(self, a: _Addr, rec: mb.Record, recno: int) -> None:
         if self.compat:
             if a.pending:
                 self._warning(
@@ -323,7 +326,7 @@ class Converter:
             else:
                 process(rec, self.recno)
 
-    def _process(self, rec, recno):
+    def _process(self, rec: mb.Record, recno: int) -> None:
         t = self._thread(rec.thread)
         if self.master is None:
             self.master = t
@@ -389,7 +392,7 @@ class Converter:
         elif typ == mb.REALLOC:
             self._realloc(t, rec, recno, pa1, pa2)
 
-    def _realloc(self, t, rec, recno, pa1, pa2):
+    def _realloc(self, t: _Thread, rec: mb.Record, recno: int, pa1: _Addr | None, pa2: _Addr | None) -> None:
         if self.compat:
             if pa1 is not None and pa1.owner is not None:
                 self._acq(t, pa1)
@@ -422,7 +425,7 @@ class Converter:
         if pa1 is not None and pa1 is not pa2 and not failed:
             self._released(pa1)
 
-    def _released(self, a):
+    def _released(self, a: _Addr) -> None:
         """An address was freed: replay the allocations that were recorded too early."""
         work = [a]
         while work:
@@ -478,12 +481,12 @@ class Converter:
 class _Counting:
     """A binary stream wrapper that replays peeked bytes and reports progress."""
 
-    def __init__(self, stream, prefix, progress):
+    def __init__(self, stream: BinaryIO, prefix: bytes, progress: tqdm | None) -> None:
         self.stream = stream
         self.prefix = prefix
         self.progress = progress
 
-    def read(self, n=-1):
+    def read(self, n: int = -1) -> bytes:
         if self.prefix:
             data, self.prefix = self.prefix[:n], self.prefix[n:]
             if len(data) < n:
@@ -495,7 +498,7 @@ class _Counting:
         return data
 
 
-def _progress_bar(total, mode):
+def _progress_bar(total: int | None, mode: str) -> tqdm | None:
     if mode == "never" or (mode == "auto" and not sys.stderr.isatty()):
         return None
     try:
