@@ -40,7 +40,6 @@ lose their per-region counts; the per-process totals are unaffected.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +49,7 @@ from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import structs
 from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
-from pymtrace.target import libc
+from pymtrace.target import libc, proc
 
 if TYPE_CHECKING:
     from pymtrace.target.procevents import ProcEvent, ProcEvents
@@ -72,7 +71,7 @@ def check_pids(pids: Iterable[int | str] | None) -> list[int] | None:
     out = []
     for pid in pids:
         pid = int(pid)
-        if not os.path.exists(f"/proc/{pid}"):
+        if not proc.exists(pid):
             raise ProcessGone(pid)
         out.append(pid)
     return sorted(set(out))
@@ -183,7 +182,7 @@ class Comms:
 
     def get(self, pid: int, refresh: bool = False, bpf: str | None = None) -> str:
         if refresh or pid not in self.names or (self.names[pid] == "?" and bpf):
-            name = libc.comm(pid)
+            name = proc.comm(pid, missing="?")
             if name == "?" and bpf:
                 name = bpf  # exited before we could read /proc: the name BPF recorded
             if name != "?" or pid not in self.names:
@@ -208,7 +207,7 @@ class Evictions:
         for pid, before in self.prev.items():
             now = activity.get(pid)
             if now is None:
-                if os.path.exists(f"/proc/{pid}"):
+                if proc.exists(pid):
                     self.count += 1
             elif now < before:
                 self.count += 1
@@ -323,7 +322,7 @@ class Collector:
         longer exist (events lost in a fork storm, or exits before the watcher started)."""
         with self._lock:
             gone, self._exited = self._exited, set()
-        gone |= {pid for pid in present if not os.path.exists(f"/proc/{pid}")}
+        gone |= {pid for pid in present if not proc.exists(pid)}
         return gone
 
     def snapshot(self) -> dict[str, Any]:

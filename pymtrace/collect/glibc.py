@@ -14,7 +14,6 @@ pymtrace.collect.snapshot's (GlibcProcess, GlibcCollectorInfo).
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from typing import Any, Callable, Iterable, Mapping
 
@@ -22,7 +21,7 @@ from pymtrace.bpf import load as bpfload
 from pymtrace.collect import usdt
 from pymtrace.collect.base import Collector
 from pymtrace.errors import PymtraceError
-from pymtrace.target import libc
+from pymtrace.target import libc, proc
 
 _CONSTS = usdt.header().consts
 PROBE_OPEN = _CONSTS["PROBE_OPEN"]
@@ -356,7 +355,7 @@ class GlibcCollector(Collector):
         if self.bpf is None:
             return
         for k in list(self.bpf["stats"].keys()):
-            if not os.path.exists(f"/proc/{k.value}"):
+            if not proc.exists(k.value):
                 self.forget(k.value)
 
     def snapshot(self, pids: Iterable[int | str] | None = None) -> dict[str, Any]:
@@ -399,7 +398,7 @@ class GlibcCollector(Collector):
     def _pid_snapshot(
         self, pid: int, s: Any, threads: Mapping[int, Any], arenas: Mapping[int, Any], heaps: Mapping[int, int]
     ) -> dict[str, Any]:
-        alive = os.path.exists(f"/proc/{pid}")
+        alive = proc.exists(pid)
         comm = self.comms.get(pid, refresh=alive)  # exited: the name last seen
         path = self.libc_of(pid) if (alive or pid in self.pid_libc) else None
         if path is None and s is not None and s.last_site in self.site_by_id:

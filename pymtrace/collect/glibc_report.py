@@ -16,7 +16,7 @@ from typing import Any, Generic, Iterable, TypeVar
 
 from pymtrace.collect import glibc, usdt
 from pymtrace.errors import PymtraceError
-from pymtrace.target import libc
+from pymtrace.target import libc, proc
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HEAP_MAX_SIZE = 64 * 1024 * 1024  # glibc 64-bit: 2 * DEFAULT_MMAP_THRESHOLD_MAX
@@ -480,7 +480,7 @@ class Tracer:
             "warnings": list(self.collector.warnings),
             "pid": self.pid,
             "command": command,
-            "comm": self.report.comm or g.get("comm") or libc.comm(self.pid),
+            "comm": self.report.comm or g.get("comm") or proc.comm(self.pid, missing="?"),
             "libc": self.libc_path,
             "probes": self.status["probes"],
             "reason": self.status["reason"],

@@ -24,7 +24,7 @@ from pymtrace.collect.base import (
 )
 from pymtrace.collect.snapshot import call_names
 from pymtrace.errors import ProcessGone, PymtraceError
-from pymtrace.target import libc, mallocapi, probesite
+from pymtrace.target import libc, mallocapi, probesite, proc
 
 # function -> (entry program, return program or None), from the one malloc-API table
 # (target/mallocapi.py): an outer call's return is ms_outer_return (its inner malloc/free
@@ -151,7 +151,7 @@ class MallocCollector(Collector):
                         )
                     self.attached.append((path, function, off, kind, pid))
             except Exception as exc:
-                if pid != -1 and not os.path.exists(f"/proc/{pid}"):
+                if pid != -1 and not proc.exists(pid):
                     raise ProcessGone(pid) from None
                 raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
 

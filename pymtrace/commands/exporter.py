@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import os
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from pymtrace import __version__
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.http import INDEX, make_server
 from pymtrace.sinks.prometheus import Aggregator, ExporterCollector
+from pymtrace.target import proc
 
 if TYPE_CHECKING:
     from pymtrace.collect.base import Collectors
@@ -159,7 +159,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_connections < 1 or args.max_connections_per_client < 1:
         raise PymtraceError("--max-connections and --max-connections-per-client must be at least 1")
     for pid in args.pid:
-        if not os.path.exists(f"/proc/{pid}"):
+        if not proc.exists(pid):
             from pymtrace.errors import ProcessGone
 
             raise ProcessGone(pid)

@@ -16,7 +16,7 @@ import time
 from typing import Any, Collection, Optional
 
 from pymtrace.errors import ProcessGone, PymtraceError
-from pymtrace.target import elf
+from pymtrace.target import elf, proc
 
 # read through libc by callers that predate pymtrace.target.elf; defined there
 from pymtrace.target.elf import Symbol, UsdtProbe, file_offset, read_code, symbol, symbols, usdt_probes  # noqa: F401
@@ -161,14 +161,6 @@ def skipped_note(skipped: list[tuple[str, set[int], str]] | None, limit: int = 3
 
 def pids() -> list[int]:
     return sorted(int(d) for d in os.listdir("/proc") if d.isdigit())
-
-
-def comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
 
 
 def malloc_probes(path: str) -> list[UsdtProbe]:
@@ -349,7 +341,7 @@ def untraced_message(pid: int, found: Allocator) -> str:
     """The sentence for a process whose malloc (FOUND: an Allocator) is not the traced glibc."""
     where = f" in {found.path}" if found.path and not found.name.startswith("static") else ""
     return (
-        f"process {pid} ({comm(pid)}) does not allocate with glibc's malloc: its allocator is "
+        f"process {pid} ({proc.comm(pid, missing='?')}) does not allocate with glibc's malloc: its allocator is "
         f"{found.name}{where}, which pymtrace does not trace (only glibc's malloc is), "
         f"so its malloc calls are not seen"
     )
@@ -401,10 +393,10 @@ class AllocatorCache:
         allocator would show), then the others, which are left for the next call."""
         deadline = time.monotonic() + self.budget
         for pid in pids:
-            if pid not in processes and str(pid) not in processes and os.path.exists(f"/proc/{pid}"):
+            if pid not in processes and str(pid) not in processes and proc.exists(pid):
                 found = self.get(pid)
                 if found is not None and not found.traced:
-                    processes[pid] = {"pid": pid, "comm": comm(pid)}
+                    processes[pid] = {"pid": pid, "comm": proc.comm(pid, missing="?")}
 
         def busy(item: tuple[Any, Any]) -> tuple[int, bool]:
             calls = item[1].get("calls") if isinstance(item[1], dict) else None
