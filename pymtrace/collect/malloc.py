@@ -116,12 +116,11 @@ class MallocCollector(Collector):
         self.skipped, and only the processes mapping it go untraced."""
         self.plans = {}
         for path in list(self.libcs):
-            if self.pids is not None:
-                self.plans[path] = probe_plan(path)
-                continue
             try:
                 self.plans[path] = probe_plan(path)
             except Exception as exc:  # whatever a malformed file raises: recorded, shown as a note
+                if self.pids is not None:  # the libc of a process named with -p: an error
+                    raise
                 self.skipped.append((path, self._users[path], str(exc)))
                 del self.libcs[path]
         if not self.libcs:
