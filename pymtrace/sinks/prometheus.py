@@ -309,8 +309,8 @@ def merge_sources(sources: Iterable) -> dict:
     """One merged snapshot of every source (sources are collect.Collectors bundles,
     single collectors, or test fakes: all produce pymtrace.collect.snapshot's schema), by
     snapshot.merge (the rule top uses too), plus the exporter's extras: the glibc
-    collector's ring-buffer and map-full losses as lost causes, and processes only the
-    glibc probes saw."""
+    collector's map-full losses as lost causes (its ring-buffer losses are already there, as
+    "glibc_events"), and processes only the glibc probes saw."""
     parts = []
     for src in sources:
         parts.append(src.snapshot() or {})
@@ -320,7 +320,6 @@ def merge_sources(sources: Iterable) -> dict:
         merged.setdefault(key, {})
     gc = merged.get("glibc_collector") or {}
     if gc:
-        merged["lost"]["glibc_ringbuf"] = gc.get("lost_events", 0)
         for name, n in (gc.get("map_full") or {}).items():
             merged["lost"][f"glibc_{name}_full"] = n
     for pid, g in merged["glibc"].items():  # a process seen only by the glibc probes
