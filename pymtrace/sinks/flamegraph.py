@@ -96,7 +96,6 @@ function draw() {{
   const chart = flamegraph.default()
     .width(Math.max(600, window.innerWidth - 40))
     .cellHeight(18)
-    .minFrameSize(2)
     .label(d => d.data.name + " (" + d.value.toLocaleString() + " " + unit + ")")
     .setDetailsElement(document.getElementById("details"));
   const box = document.getElementById("chart");
