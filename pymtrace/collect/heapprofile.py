@@ -17,7 +17,7 @@ stacks never merge, and no stack is dropped here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -94,7 +94,7 @@ class HeapProfile:
         self.finished = False
         self._stacks: dict[tuple[Location, ...], StackValues] = {}
         # sample id -> (stack, size, ts_ns, weight), kept until finish: whether a sample is
-        # still in use is known only at the end (about 200 bytes of Python objects each)
+        # still in use is known only at the end (about 210 bytes of Python objects each)
         self._pending: dict[int, tuple[StackValues, int, int, float]] = {}
 
     def add(self, sample_id: int, stack: tuple[Location, ...], size: int, ts_ns: int, complete: bool) -> None:
@@ -113,6 +113,12 @@ class HeapProfile:
         self.complete_samples += bool(complete)
         # kept until finish: whether it is still in use is known only at the end
         self._pending[sample_id] = (entry, size, ts_ns, weight)
+
+    def freed(self, sample_ids: Iterable[int]) -> None:
+        """Forget samples known to be freed before the end: optional, it only bounds memory
+        (without it every sample is kept until finish, about 210 bytes each)."""
+        for sample_id in sample_ids:
+            self._pending.pop(sample_id, None)
 
     def finish(
         self,

@@ -494,3 +494,13 @@ def test_finish_end_time_is_the_older_reference():
     profile.finish({1, 2}, END_NS, older_s=30)
     (entry,) = profile.stacks()
     assert entry.values() == (2, 24, 1, 8)
+
+
+def test_freed_samples_are_not_in_use_at_the_end():
+    profile = HeapProfile(1, {})
+    profile.add(1, ONE_STACK, 8, 0, True)
+    profile.add(2, ONE_STACK, 16, 0, True)
+    profile.freed([1, 77])
+    profile.finish({1, 2}, END_NS)  # 1 reported live by mistake: already forgotten
+    (entry,) = profile.stacks()
+    assert entry.values() == (2, 24, 1, 16)
