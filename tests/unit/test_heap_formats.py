@@ -331,6 +331,9 @@ def html_file(tmp_path_factory):
 
 
 def test_html_renders_frames_in_headless_chromium(html_file, tmp_path):
+    # d3-flame-graph writes each frame's name as its element's `name` attribute and its
+    # <title> text at once; the visible label follows after an animation frame, which
+    # --dump-dom does not run (the screenshot below shows the labels drawn)
     dom = chromium(tmp_path, "--dump-dom", html_file.as_uri()).decode()
     scan = DomScan()
     scan.feed(dom)
@@ -504,3 +507,22 @@ def test_freed_samples_are_not_in_use_at_the_end():
     profile.finish({1, 2}, END_NS)  # 1 reported live by mistake: already forgotten
     (entry,) = profile.stacks()
     assert entry.values() == (2, 24, 1, 16)
+
+
+def test_pprof_main_executable_first_without_exe_in_meta():
+    profile = HeapProfile(1, {"command": "x"})  # no "exe": the outermost frame's module (_start)
+    profile.add(1, STACKS["cxx"], 64, 0, True)  # complete, but libc holds its outermost frame
+    for i in range(2, 5):
+        profile.add(i, STACKS["chain"], 100, 0, True)
+    profile.finish(set(), 1)
+    p = parsed_pprof(written(write_pprof, profile))
+    assert p.string_table[p.mapping[0].filename] == EXE.path
+
+
+def test_every_writer_accepts_an_empty_profile():
+    profile = HeapProfile(1 << 19, {"pids": [1]})
+    profile.finish(set(), 1, drops={"ring_full": 0})
+    assert written(write_folded, profile) == b""
+    assert len(parsed_pprof(written(write_pprof, profile)).sample) == 0
+    assert "0 bytes in 0 allocations in use in 0 stacks" in render_text(profile, FakeSymbolizer())
+    assert "<title>pymtrace heap: pid 1</title>" in render_html(profile, FakeSymbolizer())
