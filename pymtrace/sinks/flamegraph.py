@@ -36,24 +36,30 @@ def vendored(name: str) -> str:
     return (resources.files("pymtrace.sinks") / "vendor" / name).read_text(encoding="utf-8")
 
 
-def flame_tree(profile: HeapProfile, symbolizer: FrameSource) -> dict[str, Any]:
-    """The stacks merged into one tree, root "all": each node {"n": name, "v": [the four
-    values, inclusive of its children, in VALUE_TYPES order], "c": [children]}."""
-    root: dict[str, Any] = {"n": "all", "v": [0.0] * len(VALUE_TYPES), "c": {}}
+def flame_tree(profile: HeapProfile, symbolizer: FrameSource) -> tuple[list[str], list[Any]]:
+    """The stacks merged into one tree, root "all", compactly: (names, root), each node a list
+    [index into names, [the four values, inclusive of its children, in VALUE_TYPES order],
+    [children]] (names repeat across the tree: the table keeps the file small)."""
+    names: dict[str, int] = {"all": 0}
+    root: list[Any] = [0, [0.0] * len(VALUE_TYPES), {}]
     for entry in profile.stacks():
         amounts = [entry.value(name) for name in VALUE_TYPES]
         node = root
         for i, amount in enumerate(amounts):
-            node["v"][i] += amount
+            node[1][i] += amount
         for frame in frames_root_first(entry.stack, symbolizer):
-            node = node["c"].setdefault(frame.function, {"n": frame.function, "v": [0.0] * len(VALUE_TYPES), "c": {}})
+            index = names.setdefault(frame.function, len(names))
+            child = node[2].get(index)
+            if child is None:
+                child = node[2][index] = [index, [0.0] * len(VALUE_TYPES), {}]
+            node = child
             for i, amount in enumerate(amounts):
-                node["v"][i] += amount
+                node[1][i] += amount
 
-    def settle(node: dict[str, Any]) -> dict[str, Any]:
-        return {"n": node["n"], "v": [round(x) for x in node["v"]], "c": [settle(c) for c in node["c"].values()]}
+    def settle(node: list[Any]) -> list[Any]:
+        return [node[0], [round(x) for x in node[1]], [settle(c) for c in node[2].values()]]
 
-    return settle(root)
+    return list(names), settle(root)
 
 
 def _script_json(data: object) -> str:
@@ -84,11 +90,12 @@ pre {{ margin: 0 0 8px 0; color: #444; }}
 "use strict";
 const TYPES = {types};
 const UNITS = {units};
-const TREE = {tree};
+const NAMES = {names};
+const TREE = {tree};  // [index into NAMES, [values in TYPES order], [children]]
 function pick(node, i) {{
   const children = [];
-  for (const c of node.c) {{ if (c.v[i] > 0) children.push(pick(c, i)); }}
-  return {{ name: node.n, value: node.v[i], children: children }};
+  for (const c of node[2]) {{ if (c[1][i] > 0) children.push(pick(c, i)); }}
+  return {{ name: NAMES[node[0]], value: node[1][i], children: children }};
 }}
 function draw() {{
   const i = TYPES.indexOf(document.getElementById("value").value);
@@ -116,6 +123,7 @@ def render_html(profile: HeapProfile, symbolizer: FrameSource, value: str = DEFA
     options = "".join(
         f'<option value="{name}"{" selected" if name == value else ""}>{name}</option>' for name in VALUE_TYPES
     )
+    names, tree = flame_tree(profile, symbolizer)
     scripts = {}
     for name in VENDOR_FILES:
         text = vendored(name)
@@ -132,7 +140,8 @@ def render_html(profile: HeapProfile, symbolizer: FrameSource, value: str = DEFA
         flamegraph=scripts["d3-flamegraph.umd.min.js"],
         types=_script_json(list(VALUE_TYPES)),
         units=_script_json([VALUE_UNITS[name] for name in VALUE_TYPES]),
-        tree=_script_json(flame_tree(profile, symbolizer)),
+        names=_script_json(names),
+        tree=_script_json(tree),
     )
 
 
