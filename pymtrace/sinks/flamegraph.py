@@ -2,7 +2,7 @@
 
 d3 7.9.2 (ISC) and d3-flame-graph 5.0.0 (Apache-2.0), vendored in sinks/vendor/ as package
 data, are inlined with the profile, so the file opens offline in any browser. A selector
-switches between the four values. Frame names reach the page only as JSON data rendered with
+switches between the four values (`FILE#alloc_space` opens on one). Frame names reach the page only as JSON data rendered with
 d3's .text() (d3-flame-graph's default; its HTML tooltips are not enabled), so a hostile
 symbol name cannot inject markup; the JSON escapes '<', '>' and '&' so it cannot end the
 script element either.
@@ -109,6 +109,8 @@ function draw() {{
   box.textContent = "";
   d3.select(box).datum(pick(TREE, i)).call(chart);
 }}
+// heap.html#alloc_space opens on that value (a link to one view)
+if (TYPES.includes(location.hash.slice(1))) document.getElementById("value").value = location.hash.slice(1);
 document.getElementById("value").addEventListener("change", draw);
 draw();
 </script>

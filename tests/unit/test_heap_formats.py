@@ -339,11 +339,22 @@ def test_html_renders_frames_in_headless_chromium(html_file, tmp_path):
     scan.feed(dom)
     # every frame in use is drawn, the hostile name among them as plain text
     assert {"all", "_start", "main", "gamma_", "lib_outer", "lib_inner", "malloc", CXX_WORKER, CXX_MAKE} <= scan.frames
-    assert HOSTILE in scan.frames
+    assert HOSTILE in scan.frames and "a" not in scan.frames  # inuse_space first: the chain was freed
     assert "lib_inner (40,000 bytes)" in scan.titles
     assert f"{HOSTILE} (15,000 bytes)" in scan.titles
     assert "img" not in scan.tags  # the name created no element
     assert scan.tags.get("svg", 0) >= 1
+
+
+def test_html_value_selector_shows_allocations_of_freed_blocks(html_file, tmp_path):
+    dom = chromium(tmp_path, "--dump-dom", html_file.as_uri() + "#alloc_space").decode()
+    scan = DomScan()
+    scan.feed(dom)
+    # the chain's blocks were all freed: only alloc_space shows a, b, leaf and the inlined inl_mid
+    assert {"a", "b", "leaf", "inl_mid", "lib_inner"} <= scan.frames
+    assert "a (103,500 bytes)" in scan.titles
+    total = sum(v[1] for v in EXPECTED.values())
+    assert f"all ({total:,} bytes)" in scan.titles
 
 
 def test_html_screenshot_is_not_blank(html_file, tmp_path):
