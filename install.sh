@@ -36,15 +36,17 @@ distro_family() {
 
 # distro_packages FAMILY -> the system packages pymtrace needs there. "a|b": the first of
 # these the distribution has (resolve_packages); Debian 13 renamed some libraries.
+# golang-go/golang and chromium are for the tests only: `go tool pprof` reads `heap`'s pprof
+# profiles and headless Chromium renders its HTML flame graphs (real clients of the formats).
 distro_packages() {
     case $1 in
         debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc make libc6-dev \
 python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
 prometheus libc-devtools \
-tmux shellcheck vagrant binutils procps clang-format" ;;
+tmux shellcheck vagrant binutils procps clang-format golang-go chromium|chromium-browser" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc make glibc-devel \
 jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils tmux ShellCheck \
-binutils procps-ng kernel-devel clang-tools-extra" ;;
+binutils procps-ng kernel-devel clang-tools-extra golang chromium" ;;
         *) return 1 ;;
     esac
 }

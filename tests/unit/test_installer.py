@@ -74,10 +74,14 @@ def test_missing_os_release_rejected(tmp_path):
     [
         (
             "debian",
-            ["bpfcc-tools", "python3-bpfcc", "systemtap-sdt-dev", "libjemalloc2", "prometheus"],
+            ["bpfcc-tools", "python3-bpfcc", "systemtap-sdt-dev", "libjemalloc2", "prometheus", "golang-go"],
             ["python3-bcc"],
         ),
-        ("fedora", ["bcc", "python3-bcc", "kernel-devel", "jemalloc", "systemtap-sdt-devel"], ["python3-bpfcc"]),
+        (
+            "fedora",
+            ["bcc", "python3-bcc", "kernel-devel", "jemalloc", "systemtap-sdt-devel", "golang", "chromium"],
+            ["python3-bpfcc"],
+        ),
     ],
 )
 def test_package_lists(family, must_have, must_not):

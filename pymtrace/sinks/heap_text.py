@@ -1,0 +1,52 @@
+"""`pymtrace heap --format text`: the top stacks as a plain report, like bcc memleak's.
+
+One block per stack, largest first by the chosen value: bytes and allocations, then the
+stack leaf first, one symbolized frame per line with its module (and source line when the
+debug info has it); inlined frames are marked. The run's settings and counters head it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import BinaryIO
+
+from pymtrace.collect.heapprofile import DEFAULT_VALUE, VALUE_TYPES, FrameSource, HeapProfile
+
+_SPACE_OF = {"alloc_objects": "alloc_space", "alloc_space": "alloc_space"}
+_OBJECTS_OF = {"alloc_objects": "alloc_objects", "alloc_space": "alloc_objects"}
+
+
+def render_text(profile: HeapProfile, symbolizer: FrameSource, top: int = 10, value: str = DEFAULT_VALUE) -> str:
+    """The report of PROFILE's TOP stacks by VALUE."""
+    if value not in VALUE_TYPES:
+        raise ValueError(f"unknown value {value!r}; choose one of {', '.join(VALUE_TYPES)}")
+    space = _SPACE_OF.get(value, "inuse_space")
+    objects = _OBJECTS_OF.get(value, "inuse_objects")
+    what = "allocated" if space == "alloc_space" else "in use"
+    entries = [e for e in profile.stacks() if round(e.value(value))]
+    entries.sort(key=lambda e: (-e.value(value), -e.value(space)))
+    lines = [profile.title()]
+    lines += [f"  {line}" for line in profile.summary_lines()]
+    totals = profile.totals()
+    lines.append(
+        f"{round(totals[space])} bytes in {round(totals[objects])} allocations {what} "
+        f"in {len(entries)} stacks; top {min(top, len(entries))} by {value}:"
+    )
+    for entry in entries[:top]:
+        lines.append(f"\t{round(entry.value(space))} bytes in {round(entry.value(objects))} allocations from stack")
+        if not entry.stack:
+            lines.append("\t\t[unknown]")
+        for loc in entry.stack:  # leaf first, like memleak
+            module = os.path.basename(loc[0].path) or "?"
+            for frame in symbolizer.frames(loc):
+                source = f" {frame.file}:{frame.line}" if frame.file and frame.line else ""
+                inlined = " (inlined)" if frame.inlined else ""
+                lines.append(f"\t\t{frame.function} [{module}]{source}{inlined}")
+    return "\n".join(lines) + "\n"
+
+
+def write_text(
+    profile: HeapProfile, symbolizer: FrameSource, out: BinaryIO, top: int = 10, value: str = DEFAULT_VALUE
+) -> None:
+    """Write the report of PROFILE's TOP stacks by VALUE to the binary file OUT."""
+    out.write(render_text(profile, symbolizer, top, value).encode("utf-8", "backslashreplace"))
