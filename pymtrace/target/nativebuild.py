@@ -29,7 +29,11 @@ KINDS = ("exe", "shared")
 
 
 class BuildFailed(PymtraceError):
-    """The compiler rejected a native helper (or none was found)."""
+    """The compiler rejected a native helper (or none was found). `output`: its whole stderr."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(message)
+        self.output = output
 
 
 def cache_dir() -> str:
@@ -74,9 +78,10 @@ def _compile(what: str, compiler: str, directory: str, target: str, command: Seq
         out = os.path.join(work, "out")
         proc = subprocess.run([compiler, *command, "-o", out], capture_output=True, text=True)
         if proc.returncode != 0:
-            errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.strip().splitlines()
+            lines = proc.stderr.strip().splitlines()
+            first = [ln for ln in lines if "error" in ln or "cannot find" in ln] or lines or ["no output"]
             raise BuildFailed(
-                f"building the {what} failed ({os.path.basename(compiler)}): " + (errors or ["no output"])[-1].strip()
+                f"building the {what} failed ({os.path.basename(compiler)}): {first[0].strip()}", proc.stderr
             )
         try:
             os.chmod(out, 0o700)
