@@ -71,7 +71,7 @@ class MapLine(NamedTuple):
 def parse_maps(text: str) -> list[MapLine]:
     """The lines of a /proc/PID/maps text (paths may contain spaces)."""
     lines = []
-    for row in text.splitlines():
+    for row in text.split("\n"):  # not splitlines(): a path may contain \r (the kernel escapes only \n)
         fields = row.split(None, 5)
         if len(fields) < 5:
             continue

@@ -58,6 +58,7 @@ struct pmt_session {
     uint64_t *out_pc;
     int32_t *out_file;
     int n, max;
+    int read_failed; /* a read fell outside the copy: the unwind may have stopped short */
 };
 
 /* Build ID of an open ELF, into file->build_id. */
@@ -204,13 +205,16 @@ static bool get_thread(Dwfl *dwfl, pid_t tid, void *arg, void **thread_arg) {
     return true;
 }
 
-/* Memory reads come from the copied stack only: anything else is unknown, which ends the unwind
- * (libdwfl then reports an error: the stack is incomplete). */
+/* Memory reads come from the copied stack only: anything else is unknown. libdwfl takes a return
+ * address it cannot read for the outermost frame's (undefined) one and ends without an error,
+ * so a failed read is remembered: that unwind is not complete. */
 static bool memory_read(Dwfl *dwfl, Dwarf_Addr addr, Dwarf_Word *result, void *arg) {
     (void)dwfl;
     struct pmt_session *s = arg;
-    if (addr < s->sp || addr - s->sp > s->stack_len || s->stack_len - (addr - s->sp) < sizeof *result)
+    if (addr < s->sp || addr - s->sp > s->stack_len || s->stack_len - (addr - s->sp) < sizeof *result) {
+        s->read_failed = 1;
         return false;
+    }
     memcpy(result, s->stack + (addr - s->sp), sizeof *result);
     return true;
 }
@@ -284,7 +288,8 @@ static int on_frame(Dwfl_Frame *frame, void *arg) {
 /* Unwinds thread TID from REGS (ip sp bp bx r12 r13 r14 r15) over STACK, the LEN bytes copied
  * from sp upward. Writes up to MAX frames leaf first: OUT_FILE the file index (-1: in no
  * captured file, OUT_PC then absolute) and OUT_PC the file-relative pc (ELF virtual address,
- * return addresses minus one). *COMPLETE = 1 when the unwind reached the outermost frame. */
+ * return addresses minus one). *COMPLETE = 1 when the unwind reached the outermost frame
+ * without needing memory outside the copy. */
 int pmt_unwind(struct pmt_session *s, int tid, const uint64_t *regs, const void *stack, size_t len,
                uint64_t *out_pc, int32_t *out_file, int max, int *complete) {
     s->tid = tid;
@@ -296,7 +301,10 @@ int pmt_unwind(struct pmt_session *s, int tid, const uint64_t *regs, const void 
     s->out_file = out_file;
     s->n = 0;
     s->max = max;
-    *complete = max > 0 && dwfl_getthread_frames(s->dwfl, tid, on_frame, s) == 0;
+    s->read_failed = 0;
+    /* 0: the last frame's return address is undefined by its CFI (_start, clone, thread start) */
+    int rc = max > 0 ? dwfl_getthread_frames(s->dwfl, tid, on_frame, s) : -1;
+    *complete = rc == 0 && !s->read_failed;
     s->stack = NULL;
     return s->n;
 }
