@@ -117,6 +117,28 @@ def test_a_chain_through_a_shared_library_symbolizes_after_exit_and_deletion(bui
     assert stack[2][0].path == str(private / "c")
 
 
+def test_a_file_rewritten_in_place_is_not_trusted(built, tmp_path):
+    """Same inode, other contents (a build-ID mismatch with what was captured): the new bytes
+    are not used, so the stack ends there, incomplete, at a pc in no known file."""
+    private = tmp_path / "bin"
+    shutil.copytree(built, private)
+    run = Dumped([private / "c", "lib", tmp_path / "dump"], tmp_path / "dump", lib_env(private))
+    lib = private / "libheap_selfstack_lib.so"
+    other = tmp_path / "other.so"
+    subprocess.run(
+        ["gcc", *FLAGS, "-O1", "-shared", "-fPIC", "-o", other, WORKLOADS / "heap_selfstack_lib.c"], check=True
+    )
+    inode = lib.stat().st_ino
+    with open(lib, "r+b") as f:  # truncate and write: the inode the image holds changes contents
+        f.truncate(0)
+        f.write(other.read_bytes())
+    assert lib.stat().st_ino == inode
+    stack, complete = run.unwind()
+    assert not complete and len(stack) == 1
+    assert stack[0] == (unwind.UNKNOWN, run.regs[0])  # no file to relate it to: the absolute pc
+    assert run.names(stack) == [[f"[unknown]+0x{run.regs[0]:x}"]]
+
+
 def test_cxx_names_are_demangled(built, tmp_path):
     run = Dumped([built / "cxx", tmp_path / "dump"], tmp_path / "dump")
     stack, complete = run.unwind()
