@@ -4,6 +4,8 @@ dump their own registers and stack at a known point of a known call chain
 the unwinder must give back exactly that chain, symbolized, from the files captured while the
 process lived (also after it exited and its binaries were deleted)."""
 
+import ctypes
+import io
 import os
 import pathlib
 import shutil
@@ -53,7 +55,7 @@ class Dumped:
             self.pid = proc.pid
             self.image = unwind.ProcessImage(proc.pid)
             if before_exit:
-                before_exit()
+                before_exit(self)
         finally:
             proc.communicate("\n", timeout=30)
         data = dump.read_bytes()
@@ -87,7 +89,9 @@ def libc_start_frames(names):
 
 
 def test_unwinds_the_exact_chain_without_frame_pointers(built, tmp_path):
-    run = Dumped([built / "c", "exe", tmp_path / "dump"], tmp_path / "dump", env=lib_env(built))
+    run = Dumped(
+        [built / "c", "exe", tmp_path / "dump"], tmp_path / "dump", lib_env(built), lambda run: run.image.refresh()
+    )
     stack, complete = run.unwind()
     names = run.names(stack)
     assert complete
@@ -95,6 +99,8 @@ def test_unwinds_the_exact_chain_without_frame_pointers(built, tmp_path):
     exe = unwind.Module(str(built / "c"), stack[0][0].build_id)
     assert [loc[0] for loc in stack[:4]] == [exe] * 4 and len(exe.build_id) == 40
     assert run.image.unwind(run.pid, run.regs, run.stack, len(run.stack)) == (stack, complete)  # repeatable
+    copy = ctypes.create_string_buffer(run.stack, len(run.stack))  # an address, as the ring buffer gives it
+    assert run.image.unwind(run.pid, run.regs, ctypes.addressof(copy), len(run.stack)) == (stack, complete)
 
 
 def test_a_chain_through_a_shared_library_symbolizes_after_exit_and_deletion(built, tmp_path):
@@ -103,7 +109,7 @@ def test_a_chain_through_a_shared_library_symbolizes_after_exit_and_deletion(bui
     private = tmp_path / "bin"
     shutil.copytree(built, private)
 
-    def delete():
+    def delete(run):
         (private / "c").unlink()
         (private / "libheap_selfstack_lib.so").unlink()
 
@@ -190,6 +196,24 @@ def test_an_unknown_pc_is_named_by_module_and_offset(built, tmp_path):
     module = stack[0][0]
     assert symbolizer.frames((module, 0x7)) == [unwind.Frame("c+0x7")]
     assert unwind.Symbolizer().frames((module, 0x1A2B)) == [unwind.Frame("c+0x1a2b")]  # image not added
+
+
+def test_the_vdso_is_captured_and_symbolized(built, tmp_path):
+    """The vdso has no file: its bytes are read from the process. The kernel gives every
+    process the same image, so this process's copy says where its functions are."""
+    from elftools.elf.elffile import ELFFile
+
+    run = Dumped([built / "c", "exe", tmp_path / "dump"], tmp_path / "dump", env=lib_env(built))
+    vdso = [m for m in run.image.modules if m.path == "[vdso]"]
+    assert len(vdso) == 1 and vdso[0].build_id
+    mine = next(m for m in unwind.parse_maps(pathlib.Path("/proc/self/maps").read_text()) if m.path == "[vdso]")
+    with open("/proc/self/mem", "rb", buffering=0) as mem:
+        mem.seek(mine.start)
+        elf = ELFFile(io.BytesIO(mem.read(mine.end - mine.start)))
+    symbol = next(s for s in elf.get_section_by_name(".dynsym").iter_symbols() if s.name == "__vdso_clock_gettime")
+    symbolizer = unwind.Symbolizer()
+    symbolizer.add(run.image)
+    assert symbolizer.frames((vdso[0], symbol["st_value"] + 4))[0].function == "__vdso_clock_gettime"
 
 
 def test_a_gone_process_is_a_clear_error(built, tmp_path):
