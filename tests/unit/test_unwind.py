@@ -37,7 +37,17 @@ def built(tmp_path_factory):
         subprocess.run(list(args), check=True, capture_output=True)
 
     cc("gcc", *FLAGS, "-shared", "-fPIC", "-o", lib, WORKLOADS / "heap_selfstack_lib.c")
-    cc("gcc", *FLAGS, "-DWITH_LIB", "-o", out / "c", WORKLOADS / "heap_selfstack.c", f"-L{out}", "-lheap_selfstack_lib")
+    cc(
+        "gcc",
+        *FLAGS,
+        "-pthread",
+        "-DWITH_LIB",
+        "-o",
+        out / "c",
+        WORKLOADS / "heap_selfstack.c",
+        f"-L{out}",
+        "-lheap_selfstack_lib",
+    )
     cc("gcc", *FLAGS, "-g", "-o", out / "c_g", WORKLOADS / "heap_selfstack.c")
     cc("g++", *FLAGS, "-o", out / "cxx", WORKLOADS / "heap_selfstack_cxx.cpp")
     return out
@@ -51,7 +61,11 @@ class Dumped:
             [str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
         )
         try:
-            assert proc.stdout.readline().startswith("ready")
+            line = proc.stdout.readline()
+            self.tid = int(line.split()[1]) if line.startswith("tid ") else proc.pid
+            if line.startswith("tid "):
+                line = proc.stdout.readline()
+            assert line.startswith("ready")
             self.pid = proc.pid
             self.image = unwind.ProcessImage(proc.pid)
             if before_exit:
@@ -65,7 +79,7 @@ class Dumped:
         assert len(self.stack) == length > 0
 
     def unwind(self, length=None):
-        return self.image.unwind(self.pid, self.regs, self.stack, len(self.stack) if length is None else length)
+        return self.image.unwind(self.tid, self.regs, self.stack, len(self.stack) if length is None else length)
 
     def names(self, stack, symbolizer=None):
         if symbolizer is None:
@@ -143,6 +157,20 @@ def test_a_file_rewritten_in_place_is_not_trusted(built, tmp_path):
     assert not complete and len(stack) == 1
     assert stack[0] == (unwind.UNKNOWN, run.regs[0])  # no file to relate it to: the absolute pc
     assert run.names(stack) == [[f"[unknown]+0x{run.regs[0]:x}"]]
+
+
+def test_a_thread_stack_unwinds_to_the_thread_start(built, tmp_path):
+    """A thread's outermost frames are libc's start_thread and clone3 (names need libc's
+    symbol table: libc6-dbg), the stack still complete."""
+    run = Dumped([built / "c", "thread", tmp_path / "dump"], tmp_path / "dump", env=lib_env(built))
+    assert run.tid != run.pid
+    stack, complete = run.unwind()
+    names = [n[-1] for n in run.names(stack)]
+    assert complete
+    assert names[:4] == ["leaf", "b", "a", "thread_main"]
+    assert len(names) == 6 and {loc[0].path for loc in stack[4:]} == {stack[4][0].path}  # both in libc
+    if "start_thread" in names:
+        assert names[4:] == ["start_thread", "__clone3"]
 
 
 def test_cxx_names_are_demangled(built, tmp_path):

@@ -5,10 +5,15 @@
  *   MODE exe:    main -> a -> b -> leaf                    (captures in leaf)
  *   MODE lib:    main -> a -> lib_b -> lib_leaf            (libheap_selfstack_lib.so)
  *   MODE inline: main -> a -> b_inl -> inl_leaf (inlined)  (captures in inl_leaf)
+ *   MODE thread: thread_main -> a -> b -> leaf, in a second thread (its tid printed)
  *
  * Prints "ready" once DUMPFILE is written, then waits for a line on stdin and exits. Every
  * function is noipa (no inlining, no clones) and uses its callee's result (no tail calls). */
 #include "heap_selfstack.h"
+
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #ifdef WITH_LIB
 int lib_b(const char *path, int n);
@@ -47,12 +52,32 @@ __attribute__((noipa)) int a(const char *mode, const char *path, int n) {
     return r + 1;
 }
 
+static const char *thread_dump;
+static long thread_tid;
+
+__attribute__((noipa)) static void *thread_main(void *arg) {
+    thread_tid = syscall(SYS_gettid);
+    int r = a("exe", thread_dump, (int)(long)arg);
+    return (void *)(long)(r + 1);
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) {
-        fprintf(stderr, "usage: heap_selfstack exe|lib|inline DUMPFILE\n");
+        fprintf(stderr, "usage: heap_selfstack exe|lib|inline|thread DUMPFILE\n");
         return 2;
     }
-    int r = a(argv[1], argv[2], argc);
+    int r;
+    if (strcmp(argv[1], "thread") == 0) {
+        pthread_t thread;
+        void *result;
+        thread_dump = argv[2];
+        if (pthread_create(&thread, NULL, thread_main, (void *)3L) != 0 || pthread_join(thread, &result) != 0)
+            abort();
+        r = (int)(long)result;
+        printf("tid %ld\n", thread_tid);
+    } else {
+        r = a(argv[1], argv[2], argc);
+    }
     printf("ready %d\n", r);
     fflush(stdout);
     char line[16];
