@@ -114,7 +114,7 @@ static int find_elf(Dwfl_Module *mod, void **userdata, const char *name, Dwarf_A
     const void *id = NULL;
     ssize_t len = dwelf_elf_gnu_build_id(elf, &id);
     if (len < 0) len = 0;
-    if (len != file->build_id_len || memcmp(id, file->build_id, (size_t)len) != 0) {
+    if (len != file->build_id_len || (len > 0 && memcmp(id, file->build_id, (size_t)len) != 0)) {
         elf_end(elf);
         if (fd >= 0) close(fd);
         return -1;
@@ -241,11 +241,13 @@ static const Dwfl_Thread_Callbacks thread_callbacks = {
  * Returns 0, or -1 (pmt_errmsg says why). */
 int pmt_report(struct pmt_session *s, int pid, const char *maps, size_t len, uint64_t vdso_start,
                uint64_t vdso_end) {
-    FILE *f = fmemopen((void *)maps, len, "r");
-    if (!f) return -1;
+    int rc = 0;
     dwfl_report_begin(s->dwfl);
-    int rc = len ? dwfl_linux_proc_maps_report(s->dwfl, f) : 0;
-    fclose(f);
+    if (len) { /* fmemopen of 0 bytes fails (EINVAL) on older glibc */
+        FILE *f = fmemopen((void *)maps, len, "r");
+        rc = f ? dwfl_linux_proc_maps_report(s->dwfl, f) : -1;
+        if (f) fclose(f);
+    }
     if (rc == 0 && vdso_end > vdso_start && find_file(s, "[vdso]"))
         if (!dwfl_report_module(s->dwfl, "[vdso]", vdso_start, vdso_end)) rc = -1;
     dwfl_report_end(s->dwfl, NULL, NULL);
