@@ -143,7 +143,7 @@ def native_library() -> ctypes.CDLL:
         if _LIB is None:
             try:
                 path = nativebuild.build_cached(
-                    "unwind", [NATIVE_SRC], CFLAGS, LIBS, kind="shared", what="stack unwinder"
+                    "unwind", [NATIVE_SRC], CFLAGS, LIBS, kind="shared", what="stack unwinder", cache_label="unwinder"
                 )
             except nativebuild.BuildFailed as exc:
                 if any(word in exc.output for word in ("elfutils/", "libdw", "-ldw", "-lelf", "libelf")):
