@@ -42,10 +42,10 @@ distro_packages() {
     case $1 in
         debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc make libc6-dev \
 python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
-prometheus libc-devtools \
+prometheus libc-devtools libdw-dev \
 tmux shellcheck vagrant binutils procps clang-format golang-go chromium|chromium-browser" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc make glibc-devel \
-jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils tmux ShellCheck \
+jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils elfutils-devel tmux ShellCheck \
 binutils procps-ng kernel-devel clang-tools-extra golang chromium" ;;
         *) return 1 ;;
     esac

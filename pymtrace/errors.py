@@ -18,6 +18,10 @@ class ProcessGone(PymtraceError):
         self.pid = pid
 
 
+class MissingLibrary(PymtraceError):
+    """A system library pymtrace needs is not installed (the message names the package)."""
+
+
 class CorruptFile(PymtraceError):
     """A trace or workload file that cannot be decoded."""
 

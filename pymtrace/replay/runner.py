@@ -10,22 +10,17 @@ pymtrace/replay/native/wl.h. The table and the plot are pymtrace/replay/report.p
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
 import signal
-import stat
 import statistics
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterable
 
 from pymtrace.bpf import structs
 from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.target import nativebuild
 
 NATIVE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "replay.c")
 NATIVE_HEADER = os.path.join(os.path.dirname(NATIVE_SRC), "wl.h")  # the contract, read by both sides
@@ -51,102 +46,16 @@ EXIT_MEANING = {
 
 
 # -- building the simulator ----------------------------------------------------------------
-def _cache_dir() -> str:
-    base = os.environ.get("PYMTRACE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pymtrace"
-    )
-    return os.path.join(base, "native")
-
-
-def _untrusted(path: str, kind: str) -> str | None:
-    """Why PATH (kind "file" or "dir") or a directory above it could be changed by someone
-    other than this user or root, or None. A sticky directory (like /tmp) may be writable
-    by others: they cannot rename or remove what they do not own in it."""
-    uid = os.geteuid()
-    while True:
-        try:
-            st = os.lstat(path)
-        except OSError as exc:
-            return f"cannot check {path}: {exc.strerror}"
-        want = stat.S_ISREG if kind == "file" else stat.S_ISDIR
-        if not want(st.st_mode):
-            return f"{path} is not a {'regular file' if kind == 'file' else 'directory'}"
-        if st.st_uid not in (uid, 0):
-            return f"{path} is owned by uid {st.st_uid}"
-        if st.st_mode & 0o022 and (kind == "file" or not st.st_mode & stat.S_ISVTX):
-            return f"{path} is writable by others"
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        path, kind = parent, "dir"
-
-
-def _build(compiler: str, directory: str, exe: str) -> None:
-    """Compile the simulator into a private directory inside DIRECTORY, then rename it to EXE
-    (atomic: concurrent builders just race to the same result)."""
-    try:
-        work = tempfile.mkdtemp(prefix=".build-", dir=directory)
-    except OSError as exc:
-        raise PymtraceError(f"cannot build the replay simulator in {directory}: {exc.strerror}") from None
-    try:
-        out = os.path.join(work, "replay")
-        proc = subprocess.run([compiler, *CFLAGS, "-o", out, NATIVE_SRC], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise PymtraceError(
-                f"building the replay simulator failed ({os.path.basename(compiler)}): "
-                + (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            )
-        try:
-            os.chmod(out, 0o700)
-            os.replace(out, exe)
-        except OSError as exc:
-            raise PymtraceError(f"cannot install the replay simulator as {exe}: {exc.strerror}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
 def simulator_path() -> str:
     """Path of the compiled simulator, building it if this source has not been built yet.
 
-    The cache is used only if it and every directory above it belong to this user (or root)
-    and nobody else can write them; otherwise the simulator is built into a private
-    temporary directory, removed at exit, and nothing in the cache is executed."""
-    src = b""
-    for path in (NATIVE_SRC, NATIVE_HEADER):  # a change to either is a new build
-        with open(path, "rb") as f:
-            src += f.read()
-    cc = os.environ.get("CC", "gcc")
-    key = hashlib.sha256(src + b"\0" + cc.encode() + b"\0" + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    name = f"pymtrace-replay-{key}"
-    cache = os.path.abspath(_cache_dir())
-    existing = cache
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    why = _untrusted(os.path.realpath(existing), "dir")  # checked before creating anything in it
-    if why is None:
-        try:
-            os.makedirs(cache, mode=0o700, exist_ok=True)
-            cache = os.path.realpath(cache)
-            why = _untrusted(cache, "dir")
-        except OSError as exc:
-            why = f"cannot create {cache}: {exc.strerror}"
-    if why is None:
-        exe = os.path.join(cache, name)
-        if _untrusted(exe, "file") is None:
-            return exe
-    compiler = shutil.which(cc)
-    if compiler is None:
-        raise PymtraceError(
-            f"building the replay simulator needs a C compiler, and `{cc}` was not found "
-            f"(Debian/Ubuntu: apt install gcc; or set CC)"
-        )
-    if why is not None:
-        print(f"pymtrace: note: not using the simulator cache ({why}); building it privately", file=sys.stderr)
-        cache = tempfile.mkdtemp(prefix="pymtrace-sim-")
-        atexit.register(shutil.rmtree, cache, True)
-        exe = os.path.join(cache, name)
-    _build(compiler, cache, exe)
-    return exe
+    The cache (target/nativebuild.py) is used only if it and every directory above it belong
+    to this user (or root) and nobody else can write them; otherwise the simulator is built
+    into a private temporary directory, removed at exit, and nothing in the cache is executed.
+    wl.h is part of the key: a change to either file is a new build."""
+    return nativebuild.build_cached(
+        "replay", [NATIVE_SRC, NATIVE_HEADER], CFLAGS, what="replay simulator", cache_label="simulator"
+    )
 
 
 # -- configurations -------------------------------------------------------------------------

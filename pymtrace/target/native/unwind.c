@@ -1,0 +1,458 @@
+/* pymtrace's unwinder and symbolizer (pymtrace/target/unwind.py loads it with ctypes).
+ *
+ * One session per traced process: a libdwfl session built from the process's captured
+ * /proc/PID/maps, whose module files are the file descriptors captured while the process lived
+ * (opened through /proc/PID/map_files: the exact inode mapped, even deleted or replaced), so a
+ * session unwinds and symbolizes after the process is gone. Unwinding runs libdwfl's CFI
+ * unwinder (dwfl_attach_state + dwfl_getthread_frames) over registers and a copy of the stack
+ * taken at the probe: no Python callback per frame or per memory read.
+ *
+ * Everything mutable lives in the session: sessions are independent, and one session is used
+ * by one thread at a time (the Python side holds a lock).
+ *
+ * Build: gcc -O2 -shared -fPIC unwind.c -ldw -lelf -ldl (nativebuild.py does it). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <dwarf.h>
+#include <elfutils/libdw.h>
+#include <elfutils/libdwelf.h>
+#include <elfutils/libdwfl.h>
+#include <fcntl.h>
+#include <libelf.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_BUILD_ID 64
+
+/* One ELF file the process mapped: its name as /proc/PID/maps shows it, and either a captured
+ * descriptor or (the vdso) a copy of its bytes. */
+struct pmt_file {
+    struct pmt_session *session;
+    char *name;
+    int fd;      /* -1 for an in-memory image */
+    void *image; /* the vdso's bytes, owned */
+    size_t image_len;
+    unsigned char build_id[MAX_BUILD_ID];
+    int build_id_len; /* 0: the file has none; -1: the file is not a readable ELF */
+    int index;        /* this file's number in the session (what pmt_unwind reports) */
+    Dwarf_Addr bias;  /* load bias, valid once has_bias */
+    int has_bias;
+    Dwfl_Module *module; /* the module reported for it, NULL if none (set by pmt_report) */
+};
+
+struct pmt_session {
+    Dwfl *dwfl;
+    Dwfl_Callbacks callbacks;
+    struct pmt_file **files; /* pointers: stable while the array grows */
+    int nfiles, capacity;
+    /* the unwind in progress */
+    pid_t tid;
+    const uint8_t *stack;
+    size_t stack_len;
+    Dwarf_Word sp;
+    const uint64_t *regs;
+    uint64_t *out_pc;
+    int32_t *out_file;
+    int n, max;
+    int read_failed; /* a read fell outside the copy: the unwind may have stopped short */
+};
+
+/* Build ID of an open ELF, into file->build_id. */
+static void read_build_id(struct pmt_file *file, Elf *elf) {
+    const void *id = NULL;
+    ssize_t len = dwelf_elf_gnu_build_id(elf, &id);
+    if (len > 0 && len <= MAX_BUILD_ID) {
+        memcpy(file->build_id, id, (size_t)len);
+        file->build_id_len = (int)len;
+    } else {
+        file->build_id_len = 0;
+    }
+}
+
+/* Read-only ELF handle of FILE, or NULL. Never ELF_C_READ_MMAP_PRIVATE (libdwfl's default): the
+ * kernel applies other tools' uprobe reference counters to writable private mappings of a probed
+ * file, which corrupts the bytes we would read (docs/heap.md, "How stacks are unwound"). */
+static Elf *open_elf(struct pmt_file *file, int *fd_out) {
+    *fd_out = -1;
+    if (file->fd < 0) {
+        if (!file->image) return NULL;
+        return elf_memory(file->image, file->image_len);
+    }
+    int fd = fcntl(file->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return NULL;
+    Elf *elf = elf_begin(fd, ELF_C_READ_MMAP, NULL);
+    if (!elf || elf_kind(elf) != ELF_K_ELF) {
+        if (elf) elf_end(elf);
+        close(fd);
+        return NULL;
+    }
+    *fd_out = fd;
+    return elf;
+}
+
+static struct pmt_file *find_file(struct pmt_session *s, const char *name) {
+    for (int i = 0; i < s->nfiles; i++)
+        if (strcmp(s->files[i]->name, name) == 0) return s->files[i];
+    return NULL;
+}
+
+/* libdwfl's find_elf: only the files captured at pmt_add_file, and only while their build ID is
+ * the one captured (a file rewritten in place keeps its inode but not its contents). */
+static int find_elf(Dwfl_Module *mod, void **userdata, const char *name, Dwarf_Addr base, char **file_name,
+                    Elf **elfp) {
+    (void)mod;
+    (void)base;
+    struct pmt_file *file = *userdata;
+    if (!file || file->build_id_len < 0) return -1;
+    int fd;
+    Elf *elf = open_elf(file, &fd);
+    if (!elf) return -1;
+    const void *id = NULL;
+    ssize_t len = dwelf_elf_gnu_build_id(elf, &id);
+    if (len < 0) len = 0;
+    if (len != file->build_id_len || (len > 0 && memcmp(id, file->build_id, (size_t)len) != 0)) {
+        elf_end(elf);
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    *file_name = strdup(name);
+    *elfp = elf;
+    return fd;
+}
+
+/* Attach each reported module to its captured file (module userdata), so find_elf knows it. */
+static int attach_file(Dwfl_Module *mod, void **userdata, const char *name, Dwarf_Addr start, void *arg) {
+    (void)start;
+    if (!*userdata) *userdata = find_file(arg, name);
+    if (*userdata) ((struct pmt_file *)*userdata)->module = mod;
+    return DWARF_CB_OK;
+}
+
+struct pmt_session *pmt_open(void) {
+    struct pmt_session *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    elf_version(EV_CURRENT);
+    s->callbacks.find_elf = find_elf;
+    s->callbacks.find_debuginfo = dwfl_standard_find_debuginfo;
+    s->dwfl = dwfl_begin(&s->callbacks);
+    if (!s->dwfl) {
+        free(s);
+        return NULL;
+    }
+    return s;
+}
+
+/* Adds a file the process maps: FD (owned by the session from now on) or, when FD < 0, IMAGE
+ * (copied; the vdso). Returns the file's index, or -1 without memory. Its build ID is read now. */
+int pmt_add_file(struct pmt_session *s, const char *name, int fd, const void *image, size_t image_len) {
+    if (s->nfiles == s->capacity) {
+        int capacity = s->capacity ? 2 * s->capacity : 32;
+        struct pmt_file **files = realloc(s->files, (size_t)capacity * sizeof *files);
+        if (!files) return -1;
+        s->files = files;
+        s->capacity = capacity;
+    }
+    struct pmt_file *file = calloc(1, sizeof *file);
+    if (!file) return -1;
+    file->session = s;
+    file->name = strdup(name);
+    file->fd = fd;
+    if (fd < 0 && image && image_len) {
+        file->image = malloc(image_len);
+        if (file->image) {
+            memcpy(file->image, image, image_len);
+            file->image_len = image_len;
+        }
+    }
+    int elf_fd;
+    Elf *elf = open_elf(file, &elf_fd);
+    if (elf) {
+        read_build_id(file, elf);
+        elf_end(elf);
+        if (elf_fd >= 0) close(elf_fd);
+    } else {
+        file->build_id_len = -1;
+    }
+    file->index = s->nfiles;
+    s->files[s->nfiles++] = file;
+    return file->index;
+}
+
+/* The build ID read at pmt_add_file into OUT (MAX_BUILD_ID bytes): its length, 0 if none, -1
+ * if the file was not a readable ELF. */
+int pmt_file_build_id(struct pmt_session *s, int index, unsigned char *out) {
+    if (index < 0 || index >= s->nfiles) return -1;
+    struct pmt_file *file = s->files[index];
+    if (file->build_id_len > 0) memcpy(out, file->build_id, (size_t)file->build_id_len);
+    return file->build_id_len;
+}
+
+static pid_t next_thread(Dwfl *dwfl, void *arg, void **thread_arg) {
+    (void)dwfl;
+    if (*thread_arg) return 0;
+    *thread_arg = arg;
+    return ((struct pmt_session *)arg)->tid;
+}
+
+static bool get_thread(Dwfl *dwfl, pid_t tid, void *arg, void **thread_arg) {
+    (void)dwfl;
+    (void)tid;
+    *thread_arg = arg;
+    return true;
+}
+
+/* Memory reads come from the copied stack only: anything else is unknown. libdwfl takes a return
+ * address it cannot read for the outermost frame's (undefined) one and ends without an error,
+ * so a failed read is remembered: that unwind is not complete. */
+static bool memory_read(Dwfl *dwfl, Dwarf_Addr addr, Dwarf_Word *result, void *arg) {
+    (void)dwfl;
+    struct pmt_session *s = arg;
+    if (addr < s->sp || addr - s->sp > s->stack_len || s->stack_len - (addr - s->sp) < sizeof *result) {
+        s->read_failed = 1;
+        return false;
+    }
+    memcpy(result, s->stack + (addr - s->sp), sizeof *result);
+    return true;
+}
+
+/* regs: ip sp bp bx r12 r13 r14 r15; DWARF x86-64 numbers: bx 3, bp 6, sp 7, r12-r15 12-15.
+ * Only these are set: the others are unknown at the probe, not zero. */
+static bool set_initial_registers(Dwfl_Thread *thread, void *arg) {
+    struct pmt_session *s = arg;
+    const uint64_t *r = s->regs;
+    Dwarf_Word bx = r[3], bp_sp[2] = {r[2], r[1]}, r12_15[4] = {r[4], r[5], r[6], r[7]};
+    dwfl_thread_state_register_pc(thread, r[0]);
+    return dwfl_thread_state_registers(thread, 3, 1, &bx) &&
+           dwfl_thread_state_registers(thread, 6, 2, bp_sp) &&
+           dwfl_thread_state_registers(thread, 12, 4, r12_15);
+}
+
+static const Dwfl_Thread_Callbacks thread_callbacks = {
+    next_thread, get_thread, memory_read, set_initial_registers, NULL, NULL,
+};
+
+/* Reports the modules of MAPS (the /proc/PID/maps lines of ELF files, as text) and attaches
+ * the unwinder at the first call. Call again with the whole new maps after a dlopen. A vdso
+ * added with pmt_add_file is reported at [VDSO_START, VDSO_END) when VDSO_END > VDSO_START.
+ * Returns 0, or -1 (pmt_errmsg says why). */
+int pmt_report(struct pmt_session *s, int pid, const char *maps, size_t len, uint64_t vdso_start,
+               uint64_t vdso_end) {
+    int rc = 0;
+    dwfl_report_begin(s->dwfl);
+    if (len) { /* fmemopen of 0 bytes fails (EINVAL) on older glibc */
+        FILE *f = fmemopen((void *)maps, len, "r");
+        rc = f ? dwfl_linux_proc_maps_report(s->dwfl, f) : -1;
+        if (f) fclose(f);
+    }
+    if (rc == 0 && vdso_end > vdso_start && find_file(s, "[vdso]"))
+        if (!dwfl_report_module(s->dwfl, "[vdso]", vdso_start, vdso_end)) rc = -1;
+    dwfl_report_end(s->dwfl, NULL, NULL);
+    if (rc != 0) return -1;
+    for (int i = 0; i < s->nfiles; i++) s->files[i]->module = NULL; /* unmapped ones stay NULL */
+    dwfl_getmodules(s->dwfl, attach_file, s, 0);
+    if (dwfl_pid(s->dwfl) <= 0 && !dwfl_attach_state(s->dwfl, NULL, pid, &thread_callbacks, s)) return -1;
+    return 0;
+}
+
+/* Load bias of MOD's file, cached in the file. */
+static struct pmt_file *module_file(Dwfl_Module *mod, Dwarf_Addr *bias) {
+    void **userdata = NULL;
+    dwfl_module_info(mod, &userdata, NULL, NULL, NULL, NULL, NULL, NULL);
+    struct pmt_file *file = userdata ? *userdata : NULL;
+    if (!file) return NULL;
+    if (!file->has_bias) {
+        if (!dwfl_module_getelf(mod, &file->bias)) return NULL;
+        file->has_bias = 1;
+    }
+    *bias = file->bias;
+    return file;
+}
+
+static int on_frame(Dwfl_Frame *frame, void *arg) {
+    struct pmt_session *s = arg;
+    Dwarf_Addr pc;
+    bool activation;
+    if (!dwfl_frame_pc(frame, &pc, &activation)) return -1;
+    if (!activation) pc -= 1; /* a return address: the call is the instruction before it */
+    Dwfl_Module *mod = dwfl_addrmodule(s->dwfl, pc);
+    Dwarf_Addr bias = 0;
+    struct pmt_file *file = mod ? module_file(mod, &bias) : NULL;
+    s->out_pc[s->n] = file ? pc - bias : pc;
+    s->out_file[s->n] = file ? file->index : -1;
+    s->n++;
+    return s->n < s->max ? DWARF_CB_OK : DWARF_CB_ABORT;
+}
+
+/* Unwinds thread TID from REGS (ip sp bp bx r12 r13 r14 r15) over STACK, the LEN bytes copied
+ * from sp upward. Writes up to MAX frames leaf first: OUT_FILE the file index (-1: in no
+ * captured file, OUT_PC then absolute) and OUT_PC the file-relative pc (ELF virtual address,
+ * return addresses minus one). *COMPLETE = 1 when the unwind reached the outermost frame
+ * without needing memory outside the copy. */
+int pmt_unwind(struct pmt_session *s, int tid, const uint64_t *regs, const void *stack, size_t len,
+               uint64_t *out_pc, int32_t *out_file, int max, int *complete) {
+    s->tid = tid;
+    s->regs = regs;
+    s->stack = stack;
+    s->stack_len = len;
+    s->sp = regs[1];
+    s->out_pc = out_pc;
+    s->out_file = out_file;
+    s->n = 0;
+    s->max = max;
+    s->read_failed = 0;
+    /* 0: the last frame's return address is undefined by its CFI (_start, clone, thread start) */
+    int rc = max > 0 ? dwfl_getthread_frames(s->dwfl, tid, on_frame, s) : -1;
+    *complete = rc == 0 && !s->read_failed;
+    s->stack = NULL;
+    return s->n;
+}
+
+const char *pmt_errmsg(void) {
+    return dwfl_errmsg(-1);
+}
+
+/* -- symbolization -------------------------------------------------------------------------- */
+
+typedef char *(*demangle_fn)(const char *, char *, size_t *, int *);
+static demangle_fn cxa_demangle; /* set once (pthread_once), read-only afterwards */
+static pthread_once_t demangle_once = PTHREAD_ONCE_INIT;
+
+/* libstdc++'s demangler, found at run time: a C++ program has it loaded; otherwise the runtime
+ * library (libstdc++6, present wherever BCC is) is loaded for it. Linking -lstdc++ would need
+ * its development package. */
+static void find_demangler(void) {
+    void *f = dlsym(RTLD_DEFAULT, "__cxa_demangle");
+    if (!f) {
+        void *lib = dlopen("libstdc++.so.6", RTLD_LAZY | RTLD_LOCAL);
+        if (lib) f = dlsym(lib, "__cxa_demangle");
+    }
+    cxa_demangle = (demangle_fn)f;
+}
+
+/* NAME as shown: without a symbol version ("@GLIBC_2.2.5", "@@GLIBCXX_3.4"), demangled.
+ * Returns a malloc'd string. */
+static char *display_name(const char *name) {
+    size_t len = strcspn(name, "@");
+    char *plain = strndup(name, len);
+    if (!plain || strncmp(plain, "_Z", 2) != 0) return plain;
+    pthread_once(&demangle_once, find_demangler);
+    if (!cxa_demangle) return plain;
+    int status = -1;
+    char *demangled = cxa_demangle(plain, NULL, NULL, &status);
+    if (status != 0 || !demangled) {
+        free(demangled);
+        return plain;
+    }
+    free(plain);
+    return demangled;
+}
+
+/* Appends FIELD and its NUL to OUT (capacity CAP, used *USED); 0, or -1 when it does not fit. */
+static int put(char *out, size_t cap, size_t *used, const char *field) {
+    size_t len = strlen(field) + 1;
+    if (cap - *used < len) return -1;
+    memcpy(out + *used, field, len);
+    *used += len;
+    return 0;
+}
+
+static int put_frame(char *out, size_t cap, size_t *used, const char *raw_name, const char *file, int line) {
+    char *name = display_name(raw_name ? raw_name : "");
+    char number[16];
+    snprintf(number, sizeof number, "%d", line);
+    int rc = name ? put(out, cap, used, name) : -1;
+    free(name);
+    if (rc == 0) rc = put(out, cap, used, file ? file : "");
+    if (rc == 0) rc = put(out, cap, used, number);
+    return rc;
+}
+
+/* The innermost function-like DIE among SCOPES (an inlined instance or a function). */
+static int function_scope(Dwarf_Die *scopes, int n, int from, Dwarf_Die *out) {
+    for (int i = from; i < n; i++) {
+        int tag = dwarf_tag(&scopes[i]);
+        if (tag == DW_TAG_inlined_subroutine || tag == DW_TAG_subprogram) {
+            *out = scopes[i];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Frames of file INDEX's relative pc REL_PC, innermost first (inlined callees, then the
+ * function), as NUL-terminated fields name, file, line (decimal) per frame into OUT (CAP
+ * bytes). Names of inlined callees come from DWARF, the function's own name from the symbol
+ * table when there is one (DWARF names differ: __GI___libc_malloc); "" when unknown.
+ * Inlined frames need DWARF (debug info); without it one frame. Returns the number of frames,
+ * or -1 when OUT is too small. */
+int pmt_symbolize(struct pmt_session *s, int index, uint64_t rel_pc, char *out, size_t cap) {
+    if (index < 0 || index >= s->nfiles || !s->files[index]->module) return 0;
+    Dwfl_Module *mod = s->files[index]->module;
+    Dwarf_Addr bias;
+    if (!module_file(mod, &bias)) return 0;
+    Dwarf_Addr pc = rel_pc + bias;
+    GElf_Sym sym;
+    GElf_Off offset;
+    const char *symbol = dwfl_module_addrinfo(mod, pc, &offset, &sym, NULL, NULL, NULL);
+    const char *file = NULL;
+    int line = 0;
+    Dwfl_Line *src = dwfl_module_getsrc(mod, pc);
+    if (src) file = dwfl_lineinfo(src, NULL, &line, NULL, NULL, NULL);
+
+    size_t used = 0;
+    int n = 0;
+    Dwarf_Addr cu_bias;
+    Dwarf_Die *cu = dwfl_module_addrdie(mod, pc, &cu_bias);
+    Dwarf_Die *scopes = NULL;
+    int nscopes = cu ? dwarf_getscopes(cu, pc - cu_bias, &scopes) : 0;
+    Dwarf_Die die;
+    int found = nscopes > 0 && function_scope(scopes, nscopes, 0, &die);
+    Dwarf_Files *srcfiles = NULL;
+    size_t nsrcfiles = 0;
+    if (found) dwarf_getsrcfiles(cu, &srcfiles, &nsrcfiles);
+    /* each inlined instance: its name at the current position, then the position moves to its
+     * call site (DW_AT_call_file/line) in the caller; climb the concrete DIE tree
+     * (dwarf_getscopes_die): past an inlined instance dwarf_getscopes follows the abstract one */
+    while (found && dwarf_tag(&die) == DW_TAG_inlined_subroutine && n < 64) {
+        Dwarf_Attribute attr;
+        const char *name = NULL;
+        if (dwarf_attr_integrate(&die, DW_AT_linkage_name, &attr)) name = dwarf_formstring(&attr);
+        if (!name) name = dwarf_diename(&die);
+        if (put_frame(out, cap, &used, name, file, line) != 0) {
+            free(scopes);
+            return -1;
+        }
+        n++;
+        Dwarf_Word file_index = 0, call_line = 0;
+        if (dwarf_formudata(dwarf_attr(&die, DW_AT_call_file, &attr), &file_index) == 0 && srcfiles)
+            file = dwarf_filesrc(srcfiles, file_index, NULL, NULL);
+        if (dwarf_formudata(dwarf_attr(&die, DW_AT_call_line, &attr), &call_line) == 0) line = (int)call_line;
+        Dwarf_Die *up = NULL;
+        int nup = dwarf_getscopes_die(&die, &up);
+        found = nup > 1 && function_scope(up, nup, 1, &die);
+        free(up);
+    }
+    const char *name = symbol;
+    if (!name && found) name = dwarf_diename(&die);
+    int rc = put_frame(out, cap, &used, name, file, line);
+    free(scopes);
+    return rc == 0 ? n + 1 : -1;
+}
+
+/* Frees the session, its files and their descriptors. */
+void pmt_close(struct pmt_session *s) {
+    if (!s) return;
+    dwfl_end(s->dwfl);
+    for (int i = 0; i < s->nfiles; i++) {
+        if (s->files[i]->fd >= 0) close(s->files[i]->fd);
+        free(s->files[i]->image);
+        free(s->files[i]->name);
+        free(s->files[i]);
+    }
+    free(s->files);
+    free(s);
+}
