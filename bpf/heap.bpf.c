@@ -154,8 +154,10 @@ static __always_inline s64 hp_draw(void) {
     if (!l0 || !l1) return HP_SAMPLE_MEAN;
     u64 lgf = *l0 + ((u64)(*l1 - *l0) * rem >> 12);
     u64 neg = (32ull << 20) - (((u64)k << 20) + lgf); /* -log2 U, 20 fraction bits */
-    /* mean * ln 2 (45426 / 2^16) * neg: < 2^32 * 2^25, fits */
-    return (s64)(((u64)HP_SAMPLE_MEAN * 45426ull >> 16) * neg >> 20) + 1;
+    /* mean * ln 2 (45426 / 2^16) * neg / 2^20, i.e. a * neg >> 36 with a < 2^48, neg <= 2^25:
+     * in two parts (a's high and low 16 bits), so small means keep their precision */
+    u64 a = (u64)HP_SAMPLE_MEAN * 45426ull;
+    return (s64)(((a >> 16) * neg >> 20) + ((a & 0xffff) * neg >> 36)) + 1;
 }
 #endif
 

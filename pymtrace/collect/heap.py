@@ -69,7 +69,8 @@ def draw_bytes(x: int, mean: int, table: list[int]) -> int:
     j, rem = (m >> 21) & 1023, (m >> 9) & 4095
     lgf = table[j] + ((table[j + 1] - table[j]) * rem >> 12)
     neg = (32 << LG_FRACTION_BITS) - ((k << LG_FRACTION_BITS) + lgf)
-    return ((mean * 45426 >> 16) * neg >> LG_FRACTION_BITS) + 1
+    a = mean * 45426
+    return ((a >> 16) * neg >> LG_FRACTION_BITS) + ((a & 0xFFFF) * neg >> 36) + 1
 
 
 def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
@@ -145,8 +146,8 @@ class HeapCollector(Collector):
         if not pids:
             raise PymtraceError("heap needs at least one process to trace")
         super().__init__(pids, track_exits=False)  # exits come as ring records
-        if sample_bytes < 1:
-            raise PymtraceError(f"sample bytes must be >= 1, not {sample_bytes}")
+        if not 1 <= sample_bytes < 1 << 32:  # the BPF draw's fixed point needs mean < 2^32
+            raise PymtraceError(f"sample bytes must be from 1 to {(1 << 32) - 1}, not {sample_bytes}")
         header = structs.header(PROGRAM)
         page, max_pages = header.consts["HP_PAGE"], header.consts["HP_MAX_PAGES"]
         if stack_bytes % page or not page <= stack_bytes <= max_pages * page:
