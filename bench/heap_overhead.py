@@ -24,7 +24,6 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,12 +31,11 @@ import threading
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchutil import build_c, uprobe_pids  # noqa: E402
+from benchutil import private_libc_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
 from pymtrace.collect import malloc as collect  # noqa: E402
 from pymtrace.collect.heap import HeapCollector  # noqa: E402
-from pymtrace.target import libc  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -93,16 +91,7 @@ def main():
     bpfload.require_root("the heap overhead benchmark")
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-bench-"))
-    exe = build_c(tmp, "storm", HERE / "storm.c")
-    system = libc.system_libc()
-    shutil.copy2(system, tmp / "bench-libc.so")
-    os.symlink("bench-libc.so", tmp / os.path.basename(system))
-    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp))
-    storm = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    pid = int(storm.stdout.readline().split()[1])
-    path = next((m.path for m in libc.read_maps(pid) if m.path.endswith("/bench-libc.so")), None)
-    if path is None:
-        raise SystemExit("the storm did not load the private libc copy")
+    storm, pid, path = private_libc_storm(tmp)
 
     top_bpf = bpfload.load("malloc_stats")
     top = Probes(top_bpf, collect.probe_plan(path), path, pid)
