@@ -6,7 +6,9 @@ estimates at the default mean within a stated bound."""
 import collections
 import ctypes
 import math
+import pathlib
 import subprocess
+import sys
 import time
 
 import pytest
@@ -187,3 +189,27 @@ def test_errors_are_one_line():
     c = HeapCollector({2})  # kthreadd: maps nothing
     with pytest.raises(PymtraceError, match="maps no libc"):
         c.attach()
+
+
+@pytest.mark.bpf
+def test_not_root_is_one_error(tmp_path):
+    """Run as an unprivileged user: attach() raises NotRootError (the CLI prints its one line)."""
+    code = (
+        "import os\n"
+        "from pymtrace.collect.heap import HeapCollector\n"
+        "from pymtrace.errors import NotRootError\n"
+        "try:\n"
+        "    HeapCollector({os.getpid()}).attach()\n"
+        "except NotRootError as exc:\n"
+        "    print('ERR', exc)\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.startswith("ERR ") and "needs root" in out.stdout, (out.stdout, out.stderr)

@@ -8,11 +8,13 @@ import os
 import subprocess
 import threading
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pymtrace.bpf import structs
-from pymtrace.collect.heap import HeapCollector, draw_bytes, log2_table
+from pymtrace.collect.heap import HeapCollector, draw_bytes, log2_table, probe_plan
+from pymtrace.errors import PymtraceError
 
 TABLE = log2_table()
 
@@ -106,3 +108,27 @@ def test_a_thread_clone_is_not_a_fork():
         child.kill()
         child.wait()
     assert forks == [(os.getpid(), child.pid)]
+
+
+def test_probe_plan_allocating_functions_at_entry_and_free_where_top_probes_it():
+    """The copied stack must hold the caller's return address, which an allocating function's
+    uretprobe replaces once +0 has run: those entries stay at +0; free goes where top's does."""
+    from pymtrace.collect import malloc
+    from pymtrace.target import libc, mallocapi
+
+    path = libc.system_libc()
+    plan = dict(probe_plan(path))
+    for function, probes in plan.items():
+        if function == "free":
+            top = [(kind, off) for kind, off, _ in dict(malloc.probe_plan(path))["free"]]
+            assert [(kind, off) for kind, off, _ in probes] == top
+            assert {fn for _, _, fn in probes} == {"hp_free_entry"}
+        else:
+            call = next(f.call for f in mallocapi.FUNCTIONS if f.name == function)  # aligned_alloc: memalign
+            assert ("entry", 0, f"hp_{call}_entry") in probes
+            assert ("return", 0, "hp_return") in probes
+
+
+def test_probe_plan_of_a_file_without_the_malloc_api_is_one_error():
+    with pytest.raises(PymtraceError, match="no malloc/free symbols"):
+        probe_plan("/bin/true")
