@@ -226,6 +226,12 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
         }
     }
     s->h.stack_len = len;
+    /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
+     * shared per CPU): the slot holds a mix; drop it, counted. */
+    if (s->h.id != sample_id || s->h.tid != (u32)id) {
+        hp_lost_inc(HP_LOST_SLOT_BUSY);
+        return 0;
+    }
     u64 out = sizeof(struct hp_event) + len;
     if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
     if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {

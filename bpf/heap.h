@@ -40,7 +40,8 @@ struct hp_event {
 #define HP_LOST_SAMPLER      3 /* no per-thread sampler state could be made: call not sampled */
 #define HP_LOST_EVENT        4 /* exec/fork/exit record not written: ring buffer full */
 #define HP_LOST_TARGETS_FULL 5 /* fork child not followed: target map full */
-#define HP_LOST_N            6
+#define HP_LOST_SLOT_BUSY    6 /* sample dropped: its per-CPU slot was reused while it was preempted */
+#define HP_LOST_N            7
 
 /* hp_lg[j] = round(2^20 * log2(1 + j / 1024)), j = 0..1024, filled by user space before attaching */
 #define HP_LG_BITS    10
