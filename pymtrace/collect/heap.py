@@ -194,10 +194,7 @@ class HeapCollector(Collector):
     def prepare(self) -> None:
         targets = {}
         for pid in self.pids:
-            try:
-                path = libc.process_libc(pid)
-            except (PymtraceError, OSError):
-                raise ProcessGone(pid) from None
+            path = libc.process_libc(pid)  # raises ProcessGone, or why its maps are unreadable
             if path is None:
                 raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
             targets.setdefault(path, []).append(pid)
