@@ -28,3 +28,29 @@ def uprobe_pids(path):
         return None
     names = (path, os.path.realpath(path))
     return {e.get("pid") for e in entries if e.get("filename") in names and e.get("pid") != os.getpid()}
+
+
+def private_libc_storm(tmp):
+    """bench/storm.c started on a private copy of the system libc, so that uprobes other
+    tracers attach to the system libc (by inode) cannot slow it down: the copy is named
+    bench-libc.so, reached through a libc.so.6 symlink, so system-wide pymtrace instances
+    (which look for files named libc.so.6 in /proc/*/maps) leave it alone too.
+    Returns (the storm's Popen, its PID, the path of the libc copy it maps)."""
+    import pathlib
+    import shutil
+
+    from pymtrace.target import libc
+
+    tmp = pathlib.Path(tmp)
+    exe = build_c(tmp, "storm", pathlib.Path(__file__).resolve().parent / "storm.c")
+    system = libc.system_libc()
+    shutil.copy2(system, tmp / "bench-libc.so")
+    os.symlink("bench-libc.so", tmp / os.path.basename(system))
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp))
+    storm = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(storm.stdout.readline().split()[1])
+    path = next((m.path for m in libc.read_maps(pid) if m.path.endswith("/bench-libc.so")), None)
+    if path is None:
+        storm.kill()
+        raise SystemExit("the storm did not load the private libc copy")
+    return storm, pid, path

@@ -39,7 +39,7 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchutil import build_c, uprobe_pids  # noqa: E402
+from benchutil import build_c, private_libc_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
 from pymtrace.collect import malloc as collect  # noqa: E402
@@ -210,16 +210,7 @@ def main():
     bpfload.require_root("the overhead benchmark")
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-bench-"))
-    exe = build_c(tmp, "storm", HERE / "storm.c")
-    system = libc.system_libc()
-    shutil.copy2(system, tmp / "bench-libc.so")
-    os.symlink("bench-libc.so", tmp / os.path.basename(system))
-    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp))
-    storm = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    pid = int(storm.stdout.readline().split()[1])
-    path = next((m.path for m in libc.read_maps(pid) if m.path.endswith("/bench-libc.so")), None)
-    if path is None:
-        raise SystemExit("the storm did not load the private libc copy")
+    storm, pid, path = private_libc_storm(tmp)
     modes, objects = build_modes(path, pid)
     fresh = fresh_modes = None
     fresh_results = {"untraced": [], "top": []}

@@ -1,0 +1,393 @@
+/* heap: sampled malloc-API calls of the target processes, each with a copy of the user stack
+ * and the registers at function entry, plus the sampled blocks still live (pymtrace heap,
+ * docs/heap.md; design: docs/design/heap-stacks.md).
+ *
+ * Attach points (pymtrace/collect/heap.py HeapCollector picks the sites, as top does):
+ *   malloc, calloc, realloc, memalign (= aligned_alloc in glibc 2.36), aligned_alloc (2.41),
+ *   posix_memalign, valloc, pvalloc    entry (hp_<call>_entry) + return (hp_return), the entry
+ *                                      at +0 (the copied stack must hold the caller's return
+ *                                      address, which a uretprobe replaces once +0 has run)
+ *   free                               at its first emulated instruction (`push`, +9 on glibc
+ *                                      2.36) and the early-exit paths before it
+ *   sched:sched_process_exec/exit      (hp_exec, hp_exit) records for user space
+ *   sched:sched_process_fork           (HP_FOLLOW) children of targets become targets
+ *
+ * Sampling (design doc section 6): per thread, `left` bytes until the next sample, drawn
+ * Exp(HP_SAMPLE_MEAN); a call of size >= HP_SAMPLE_MEAN is always sampled, a smaller one when
+ * it uses up `left`, so P(sampled) = 1 - exp(-size / mean) for every block. HP_SAMPLE_MEAN 1:
+ * every call (malloc(0) too). A sampled call's record (struct hp_event + the stack bytes) is
+ * built in a per-CPU slot and written with ringbuf_output(length): the ring holds only the
+ * bytes copied. Its block, once returned, goes into hp_live until freed.
+ *
+ * Nested calls: realloc and the memalign family keep an hp_pending entry (depth) for the whole
+ * call, so glibc's internal malloc/free calls (realloc(NULL, n) tail-jumps into malloc,
+ * memalign(<= 16) calls malloc) are not sampled again; a sampled malloc/calloc keeps one only
+ * until its return. hp_active counts entries, so an unsampled call's return probe and the
+ * entry of a call on a thread outside any call need no hash lookup.
+ *
+ * Knobs (-D, set by HeapCollector): HP_SAMPLE_MEAN, HP_STACK_PAGES (the stack copy: the partial
+ * page holding sp, then whole pages, HP_STACK_PAGES * 4096 bytes at most, stopping at the end
+ * of the mapping), HP_RB_PAGES (ring buffer pages, a power of two), HP_MAX_CPUS (possible
+ * CPUs: the scratch slots), HP_MAX_LIVE, HP_MAX_PENDING, HP_MAX_THREADS, HP_MAX_TARGETS,
+ * HP_FOLLOW (follow fork children).
+ */
+#include <uapi/linux/ptrace.h>
+#include "heap.h"
+
+#ifndef HP_SAMPLE_MEAN
+#define HP_SAMPLE_MEAN 524288
+#endif
+#ifndef HP_STACK_PAGES
+#define HP_STACK_PAGES 8
+#endif
+#ifndef HP_RB_PAGES
+#define HP_RB_PAGES 4096
+#endif
+#ifndef HP_MAX_CPUS
+#define HP_MAX_CPUS 256
+#endif
+#ifndef HP_MAX_LIVE
+#define HP_MAX_LIVE 262144
+#endif
+#ifndef HP_MAX_PENDING
+#define HP_MAX_PENDING 16384
+#endif
+#ifndef HP_MAX_THREADS
+#define HP_MAX_THREADS 16384
+#endif
+#ifndef HP_MAX_TARGETS
+#define HP_MAX_TARGETS 4096
+#endif
+#ifndef HP_FOLLOW
+#define HP_FOLLOW 0
+#endif
+
+#if HP_STACK_PAGES < 1 || HP_STACK_PAGES > HP_MAX_PAGES
+#error "HP_STACK_PAGES out of range"
+#endif
+
+struct hp_sample {
+    struct hp_event h;
+    u8 stack[HP_STACK_PAGES * HP_PAGE];
+};
+
+/* A call between entry and return on one thread (key: pid_tgid). */
+struct hp_pending {
+    u32 depth; /* nested malloc-API calls inside it, + 1 */
+    u32 call;
+    u64 sample_id; /* 0: not sampled (or its record was lost) */
+    u64 arg_ptr;   /* realloc: the old block; posix_memalign: where the pointer is stored */
+    u64 size;
+};
+
+/* A live block: per process (followed children share their parent's addresses). */
+struct hp_block {
+    u64 addr;
+    u32 pid;
+    u32 pad;
+};
+
+BPF_RINGBUF_OUTPUT(hp_events, HP_RB_PAGES);
+/* a plain array indexed by CPU: per-CPU map values are capped at 32 KiB */
+BPF_ARRAY(hp_scratch, struct hp_sample, HP_MAX_CPUS);
+BPF_PERCPU_ARRAY(hp_lost, u64, HP_LOST_N);
+BPF_ARRAY(hp_next_id, u64, 1);
+BPF_ARRAY(hp_active, s64, 1);
+BPF_ARRAY(hp_lg, u32, HP_LG_ENTRIES);
+BPF_HASH(hp_targets, u32, u32, HP_MAX_TARGETS);
+BPF_HASH(hp_pending, u64, struct hp_pending, HP_MAX_PENDING);
+BPF_HASH(hp_live, struct hp_block, u64, HP_MAX_LIVE); /* block -> sample id */
+/* LRU: an evicted thread draws afresh, which the memoryless draw allows */
+BPF_TABLE("lru_hash", u32, s64, hp_sampler, HP_MAX_THREADS);
+
+static __always_inline void hp_lost_inc(int idx) {
+    u64 *v = hp_lost.lookup(&idx);
+    if (v) (*v)++;
+}
+
+static __always_inline int hp_wanted(u32 tgid) {
+    return hp_targets.lookup(&tgid) != 0;
+}
+
+static __always_inline void hp_add_active(s64 n) {
+    int zero = 0;
+    s64 *active = hp_active.lookup(&zero);
+    if (active) __sync_fetch_and_add(active, n);
+}
+
+/* This thread's call in progress, if any (no hash lookup while no thread has one). */
+static __always_inline struct hp_pending *hp_current(u64 id) {
+    int zero = 0;
+    s64 *active = hp_active.lookup(&zero);
+    if (active && *active <= 0) return 0;
+    return hp_pending.lookup(&id);
+}
+
+#if HP_SAMPLE_MEAN > 1
+/* Exp(mean) bytes without floats: -ln U = ln 2 * -log2 U, U = x / 2^32, x uniform and odd.
+ * log2 x = k + log2(1 + f): k by a bit search, log2(1 + f) from hp_lg at f's top 10 bits,
+ * linearly interpolated with the next 12 (without it draws are quantized to ~mean/1000 and
+ * tiny blocks are sampled 2x too often). */
+static __always_inline s64 hp_draw(void) {
+    u32 x = bpf_get_prandom_u32() | 1;
+    u32 k = 0, t = x;
+    if (t >= (1u << 16)) {
+        k += 16;
+        t >>= 16;
+    }
+    if (t >= (1u << 8)) {
+        k += 8;
+        t >>= 8;
+    }
+    if (t >= (1u << 4)) {
+        k += 4;
+        t >>= 4;
+    }
+    if (t >= (1u << 2)) {
+        k += 2;
+        t >>= 2;
+    }
+    if (t >= (1u << 1)) k += 1;
+    u32 m = (x << (31 - k)) & 0x7fffffff; /* the bits below the leading one, 31 wide */
+    u32 j = (m >> 21) & 1023, j1 = j + 1, rem = (m >> 9) & 4095;
+    u32 *l0 = hp_lg.lookup(&j), *l1 = hp_lg.lookup(&j1);
+    if (!l0 || !l1) return HP_SAMPLE_MEAN;
+    u64 lgf = *l0 + ((u64)(*l1 - *l0) * rem >> 12);
+    u64 neg = (32ull << 20) - (((u64)k << 20) + lgf); /* -log2 U, 20 fraction bits */
+    /* mean * ln 2 (45426 / 2^16) * neg / 2^20, i.e. a * neg >> 36 with a < 2^48, neg <= 2^25:
+     * in two parts (a's high and low 16 bits), so small means keep their precision */
+    u64 a = (u64)HP_SAMPLE_MEAN * 45426ull;
+    return (s64)(((a >> 16) * neg >> 20) + ((a & 0xffff) * neg >> 36)) + 1;
+}
+#endif
+
+/* Whether this call of SIZE bytes on thread TID is sampled. */
+static __always_inline int hp_sampled(u32 tid, u64 size) {
+#if HP_SAMPLE_MEAN <= 1
+    return 1;
+#else
+    if (size >= HP_SAMPLE_MEAN) return 1;
+    s64 *left = hp_sampler.lookup(&tid);
+    if (!left) {
+        s64 first = hp_draw();
+        hp_sampler.update(&tid, &first);
+        left = hp_sampler.lookup(&tid);
+        if (!left) {
+            hp_lost_inc(HP_LOST_SAMPLER);
+            return 0;
+        }
+    }
+    *left -= (s64)size;
+    if (*left > 0) return 0;
+    *left = hp_draw(); /* memoryless: a fresh draw after each sample */
+    return 1;
+#endif
+}
+
+/* Write the sample record (header, registers, stack copy); its id, or 0 if it was lost. */
+static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 size) {
+    u32 cpu = bpf_get_smp_processor_id();
+    struct hp_sample *s = hp_scratch.lookup(&cpu);
+    int zero = 0;
+    u64 *next = hp_next_id.lookup(&zero);
+    if (!s || !next) return 0;
+    u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
+    s->h.type = HP_REC_SAMPLE;
+    s->h.pid = id >> 32;
+    s->h.tid = (u32)id;
+    s->h.call = call;
+    s->h.size = size;
+    s->h.ts = bpf_ktime_get_ns();
+    s->h.id = sample_id;
+    s->h.other = 0;
+    u64 sp = PT_REGS_SP(ctx);
+    s->h.regs[0] = PT_REGS_IP(ctx);
+    s->h.regs[1] = sp;
+    s->h.regs[2] = ctx->bp;
+    s->h.regs[3] = ctx->bx;
+    s->h.regs[4] = ctx->r12;
+    s->h.regs[5] = ctx->r13;
+    s->h.regs[6] = ctx->r14;
+    s->h.regs[7] = ctx->r15;
+    /* The partial page holding sp, then whole pages: a page is mapped or not, so the copy
+     * stops exactly at the end of the stack mapping. Each page is written at a constant
+     * offset from `first` (bounded by the verifier); a running length would lose the bound. */
+    u32 len = 0;
+    u32 first = HP_PAGE - (u32)(sp & (HP_PAGE - 1));
+    if (first > HP_PAGE) first = HP_PAGE;
+    if (bpf_probe_read_user(s->stack, first, (void *)sp) == 0) {
+        len = first;
+#pragma unroll
+        for (int i = 0; i < HP_STACK_PAGES - 1; i++) {
+            if (bpf_probe_read_user(s->stack + first + i * HP_PAGE, HP_PAGE,
+                                    (void *)(sp + first + i * HP_PAGE)) != 0)
+                break;
+            len = first + (i + 1) * HP_PAGE;
+        }
+    }
+    s->h.stack_len = len;
+    /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
+     * shared per CPU): the slot holds a mix; drop it, counted. */
+    if (s->h.id != sample_id || s->h.tid != (u32)id) {
+        hp_lost_inc(HP_LOST_SLOT_BUSY);
+        return 0;
+    }
+    u64 out = sizeof(struct hp_event) + len;
+    if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
+    if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
+        hp_lost_inc(HP_LOST_RINGBUF);
+        return 0;
+    }
+    return sample_id;
+}
+
+/* Entry of an allocating call. OUTER: it calls other malloc-API functions inside glibc, so it
+ * keeps an hp_pending entry for its whole duration even when not sampled. */
+static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!hp_wanted(id >> 32)) return 0;
+    struct hp_pending *cur = hp_current(id);
+    if (cur) { /* inside this thread's outer call: glibc's own call, not the program's */
+        cur->depth++;
+        return 0;
+    }
+    int sampled = hp_sampled((u32)id, size);
+    if (!sampled && !outer) return 0;
+    struct hp_pending p = {};
+    p.depth = 1;
+    p.call = call;
+    p.arg_ptr = arg_ptr;
+    p.size = size;
+    if (sampled) p.sample_id = hp_emit(ctx, id, call, size);
+    if (hp_pending.update(&id, &p) != 0) {
+        hp_lost_inc(HP_LOST_PENDING_FULL);
+        return 0;
+    }
+    hp_add_active(1);
+    return 0;
+}
+
+int hp_malloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0);
+}
+
+int hp_calloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0);
+}
+
+int hp_realloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 1);
+}
+
+int hp_memalign_entry(struct pt_regs *ctx) /* memalign(align, size), aligned_alloc */
+{
+    return hp_entry(ctx, CALL_MEMALIGN, PT_REGS_PARM2(ctx), 0, 1);
+}
+
+int hp_posix_memalign_entry(struct pt_regs *ctx) /* posix_memalign(&p, align, size) */
+{
+    return hp_entry(ctx, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx), 1);
+}
+
+int hp_valloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 1);
+}
+
+int hp_pvalloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 1);
+}
+
+/* Every allocating function's return. realloc(NULL, n) tail-jumps into malloc, whose return
+ * probe then runs on the same return: the depth makes the last one finish the call. */
+int hp_return(struct pt_regs *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    struct hp_pending *cur = hp_current(id);
+    if (!cur) return 0; /* not sampled, or attached while the call was running */
+    if (--cur->depth) return 0;
+    struct hp_pending p = *cur;
+    if (hp_pending.delete(&id) == 0) hp_add_active(-1);
+    u64 rc = PT_REGS_RC(ctx), addr = rc;
+    struct hp_block b = {};
+    b.pid = id >> 32;
+    if (p.call == CALL_POSIX_MEMALIGN) {
+        addr = 0;
+        if ((u32)rc == 0 && p.arg_ptr) bpf_probe_read_user(&addr, sizeof(addr), (void *)p.arg_ptr);
+    }
+    /* realloc: the old block is gone when it succeeded, and after realloc(p, 0) */
+    if (p.call == CALL_REALLOC && p.arg_ptr && (rc || p.size == 0)) {
+        b.addr = p.arg_ptr;
+        hp_live.delete(&b);
+    }
+    if (p.sample_id && addr) {
+        b.addr = addr;
+        if (hp_live.update(&b, &p.sample_id) != 0) hp_lost_inc(HP_LOST_LIVE_FULL);
+    }
+    return 0;
+}
+
+/* free, at its first emulated instruction (and the early exits before it): the pointer
+ * argument is unchanged there. Deleting an address that was never sampled is a no-op. */
+int hp_free_entry(struct pt_regs *ctx) {
+    u64 ptr = PT_REGS_PARM1(ctx);
+    if (!ptr) return 0;
+    struct hp_block b = {};
+    b.addr = ptr;
+    b.pid = bpf_get_current_pid_tgid() >> 32;
+    hp_live.delete(&b);
+    return 0;
+}
+
+/* ---- the target processes: exec, exit (and fork when following) -------------------- */
+
+static __always_inline void hp_event(u32 type, u64 id, u32 other, u64 value) {
+    struct hp_event e = {};
+    e.type = type;
+    e.pid = id >> 32;
+    e.tid = (u32)id;
+    e.ts = bpf_ktime_get_ns();
+    e.id = value;
+    e.other = other;
+    if (hp_events.ringbuf_output(&e, sizeof(e), 0) != 0) hp_lost_inc(HP_LOST_EVENT);
+}
+
+/* Attached by user space to sched:sched_process_exec. The record's id is the last sample id
+ * given so far: user space drops the live blocks of the old image sampled up to it. */
+int hp_exec(void *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!hp_wanted(id >> 32)) return 0;
+    int zero = 0;
+    u64 *next = hp_next_id.lookup(&zero);
+    hp_event(HP_REC_EXEC, id, 0, next ? *next : 0);
+    return 0;
+}
+
+/* Attached by user space to sched:sched_process_exit (once per thread). */
+int hp_exit(void *ctx) {
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = id, tgid = id >> 32;
+    if (!hp_wanted(tgid)) return 0;
+    hp_sampler.delete(&tid);
+    if (hp_pending.delete(&id) == 0) hp_add_active(-1);
+    if (tid != tgid) {
+#if HP_FOLLOW
+        hp_targets.delete(&tid); /* a thread, added at its clone since fork cannot tell */
+#endif
+        return 0;
+    }
+    hp_event(HP_REC_EXIT, id, 0, 0);
+    return 0;
+}
+
+#if HP_FOLLOW
+TRACEPOINT_PROBE(sched, sched_process_fork) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!hp_wanted(id >> 32)) return 0;
+    u32 child = args->child_pid, one = 1;
+    if (hp_targets.update(&child, &one) != 0) {
+        hp_lost_inc(HP_LOST_TARGETS_FULL);
+        return 0;
+    }
+    hp_event(HP_REC_FORK, id, child, 0);
+    return 0;
+}
+#endif
