@@ -22,6 +22,7 @@ COMMANDS = {
     "doctor": ("pymtrace.commands.doctor", "check that this machine can run pymtrace, with a fix for each problem"),
     "top": ("pymtrace.commands.top", "live full-screen view of malloc, slab, page-fault and glibc arena activity"),
     "record": ("pymtrace.commands.record", "record every malloc-API call of a process into an mtrace-format file"),
+    "heap": ("pymtrace.commands.heap", "sample allocation call stacks into a heap profile (pprof, flame graph, leaks)"),
     "dump": ("pymtrace.commands.dump", "decode a recorded trace (like upstream trace_dump) with per-type statistics"),
     "convert": ("pymtrace.commands.convert", "convert a trace between mtrace-bin and mtrace-text"),
     "workload": ("pymtrace.commands.workload", "convert a trace into a .wl replay workload"),

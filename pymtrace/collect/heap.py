@@ -141,6 +141,7 @@ class HeapCollector(Collector):
         max_pending: int = 16384,
         max_threads: int = 16384,
         max_targets: int = 4096,
+        libc_path: str | None = None,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -164,6 +165,7 @@ class HeapCollector(Collector):
         self.on_fork = on_fork
         self.on_exit = on_exit
         self.ring_pages = ring_pages
+        self.libc_path = libc_path  # a launched command's libc, not mapped yet (launch.predict_libc)
         self.limits = {
             "HP_MAX_LIVE": max_live,
             "HP_MAX_PENDING": max_pending,
@@ -194,7 +196,8 @@ class HeapCollector(Collector):
     def prepare(self) -> None:
         targets = {}
         for pid in self.pids:
-            path = libc.process_libc(pid)  # raises ProcessGone, or why its maps are unreadable
+            # raises ProcessGone, or why its maps are unreadable
+            path = self.libc_path or libc.process_libc(pid)
             if path is None:
                 raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
             targets.setdefault(path, []).append(pid)

@@ -5,10 +5,10 @@ The arguments and help; the recording itself is pymtrace.trace.recorder.
 
 import argparse
 import mmap
-import re
 
 from pymtrace.errors import PymtraceError
 from pymtrace.trace.recorder import Recorder
+from pymtrace.units import parse_bytes
 
 HELP = (
     "Record every malloc-API call of a process (malloc, calloc, realloc, free, memalign, "
@@ -82,10 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def parse_size(text: str) -> int:
     """--buffer-size TEXT in pages, rounded up to a power of two."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)[iI]?[bB]?\s*", str(text))
-    if not m:
-        raise PymtraceError(f"--buffer-size: cannot parse {text!r} (e.g. 64M)")
-    n = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    n = parse_bytes(text, "--buffer-size")
     pages = max(1, -(-n // _PAGE))
     pages = 1 << (pages - 1).bit_length()
     if pages * _PAGE > (1 << 31):

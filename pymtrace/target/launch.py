@@ -14,7 +14,8 @@ import re
 import shutil
 import signal
 import subprocess
-from typing import IO, Any, Mapping, Sequence, Union
+import time
+from typing import IO, Any, Callable, Mapping, Sequence, Union
 
 from pymtrace.errors import PymtraceError
 from pymtrace.target import elf, libc
@@ -22,7 +23,14 @@ from pymtrace.target import elf, libc
 _Stream = Union[int, IO[Any], None]  # what subprocess.Popen takes as stdin/stdout/stderr
 
 _PTRACE_TRACEME = 0
+_PTRACE_CONT = 7
 _PTRACE_DETACH = 17
+_PTRACE_SETOPTIONS = 0x4200
+_PTRACE_O_TRACEEXEC = 0x10
+_PTRACE_O_TRACEEXIT = 0x40
+_PTRACE_EVENT_EXEC = 4
+_PTRACE_EVENT_EXIT = 6
+_WALL = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -70,18 +78,67 @@ class Launched:
             self.proc.returncode = code
             raise PymtraceError(f"{argv[0]} exited before it could be traced (status {code})")
         self.resumed = False
+        self.held = False  # resume(hold_exit=True): still ptraced, stopped again at its exit
 
     def libc_path(self) -> str | None:
         """The libc the command will map (it is not mapped yet: the loader has not run)."""
         return predict_libc(self.argv, self.exe)
 
-    def resume(self) -> None:
-        if not self.resumed:
-            _libc.ptrace(_PTRACE_DETACH, self.pid, None, None)
-            self.resumed = True
+    def resume(self, hold_exit: bool = False) -> None:
+        """Let the command run. HOLD_EXIT: stay its ptrace tracer, only so that the kernel
+        stops it once more when it exits, before its memory mappings are torn down (heap
+        reads its maps then: the libraries a short-lived command loaded are not lost); the
+        caller must then call service() regularly from this same thread (the tracer)."""
+        if self.resumed:
+            return
+        self.resumed = True
+        if hold_exit:
+            options = _PTRACE_O_TRACEEXIT | _PTRACE_O_TRACEEXEC  # an exec is an event, not a SIGTRAP
+            if _libc.ptrace(_PTRACE_SETOPTIONS, self.pid, None, ctypes.c_void_p(options)) == 0:
+                self.held = True
+                _libc.ptrace(_PTRACE_CONT, self.pid, None, None)
+                return
+        _libc.ptrace(_PTRACE_DETACH, self.pid, None, None)
+
+    def service(self, at_exit: Callable[[int], None] | None = None) -> int | None:
+        """For a held command (resume(hold_exit=True)): handle its ptrace stops without
+        blocking: at its exit stop call AT_EXIT(pid), then let it go; any other stop (a signal
+        for it) is passed on unchanged. Returns its exit status once it has ended, else None."""
+        if not self.held:
+            return self.proc.poll()
+        while True:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG | _WALL)
+            except ChildProcessError:  # reaped elsewhere
+                self.held = False
+                return self.proc.returncode
+            if pid == 0:
+                return None
+            if not os.WIFSTOPPED(status):
+                self.held = False
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                return self.proc.returncode
+            signum, event = os.WSTOPSIG(status), status >> 16
+            if signum == signal.SIGTRAP and event == _PTRACE_EVENT_EXIT:
+                try:
+                    if at_exit is not None:
+                        at_exit(self.pid)
+                finally:
+                    _libc.ptrace(_PTRACE_DETACH, self.pid, None, None)
+            elif signum == signal.SIGTRAP and event == _PTRACE_EVENT_EXEC:
+                _libc.ptrace(_PTRACE_CONT, self.pid, None, None)
+            else:  # a signal on its way to the command: deliver it
+                _libc.ptrace(_PTRACE_CONT, self.pid, None, ctypes.c_void_p(signum))
 
     def wait(self, timeout: float | None = None) -> int:
         self.resume()
+        if self.held:  # keep servicing its stops until it ends
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while (code := self.service()) is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(self.argv, timeout)
+                time.sleep(0.005)
+            return code
         return self.proc.wait(timeout)
 
     def stop(self, grace: float = 5.0) -> int:
@@ -95,18 +152,26 @@ class Launched:
                 except ProcessLookupError:
                     pass
             try:
-                return self.proc.wait(wait)
+                return self.wait(wait)
             except subprocess.TimeoutExpired:
                 continue
 
     def kill(self) -> None:
+        if self.held:
+            if self.service() is None:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.wait()
+            return
         if self.proc.poll() is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.resume()
-            self.proc.wait()
+            self.wait()
 
 
 def predict_libc(argv: Sequence[str], exe: str | None = None) -> str | None:

@@ -6,16 +6,16 @@ import gzip
 import html.parser
 import io
 import math
-import os
 import random
 import re
 import shutil
 import subprocess
 
 import pytest
-from conftest import ROOT, missing_or_fail
+from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.clients import chromium, go_pprof, traces
 from support.heapprofile import (
     CXX_MAKE,
     CXX_NEW,
@@ -162,36 +162,11 @@ def test_pprof_is_deterministic():
     assert written(write_pprof, build_profile()) == written(write_pprof, build_profile())
 
 
-def go_pprof(path, *args):
-    if shutil.which("go") is None:
-        missing_or_fail("go is not installed (Debian package golang-go, Fedora golang)")
-    home = os.path.dirname(path)
-    env = dict(os.environ, HOME=home, PPROF_TMPDIR=home, GOCACHE=os.path.join(home, "gocache"))
-    proc = subprocess.run(
-        ["go", "tool", "pprof", *args, path], capture_output=True, text=True, timeout=120, env=env, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def pprof_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("pprof") / "heap.pb.gz"
     path.write_bytes(written(write_pprof, build_profile()))
     return str(path)
-
-
-def traces(text):
-    """`go tool pprof -traces` output -> {frames leaf first: value}."""
-    found = {}
-    for block in re.split(r"^-+\+-+$", text, flags=re.M)[1:]:
-        lines = [line for line in block.split("\n") if line.strip()]
-        if not lines:
-            continue
-        amount, first = lines[0].split(None, 1)
-        frames = (first.strip(), *(line.strip() for line in lines[1:]))
-        found[frames] = int(amount.rstrip("B"))
-    return found
 
 
 PPROF_TRACES = {  # pprof shortens C++ names and marks inlined frames
@@ -298,28 +273,6 @@ class DomScan(html.parser.HTMLParser):
     def handle_data(self, data):
         if self._in_title:
             self.titles.append(data)
-
-
-def chromium(tmp_path, *args):
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        missing_or_fail("chromium is not installed (Debian and Fedora package chromium)")
-    profile_dir = tmp_path / "chromium-profile"
-    profile_dir.mkdir(exist_ok=True)
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile_dir}",
-        "--virtual-time-budget=5000",
-    ]
-    proc = subprocess.run([exe, *flags, *args], capture_output=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")

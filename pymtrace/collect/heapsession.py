@@ -1,0 +1,148 @@
+"""One `pymtrace heap` run below the command: samples from HeapCollector (BPF) unwound by each
+process's ProcessImage (target.unwind) into a HeapProfile (collect.heapprofile).
+
+    session = HeapSession(pids, sample_bytes=..., meta={...})
+    session.attach()                 # images of the running processes, then the probes
+    while running:
+        session.poll(10)             # samples are unwound as they arrive
+    profile = session.finish(older_s=None)   # in-use blocks read, probes detached
+    symbolizer = session.symbolizer          # names for the writers (files kept open)
+
+Images: a process given at the start is captured before the probes go on; a fork child when
+its fork is reported; after an exec the new program is captured at once. A sample whose stack
+reaches a pc in no captured file (a library mapped since: the loader at start, a dlopen)
+makes the image re-read the process's maps, at most every REFRESH_S per process, and the
+stack is unwound again. A process that exits before pymtrace read its maps (it lived less
+than a poll interval) keeps its samples, as one unknown frame each: counted, never dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, HeapCollector, HeapSample
+from pymtrace.collect.heapprofile import HeapProfile
+from pymtrace.errors import ProcessGone
+from pymtrace.target.unwind import UNKNOWN, ProcessImage, Symbolizer
+
+REFRESH_S = 0.02  # at most one re-read of a process's maps per this many seconds
+
+
+class HeapSession:
+    """Samples of PIDS unwound into a HeapProfile (see the module docstring)."""
+
+    def __init__(
+        self,
+        pids: Iterable[int],
+        sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+        stack_bytes: int = DEFAULT_STACK_BYTES,
+        follow_forks: bool = False,
+        meta: dict[str, Any] | None = None,
+        capture_now: bool = True,
+        libc_path: str | None = None,
+    ) -> None:
+        self.pids = sorted(set(pids))
+        self.profile = HeapProfile(sample_bytes, meta)
+        self.symbolizer = Symbolizer()
+        self.images: dict[int, ProcessImage] = {}
+        self.refreshed: dict[int, float] = {}
+        self.unresolved = 0  # samples of processes gone before their maps were read
+        self.capture_now = capture_now
+        self.collector = HeapCollector(
+            self.pids,
+            sample_bytes=sample_bytes,
+            stack_bytes=stack_bytes,
+            follow_forks=follow_forks,
+            on_sample=self._sample,
+            on_exec=self._exec,
+            on_fork=self._fork,
+            libc_path=libc_path,
+        )
+
+    # -- lifecycle
+    def attach(self) -> None:
+        """Capture the processes' images (unless capture_now is False: a launched command
+        stopped before its loader ran is captured at its first sample), then attach."""
+        if self.capture_now:
+            for pid in self.pids:
+                self._capture(pid, required=True)
+        self.collector.attach()
+
+    def poll(self, timeout_ms: int = 10) -> None:
+        self.collector.poll(timeout_ms)
+
+    def finish(self, older_s: float | None = None, end_ns: int | None = None) -> HeapProfile:
+        """Drain what is left, read the blocks still in use, detach; the finished profile.
+        END_NS (CLOCK_MONOTONIC, like the BPF timestamps; default now) is "the end" that
+        --older counts back from: when the run stopped, not when detaching is done."""
+        if end_ns is None:
+            end_ns = time.monotonic_ns()
+        try:
+            self.collector.drain()
+            live = set(self.collector.live())
+            drops = self.collector.drops()
+        finally:
+            self.collector.close()
+        self.profile.finish(live, end_ns, older_s, drops=drops)
+        return self.profile
+
+    def close(self) -> None:
+        self.collector.close()
+
+    # -- images
+    def _capture(self, pid: int, required: bool = False) -> ProcessImage | None:
+        try:
+            image = ProcessImage(pid)
+        except ProcessGone:
+            if required:
+                raise
+            return None
+        self.images[pid] = image
+        self.refreshed[pid] = 0.0  # a first pc in no file re-reads the maps at once
+        self.symbolizer.add(image)
+        return image
+
+    def _refresh(self, pid: int, image: ProcessImage) -> bool:
+        now = time.monotonic()
+        if now - self.refreshed.get(pid, 0.0) < REFRESH_S:
+            return False
+        self.refreshed[pid] = now
+        try:
+            image.refresh()
+        except ProcessGone:
+            return False
+        self.symbolizer.add(image)
+        return True
+
+    # -- collector callbacks (inside poll)
+    def _sample(self, s: HeapSample) -> None:
+        image = self.images.get(s.pid) or self._capture(s.pid)
+        if image is None:  # gone before its maps could be read
+            self.unresolved += 1
+            self.profile.add(s.sample_id, ((UNKNOWN, s.regs[0]),), s.size, s.ts_ns, False)
+            return
+        stack, complete = image.unwind(s.tid, s.regs, s.stack, s.stack_len)
+        if any(module is UNKNOWN for module, _ in stack) and self._refresh(s.pid, image):
+            stack, complete = image.unwind(s.tid, s.regs, s.stack, s.stack_len)
+        self.profile.add(s.sample_id, stack, s.size, s.ts_ns, complete)
+
+    def at_exit(self, pid: int) -> None:
+        """PID is exiting but its mappings are still there (a launched command held at its
+        exit, target.launch): capture every file it mapped since its image was read."""
+        image = self.images.get(pid)
+        if image is None:
+            self._capture(pid)
+            return
+        try:
+            image.refresh()
+        except ProcessGone:
+            return
+        self.symbolizer.add(image)
+
+    def _exec(self, pid: int) -> None:
+        self.images.pop(pid, None)  # never unwind the new program with the old one's files
+        self._capture(pid)
+
+    def _fork(self, parent: int, child: int) -> None:
+        self._capture(child)
