@@ -84,10 +84,11 @@ class Part(typing.NamedTuple):
 # names, some repeated, so it never counts as built) on every question: 0.05-0.1 CPU-s per
 # call site in the source (2 in malloc_stats, one per memory operand in generated USDT
 # readers). The same helpers under other names skip the question; every kernel pymtrace
-# supports (5.8+) has them (5.5+).
+# supports (5.8+) has them (5.5+). Declared as BCC's helpers.h declares them (int): the
+# programs' bytecode is the same instruction for instruction.
 MODULE_PRELUDE = """
-static long (*pm_probe_read_user)(void *dst, u32 size, const void *unsafe_ptr) = (void *)BPF_FUNC_probe_read_user;
-static long (*pm_probe_read_user_str)(void *dst, u32 size, const void *unsafe_ptr) =
+static int (*pm_probe_read_user)(void *dst, __u32 size, const void *unsafe_ptr) = (void *)BPF_FUNC_probe_read_user;
+static int (*pm_probe_read_user_str)(void *dst, __u32 size, const void *unsafe_ptr) =
     (void *)BPF_FUNC_probe_read_user_str;
 """
 
