@@ -2,7 +2,7 @@
  *
  * pymtrace/collect/usdt.py generates, before this file, one function per probe site
  * (site_N(struct pt_regs *ctx)) that decodes the site's arguments from the note's arg
- * spec -- registers from pt_regs, memory with bpf_probe_read_user, RIP-relative libc
+ * spec -- registers from pt_regs, memory with pm_probe_read_user, RIP-relative libc
  * globals at ctx->ip + (symbol + offset - probe address) -- and calls glibc_hit().
  * Each site function is attached as a plain uprobe at the probe address (by library
  * path for every process, or per PID).
@@ -392,7 +392,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat) {
     pe->ev.flags = 0;
     pe->ev.fd = 0;
     bpf_get_current_comm(&pe->ev.comm, sizeof(pe->ev.comm));
-    if (bpf_probe_read_user_str(pe->path, sizeof(pe->path), (void *)ptr) < 0) pe->path[0] = 0;
+    if (pm_probe_read_user_str(pe->path, sizeof(pe->path), (void *)ptr) < 0) pe->path[0] = 0;
     events.ringbuf_submit(pe, BPF_RB_NO_WAKEUP);
     return 0;
 }

@@ -105,7 +105,7 @@ static __always_inline void count_call(struct ms_stats *s, u32 type, u64 size) {
  * flag bits masked off. 0 if unreadable. */
 static __always_inline u64 chunk_bytes(u64 ptr) {
     u64 hdr = 0;
-    if (ptr < 8 || bpf_probe_read_user(&hdr, sizeof(hdr), (void *)(ptr - 8)) != 0) return 0;
+    if (ptr < 8 || pm_probe_read_user(&hdr, sizeof(hdr), (void *)(ptr - 8)) != 0) return 0;
     return hdr & ~7ULL;
 }
 
@@ -262,7 +262,7 @@ int ms_outer_return(struct pt_regs *ctx) {
     u64 block = ret;
     if (o.type == CALL_POSIX_MEMALIGN) {
         block = 0;
-        if ((u32)ret == 0 && o.arg_ptr) bpf_probe_read_user(&block, sizeof(block), (void *)o.arg_ptr);
+        if ((u32)ret == 0 && o.arg_ptr) pm_probe_read_user(&block, sizeof(block), (void *)o.arg_ptr);
     }
     if (o.type == CALL_REALLOC && o.arg_ptr) {
         if (o.requested == 0) { /* realloc(p, 0) frees p and returns NULL */

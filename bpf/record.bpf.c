@@ -101,7 +101,7 @@ static __always_inline int wanted(u32 tgid) {
 static __always_inline u64 chunk_size(u64 p) {
     u64 h = 0;
     if (!GLIBC_CHUNKS || p == 0) return 0;
-    bpf_probe_read_user(&h, sizeof(h), (void *)(p - 8));
+    pm_probe_read_user(&h, sizeof(h), (void *)(p - 8));
     return h & ~7ULL;
 }
 
@@ -143,7 +143,7 @@ static __always_inline void fill(struct record_event *e, u64 id, u32 type, u64 p
 
 static __always_inline u64 caller_of(struct pt_regs *ctx) {
     u64 ra = 0;
-    bpf_probe_read_user(&ra, sizeof(ra), (void *)PT_REGS_SP(ctx));
+    pm_probe_read_user(&ra, sizeof(ra), (void *)PT_REGS_SP(ctx));
     return ra;
 }
 
@@ -321,7 +321,7 @@ int leave(struct pt_regs *ctx) {
         } else {
             ptr1 = (u32)rc;
             ptr2 = 0;
-            if ((u32)rc == 0 && s->a0) bpf_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
+            if ((u32)rc == 0 && s->a0) pm_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
         }
         size = s->a2;
         size2 = s->a1;

@@ -9,7 +9,7 @@ width the spec declares (`-4@%esi` signed 4 bytes, `8@%rdi`, `8@24(%rsp)`,
 `8@16+mp_(%rip)`, `8@global_max_fast(%rip)`):
 
 - registers are read from pt_regs;
-- memory operands with bpf_probe_read_user;
+- memory operands with pm_probe_read_user (bpf_probe_read_user: pymtrace.bpf.load.MODULE_PRELUDE);
 - RIP-relative libc globals at run time as ctx->ip + (symbol + offset - probe address):
   for a uprobe, regs->ip is the probed address, so this needs no per-process load
   address. Symbols (mp_, perturb_byte, global_max_fast) come from the libc's .symtab /
@@ -300,7 +300,7 @@ def arg_code(spec: ArgSpec, i: int, probe_addr: int, symtab: Mapping[str, libc.S
     addr = f"({addr} + ({offset}LL))"
     ctype = _ctype(spec.size, spec.signed)
     return (
-        f"{{ {ctype} v = 0; if (bpf_probe_read_user(&v, sizeof(v), (void *){addr})) "
+        f"{{ {ctype} v = 0; if (pm_probe_read_user(&v, sizeof(v), (void *){addr})) "
         f"flags |= {EV_ARG_UNREADABLE << i}; a{i} = {cast}v; }}"
     )
 

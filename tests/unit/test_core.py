@@ -54,6 +54,24 @@ def test_every_bpf_header_parses_and_compiles_identically(tmp_path):
         assert sizes == [ctypes.sizeof(t) for t in parsed.structs.values()], h.name
 
 
+def test_bpf_sources_call_user_reads_by_the_cheap_name():
+    """No BPF source (nor generated USDT reader) calls bpf_probe_read_user(_str) by that name:
+    BCC 0.26 rebuilds a hash of all of /proc/kallsyms at each such call site (0.05-0.1 CPU-s
+    of start-up each); pymtrace.bpf.load.MODULE_PRELUDE defines the same helpers as
+    pm_probe_read_user(_str)."""
+    import re
+
+    from pymtrace.bpf import load
+    from pymtrace.collect import usdt
+
+    call = re.compile(r"(?<![\w])bpf_probe_read_user(_str)?\s*\(")
+    for src in sorted((ROOT / "bpf").glob("*.bpf.c")):
+        assert not call.search(src.read_text()), src.name
+    assert "BPF_FUNC_probe_read_user" in load.MODULE_PRELUDE
+    code = usdt.arg_code(usdt.parse_arg("8@16(%rdi)"), 0, 0, {})
+    assert "pm_probe_read_user(" in code and not call.search(code)
+
+
 # --- probesite: where a uprobe can sit without single-stepping --------------------------
 
 PUSH_RBP = b"\x55"

@@ -63,7 +63,7 @@ def test_rip_relative_code_uses_probe_ip():
     code = usdt.arg_code(spec, 1, 0x909E3, symtab)
     # runtime address = ctx->ip + (mp_ + 16 - probe address)
     assert f"ctx->ip + ({0x1CF340 + 16 - 0x909E3}LL)" in code
-    assert "bpf_probe_read_user" in code and "u64 v" in code and "flags |= 2" in code
+    assert "pm_probe_read_user" in code and "u64 v" in code and "flags |= 2" in code
     code = usdt.arg_code(usdt.parse_arg("-4@72+mp_(%rip)"), 2, 0x909E3, symtab)
     assert "s32 v" in code and "(u64)(s32)v" in code
     assert usdt.arg_code(usdt.parse_arg("-4@%eax"), 0, 0, {}) == "a0 = (u64)(s32)(ctx->ax);"
@@ -76,7 +76,7 @@ def test_unresolvable_symbol_is_reported_not_guessed(monkeypatch):
     sites, warnings = usdt.build_sites(["/x/libc.so.6"])
     assert len(sites) == 1 and sites[0].unresolved and 1 in sites[0].unresolved
     assert any("global_max_fast" in w and "not decoded" in w for w in warnings)
-    assert "bpf_probe_read_user" not in sites[0].code  # no read from a made-up address
+    assert "pm_probe_read_user" not in sites[0].code  # no read from a made-up address
     assert "flags |= 2;" in sites[0].code
 
 
