@@ -215,12 +215,12 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     u32 len = 0;
     u32 first = HP_PAGE - (u32)(sp & (HP_PAGE - 1));
     if (first > HP_PAGE) first = HP_PAGE;
-    if (bpf_probe_read_user(s->stack, first, (void *)sp) == 0) {
+    if (pm_probe_read_user(s->stack, first, (void *)sp) == 0) {
         len = first;
 #pragma unroll
         for (int i = 0; i < HP_STACK_PAGES - 1; i++) {
-            if (bpf_probe_read_user(s->stack + first + i * HP_PAGE, HP_PAGE,
-                                    (void *)(sp + first + i * HP_PAGE)) != 0)
+            if (pm_probe_read_user(s->stack + first + i * HP_PAGE, HP_PAGE,
+                                   (void *)(sp + first + i * HP_PAGE)) != 0)
                 break;
             len = first + (i + 1) * HP_PAGE;
         }
@@ -311,7 +311,7 @@ int hp_return(struct pt_regs *ctx) {
     b.pid = id >> 32;
     if (p.call == CALL_POSIX_MEMALIGN) {
         addr = 0;
-        if ((u32)rc == 0 && p.arg_ptr) bpf_probe_read_user(&addr, sizeof(addr), (void *)p.arg_ptr);
+        if ((u32)rc == 0 && p.arg_ptr) pm_probe_read_user(&addr, sizeof(addr), (void *)p.arg_ptr);
     }
     /* realloc: the old block is gone when it succeeded, and after realloc(p, 0) */
     if (p.call == CALL_REALLOC && p.arg_ptr && (rc || p.size == 0)) {
