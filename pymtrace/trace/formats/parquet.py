@@ -1,0 +1,415 @@
+"""Apache Parquet recordings: one row per malloc-API call, in columns, compressed (docs/formats.md, section 2).
+
+The schema (SCHEMA) and the mapping between mtrace-bin records and rows are defined here
+once: a record's fields become the columns of the same name (`pad[0]` is `time_ns`,
+`pad[1]` is `caller`), the call type code becomes its name in the dictionary-encoded
+`type` column, and the path flags (bits 8-21 of the record's type word, always 0 in
+pymtrace's recordings) the `path` column, so mtrace-bin -> parquet -> mtrace-bin gives the
+same bytes. `stack` is reserved for call stacks (null until stacks are recorded).
+
+Writer appends one row group at a time and leaves the file a complete Parquet file after
+each (footer rewritten behind the new row group in one write), so a recorder killed with
+SIGKILL leaves a file that pyarrow, DuckDB or Spark read up to its last row group.
+All row processing is vectorized (numpy, pyarrow): no Python work per record.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from typing import IO, Iterator, Mapping, Sequence
+
+import numpy
+import pyarrow
+import pyarrow.compute
+import pyarrow.parquet
+
+from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.trace.formats import mtrace_bin
+from pymtrace.trace.formats import thrift_compact as thrift
+
+FORMAT_VERSION = "1"  # pymtrace.format_version: bumped when the schema changes incompatibly
+MAGIC = b"PAR1"
+META_PREFIX = "pymtrace."
+
+# the call names of the `type` column, in call type code order (code = index + 1)
+TYPE_NAMES = tuple(mtrace_bin.TYPE_NAMES[code] for code in range(1, 9))
+_TYPE_DICT = pyarrow.array(TYPE_NAMES, pyarrow.string())
+
+# One definition of the columns: name -> (Arrow type, nullable, what it holds).
+COLUMNS = {
+    "thread": (pyarrow.int32(), False, "kernel thread id (TID) of the caller"),
+    "type": (pyarrow.dictionary(pyarrow.int8(), pyarrow.string()), False, "call name: " + ", ".join(TYPE_NAMES)),
+    "ptr1": (pyarrow.uint64(), False, "pointer passed in (free, realloc); posix_memalign's return code"),
+    "ptr2": (pyarrow.uint64(), False, "pointer returned (0: NULL, or none)"),
+    "size": (pyarrow.uint64(), False, "bytes requested"),
+    "size2": (pyarrow.uint64(), False, "chunk size released (free, realloc), alignment, or page size"),
+    "size3": (pyarrow.uint64(), False, "chunk size of the block returned"),
+    "time_ns": (pyarrow.uint64(), False, "CLOCK_MONOTONIC ns when the call took ownership (0 = unknown)"),
+    "caller": (pyarrow.uint64(), False, "the caller's return address, absolute (0 = unknown)"),
+    "path": (pyarrow.uint16(), False, "glibc path flags, record type bits 8-21 shifted down (pymtrace: 0)"),
+    "stack": (pyarrow.list_(pyarrow.uint64()), True, "return addresses, innermost first (null: not recorded)"),
+}
+SCHEMA = pyarrow.schema(
+    [pyarrow.field(name, typ, nullable, metadata={"doc": doc}) for name, (typ, nullable, doc) in COLUMNS.items()]
+)
+_UINT64 = ("ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller")
+
+# Encodings, chosen by measurement on a malloc storm and on python3 churning JSON
+# (docs/formats.md): dictionary (RLE/bit-packed indices, falling back to PLAIN when the
+# dictionary outgrows its page) for everything that repeats, including pointers, which
+# a delta encoding made 2x larger; DELTA_BINARY_PACKED for the nearly monotonic time;
+# BYTE_STREAM_SPLIT for requested sizes. zstd on every page.
+DICTIONARY_COLUMNS = ["thread", "type", "ptr1", "ptr2", "size2", "size3", "caller", "path"]
+COLUMN_ENCODINGS = {"time_ns": "DELTA_BINARY_PACKED", "size": "BYTE_STREAM_SPLIT"}
+STATISTICS_COLUMNS = ["thread", "time_ns", "size"]  # min/max per row group: lets queries skip groups
+COMPRESSION, COMPRESSION_LEVEL = "zstd", 1  # level 3: ~5% smaller, ~60 ns a row more CPU
+ROW_GROUP_ROWS = 1 << 20  # rows buffered before a row group is written (64 MiB of raw records)
+FLUSH_INTERVAL_S = 2.0  # a recording also writes a row group at least this often (see Writer)
+
+
+def _writer_options() -> dict:
+    return dict(
+        compression=COMPRESSION,
+        compression_level=COMPRESSION_LEVEL,
+        use_dictionary=DICTIONARY_COLUMNS,
+        column_encoding=COLUMN_ENCODINGS,
+        write_statistics=STATISTICS_COLUMNS,
+        write_page_index=False,  # page indexes sit between row groups and footer: Writer appends
+        store_schema=True,
+    )
+
+
+# ---------------------------------------------------------------- records <-> rows
+
+
+def table_from_records(recs: numpy.ndarray) -> pyarrow.Table:
+    """The rows (SCHEMA) of a numpy record array (mtrace_bin.record_dtype, either byte order)."""
+    words = recs["type"]
+    codes = (words & 0xFF).astype(numpy.int8)
+    columns = {
+        "thread": pyarrow.array(recs["thread"].astype(numpy.int32, copy=False)),
+        "type": pyarrow.DictionaryArray.from_arrays(pyarrow.array(codes - 1), _TYPE_DICT),
+    }
+    for name in _UINT64:
+        columns[name] = pyarrow.array(recs[name].astype(numpy.uint64, copy=False))
+    columns["path"] = pyarrow.array(((words >> 8) & 0x3FFF).astype(numpy.uint16))
+    columns["stack"] = pyarrow.nulls(len(recs), SCHEMA.field("stack").type)
+    return pyarrow.Table.from_pydict(columns, schema=SCHEMA)
+
+
+def _type_codes(column: pyarrow.ChunkedArray | pyarrow.Array, name: str) -> numpy.ndarray:
+    """Call type codes (uint8) of a `type` column, dictionary-encoded or plain strings."""
+    if isinstance(column, pyarrow.ChunkedArray):
+        column = column.combine_chunks()
+    if pyarrow.types.is_dictionary(column.type):
+        names = column.dictionary.to_pylist()
+        lookup = numpy.array([TYPE_NAMES.index(n) + 1 if n in TYPE_NAMES else 0 for n in names] or [0], numpy.uint8)
+        if column.null_count:
+            raise CorruptFile(f"{name}: the type column has nulls")
+        codes = lookup[column.indices.to_numpy(zero_copy_only=False).astype(numpy.int64)]
+    else:
+        codes = pyarrow.compute.index_in(column, value_set=_TYPE_DICT)
+        if codes.null_count:
+            codes = codes.fill_null(-1)
+        codes = (codes.to_numpy(zero_copy_only=False) + 1).astype(numpy.uint8)
+    if len(codes) and not codes.all():
+        raise CorruptFile(f"{name}: a row has a call type that is none of " + ", ".join(TYPE_NAMES))
+    return codes
+
+
+def records_from_batch(batch: pyarrow.RecordBatch | pyarrow.Table, name: str = "trace") -> numpy.ndarray:
+    """A numpy record array (little endian, mtrace_bin.record_dtype) of a batch of rows."""
+    recs = numpy.zeros(batch.num_rows, mtrace_bin.record_dtype("<"))
+    try:
+        recs["type"] = _type_codes(batch.column("type"), name)
+        if "path" in batch.schema.names:
+            recs["type"] |= _column(batch, "path", name).astype(numpy.uint32) << 8
+        recs["thread"] = _column(batch, "thread", name)
+        for col in _UINT64:
+            recs[col] = _column(batch, col, name)
+    except (pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError, pyarrow.ArrowTypeError) as exc:
+        raise CorruptFile(f"{name}: {str(exc).splitlines()[0]}") from None
+    return recs
+
+
+def _column(batch: pyarrow.RecordBatch | pyarrow.Table, col: str, name: str) -> numpy.ndarray:
+    values = batch.column(col)
+    if values.null_count:
+        raise CorruptFile(f"{name}: the {col} column has nulls")
+    return values.cast(COLUMNS[col][0]).to_numpy(zero_copy_only=False)
+
+
+def raw_bytes(recs: numpy.ndarray, byteorder: str = "<") -> bytes:
+    """RECS as mtrace-bin records in BYTEORDER."""
+    return recs.astype(mtrace_bin.record_dtype(byteorder), copy=False).tobytes()
+
+
+# ---------------------------------------------------------------- writing
+
+
+def file_metadata(**items: object) -> dict[str, str]:
+    """Key-value metadata for a recording, keys prefixed `pymtrace.`; None values left out.
+    Always has format_version and pymtrace_version."""
+    from pymtrace import __version__
+
+    meta = {"format_version": FORMAT_VERSION, "pymtrace_version": __version__}
+    meta.update({k: str(v) for k, v in items.items() if v is not None})
+    return {META_PREFIX + k: v for k, v in meta.items()}
+
+
+class Writer:
+    """Write rows to the file descriptor FD (empty, positioned at 0) one row group at a time.
+
+    write_records() buffers; a row group is written when ROW_GROUP_ROWS rows are buffered,
+    when maybe_flush() finds the oldest buffered row FLUSH_INTERVAL_S old (a recording calls
+    it on every poll) and at close(). After each row group the file is a complete Parquet
+    file: the row group and a new footer listing every row group so far go out in one
+    pwrite(2) over the previous footer. A failed write (disk full) restores the previous
+    footer, so the file keeps every earlier row group, and raises OSError.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        metadata: Mapping[str, str] | None = None,
+        row_group_rows: int = ROW_GROUP_ROWS,
+        flush_interval: float = FLUSH_INTERVAL_S,
+    ) -> None:
+        self.fd = fd
+        self.schema = SCHEMA.with_metadata(dict(metadata or {}))
+        self.row_group_rows = row_group_rows
+        self.flush_interval = flush_interval
+        self.pending = []
+        self.pending_rows = 0
+        self.pending_since = None
+        self.rows = 0  # rows in the file
+        self.row_groups = []  # each row group's encoded thrift RowGroup
+        self.data_end = len(MAGIC)  # where the footer starts
+        self.flushed = []  # numpy record arrays written by the last flush (for counting)
+        empty, _ = self._segment(None)
+        fields, _ = thrift.read_struct(empty, len(empty) - 8 - struct.unpack_from("<I", empty, len(empty) - 8)[0])
+        self.template = fields  # FileMetaData: schema, key-value metadata, created_by
+        self.footer = self._footer()
+        self._pwrite(MAGIC + self.footer, 0)
+
+    @property
+    def size(self) -> int:
+        """Bytes in the file."""
+        return self.data_end + len(self.footer)
+
+    def _segment(self, table: pyarrow.Table | None) -> tuple[bytes, int]:
+        """(a complete one-row-group Parquet file of TABLE in memory, where its footer starts)."""
+        sink = pyarrow.BufferOutputStream()
+        with pyarrow.parquet.ParquetWriter(sink, self.schema, **_writer_options()) as w:
+            if table is not None:
+                w.write_table(table, row_group_size=max(1, table.num_rows))
+        seg = sink.getvalue().to_pybytes()
+        return seg, len(seg) - 8 - struct.unpack_from("<I", seg, len(seg) - 8)[0]
+
+    def _footer(self) -> bytes:
+        """FileMetaData listing every row group written, with its length and the magic."""
+        out = bytearray()
+        last = 0
+        for fid, ttype, value in self.template:
+            if fid == 3:
+                value = self.rows
+            if fid == 4:  # row_groups, already encoded
+                out.append(((fid - last) << 4) | ttype)
+                out += thrift.list_header(len(self.row_groups), thrift.STRUCT)
+                for rg in self.row_groups:
+                    out += rg
+            else:
+                thrift.write_struct([[fid - last, ttype, value]], out)
+                out.pop()  # write_struct's stop byte: the struct goes on
+            last = fid
+        out.append(0)
+        return bytes(out) + struct.pack("<I", len(out)) + MAGIC
+
+    def write_records(self, recs: numpy.ndarray) -> None:
+        """Buffer a numpy record array (mtrace_bin.record_dtype); writes full row groups."""
+        if not len(recs):
+            return
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
+        self.pending.append(recs)
+        self.pending_rows += len(recs)
+        if self.pending_rows >= self.row_group_rows:
+            self.flush()
+
+    def maybe_flush(self, now: float | None = None) -> bool:
+        """Write a row group if the oldest buffered row is FLUSH_INTERVAL_S old; whether it did."""
+        if self.pending_since is None:
+            return False
+        if (time.monotonic() if now is None else now) - self.pending_since < self.flush_interval:
+            return False
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Write the buffered rows as one row group, and the new footer."""
+        self.flushed = []
+        if not self.pending_rows:
+            return
+        recs = self.pending[0] if len(self.pending) == 1 else numpy.concatenate(self.pending)
+        seg, footer_at = self._segment(table_from_records(recs))
+        fields, _ = thrift.read_struct(seg, footer_at)
+        rg = thrift.field(fields, 4)[2][1][0]
+        _shift_row_group(rg, self.data_end - len(MAGIC), len(self.row_groups))
+        data = seg[len(MAGIC) : footer_at]
+        old_footer = self.footer
+        self.row_groups.append(bytes(thrift.write_struct(rg)))
+        self.rows += len(recs)
+        footer = self._footer()
+        try:
+            self._pwrite(data + footer, self.data_end)
+        except OSError:
+            self.row_groups.pop()
+            self.rows -= len(recs)
+            try:  # put the previous footer back: the file stays what it was
+                os.ftruncate(self.fd, self.data_end)
+                self._pwrite(old_footer, self.data_end)
+            except OSError:
+                pass
+            raise
+        self.data_end += len(data)
+        self.footer = footer
+        self.pending, self.pending_rows, self.pending_since = [], 0, None
+        self.flushed = [recs]
+
+    def _pwrite(self, blob: bytes, offset: int) -> None:
+        view = memoryview(blob)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def close(self) -> None:
+        """Write what is buffered (the file descriptor stays open: its owner closes it)."""
+        self.flush()
+
+
+def _shift_row_group(rg: list, delta: int, ordinal: int) -> None:
+    """Move a decoded RowGroup's file offsets by DELTA bytes and set its ordinal."""
+    for entry in rg:
+        if entry[0] == 5:  # file_offset
+            entry[2] += delta
+        elif entry[0] == 1:  # columns: list<ColumnChunk>
+            for chunk in entry[2][1]:
+                for c in chunk:
+                    if c[0] in (2, 4, 6):  # file_offset, offset_index_offset, column_index_offset
+                        c[2] += delta
+                    elif c[0] == 3:  # ColumnMetaData: data/index/dictionary page, bloom filter
+                        for m in c[2]:
+                            if m[0] in (9, 10, 11, 14):
+                                m[2] += delta
+    rg[:] = [e for e in rg if e[0] != 7]
+    if ordinal < 1 << 15:
+        rg.append([7, thrift.I16, ordinal])
+        rg.sort(key=lambda e: e[0])
+
+
+def write_records(fileobj: IO[bytes], arrays: Iterator[numpy.ndarray], metadata: Mapping[str, str]) -> int:
+    """Write record arrays to the new, empty file FILEOBJ as Parquet; the number of rows."""
+    fileobj.flush()
+    w = Writer(fileobj.fileno(), metadata)
+    for recs in arrays:
+        w.write_records(recs)
+    w.close()
+    return w.rows
+
+
+# ---------------------------------------------------------------- reading
+
+
+_ARROW_ERRORS = (pyarrow.ArrowException, OSError, ValueError, IndexError, KeyError, OverflowError)
+
+
+def is_parquet(head: bytes) -> bool:
+    return head[:4] == MAGIC
+
+
+def open_file(path: str) -> pyarrow.parquet.ParquetFile:
+    """A ParquetFile holding a pymtrace trace; CorruptFile (one line) on anything else."""
+    if not os.path.isfile(path):
+        raise PymtraceError(f"cannot read {path}: no such file")
+    try:
+        pf = pyarrow.parquet.ParquetFile(path)
+        names = pf.schema_arrow.names
+    except _ARROW_ERRORS as exc:
+        raise CorruptFile(f"{path}: not a readable Parquet file (truncated or corrupt): {_first_line(exc)}") from None
+    missing = [c for c in COLUMNS if c not in names and c not in ("path", "stack")]
+    if missing:
+        raise CorruptFile(f"{path}: not a pymtrace Parquet trace: no column " + ", ".join(missing))
+    return pf
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The file's pymtrace.* key-value metadata, prefix removed."""
+    try:
+        kv = open_file(path).metadata.metadata or {}
+    except _ARROW_ERRORS as exc:
+        raise CorruptFile(f"{path}: {_first_line(exc)}") from None
+    out = {}
+    for k, v in kv.items():
+        key = k.decode("utf-8", "replace")
+        if key.startswith(META_PREFIX):
+            out[key[len(META_PREFIX) :]] = v.decode("utf-8", "replace")
+    return out
+
+
+def iter_batches(
+    path: str, columns: Sequence[str] | None = None, batch_size: int = 1 << 16
+) -> Iterator[pyarrow.RecordBatch]:
+    """Record batches of the file's rows (all columns, or COLUMNS); CorruptFile on damage."""
+    pf = open_file(path)
+    try:
+        for batch in pf.iter_batches(batch_size=batch_size, columns=list(columns) if columns else None):
+            yield batch
+    except _ARROW_ERRORS as exc:
+        raise CorruptFile(f"{path}: corrupt Parquet data: {_first_line(exc)}") from None
+
+
+def iter_arrays(path: str, batch_size: int = 1 << 16) -> Iterator[numpy.ndarray]:
+    """numpy record arrays (mtrace_bin.record_dtype, little endian) of the file's rows."""
+    names = open_file(path).schema_arrow.names
+    cols = [c for c in COLUMNS if c in names and c != "stack"]
+    for batch in iter_batches(path, cols, batch_size):
+        yield records_from_batch(batch, path)
+
+
+def iter_records(path: str) -> Iterator[mtrace_bin.Record]:
+    """mtrace_bin.Record objects of the file's rows (for per-record readers: dump, workload)."""
+    Record = mtrace_bin.Record
+    for recs in iter_arrays(path):
+        for thread, word, p1, p2, s1, s2, s3, ts, caller in recs.tolist():
+            yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, word >> 8)
+
+
+def magic_of(meta: Mapping[str, str]) -> tuple[str, int]:
+    """(byte order, MAGIC thread) for writing the file as mtrace-bin again: those of the
+    mtrace-bin file it came from, or the recorded pid and little endian."""
+    order = ">" if meta.get("byteorder") == "big" else "<"
+    try:
+        thread = int(meta.get("magic_thread", meta.get("pid", "0")))
+    except ValueError:
+        thread = 0
+    if not -(1 << 31) <= thread < 1 << 31:
+        thread = 0
+    return order, thread
+
+
+def write_mtrace_bin(path: str, out: IO[bytes]) -> int:
+    """Write the Parquet trace PATH to OUT as mtrace-bin (MAGIC first); the number of records."""
+    order, thread = magic_of(read_metadata(path))
+    out.write(mtrace_bin.magic_record(thread, order))
+    n = 0
+    for recs in iter_arrays(path):
+        out.write(raw_bytes(recs, order))
+        n += len(recs)
+    return n
