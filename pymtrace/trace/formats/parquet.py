@@ -413,3 +413,39 @@ def write_mtrace_bin(path: str, out: IO[bytes]) -> int:
         out.write(raw_bytes(recs, order))
         n += len(recs)
     return n
+
+
+def arrays_from_records(records: Iterator[mtrace_bin.Record], chunk: int = 1 << 16) -> Iterator[numpy.ndarray]:
+    """numpy record arrays of Record objects (a text log's records), CHUNK at a time."""
+    dtype = mtrace_bin.record_dtype("<")
+    rows = []
+    for r in records:
+        rows.append((r.thread, r.type | r.path << 8, r.ptr1, r.ptr2, r.size, r.size2, r.size3, r.ts_ns, r.caller))
+        if len(rows) == chunk:
+            yield numpy.array(rows, dtype)
+            rows = []
+    if rows:
+        yield numpy.array(rows, dtype)
+
+
+def convert_to_parquet(path: str, fmt: str, out: IO[bytes]) -> int:
+    """Write the trace PATH (in format FMT) to the new file OUT as Parquet; the row count.
+    The MAGIC record's thread and the byte order of an mtrace-bin input are kept in the
+    metadata, so converting back gives the same bytes."""
+    if fmt == "parquet":
+        meta = {META_PREFIX + k: v for k, v in read_metadata(path).items()}
+        return write_records(out, iter_arrays(path), meta)
+    if fmt == "mtrace-text":
+        from pymtrace.trace.formats import mtrace_text
+
+        records = mtrace_text.to_records(mtrace_text.read_file(path))
+        return write_records(out, arrays_from_records(records), file_metadata(source_format=fmt))
+    with open(path, "rb") as f:
+        order, thread, arrays = mtrace_bin.read_arrays(f, path)
+        meta = file_metadata(
+            source_format=fmt,
+            magic_thread=thread,
+            pid=thread or None,
+            byteorder="big" if order == ">" else "little",
+        )
+        return write_records(out, arrays, meta)

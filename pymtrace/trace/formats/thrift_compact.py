@@ -206,4 +206,3 @@ def list_header(n: int, etype: int) -> bytes:
         out.append(0xF0 | etype)
         _put_varint(out, n)
     return bytes(out)
-
