@@ -54,7 +54,8 @@ COLUMNS = {
 SCHEMA = pyarrow.schema(
     [pyarrow.field(name, typ, nullable, metadata={"doc": doc}) for name, (typ, nullable, doc) in COLUMNS.items()]
 )
-_UINT64 = ("ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller")
+_UINT64 = ("ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller")  # record order
+_LE_DTYPE = mtrace_bin.record_dtype("<")
 
 # Encodings, chosen by measurement on a malloc storm and on python3 churning JSON
 # (docs/formats.md): dictionary (RLE/bit-packed indices, falling back to PLAIN when the
@@ -65,7 +66,9 @@ DICTIONARY_COLUMNS = ["thread", "type", "ptr1", "ptr2", "size2", "size3", "calle
 COLUMN_ENCODINGS = {"time_ns": "DELTA_BINARY_PACKED", "size": "BYTE_STREAM_SPLIT"}
 STATISTICS_COLUMNS = ["thread", "time_ns", "size"]  # min/max per row group: lets queries skip groups
 COMPRESSION, COMPRESSION_LEVEL = "zstd", 1  # level 3: ~5% smaller, ~60 ns a row more CPU
-ROW_GROUP_ROWS = 1 << 20  # rows buffered before a row group is written (64 MiB of raw records)
+ROW_GROUP_ROWS = 1 << 16  # rows buffered before a row group is written (4 MiB of raw records,
+# ~10 ms of CPU to encode, in the cache: a short pause of the recorder's drain loop)
+MAX_ROW_GROUP_ROWS = 1 << 21  # row groups grow up to this as the footer grows (see Writer)
 FLUSH_INTERVAL_S = 2.0  # a recording also writes a row group at least this often (see Writer)
 
 
@@ -84,18 +87,31 @@ def _writer_options() -> dict:
 # ---------------------------------------------------------------- records <-> rows
 
 
-def table_from_records(recs: numpy.ndarray) -> pyarrow.Table:
-    """The rows (SCHEMA) of a numpy record array (mtrace_bin.record_dtype, either byte order)."""
-    words = recs["type"]
-    codes = (words & 0xFF).astype(numpy.int8)
+def table_from_records(recs: numpy.ndarray, scratch: numpy.ndarray | None = None) -> pyarrow.Table:
+    """The rows (SCHEMA) of a numpy record array (mtrace_bin.record_dtype, either byte order).
+    SCRATCH: a uint64 array of at least 8 x len(RECS) words the table's columns may use
+    (reused by a writer: fresh large buffers cost a page fault every 4 KiB)."""
+    n = len(recs)
+    if recs.dtype != _LE_DTYPE:
+        recs = recs.astype(_LE_DTYPE)
+    # one transposing copy makes every 8-byte field a contiguous column (strided fields
+    # would each be gathered separately, ~3x slower)
+    words = numpy.ascontiguousarray(recs).view(numpy.uint64).reshape(n, 8).T
+    if scratch is None or scratch.size < 8 * n:
+        cols = words.copy()
+    else:
+        cols = scratch[: 8 * n].reshape(8, n)
+        numpy.copyto(cols, words)
+    head = cols[0].view(numpy.uint32).reshape(n, 2)  # thread, type word (little endian)
+    words = head[:, 1]
     columns = {
-        "thread": pyarrow.array(recs["thread"].astype(numpy.int32, copy=False)),
-        "type": pyarrow.DictionaryArray.from_arrays(pyarrow.array(codes - 1), _TYPE_DICT),
+        "thread": pyarrow.array(head[:, 0].view(numpy.int32).copy()),
+        "type": pyarrow.DictionaryArray.from_arrays(pyarrow.array((words & 0xFF).astype(numpy.int8) - 1), _TYPE_DICT),
     }
-    for name in _UINT64:
-        columns[name] = pyarrow.array(recs[name].astype(numpy.uint64, copy=False))
+    for i, name in enumerate(_UINT64, start=1):
+        columns[name] = pyarrow.array(cols[i])
     columns["path"] = pyarrow.array(((words >> 8) & 0x3FFF).astype(numpy.uint16))
-    columns["stack"] = pyarrow.nulls(len(recs), SCHEMA.field("stack").type)
+    columns["stack"] = pyarrow.nulls(n, SCHEMA.field("stack").type)
     return pyarrow.Table.from_pydict(columns, schema=SCHEMA)
 
 
@@ -163,11 +179,14 @@ class Writer:
     """Write rows to the file descriptor FD (empty, positioned at 0) one row group at a time.
 
     write_records() buffers; a row group is written when ROW_GROUP_ROWS rows are buffered,
-    when maybe_flush() finds the oldest buffered row FLUSH_INTERVAL_S old (a recording calls
-    it on every poll) and at close(). After each row group the file is a complete Parquet
-    file: the row group and a new footer listing every row group so far go out in one
-    pwrite(2) over the previous footer. A failed write (disk full) restores the previous
-    footer, so the file keeps every earlier row group, and raises OSError.
+    when maybe_flush() finds the oldest buffered row FLUSH_INTERVAL_S old (or 2% of the
+    writer's age, whichever is longer; a recording calls it on every poll) and at close().
+    After each row group the file is a complete Parquet file: the row group and a new footer
+    listing every row group so far go out in one pwrite(2) over the previous footer. The
+    footer grows by ~0.8 KB a row group, so row groups grow too (up to MAX_ROW_GROUP_ROWS)
+    once the footer passes half a byte per row: rewriting it stays a small part of the
+    writing. A failed write (disk full) restores the previous footer, so the file keeps
+    every earlier row group, and raises OSError.
     """
 
     def __init__(
@@ -181,18 +200,20 @@ class Writer:
         self.schema = SCHEMA.with_metadata(dict(metadata or {}))
         self.row_group_rows = row_group_rows
         self.flush_interval = flush_interval
-        self.pending = []
+        self.started = time.monotonic()
+        self.pending = numpy.empty(0, _LE_DTYPE)  # rows buffered, in one reused array
+        self.scratch = numpy.empty(0, numpy.uint64)
         self.pending_rows = 0
         self.pending_since = None
         self.rows = 0  # rows in the file
         self.row_groups = []  # each row group's encoded thrift RowGroup
         self.data_end = len(MAGIC)  # where the footer starts
-        self.flushed = []  # numpy record arrays written by the last flush (for counting)
+        self.type_counts = [0] * 9  # rows in the file per call type code (index 0 unused)
         empty, _ = self._segment(None)
         fields, _ = thrift.read_struct(empty, len(empty) - 8 - struct.unpack_from("<I", empty, len(empty) - 8)[0])
         self.template = fields  # FileMetaData: schema, key-value metadata, created_by
         self.footer = self._footer()
-        self._pwrite(MAGIC + self.footer, 0)
+        self._pwrite([MAGIC, self.footer], 0)
 
     @property
     def size(self) -> int:
@@ -205,7 +226,7 @@ class Writer:
         with pyarrow.parquet.ParquetWriter(sink, self.schema, **_writer_options()) as w:
             if table is not None:
                 w.write_table(table, row_group_size=max(1, table.num_rows))
-        seg = sink.getvalue().to_pybytes()
+        seg = memoryview(sink.getvalue()).cast("B")
         return seg, len(seg) - 8 - struct.unpack_from("<I", seg, len(seg) - 8)[0]
 
     def _footer(self) -> bytes:
@@ -233,56 +254,73 @@ class Writer:
             return
         if self.pending_since is None:
             self.pending_since = time.monotonic()
-        self.pending.append(recs)
-        self.pending_rows += len(recs)
-        if self.pending_rows >= self.row_group_rows:
-            self.flush()
+        limit = max(self.row_group_rows, min(MAX_ROW_GROUP_ROWS, 2 * len(self.footer)))
+        while len(recs):
+            if len(self.pending) < limit:
+                grown = numpy.empty(limit, _LE_DTYPE)
+                grown[: self.pending_rows] = self.pending[: self.pending_rows]
+                self.pending = grown
+            take = min(len(recs), limit - self.pending_rows)
+            self.pending[self.pending_rows : self.pending_rows + take] = recs[:take]
+            self.pending_rows += take
+            recs = recs[take:]
+            if self.pending_rows >= limit:
+                self.flush()
 
     def maybe_flush(self, now: float | None = None) -> bool:
         """Write a row group if the oldest buffered row is FLUSH_INTERVAL_S old; whether it did."""
         if self.pending_since is None:
             return False
-        if (time.monotonic() if now is None else now) - self.pending_since < self.flush_interval:
+        now = time.monotonic() if now is None else now
+        if now - self.pending_since < max(self.flush_interval, 0.02 * (now - self.started)):
             return False
         self.flush()
         return True
 
     def flush(self) -> None:
         """Write the buffered rows as one row group, and the new footer."""
-        self.flushed = []
         if not self.pending_rows:
             return
-        recs = self.pending[0] if len(self.pending) == 1 else numpy.concatenate(self.pending)
-        seg, footer_at = self._segment(table_from_records(recs))
+        recs = self.pending[: self.pending_rows]
+        if self.scratch.size < 8 * len(recs):
+            self.scratch = numpy.empty(8 * len(self.pending), numpy.uint64)
+        seg, footer_at = self._segment(table_from_records(recs, self.scratch))
         fields, _ = thrift.read_struct(seg, footer_at)
         rg = thrift.field(fields, 4)[2][1][0]
         _shift_row_group(rg, self.data_end - len(MAGIC), len(self.row_groups))
-        data = seg[len(MAGIC) : footer_at]
+        data = seg[len(MAGIC) : footer_at]  # a memoryview: no copy
         old_footer = self.footer
         self.row_groups.append(bytes(thrift.write_struct(rg)))
         self.rows += len(recs)
         footer = self._footer()
         try:
-            self._pwrite(data + footer, self.data_end)
+            self._pwrite([data, footer], self.data_end)
         except OSError:
             self.row_groups.pop()
             self.rows -= len(recs)
             try:  # put the previous footer back: the file stays what it was
                 os.ftruncate(self.fd, self.data_end)
-                self._pwrite(old_footer, self.data_end)
+                self._pwrite([old_footer], self.data_end)
             except OSError:
                 pass
             raise
         self.data_end += len(data)
         self.footer = footer
-        self.pending, self.pending_rows, self.pending_since = [], 0, None
-        self.flushed = [recs]
+        self.pending_rows, self.pending_since = 0, None
+        counts = numpy.bincount(recs["type"] & 0xFF, minlength=9)
+        self.type_counts = [a + int(b) for a, b in zip(self.type_counts, counts[:9])]
 
-    def _pwrite(self, blob: bytes, offset: int) -> None:
-        view = memoryview(blob)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
+    def _pwrite(self, parts: list, offset: int) -> None:
+        """Write PARTS (bytes-like) at OFFSET, all of them (pwritev can write less)."""
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            done = os.pwritev(self.fd, views, offset)
+            offset += done
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if views and done:
+                views[0] = views[0][done:]
 
     def close(self) -> None:
         """Write what is buffered (the file descriptor stays open: its owner closes it)."""
