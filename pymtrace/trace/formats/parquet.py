@@ -183,9 +183,9 @@ class Writer:
     writer's age, whichever is longer; a recording calls it on every poll) and at close().
     After each row group the file is a complete Parquet file: the row group and a new footer
     listing every row group so far go out in one pwrite(2) over the previous footer. The
-    footer grows by ~0.8 KB a row group, so row groups grow too (up to MAX_ROW_GROUP_ROWS)
-    once the footer passes half a byte per row: rewriting it stays a small part of the
-    writing. A failed write (disk full) restores the previous footer, so the file keeps
+    footer grows by ~0.8 KB a row group, so once it has grown by 64 KiB row groups grow too
+    (2 rows per footer byte, up to MAX_ROW_GROUP_ROWS): rewriting it stays a small part of
+    the writing. A failed write (disk full) restores the previous footer, so the file keeps
     every earlier row group, and raises OSError.
     """
 
@@ -213,6 +213,7 @@ class Writer:
         fields, _ = thrift.read_struct(empty, len(empty) - 8 - struct.unpack_from("<I", empty, len(empty) - 8)[0])
         self.template = fields  # FileMetaData: schema, key-value metadata, created_by
         self.footer = self._footer()
+        self.base_footer = len(self.footer)
         self._pwrite([MAGIC, self.footer], 0)
 
     @property
@@ -254,7 +255,10 @@ class Writer:
             return
         if self.pending_since is None:
             self.pending_since = time.monotonic()
-        limit = max(self.row_group_rows, min(MAX_ROW_GROUP_ROWS, 2 * len(self.footer)))
+        growth = len(self.footer) - self.base_footer
+        limit = self.row_group_rows
+        if growth >= 1 << 16:
+            limit = max(limit, min(MAX_ROW_GROUP_ROWS, 2 * growth))
         while len(recs):
             if len(self.pending) < limit:
                 grown = numpy.empty(limit, _LE_DTYPE)
