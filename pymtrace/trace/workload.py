@@ -539,10 +539,9 @@ def convert_stream(
     """Convert a binary trace stream (mtrace-bin, or a Parquet file) into .wl bytes written
     to OUT; returns (stats, counts)."""
     first = stream.read(mb.RECORD_SIZE)
-    if first[:4] == b"PAR1" and stream.seekable():
-        return _convert_parquet(
-            stream.name, out, name, compat, freed_cache, tmpdir, warn, max_warnings, valloc_as_memalign
-        )
+    path = getattr(stream, "name", None)
+    if first[:4] == b"PAR1" and isinstance(path, str) and os.path.isfile(path):
+        return _convert_parquet(path, out, name, compat, freed_cache, tmpdir, warn, max_warnings, valloc_as_memalign)
     try:
         order = mb.detect_byteorder(first)
     except CorruptFile as exc:
