@@ -57,11 +57,13 @@ SCHEMA = pyarrow.schema(
 _UINT64 = ("ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller")  # record order
 _LE_DTYPE = mtrace_bin.record_dtype("<")
 
-# Encodings, chosen by measurement on a malloc storm and on python3 churning JSON
-# (docs/formats.md): dictionary (RLE/bit-packed indices, falling back to PLAIN when the
-# dictionary outgrows its page) for everything that repeats, including pointers, which
-# a delta encoding made 2x larger; DELTA_BINARY_PACKED for the nearly monotonic time;
-# BYTE_STREAM_SPLIT for requested sizes. zstd on every page.
+# Encodings, chosen per column by measurement on a malloc storm and on python3 churning
+# JSON (docs/formats.md, section 4): dictionary (RLE/bit-packed indices; PLAIN once the
+# dictionary outgrows its page) for what repeats: thread, type, caller, path, chunk sizes
+# and the pointers, which DELTA_BINARY_PACKED made 2.4x larger (allocations and frees interleave,
+# so consecutive pointers are unrelated); DELTA_BINARY_PACKED for the nearly monotonic
+# time; BYTE_STREAM_SPLIT for the requested size.
+# zstd on all.
 DICTIONARY_COLUMNS = ["thread", "type", "ptr1", "ptr2", "size2", "size3", "caller", "path"]
 COLUMN_ENCODINGS = {"time_ns": "DELTA_BINARY_PACKED", "size": "BYTE_STREAM_SPLIT"}
 STATISTICS_COLUMNS = ["thread", "time_ns", "size"]  # min/max per row group: lets queries skip groups
