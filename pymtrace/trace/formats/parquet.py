@@ -1,4 +1,4 @@
-"""Apache Parquet recordings: one row per malloc-API call, in columns, compressed (docs/formats.md, section 2).
+"""Apache Parquet recordings: one row per malloc-API call, in columns, compressed (docs/formats.md, section 5).
 
 The schema (SCHEMA) and the mapping between mtrace-bin records and rows are defined here
 once: a record's fields become the columns of the same name (`pad[0]` is `time_ns`,
@@ -58,7 +58,7 @@ _UINT64 = ("ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller")  # rec
 _LE_DTYPE = mtrace_bin.record_dtype("<")
 
 # Encodings, chosen per column by measurement on a malloc storm and on python3 churning
-# JSON (docs/formats.md, section 4): dictionary (RLE/bit-packed indices; PLAIN once the
+# JSON (docs/formats.md, section 5): dictionary (RLE/bit-packed indices; PLAIN once the
 # dictionary outgrows its page) for what repeats: thread, type, caller, path, chunk sizes
 # and the pointers, which DELTA_BINARY_PACKED made 2.4x larger (allocations and frees interleave,
 # so consecutive pointers are unrelated); DELTA_BINARY_PACKED for the nearly monotonic
