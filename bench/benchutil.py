@@ -28,3 +28,15 @@ def uprobe_pids(path):
         return None
     names = (path, os.path.realpath(path))
     return {e.get("pid") for e in entries if e.get("filename") in names and e.get("pid") != os.getpid()}
+
+
+def print_table(rows, markdown=False):
+    """ROWS (dicts with the same keys) as a markdown table, or as indented JSON."""
+    if markdown:
+        cols = list(rows[0])
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    else:
+        print(json.dumps(rows, indent=1))

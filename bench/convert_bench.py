@@ -8,7 +8,6 @@ Usage: bench/convert_bench.py [TRACE...] [--rounds R] [--markdown]
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -18,6 +17,8 @@ import time
 import numpy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchutil import print_table  # noqa: E402
 
 from pymtrace.trace.formats import mtrace_bin as B  # noqa: E402
 from pymtrace.trace.formats import parquet as P  # noqa: E402
@@ -92,14 +93,7 @@ def main():
                     "byte_identical": all(r[4] for r in res),
                 }
             )
-    if args.markdown:
-        cols = list(rows[0])
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in rows:
-            print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    else:
-        print(json.dumps(rows, indent=1))
+    print_table(rows, args.markdown)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchutil import build_c
+from benchutil import build_c, print_table
 
 SRC = pathlib.Path(__file__).resolve().parent / "storm.c"
 
@@ -196,14 +196,7 @@ def main():
             continue
         r["untraced_ns_per_call"] = round(best / 2, 1)
         r["slowdown_ns_per_call"] = round(r["traced_ns_per_call"] - best / 2, 1)
-    if args.markdown:
-        cols = list(rows[0])
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in rows:
-            print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    else:
-        print(json.dumps(rows, indent=1))
+    print_table(rows, args.markdown)
 
 
 if __name__ == "__main__":

@@ -11,25 +11,12 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 from conftest import PYMTRACE, run_pymtrace
+from support.recording import ground_truth, text_range
 
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import parquet as P
 
 pytestmark = pytest.mark.bpf
-
-
-def text_range(binary):
-    from elftools.elf.elffile import ELFFile
-
-    with open(binary, "rb") as f:
-        for seg in ELFFile(f).iter_segments():
-            if seg["p_type"] == "PT_LOAD" and seg["p_flags"] & 1:
-                return seg["p_vaddr"], seg["p_vaddr"] + seg["p_memsz"]
-    raise AssertionError("no text segment")
-
-
-def ground_truth(stdout):
-    return [tuple(int(x, 16) for x in line.split()[1:]) for line in stdout.splitlines() if line.startswith("CALL ")]
 
 
 def test_record_parquet_exact_calls_pyarrow_and_duckdb(cbuild, tmp_path):

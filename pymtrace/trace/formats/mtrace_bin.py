@@ -129,12 +129,8 @@ def detect_byteorder(first: bytes) -> str:
     raise CorruptFile("not an mtrace binary trace: the first record is not the MAGIC record (type 255, ptr1 0x1234)")
 
 
-def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 8192) -> Iterator[Record]:
-    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself.
-
-    Raises CorruptFile (one line, with the byte offset) on a missing MAGIC, an unknown call
-    type, or a trailing partial record.
-    """
+def _read_magic(stream: IO[bytes], name: str) -> tuple[bytes, str]:
+    """(the first record, the byte order it gives); CorruptFile naming NAME if it is no MAGIC."""
     first = _read_full(stream, RECORD_SIZE)
     if not first:
         raise CorruptFile(f"{name}: empty file, not an mtrace binary trace")
@@ -142,6 +138,16 @@ def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 81
         order = detect_byteorder(first)
     except CorruptFile as exc:
         raise CorruptFile(f"{name}: {exc}") from None
+    return first, order
+
+
+def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 8192) -> Iterator[Record]:
+    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself.
+
+    Raises CorruptFile (one line, with the byte offset) on a missing MAGIC, an unknown call
+    type, or a trailing partial record.
+    """
+    first, order = _read_magic(stream, name)
     unpack = _STRUCT[order].iter_unpack
     offset = RECORD_SIZE
     while True:
@@ -201,13 +207,7 @@ def read_arrays(
     (all-zero records and repeated MAGIC records dropped)."""
     import numpy
 
-    first = _read_full(stream, RECORD_SIZE)
-    if not first:
-        raise CorruptFile(f"{name}: empty file, not an mtrace binary trace")
-    try:
-        order = detect_byteorder(first)
-    except CorruptFile as exc:
-        raise CorruptFile(f"{name}: {exc}") from None
+    first, order = _read_magic(stream, name)
     dtype = record_dtype(order)
     magic_thread = int(numpy.frombuffer(first, dtype)["thread"][0])
     known = numpy.zeros(256, bool)
