@@ -75,25 +75,35 @@ def test_real_recording_round_trips_byte_for_byte(cbuild, tmp_path):
     assert wl1.read_bytes() == wl2.read_bytes()
 
 
-def test_sigkilled_recorder_leaves_a_readable_prefix(cbuild, tmp_path):
+def _record_until_rows(pid, out, *extra):
+    """record -p PID -o OUT in the background, returned once OUT holds a row group."""
+    rec = subprocess.Popen(
+        PYMTRACE + ["record", "-p", str(pid), "-o", str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # row groups are written at least every 2 s
+        assert rec.poll() is None, rec.stderr.read()
+        if out.exists() and out.stat().st_size and pq.ParquetFile(out).metadata.num_rows > 0:
+            return rec
+        time.sleep(0.2)
+    rec.kill()
+    raise AssertionError("no row group within 60 s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_stopped_or_killed_recorder_leaves_a_readable_file(cbuild, tmp_path, sig):
+    """SIGKILL: every row group written is readable; SIGTERM: the stop writes the rest, the
+    summary counts exactly the file's rows."""
     prog = cbuild("record_loop")
     target = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
-    out = tmp_path / "killed.parquet"
+    out = tmp_path / "stopped.parquet"
     rec = None
     try:
         assert target.stdout.readline().strip() == "ready"
-        rec = subprocess.Popen(
-            PYMTRACE + ["record", "-p", str(target.pid), "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # row groups are written at least every 2 s
-            assert rec.poll() is None, rec.stderr.read()
-            if out.exists() and out.stat().st_size and pq.ParquetFile(out).metadata.num_rows > 0:
-                break
-            time.sleep(0.2)
+        rec = _record_until_rows(target.pid, out, "--json")
         time.sleep(0.5)
-        rec.send_signal(signal.SIGKILL)
-        rec.wait(timeout=30)
+        rec.send_signal(sig)
+        _, err = rec.communicate(timeout=60)
     finally:
         if rec is not None and rec.poll() is None:
             rec.kill()
@@ -106,3 +116,8 @@ def test_sigkilled_recorder_leaves_a_readable_prefix(cbuild, tmp_path):
     assert types >= {"malloc", "free", "realloc"}
     dump = run_pymtrace("dump", "--stats", out, check=True)
     assert f"{rows} records" in dump.stdout
+    if sig == signal.SIGTERM:
+        assert rec.returncode == 0, err
+        summary = json.loads(err.decode().strip().splitlines()[-1])
+        assert summary["entries"] == rows and summary["lost"] == 0
+        assert summary["bytes_written"] == out.stat().st_size
