@@ -39,7 +39,7 @@ STOPPING: Ctrl-C, SIGINT (also sent by a script to a background job) or SIGTERM 
 what was recorded, writes it and detaches; more signals while stopping are ignored. A
 failed write (disk full) stops the recording; the file keeps every complete record
 (parquet: every complete row group). A Parquet recording is a complete Parquet file after
-each row group (262,144 rows or more, or 2 s after the oldest buffered row): killed with SIGKILL, it
+each row group (262,144 rows or more, or 2-10 s after the oldest buffered row): killed with SIGKILL, it
 keeps every row group written.
 
 EXIT STATUS: 0 ok; 1 error (also a failed write); 3 events were lost (the ring buffer was

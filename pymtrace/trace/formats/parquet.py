@@ -72,7 +72,8 @@ ROW_GROUP_ROWS = 1 << 18  # rows buffered before a row group is written (16 MiB 
 # ~40 ms of CPU to encode: a short pause of the recorder's drain loop; smaller groups cost
 # more per row, measured: 65,536 rows ~25% more)
 MAX_ROW_GROUP_ROWS = 1 << 21  # row groups grow up to this as the footer grows (see Writer)
-FLUSH_INTERVAL_S = 2.0  # a recording also writes a row group at least this often (see Writer)
+FLUSH_INTERVAL_S = 2.0  # a recording also writes a row group at least this often (see Writer),
+MAX_FLUSH_INTERVAL_S = 10.0  # or, after 100 s, every 2% of its age up to this
 
 
 def _writer_options() -> dict:
@@ -188,7 +189,8 @@ class Writer:
 
     write_records() buffers; a row group is written when ROW_GROUP_ROWS rows are buffered,
     when maybe_flush() finds the oldest buffered row FLUSH_INTERVAL_S old (or 2% of the
-    writer's age, whichever is longer; a recording calls it on every poll) and at close().
+    writer's age, up to MAX_FLUSH_INTERVAL_S: fewer row groups, a smaller footer, for a long
+    recording; a recording calls it on every poll) and at close().
     After each row group the file is a complete Parquet file: the row group and a new footer
     listing every row group so far go out in one pwrite(2) over the previous footer. The
     footer grows by ~0.8 KB a row group, so once it has grown by 64 KiB row groups grow too
@@ -286,7 +288,8 @@ class Writer:
         if self.pending_since is None:
             return False
         now = time.monotonic() if now is None else now
-        if now - self.pending_since < max(self.flush_interval, 0.02 * (now - self.started)):
+        wait = max(self.flush_interval, min(MAX_FLUSH_INTERVAL_S, 0.02 * (now - self.started)))
+        if now - self.pending_since < wait:
             return False
         self.flush()
         return True
