@@ -28,8 +28,8 @@ OVERHEAD: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~300x slower
 while recorded (4.8 ns -> ~1.4-1.6 us a call, docs/record.md), ordinary programs far
 less. pymtrace itself needs ~0.1 us of CPU per event (mostly writing 64 bytes per event
-to the file) and 64 bytes of disk per event; --format parquet ~0.1-0.2 us and 1-6 bytes
-per event (row groups compressed as it records); --format mtrace-text ~1 us per record
+to the file) and 64 bytes of disk per event; --format parquet ~0.3-0.4 us and 1.4-4.5
+bytes per event (row groups encoded and compressed as it records); --format mtrace-text ~1 us per record
 (text written as it is recorded). --follow-forks puts the probes on every process
 that uses the same libc (filtered in BPF, after the trap): while it runs, every
 malloc-API call of every such process on the machine pays the trap, recorded or not
