@@ -276,3 +276,33 @@ def test_duckdb_written_file_with_plain_strings_reads(tmp_path):
     out = tmp_path / "duck.parquet"
     duckdb.sql(f"copy (select * exclude (type), type::varchar as type from '{src}') to '{out}' (format parquet)")
     assert list(P.iter_records(str(out))) == [B.Record(3, B.CALLOC, 0, 0x20, 4, 0, 32)]
+
+
+def _outcome(reader, raw):
+    import io
+
+    try:
+        return reader(io.BytesIO(raw))
+    except CorruptFile as exc:
+        return str(exc)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(RECORD, max_size=12),
+    st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 255)), max_size=4),
+    st.integers(0, 64),
+)
+def test_vectorized_bin_reader_matches_iter_records(records, flips, cut):
+    """mtrace_bin.read_arrays (convert's path) accepts and refuses exactly what iter_records does."""
+    raw = bytearray(bin_bytes(records) + b"\0" * 64 + B.magic_record())
+    for pos, byte in flips:
+        if pos < len(raw):
+            raw[pos] = byte
+    raw = bytes(raw[: len(raw) - cut])
+
+    def vectorized(stream):
+        _, _, arrays = B.read_arrays(stream, "t", chunk_records=5)
+        return [r for recs in arrays for r in P.iter_records_of(recs)]
+
+    assert _outcome(vectorized, raw) == _outcome(lambda s: list(B.iter_records(s, "t", chunk_records=5)), raw)

@@ -149,13 +149,8 @@ def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 81
     """
     first, order = _read_magic(stream, name)
     unpack = _STRUCT[order].iter_unpack
-    offset = RECORD_SIZE
-    while True:
-        buf = _read_full(stream, RECORD_SIZE * chunk_records)
-        if not buf:
-            return
-        whole = len(buf) - len(buf) % RECORD_SIZE
-        for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf[:whole]):
+    for offset, buf in _chunks(stream, name, chunk_records):
+        for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf):
             t = typ & 0xFF
             if t == UNUSED:
                 if thread or typ or p1 or p2 or s1 or s2 or s3 or ts or caller:
@@ -169,6 +164,19 @@ def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 81
                 raise CorruptFile(f"{name}: record at byte {offset} has unknown call type {t}")
             yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, (typ >> 8) & 0x3FFF)
             offset += RECORD_SIZE
+
+
+def _chunks(stream: IO[bytes], name: str, chunk_records: int) -> Iterator[tuple[int, bytes]]:
+    """(file offset, bytes of whole records) up to CHUNK_RECORDS at a time, after the MAGIC
+    record; CorruptFile on stray bytes after the last whole record."""
+    offset = RECORD_SIZE
+    while True:
+        buf = _read_full(stream, RECORD_SIZE * chunk_records)
+        if not buf:
+            return
+        whole = len(buf) - len(buf) % RECORD_SIZE
+        yield offset, buf[:whole] if whole != len(buf) else buf
+        offset += whole
         if whole != len(buf):
             raise CorruptFile(
                 f"{name}: truncated: {len(buf) - whole} stray bytes after the last whole record (byte {offset})"
@@ -215,17 +223,12 @@ def read_arrays(
     known[MAGIC_TYPE] = False
 
     def arrays() -> Iterator[numpy.ndarray]:
-        offset = RECORD_SIZE
-        while True:
-            buf = _read_full(stream, RECORD_SIZE * chunk_records)
-            if not buf:
-                return
-            whole = len(buf) - len(buf) % RECORD_SIZE
-            recs = numpy.frombuffer(buf, dtype, count=whole // RECORD_SIZE)
+        for offset, buf in _chunks(stream, name, chunk_records):
+            recs = numpy.frombuffer(buf, dtype)
             t = (recs["type"] & 0xFF).astype(numpy.uint8)
             ok = known[t]
             if not ok.all():
-                words = numpy.frombuffer(buf, numpy.uint64, count=whole // 8).reshape(-1, 8)
+                words = numpy.frombuffer(buf, numpy.uint64).reshape(-1, 8)
                 unused = (t == UNUSED) & ~words.any(axis=1)
                 magic = (t == MAGIC_TYPE) & (recs["ptr1"] == MAGIC_PTR)
                 bad = ~(ok | unused | magic)
@@ -238,11 +241,6 @@ def read_arrays(
                 recs = recs[ok]
             if len(recs):
                 yield recs
-            offset += whole
-            if whole != len(buf):
-                raise CorruptFile(
-                    f"{name}: truncated: {len(buf) - whole} stray bytes after the last whole record (byte {offset})"
-                )
 
     return order, magic_thread, arrays()
 

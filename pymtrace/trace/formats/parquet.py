@@ -439,10 +439,15 @@ def iter_arrays(path: str, batch_size: int = 1 << 16) -> Iterator[numpy.ndarray]
 
 def iter_records(path: str) -> Iterator[mtrace_bin.Record]:
     """mtrace_bin.Record objects of the file's rows (for per-record readers: dump, workload)."""
-    Record = mtrace_bin.Record
     for recs in iter_arrays(path):
-        for thread, word, p1, p2, s1, s2, s3, ts, caller in recs.tolist():
-            yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, word >> 8)
+        yield from iter_records_of(recs)
+
+
+def iter_records_of(recs: numpy.ndarray) -> Iterator[mtrace_bin.Record]:
+    """mtrace_bin.Record objects of a numpy record array."""
+    Record = mtrace_bin.Record
+    for thread, word, p1, p2, s1, s2, s3, ts, caller in recs.tolist():
+        yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, word >> 8)
 
 
 def magic_of(meta: Mapping[str, str]) -> tuple[str, int]:
