@@ -54,3 +54,15 @@ def private_libc_storm(tmp):
         storm.kill()
         raise SystemExit("the storm did not load the private libc copy")
     return storm, pid, path
+
+
+def print_table(rows, markdown=False):
+    """ROWS (dicts with the same keys) as a markdown table, or as indented JSON."""
+    if markdown:
+        cols = list(rows[0])
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    else:
+        print(json.dumps(rows, indent=1))

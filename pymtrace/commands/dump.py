@@ -7,15 +7,16 @@ from pymtrace.errors import CorruptFile
 from pymtrace.trace.formats import load_records
 from pymtrace.trace.tracestats import Stats, path_flags, write_json
 
-HELP = "Decode a recorded malloc trace (mtrace-bin or mtrace-text), one call a line, with per-type statistics."
+HELP = "Decode a recorded malloc trace (mtrace-bin, mtrace-text or parquet), one call a line, with per-type statistics."
 EPILOG = """\
 examples:
   pymtrace dump mtrace.out.1234              # every record, then statistics
   pymtrace dump --stats mtrace.out.1234      # statistics only
   pymtrace dump --json --limit 100 trace     # machine-readable
   pymtrace dump log.txt                      # a glibc MALLOC_TRACE text log
+  pymtrace dump --stats app.parquet          # a Parquet recording (record --format parquet)
 
-Columns (mtrace-bin): index, thread id, call, ptr1, ptr2, size, size2, size3, time (ns,
+Columns (mtrace-bin, parquet): index, thread id, call, ptr1, ptr2, size, size2, size3, time (ns,
 relative to the first record), caller, path flags. ptr1 of posix_memalign is its return
 code. OVERHEAD: reads the file once (twice with --json, whose statistics come first), in
 bounded memory; no BPF, no root needed.
@@ -23,7 +24,7 @@ bounded memory; no BPF, no root needed.
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", help="trace file (mtrace-bin, or mtrace-text starting with `= Start`)")
+    parser.add_argument("file", help="trace file (mtrace-bin, mtrace-text starting with `= Start`, or parquet)")
     parser.add_argument("--stats", action="store_true", help="statistics only")
     parser.add_argument("--limit", type=int, metavar="N", help="decode at most N records (statistics still cover all)")
     parser.add_argument("--json", action="store_true", help="JSON output")

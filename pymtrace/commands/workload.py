@@ -13,7 +13,7 @@ import sys
 from pymtrace.errors import PymtraceError
 from pymtrace.trace import workload
 
-HELP = "Convert a binary malloc call trace (pymtrace record or upstream mtrace.out) into a .wl replay workload."
+HELP = "Convert a binary malloc call trace (pymtrace record, mtrace-bin or parquet, or upstream mtrace.out) into a .wl replay workload."
 EPILOG = """examples:
   pymtrace workload app.mtrace -o app.wl
   cat mtrace.out.1234 | pymtrace workload - -o app.wl
@@ -27,7 +27,7 @@ Warnings about unrepaired inversions and invalid frees go to stderr, one line pe
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="binary trace file, or - for standard input")
+    parser.add_argument("trace", help="binary trace file (mtrace-bin or parquet), or - for standard input (mtrace-bin)")
     parser.add_argument("-o", "--output", required=True, help="output .wl file (- for standard output)")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT if it exists (never through a symlink)")
     parser.add_argument(

@@ -326,3 +326,21 @@ class DynamicSymbols:
                 break
             idx += 1
         return False
+
+
+def build_id(path: str) -> str | None:
+    """The GNU build ID of PATH (NT_GNU_BUILD_ID, lowercase hex), or None if it has none or
+    cannot be read: it names the exact libc build a recording was made against."""
+    from elftools.common.exceptions import ELFError
+
+    try:
+        with open(path, "rb") as f:
+            for section in _elffile(f).iter_sections():
+                if section.header.sh_type != "SHT_NOTE":
+                    continue
+                for note in section.iter_notes():
+                    if note["n_type"] == "NT_GNU_BUILD_ID":
+                        return str(note["n_desc"])
+    except (OSError, ELFError, ValueError):
+        return None
+    return None

@@ -55,11 +55,18 @@ class WriteFailed(PymtraceError):
 
 class Output:
     """One process's trace, written as it is recorded: the MAGIC record then raw records
-    (mtrace-bin), or "= Start" then glibc's text lines (mtrace-text). A failed write cuts
-    the file back to its last complete record and raises WriteFailed."""
+    (mtrace-bin), "= Start" then glibc's text lines (mtrace-text), or Parquet row groups
+    (parquet; METADATA: its key-value metadata). A failed write cuts the file back to its
+    last complete record (parquet: row group) and raises WriteFailed."""
 
     def __init__(
-        self, path: str, fd: int, fmt: str, tgid: int, fallback_maps: Callable[[Output], None] | None = None
+        self,
+        path: str,
+        fd: int,
+        fmt: str,
+        tgid: int,
+        fallback_maps: Callable[[Output], None] | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         self.path = path
         self.fmt = fmt
@@ -72,6 +79,22 @@ class Output:
         self.resolver = mtrace_text.CallerResolver() if fmt == "mtrace-text" else None
         self.fallback_maps = fallback_maps  # adds the maps BPF saw, for a process gone from /proc
         self.last_refresh = 0.0
+        self.parquet = None
+        if fmt == "parquet":
+            from pymtrace.trace.formats import parquet  # pyarrow: imported only when needed
+
+            try:
+                self.parquet = parquet.Writer(fd, metadata)
+            except OSError as exc:
+                os.close(fd)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}") from None
+            self.bytes_written = self.parquet.size
+            self._dtype = mtrace_bin.record_dtype("<")
+            return
         _, exc = self._put(b"= Start\n" if self.resolver is not None else mtrace_bin.magic_record(tgid), [])
         if exc is not None:
             os.close(fd)
@@ -106,6 +129,11 @@ class Output:
 
     def write(self, data: bytes, n: int) -> None:
         rs = mtrace_bin.RECORD_SIZE
+        if self.parquet is not None:
+            import numpy
+
+            self._parquet_step(self.parquet.write_records, numpy.frombuffer(data, self._dtype, count=n))
+            return
         if self.resolver is None:
             blob, ends = data, range(rs, (n + 1) * rs, rs)
         else:
@@ -117,6 +145,23 @@ class Output:
         self.entries += kept
         if exc is not None:
             raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}")
+
+    def _parquet_step(self, step: Callable[..., object], *args: object) -> None:
+        """Run a parquet Writer step; count the rows it put in the file; WriteFailed on OSError."""
+        try:
+            step(*args)
+        except OSError as exc:
+            self.failed = exc
+            raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}") from None
+        finally:
+            self.counts = list(self.parquet.type_counts)
+            self.entries = self.parquet.rows
+            self.bytes_written = self.parquet.size
+
+    def poll(self) -> None:
+        """Called on every poll: parquet writes a row group when its oldest row is old enough."""
+        if self.parquet is not None and self.failed is None:
+            self._parquet_step(self.parquet.maybe_flush)
 
     def _text(self, data: bytes | bytearray) -> tuple[bytes, list[int]]:
         """glibc's text lines for the records in DATA, as one blob, and each record's end in it.
@@ -165,6 +210,12 @@ class Output:
         return False
 
     def close(self) -> None:
+        if self.parquet is not None and self.failed is None:
+            try:
+                self._parquet_step(self.parquet.close)
+            finally:
+                os.close(self.fd)
+            return
         if self.resolver is not None and self.failed is None:
             _, exc = self._put(b"= End\n", [6])
             if exc is not None:
@@ -281,19 +332,42 @@ class Recorder:
             if self.args.output:
                 path, fd = self.args.output, open_exclusive(self.args.output, self.args.force)
             else:
-                path, fd = open_unique(f"mtrace.out.{tgid}")
+                suffix = ".parquet" if self.args.format == "parquet" else ""
+                path, fd = open_unique(f"mtrace.out.{tgid}{suffix}")
         else:
             base = f"{self.outputs[self.target].path}.{tgid}"
             try:
                 path, fd = open_unique(base)
             except PymtraceError as exc:  # a full disk: stop like a failed write
                 raise WriteFailed(str(exc)) from None
-        out = Output(path, fd, self.args.format, tgid, fallback_maps=self._note_bases)
+        meta = self._parquet_metadata(tgid) if self.args.format == "parquet" else None
+        out = Output(path, fd, self.args.format, tgid, fallback_maps=self._note_bases, metadata=meta)
         self.outputs[tgid] = out
         out.snapshot_maps()
         if not self.args.quiet and not self.args.json:
             print(f"pymtrace: writing to {path}", file=sys.stderr)
         return out
+
+    def _parquet_metadata(self, tgid: int) -> dict[str, str]:
+        """The Parquet key-value metadata of process TGID's recording (docs/formats.md)."""
+        from pymtrace.trace.formats import parquet
+
+        libc_path = getattr(self, "libc_path", None)
+        return parquet.file_metadata(
+            pid=tgid,
+            magic_thread=tgid,
+            comm=proc.comm(tgid) or None,
+            host=os.uname().nodename,
+            libc_path=libc_path,
+            libc_build_id=elf.build_id(libc_path) if libc_path else None,
+            page_size=_PAGE,
+            start_time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            start_time_ns=time.time_ns(),
+            start_monotonic_ns=time.monotonic_ns(),
+            command=" ".join(self.args.cmd) if tgid == self.target and self.args.cmd else None,
+            byteorder=sys.byteorder,
+            source_format="record",
+        )
 
     def run(self) -> int:
         """Record until the target exits, --duration or a stop signal; the exit status."""
@@ -321,6 +395,7 @@ class Recorder:
             found = None if args.libc else libc.allocator(self.target)
             if found is not None and not found.traced and libc_path is not None:
                 raise PymtraceError(libc.untraced_message(self.target, found) + ": nothing to record")
+        self.libc_path = libc_path
         try:
             if libc_path is None:
                 raise PymtraceError(
@@ -501,6 +576,11 @@ class Recorder:
         try:
             while True:
                 self._drain()
+                if args.format == "parquet":
+                    t0 = time.thread_time()
+                    for out in list(self.outputs.values()):
+                        out.poll()
+                    self.consumer_cpu += time.thread_time() - t0
                 now = time.monotonic()
                 if args.format == "mtrace-text" and now - last_maps > 0.2:
                     for out in self.outputs.values():

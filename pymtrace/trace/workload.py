@@ -536,8 +536,12 @@ def convert_stream(
     max_warnings: int = 20,
     valloc_as_memalign: bool = False,
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """Convert a binary trace stream into .wl bytes written to OUT; returns (stats, counts)."""
+    """Convert a binary trace stream (mtrace-bin, or a Parquet file) into .wl bytes written
+    to OUT; returns (stats, counts)."""
     first = stream.read(mb.RECORD_SIZE)
+    path = getattr(stream, "name", None)
+    if first[:4] == b"PAR1" and isinstance(path, str) and os.path.isfile(path):
+        return _convert_parquet(path, out, name, compat, freed_cache, tmpdir, warn, max_warnings, valloc_as_memalign)
     try:
         order = mb.detect_byteorder(first)
     except CorruptFile as exc:
@@ -553,6 +557,29 @@ def convert_stream(
     finally:
         if bar is not None:
             bar.close()
+    stats = conv.finish(out)
+    return stats, conv.counts
+
+
+def _convert_parquet(
+    path: str,
+    out: BinaryIO,
+    name: str,
+    compat: bool,
+    freed_cache: int,
+    tmpdir: str | None,
+    warn: Callable[[str], None] | None,
+    max_warnings: int,
+    valloc_as_memalign: bool,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """convert_stream for a Parquet recording: the rows, the MAGIC thread from its metadata."""
+    from pymtrace.trace.formats import parquet  # pyarrow: imported only when needed
+
+    parquet.open_file(path)
+    _, magic_tid = parquet.magic_of(parquet.read_metadata(path))
+    conv = Converter(compat, freed_cache, tmpdir, warn, max_warnings, valloc_as_memalign)
+    conv.set_magic_thread(magic_tid)
+    conv.feed_all(parquet.iter_records(path))
     stats = conv.finish(out)
     return stats, conv.counts
 

@@ -11,27 +11,13 @@ import time
 
 import pytest
 from conftest import PYMTRACE, ROOT, ProbeWatch, run_pymtrace, script_background, sigint_ignored
+from support.recording import ground_truth, text_range
 from support.top import alive
 
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import mtrace_text as T
 
 pytestmark = pytest.mark.bpf
-
-
-def text_range(binary):
-    """[start, end) of a non-PIE binary's executable segment (callers inside it are its own)."""
-    from elftools.elf.elffile import ELFFile
-
-    with open(binary, "rb") as f:
-        for seg in ELFFile(f).iter_segments():
-            if seg["p_type"] == "PT_LOAD" and seg["p_flags"] & 1:
-                return seg["p_vaddr"], seg["p_vaddr"] + seg["p_memsz"]
-    raise AssertionError("no text segment")
-
-
-def ground_truth(stdout):
-    return [tuple(int(x, 16) for x in line.split()[1:]) for line in stdout.splitlines() if line.startswith("CALL ")]
 
 
 def key(r):

@@ -1,5 +1,6 @@
 """Trace file formats: mtrace_bin (glibc's dj/malloc binary trace), mtrace_text (glibc's
-mtrace() log), wl (the simulator's workload). `load_records` reads either trace format."""
+mtrace() log), parquet (columnar recordings), wl (the simulator's workload). `load_records`
+reads any of the three trace formats."""
 
 from __future__ import annotations
 
@@ -15,12 +16,19 @@ def detect_format(path: str) -> str:
             head = f.read(8)
     except OSError as exc:
         raise PymtraceError(f"cannot read {path}: {exc.strerror}") from None
-    return "mtrace-text" if head.startswith(b"= Start") else "mtrace-bin"
+    if head.startswith(b"= Start"):
+        return "mtrace-text"
+    return "parquet" if head.startswith(b"PAR1") else "mtrace-bin"
 
 
 def load_records(path: str) -> tuple[str, Iterator[mtrace_bin.Record]]:
-    """(format, iterator of mtrace_bin.Record) for a trace in either format."""
+    """(format, iterator of mtrace_bin.Record) for a trace in any of the formats."""
     fmt = detect_format(path)
+    if fmt == "parquet":
+        from pymtrace.trace.formats import parquet  # pyarrow: ~0.1 s to import, only when needed
+
+        parquet.open_file(path)  # a corrupt file fails here, before any output
+        return fmt, parquet.iter_records(path)
     if fmt == "mtrace-text":
         return fmt, mtrace_text.to_records(mtrace_text.read_file(path))
     return fmt, mtrace_bin.read_file(path)

@@ -19,10 +19,13 @@ import ctypes
 import dataclasses
 import os
 import struct
-from typing import IO, Iterator, Union
+from typing import IO, TYPE_CHECKING, Iterator, Union
 
 from pymtrace.bpf import structs
 from pymtrace.errors import CorruptFile
+
+if TYPE_CHECKING:
+    import numpy
 
 _H = structs.header("record")
 RECORD_SIZE = _H.consts["RECORD_SIZE"]
@@ -126,12 +129,8 @@ def detect_byteorder(first: bytes) -> str:
     raise CorruptFile("not an mtrace binary trace: the first record is not the MAGIC record (type 255, ptr1 0x1234)")
 
 
-def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 8192) -> Iterator[Record]:
-    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself.
-
-    Raises CorruptFile (one line, with the byte offset) on a missing MAGIC, an unknown call
-    type, or a trailing partial record.
-    """
+def _read_magic(stream: IO[bytes], name: str) -> tuple[bytes, str]:
+    """(the first record, the byte order it gives); CorruptFile naming NAME if it is no MAGIC."""
     first = _read_full(stream, RECORD_SIZE)
     if not first:
         raise CorruptFile(f"{name}: empty file, not an mtrace binary trace")
@@ -139,14 +138,19 @@ def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 81
         order = detect_byteorder(first)
     except CorruptFile as exc:
         raise CorruptFile(f"{name}: {exc}") from None
+    return first, order
+
+
+def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 8192) -> Iterator[Record]:
+    """Yield Records from a binary stream, checking MAGIC; skips UNUSED and the MAGIC itself.
+
+    Raises CorruptFile (one line, with the byte offset) on a missing MAGIC, an unknown call
+    type, or a trailing partial record.
+    """
+    first, order = _read_magic(stream, name)
     unpack = _STRUCT[order].iter_unpack
-    offset = RECORD_SIZE
-    while True:
-        buf = _read_full(stream, RECORD_SIZE * chunk_records)
-        if not buf:
-            return
-        whole = len(buf) - len(buf) % RECORD_SIZE
-        for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf[:whole]):
+    for offset, buf in _chunks(stream, name, chunk_records):
+        for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf):
             t = typ & 0xFF
             if t == UNUSED:
                 if thread or typ or p1 or p2 or s1 or s2 or s3 or ts or caller:
@@ -160,6 +164,19 @@ def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 81
                 raise CorruptFile(f"{name}: record at byte {offset} has unknown call type {t}")
             yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, (typ >> 8) & 0x3FFF)
             offset += RECORD_SIZE
+
+
+def _chunks(stream: IO[bytes], name: str, chunk_records: int) -> Iterator[tuple[int, bytes]]:
+    """(file offset, bytes of whole records) up to CHUNK_RECORDS at a time, after the MAGIC
+    record; CorruptFile on stray bytes after the last whole record."""
+    offset = RECORD_SIZE
+    while True:
+        buf = _read_full(stream, RECORD_SIZE * chunk_records)
+        if not buf:
+            return
+        whole = len(buf) - len(buf) % RECORD_SIZE
+        yield offset, buf[:whole] if whole != len(buf) else buf
+        offset += whole
         if whole != len(buf):
             raise CorruptFile(
                 f"{name}: truncated: {len(buf) - whole} stray bytes after the last whole record (byte {offset})"
@@ -177,6 +194,55 @@ def _read_full(stream: IO[bytes], n: int) -> bytes:
         parts.append(b)
         got += len(b)
     return b"".join(parts)
+
+
+FIELD_NAMES = ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller")
+
+
+def record_dtype(byteorder: str = "<") -> numpy.dtype:
+    """numpy's structured dtype of one record (FIELD_NAMES; `type` holds type | path << 8)."""
+    import numpy
+
+    codes = {"i": "i4", "I": "u4", "q": "i8", "Q": "u8"}
+    return numpy.dtype([(f, byteorder + codes[c]) for f, c in zip(FIELD_NAMES, RECORD_FORMAT)])
+
+
+def read_arrays(
+    stream: IO[bytes], name: str = "trace", chunk_records: int = 1 << 16
+) -> tuple[str, int, Iterator[numpy.ndarray]]:
+    """(byte order, the MAGIC record's thread, iterator of numpy record arrays in that byte
+    order): the records of iter_records, vectorized, with the same checks and messages
+    (all-zero records and repeated MAGIC records dropped)."""
+    import numpy
+
+    first, order = _read_magic(stream, name)
+    dtype = record_dtype(order)
+    magic_thread = int(numpy.frombuffer(first, dtype)["thread"][0])
+    known = numpy.zeros(256, bool)
+    known[list(TYPE_NAMES)] = True
+    known[MAGIC_TYPE] = False
+
+    def arrays() -> Iterator[numpy.ndarray]:
+        for offset, buf in _chunks(stream, name, chunk_records):
+            recs = numpy.frombuffer(buf, dtype)
+            t = (recs["type"] & 0xFF).astype(numpy.uint8)
+            ok = known[t]
+            if not ok.all():
+                words = numpy.frombuffer(buf, numpy.uint64).reshape(-1, 8)
+                unused = (t == UNUSED) & ~words.any(axis=1)
+                magic = (t == MAGIC_TYPE) & (recs["ptr1"] == MAGIC_PTR)
+                bad = ~(ok | unused | magic)
+                if bad.any():
+                    i = int(bad.argmax())
+                    where = f"{name}: record at byte {offset + i * RECORD_SIZE}"
+                    if t[i] == UNUSED:
+                        raise CorruptFile(f"{where} has call type 0 but is not all zero")
+                    raise CorruptFile(f"{where} has unknown call type {t[i]}")
+                recs = recs[ok]
+            if len(recs):
+                yield recs
+
+    return order, magic_thread, arrays()
 
 
 def read_file(path: Union[str, os.PathLike]) -> Iterator[Record]:
