@@ -184,6 +184,12 @@ def _sources(args: argparse.Namespace) -> set[str]:
 def run(args: argparse.Namespace) -> int:
     from pymtrace.collect.base import Collectors
 
+    # argument errors first: they need neither root nor seconds of compiling
+    stacks_on = _stacks_wanted(args)
+    sample_bytes = parse_bytes(args.stack_sample_bytes, "--stack-sample-bytes")
+    if stacks_on and not (args.pids or args.demo):
+        raise PymtraceError("the stacks view (--stacks, view 5) needs -p PID: the heap sampler attaches per process")
+    args.stacks = stacks_on
     bpfload.require_root("pymtrace top")
     if args.interval <= 0:
         raise PymtraceError("-i must be > 0")
@@ -192,11 +198,6 @@ def run(args: argparse.Namespace) -> int:
 
         tui.require_terminal()  # before seconds of BPF compiling, not after
     pids = list(args.pids or [])
-    stacks_on = _stacks_wanted(args)
-    sample_bytes = parse_bytes(args.stack_sample_bytes, "--stack-sample-bytes")
-    if stacks_on and not (pids or args.demo):
-        raise PymtraceError("the stacks view (--stacks, view 5) needs -p PID: the heap sampler attaches per process")
-    args.stacks = stacks_on
     stop_demo = None
     collectors = None
     stacks = None
