@@ -132,7 +132,7 @@ class SiteAggregator:
         sampled blocks not freed when they were read, at NOW_NS); samples neither live nor
         younger than LIVE_GRACE_NS are forgotten (freed)."""
         live = set(live_ids)
-        with self._lock:
+        with self._lock:  # a copy of the values; symbolizing below must not stall the reader
             inuse: dict[int, list[float]] = {}  # id(stack) -> [objects, bytes]
             for sample_id, (_, entry, size, ts_ns, weight) in list(self._pending.items()):
                 if sample_id in live:
@@ -141,46 +141,51 @@ class SiteAggregator:
                     acc[1] += weight * size
                 elif ts_ns < now_ns - LIVE_GRACE_NS:
                     del self._pending[sample_id]
-            out: dict[int, StackProcess] = {}
+            copies = []
             for pid, proc in self.processes.items():
                 entries = list(proc.stacks.values()) + ([proc.other] if proc.other is not None else [])
-                sites: dict[str, StackSite] = {}
-                for entry in entries:
-                    if entry.frames is None:
-                        entry.frames = _frames(entry.stack, symbolizer)
-                    site = sites.get(entry.site)
-                    if site is None:
-                        site = sites[entry.site] = _new_site(entry, symbolizer)
-                    objects, nbytes = inuse.get(id(entry), (0.0, 0.0))
-                    site["alloc_objects"] += entry.alloc_objects
-                    site["alloc_bytes"] += entry.alloc_bytes
-                    site["inuse_objects"] += objects
-                    site["inuse_bytes"] += nbytes
-                    site["samples"] += entry.samples
-                    site["stacks"].append(
-                        {
-                            "id": entry.ident,
-                            "alloc_objects": entry.alloc_objects,
-                            "alloc_bytes": entry.alloc_bytes,
-                            "inuse_objects": objects,
-                            "inuse_bytes": nbytes,
-                            "samples": entry.samples,
-                            "complete": entry.complete,
-                            "frames": entry.frames,
-                        }
-                    )
-                out[pid] = {
-                    "pid": pid,
-                    "comm": comms(pid) if comms is not None else "?",
-                    "sample_bytes": self.sample_bytes,
-                    "samples": proc.samples,
-                    "complete_samples": proc.complete_samples,
-                    "stacks_kept": len(proc.stacks),
-                    "max_stacks": self.max_stacks,
-                    "overflow_samples": proc.overflow_samples,
-                    "sites": sites,
-                }
-            return out
+                values = [(e, e.alloc_objects, e.alloc_bytes, e.samples, e.complete) for e in entries]
+                counts = (proc.samples, proc.complete_samples, len(proc.stacks), proc.overflow_samples)
+                copies.append((pid, values, counts))
+        out: dict[int, StackProcess] = {}
+        for pid, values, (samples, complete_samples, kept, overflow) in copies:
+            sites: dict[str, StackSite] = {}
+            for entry, alloc_objects, alloc_bytes, nsamples, complete in values:
+                if entry.frames is None:  # once per stack (only this thread sets it)
+                    entry.frames = _frames(entry.stack, symbolizer)
+                site = sites.get(entry.site)
+                if site is None:
+                    site = sites[entry.site] = _new_site(entry, symbolizer)
+                objects, nbytes = inuse.get(id(entry), (0.0, 0.0))
+                site["alloc_objects"] += alloc_objects
+                site["alloc_bytes"] += alloc_bytes
+                site["inuse_objects"] += objects
+                site["inuse_bytes"] += nbytes
+                site["samples"] += nsamples
+                site["stacks"].append(
+                    {
+                        "id": entry.ident,
+                        "alloc_objects": alloc_objects,
+                        "alloc_bytes": alloc_bytes,
+                        "inuse_objects": objects,
+                        "inuse_bytes": nbytes,
+                        "samples": nsamples,
+                        "complete": complete,
+                        "frames": entry.frames,
+                    }
+                )
+            out[pid] = {
+                "pid": pid,
+                "comm": comms(pid) if comms is not None else "?",
+                "sample_bytes": self.sample_bytes,
+                "samples": samples,
+                "complete_samples": complete_samples,
+                "stacks_kept": kept,
+                "max_stacks": self.max_stacks,
+                "overflow_samples": overflow,
+                "sites": sites,
+            }
+        return out
 
     def remembered(self) -> int:
         """How many samples are remembered (those that may still be live)."""
