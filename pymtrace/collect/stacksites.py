@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 from pymtrace.collect.base import Comms
 from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES
-from pymtrace.collect.heapprofile import sample_weight
+from pymtrace.collect.heapprofile import StackValues, sample_weight
 from pymtrace.collect.heapsession import HeapSession
 from pymtrace.collect.snapshot import StackFrame, StackProcess, StackSite
 from pymtrace.target.unwind import UNKNOWN, Location, Module, Symbolizer
@@ -71,10 +71,7 @@ class _Stack:
     stack: tuple[Location, ...]
     site: str
     site_loc: Location | None
-    complete: bool
-    alloc_objects: float = 0.0
-    alloc_bytes: float = 0.0
-    samples: int = 0
+    values: StackValues  # alloc_objects, alloc_space, samples, complete (in-use: per snapshot)
     frames: list[StackFrame] | None = None  # root to leaf, filled at the first snapshot showing it
 
 
@@ -110,17 +107,15 @@ class SiteAggregator:
             if entry is None:
                 if len(proc.stacks) < self.max_stacks:
                     loc = call_site(stack)
-                    entry = proc.stacks[stack] = _Stack(self._next_ident, stack, site_key(loc), loc, complete)
+                    values = StackValues(stack)
+                    entry = proc.stacks[stack] = _Stack(self._next_ident, stack, site_key(loc), loc, values)
                     self._next_ident += 1
                 else:
                     if proc.other is None:
-                        proc.other = _Stack(0, (), OTHER_SITE, None, False)
+                        proc.other = _Stack(0, (), OTHER_SITE, None, StackValues(()))
                     entry = proc.other
                     proc.overflow_samples += 1
-            entry.alloc_objects += weight
-            entry.alloc_bytes += weight * size
-            entry.samples += 1
-            entry.complete = entry.complete or complete
+            entry.values.count(size, weight, complete)
             proc.samples += 1
             proc.complete_samples += bool(complete)
             self._pending[sample_id] = (pid, entry, size, ts_ns, weight)
@@ -144,7 +139,10 @@ class SiteAggregator:
             copies = []
             for pid, proc in self.processes.items():
                 entries = list(proc.stacks.values()) + ([proc.other] if proc.other is not None else [])
-                values = [(e, e.alloc_objects, e.alloc_bytes, e.samples, e.complete) for e in entries]
+                values = [
+                    (e, e.values.alloc_objects, e.values.alloc_space, e.values.samples, e.values.complete)
+                    for e in entries
+                ]
                 counts = (proc.samples, proc.complete_samples, len(proc.stacks), proc.overflow_samples)
                 copies.append((pid, values, counts))
         out: dict[int, StackProcess] = {}
