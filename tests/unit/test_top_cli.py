@@ -42,3 +42,8 @@ def test_stack_sample_bytes_must_parse():
     proc = run_pymtrace("top", "--batch", "--stacks", "-p", "1", "--stack-sample-bytes", "lots")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == ["pymtrace: error: --stack-sample-bytes: cannot parse 'lots' (e.g. 64M)"]
+    proc = run_pymtrace("top", "--batch", "--stacks", "-p", "1", "--stack-sample-bytes", "0")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "pymtrace: error: --stack-sample-bytes must be from 1 to 4294967295, not 0"
+    ]
