@@ -65,8 +65,8 @@ glibc's slow-path USDT probes only; nothing runs on a malloc call) in production
 --stacks adds the heap sampler's programs on the same probe sites of the -p processes (one
 trap runs both): ~1.3x top's per-call cost on those processes (bench/heap_overhead.py, mode
 top+heap: 3.2-3.9 us a pair against top's 2.6-2.9 us), nothing on others; with
---stack-sample-bytes 1 every call also copies its stack. Without --stacks nothing of it is
-loaded: top's start-up and cost are unchanged."""
+--stack-sample-bytes 1 every call also copies its stack. Start-up: ~0.9 s more CPU (its own
+compile). Without --stacks nothing of it is loaded: top's start-up and cost are unchanged."""
 
 VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "stacks", "totals")
 VIEW_NUMBERS = {"1": "processes", "2": "slab", "3": "faults", "4": "glibc", "5": "stacks"}
