@@ -12,6 +12,8 @@ copy of its libc (as bench/overhead.py: other tracers' system-wide probes cannot
               sampler; one call in ~8000 (64-byte blocks) copies 32 KiB of stack
   heap-every  HeapCollector at sample_bytes=1: every call copies the stack into the ring
               (a thread consumes it, as the command will)
+  top+heap    top's and heap's (default sampling) probes together: `top --stacks -p PID`
+              (one trap at a shared site runs both programs)
 
 Each collector is compiled and attached once; between measurements only its uprobes are
 attached/detached. The cost is the storm process's CPU time (utime + stime from
@@ -70,6 +72,21 @@ class Probes:
                 self.bpf.detach_uretprobe(name=self.path, sym=fn.encode(), pid=self.pid)
 
 
+class Both:
+    """Two programs' probes attached together (top --stacks)."""
+
+    def __init__(self, *probes):
+        self.probes = probes
+
+    def attach(self):
+        for p in self.probes:
+            p.attach()
+
+    def detach(self):
+        for p in reversed(self.probes):
+            p.detach()
+
+
 def heap_mode(path, pid, sample_bytes):
     """A HeapCollector on the private libc (not named libc.so.6: set by hand), probes detached."""
     c = HeapCollector({pid}, sample_bytes=sample_bytes, on_sample=lambda s: None)
@@ -97,7 +114,13 @@ def main():
     top = Probes(top_bpf, collect.probe_plan(path), path, pid)
     heap, heap_probes = heap_mode(path, pid, 524288)
     every, every_probes = heap_mode(path, pid, 1)
-    modes = {"untraced": None, "top": top, "heap": heap_probes, "heap-every": every_probes}
+    modes = {
+        "untraced": None,
+        "top": top,
+        "heap": heap_probes,
+        "heap-every": every_probes,
+        "top+heap": Both(top, heap_probes),
+    }
     results = {n: [] for n in modes}
     stop = threading.Event()
 

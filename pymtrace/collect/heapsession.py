@@ -19,12 +19,16 @@ than a poll interval) keeps its samples, as one unknown frame each: counted, nev
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, HeapCollector, HeapSample
 from pymtrace.collect.heapprofile import HeapProfile
 from pymtrace.errors import ProcessGone
-from pymtrace.target.unwind import UNKNOWN, ProcessImage, Symbolizer
+from pymtrace.target.unwind import UNKNOWN, Location, ProcessImage, Symbolizer
+
+# sink(pid, sample_id, stack leaf first, size, ts_ns, complete): where samples go instead of the
+# HeapProfile (top's live call sites: collect.stacksites)
+SampleSink = Callable[[int, int, "tuple[Location, ...]", int, int, bool], None]
 
 REFRESH_S = 0.02  # at most one re-read of a process's maps per this many seconds
 
@@ -41,9 +45,11 @@ class HeapSession:
         meta: dict[str, Any] | None = None,
         capture_now: bool = True,
         libc_path: str | None = None,
+        sink: SampleSink | None = None,
     ) -> None:
         self.pids = sorted(set(pids))
         self.profile = HeapProfile(sample_bytes, meta)
+        self.sink = sink  # None: samples go into self.profile
         self.symbolizer = Symbolizer()
         self.images: dict[int, ProcessImage] = {}
         self.refreshed: dict[int, float] = {}
@@ -120,12 +126,18 @@ class HeapSession:
         image = self.images.get(s.pid) or self._capture(s.pid)
         if image is None:  # gone before its maps could be read
             self.unresolved += 1
-            self.profile.add(s.sample_id, ((UNKNOWN, s.regs[0]),), s.size, s.ts_ns, False)
+            self._add(s, ((UNKNOWN, s.regs[0]),), False)
             return
         stack, complete = image.unwind(s.tid, s.regs, s.stack, s.stack_len)
         if any(module is UNKNOWN for module, _ in stack) and self._refresh(s.pid, image):
             stack, complete = image.unwind(s.tid, s.regs, s.stack, s.stack_len)
-        self.profile.add(s.sample_id, stack, s.size, s.ts_ns, complete)
+        self._add(s, stack, complete)
+
+    def _add(self, s: HeapSample, stack: tuple[Location, ...], complete: bool) -> None:
+        if self.sink is not None:
+            self.sink(s.pid, s.sample_id, stack, s.size, s.ts_ns, complete)
+        else:
+            self.profile.add(s.sample_id, stack, s.size, s.ts_ns, complete)
 
     def at_exit(self, pid: int) -> None:
         """PID is exiting but its mappings are still there (a launched command held at its
