@@ -45,7 +45,6 @@ import json
 import os
 import pathlib
 import re
-import resource
 import shutil
 import signal
 import statistics
@@ -288,7 +287,12 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--no-completeness", action="store_true")
     ap.add_argument("--save", metavar="FILE", help="also write every measurement as JSON to FILE")
+    ap.add_argument("--report", metavar="FILE", help="only print the tables of a run saved with --save")
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            report(json.load(f))
+        return 0
     bpfload.require_root("the heap benchmark")
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-heapbench-"))
@@ -334,44 +338,46 @@ def main():
         if not args.no_completeness:
             chains["default"] = completeness(tmp, 524288, 1000000, 2000)
             chains["every"] = completeness(tmp, 1, 100000, 1000)
+        load = os.getloadavg()
+        env = (
+            f"kernel {os.uname().release}, libc copy of {libc.system_libc()}, {os.cpu_count()} CPUs, "
+            f"load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
+        )
+        raw = {f"{t} {m}": v for (t, m), v in results.items()}
+        saved = {"args": vars(args), "calls": calls, "chains": chains, "results": raw, "env": env}
         if args.save:
             with open(args.save, "x") as f:
-                raw = {f"{t} {m}": v for (t, m), v in results.items()}
-                json.dump({"args": vars(args), "calls": calls, "chains": chains, "results": raw}, f)
-        report(args, targets, modes, results, calls, chains)
+                json.dump(saved, f)
+        report(saved)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
-def report(args, targets, modes, results, calls, chains):
-    load = os.getloadavg()
-    print(
-        f"\n{args.rounds} interleaved rounds, kernel {os.uname().release}, libc copy of {libc.system_libc()}, "
-        f"{os.cpu_count()} CPUs, load average at the end {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
-    )
+def report(saved):
+    """Print the tables of SAVED ({"args", "calls", "chains", "results": {"TARGET MODE": [...]}, "env"})."""
+    args, calls, results = saved["args"], saved["calls"], saved["results"]
+    targets = [t for t in ("storm", "python") if any(k.startswith(t + " ") for k in results)]
+    modes = [m for m in MODES if any(k.endswith(" " + m) for k in results)]
+    print(f"\n{args['rounds']} interleaved rounds, {saved.get('env', '')}")
     for name in targets:
         what = (
-            f"storm: malloc(64)+free pairs ({args.pairs} per traced measurement)"
+            f"storm: malloc(64)+free pairs ({args['pairs']} per measurement; untraced "
+            f"{args['fast_pairs']}, heaptrack {args['heaptrack_pairs']})"
             if name == "storm"
-            else f"python JSON churn: {args.iterations} iterations, {calls[name][0]} allocation calls and "
+            else f"python JSON churn: {args['iterations']} iterations, {calls[name][0]} allocation calls and "
             f"{calls[name][1]} frees per measurement"
         )
         print(f"\n{what}\n")
         print("| mode | CPU ns/pair min | median | vs untraced | vs top | vs memleak | disturbed |")
         print("|---|---|---|---|---|---|---|")
-
-        def paired(a, b):
-            xs, ys = results[name, a], results[name, b]
-            return statistics.median(x["ns_per_pair"] / y["ns_per_pair"] for x, y in zip(xs, ys))
-
         for mode in modes:
-            v = [x["ns_per_pair"] for x in results[name, mode]]
-            cols = [f"{paired(mode, ref):.2f}x" if ref in modes else "" for ref in ("untraced", "top", "memleak")]
-            dist = sum(bool(x["disturbed"]) for x in results[name, mode])
+            v = [x["ns_per_pair"] for x in results[f"{name} {mode}"]]
+            cols = [paired(results, name, mode, ref) for ref in ("untraced", "top", "memleak")]
+            dist = sum(bool(x["disturbed"]) for x in results[f"{name} {mode}"])
             print(f"| {mode} | {min(v):.0f} | {statistics.median(v):.0f} | " + " | ".join(cols) + f" | {dist} |")
         for mode in ("heap", "heap-every"):
-            runs = results.get((name, mode))
+            runs = results.get(f"{name} {mode}")
             if not runs:
                 continue
             samples = [x["samples"] for x in runs]
@@ -385,14 +391,19 @@ def report(args, targets, modes, results, calls, chains):
                 f"per sample {min(per):.1f} / {statistics.median(per):.1f} us (min / median); "
                 f"peak RSS {min(rss):.0f}-{max(rss):.0f} MiB; drops: " + "; ".join(x["drops"] for x in runs)
             )
-    for setting, (samples, complete, drops) in chains.items():
+    for setting, (samples, complete, drops) in saved["chains"].items():
         print(
             f"\nheap_chains (-O2 -fomit-frame-pointer), {setting} sampling: samples {samples}, "
             f"complete root-to-leaf {complete} ({complete / max(samples, 1):.2%}); drops: {drops}"
         )
-    print(
-        f"\nbench CPU (this script and its children): {resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime:.0f} s user"
-    )
+
+
+def paired(results, target, mode, ref):
+    """Median over rounds of MODE/REF measured in the same round, as "1.23x" ("" without REF)."""
+    xs, ys = results[f"{target} {mode}"], results.get(f"{target} {ref}")
+    if not ys:
+        return ""
+    return f"{statistics.median(x['ns_per_pair'] / y['ns_per_pair'] for x, y in zip(xs, ys)):.2f}x"
 
 
 if __name__ == "__main__":
