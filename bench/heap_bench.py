@@ -372,11 +372,12 @@ def report(saved):
             f"{calls[name][1]} frees per measurement"
         )
         print(f"\n{what}\n")
-        print("| mode | CPU ns/pair min | median | vs untraced | vs top | vs memleak | disturbed |")
+        print("| mode | CPU ns/pair min | median | vs untraced | vs top | memleak / this | disturbed (left out) |")
         print("|---|---|---|---|---|---|---|")
         for mode in modes:
-            v = [x["ns_per_pair"] for x in results[f"{name} {mode}"]]
-            cols = [paired(results, name, mode, ref) for ref in ("untraced", "top", "memleak")]
+            v = [x["ns_per_pair"] for x in results[f"{name} {mode}"] if not x["disturbed"]]
+            cols = [paired(results, name, mode, ref) for ref in ("untraced", "top")]
+            cols.append(paired(results, name, "memleak", mode) if f"{name} memleak" in results else "")
             dist = sum(bool(x["disturbed"]) for x in results[f"{name} {mode}"])
             print(f"| {mode} | {min(v):.0f} | {statistics.median(v):.0f} | " + " | ".join(cols) + f" | {dist} |")
         for mode in ("heap", "heap-every"):
@@ -402,11 +403,13 @@ def report(saved):
 
 
 def paired(results, target, mode, ref):
-    """Median over rounds of MODE/REF measured in the same round, as "1.23x" ("" without REF)."""
-    xs, ys = results[f"{target} {mode}"], results.get(f"{target} {ref}")
-    if not ys:
+    """Median over rounds of MODE/REF measured in the same round, as "1.23x" ("" without REF);
+    rounds where either measurement was disturbed are left out."""
+    xs, ys = results.get(f"{target} {mode}"), results.get(f"{target} {ref}")
+    if not xs or not ys:
         return ""
-    return f"{statistics.median(x['ns_per_pair'] / y['ns_per_pair'] for x, y in zip(xs, ys)):.2f}x"
+    ratios = [x["ns_per_pair"] / y["ns_per_pair"] for x, y in zip(xs, ys) if not (x["disturbed"] or y["disturbed"])]
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
 
 
 if __name__ == "__main__":
