@@ -29,9 +29,11 @@ A BPF tool is "ready" when bpftool shows its uprobes on the target's libc and th
 not changed for a second. The cost is the target's CPU time (sum_exec_runtime of its threads
 from /proc/PID/task/*/schedstat, kernel time of the probes included) over the measured work,
 per malloc+free pair. The targets run on a private copy of libc (a file named libc.so.6 in a
-temporary directory, through LD_LIBRARY_PATH): uprobes are attached per file, so system-wide
-tracers of other users of the machine, which probe the system libc, cannot slow them down;
-a measurement during which another process had uprobes on the copy is flagged.
+temporary directory, through LD_LIBRARY_PATH): uprobes are attached per file, so tracers of
+other users of the machine that probe the system libc cannot slow them down. System-wide
+pymtrace instances (e.g. `exporter --per-call`) find every file named libc.so.6 and probe the
+copy too: a measurement during which another process had uprobes on the copy is flagged
+(with that process's command line) and left out of the statistics.
 
 Also reported for `pymtrace heap`: its own CPU from ready until it went idle after the work
 (the consumer: reading the ring, unwinding, the profile) per sample, its samples and drops,
@@ -318,9 +320,8 @@ def main():
                 continue
             calls[name] = count_calls(t, path)
             print(f"{name}: {calls[name][0]} allocation calls, {calls[name][1]} frees (BPF count)", file=sys.stderr)
-        py = targets.get("perl")
-        if py:
-            py.pairs = {m: calls["perl"][0] for m in MODES}
+        if "perl" in targets:
+            targets["perl"].pairs = {m: calls["perl"][0] for m in MODES}
         results = {(t, m): [] for t in targets for m in modes}
         serial = 0
         for r in range(args.rounds):
