@@ -183,11 +183,28 @@ _SIGNATURES = (
 )
 
 
+# allocators whose malloc is not counted by top even though a file defines it: the
+# sanitizers intercept every call for their own checks
+_UNCOUNTED = ("AddressSanitizer", "HWAddressSanitizer")
+
+
 @dataclasses.dataclass(frozen=True)
 class Allocator:
     name: str  # "glibc" (or "musl") when traced; "jemalloc", "tcmalloc", ..., "static binary"
-    traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on
+    traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on (record, heap)
     path: Optional[str] = None  # the file whose malloc the process calls (None: none found)
+
+    @property
+    def family(self) -> Optional[str]:
+        """How top and the exporter count its calls: "glibc" (the libc's probes), "jemalloc",
+        "tcmalloc", "mimalloc", "generic" (another object defining malloc: probed by the
+        standard names; pymtrace.target.allocators), or None (not counted: a static binary,
+        a sanitizer)."""
+        if self.traced:
+            return "glibc"
+        if self.path is None or self.name.startswith("static") or self.name in _UNCOUNTED:
+            return None
+        return self.name if self.name in ("jemalloc", "tcmalloc", "mimalloc") else "generic"
 
 
 @functools.lru_cache(maxsize=256)
@@ -329,6 +346,30 @@ def allocator(pid: int) -> Allocator | None:
     return Allocator("musl" if "musl" in os.path.basename(libc_path) else "glibc", True, libc_path)
 
 
+def distinct_allocators() -> dict[str, tuple[str, set[int]]]:
+    """Every mapped file other than a libc that defines and exports malloc (jemalloc,
+    tcmalloc, mimalloc, an executable with its own malloc, ...), once per file (device,
+    inode): {path: (allocator name, {pid, ...})}. Processes whose maps cannot be read are
+    skipped; glibc's own wrappers (libc_malloc_debug, libmemusage) are left out."""
+    found = {}
+    for pid in pids():
+        try:
+            maps = read_maps(pid)
+        except (PymtraceError, OSError):
+            continue
+        for path in {m.path for m in maps if "x" in m.perms and m.path.startswith("/")}:
+            if is_libc_path(path) or _GLIBC_WRAPPERS.search(path):
+                continue
+            real = host_path(pid, path)
+            name = _malloc_export_of(real)
+            if name is None:
+                continue
+            key = file_key(real)
+            if key is not None:
+                found.setdefault(key, (real, name, set()))[2].add(pid)
+    return {path: (name, users) for path, name, users in found.values()}
+
+
 def _dynamic(path: str) -> bool:
     """PATH has a program interpreter (dynamically linked), or is the dynamic loader itself."""
     if re.search(r"/ld-linux[^/]*\.so|/ld-musl[^/]*\.so", os.path.realpath(path)):
@@ -385,9 +426,11 @@ class AllocatorCache:
         return found
 
     def annotate(self, processes: dict[Any, Any], pids: Collection[int] = ()) -> None:
-        """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict}),
-        and an entry for each of PIDS (the watched ones) that has none because its malloc
-        is not traced (no event to list it by); forget PIDs no longer listed. New lookups
+        """Add "allocator" and "allocator_traced" (its calls are counted by top: glibc,
+        jemalloc, tcmalloc, mimalloc, another object's malloc; Allocator.family) to each entry
+        of PROCESSES ({pid: dict}), and an entry for each of PIDS (the watched ones) that has
+        none because its malloc is not counted (no event to list it by); forget PIDs no
+        longer listed. New lookups
         stop after `budget` seconds (a system-wide view may list hundreds of new processes):
         the watched PIDs first, then processes without a traced malloc call (where another
         allocator would show), then the others, which are left for the next call."""
@@ -395,7 +438,7 @@ class AllocatorCache:
         for pid in pids:
             if pid not in processes and str(pid) not in processes and proc.exists(pid):
                 found = self.get(pid)
-                if found is not None and not found.traced:
+                if found is not None and found.family is None:
                     processes[pid] = {"pid": pid, "comm": proc.comm(pid, missing="?")}
 
         def busy(item: tuple[Any, Any]) -> tuple[int, bool]:
@@ -405,7 +448,7 @@ class AllocatorCache:
         for pid, p in sorted(processes.items(), key=busy):
             found = self.get(int(pid), deadline)
             if found is not None and isinstance(p, dict):
-                p["allocator"], p["allocator_traced"] = found.name, found.traced
+                p["allocator"], p["allocator_traced"] = found.name, found.family is not None
         listed = {int(pid) for pid in processes} | set(pids)
         for pid in [p for p in self.known if p not in listed]:
             del self.known[pid]
