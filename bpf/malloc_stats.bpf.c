@@ -343,7 +343,7 @@ int ms_f_return(struct pt_regs *ctx) {
     }
     struct ms_outer o = *op;
     if (ms_outer.delete(&id) == 0) add_active(-1);
-    if (o.type == CALL_FREE || o.old_chunk) return 0; /* nothing can fail */
+    if (o.type == CALL_FREE || o.old_chunk) return 0;                      /* nothing can fail */
     if (o.type == CALL_REALLOC && o.arg_ptr && o.requested == 0) return 0; /* realloc(p, 0) */
     u64 ret = PT_REGS_RC(ctx);
     int failed = o.type == CALL_POSIX_MEMALIGN ? (u32)ret != 0 : ret == 0;
@@ -379,11 +379,15 @@ int ms_f_free_p1(struct pt_regs *ctx) {
  * posix_memalign's (memptr, alignment, size), x xallocx (resizes in place: never fails),
  * nest a free-type function that calls another probed one (with a return probe). */
 #if MS_EMPTY
-#define MS_F_ENTRY(name, type, size, ptr, nofail) \
-    int name(struct pt_regs *ctx) { return 0; }
+#define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
+    int name(struct pt_regs *ctx) {                                                                          \
+        return 0;                                                                                            \
+    }
 #else
-#define MS_F_ENTRY(name, type, size, ptr, nofail) \
-    int name(struct pt_regs *ctx) { return foreign_entry(ctx, type, size, ptr, nofail); }
+#define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
+    int name(struct pt_regs *ctx) {                                                                          \
+        return foreign_entry(ctx, type, size, ptr, nofail);                                                  \
+    }
 #endif
 MS_F_ENTRY(ms_f_malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
 MS_F_ENTRY(ms_f_malloc_n1s2, CALL_MALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)

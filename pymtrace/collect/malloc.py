@@ -12,6 +12,8 @@ A process whose malloc resolves elsewhere (jemalloc, tcmalloc, mimalloc preloade
 linked, a malloc defined in the executable: pymtrace.target.libc.allocator) is counted on
 that file through the tables of pymtrace.target.allocators (ms_f_* programs), placed by
 the same rules; system-wide, every mapped non-libc file that defines malloc is probed.
+"""
+
 from __future__ import annotations
 
 import os
@@ -37,6 +39,10 @@ MALLOC_PROBES = tuple(
     (f.name, f"ms_{f.call}_entry", ("ms_outer_return" if f.outer else f"ms_{f.call}_return") if f.returns else None)
     for f in mallocapi.FUNCTIONS
 )
+
+
+class Uncounted(PymtraceError):
+    """A watched process whose malloc calls cannot be counted (no allocator top can probe)."""
 
 
 def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
@@ -94,10 +100,17 @@ class MallocCollector(Collector):
         targets = {}
         self.families = {}
         if self.pids is not None:
+            uncounted = []
             for pid in self.pids:
-                path, family = self._resolve(pid)
+                try:
+                    path, family = self._resolve(pid)
+                except Uncounted as exc:
+                    uncounted.append(exc)  # named in its row (AllocatorCache.annotate)
+                    continue
                 targets.setdefault(path, []).append(pid)
                 self.families[path] = family
+            if not targets and uncounted:
+                raise uncounted[0]
             return targets
         self._users = {}
         for path, users in libc.distinct_libcs(self.skipped):
@@ -115,13 +128,13 @@ class MallocCollector(Collector):
     @staticmethod
     def _resolve(pid: int) -> tuple[str, str]:
         """(file, family) where PID's malloc calls go (-p): its allocator when top counts it,
-        else its libc; PymtraceError when there is neither."""
+        else its libc; Uncounted when there is neither (a static binary)."""
         found = libc.allocator(pid)
         if found is not None and found.family not in (None, "glibc"):
             return found.path, allocators.family_of(found.name)
-        path = libc.process_libc(pid)
+        path = libc.process_libc(pid)  # a sanitizer's process: its libc, as before (row named)
         if path is None:
-            raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+            raise Uncounted(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
         return path, "glibc"
 
     def _defines(self):
