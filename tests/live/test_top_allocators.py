@@ -83,7 +83,7 @@ def test_exporter_counts_jemalloc_exactly(cbuild):
         comm = f.read().strip()
     port = free_port()
     exp = subprocess.Popen(
-        PYMTRACE + ["exporter", "--listen", f"127.0.0.1:{port}", "--no-bpf-stats", "-p", str(w.pid)],
+        PYMTRACE + ["exporter", "--listen", f"127.0.0.1:{port}", "--no-bpf-stats", "--per-call", "-p", str(w.pid)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
