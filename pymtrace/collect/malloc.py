@@ -90,6 +90,7 @@ class MallocCollector(Collector):
         self.families = {}  # path -> "glibc" or a pymtrace.target.allocators.FAMILIES key
         self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
         self._users = {}  # system-wide: libc path -> the processes mapping it
+        self._maps_seen = None  # system-wide, from prepare() to plan(): {pid: maps}
         self.fields = struct_fields(self.program, "ms_stats")
         self.call_names = call_names()
         self.evictions = Evictions()
@@ -113,14 +114,12 @@ class MallocCollector(Collector):
                 raise uncounted[0]
             return targets
         self._users = {}
-        for path, users in libc.distinct_libcs(self.skipped):
+        maps_seen = {}
+        for path, users in libc.distinct_libcs(self.skipped, maps_seen):
             targets[path] = [-1]  # decoded by plan(), while the programs compile
             self._users[path] = users
             self.families[path] = "glibc"
-        for path, (name, users) in libc.distinct_allocators().items():
-            targets[path] = [-1]
-            self._users[path] = users
-            self.families[path] = allocators.family_of(name)
+        self._maps_seen = maps_seen  # the other allocators' files are found by plan()
         if not targets:
             raise PymtraceError("found no libc to attach to")
         return targets
@@ -150,6 +149,12 @@ class MallocCollector(Collector):
         decoded (any user can map one named libc.so.6) is left out with the reason in
         self.skipped, and only the processes mapping it go untraced."""
         self.plans = {}
+        if self.pids is None:  # system-wide: every other mapped file defining malloc too
+            for path, (name, users) in libc.distinct_allocators(self._maps_seen).items():
+                self.libcs[path] = [-1]
+                self._users[path] = users
+                self.families[path] = allocators.family_of(name)
+            self._maps_seen = None
         for path in list(self.libcs):
             try:
                 family = self.families.get(path, "glibc")

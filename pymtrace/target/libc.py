@@ -97,7 +97,9 @@ def system_libc() -> str | None:
     return process_libc(os.getpid())
 
 
-def distinct_libcs(skipped: list[tuple[str, set[int], str]] | None = None) -> list[tuple[str, set[int]]]:
+def distinct_libcs(
+    skipped: list[tuple[str, set[int], str]] | None = None, maps_seen: dict[int, list[Mapping]] | None = None
+) -> list[tuple[str, set[int]]]:
     """Every libc file in use, once per file: [(path, {pid, ...}), ...], the system libc first.
 
     Files are told apart by (device, inode), so one libc reached through several paths
@@ -105,16 +107,20 @@ def distinct_libcs(skipped: list[tuple[str, set[int], str]] | None = None) -> li
     A file that only looks like a libc (any user can map a file named libc.so.6: not an
     ELF file, truncated, another architecture, no malloc) is left out and, when SKIPPED
     is a list, appended to it as (path, {pid, ...}, reason), so one bad file never stops
-    the others from being traced.
+    the others from being traced. MAPS_SEEN, when a dict, gets each process's maps (for
+    distinct_allocators: one read of /proc/PID/maps a process).
     """
     found = {}
     system = system_libc()
     candidates = [(system, os.getpid())] if system else []
     for pid in pids():
         try:
-            path = process_libc(pid)
+            maps = read_maps(pid)
+            path = process_libc(pid, maps)
         except (PymtraceError, OSError):
             continue
+        if maps_seen is not None:
+            maps_seen[pid] = maps
         if path:
             candidates.append((path, pid))
     for path, pid in candidates:
@@ -346,27 +352,31 @@ def allocator(pid: int) -> Allocator | None:
     return Allocator("musl" if "musl" in os.path.basename(libc_path) else "glibc", True, libc_path)
 
 
-def distinct_allocators() -> dict[str, tuple[str, set[int]]]:
+def distinct_allocators(maps_seen: dict[int, list[Mapping]] | None = None) -> dict[str, tuple[str, set[int]]]:
     """Every mapped file other than a libc that defines and exports malloc (jemalloc,
     tcmalloc, mimalloc, an executable with its own malloc, ...), once per file (device,
     inode): {path: (allocator name, {pid, ...})}. Processes whose maps cannot be read are
-    skipped; glibc's own wrappers (libc_malloc_debug, libmemusage) are left out."""
+    skipped; glibc's own wrappers (libc_malloc_debug, libmemusage) are left out. MAPS_SEEN:
+    {pid: maps} already read (distinct_libcs), else every process's maps are read here."""
     found = {}
-    for pid in pids():
+    looked = {}  # path from here -> (key, name) or None: each file read once, not per process
+    for pid in sorted(maps_seen) if maps_seen is not None else pids():
         try:
-            maps = read_maps(pid)
+            maps = maps_seen[pid] if maps_seen is not None else read_maps(pid)
+            root = os.readlink(f"/proc/{pid}/root")
         except (PymtraceError, OSError):
             continue
+        prefix = "" if root == "/" else f"/proc/{pid}/root"
         for path in {m.path for m in maps if "x" in m.perms and m.path.startswith("/")}:
-            if is_libc_path(path) or _GLIBC_WRAPPERS.search(path):
-                continue
-            real = host_path(pid, path)
-            name = _malloc_export_of(real)
-            if name is None:
-                continue
-            key = file_key(real)
-            if key is not None:
-                found.setdefault(key, (real, name, set()))[2].add(pid)
+            real = prefix + path
+            if real not in looked:
+                name = None
+                if not (is_libc_path(path) or _GLIBC_WRAPPERS.search(path)):
+                    name = _malloc_export_of(real)
+                looked[real] = (file_key(real), name) if name is not None else None
+            hit = looked[real]
+            if hit is not None and hit[0] is not None:
+                found.setdefault(hit[0], (real, hit[1], set()))[2].add(pid)
     return {path: (name, users) for path, name, users in found.values()}
 
 
