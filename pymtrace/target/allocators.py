@@ -179,6 +179,32 @@ def _plt_stubs(path: str) -> dict[int, str]:
     return stubs
 
 
+def _branch_site(code: bytes, start: int) -> int | None:
+    """Offset of a conditional jump that every call reaches with its argument registers and
+    stack untouched (only `test`/`cmp` before it), or None. The kernel emulates jcc (as it
+    does `push`: pymtrace.target.probesite), so a probe there costs no single-step where +0
+    (jemalloc's malloc: `cmp $0x1000,%rdi; ja ...`) would. Refused when any jump in the
+    function lands on it or before it (a loop would hit the probe again)."""
+    import capstone
+    from capstone import x86_const as X
+
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    md.detail = True
+    site = None
+    for insn in md.disasm(code[:64], start):
+        if insn.mnemonic in ("test", "cmp"):
+            continue
+        if insn.group(X.X86_GRP_JUMP) and insn.mnemonic != "jmp" and insn.operands:
+            if insn.operands[0].type == X.X86_OP_IMM:
+                site = insn.address
+        break
+    if site is None or site == start:
+        return None
+    if any(start < t <= site for _, t in _direct_targets(code, start)):
+        return None
+    return site - start
+
+
 @functools.lru_cache(maxsize=64)
 def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
     syms = elf.symbols(path)
@@ -209,7 +235,12 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
         nested = f.call != "free" or any(t not in (None, address) for _, t in targets)
         program = f.program if f.call != "free" else ("ms_f_free_nest" if nested else "ms_f_free_p1")
         sites = probesite.choose(code, address, len(code), f.name)
-        probes = [Probe(f.name, "entry", off, program) for off in (sites.offset,) + tuple(sites.side_paths)]
+        offsets = (sites.offset,) + tuple(sites.side_paths)
+        if offsets == (0,) and "(emulated)" not in sites.reason:
+            branch = _branch_site(code, address)  # +0 would be single-stepped
+            if branch is not None:
+                offsets = (branch,)
+        probes = [Probe(f.name, "entry", off, program) for off in offsets]
         if nested:
             probes.append(Probe(f.name, "return", 0, "ms_f_return"))
         plan.append((f.name, tuple(probes)))
