@@ -4,31 +4,16 @@ in the executable itself, against tests/support/workloads/top_calls.c's exact ta
 with -DANY_ALLOCATOR: no glibc chunk header read, no pvalloc). A process whose allocator
 cannot be probed (a stripped static binary) is named, never shown as zero."""
 
-import os
 import subprocess
 import time
 
 import pytest
 from conftest import PYMTRACE
+from support.allocators import LIBS, library, start_exporter
 from support.prometheus import free_port, http_get, parse_metrics
 from support.top import Top, Workload
 
 pytestmark = pytest.mark.bpf
-
-LIBS = {
-    "jemalloc": "libjemalloc.so.2",
-    "tcmalloc": "libtcmalloc_minimal.so.4",
-    "mimalloc": "libmimalloc.so.2",
-}
-
-
-def _library(soname):
-    """The path ldconfig knows for SONAME (install.sh installs Debian's allocator packages)."""
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        if line.strip().startswith(soname + " ") and "x86-64" in line:
-            return line.split("=>")[-1].strip()
-    pytest.fail(f"{soname} is not installed: install.sh installs it")
 
 
 def _workload(cbuild, preload=None):
@@ -69,7 +54,7 @@ def _top_counts(w, name):
 
 @pytest.mark.parametrize("name", sorted(LIBS))
 def test_top_counts_a_preloaded_allocator_exactly(cbuild, name):
-    _top_counts(_workload(cbuild, _library(LIBS[name])), name)
+    _top_counts(_workload(cbuild, library(LIBS[name])), name)
 
 
 def test_top_counts_an_allocator_defined_in_the_executable(cbuild):
@@ -78,23 +63,12 @@ def test_top_counts_an_allocator_defined_in_the_executable(cbuild):
 
 
 def test_exporter_counts_jemalloc_exactly(cbuild):
-    w = _workload(cbuild, _library(LIBS["jemalloc"]))
+    w = _workload(cbuild, library(LIBS["jemalloc"]))
     with open(f"/proc/{w.pid}/comm") as f:
         comm = f.read().strip()
     port = free_port()
-    exp = subprocess.Popen(
-        PYMTRACE + ["exporter", "--listen", f"127.0.0.1:{port}", "--no-bpf-stats", "--per-call", "-p", str(w.pid)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    exp = start_exporter(port, "--per-call", "-p", w.pid)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            line = exp.stderr.readline()
-            if "serving" in line or (not line and exp.poll() is not None):
-                break
-        assert "serving" in line, line
         w.go()
         expected = w.result()
         time.sleep(0.5)
@@ -145,4 +119,3 @@ def test_a_stripped_static_binary_is_named_not_zero(cbuild):
             if p.poll() is None:
                 p.stdin.close()
                 p.wait(30)
-        os.environ.get("PYMTRACE_REQUIRE_BPF")

@@ -4,23 +4,9 @@ for a malloc defined in an executable, decoded from the real files (no root need
 import subprocess
 
 import pytest
-from conftest import missing_or_fail
+from support.allocators import LIBS, library
 
 from pymtrace.target import allocators, libc
-
-LIBS = {
-    "jemalloc": "libjemalloc.so.2",
-    "tcmalloc": "libtcmalloc_minimal.so.4",
-    "mimalloc": "libmimalloc.so.2",
-}
-
-
-def _library(soname):
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        if line.strip().startswith(soname + " ") and "x86-64" in line:
-            return line.split("=>")[-1].strip()
-    missing_or_fail(f"{soname} is not installed (install.sh installs it)")
 
 
 def _plan(path, family):
@@ -29,7 +15,7 @@ def _plan(path, family):
 
 @pytest.mark.parametrize("family", sorted(LIBS))
 def test_every_allocating_function_has_a_return_probe_and_each_address_is_probed_once(family):
-    path = _library(LIBS[family])
+    path = library(LIBS[family])
     plan = _plan(path, family)
     assert "malloc" in plan and "free" in plan and "calloc" in plan and "realloc" in plan
     from pymtrace.target import elf
@@ -46,19 +32,19 @@ def test_every_allocating_function_has_a_return_probe_and_each_address_is_probed
 
 
 def test_names_sharing_an_address_are_probed_under_the_first_table_name():
-    plan = _plan(_library(LIBS["tcmalloc"]), "tcmalloc")
+    plan = _plan(library(LIBS["tcmalloc"]), "tcmalloc")
     assert "malloc" in plan and "tc_malloc" not in plan and "tc_free" not in plan
 
 
 def test_forwarders_through_the_plt_are_not_probed():
     # mimalloc: posix_memalign is `jmp mi_posix_memalign@plt`, mi_free_size `jmp mi_free@plt`
-    plan = _plan(_library(LIBS["mimalloc"]), "mimalloc")
+    plan = _plan(library(LIBS["mimalloc"]), "mimalloc")
     assert "mi_posix_memalign" in plan and "posix_memalign" not in plan
     assert "free" in plan and "mi_free_size" not in plan and "mi_free_aligned" not in plan
 
 
 def test_jemalloc_extra_functions_and_their_call_types():
-    plan = _plan(_library(LIBS["jemalloc"]), "jemalloc")
+    plan = _plan(library(LIBS["jemalloc"]), "jemalloc")
     assert {p.program for p in plan["mallocx"] if p.kind == "entry"} == {"ms_f_malloc_s1"}
     assert {p.program for p in plan["xallocx"] if p.kind == "entry"} == {"ms_f_realloc_x"}
     assert {p.program for p in plan["sdallocx"]} == {"ms_f_free_p1"}
