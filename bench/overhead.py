@@ -93,6 +93,8 @@ class Attachments:
         for kind, path, fn, off, prog in self.uprobes:
             if kind == "entry":
                 self.bpf.attach_uprobe(name=path, sym=fn, sym_off=off, fn_name=prog, pid=pid)
+            elif off:  # on the moved entry site, as MallocCollector attaches it
+                self.bpf.attach_uretprobe(name=path, addr=libc.symbol(path, fn).address + off, fn_name=prog, pid=pid)
             else:
                 self.bpf.attach_uretprobe(name=path, sym=fn, fn_name=prog, pid=pid)
         for tp, prog in self.tracepoints:
@@ -102,6 +104,8 @@ class Attachments:
         for kind, path, fn, off, _prog in self.uprobes:
             if kind == "entry":
                 self.bpf.detach_uprobe(name=path, sym=fn, sym_off=off, pid=pid)
+            elif off:
+                self.bpf.detach_uretprobe(name=path, addr=libc.symbol(path, fn).address + off, pid=pid)
             else:
                 self.bpf.detach_uretprobe(name=path, sym=fn, pid=pid)
         for tp, _ in self.tracepoints:

@@ -191,6 +191,13 @@ class MallocCollector(Collector):
                             fn_name=fn_name.encode(),
                             pid=pid,
                         )
+                    elif off:  # at the moved entry site (allocators.py): one breakpoint for both
+                        self.bpf.attach_uretprobe(
+                            name=os.fsencode(path),
+                            addr=libc.symbol(path, function).address + off,
+                            fn_name=fn_name.encode(),
+                            pid=pid,
+                        )
                     else:
                         self.bpf.attach_uretprobe(
                             name=os.fsencode(path), sym=function.encode(), fn_name=fn_name.encode(), pid=pid

@@ -242,7 +242,13 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
                 offsets = (branch,)
         probes = [Probe(f.name, "entry", off, program) for off in offsets]
         if nested:
-            probes.append(Probe(f.name, "return", 0, "ms_f_return"))
+            # a uretprobe is a breakpoint too: on the entry's site when that is the only one
+            # (one trap, emulated); attached by address, so only where the file offset is the
+            # address (every shared object here), leaving no doubt how BCC reads it
+            ret = offsets[0] if len(offsets) == 1 else 0
+            if ret and elf.file_offset(path, address + ret)[0] != address + ret:
+                ret = 0
+            probes.append(Probe(f.name, "return", ret, "ms_f_return"))
         plan.append((f.name, tuple(probes)))
     return tuple(plan)
 
