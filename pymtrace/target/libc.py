@@ -391,10 +391,14 @@ def _dynamic(path: str) -> bool:
 def untraced_message(pid: int, found: Allocator) -> str:
     """The sentence for a process whose malloc (FOUND: an Allocator) is not the traced glibc."""
     where = f" in {found.path}" if found.path and not found.name.startswith("static") else ""
+    who = (
+        "pymtrace does not trace"
+        if found.family is None
+        else "record and heap do not trace (top and the exporter count it)"
+    )
     return (
         f"process {pid} ({proc.comm(pid, missing='?')}) does not allocate with glibc's malloc: its allocator is "
-        f"{found.name}{where}, which pymtrace does not trace (only glibc's malloc is), "
-        f"so its malloc calls are not seen"
+        f"{found.name}{where}, which {who}, so its malloc calls are not seen"
     )
 
 
