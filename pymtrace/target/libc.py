@@ -392,9 +392,9 @@ def untraced_message(pid: int, found: Allocator) -> str:
     """The sentence for a process whose malloc (FOUND: an Allocator) is not the traced glibc."""
     where = f" in {found.path}" if found.path and not found.name.startswith("static") else ""
     who = (
-        "pymtrace does not trace"
+        "pymtrace does not trace (only glibc's malloc is)"
         if found.family is None
-        else "record and heap do not trace (top and the exporter count it)"
+        else "record and heap do not trace (only glibc's malloc; top and the exporter count it)"
     )
     return (
         f"process {pid} ({proc.comm(pid, missing='?')}) does not allocate with glibc's malloc: its allocator is "
