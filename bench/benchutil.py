@@ -56,6 +56,30 @@ def private_libc_storm(tmp):
     return storm, pid, path
 
 
+def private_preload_storm(tmp, library):
+    """bench/storm.c started with a private copy of the allocator LIBRARY (jemalloc, ...)
+    LD_PRELOADed, for the same reason private_libc_storm copies the libc: uprobes other
+    tracers put on the system's copy (by inode) cannot slow it down. Returns (the storm's
+    Popen, its PID, the path of the copy it maps)."""
+    import pathlib
+    import shutil
+
+    from pymtrace.target import libc
+
+    tmp = pathlib.Path(tmp)
+    exe = build_c(tmp, "storm", pathlib.Path(__file__).resolve().parent / "storm.c")
+    copy = tmp / ("bench-" + os.path.basename(library))
+    shutil.copy2(library, copy)
+    env = dict(os.environ, LD_PRELOAD=str(copy))
+    storm = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(storm.stdout.readline().split()[1])
+    path = next((m.path for m in libc.read_maps(pid) if m.path == str(copy)), None)
+    if path is None:
+        storm.kill()
+        raise SystemExit(f"the storm did not load {copy}")
+    return storm, pid, path
+
+
 def print_table(rows, markdown=False):
     """ROWS (dicts with the same keys) as a markdown table, or as indented JSON."""
     if markdown:

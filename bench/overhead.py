@@ -25,6 +25,10 @@ symlink), so system-wide pymtrace instances, which look for files named libc.so.
 /proc/*/maps, do not attach to it either. Before and after every measurement the script
 checks (bpftool perf list) that no other process probes the copy, and discards and repeats
 a measurement that was disturbed.
+
+--allocator LIBRARY (e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2) runs the storm with a
+private copy of that allocator LD_PRELOADed instead, and floor/top use top's probes for it
+(pymtrace.target.allocators: every allocating call an outer call with a return probe).
 """
 
 import argparse
@@ -39,12 +43,12 @@ import tempfile
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchutil import build_c, private_libc_storm, uprobe_pids  # noqa: E402
+from benchutil import build_c, private_libc_storm, private_preload_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
 from pymtrace.collect import malloc as collect  # noqa: E402
 from pymtrace.collect.faults import FaultCollector  # noqa: E402
-from pymtrace.target import libc  # noqa: E402
+from pymtrace.target import allocators, libc  # noqa: E402
 
 MEMLEAK = r"""
 #include <uapi/linux/ptrace.h>
@@ -89,6 +93,8 @@ class Attachments:
         for kind, path, fn, off, prog in self.uprobes:
             if kind == "entry":
                 self.bpf.attach_uprobe(name=path, sym=fn, sym_off=off, fn_name=prog, pid=pid)
+            elif off:  # on the moved entry site, as MallocCollector attaches it
+                self.bpf.attach_uretprobe(name=path, addr=libc.symbol(path, fn).address + off, fn_name=prog, pid=pid)
             else:
                 self.bpf.attach_uretprobe(name=path, sym=fn, fn_name=prog, pid=pid)
         for tp, prog in self.tracepoints:
@@ -98,14 +104,26 @@ class Attachments:
         for kind, path, fn, off, _prog in self.uprobes:
             if kind == "entry":
                 self.bpf.detach_uprobe(name=path, sym=fn, sym_off=off, pid=pid)
+            elif off:
+                self.bpf.detach_uretprobe(name=path, addr=libc.symbol(path, fn).address + off, pid=pid)
             else:
                 self.bpf.detach_uretprobe(name=path, sym=fn, pid=pid)
         for tp, _ in self.tracepoints:
             self.bpf.detach_tracepoint(tp)
 
 
+FAMILY = None  # --allocator: the pymtrace.target.allocators family probed instead of glibc
+
+
 def top_uprobes(path):
-    """top's uprobe sites, exactly as MallocCollector attaches them (collect.probe_plan)."""
+    """top's uprobe sites, exactly as MallocCollector attaches them (collect.probe_plan, or
+    allocators.probe_plan for --allocator)."""
+    if FAMILY is not None:
+        return [
+            (p.kind, path, function, p.offset, p.program)
+            for function, probes in allocators.probe_plan(path, FAMILY)
+            for p in probes
+        ]
     return [
         (kind, path, function, off, fn) for function, probes in collect.probe_plan(path) for kind, off, fn in probes
     ]
@@ -206,11 +224,17 @@ def main():
         default="untraced,floor,top,memleak,always-on",
         help="comma-separated subset of the modes (untraced and floor are always kept)",
     )
+    ap.add_argument("--allocator", metavar="LIBRARY", help="LD_PRELOAD this allocator (a private copy) into the storm")
     args = ap.parse_args()
     bpfload.require_root("the overhead benchmark")
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-bench-"))
-    storm, pid, path = private_libc_storm(tmp)
+    if args.allocator:
+        global FAMILY
+        storm, pid, path = private_preload_storm(tmp, args.allocator)
+        FAMILY = allocators.family_of(libc.allocator(pid).name)
+    else:
+        storm, pid, path = private_libc_storm(tmp)
     modes, objects = build_modes(path, pid)
     fresh = fresh_modes = None
     fresh_results = {"untraced": [], "top": []}
@@ -312,7 +336,8 @@ def main():
     print(
         f"{args.rounds} interleaved rounds, one thread, malloc({args.size})+free pairs "
         f"({args.pairs} per traced measurement, {args.fast_pairs} untraced/always-on), "
-        f"libc copy of {libc.system_libc()}, kernel {os.uname().release}\n"
+        f"{'allocator' if args.allocator else 'libc'} copy of {args.allocator or libc.system_libc()}, "
+        f"kernel {os.uname().release}\n"
     )
     print("| mode | ns/pair min | ns/pair median | vs untraced (paired median) | vs floor (paired median) |")
     print("|---|---|---|---|---|")

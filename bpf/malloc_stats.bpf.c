@@ -282,6 +282,126 @@ int ms_outer_return(struct pt_regs *ctx) {
     return 0;
 }
 
+/* ---- other allocators: jemalloc, tcmalloc, mimalloc, a malloc in the executable --------
+ *
+ * Attached by MallocCollector to the functions of pymtrace/target/allocators.py's tables,
+ * one program per (call type, argument layout). No chunk header is read (their blocks have
+ * none): foreign_calls marks the process's byte totals as unknown. Every allocating call
+ * is an outer call with a return probe: whatever it calls inside (another probed function,
+ * a forwarder's tail jump, an internal free) is not counted again. A state whose frame is
+ * gone (its return never seen: stack pointer now above it) is stale and replaced. */
+
+static __always_inline struct ms_outer *foreign_outer(u64 id, u64 sp) {
+    struct ms_outer *op = ms_outer.lookup(&id);
+    if (op && op->depth && sp > op->sp) { /* its return was never seen: stale */
+        if (ms_outer.delete(&id) == 0) add_active(-1);
+        return 0;
+    }
+    return op;
+}
+
+static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr, u32 nofail) {
+    u64 id = bpf_get_current_pid_tgid();
+    u64 sp = PT_REGS_SP(ctx);
+    struct ms_outer *op = foreign_outer(id, sp);
+    if (op) { /* inside another probed call of this thread */
+        if (op->depth) op->depth++;
+        return 0;
+    }
+    struct ms_outer o = {};
+    o.type = type;
+    o.requested = size;
+    o.arg_ptr = arg_ptr;
+    o.sp = sp;
+    o.depth = 1;
+    o.old_chunk = nofail; /* foreign calls keep no chunk bytes: the slot says "never fails" */
+    if (ms_outer.update(&id, &o) != 0)
+        ms_lost_inc(MS_LOST_OUTER_FULL);
+    else
+        add_active(1);
+    struct ms_stats *s = stats_for(id >> 32);
+    if (!s) return 0;
+    s->foreign_calls++;
+    if (type == CALL_FREE) {
+        s->calls[CALL_FREE]++;
+        if (!arg_ptr) s->calls[MS_FREE_NULL]++;
+    } else
+        count_call(s, type, size);
+    return 0;
+}
+
+int ms_f_return(struct pt_regs *ctx) {
+#if MS_EMPTY
+    return 0;
+#endif
+    u64 id = bpf_get_current_pid_tgid();
+    struct ms_outer *op = ms_outer.lookup(&id);
+    if (!op || !op->depth) return 0; /* attached while the call was running */
+    if (op->depth > 1) {
+        op->depth--;
+        return 0;
+    }
+    struct ms_outer o = *op;
+    if (ms_outer.delete(&id) == 0) add_active(-1);
+    if (o.type == CALL_FREE || o.old_chunk) return 0;                      /* nothing can fail */
+    if (o.type == CALL_REALLOC && o.arg_ptr && o.requested == 0) return 0; /* realloc(p, 0) */
+    u64 ret = PT_REGS_RC(ctx);
+    int failed = o.type == CALL_POSIX_MEMALIGN ? (u32)ret != 0 : ret == 0;
+    if (failed) {
+        struct ms_stats *s = stats_for(id >> 32);
+        if (s) s->failed++;
+    }
+    return 0;
+}
+
+/* A free-type function that calls no other probed function: entry only, skipped inside an
+ * allocating call (realloc(p, 0), an internal free). */
+int ms_f_free_p1(struct pt_regs *ctx) {
+#if MS_EMPTY
+    return 0;
+#endif
+    u64 id = bpf_get_current_pid_tgid();
+    int zero = 0;
+    s64 *active = ms_active.lookup(&zero);
+    if (!active || *active > 0) {
+        if (foreign_outer(id, PT_REGS_SP(ctx))) return 0;
+    }
+    struct ms_stats *s = stats_for(id >> 32);
+    if (!s) return 0;
+    s->foreign_calls++;
+    s->calls[CALL_FREE]++;
+    if (!PT_REGS_PARM1(ctx)) s->calls[MS_FREE_NULL]++;
+    return 0;
+}
+
+/* The entry programs, named ms_f_<call>_<layout> (allocators.py's ApiFunction.program):
+ * s1/s2 size in argument 1/2, n1s2 count * size, p1s2 pointer and size, p1s3
+ * posix_memalign's (memptr, alignment, size), x xallocx (resizes in place: never fails),
+ * nest a free-type function that calls another probed one (with a return probe). */
+#if MS_EMPTY
+#define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
+    int name(struct pt_regs *ctx) {                                                                          \
+        return 0;                                                                                            \
+    }
+#else
+#define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
+    int name(struct pt_regs *ctx) {                                                                          \
+        return foreign_entry(ctx, type, size, ptr, nofail);                                                  \
+    }
+#endif
+MS_F_ENTRY(ms_f_malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+MS_F_ENTRY(ms_f_malloc_n1s2, CALL_MALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+MS_F_ENTRY(ms_f_calloc_n1s2, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+MS_F_ENTRY(ms_f_calloc_s1, CALL_CALLOC, PT_REGS_PARM1(ctx), 0, 0)
+MS_F_ENTRY(ms_f_realloc_p1s2, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
+MS_F_ENTRY(ms_f_realloc_x, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 1)
+MS_F_ENTRY(ms_f_memalign_s1, CALL_MEMALIGN, PT_REGS_PARM1(ctx), 0, 0)
+MS_F_ENTRY(ms_f_memalign_s2, CALL_MEMALIGN, PT_REGS_PARM2(ctx), 0, 0)
+MS_F_ENTRY(ms_f_posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx), 0)
+MS_F_ENTRY(ms_f_valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
+MS_F_ENTRY(ms_f_pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
+MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
+
 /* ---- exec: the process has a new name ------------------------------------------ */
 
 /* Attached by user space to sched:sched_process_exec. Not TRACEPOINT_PROBE: its function

@@ -20,6 +20,9 @@ struct ms_stats {
     __u64 allocated_bytes; /* chunk sizes of returned blocks (header at ptr-8, & ~7) */
     __u64 freed_bytes;     /* chunk sizes of freed blocks (free, realloc's old block) */
     __u64 failed;          /* calls that returned NULL / an error (size > 0) */
+    /* calls counted by the programs for allocators other than glibc (ms_f_*): they read no
+     * chunk header, so the allocated/freed/live bytes are unknown */
+    __u64 foreign_calls;
     __u64 size_log2[MS_LOG2_BUCKETS];
     /* The process's name, written at the entry's creation and again at exec (sched_process_exec)
      * into the slot of the CPU that ran it; user space takes the slot with the latest
@@ -29,13 +32,17 @@ struct ms_stats {
 };
 
 /* Per-thread state of an outer call (realloc, memalign family), keyed by pid_tgid.
- * While it exists, the malloc/free probes hit by glibc's internal calls are skipped. */
+ * While it exists, the malloc/free probes hit by glibc's internal calls are skipped.
+ * Other allocators (ms_f_*): every allocating call is an outer call, nested ones (a
+ * forwarder such as posix_memalign in mimalloc -> mi_posix_memalign, an internal call of
+ * another probed function) only raise depth. */
 struct ms_outer {
     __u64 arg_ptr;   /* realloc: old pointer; posix_memalign: the memptr argument */
     __u64 old_chunk; /* realloc: chunk bytes of the old block */
     __u64 requested;
-    __u32 type; /* CALL_* */
-    __u32 pad;
+    __u64 sp;    /* ms_f_*: the stack pointer at the outermost entry */
+    __u32 type;  /* CALL_* */
+    __u32 depth; /* ms_f_*: probed calls in progress on this thread (0 for the glibc programs) */
 };
 
 /* Indexes of the per-CPU array `ms_lost`. */

@@ -1,4 +1,4 @@
-"""MallocCollector: per-process malloc-API counters from uprobes on each process's libc.
+"""MallocCollector: per-process malloc-API counters from uprobes on each process's allocator.
 
 Probe placement (MallocCollector): uprobes on the process's libc (from /proc/PID/maps;
 system-wide: the system libc plus every other libc mapped by a running process), each
@@ -7,6 +7,11 @@ free goes at +9 `push %rbp` instead of +0 `test %rdi,%rdi`, which is single-step
 the cost, plus the early-exit `ret` that free(NULL) takes). Return probes for malloc,
 calloc, realloc and the memalign family. Nested internal calls (realloc -> malloc/free,
 memalign -> malloc) are not counted (see bpf/malloc_stats.bpf.c).
+
+A process whose malloc resolves elsewhere (jemalloc, tcmalloc, mimalloc preloaded or
+linked, a malloc defined in the executable: pymtrace.target.libc.allocator) is counted on
+that file through the tables of pymtrace.target.allocators (ms_f_* programs), placed by
+the same rules; system-wide, every mapped non-libc file that defines malloc is probed.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pymtrace.collect.base import (
 )
 from pymtrace.collect.snapshot import call_names
 from pymtrace.errors import ProcessGone, PymtraceError
-from pymtrace.target import libc, mallocapi, probesite, proc
+from pymtrace.target import allocators, libc, mallocapi, probesite, proc
 
 # function -> (entry program, return program or None), from the one malloc-API table
 # (target/mallocapi.py): an outer call's return is ms_outer_return (its inner malloc/free
@@ -34,6 +39,10 @@ MALLOC_PROBES = tuple(
     (f.name, f"ms_{f.call}_entry", ("ms_outer_return" if f.outer else f"ms_{f.call}_return") if f.returns else None)
     for f in mallocapi.FUNCTIONS
 )
+
+
+class Uncounted(PymtraceError):
+    """A watched process whose malloc calls cannot be counted (no allocator top can probe)."""
 
 
 def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
@@ -77,30 +86,55 @@ class MallocCollector(Collector):
         self.max_procs = max_procs
         self.empty = empty  # benchmark floor: same probes, programs that do nothing
         self.attached = []  # (path, function, offset, kind, pid)
-        self.libcs = {}  # libc path -> [pids] (or [-1] for every process)
+        self.libcs = {}  # libc (or other allocator's file) path -> [pids] (or [-1] for every process)
+        self.families = {}  # path -> "glibc" or a pymtrace.target.allocators.FAMILIES key
         self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
         self._users = {}  # system-wide: libc path -> the processes mapping it
+        self._maps_seen = None  # system-wide, from prepare() to plan(): {pid: maps}
         self.fields = struct_fields(self.program, "ms_stats")
         self.call_names = call_names()
         self.evictions = Evictions()
 
     def _targets(self):
-        """{libc path: [pid, ...] or [-1]}, one path per distinct file (dev, inode)."""
+        """{path: [pid, ...] or [-1]}, one path per distinct file (dev, inode); self.families
+        says which allocator family each path is probed as ("glibc": the libc's programs)."""
         targets = {}
+        self.families = {}
         if self.pids is not None:
+            uncounted = []
             for pid in self.pids:
-                path = libc.process_libc(pid)
-                if path is None:
-                    raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+                try:
+                    path, family = self._resolve(pid)
+                except Uncounted as exc:
+                    uncounted.append(exc)  # named in its row (AllocatorCache.annotate)
+                    continue
                 targets.setdefault(path, []).append(pid)
+                self.families[path] = family
+            if not targets and uncounted:
+                raise uncounted[0]
             return targets
         self._users = {}
-        for path, users in libc.distinct_libcs(self.skipped):
+        maps_seen = {}
+        for path, users in libc.distinct_libcs(self.skipped, maps_seen):
             targets[path] = [-1]  # decoded by plan(), while the programs compile
             self._users[path] = users
+            self.families[path] = "glibc"
+        self._maps_seen = maps_seen  # the other allocators' files are found by plan()
         if not targets:
             raise PymtraceError("found no libc to attach to")
         return targets
+
+    @staticmethod
+    def _resolve(pid: int) -> tuple[str, str]:
+        """(file, family) where PID's malloc calls go (-p): its allocator when top counts it,
+        else its libc; Uncounted when there is neither (a static binary)."""
+        found = libc.allocator(pid)
+        if found is not None and found.family not in (None, "glibc"):
+            return found.path, allocators.family_of(found.name)
+        path = libc.process_libc(pid)  # a sanitizer's process: its libc, as before (row named)
+        if path is None:
+            raise Uncounted(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+        return path, "glibc"
 
     def _defines(self):
         return {"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)}
@@ -115,9 +149,22 @@ class MallocCollector(Collector):
         decoded (any user can map one named libc.so.6) is left out with the reason in
         self.skipped, and only the processes mapping it go untraced."""
         self.plans = {}
+        if self.pids is None:  # system-wide: every other mapped file defining malloc too
+            for path, (name, users) in libc.distinct_allocators(self._maps_seen).items():
+                self.libcs[path] = [-1]
+                self._users[path] = users
+                self.families[path] = allocators.family_of(name)
+            self._maps_seen = None
         for path in list(self.libcs):
             try:
-                self.plans[path] = probe_plan(path)
+                family = self.families.get(path, "glibc")
+                if family == "glibc":
+                    self.plans[path] = probe_plan(path)
+                else:
+                    self.plans[path] = [
+                        (function, [(p.kind, p.offset, p.program) for p in probes])
+                        for function, probes in allocators.probe_plan(path, family)
+                    ]
             except Exception as exc:  # whatever a malformed file raises: recorded, shown as a note
                 if self.pids is not None:  # the libc of a process named with -p: an error
                     raise
@@ -144,6 +191,13 @@ class MallocCollector(Collector):
                             fn_name=fn_name.encode(),
                             pid=pid,
                         )
+                    elif off:  # at the moved entry site (allocators.py): one breakpoint for both
+                        self.bpf.attach_uretprobe(
+                            name=os.fsencode(path),
+                            addr=libc.symbol(path, function).address + off,
+                            fn_name=fn_name.encode(),
+                            pid=pid,
+                        )
                     else:
                         self.bpf.attach_uretprobe(
                             name=os.fsencode(path), sym=function.encode(), fn_name=fn_name.encode(), pid=pid
@@ -161,7 +215,7 @@ class MallocCollector(Collector):
         procs = {}
         for pid, s, comm in rows:
             calls = s["calls"]
-            procs[pid] = {
+            procs[pid] = p = {
                 "pid": pid,
                 "comm": comm,
                 "calls": {name: int(calls[i]) for i, name in self.call_names.items()},
@@ -173,6 +227,9 @@ class MallocCollector(Collector):
                 "size_log2": [int(x) for x in s["size_log2"]],
                 "exited": pid in gone,
             }
+            if s["foreign_calls"]:  # counted on another allocator: its block sizes are unknown
+                for key in ("allocated_bytes", "freed_bytes", "live_bytes"):
+                    del p[key]
         for pid in gone:
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)

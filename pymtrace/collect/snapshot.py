@@ -26,15 +26,18 @@ faked, so a consumer works with whichever collectors are running:
          "freed_bytes": chunk bytes of blocks freed (free, realloc's old block),
          "live_bytes": allocated_bytes - freed_bytes (negative when blocks allocated
                        before attach are freed),
+         # (allocated_bytes, freed_bytes and live_bytes are absent for a process whose
+         # calls were counted on another allocator than glibc: jemalloc, ...; no chunk
+         # header to read its block sizes from)
          "failed": calls that returned NULL / an error code,
          "size_log2": [65 counts]: [0] size 0, [i] sizes in [2^(i-1), 2^i - 1],
          # FaultCollector:
          "faults_user": faults raised in user mode,
          "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user),
          # Collectors with malloc (pymtrace.target.libc.AllocatorCache.annotate): whose
-         # malloc the process calls; a watched process with another allocator gets an entry
-         # of its own holding only pid, comm and these two
-         "allocator": "glibc" | "jemalloc" | ..., "allocator_traced": bool}},
+         # malloc the process calls; a watched process whose allocator is not counted gets
+         # an entry of its own holding only pid, comm and these two
+         "allocator": "glibc" | "jemalloc" | ..., "allocator_traced": bool (counted)}},
      "slab": {cache_name: {"allocs", "frees", "bytes_alloc", "bytes_req"}},   # SlabCollector
      "slab_source": "tracepoint name" | "object size via /proc/slabinfo",  # SlabCollector: on a
          # kernel whose kmem_cache_alloc has no cache name, "slab" is keyed "size N" and each

@@ -29,8 +29,10 @@ DEFAULT_SAMPLE_BYTES = 524288  # = collect.heap.DEFAULT_SAMPLE_BYTES (not import
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested
                bytes/s, mean size (of the interval's calls), live bytes (allocated minus
-               freed chunk bytes since attach), page faults/s; a process whose malloc is
-               not glibc's says e.g. "allocator: jemalloc (not traced)"
+               freed chunk bytes since attach; glibc only), page faults/s. Counted where
+               each process's malloc resolves: glibc, jemalloc, tcmalloc, mimalloc or the
+               program's own; one that cannot be probed says e.g.
+               "allocator: static binary (no shared libc) (not traced)"
   2 slab       kernel slab caches: allocs/s, frees/s, bytes/s, net objects
   3 faults     page faults per process and per mapped region (file, [heap], [stack], [anon])
   4 glibc      glibc arenas, heaps, sbrk, thresholds, arena lock waits (needs a libc built

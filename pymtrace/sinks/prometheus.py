@@ -421,8 +421,9 @@ def _size_histogram(scrape: Scrape) -> Samples:
 
 
 def _allocators(scrape: Scrape) -> Samples:
-    """(label, allocator): 1 for processes whose malloc is the traced glibc, 0 for another
-    allocator (jemalloc, ...: its calls are not counted)."""
+    """(label, allocator): 1 for processes whose malloc calls are counted (glibc, jemalloc,
+    tcmalloc, mimalloc, an executable's own malloc), 0 for an allocator that is not (a
+    static binary: its calls are not seen)."""
     pids = scrape.collector.agg.pids
     seen = {}
     for pid, p in (scrape.snap.get("processes") or {}).items():
@@ -543,7 +544,7 @@ METRICS: Tuple[Metric, ...] = (
     Metric(
         "pymtrace_process_allocator_traced",
         "gauge",
-        "1 when the processes' malloc is the traced glibc, 0 when it is another allocator (jemalloc, tcmalloc, mimalloc, a static binary) whose calls are not seen",
+        "1 when the processes' malloc calls are counted (glibc, jemalloc, tcmalloc, mimalloc, another object's own malloc), 0 when their allocator cannot be probed (a static binary) and its calls are not seen",
         (LABEL, "allocator"),
         _allocators,
     ),

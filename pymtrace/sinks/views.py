@@ -158,7 +158,7 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
             sum(calls[c] for c in MEMALIGN_FAMILY) / dt if traced else None,
             req / dt if traced else None,
             mean if traced else None,
-            p.get("live_bytes", 0) if traced else None,
+            p.get("live_bytes") if traced else None,  # absent: another allocator (sizes unknown)
             faults / dt if has_faults else None,
             untraced,
         ]
@@ -167,7 +167,7 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
         tot["traced"] = tot.get("traced", 0) + (1 if traced else 0)
         tot["calls_per_s"] += (n_alloc + calls["free"]) / dt
         tot["requested_bytes_per_s"] += req / dt
-        tot["live_bytes"] += p.get("live_bytes", 0)
+        tot["live_bytes"] += p.get("live_bytes") or 0
         tot["faults_per_s"] += faults / dt
     # without per-call data (--always-on) the faults are all there is to sort by
     sort = 2 if tot.get("traced") or not rows else FAULTS_COLUMN
@@ -598,6 +598,9 @@ TOTAL_COLUMNS = (
 )
 
 
+_BLOCK_BYTES = ("allocated_bytes", "freed_bytes", "live_bytes")
+
+
 def totals_rows(snap: Snap, pids: Optional[List[int]] = None) -> List[list]:
     """Exact cumulative counters per process (the `totals` view): [[values]], sorted by PID;
     a counter of a collector that is not running is 0."""
@@ -614,6 +617,8 @@ def totals_rows(snap: Snap, pids: Optional[List[int]] = None) -> List[list]:
                 row.append(p["comm"])
             elif key in CALLS:
                 row.append(int(calls.get(key, 0)))
+            elif key in _BLOCK_BYTES and calls and key not in p:
+                row.append(None)  # counted on another allocator than glibc: block sizes unknown
             else:
                 row.append(int(p.get(key, 0)))
         rows.append(row)

@@ -97,7 +97,9 @@ def system_libc() -> str | None:
     return process_libc(os.getpid())
 
 
-def distinct_libcs(skipped: list[tuple[str, set[int], str]] | None = None) -> list[tuple[str, set[int]]]:
+def distinct_libcs(
+    skipped: list[tuple[str, set[int], str]] | None = None, maps_seen: dict[int, list[Mapping]] | None = None
+) -> list[tuple[str, set[int]]]:
     """Every libc file in use, once per file: [(path, {pid, ...}), ...], the system libc first.
 
     Files are told apart by (device, inode), so one libc reached through several paths
@@ -105,16 +107,20 @@ def distinct_libcs(skipped: list[tuple[str, set[int], str]] | None = None) -> li
     A file that only looks like a libc (any user can map a file named libc.so.6: not an
     ELF file, truncated, another architecture, no malloc) is left out and, when SKIPPED
     is a list, appended to it as (path, {pid, ...}, reason), so one bad file never stops
-    the others from being traced.
+    the others from being traced. MAPS_SEEN, when a dict, gets each process's maps (for
+    distinct_allocators: one read of /proc/PID/maps a process).
     """
     found = {}
     system = system_libc()
     candidates = [(system, os.getpid())] if system else []
     for pid in pids():
         try:
-            path = process_libc(pid)
+            maps = read_maps(pid)
+            path = process_libc(pid, maps)
         except (PymtraceError, OSError):
             continue
+        if maps_seen is not None:
+            maps_seen[pid] = maps
         if path:
             candidates.append((path, pid))
     for path, pid in candidates:
@@ -183,11 +189,28 @@ _SIGNATURES = (
 )
 
 
+# allocators whose malloc is not counted by top even though a file defines it: the
+# sanitizers intercept every call for their own checks
+_UNCOUNTED = ("AddressSanitizer", "HWAddressSanitizer")
+
+
 @dataclasses.dataclass(frozen=True)
 class Allocator:
     name: str  # "glibc" (or "musl") when traced; "jemalloc", "tcmalloc", ..., "static binary"
-    traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on
+    traced: bool  # its malloc calls reach the libc pymtrace puts its uprobes on (record, heap)
     path: Optional[str] = None  # the file whose malloc the process calls (None: none found)
+
+    @property
+    def family(self) -> Optional[str]:
+        """How top and the exporter count its calls: "glibc" (the libc's probes), "jemalloc",
+        "tcmalloc", "mimalloc", "generic" (another object defining malloc: probed by the
+        standard names; pymtrace.target.allocators), or None (not counted: a static binary,
+        a sanitizer)."""
+        if self.traced:
+            return "glibc"
+        if self.path is None or self.name.startswith("static") or self.name in _UNCOUNTED:
+            return None
+        return self.name if self.name in ("jemalloc", "tcmalloc", "mimalloc") else "generic"
 
 
 @functools.lru_cache(maxsize=256)
@@ -329,6 +352,34 @@ def allocator(pid: int) -> Allocator | None:
     return Allocator("musl" if "musl" in os.path.basename(libc_path) else "glibc", True, libc_path)
 
 
+def distinct_allocators(maps_seen: dict[int, list[Mapping]] | None = None) -> dict[str, tuple[str, set[int]]]:
+    """Every mapped file other than a libc that defines and exports malloc (jemalloc,
+    tcmalloc, mimalloc, an executable with its own malloc, ...), once per file (device,
+    inode): {path: (allocator name, {pid, ...})}. Processes whose maps cannot be read are
+    skipped; glibc's own wrappers (libc_malloc_debug, libmemusage) are left out. MAPS_SEEN:
+    {pid: maps} already read (distinct_libcs), else every process's maps are read here."""
+    found = {}
+    looked = {}  # path from here -> (key, name) or None: each file read once, not per process
+    for pid in sorted(maps_seen) if maps_seen is not None else pids():
+        try:
+            maps = maps_seen[pid] if maps_seen is not None else read_maps(pid)
+            root = os.readlink(f"/proc/{pid}/root")
+        except (PymtraceError, OSError):
+            continue
+        prefix = "" if root == "/" else f"/proc/{pid}/root"
+        for path in {m.path for m in maps if "x" in m.perms and m.path.startswith("/")}:
+            real = prefix + path
+            if real not in looked:
+                name = None
+                if not (is_libc_path(path) or _GLIBC_WRAPPERS.search(path)):
+                    name = _malloc_export_of(real)
+                looked[real] = (file_key(real), name) if name is not None else None
+            hit = looked[real]
+            if hit is not None and hit[0] is not None:
+                found.setdefault(hit[0], (real, hit[1], set()))[2].add(pid)
+    return {path: (name, users) for path, name, users in found.values()}
+
+
 def _dynamic(path: str) -> bool:
     """PATH has a program interpreter (dynamically linked), or is the dynamic loader itself."""
     if re.search(r"/ld-linux[^/]*\.so|/ld-musl[^/]*\.so", os.path.realpath(path)):
@@ -340,10 +391,14 @@ def _dynamic(path: str) -> bool:
 def untraced_message(pid: int, found: Allocator) -> str:
     """The sentence for a process whose malloc (FOUND: an Allocator) is not the traced glibc."""
     where = f" in {found.path}" if found.path and not found.name.startswith("static") else ""
+    who = (
+        "pymtrace does not trace (only glibc's malloc is)"
+        if found.family is None
+        else "record and heap do not trace (only glibc's malloc; top and the exporter count it)"
+    )
     return (
         f"process {pid} ({proc.comm(pid, missing='?')}) does not allocate with glibc's malloc: its allocator is "
-        f"{found.name}{where}, which pymtrace does not trace (only glibc's malloc is), "
-        f"so its malloc calls are not seen"
+        f"{found.name}{where}, which {who}, so its malloc calls are not seen"
     )
 
 
@@ -385,9 +440,11 @@ class AllocatorCache:
         return found
 
     def annotate(self, processes: dict[Any, Any], pids: Collection[int] = ()) -> None:
-        """Add "allocator" and "allocator_traced" to each entry of PROCESSES ({pid: dict}),
-        and an entry for each of PIDS (the watched ones) that has none because its malloc
-        is not traced (no event to list it by); forget PIDs no longer listed. New lookups
+        """Add "allocator" and "allocator_traced" (its calls are counted by top: glibc,
+        jemalloc, tcmalloc, mimalloc, another object's malloc; Allocator.family) to each entry
+        of PROCESSES ({pid: dict}), and an entry for each of PIDS (the watched ones) that has
+        none because its malloc is not counted (no event to list it by); forget PIDs no
+        longer listed. New lookups
         stop after `budget` seconds (a system-wide view may list hundreds of new processes):
         the watched PIDs first, then processes without a traced malloc call (where another
         allocator would show), then the others, which are left for the next call."""
@@ -395,7 +452,7 @@ class AllocatorCache:
         for pid in pids:
             if pid not in processes and str(pid) not in processes and proc.exists(pid):
                 found = self.get(pid)
-                if found is not None and not found.traced:
+                if found is not None and found.family is None:
                     processes[pid] = {"pid": pid, "comm": proc.comm(pid, missing="?")}
 
         def busy(item: tuple[Any, Any]) -> tuple[int, bool]:
@@ -405,7 +462,7 @@ class AllocatorCache:
         for pid, p in sorted(processes.items(), key=busy):
             found = self.get(int(pid), deadline)
             if found is not None and isinstance(p, dict):
-                p["allocator"], p["allocator_traced"] = found.name, found.traced
+                p["allocator"], p["allocator_traced"] = found.name, found.family is not None
         listed = {int(pid) for pid in processes} | set(pids)
         for pid in [p for p in self.known if p not in listed]:
             del self.known[pid]

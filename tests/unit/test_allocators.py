@@ -1,0 +1,75 @@
+"""pymtrace.target.allocators: probe plans for Debian's jemalloc, tcmalloc and mimalloc and
+for a malloc defined in an executable, decoded from the real files (no root needed)."""
+
+import subprocess
+
+import pytest
+from support.allocators import LIBS, library
+
+from pymtrace.target import allocators, libc
+
+
+def _plan(path, family):
+    return {f: probes for f, probes in allocators.probe_plan(path, family)}
+
+
+@pytest.mark.parametrize("family", sorted(LIBS))
+def test_every_allocating_function_has_a_return_probe_and_each_address_is_probed_once(family):
+    path = library(LIBS[family])
+    plan = _plan(path, family)
+    assert "malloc" in plan and "free" in plan and "calloc" in plan and "realloc" in plan
+    from pymtrace.target import elf
+
+    syms = elf.symbols(path)
+    addresses = [syms[f].address for f in plan]
+    assert len(addresses) == len(set(addresses))  # aliases (malloc = tc_malloc, ...) once
+    for function, probes in plan.items():
+        kinds = [p.kind for p in probes]
+        call = next(f.call for f in allocators.FAMILIES[family] if f.name == function)
+        if call != "free":
+            assert "return" in kinds, function
+        assert all(p.program.startswith("ms_f_") for p in probes)
+
+
+def test_names_sharing_an_address_are_probed_under_the_first_table_name():
+    plan = _plan(library(LIBS["tcmalloc"]), "tcmalloc")
+    assert "malloc" in plan and "tc_malloc" not in plan and "tc_free" not in plan
+
+
+def test_forwarders_through_the_plt_are_not_probed():
+    # mimalloc: posix_memalign is `jmp mi_posix_memalign@plt`, mi_free_size `jmp mi_free@plt`
+    plan = _plan(library(LIBS["mimalloc"]), "mimalloc")
+    assert "mi_posix_memalign" in plan and "posix_memalign" not in plan
+    assert "free" in plan and "mi_free_size" not in plan and "mi_free_aligned" not in plan
+
+
+def test_jemalloc_extra_functions_and_their_call_types():
+    plan = _plan(library(LIBS["jemalloc"]), "jemalloc")
+    assert {p.program for p in plan["mallocx"] if p.kind == "entry"} == {"ms_f_malloc_s1"}
+    assert {p.program for p in plan["xallocx"] if p.kind == "entry"} == {"ms_f_realloc_x"}
+    assert {p.program for p in plan["sdallocx"]} == {"ms_f_free_p1"}
+
+
+def test_family_of_an_allocator():
+    assert libc.Allocator("glibc", True, "/lib/libc.so.6").family == "glibc"
+    assert libc.Allocator("jemalloc", False, "/x/libjemalloc.so.2").family == "jemalloc"
+    assert libc.Allocator("its own malloc in app", False, "/x/app").family == "generic"
+    assert libc.Allocator("static binary (no shared libc)", False, "/x/app").family is None
+    assert libc.Allocator("AddressSanitizer", False, "/x/libasan.so").family is None
+    assert allocators.family_of("its own malloc in app") == "generic"
+
+
+def test_a_malloc_defined_in_the_executable(tmp_path):
+    src = tmp_path / "own.c"
+    src.write_text(
+        "#include <stddef.h>\n"
+        "static char a[1 << 20]; static size_t n;\n"
+        "__attribute__((noipa)) void *malloc(size_t s) { void *p = a + n; n += (s + 15) & ~15UL; return p; }\n"
+        "__attribute__((noipa)) void free(void *p) { (void)p; }\n"
+        "int main(void) { free(malloc(1)); return 0; }\n"
+    )
+    exe = tmp_path / "own"
+    subprocess.run(["gcc", "-O1", "-o", str(exe), str(src)], check=True)
+    plan = _plan(str(exe), "generic")
+    assert set(plan) == {"malloc", "free"}
+    assert [p.program for p in plan["free"]] == ["ms_f_free_p1"]
