@@ -102,13 +102,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="with --to: records not yet acknowledged kept in memory up to BYTES, then in a private "
         "disk spool (default 64M)",
     )
+    parser.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --to: at the end, wait up to S seconds for the collector to take the backlog; "
+        "what it never took is kept in a local mtrace-bin file (default 30)",
+    )
     parser.add_argument("--json", action="store_true", help="print the closing summary as JSON on stderr")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch and record CMD")
 
 
-def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], netproto.ClientConfig, int]:
-    """--to, --web-config, --spool-memory checked: (address, config, spool memory bytes).
+def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], netproto.ClientConfig, int, float]:
+    """--to, --web-config, --spool-memory, --send-timeout checked: (address, config, spool
+    memory bytes, send timeout).
     Plain TCP only to loopback, and said so."""
     address = netproto.parse_address(args.to, "--to")
     config = netproto.load_client_config(args.web_config)
@@ -119,7 +128,7 @@ def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], netproto.
             )
         if not args.quiet and not args.json:
             print(f"pymtrace: sending to {args.to} over plain TCP (loopback only, no TLS)", file=sys.stderr)
-    return address, config, parse_bytes(args.spool_memory, "--spool-memory")
+    return address, config, parse_bytes(args.spool_memory, "--spool-memory"), args.send_timeout
 
 
 def parse_size(text: str) -> int:

@@ -157,7 +157,9 @@ class NetOutput:
         metadata: dict[str, str],
         memory_limit: int = DEFAULT_SPOOL_MEMORY,
         quiet: bool = False,
+        close_wait: float = CLOSE_WAIT_S,
     ) -> None:
+        self.close_wait = close_wait
         self.address = address
         self.path = f"{address[0]}:{address[1]}"
         self.fmt = "net"
@@ -336,13 +338,13 @@ class NetOutput:
         self.spool.close()
 
     def close(self) -> None:
-        """Send the rest and wait (up to CLOSE_WAIT_S) until the collector has it all; what it
+        """Send the rest and wait (up to close_wait seconds) until the collector has it all; what it
         never took is kept in a local mtrace-bin file and reported (WriteFailed)."""
         with self.spool.cond:
-            self.close_deadline = time.monotonic() + CLOSE_WAIT_S
+            self.close_deadline = time.monotonic() + self.close_wait
             self.closing = True
             self.spool.cond.notify_all()
-        self.thread.join(CLOSE_WAIT_S + 5)
+        self.thread.join(self.close_wait + CONNECT_TIMEOUT_S)
         self.bytes_written = self.spool.acked * _RS
         if self.finished:
             self.spool.close()

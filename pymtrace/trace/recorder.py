@@ -355,8 +355,9 @@ class Recorder:
         local Parquet recording would have."""
         from pymtrace.trace.netsink import NetOutput
 
-        address, config, memory = self.args.network
-        out = NetOutput(address, config, tgid, self._parquet_metadata(tgid), memory, quiet=self.args.quiet)
+        address, config, memory, send_timeout = self.args.network
+        meta = self._parquet_metadata(tgid)
+        out = NetOutput(address, config, tgid, meta, memory, quiet=self.args.quiet, close_wait=send_timeout)
         self.outputs[tgid] = out
         if not self.args.quiet and not self.args.json:
             print(f"pymtrace: streaming process {tgid} to the collector at {out.path}", file=sys.stderr)
