@@ -254,9 +254,8 @@ class NetOutput:
                 else:
                     backoff = BACKOFF_MIN_S
                     self.reconnects += 1
-                    if self.state is not None:
-                        self._say("ok", f"connected again, resending from record {acked}")
-                    self.state = "ok"
+                    if self.state is None:
+                        self.state = "ok"
                     self._stream(sock, acked)
                     if self.finished:
                         return
@@ -312,6 +311,9 @@ class NetOutput:
                 if kind == proto.ACK:
                     (offset,) = proto.OFFSET.unpack(payload[: proto.OFFSET.size])
                     self.spool.ack(offset)
+                    # said once it really works again (a collector with a full disk accepts
+                    # the connection, then refuses the data: no line for that)
+                    self._say("ok", f"delivering again (acknowledged up to record {offset})")
                     with self.spool.cond:
                         if self.closing and offset >= self.spool.end:
                             self.finished = True
