@@ -133,35 +133,30 @@ class Stream:
         meta = dict(self.metadata)
         meta[parquet.META_PREFIX + "stream"] = self.id
         meta[parquet.META_PREFIX + "first_offset"] = str(first)
+
+        def write_part(fd: int) -> None:
+            w = parquet.Writer(fd, meta)
+            w.write_records(recs)
+            w.close()
+
+        self._publish(f"part-{self.id}-{first:012d}.parquet", write_part)
+        self.acked = first + len(recs)
+        self.pending, self.pending_rows, self.pending_since = [], 0, None
+        state = json.dumps({"stream": self.id, "acked": self.acked}).encode()
+        self._publish(os.path.basename(self._state_path()), lambda fd: os.write(fd, state))
+
+    def _publish(self, name: str, write: Callable[[int], object]) -> None:
+        """Create NAME in the stream's directory durably and whole: WRITE(fd) fills a hidden
+        mkstemp file (0600), which is fsync'ed and renamed over NAME, then the directory
+        fsync'ed. A failure removes the temporary file and raises OSError."""
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{self.id}-", suffix=".inprogress")
         try:
             try:
-                w = parquet.Writer(fd, meta)
-                w.write_records(recs)
-                w.close()
+                write(fd)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, os.path.join(self.dir, f"part-{self.id}-{first:012d}.parquet"))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(self.dir)
-        self.acked = first + len(recs)
-        self.pending, self.pending_rows, self.pending_since = [], 0, None
-        self._write_state()
-
-    def _write_state(self) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{self.id}-", suffix=".inprogress")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"stream": self.id, "acked": self.acked}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, self._state_path())
+            os.rename(tmp, os.path.join(self.dir, name))
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -12,7 +12,7 @@ import time
 import duckdb
 import pytest
 from conftest import PYMTRACE, run_pymtrace
-from support.collect import CollectorProcess, type_counts
+from support.collect import CollectorProcess, collectors, type_counts
 from support.recording import ground_truth, text_range
 
 import pymtrace
@@ -44,16 +44,8 @@ def check_once(directory, summary):
 
 @pytest.fixture
 def collector(tmp_path):
-    procs = []
-
-    def make(*extra):
-        c = CollectorProcess(tmp_path / "ds", *extra)
-        procs.append(c)
-        return c
-
-    yield make
-    for c in procs:
-        c.close()
+    with collectors(tmp_path / "ds") as make:
+        yield make
 
 
 def test_record_to_collector_exact_calls_and_metadata(collector, cbuild):

@@ -1,5 +1,6 @@
 """A real `pymtrace collect` process for the tests, and readers of its dataset."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -61,6 +62,23 @@ class CollectorProcess:
     def close(self):
         if self.proc.poll() is None:
             self.stop()
+
+
+@contextlib.contextmanager
+def collectors(directory):
+    """Yields make(*extra): a CollectorProcess on DIRECTORY; every one is stopped at the end."""
+    procs = []
+
+    def make(*extra):
+        c = CollectorProcess(directory, *extra)
+        procs.append(c)
+        return c
+
+    try:
+        yield make
+    finally:
+        for c in procs:
+            c.close()
 
 
 def type_counts(directory, where=""):

@@ -14,7 +14,7 @@ import duckdb
 import numpy
 import pyarrow.parquet as pq
 import pytest
-from support.collect import CollectorProcess, parts, type_counts
+from support.collect import collectors, parts, type_counts
 
 from pymtrace.trace import netproto, netsink
 from pymtrace.trace.formats import mtrace_bin
@@ -57,16 +57,8 @@ def check_exactly_once(directory, n):
 
 @pytest.fixture
 def collector(tmp_path):
-    procs = []
-
-    def make(*extra, directory=None):
-        c = CollectorProcess(directory or tmp_path / "ds", *extra)
-        procs.append(c)
-        return c
-
-    yield make
-    for c in procs:
-        c.close()
+    with collectors(tmp_path / "ds") as make:
+        yield make
 
 
 def test_exact_records_partitions_and_metadata(collector, tmp_path):
