@@ -40,7 +40,9 @@ from pymtrace.errors import PymtraceError
 from pymtrace.trace import netproto as proto
 from pymtrace.trace.formats import mtrace_bin, parquet
 
-PART_ROWS = 1 << 19  # a part is closed at this many rows (32 MiB of records in the recorder's spool: half the default memory spool)
+PART_ROWS = (
+    1 << 19
+)  # a part is closed at this many rows (32 MiB of records in the recorder's spool: half the default memory spool)
 PART_SECONDS = 5.0  # or when its oldest record is this old (the recorder's spool holds it until then)
 MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT_S = 5.0  # TLS handshake and HELLO, before authentication
