@@ -23,6 +23,7 @@ COMMANDS = {
     "top": ("pymtrace.commands.top", "live full-screen view of malloc, slab, page-fault and glibc arena activity"),
     "record": ("pymtrace.commands.record", "record every malloc-API call of a process into an mtrace-format file"),
     "heap": ("pymtrace.commands.heap", "sample allocation call stacks into a heap profile (pprof, flame graph, leaks)"),
+    "collect": ("pymtrace.commands.collect", "receive `record --to` streams into a partitioned Parquet dataset"),
     "dump": ("pymtrace.commands.dump", "decode a recorded trace (like upstream trace_dump) with per-type statistics"),
     "convert": ("pymtrace.commands.convert", "convert a trace between mtrace-bin and mtrace-text"),
     "workload": ("pymtrace.commands.workload", "convert a trace into a .wl replay workload"),

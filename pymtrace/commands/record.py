@@ -5,8 +5,10 @@ The arguments and help; the recording itself is pymtrace.trace.recorder.
 
 import argparse
 import mmap
+import sys
 
 from pymtrace.errors import PymtraceError
+from pymtrace.trace import netproto
 from pymtrace.trace.recorder import Recorder
 from pymtrace.units import parse_bytes
 
@@ -23,6 +25,8 @@ examples:
   pymtrace record -o app.parquet -- ./myprog  # columnar, ~1-6 bytes a call (-o *.parquet: --format parquet)
   pymtrace record --follow-forks -o t -- make -j2   # children go to t.PID
   pymtrace dump mtrace.out.1234
+  pymtrace record -p 1234 --to 127.0.0.1:7300          # to `pymtrace collect` (docs/collect.md)
+  pymtrace record -p 1234 --to collector:7300 --web-config client.yml   # TLS + credential
 
 OVERHEAD: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~300x slower
@@ -81,9 +85,50 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if events were lost")
     parser.add_argument("--follow-forks", action="store_true", help="also record child processes, each into FILE.PID")
     parser.add_argument("--libc", metavar="PATH", help="the libc to probe (default: the one the process maps)")
+    parser.add_argument(
+        "--to",
+        metavar="HOST:PORT",
+        help="stream the recording to `pymtrace collect` at HOST:PORT instead of a file (docs/collect.md)",
+    )
+    parser.add_argument(
+        "--web-config",
+        metavar="FILE",
+        help="with --to: TLS (tls_config: ca_file...) and a credential (basic_auth or authorization)",
+    )
+    parser.add_argument(
+        "--spool-memory",
+        default="64M",
+        metavar="BYTES",
+        help="with --to: records not yet acknowledged kept in memory up to BYTES, then in a private "
+        "disk spool (default 64M)",
+    )
+    parser.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --to: at the end, wait up to S seconds for the collector to take the backlog; "
+        "what it never took is kept in a local mtrace-bin file (default 30)",
+    )
     parser.add_argument("--json", action="store_true", help="print the closing summary as JSON on stderr")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch and record CMD")
+
+
+def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], netproto.ClientConfig, int, float]:
+    """--to, --web-config, --spool-memory, --send-timeout checked: (address, config, spool
+    memory bytes, send timeout).
+    Plain TCP only to loopback, and said so."""
+    address = netproto.parse_address(args.to, "--to")
+    config = netproto.load_client_config(args.web_config)
+    if config.ssl_context is None:
+        if not netproto.is_loopback(address[0]):
+            raise PymtraceError(
+                f"--to {args.to}: plain TCP is allowed only to loopback; give --web-config with tls_config"
+            )
+        if not args.quiet and not args.json:
+            print(f"pymtrace: sending to {args.to} over plain TCP (loopback only, no TLS)", file=sys.stderr)
+    return address, config, parse_bytes(args.spool_memory, "--spool-memory"), args.send_timeout
 
 
 def parse_size(text: str) -> int:
@@ -97,6 +142,12 @@ def parse_size(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.to is not None:
+        if args.output or args.format not in (None, "mtrace-bin"):
+            raise PymtraceError("--to streams raw records to the collector: no -o or --format with it")
+        args.network = network_target(args)
+    elif args.web_config:
+        raise PymtraceError("--web-config is for --to")
     if args.format is None:
         args.format = "parquet" if (args.output or "").endswith(".parquet") else "mtrace-bin"
     return Recorder(args, parse_size(args.buffer_size)).run()

@@ -328,6 +328,8 @@ class Recorder:
         out = self.outputs.get(tgid)
         if out is not None:
             return out
+        if getattr(self.args, "network", None) is not None:  # record --to: see netsink
+            return self._network_output(tgid)
         if tgid == self.target:
             if self.args.output:
                 path, fd = self.args.output, open_exclusive(self.args.output, self.args.force)
@@ -346,6 +348,19 @@ class Recorder:
         out.snapshot_maps()
         if not self.args.quiet and not self.args.json:
             print(f"pymtrace: writing to {path}", file=sys.stderr)
+        return out
+
+    def _network_output(self, tgid: int) -> Output:
+        """Process TGID's records streamed to a collector (record --to), with the metadata a
+        local Parquet recording would have."""
+        from pymtrace.trace.netsink import NetOutput
+
+        address, config, memory, send_timeout = self.args.network
+        meta = self._parquet_metadata(tgid)
+        out = NetOutput(address, config, tgid, meta, memory, quiet=self.args.quiet, close_wait=send_timeout)
+        self.outputs[tgid] = out
+        if not self.args.quiet and not self.args.json:
+            print(f"pymtrace: streaming process {tgid} to the collector at {out.path}", file=sys.stderr)
         return out
 
     def _parquet_metadata(self, tgid: int) -> dict[str, str]:
@@ -413,6 +428,9 @@ class Recorder:
 
     def _discard_outputs(self):
         for out in self.outputs.values():
+            if out.fd is None:  # record --to: no file, stop its sender
+                out.discard()
+                continue
             for fd in (out.fd, getattr(out, "final_fd", None)):
                 if fd is not None:
                     try:

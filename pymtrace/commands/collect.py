@@ -1,0 +1,102 @@
+"""`pymtrace collect`: receive `record --to` streams and write a Hive-partitioned Parquet dataset.
+
+The arguments, help and security checks; the server itself is pymtrace.trace.collector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pymtrace.errors import PymtraceError
+from pymtrace.trace import netproto
+
+HELP = (
+    "Receive recordings streamed by `pymtrace record --to HOST:PORT` from many hosts and write "
+    "them as one Hive-partitioned Parquet dataset (DIR/host=H/date=D/pid=P/part-*.parquet)."
+)
+EPILOG = """\
+examples:
+  pymtrace collect --listen 127.0.0.1:7300 --dir /srv/traces      # loopback: plain TCP allowed
+  pymtrace collect --listen 0.0.0.0:7300 --dir /srv/traces --web-config web.yml
+  pymtrace collect --listen 0.0.0.0:7300 --dir /srv/traces --web-config tls.yml --token-file token
+  # on each traced host:
+  sudo pymtrace record -p 1234 --to collector.example:7300 --web-config client.yml
+  # query the dataset:
+  python3 -c "import duckdb; print(duckdb.sql(\\"select host, pid, type, count(*) from \\
+    read_parquet('/srv/traces/**/*.parquet', hive_partitioning=true) group by all\\"))"
+
+SECURITY: --web-config is the exporter's file (tls_server_config: cert_file, key_file,
+client certificates; basic_auth_users: bcrypt hashes). --token-file FILE accepts recorders
+sending that token instead. Listening on anything but loopback needs TLS and a credential;
+on loopback plain TCP is allowed and said so.
+
+DURABILITY: a part is written whole, fsync'ed and renamed before its records are
+acknowledged; a recorder resends from the last acknowledged record after any fault, and
+the collector skips what it already has: every call lands in the dataset once, also
+across a collector crash and restart. A full disk refuses the stream (one line here and
+on the recorder, which keeps spooling and retries). Stop with Ctrl-C or SIGTERM: pending
+records are written as parts first. See docs/collect.md.
+"""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", required=True, metavar="ADDR:PORT", help="address to listen on (port 0: any)")
+    parser.add_argument("--dir", required=True, metavar="DIR", help="root directory of the dataset")
+    parser.add_argument("--web-config", metavar="FILE", help="TLS and basic auth (the exporter's web config format)")
+    parser.add_argument("--token-file", metavar="FILE", help="also accept recorders sending the token in FILE")
+    parser.add_argument("--max-connections", type=int, default=64, metavar="N", help="connections at once (default 64)")
+
+
+def _read_token(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            if os.fstat(f.fileno()).st_mode & 0o077:
+                raise PymtraceError(f"--token-file {path}: readable by others; chmod 600 it")
+            token = f.readline().strip()
+    except OSError as exc:
+        raise PymtraceError(f"cannot read --token-file {path}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise PymtraceError(f"--token-file {path}: the token must have at least 16 characters")
+    return token
+
+
+def run(args: argparse.Namespace) -> int:
+    from pymtrace.trace.collector import Collector
+
+    host, port = netproto.parse_address(args.listen, "--listen")
+    ssl_context, check_password = None, None
+    if args.web_config:
+        from pymtrace.sinks import webconfig
+
+        web = webconfig.load(args.web_config)
+        ssl_context = web.ssl_context
+        if web.auth_required:
+            check_password = web.check_password
+    token = _read_token(args.token_file) if args.token_file else None
+    loopback = netproto.is_loopback(host)
+    if not loopback and ssl_context is None:
+        raise PymtraceError(
+            f"--listen {args.listen}: plain TCP is allowed only on loopback; "
+            "give --web-config with tls_server_config to listen on the network"
+        )
+    if not loopback and check_password is None and token is None:
+        raise PymtraceError(
+            f"--listen {args.listen}: on the network a credential is required "
+            "(basic_auth_users in --web-config, or --token-file)"
+        )
+    server = Collector(args.dir, host, port, ssl_context, check_password, token, args.max_connections)
+    where = f"{server.address[0]}:{server.address[1]}"
+    if ssl_context is None:
+        print(f"pymtrace collect: plain TCP on loopback {where} (no TLS: this machine only)", file=sys.stderr)
+    print(f"pymtrace collect: listening on {where}, writing {server.directory}", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    print(f"pymtrace collect: stopped; {server.records} records received", file=sys.stderr)
+    return 0

@@ -1,0 +1,432 @@
+"""`pymtrace collect`: receive recordings from `record --to` and write a Parquet dataset.
+
+Layout (Hive partitions, read by DuckDB, Spark, Trino as they are):
+
+    DIR/host=H/date=YYYY-MM-DD/pid=P/part-STREAM-OFFSET.parquet
+
+one stream per traced process of one recording; a part holds the records from OFFSET
+(the stream's record count before it) on, with the recording's metadata (as a local
+Parquet recording's) plus pymtrace.stream and pymtrace.first_offset. A part is written
+whole under a hidden temporary name, fsync'ed and renamed: every visible part is complete.
+Only then is the part's end acknowledged to the recorder, after the stream's state file
+(.stream-STREAM.json, replaced atomically) records it. A recorder that resends after a
+collector restart gets the acknowledged offset back and the collector skips any record
+below it: each record lands in the dataset exactly once.
+
+Before a client is authenticated it gets bounded resources: a cap on connections, a
+deadline for the TLS handshake and the HELLO frame, and a cap on the HELLO's size.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import json
+import os
+import re
+import select
+import socket
+import ssl
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import numpy
+
+from pymtrace.errors import PymtraceError
+from pymtrace.trace import netproto as proto
+from pymtrace.trace.formats import mtrace_bin, parquet
+
+PART_ROWS = (
+    1 << 19
+)  # a part is closed at this many rows (32 MiB of records in the recorder's spool: half the default memory spool)
+PART_SECONDS = 5.0  # or when its oldest record is this old (the recorder's spool holds it until then)
+MAX_CONNECTIONS = 64
+HANDSHAKE_TIMEOUT_S = 5.0  # TLS handshake and HELLO, before authentication
+IDLE_TIMEOUT_S = 120.0  # an authenticated connection that sends nothing at all this long is closed
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_DTYPE = mtrace_bin.record_dtype("<")
+
+
+def _log(line: str) -> None:
+    print(f"pymtrace collect: {line}", file=sys.stderr, flush=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Stream:
+    """One stream's parts and acknowledged offset, in its partition directory."""
+
+    def __init__(self, root: str, hello: dict) -> None:
+        self.id = hello["stream"]
+        meta = hello.get("metadata") or {}
+        self.metadata = {str(k): str(v) for k, v in meta.items() if str(k).startswith(parquet.META_PREFIX)}
+        host = _SAFE.sub("_", str(hello.get("host") or "unknown"))[:128] or "unknown"
+        start = str(self.metadata.get(parquet.META_PREFIX + "start_time", ""))
+        date = start[:10] if re.fullmatch(r"\d{4}-\d\d-\d\d", start[:10]) else time.strftime("%Y-%m-%d", time.gmtime())
+        self.dir = os.path.join(root, f"host={host}", f"date={date}", f"pid={int(hello['pid'])}")
+        self.lock = threading.Lock()
+        self.owner = None  # the connection streaming it now
+        self.error = None  # the last write error reported (one line per change)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.acked = self._recover()
+        self.pending = []  # raw record blobs received, not yet in a part
+        self.pending_rows = 0
+        self.pending_since = None
+
+    def _state_path(self) -> str:
+        return os.path.join(self.dir, f".stream-{self.id}.json")
+
+    def _recover(self) -> int:
+        """The acknowledged offset: the state file's, moved on past parts renamed before a
+        crash let it be updated; temporary files of an interrupted part are removed."""
+        acked = 0
+        try:
+            with open(self._state_path()) as f:
+                acked = int(json.load(f)["acked"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        prefix = f"part-{self.id}-"
+        for name in sorted(os.listdir(self.dir)):
+            if name.startswith(f".{self.id}-") and name.endswith(".inprogress"):
+                os.unlink(os.path.join(self.dir, name))
+            elif name.startswith(prefix) and name.endswith(".parquet"):
+                first = int(name[len(prefix) : -len(".parquet")])
+                if first >= acked:
+                    rows = parquet.open_file(os.path.join(self.dir, name)).metadata.num_rows
+                    if first == acked:
+                        acked = first + rows
+        return acked
+
+    def add(self, offset: int, blob: bytes) -> None:
+        """Records from OFFSET; those below what is already here are skipped (a resend)."""
+        n = len(blob) // proto.RECORD_SIZE
+        end = self.acked + self.pending_rows
+        if offset > end:
+            raise proto.ProtocolError(f"records from {offset} but the stream has only {end}: a gap")
+        skip = end - offset
+        if skip >= n:
+            return
+        self.pending.append(blob[skip * proto.RECORD_SIZE :] if skip else blob)
+        self.pending_rows += n - skip
+        if self.pending_since is None:
+            self.pending_since = time.monotonic()
+
+    def due(self, now: float) -> bool:
+        return self.pending_rows >= PART_ROWS or (
+            self.pending_since is not None and now - self.pending_since >= PART_SECONDS
+        )
+
+    def flush(self) -> None:
+        """Write the pending records as one part, durably, then record the new offset."""
+        if not self.pending_rows:
+            return
+        first = self.acked
+        recs = numpy.frombuffer(b"".join(self.pending), _DTYPE)
+        meta = dict(self.metadata)
+        meta[parquet.META_PREFIX + "stream"] = self.id
+        meta[parquet.META_PREFIX + "first_offset"] = str(first)
+
+        def write_part(fd: int) -> None:
+            w = parquet.Writer(fd, meta)
+            w.write_records(recs)
+            w.close()
+
+        self._publish(f"part-{self.id}-{first:012d}.parquet", write_part)
+        self.acked = first + len(recs)
+        self.pending, self.pending_rows, self.pending_since = [], 0, None
+        state = json.dumps({"stream": self.id, "acked": self.acked}).encode()
+        self._publish(os.path.basename(self._state_path()), lambda fd: os.write(fd, state))
+
+    def _publish(self, name: str, write: Callable[[int], object]) -> None:
+        """Create NAME in the stream's directory durably and whole: WRITE(fd) fills a hidden
+        mkstemp file (0600), which is fsync'ed and renamed over NAME, then the directory
+        fsync'ed. A failure removes the temporary file and raises OSError."""
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{self.id}-", suffix=".inprogress")
+        try:
+            try:
+                write(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, os.path.join(self.dir, name))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        _fsync_dir(self.dir)
+
+
+class Collector:
+    """Accept recorders on (HOST, PORT) and write their streams under DIRECTORY.
+    SSL_CONTEXT: TLS (None: plain TCP, loopback only, checked by the caller);
+    CHECK_PASSWORD(user, password, client address) and TOKEN: the accepted credentials
+    (neither: no authentication)."""
+
+    def __init__(
+        self,
+        directory: str,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext | None = None,
+        check_password: Callable[[str, str, str], bool] | None = None,
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.directory = os.path.abspath(directory)
+        self.ssl_context = ssl_context
+        self.check_password = check_password
+        self.token_digest = hashlib.sha256(token.encode()).digest() if token else None
+        self.max_connections = max_connections
+        self.streams = {}
+        self.streams_lock = threading.Lock()
+        self.connections = 0
+        self.count_lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.records = 0  # records received (for the closing line)
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.sock = socket.socket(family, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind((host, port))
+            self.sock.listen(128)
+        except OSError as exc:
+            raise PymtraceError(f"cannot listen on {host}:{port} / use {directory}: {exc.strerror or exc}") from None
+        self.address = self.sock.getsockname()[:2]
+
+    @property
+    def auth_required(self) -> bool:
+        return self.check_password is not None or self.token_digest is not None
+
+    def serve_forever(self) -> None:
+        self.sock.settimeout(0.5)
+        while not self.stopping.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.1)
+                    continue
+                raise
+            with self.count_lock:
+                if self.connections >= self.max_connections:
+                    conn.close()  # before any byte is read: a flood costs nothing more
+                    continue
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(conn, addr[0]), daemon=True).start()
+
+    def shutdown(self) -> None:
+        """Stop accepting; write every stream's pending records as parts."""
+        self.stopping.set()
+        self.sock.close()
+        with self.streams_lock:
+            streams = list(self.streams.values())
+        for s in streams:
+            if s.lock.acquire(timeout=10):
+                try:
+                    s.flush()
+                except OSError as exc:
+                    _log(f"cannot write {s.dir}: {exc.strerror}")
+                finally:
+                    s.lock.release()
+
+    # -- one connection
+    def _serve(self, conn: socket.socket, client: str) -> None:
+        try:
+            self._session(conn, client)
+        except (OSError, proto.ProtocolError, ssl.SSLError, ValueError):
+            pass
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
+            with self.count_lock:
+                self.connections -= 1
+
+    def _refuse(self, conn: socket.socket, code: str, message: str, log: str | None = None) -> None:
+        _log(log or message)
+        try:
+            conn.sendall(proto.json_frame(proto.REFUSED, {"code": code, "message": message}))
+        except OSError:
+            pass
+
+    def _session(self, conn: socket.socket, client: str) -> None:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        if self.ssl_context is not None:
+            conn = self.ssl_context.wrap_socket(conn, server_side=True)
+        hello = self._read_hello(conn, deadline)
+        if hello is None:
+            return
+        data = hello[1]
+        if hello[0] != proto.VERSION:
+            self._refuse(
+                conn,
+                proto.R_VERSION,
+                f"protocol version mismatch: the recorder speaks {hello[0]}, this collector {proto.VERSION}; "
+                "run the same pymtrace version on both sides",
+                f"{client}: refused a recorder speaking protocol version {hello[0]} (this collector: {proto.VERSION})",
+            )
+            return
+        if not self._authenticated(data.get("auth"), client):
+            self._refuse(
+                conn,
+                proto.R_AUTH,
+                "credential rejected",
+                f"{client}: rejected credential"
+                + (
+                    f" (user {data['auth'].get('user')!r})"
+                    if isinstance(data.get("auth"), dict) and data["auth"].get("user")
+                    else ""
+                ),
+            )
+            return
+        if not isinstance(data.get("stream"), str) or not re.fullmatch(r"[0-9a-f]{32}", data["stream"]):
+            self._refuse(conn, proto.R_BAD, "malformed HELLO: no stream id", f"{client}: malformed HELLO")
+            return
+        try:
+            stream = self._stream(data)
+        except (OSError, PymtraceError, ValueError, KeyError, TypeError) as exc:
+            msg = exc.strerror if isinstance(exc, OSError) else str(exc)
+            self._refuse(
+                conn, proto.R_DISK, f"collector cannot open the stream: {msg}", f"{client}: cannot open stream: {msg}"
+            )
+            return
+        conn.settimeout(IDLE_TIMEOUT_S)
+        me = object()
+        stream.owner = me
+        if not stream.lock.acquire(timeout=HANDSHAKE_TIMEOUT_S * 2):
+            self._refuse(conn, proto.R_BUSY, "the stream is busy on another connection", f"{client}: stream busy")
+            return
+        try:
+            if stream.owner is not me:
+                return  # a newer connection took the stream over meanwhile
+            conn.sendall(proto.json_frame(proto.WELCOME, {"version": proto.VERSION, "acked": stream.acked}))
+            self._receive(conn, stream, client, me)
+        finally:
+            try:
+                self._flush(conn, stream, client)  # what was received is kept: a resend skips it
+            except (OSError, proto.ProtocolError):
+                pass
+            finally:
+                stream.lock.release()
+
+    def _read_hello(self, conn: socket.socket, deadline: float) -> tuple[int, dict] | None:
+        head = _recv_deadline(conn, proto.HEADER.size, deadline)
+        kind, length = proto.HEADER.unpack(head)
+        if kind != proto.HELLO or length > proto.MAX_HELLO or length < proto.VERSION_FIELD.size:
+            self._refuse(
+                conn,
+                proto.R_BAD,
+                "not a pymtrace recorder (or HELLO too large)",
+                "refused a connection that is not a pymtrace recorder",
+            )
+            return None
+        payload = _recv_deadline(conn, length, deadline)
+        magic, version = proto.VERSION_FIELD.unpack_from(payload)
+        if magic != proto.MAGIC:
+            self._refuse(
+                conn, proto.R_BAD, "not a pymtrace recorder", "refused a connection that is not a pymtrace recorder"
+            )
+            return None
+        if version != proto.VERSION:
+            return version, {}
+        return version, proto.parse_json(payload[proto.VERSION_FIELD.size :])
+
+    def _authenticated(self, auth: object, client: str) -> bool:
+        if not self.auth_required:
+            return True
+        if not isinstance(auth, dict):
+            return False
+        token = auth.get("token")
+        if isinstance(token, str) and self.token_digest is not None:
+            return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.token_digest)
+        user, password = auth.get("user"), auth.get("password")
+        if isinstance(user, str) and isinstance(password, str) and self.check_password is not None:
+            return self.check_password(user, password, client)
+        return False
+
+    def _stream(self, hello: dict) -> Stream:
+        with self.streams_lock:
+            stream = self.streams.get(hello["stream"])
+            if stream is None:
+                stream = Stream(self.directory, hello)
+                self.streams[stream.id] = stream
+            return stream
+
+    def _receive(self, conn: socket.socket, stream: Stream, client: str, me: object) -> None:
+        while not self.stopping.is_set() and stream.owner is me:
+            pending_tls = isinstance(conn, ssl.SSLSocket) and conn.pending()
+            if not pending_tls:
+                ready, _, _ = select.select([conn], [], [], 0.5)
+                if not ready:
+                    if stream.due(time.monotonic()):
+                        self._flush(conn, stream, client)
+                    continue
+            kind, payload = proto.recv_frame(conn, proto.OFFSET.size + proto.MAX_FRAME)
+            if kind == proto.DATA:
+                (offset,) = proto.OFFSET.unpack_from(payload)
+                blob = payload[proto.OFFSET.size :]
+                if len(blob) % proto.RECORD_SIZE:
+                    raise proto.ProtocolError("DATA not a whole number of records")
+                stream.add(offset, blob)
+                self.records += len(blob) // proto.RECORD_SIZE
+                if stream.due(time.monotonic()):
+                    self._flush(conn, stream, client)
+            elif kind == proto.END:
+                self._flush(conn, stream, client)
+                return
+            else:
+                raise proto.ProtocolError(f"unexpected frame {kind}")
+
+    def _flush(self, conn: socket.socket, stream: Stream, client: str) -> None:
+        """Write the stream's pending records as a part and acknowledge them. A full disk:
+        one line here, REFUSED to the recorder (it keeps spooling and retries); the pending
+        records are dropped (never acknowledged, the recorder sends them again)."""
+        try:
+            stream.flush()
+        except OSError as exc:
+            stream.pending, stream.pending_rows, stream.pending_since = [], 0, None
+            message = f"cannot write {stream.dir}: {exc.strerror or exc}"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                message = f"disk full: {message}"
+            if stream.error != message:
+                stream.error = message
+                _log(f"{message}; the recorder at {client} keeps spooling")
+            try:
+                conn.sendall(proto.json_frame(proto.REFUSED, {"code": proto.R_DISK, "message": message}))
+            except OSError:
+                pass
+            raise proto.ProtocolError(message) from None
+        stream.error = None
+        conn.sendall(proto.frame(proto.ACK, proto.OFFSET.pack(stream.acked)))
+
+
+def _recv_deadline(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """N bytes before DEADLINE (a client sending one byte at a time cannot hold a slot longer)."""
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise proto.ProtocolError("handshake timeout")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise proto.ProtocolError("connection closed by the peer")
+        buf += chunk
+    return bytes(buf)
