@@ -80,6 +80,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if events were lost")
     parser.add_argument("--follow-forks", action="store_true", help="also record child processes, each into FILE.PID")
+    parser.add_argument(
+        "--stacks",
+        action="store_true",
+        help="also the call stack of every allocating call (complete without frame pointers): a stack id "
+        "in each record and the stack table FILE.stacks beside the trace (mtrace-bin, parquet)",
+    )
     parser.add_argument("--libc", metavar="PATH", help="the libc to probe (default: the one the process maps)")
     parser.add_argument("--json", action="store_true", help="print the closing summary as JSON on stderr")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
