@@ -87,7 +87,7 @@ class Output:
             from pymtrace.trace.formats import parquet  # pyarrow: imported only when needed
 
             try:
-                self.parquet = parquet.Writer(fd, metadata)
+                self.parquet = parquet.Writer(fd, metadata, stacks=stacks)
             except OSError as exc:
                 os.close(fd)
                 try:
@@ -536,7 +536,9 @@ class Recorder:
                 os.close(fd)
                 os.unlink(path)
                 raise
-        out = Output(path, fd, self.args.format, tgid, fallback_maps=self._note_bases, metadata=meta, stacks=self.stacks)
+        out = Output(
+            path, fd, self.args.format, tgid, fallback_maps=self._note_bases, metadata=meta, stacks=self.stacks
+        )
         if table_fd is not None:
             out.stack_table = stacktable.TableWriter(table_fd, path, tgid, self.stack_unwinder.symbolizer.frames)
         self.outputs[tgid] = out
