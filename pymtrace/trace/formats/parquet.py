@@ -455,7 +455,7 @@ def iter_batches(
 def iter_arrays(path: str, batch_size: int = 1 << 16) -> Iterator[numpy.ndarray]:
     """numpy record arrays (mtrace_bin.record_dtype, little endian) of the file's rows."""
     names = open_file(path).schema_arrow.names
-    cols = [c for c in COLUMNS if c in names and c != "stack"]
+    cols = [c for c in [*COLUMNS, "stack_id"] if c in names and c != "stack"]
     for batch in iter_batches(path, cols, batch_size):
         yield records_from_batch(batch, path)
 

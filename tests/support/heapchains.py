@@ -1,0 +1,36 @@
+"""The heap_chains workload (workloads/heap_chains.c + heap_chains_lib.c) built -O2
+-fomit-frame-pointer, and the call chains it makes (see the C file's header)."""
+
+import subprocess
+from pathlib import Path
+
+from conftest import WORKLOADS, missing_or_fail
+
+NO_FP = ("-O2", "-fomit-frame-pointer")
+ROOT = "_start;__libc_start_main;__libc_start_call_main;main"
+MALLOC = r"(__libc_)?malloc"
+# (folded stack regex, calls, bytes requested) of every chain, in the workload's order
+CHAINS = {
+    "thread": (rf".*start_thread;worker;thread_leaf;{MALLOC}", 50, sum(2500 + i for i in range(50))),
+    "alpha": (rf"{ROOT};alpha;beta;leaf_alloc;{MALLOC}", 200, sum(100 + i % 8 for i in range(200))),
+    "gamma": (rf"{ROOT};gamma_;lib_outer;lib_inner;{MALLOC}", 10, 10 * 4000),
+    "delta": (rf"{ROOT};delta;young_leaf;{MALLOC}", 3, 3 * 3000),
+}
+
+
+def build(build_dir: Path) -> str:
+    """Compile heap_chains (and libheapchain.so) into BUILD_DIR; the executable's path."""
+    lib = build_dir / "libheapchain.so"
+    exe = build_dir / "heap_chains"
+    if exe.exists():
+        return str(exe)
+    try:
+        subprocess.run(["gcc", *NO_FP, "-shared", "-fPIC", "-o", lib, WORKLOADS / "heap_chains_lib.c"], check=True)
+        subprocess.run(
+            ["gcc", *NO_FP, "-pthread", "-o", exe, WORKLOADS / "heap_chains.c"]
+            + ["-L", build_dir, "-lheapchain", f"-Wl,-rpath,{build_dir}"],
+            check=True,
+        )
+    except FileNotFoundError:
+        missing_or_fail("gcc is not installed")
+    return str(exe)
