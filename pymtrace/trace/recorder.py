@@ -283,7 +283,7 @@ class StackUnwinder:
         self.pending: dict[tuple[int, int], tuple[int, tuple, bool]] = {}
         self.missing = 0  # allocation records written with stack id 0
         self.incomplete = 0  # stacks whose unwind did not reach the outermost frame
-        self.cpu = 0.0  # CPU time spent unwinding and labelling
+        self.cpu = 0.0  # CPU time spent taking and unwinding the stack events (the recorder adds it)
         self.event = structs.header("record").structs["stack_event"]
         self.event_size = ctypes.sizeof(self.event)
         self.leaf_pc: dict[int, int] = {}
@@ -349,7 +349,6 @@ class StackUnwinder:
         """BCC's ring buffer callback: unwind one stack event now (its bytes live only here)."""
         from pymtrace.target.unwind import UNKNOWN
 
-        t0 = time.thread_time()
         ev = ctypes.cast(data, ctypes.POINTER(self.event)).contents
         tgid, tid, call, ts = int(ev.tgid), int(ev.tid), int(ev.call), int(ev.ts)
         regs = list(ev.regs)
@@ -371,7 +370,6 @@ class StackUnwinder:
         if len(self.pending) >= _MAX_PENDING:
             self._prune(ts)
         self.pending[(tid, ts)] = (tgid, stack, complete)
-        self.cpu += time.thread_time() - t0
         return 0
 
     def _prune(self, now_ns: int) -> None:
@@ -385,7 +383,6 @@ class StackUnwinder:
         stack id in bits 8-31 of its type word; the new stacks are written to the tables first."""
         import numpy
 
-        t0 = time.thread_time()
         buf = bytearray(recs)
         words = numpy.frombuffer(buf, dtype="<u4").reshape(n, mtrace_bin.RECORD_SIZE // 4)
         ts = numpy.frombuffer(buf, dtype="<u8").reshape(n, mtrace_bin.RECORD_SIZE // 8)[:, 6]
@@ -413,7 +410,6 @@ class StackUnwinder:
             except OSError as exc:
                 out.failed = exc
                 raise WriteFailed(f"cannot write {table_path_of(out.path)}: {exc.strerror or exc}") from None
-        self.cpu += time.thread_time() - t0
         return buf
 
 
@@ -701,7 +697,9 @@ class Recorder:
         limit = self.reader.producer()
         if self.stack_unwinder is not None:
             # every record reserved before `limit` had its stack committed before it
+            t1 = time.thread_time()
             self.bpf.ring_buffer_consume()
+            self.stack_unwinder.cpu += time.thread_time() - t1
         patience = time.monotonic() + 0.1
         # a stop signal waits until this drain is done: a batch taken from the ring is
         # always written whole, and the counts match the file
