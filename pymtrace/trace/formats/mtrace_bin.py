@@ -120,7 +120,7 @@ def magic_record(thread: int = 0, byteorder: str = "<", stacks: bool = False) ->
 
 def has_stacks(first: bytes, byteorder: str = "<") -> bool:
     """Whether the MAGIC record FIRST marks a trace whose type words carry stack ids."""
-    return _STRUCT[byteorder].unpack_from(first)[5] == STACKS_MARK
+    return len(first) >= RECORD_SIZE and _STRUCT[byteorder].unpack_from(first)[5] == STACKS_MARK
 
 
 def detect_byteorder(first: bytes) -> str:

@@ -386,10 +386,13 @@ def _shift_row_group(rg: list, delta: int, ordinal: int) -> None:
         rg.sort(key=lambda e: e[0])
 
 
-def write_records(fileobj: IO[bytes], arrays: Iterator[numpy.ndarray], metadata: Mapping[str, str]) -> int:
-    """Write record arrays to the new, empty file FILEOBJ as Parquet; the number of rows."""
+def write_records(
+    fileobj: IO[bytes], arrays: Iterator[numpy.ndarray], metadata: Mapping[str, str], stacks: bool = False
+) -> int:
+    """Write record arrays to the new, empty file FILEOBJ as Parquet; the number of rows.
+    STACKS: the records' type words carry stack ids (the stack_id column)."""
     fileobj.flush()
-    w = Writer(fileobj.fileno(), metadata)
+    w = Writer(fileobj.fileno(), metadata, stacks=stacks)
     for recs in arrays:
         w.write_records(recs)
     w.close()
@@ -525,18 +528,25 @@ def convert_to_parquet(path: str, fmt: str, out: IO[bytes]) -> int:
     metadata, so converting back gives the same bytes."""
     if fmt == "parquet":
         meta = {META_PREFIX + k: v for k, v in read_metadata(path).items()}
-        return write_records(out, iter_arrays(path), meta)
+        return write_records(out, iter_arrays(path), meta, stacks=has_stacks(path))
     if fmt == "mtrace-text":
         from pymtrace.trace.formats import mtrace_text
 
         records = mtrace_text.to_records(mtrace_text.read_file(path))
         return write_records(out, arrays_from_records(records), file_metadata(source_format=fmt))
     with open(path, "rb") as f:
+        stacks = mtrace_bin.has_stacks(f.read(mtrace_bin.RECORD_SIZE), "<")
+        f.seek(0)
         order, thread, arrays = mtrace_bin.read_arrays(f, path)
+        if order != "<":
+            f.seek(0)
+            stacks = mtrace_bin.has_stacks(f.read(mtrace_bin.RECORD_SIZE), order)
+            f.seek(0)
+            order, thread, arrays = mtrace_bin.read_arrays(f, path)
         meta = file_metadata(
             source_format=fmt,
             magic_thread=thread,
             pid=thread or None,
             byteorder="big" if order == ">" else "little",
         )
-        return write_records(out, arrays, meta)
+        return write_records(out, arrays, meta, stacks=stacks)
