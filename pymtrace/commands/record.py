@@ -22,6 +22,7 @@ examples:
   pymtrace record --format mtrace-text -o log -- ./myprog && mtrace ./myprog log
   pymtrace record -o app.parquet -- ./myprog  # columnar, ~1-6 bytes a call (-o *.parquet: --format parquet)
   pymtrace record --follow-forks -o t -- make -j2   # children go to t.PID
+  pymtrace record --stacks -o t -- ./myprog   # + each allocation's call stack, in t.stacks
   pymtrace dump mtrace.out.1234
 
 OVERHEAD: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
@@ -33,7 +34,10 @@ bytes per event (row groups encoded and compressed as it records); --format mtra
 (text written as it is recorded). --follow-forks puts the probes on every process
 that uses the same libc (filtered in BPF, after the trap): while it runs, every
 malloc-API call of every such process on the machine pays the trap, recorded or not
-(an unrelated malloc/free loop: 5.7 ns -> 0.8-1 us a call).
+(an unrelated malloc/free loop: 5.7 ns -> 0.8-1 us a call). --stacks adds ~1.5-1.7 us to
+each allocating call in the traced process (its stack copied, docs/record.md) and ~6-50 us of
+pymtrace CPU per allocation to unwind it: an allocation storm outruns the unwinder, and the
+allocations whose stacks found the stack ring full get stack id 0 (counted, exit 3).
 
 STOPPING: Ctrl-C, SIGINT (also sent by a script to a background job) or SIGTERM drains
 what was recorded, writes it and detaches; more signals while stopping are ignored. A
@@ -43,7 +47,7 @@ each row group (262,144 rows or more, or 2-10 s after the oldest buffered row): 
 keeps every row group written.
 
 EXIT STATUS: 0 ok; 1 error (also a failed write); 3 events were lost (the ring buffer was
-full), unless --allow-drops: make --buffer-size larger. See docs/record.md for details.
+full) or, with --stacks, allocations were left without a stack, unless --allow-drops: make --buffer-size larger. See docs/record.md for details.
 """
 
 _PAGE = mmap.PAGESIZE
