@@ -274,12 +274,11 @@ class StackUnwinder:
     (libc's symbol), and the caller's pc becomes return address - 1 like every other caller."""
 
     def __init__(self, libc_path: str) -> None:
-        from pymtrace.target.unwind import Symbolizer
+        from pymtrace.target.unwind import ProcessImages
 
         self.libc_real = os.path.realpath(libc_path)
-        self.symbolizer = Symbolizer()
-        self.images: dict[int, Any] = {}
-        self.refreshed: dict[int, float] = {}
+        self.processes = ProcessImages()
+        self.symbolizer = self.processes.symbolizer
         self.pending: dict[tuple[int, int], tuple[int, tuple, bool]] = {}
         self.missing = 0  # allocation records written with stack id 0
         self.incomplete = 0  # stacks whose unwind did not reach the outermost frame
@@ -294,55 +293,18 @@ class StackUnwinder:
                     self.leaf_pc[code] = elf.symbol(libc_path, function.name).address
                 except PymtraceError:
                     pass
-        self.libc_module: dict[int, Any] = {}
-
-    def capture(self, pid: int, required: bool = False) -> Any:
-        """PID's ProcessImage, read now (None if it is gone, unless REQUIRED)."""
-        from pymtrace.target.unwind import ProcessImage
-
-        try:
-            image = ProcessImage(pid)
-        except ProcessGone:
-            if required:
-                raise
-            return None
-        self.images[pid] = image
-        self.refreshed[pid] = 0.0
-        self.symbolizer.add(image)
-        self.libc_module.pop(pid, None)
-        return image
+        self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): libc Module
+        self.capture = self.processes.capture
 
     def at_exit(self, pid: int) -> None:
         """A held command at its exit: read the files it mapped since (target.launch)."""
-        image = self.images.get(pid)
-        if image is None:
-            self.capture(pid)
-            return
-        try:
-            image.refresh()
-        except ProcessGone:
-            return
-        self.symbolizer.add(image)
-        self.libc_module.pop(pid, None)
-
-    def _refresh(self, pid: int, image: Any) -> bool:
-        now = time.monotonic()
-        if now - self.refreshed.get(pid, 0.0) < 0.02:
-            return False
-        self.refreshed[pid] = now
-        try:
-            image.refresh()
-        except ProcessGone:
-            return False
-        self.symbolizer.add(image)
-        self.libc_module.pop(pid, None)
-        return True
+        self.processes.at_exit(pid)
 
     def _libc(self, pid: int, image: Any) -> Any:
-        module = self.libc_module.get(pid)
+        module = self.libc_module.get((id(image), len(image.modules)))
         if module is None:
             module = next((m for m in image.modules if os.path.realpath(m.path) == self.libc_real), False)
-            self.libc_module[pid] = module
+            self.libc_module[(id(image), len(image.modules))] = module
         return module or None
 
     def on_event(self, _ctx: Any, data: int, size: int) -> int:
@@ -353,13 +315,12 @@ class StackUnwinder:
         tgid, tid, call, ts = int(ev.tgid), int(ev.tid), int(ev.call), int(ev.ts)
         regs = list(ev.regs)
         length = min(int(ev.stack_len), size - self.event_size)
-        image = self.images.get(tgid) or self.capture(tgid)
-        if image is None:  # gone before its maps could be read
+        unwound = self.processes.unwind(tgid, tid, regs, data + self.event_size, length)
+        if unwound is None:  # gone before its maps could be read
             stack, complete = ((UNKNOWN, regs[0]),), False
         else:
-            stack, complete = image.unwind(tid, regs, data + self.event_size, length)
-            if any(m is UNKNOWN for m, _ in stack) and self._refresh(tgid, image):
-                stack, complete = image.unwind(tid, regs, data + self.event_size, length)
+            image = self.processes.images[tgid]
+            stack, complete = unwound
             if stack:  # the unwind began at the return address: the call is before it
                 stack = ((stack[0][0], stack[0][1] - 1),) + tuple(stack[1:])
             libc_module = self._libc(tgid, image)
