@@ -445,6 +445,8 @@ class Recorder:
     """One `pymtrace record` run: ARGS are its parsed arguments, PAGES the ring buffer's size
     in pages (a power of two)."""
 
+    stack_unwinder: StackUnwinder | None = None  # record --stacks (also for Recorders made without __init__)
+
     def __init__(self, args: argparse.Namespace, pages: int) -> None:
         self.args = args
         self.pages = pages
