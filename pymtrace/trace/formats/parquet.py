@@ -482,7 +482,7 @@ def iter_records_of(recs: numpy.ndarray, stacks: bool = False) -> Iterator[mtrac
         if stacks:
             yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, 0, word >> 8)
         else:
-            yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, word >> 8)
+            yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, (word >> 8) & 0x3FFF)
 
 
 def magic_of(meta: Mapping[str, str]) -> tuple[str, int]:
