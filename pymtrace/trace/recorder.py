@@ -536,6 +536,10 @@ class Recorder:
             raise PymtraceError("give -p PID or -- CMD ARGS...")
         if args.pid is not None and args.cmd:
             raise PymtraceError("give either -p PID or -- CMD, not both")
+        if self.stacks and args.format == "mtrace-text":
+            raise PymtraceError(
+                "--stacks needs --format mtrace-bin or parquet (a text log has no field for a stack id)"
+            )
         bpfload.require_root("pymtrace record")
         if args.cmd:
             from pymtrace.target.launch import Launched
@@ -560,8 +564,6 @@ class Recorder:
                     "the process does not use a shared libc (static binary?): nothing to probe; use --libc PATH"
                 )
             if self.stacks:
-                if args.format == "mtrace-text":
-                    raise PymtraceError("--stacks needs --format mtrace-bin or parquet (a text log has no stack field)")
                 self.stack_unwinder = StackUnwinder(libc_path)
                 if self.launched is None:
                     self.stack_unwinder.capture(self.target, required=True)

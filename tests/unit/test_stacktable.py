@@ -89,3 +89,9 @@ def test_mtrace_bin_stack_ids_and_dump(tmp_path):
     assert back.read_bytes() == trace.read_bytes()
     missing = run_pymtrace("dump", "--stacks", back)
     assert missing.returncode == 1 and "no stack table" in missing.stderr
+
+
+def test_stacks_refused_for_text_logs(tmp_path):
+    proc = run_pymtrace("record", "--stacks", "--format", "mtrace-text", "-o", tmp_path / "log", "--", "true")
+    assert proc.returncode == 1 and "--stacks needs" in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.listdir(tmp_path)
