@@ -34,7 +34,7 @@ bytes per event (row groups encoded and compressed as it records); --format mtra
 (text written as it is recorded). --follow-forks puts the probes on every process
 that uses the same libc (filtered in BPF, after the trap): while it runs, every
 malloc-API call of every such process on the machine pays the trap, recorded or not
-(an unrelated malloc/free loop: 5.7 ns -> 0.8-1 us a call). --stacks adds ~1.5-1.7 us to
+(an unrelated malloc/free loop: 5.7 ns -> 0.8-1 us a call). --stacks adds ~1.5-2.2 us to
 each allocating call in the traced process (its stack copied, docs/record.md) and ~6-50 us of
 pymtrace CPU per allocation to unwind it: an allocation storm outruns the unwinder, and the
 allocations whose stacks found the stack ring full get stack id 0 (counted, exit 3).
