@@ -102,6 +102,16 @@ def test_parquet_stacks(chains_exe, tmp_path):
     from pymtrace.trace.formats import parquet
 
     check_chains(list(parquet.iter_records(str(out))), table)
+    # a real client joins the two (the query docs/formats.md shows)
+    import duckdb
+
+    rows = duckdb.sql(
+        f"select s.frames[-2].function, count(*), sum(t.size) from '{out}' t join "
+        f"(select * from read_json('{out}.stacks') where id is not null) s on t.stack_id = s.id group by all"
+    ).fetchall()
+    by_caller = {name: (n, int(b)) for name, n, b in rows}
+    assert by_caller["leaf_alloc"] == heapchains.CHAINS["alpha"][1:]
+    assert by_caller["lib_inner"] == heapchains.CHAINS["gamma"][1:]
 
 
 def test_without_stacks_unchanged(chains_exe, tmp_path):
