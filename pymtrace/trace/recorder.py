@@ -294,7 +294,10 @@ class StackUnwinder:
                 except PymtraceError:
                     pass
         self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): libc Module
-        self.capture = self.processes.capture
+
+    def capture(self, pid: int) -> None:
+        """Read PID's image now (a running process, before the probes go on)."""
+        self.processes.capture(pid, required=True)
 
     def at_exit(self, pid: int) -> None:
         """A held command at its exit: read the files it mapped since (target.launch)."""
@@ -334,8 +337,12 @@ class StackUnwinder:
         return 0
 
     def _prune(self, now_ns: int) -> None:
-        """Drop stacks older than 10 s whose record never came (the record itself was lost)."""
-        self.pending = {k: v for k, v in self.pending.items() if now_ns - k[1] < 10_000_000_000}
+        """Drop stacks older than 10 s whose record never came (the record itself was lost), and
+        the older half if that is not enough: memory stays bounded."""
+        kept = {k: v for k, v in self.pending.items() if now_ns - k[1] < 10_000_000_000}
+        if len(kept) >= _MAX_PENDING // 2:
+            kept = dict(sorted(kept.items(), key=lambda kv: kv[0][1])[len(kept) // 2 :])
+        self.pending = kept
 
     def label(
         self, recs: bytes | bytearray, n: int, tg: Any, target: int, output_for: Callable[[int], Output]
@@ -566,7 +573,7 @@ class Recorder:
             if self.stacks:
                 self.stack_unwinder = StackUnwinder(libc_path)
                 if self.launched is None:
-                    self.stack_unwinder.capture(self.target, required=True)
+                    self.stack_unwinder.capture(self.target)
             self.output_for(self.target)
             try:
                 self._load(libc_path)

@@ -8,6 +8,8 @@ import os
 import re
 import stat
 
+import duckdb
+import pyarrow.parquet
 import pytest
 from conftest import run_pymtrace
 from support import heapchains
@@ -15,6 +17,7 @@ from support import heapchains
 from pymtrace.bpf import load as bpfload
 from pymtrace.trace import stacktable
 from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.trace.formats import parquet
 
 pytestmark = pytest.mark.bpf
 
@@ -91,20 +94,14 @@ def test_mtrace_bin_stacks_exact_and_dump(chains_exe, tmp_path):
 
 
 def test_parquet_stacks(chains_exe, tmp_path):
-    import pyarrow.parquet
-
     out = tmp_path / "t.parquet"
     summary = record(out, chains_exe)
     assert summary["stacks_lost"] == 0
     table = stacktable.read_table(str(out) + ".stacks")
     rows = pyarrow.parquet.read_table(out).to_pylist()
     assert all(r["stack_id"] for r in rows if r["type"] != "free")
-    from pymtrace.trace.formats import parquet
-
     check_chains(list(parquet.iter_records(str(out))), table)
     # a real client joins the two (the query docs/formats.md shows)
-    import duckdb
-
     rows = duckdb.sql(
         f"select s.frames[-2].function, count(*), sum(t.size) from '{out}' t join "
         f"(select * from read_json('{out}.stacks') where id is not null) s on t.stack_id = s.id group by all"
