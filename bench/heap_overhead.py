@@ -12,6 +12,10 @@ copy of its libc (as bench/overhead.py: other tracers' system-wide probes cannot
               sampler; one call in ~8000 (64-byte blocks) copies 32 KiB of stack
   heap-every  HeapCollector at sample_bytes=1: every call copies the stack into the ring
               (a thread consumes it, as the command will)
+  top+heap    top's and heap's (default sampling) probes together: `top --stacks -p PID`
+              (one trap at a shared site runs both programs)
+  heap-every-N  with --small-stack-bytes N: heap-every copying at most N bytes of stack
+              (how much of heap-every's cost is the stack copy)
 
 Each collector is compiled and attached once; between measurements only its uprobes are
 attached/detached. The cost is the storm process's CPU time (utime + stime from
@@ -70,9 +74,24 @@ class Probes:
                 self.bpf.detach_uretprobe(name=self.path, sym=fn.encode(), pid=self.pid)
 
 
-def heap_mode(path, pid, sample_bytes):
+class Both:
+    """Two programs' probes attached together (top --stacks)."""
+
+    def __init__(self, *probes):
+        self.probes = probes
+
+    def attach(self):
+        for p in self.probes:
+            p.attach()
+
+    def detach(self):
+        for p in reversed(self.probes):
+            p.detach()
+
+
+def heap_mode(path, pid, sample_bytes, **options):
     """A HeapCollector on the private libc (not named libc.so.6: set by hand), probes detached."""
-    c = HeapCollector({pid}, sample_bytes=sample_bytes, on_sample=lambda s: None)
+    c = HeapCollector({pid}, sample_bytes=sample_bytes, on_sample=lambda s: None, **options)
     c.libcs, c.prepared = {path: [pid]}, True
     c.plan()
     c.attach()
@@ -87,6 +106,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=200000, help="pairs per traced measurement")
     ap.add_argument("--fast-pairs", type=int, default=20000000, help="pairs per untraced measurement")
     ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--small-stack-bytes", type=int, help="also heap-every with this --stack-bytes")
     args = ap.parse_args()
     bpfload.require_root("the heap overhead benchmark")
 
@@ -97,14 +117,24 @@ def main():
     top = Probes(top_bpf, collect.probe_plan(path), path, pid)
     heap, heap_probes = heap_mode(path, pid, 524288)
     every, every_probes = heap_mode(path, pid, 1)
-    modes = {"untraced": None, "top": top, "heap": heap_probes, "heap-every": every_probes}
+    modes = {
+        "untraced": None,
+        "top": top,
+        "heap": heap_probes,
+        "heap-every": every_probes,
+        "top+heap": Both(top, heap_probes),
+    }
+    collectors = {"heap": heap, "heap-every": every}
+    if args.small_stack_bytes:
+        name = f"heap-every-{args.small_stack_bytes}"
+        collectors[name], modes[name] = heap_mode(path, pid, 1, stack_bytes=args.small_stack_bytes)
     results = {n: [] for n in modes}
     stop = threading.Event()
 
     def consume():
         while not stop.is_set():
-            heap.poll(10)
-            every.poll(10)
+            for c in collectors.values():
+                c.poll(10)
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
@@ -138,11 +168,11 @@ def main():
     finally:
         stop.set()
         consumer.join()
-        drops = {"heap": heap.drops(), "heap-every": every.drops()}
+        drops = {name: c.drops() for name, c in collectors.items()}
         storm.stdin.close()
         storm.wait()
-        heap.close()
-        every.close()
+        for c in collectors.values():
+            c.close()
         bpfload.detach_all(top_bpf)
         shutil.rmtree(tmp, ignore_errors=True)
 

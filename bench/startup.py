@@ -6,6 +6,7 @@ Commands (each run as `python -m pymtrace ...` in a fresh process, as a user wou
   top-always   top --always-on --batch -n 1 -i 0.5
   record       record -p PID -o FILE               until "pymtrace: recording" (then SIGINT)
   exporter     exporter --listen 127.0.0.1:PORT    until the first /metrics scrape is answered
+  top-stacks   top --stacks -p PID --batch -n 1 -i 0.5   (not run by default: --commands)
 Rounds are interleaved (every command and version once per round, the order of the versions
 alternating), and each measurement notes the 1-minute load average: on this 2-core machine
 start-up is mostly CPU-bound, so wall time grows with the load (about CPU x load / cores once
@@ -46,6 +47,8 @@ def free_port():
 def argv_for(name, target, tmp):
     if name == "top":
         return ["top", "--batch", "-n", "1", "-i", "0.5"], "stdout"
+    if name == "top-stacks":
+        return ["top", "--stacks", "-p", str(target), "--batch", "-n", "1", "-i", "0.5"], "stdout"
     if name == "top-always":
         return ["top", "--always-on", "--batch", "-n", "1", "-i", "0.5"], "stdout"
     if name == "record":
@@ -53,7 +56,7 @@ def argv_for(name, target, tmp):
         return ["record", "-p", str(target), "-o", out], "pymtrace: recording"
     if name == "exporter":
         return ["exporter", "--listen", f"127.0.0.1:{free_port()}"], "scrape"
-    raise SystemExit(f"unknown command {name} (known: {', '.join(COMMANDS)})")
+    raise SystemExit(f"unknown command {name} (known: {', '.join(COMMANDS)}, top-stacks)")
 
 
 def scrape(port, deadline):

@@ -58,6 +58,13 @@ class StackValues:
     samples: int = 0  # raw samples behind the estimates
     complete: bool = False  # the unwinder reached the outermost frame
 
+    def count(self, size: int, weight: float, complete: bool) -> None:
+        """Add one sample of SIZE bytes standing for WEIGHT allocations (sample_weight)."""
+        self.alloc_objects += weight
+        self.alloc_space += weight * size
+        self.samples += 1
+        self.complete = self.complete or complete
+
     def value(self, name: str) -> float:
         """The value called NAME (one of VALUE_TYPES)."""
         if name not in VALUE_TYPES:
@@ -105,10 +112,7 @@ class HeapProfile:
         if entry is None:
             entry = self._stacks[stack] = StackValues(tuple(stack), complete=complete)
         weight = sample_weight(size, self.sample_bytes)
-        entry.alloc_objects += weight
-        entry.alloc_space += weight * size
-        entry.samples += 1
-        entry.complete = entry.complete or complete
+        entry.count(size, weight, complete)
         self.samples += 1
         self.complete_samples += bool(complete)
         # kept until finish: whether it is still in use is known only at the end

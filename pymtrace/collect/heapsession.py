@@ -19,11 +19,15 @@ than a poll interval) keeps its samples, as one unknown frame each: counted, nev
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, HeapCollector, HeapSample
 from pymtrace.collect.heapprofile import HeapProfile
-from pymtrace.target.unwind import UNKNOWN, ProcessImages
+from pymtrace.target.unwind import UNKNOWN, Location, ProcessImages
+
+# sink(pid, sample_id, stack leaf first, size, ts_ns, complete): where samples go instead of the
+# HeapProfile (top's live call sites: collect.stacksites)
+SampleSink = Callable[[int, int, "tuple[Location, ...]", int, int, bool], None]
 
 REFRESH_S = 0.02  # at most one re-read of a process's maps per this many seconds
 
@@ -40,9 +44,11 @@ class HeapSession:
         meta: dict[str, Any] | None = None,
         capture_now: bool = True,
         libc_path: str | None = None,
+        sink: SampleSink | None = None,
     ) -> None:
         self.pids = sorted(set(pids))
         self.profile = HeapProfile(sample_bytes, meta)
+        self.sink = sink  # None: samples go into self.profile
         self.processes = ProcessImages(REFRESH_S)
         self.symbolizer = self.processes.symbolizer
         self.unresolved = 0  # samples of processes gone before their maps were read
@@ -93,10 +99,16 @@ class HeapSession:
         unwound = self.processes.unwind(s.pid, s.tid, s.regs, s.stack, s.stack_len)
         if unwound is None:  # gone before its maps could be read
             self.unresolved += 1
-            self.profile.add(s.sample_id, ((UNKNOWN, s.regs[0]),), s.size, s.ts_ns, False)
+            self._add(s, ((UNKNOWN, s.regs[0]),), False)
             return
         stack, complete = unwound
-        self.profile.add(s.sample_id, stack, s.size, s.ts_ns, complete)
+        self._add(s, stack, complete)
+
+    def _add(self, s: HeapSample, stack: tuple[Location, ...], complete: bool) -> None:
+        if self.sink is not None:
+            self.sink(s.pid, s.sample_id, stack, s.size, s.ts_ns, complete)
+        else:
+            self.profile.add(s.sample_id, stack, s.size, s.ts_ns, complete)
 
     def at_exit(self, pid: int) -> None:
         """PID is exiting but its mappings are still there (a launched command held at its

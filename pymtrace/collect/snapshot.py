@@ -45,6 +45,7 @@ faked, so a consumer works with whichever collectors are running:
          # thread stacks), another [special] name, or "[unmapped]": gone by snapshot time and
          # not seen mapped when its first fault was announced (FaultCollector's docstring)
      "glibc": {pid: GlibcProcess},            # pymtrace.collect.glibc.GlibcCollector, below
+     "stacks": {pid: StackProcess},           # top --stacks (collect.stacksites), below
      "glibc_collector": {"lost_events": ring-buffer reserve failures, "map_full": {map: n},
                          "libcs": [{"libc", "probes", "sites", "attached", "reason"}],
                          "warnings": [str]},
@@ -85,6 +86,23 @@ GlibcCollector's entry per process ("glibc": {pid: ...}):
      "retries": {"malloc", "realloc", "calloc", "memalign", "arena": ints},
      "lock_waits": {tid: arena lock waits of that thread},
      "threads": {tid: {"lock_waits": int, "arena": "0x.." or None, "arena_switches": int}}}
+
+The heap sampler's call sites per process ("stacks": {pid: ...}; top --stacks -p PID only):
+
+    {"pid": int, "comm": str, "sample_bytes": the sampler's mean (1: every call),
+     "samples": samples taken since attach, "complete_samples": those unwound to the root,
+     "stacks_kept": distinct stacks kept, "max_stacks": the cap (collect.stacksites.MAX_STACKS),
+     "overflow_samples": samples of stacks beyond the cap (counted under "[other stacks]"),
+     "sites": {site key ("MODULE_PATH+0xPC", or "[other stacks]"): {
+         "function": name of the call site (the first frame outside libc/libstdc++),
+         "module": its file's name, "offset": its pc in that file,
+         "alloc_objects", "alloc_bytes": weighted estimates of the calls and bytes since
+             attach (cumulative: rates come from two snapshots),
+         "inuse_objects", "inuse_bytes": weighted sampled blocks not freed at the snapshot,
+         "samples": raw samples behind the estimates,
+         "stacks": [{"id": int (stable within a run), the same five values and "complete",
+                     "frames": [{"function", "module", "file", "line", "inlined"}]
+                               root first, leaf (malloc) last}]}}}
 
 Exited processes: a process that exits appears once more with "exited": True, then its
 state is deleted; every per-process map is bounded and LRU (pymtrace.collect.base
@@ -242,6 +260,51 @@ class GlibcProcess(_GlibcBase, total=False):
     trim_threshold: Optional[int]
 
 
+class StackFrame(TypedDict):
+    function: str
+    module: str
+    file: str
+    line: int
+    inlined: bool
+
+
+class StackEntry(TypedDict):
+    id: int
+    alloc_objects: float
+    alloc_bytes: float
+    inuse_objects: float
+    inuse_bytes: float
+    samples: int
+    complete: bool
+    frames: List[StackFrame]  # root first
+
+
+class StackSite(TypedDict):
+    function: str
+    module: str
+    offset: int
+    alloc_objects: float
+    alloc_bytes: float
+    inuse_objects: float
+    inuse_bytes: float
+    samples: int
+    stacks: List[StackEntry]
+
+
+class StackProcess(TypedDict):
+    """snapshot["stacks"][pid]: the heap sampler's call sites of one process."""
+
+    pid: int
+    comm: str
+    sample_bytes: int
+    samples: int
+    complete_samples: int
+    stacks_kept: int
+    max_stacks: int
+    overflow_samples: int
+    sites: Dict[str, StackSite]
+
+
 class LibcInfo(TypedDict):
     libc: Optional[str]
     probes: int
@@ -273,6 +336,7 @@ class Snapshot(_SnapshotBase, total=False):
     fault_regions: Dict[int, Dict[str, int]]
     glibc: Dict[int, GlibcProcess]
     glibc_collector: GlibcCollectorInfo
+    stacks: Dict[int, StackProcess]
     maps: Dict[str, MapFill]
     errors: Dict[str, str]
     notes: List[str]
@@ -283,7 +347,7 @@ SnapshotPart = Mapping[str, Any]
 
 # ---------------------------------------------------------------- the merge
 
-_BY_PID = ("glibc", "fault_regions")  # {pid: value}: one source's value per PID
+_BY_PID = ("glibc", "fault_regions", "stacks")  # {pid: value}: one source's value per PID
 _BY_NAME = ("slab", "maps", "errors")  # {name: value}: one source's value per name
 
 
@@ -298,7 +362,7 @@ def merge(parts: Iterable[SnapshotPart]) -> Snapshot:
       counts from independent sources add up. Within one bundle no two programs report the
       same name (each prefixes its own: malloc_, fault_, slab_, glibc_events), so there a sum
       is what `top` always showed; the same source given twice would count twice;
-    - "glibc", "fault_regions" (by PID), "slab", "maps", "errors" (by name): the union, a
+    - "glibc", "fault_regions", "stacks" (by PID), "slab", "maps", "errors" (by name): the union, a
       later part's entry winning;
     - "time": the latest, "start": the earliest of the parts' (None if none has one);
     - anything else (slab_source, slab_note, glibc_collector, notes): the last part's value.

@@ -11,15 +11,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import Reporter
 from pymtrace.target import proc
+from pymtrace.units import parse_bytes
 
 if TYPE_CHECKING:
     from pymtrace.collect.base import Collectors
+    from pymtrace.collect.snapshot import Snapshot
+    from pymtrace.collect.stacksites import StackSitesCollector
+
+DEFAULT_SAMPLE_BYTES = 524288  # = collect.heap.DEFAULT_SAMPLE_BYTES (not imported: plain top's start-up)
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested
@@ -30,7 +35,12 @@ HELP = """Live view of memory-allocation activity, per process and system-wide:
   3 faults     page faults per process and per mapped region (file, [heap], [stack], [anon])
   4 glibc      glibc arenas, heaps, sbrk, thresholds, arena lock waits (needs a libc built
                with USDT probes; says so when the libc has none)
-Keys in the full-screen view: 1-4/Tab view, </> sort column, r reverse, p pause, q quit."""
+  5 stacks     with --stacks -p PID: the hottest allocation call sites (first frame outside
+               libc/libstdc++) of those processes from the heap sampler: estimated bytes/s and
+               calls/s, sampled bytes still in use, bytes since attach; the full stacks, root
+               to leaf (Enter on a row; in --json every stack of every site)
+Keys in the full-screen view: 1-5/Tab view, </> sort column, r reverse, p pause, q quit;
+view 5: Up/Down select a call site, Enter shows its stacks."""
 
 EPILOG = """examples:
   sudo pymtrace top                         every process, full screen
@@ -39,6 +49,7 @@ EPILOG = """examples:
   sudo pymtrace top --batch -n 3 -p 1234    three plain-text reports (like top -b)
   sudo pymtrace top --json -n 1 -i 5 | jq '.snapshot.processes'
   sudo pymtrace top --always-on --batch     tracepoints, faults and USDT only
+  sudo pymtrace top --stacks -p 1234        view 5: where 1234 allocates, live
 
 live bytes: chunk bytes returned by malloc & co. minus chunk bytes freed, counted since
 pymtrace attached; blocks allocated before that and freed after make it negative.
@@ -50,9 +61,15 @@ about the cost of the uprobe traps alone, and ~8x cheaper than a memleak-style t
 docs/top.md). A program that does little but malloc/free slows down by two orders of
 magnitude; real programs much less.
 Limit it with -p, or use --always-on (no per-call uprobes: slab and fault tracepoints and
-glibc's slow-path USDT probes only; nothing runs on a malloc call) in production."""
+glibc's slow-path USDT probes only; nothing runs on a malloc call) in production.
+--stacks adds the heap sampler's programs on the same probe sites of the -p processes (one
+trap runs both): ~1.3x top's per-call cost on those processes (bench/heap_overhead.py, mode
+top+heap: 3.2-3.9 us a pair against top's 2.6-2.9 us), nothing on others; with
+--stack-sample-bytes 1 every call also copies its stack. Start-up: ~0.9 s more CPU (its own
+compile). Without --stacks nothing of it is loaded: top's start-up and cost are unchanged."""
 
-VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "totals")
+VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "stacks", "totals")
+VIEW_NUMBERS = {"1": "processes", "2": "slab", "3": "faults", "4": "glibc", "5": "stacks"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +107,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--view",
         action="append",
-        choices=VIEW_CHOICES + ("1", "2", "3", "4"),
+        choices=VIEW_CHOICES + tuple(VIEW_NUMBERS),
         help="full screen: the view to start in; --batch/--json: views to print, and "
         "only their programs are compiled and attached (--view slab: no uprobes) "
         "(repeatable; default all; `totals` = exact counts since attach)",
@@ -106,6 +123,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "probes only (cheap enough for production)",
     )
     parser.add_argument("--no-glibc", action="store_true", help="skip the glibc USDT view (4)")
+    parser.add_argument(
+        "--stacks",
+        action="store_true",
+        help="view 5: sample the allocation call stacks of the -p processes (heap's sampler; "
+        "also enabled by --view stacks/5)",
+    )
+    parser.add_argument(
+        "--stack-sample-bytes",
+        default=str(DEFAULT_SAMPLE_BYTES),
+        metavar="N",
+        help=f"view 5: on average one sample per N bytes allocated (default {DEFAULT_SAMPLE_BYTES}; "
+        "1: every call, exact and costly; K/M/G suffixes)",
+    )
 
 
 def _start_demo():
@@ -121,12 +151,19 @@ def _start_demo():
 def _views_wanted(args: argparse.Namespace, have_glibc: bool) -> list[str]:
     wanted = []
     for v in args.view or []:
-        name = {"1": "processes", "2": "slab", "3": "faults", "4": "glibc"}.get(v, v)
+        name = VIEW_NUMBERS.get(v, v)
         if name not in wanted:
             wanted.append(name)
     if not wanted:
         wanted = ["processes", "totals", "slab", "faults"] + (["glibc"] if have_glibc else [])
+        if args.stacks:
+            wanted.append("stacks")
     return wanted
+
+
+def _stacks_wanted(args: argparse.Namespace) -> bool:
+    """--stacks, or view 5 asked for by --view: the heap sampler runs (never otherwise)."""
+    return bool(args.stacks) or any(VIEW_NUMBERS.get(v, v) == "stacks" for v in args.view or [])
 
 
 VIEW_SOURCES = {
@@ -135,6 +172,7 @@ VIEW_SOURCES = {
     "slab": ("slab",),
     "faults": ("faults",),
     "glibc": ("glibc",),
+    "stacks": (),  # the heap sampler: a collector of its own (collect.stacksites)
 }
 
 
@@ -149,6 +187,14 @@ def _sources(args: argparse.Namespace) -> set[str]:
 def run(args: argparse.Namespace) -> int:
     from pymtrace.collect.base import Collectors
 
+    # argument errors first: they need neither root nor seconds of compiling
+    stacks_on = _stacks_wanted(args)
+    sample_bytes = parse_bytes(args.stack_sample_bytes, "--stack-sample-bytes")
+    if not 1 <= sample_bytes < 1 << 32:
+        raise PymtraceError(f"--stack-sample-bytes must be from 1 to {(1 << 32) - 1}, not {sample_bytes}")
+    if stacks_on and not (args.pids or args.demo):
+        raise PymtraceError("the stacks view (--stacks, view 5) needs -p PID: the heap sampler attaches per process")
+    args.stacks = stacks_on
     bpfload.require_root("pymtrace top")
     if args.interval <= 0:
         raise PymtraceError("-i must be > 0")
@@ -159,10 +205,16 @@ def run(args: argparse.Namespace) -> int:
     pids = list(args.pids or [])
     stop_demo = None
     collectors = None
+    stacks = None
     try:
         if args.demo:
             pid, stop_demo = _start_demo()
             pids.append(pid)
+        if stacks_on:
+            # compiled and attached first, before top's own uprobes (its compile is not trapped)
+            from pymtrace.collect.stacksites import StackSitesCollector
+
+            stacks = StackSitesCollector(pids, sample_bytes=sample_bytes).attach()
         need = _sources(args)
         collectors = Collectors(
             pids=pids or None,
@@ -173,26 +225,47 @@ def run(args: argparse.Namespace) -> int:
         )
         collectors.attach()
         pids = collectors.pids or []
+        source = _snapshots(collectors, stacks)
         if args.batch or args.json:
-            return _run_batch(args, collectors, pids)
-        return _run_tui(args, collectors, pids)
+            return _run_batch(args, collectors, pids, source)
+        return _run_tui(args, collectors, pids, source)
     except KeyboardInterrupt:
         return 0
     finally:
         if collectors is not None:
             collectors.close()
+        if stacks is not None:
+            stacks.close()
         if stop_demo is not None:
             stop_demo()
 
 
-def _run_batch(args: argparse.Namespace, collectors: Collectors, pids: list[int]) -> int:
+def _snapshots(collectors: Collectors, stacks: StackSitesCollector | None) -> Callable[[], Snapshot]:
+    """The function taking one snapshot: the bundle's, with the call sites when sampled."""
+    if stacks is None:
+        return collectors.snapshot
+
+    def snapshot() -> Snapshot:
+        from pymtrace.collect.snapshot import merge
+
+        snap = collectors.snapshot()
+        merged = merge([snap, stacks.snapshot()])
+        merged["time"], merged["start"] = snap["time"], snap["start"]  # one interval for every view
+        return merged
+
+    return snapshot
+
+
+def _run_batch(
+    args: argparse.Namespace, collectors: Collectors, pids: list[int], source: Callable[[], Snapshot]
+) -> int:
     have_glibc = "glibc" in collectors.collectors
     reporter = Reporter(args, _views_wanted(args, have_glibc), pids)
     for note in collectors.notes:
         print(f"pymtrace: note: {note}", file=sys.stderr, flush=True)
     # every report covers one interval after attach, the first included: rates from a
     # baseline taken now, never from the time spent compiling and attaching
-    cur = collectors.snapshot()
+    cur = source()
     next_at = time.monotonic() + args.interval
     while not args.iterations or reporter.iteration < args.iterations:
         time.sleep(max(0.0, next_at - time.monotonic()))
@@ -200,7 +273,7 @@ def _run_batch(args: argparse.Namespace, collectors: Collectors, pids: list[int]
         final = bool(pids) and not any(proc.alive(p) for p in pids)
         if final:
             time.sleep(0.3)  # let the exit notifications arrive: the report marks them "exited"
-        prev, cur = cur, collectors.snapshot()
+        prev, cur = cur, source()
         reporter.report(prev, cur)
         if final:
             print("pymtrace: all traced processes exited", file=sys.stderr)
@@ -208,7 +281,9 @@ def _run_batch(args: argparse.Namespace, collectors: Collectors, pids: list[int]
     return 0
 
 
-def _run_tui(args: argparse.Namespace, collectors: Collectors, pids: list[int]) -> int:
+def _run_tui(
+    args: argparse.Namespace, collectors: Collectors, pids: list[int], source_snapshot: Callable[[], Snapshot]
+) -> int:
     from pymtrace.sinks import tui
 
     state = {"gone": False}
@@ -217,14 +292,14 @@ def _run_tui(args: argparse.Namespace, collectors: Collectors, pids: list[int]) 
     def source():
         if state["gone"]:
             raise StopIteration
-        snap = collectors.snapshot()
+        snap = source_snapshot()
         if notes:
             snap.setdefault("notes", []).extend(notes)
         if pids and not any(proc.alive(p) for p in pids):
             state["gone"] = True  # show the final numbers once, end at the next refresh
         return snap
 
-    view = None
+    view = "stacks" if args.stacks else None
     if args.view:
         view = args.view[0]
         if view == "totals":

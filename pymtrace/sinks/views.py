@@ -1,4 +1,4 @@
-"""The four views of `pymtrace top`, as pure functions of two snapshots.
+"""The five views of `pymtrace top`, as pure functions of two snapshots.
 
 A snapshot is the model of pymtrace.collect.snapshot (its docstring and TypedDicts are the
 schema): cumulative counters since attach. PIDs may be ints or strings (a snapshot that
@@ -9,22 +9,26 @@ optional with their neutral value (0, {}, None) and the rest as they are.
 `build(view, prev, cur)` returns a Table: column definitions, rows of RAW values (numbers
 stay numbers, for --json), a default sort column, optional grouping (a process row followed
 by its region/thread rows, sorted as a unit) and plain-sentence notes. Formatting for
-humans is separate (`format_rows`, `text_table`), so JSON output keeps raw numbers.
+humans is separate (`format_rows`, `text_table`), so JSON output keeps raw numbers. A row
+may carry one value after its columns, its *detail* (`row_detail`: the stacks view's full
+stacks), which sorting and filtering keep with the row and `to_json` writes under "stacks".
 """
 
 import dataclasses
 import math
+import os
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple, Union
 
 from pymtrace.collect.snapshot import ALLOC_CALLS, CALLS, Snapshot
 from pymtrace.sinks.text import format_cell, human_bytes, human_count
 
-VIEWS = ("processes", "slab", "faults", "glibc")
+VIEWS = ("processes", "slab", "faults", "glibc", "stacks")
 TITLES = {
     "processes": "processes",
     "slab": "slab caches",
     "faults": "page faults",
     "glibc": "glibc internals",
+    "stacks": "call stacks",
 }
 # The snapshot's "calls" names (ALLOC_CALLS, ...) come from pymtrace.collect.snapshot, which
 # reads them from the BPF headers; the MEMALIGN/s column sums this family.
@@ -416,11 +420,121 @@ def _tid_key(tid: Union[int, str]) -> Tuple[int, Union[int, str]]:
         return (1, str(tid))
 
 
+STACK_COLUMNS = [
+    Column("pid", "PID", "int"),
+    Column("comm", "COMM", "str", False),
+    Column("site", "CALL SITE", "str", False),
+    Column("module", "FILE", "str", False),
+    Column("alloc_bytes_per_s", "ALLOC B/s", "byterate"),
+    Column("allocs_per_s", "ALLOCS/s", "rate"),
+    Column("inuse_bytes", "IN USE", "bytes"),
+    Column("alloc_bytes", "TOTAL", "bytes"),
+    Column("stacks", "STACKS", "int"),
+]
+DETAIL_ROWS = 5  # --batch prints the hottest stack of this many call sites
+STACKS_NOT_ENABLED = (
+    "Call stacks are not being sampled: start top with --stacks -p PID "
+    "(the heap sampler attaches to the chosen processes only)."
+)
+
+
+def _stack_detail(stack: Mapping, old: Optional[Mapping], dt: float) -> Dict[str, Any]:
+    """One stack of a call site, with its rates over the interval (frames root first)."""
+    o = old or {}
+    return {
+        "id": stack.get("id"),
+        "alloc_bytes_per_s": _rate(stack["alloc_bytes"], o.get("alloc_bytes", 0), dt),
+        "allocs_per_s": _rate(stack["alloc_objects"], o.get("alloc_objects", 0), dt),
+        "inuse_bytes": stack["inuse_bytes"],
+        "inuse_objects": stack["inuse_objects"],
+        "alloc_bytes": stack["alloc_bytes"],
+        "alloc_objects": stack["alloc_objects"],
+        "samples": stack["samples"],
+        "complete": stack["complete"],
+        "frames": list(stack["frames"]),
+    }
+
+
+def stacks_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
+    """One row per call site (the first frame outside libc/libstdc++) of the sampled processes:
+    estimated allocation rates over the interval, sampled bytes still in use, bytes since
+    attach; the row's detail holds its stacks, root first, hottest first."""
+    dt = interval_of(prev, cur, interval)
+    procs = _by_pid(cur.get("processes"))
+    stacks = _by_pid(cur.get("stacks"))
+    old_stacks = _by_pid((prev or {}).get("stacks"))
+    rows, notes = [], []
+    tot = {"processes": 0, "sites": 0, "alloc_bytes_per_s": 0.0, "allocs_per_s": 0.0, "inuse_bytes": 0.0}
+    tot.update(samples=0, complete_samples=0)
+    if "stacks" not in cur:
+        notes.append(STACKS_NOT_ENABLED)
+    for pid, sp in sorted(stacks.items()):
+        comm = str(sp.get("comm") or procs.get(pid, {}).get("comm") or "?")
+        old_sites = old_stacks.get(pid, {}).get("sites", {})
+        tot["processes"] += 1
+        tot["samples"] += sp["samples"]
+        tot["complete_samples"] += sp["complete_samples"]
+        tot["sample_bytes"] = sp["sample_bytes"]
+        for key, site in sp["sites"].items():
+            o = old_sites.get(key, {})
+            old_by_id = {st.get("id"): st for st in o.get("stacks", ())}
+            bytes_rate = _rate(site["alloc_bytes"], o.get("alloc_bytes", 0), dt)
+            calls_rate = _rate(site["alloc_objects"], o.get("alloc_objects", 0), dt)
+            detail = [_stack_detail(st, old_by_id.get(st.get("id")), dt) for st in site["stacks"]]
+            detail.sort(key=lambda d: (d["alloc_bytes_per_s"], d["alloc_bytes"]), reverse=True)
+            row = [pid, comm, site["function"], site["module"], bytes_rate, calls_rate]
+            rows.append(row + [site["inuse_bytes"], site["alloc_bytes"], len(detail), detail])
+            tot["sites"] += 1
+            tot["alloc_bytes_per_s"] += bytes_rate
+            tot["allocs_per_s"] += calls_rate
+            tot["inuse_bytes"] += site["inuse_bytes"]
+        if sp.get("overflow_samples"):
+            notes.append(
+                f"PID {pid} ({comm}): more than {sp['max_stacks']} distinct stacks; the samples of later "
+                f"new stacks ({sp['overflow_samples']} so far) are counted under [other stacks]."
+            )
+    if stacks and tot["samples"] > tot["complete_samples"]:
+        notes.append(
+            f"{tot['samples'] - tot['complete_samples']} of {tot['samples']} samples have stacks that did not "
+            "reach the outermost frame (deeper than the stack copy, or in code without unwind tables)."
+        )
+    return Table("stacks", TITLES["stacks"], STACK_COLUMNS, rows, sort=4, notes=notes, totals=tot, interval=dt)
+
+
+def row_detail(table: Table, row: list) -> Any:
+    """The detail a row carries after its columns (the stacks view: its stacks), or None."""
+    return row[len(table.columns)] if len(row) > len(table.columns) else None
+
+
+def frame_text(frame: Mapping) -> str:
+    """One frame of a stack for humans: 'function (file:line) [inlined]', or 'function (module)'."""
+    where = f"{os.path.basename(frame['file'])}:{frame['line']}" if frame.get("file") else frame.get("module", "")
+    text = f"{frame['function']} ({where})" if where else str(frame["function"])
+    return text + (" [inlined]" if frame.get("inlined") else "")
+
+
+def detail_lines(table: Table, row: list, most: int = 3) -> List[str]:
+    """The stacks of a stacks-view ROW as text lines: the MOST hottest, each root to leaf."""
+    stacks = row_detail(table, row) or []
+    lines = [f"{row[2]} in {row[3] or '?'} (PID {row[0]}): {len(stacks)} stack(s)"]
+    for i, st in enumerate(stacks[:most]):
+        complete = "" if st["complete"] else ", incomplete"
+        lines.append(
+            f"  stack {i + 1}: {human_bytes(st['alloc_bytes_per_s'])}/s, {human_count(st['allocs_per_s'])} calls/s, "
+            f"{human_bytes(st['inuse_bytes'])} in use, {human_bytes(st['alloc_bytes'])} total{complete}"
+        )
+        lines.extend(f"    {frame_text(f)}" for f in st["frames"])
+    if len(stacks) > most:
+        lines.append(f"  (+{len(stacks) - most} more stacks)")
+    return lines
+
+
 _BUILDERS = {
     "processes": processes_view,
     "slab": slab_view,
     "faults": faults_view,
     "glibc": glibc_view,
+    "stacks": stacks_view,
 }
 
 
@@ -443,7 +557,7 @@ def build(
     sort: Union[int, str, None] = None,
     reverse: Optional[bool] = None,
 ) -> Table:
-    """The Table of VIEW (1-4 or a name) from snapshot PREV (None at start) to CUR, sorted.
+    """The Table of VIEW (1-5 or a name) from snapshot PREV (None at start) to CUR, sorted.
 
     sort: a column index or key overriding the view's default; reverse: descending or not.
     """
@@ -616,6 +730,15 @@ def summary(table: Table) -> str:
         )
     elif table.view == "faults":
         text = f"{t.get('processes', 0)} processes, {human_count(t.get('faults_per_s', 0))} faults/s, {t.get('faults', 0)} since attach"
+    elif table.view == "stacks":
+        text = (
+            f"{t.get('sites', 0)} call sites in {t.get('processes', 0)} processes, "
+            f"{human_bytes(t.get('alloc_bytes_per_s', 0))}/s, {human_count(t.get('allocs_per_s', 0))} allocs/s, "
+            f"{human_bytes(t.get('inuse_bytes', 0))} in use"
+        )
+        if t.get("sample_bytes"):
+            every = "every call" if t["sample_bytes"] <= 1 else f"1 per {human_bytes(t['sample_bytes'])} (estimates)"
+            text += f"; {t.get('samples', 0)} samples, {every}"
     elif t.get("libcs_without_probes") and not t.get("processes") and not t.get("without_probes"):
         n = t["libcs_without_probes"]
         text = (
@@ -650,6 +773,9 @@ def text_table(table: Table, tablefmt: str = "simple") -> str:
         )
     else:
         lines.append("(no activity)" if not table.notes else "")
+    if table.view == "stacks":  # the hottest stack of the first call sites, root to leaf
+        for row in table.rows[:DETAIL_ROWS]:
+            lines.extend(detail_lines(table, row, most=1))
     lines.extend(table.notes)
     return "\n".join(line for line in lines if line != "")
 
@@ -668,6 +794,8 @@ def to_json(table: Table) -> Dict[str, Any]:
                 else:
                     d = {k: v for k, v in d.items() if k in ("pid", "tid", "comm", "lock_waits", "lock_waits_per_s")}
             d["kind"] = "process" if lead else ("region" if table.view == "faults" else "thread")
+        if table.view == "stacks":
+            d["stacks"] = row_detail(table, row) or []
         rows.append(d)
     return {
         "view": table.view,

@@ -10,13 +10,14 @@ import time
 
 import pytest
 from conftest import PYMTRACE, WORKLOADS, missing_or_fail, run_pymtrace
+from support import heapchains
 from support.clients import chromium, go_pprof, traces
 
 from pymtrace.bpf import load as bpfload
 
 pytestmark = pytest.mark.bpf
 
-NO_FP = ("-O2", "-fomit-frame-pointer")
+NO_FP = heapchains.NO_FP
 CHAIN_BYTES = sum(100 + i % 8 for i in range(200))  # alpha;beta;leaf_alloc, all freed
 OLD_LEAKS = (10, 40000)  # gamma_;lib_outer;lib_inner (libheapchain.so), leaked before the gap
 YOUNG_LEAKS = (3, 9000)  # delta;young_leaf, leaked after the gap
@@ -26,20 +27,13 @@ ROOT = "_start;__libc_start_main;__libc_start_call_main;main"
 
 @pytest.fixture(scope="module")
 def chains(build_dir):
-    lib = build_dir / "libheapchain.so"
-    exe = build_dir / "heap_chains"
+    exe = heapchains.build(build_dir)
     cxx = build_dir / "heap_cxx"
     try:
-        subprocess.run(["gcc", *NO_FP, "-shared", "-fPIC", "-o", lib, WORKLOADS / "heap_chains_lib.c"], check=True)
-        subprocess.run(
-            ["gcc", *NO_FP, "-pthread", "-o", exe, WORKLOADS / "heap_chains.c"]
-            + ["-L", build_dir, "-lheapchain", f"-Wl,-rpath,{build_dir}"],
-            check=True,
-        )
         subprocess.run(["g++", *NO_FP, "-o", cxx, WORKLOADS / "heap_cxx.cpp"], check=True)
     except FileNotFoundError:
-        missing_or_fail("gcc/g++ is not installed")
-    return {"exe": str(exe), "cxx": str(cxx)}
+        missing_or_fail("g++ is not installed")
+    return {"exe": exe, "cxx": str(cxx)}
 
 
 def heap(out, *args, cmd=(), check=True, timeout=120):

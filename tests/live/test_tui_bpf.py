@@ -5,6 +5,7 @@ import sys
 
 import pytest
 from conftest import ROOT, ProbeWatch
+from support import heapchains
 from support.tui import Tmux, assert_clean_shell, comms, rows
 
 
@@ -91,3 +92,40 @@ def test_real_top_on_real_workloads(tmux, tmp_path):
     finally:
         slow.kill()
         slow.wait()
+
+
+@pytest.mark.bpf
+def test_real_top_stacks_view_selects_a_site_and_shows_its_stack(tmux, tmp_path, build_dir):
+    """`top --stacks -p PID` opens on view 5 with the workload's call sites; Enter on the
+    selected (hottest) row shows its stack down to malloc; q leaves no probe behind."""
+    t = tmux
+    target = subprocess.Popen([heapchains.build(build_dir), "-l", "20", "3000"], stdout=subprocess.PIPE)
+    pidfile = tmp_path / "top.pid"
+    try:
+        assert target.stdout.readline() == b"ready\n"
+        before = t.stty("before")
+        t.type(
+            f"cd {ROOT} && sh -c 'echo $$ > {pidfile}; exec {sys.executable} -m pymtrace top --stacks "
+            f"-p {target.pid} -i 0.5'"
+        )
+        s = t.wait_for(
+            lambda s: "[5 call stacks]" in s and all(f in s for f in ("thread_leaf", "leaf_alloc", "lib_inner")),
+            "the call sites",
+            timeout=120,
+            fail_on="pymtrace: error",
+        )
+        watch = ProbeWatch(int(pidfile.read_text()))
+        watch.wait_attached(3)
+        hottest = rows(s, "PID")[0][2]
+        t.send("Enter")
+        s = t.wait_for(lambda s: "stack 1:" in s and "malloc" in s, "the selected site's stack")
+        assert f"{hottest} (heap_chains" in s or f"{hottest} (libheapchain.so" in s
+        t.send("Enter")
+        t.wait_for(lambda s: "CALL SITE" in s, "back to the rows")
+        t.send("q")
+        assert_clean_shell(t, before)
+        watch.assert_gone()
+        assert target.poll() is None, "the traced process must keep running"
+    finally:
+        target.kill()
+        target.wait()

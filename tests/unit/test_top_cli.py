@@ -27,3 +27,23 @@ def test_bad_interval():
     proc = run_pymtrace("top", "--batch", "-i", "0")
     assert proc.returncode != 0
     assert "error" in proc.stderr
+
+
+@pytest.mark.parametrize("how", [("--stacks",), ("--view", "stacks"), ("--view", "5")])
+def test_stacks_view_without_pid_is_one_line_error(how):
+    proc = run_pymtrace("top", "--batch", "-n", "1", *how)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "pymtrace: error: the stacks view (--stacks, view 5) needs -p PID: the heap sampler attaches per process"
+    ]
+
+
+def test_stack_sample_bytes_must_parse():
+    proc = run_pymtrace("top", "--batch", "--stacks", "-p", "1", "--stack-sample-bytes", "lots")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["pymtrace: error: --stack-sample-bytes: cannot parse 'lots' (e.g. 64M)"]
+    proc = run_pymtrace("top", "--batch", "--stacks", "-p", "1", "--stack-sample-bytes", "0")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "pymtrace: error: --stack-sample-bytes must be from 1 to 4294967295, not 0"
+    ]

@@ -29,6 +29,37 @@ FAKE = [
 ]
 
 
+# call sites of pid 101 in view 5: function, bytes/s, calls/s, frames from the root
+FAKE_SITES = [
+    ("hot_site", 8000, 100, ("_start", "main", "hot_caller", "hot_site", "malloc")),
+    ("cold_site", 300, 3, ("_start", "main", "cold_caller", "cold_site", "malloc")),
+]
+
+
+def fake_stacks(el):
+    """snapshot["stacks"] (collect.snapshot.StackProcess) growing at the FAKE_SITES rates."""
+    sites = {}
+    for i, (name, b, c, frames) in enumerate(FAKE_SITES):
+        values = {"alloc_objects": c * el, "alloc_bytes": b * el, "inuse_objects": 1.0, "inuse_bytes": 64.0}
+        stack = {"id": i + 1, **values, "samples": 5, "complete": True}
+        stack["frames"] = [{"function": f, "module": "prog", "file": "", "line": 0, "inlined": False} for f in frames]
+        sites[f"/prog+0x{i:x}"] = {"function": name, "module": "prog", "offset": i, **values, "samples": 5}
+        sites[f"/prog+0x{i:x}"]["stacks"] = [stack]
+    return {
+        101: {
+            "pid": 101,
+            "comm": "aaa-malloc",
+            "sample_bytes": 524288,
+            "samples": 10,
+            "complete_samples": 10,
+            "stacks_kept": 2,
+            "max_stacks": 500,
+            "overflow_samples": 0,
+            "sites": sites,
+        }
+    }
+
+
 class FakeSource:
     """Cumulative counters growing at the FAKE rates, like the real collectors' snapshots."""
 
@@ -88,6 +119,7 @@ class FakeSource:
                 },
                 102: {"probes": 0, "libc": "/usr/lib/x86_64-linux-gnu/libc.so.6"},
             },
+            "stacks": fake_stacks(el),
         }
 
 
@@ -156,6 +188,24 @@ def test_fake_source_views_sort_pause_quit(tmux):
     s = t.wait_for(lambda s: "[4 glibc internals]" in s and "ARENAS" in s, "glibc view")
     assert "MMAP" in s and "128 KiB" in s
     assert "PID 102 (bbb-calloc)" in s and "no malloc USDT probes" in s
+    # 5 call stacks: the hottest site first and selected; Down selects the next, Enter shows
+    # its stack root to leaf, Enter again the rows
+    t.send("Tab")
+    s = t.wait_for(lambda s: "[5 call stacks]" in s and "CALL SITE" in s, "stacks view")
+    assert [r[2] for r in rows(s, "PID")] == ["hot_site", "cold_site"]
+    t.send("Down")
+    t.send("Enter")
+    s = t.wait_for(lambda s: "stack 1:" in s, "the selected site's stack")
+    body = s[s.index("cold_site in prog") :]
+    assert [line.strip() for line in body.splitlines()[2:7]] == [
+        "_start (prog)",
+        "main (prog)",
+        "cold_caller (prog)",
+        "cold_site (prog)",
+        "malloc (prog)",
+    ]
+    t.send("Enter")
+    t.wait_for(lambda s: "CALL SITE" in s and "hot_site" in s, "back to the rows")
     t.send("Tab")
     s = t.wait_for(lambda s: "[1 processes]" in s, "Tab back to processes")
     assert "sort LIVE desc" in s  # each view keeps its sort
@@ -236,6 +286,8 @@ def test_state_keys_without_terminal():
     st.key(ord("\t"))
     assert st.table().view == "slab"
     st.key(curses.KEY_BTAB)
+    st.key(curses.KEY_BTAB)
+    assert st.table().view == "stacks"  # the last view
     st.key(curses.KEY_BTAB)
     assert st.table().view == "glibc"
     st.key(ord("1"))

@@ -2,9 +2,12 @@
  * built -O2 -fomit-frame-pointer (no frame pointers anywhere, the library included).
  *
  * usage: heap_chains [-w] GAP_MS [STORM_N STORM_SIZE]
+ *        heap_chains -l ROUND_MS ROUNDS
  *   the calls below, GAP_MS between the old and the young leaks; -w: print "ready", wait for a
  *   line on stdin before the calls and for EOF on stdin after them (for -p attaches);
  *   STORM_N STORM_SIZE: then main -> storm_leaf: STORM_N malloc(STORM_SIZE), all freed
+ *   -l (for `top --stacks`, which reports rates): print "ready", then ROUNDS times the calls
+ *   below without the pause (each round leaks its 10 + 3 blocks), ROUND_MS between rounds
  *
  *   main -> alpha -> beta -> leaf_alloc: malloc(100 + i % 8), i < CHAIN_N, all freed
  *   main -> gamma -> lib_outer -> lib_inner (libheapchain.so): malloc(4000), LEAK_OLD leaked
@@ -82,6 +85,22 @@ static void wait_stdin(int until_eof) {
 }
 
 int main(int argc, char **argv) {
+    if (argc > 3 && argv[1][0] == '-' && argv[1][1] == 'l') {
+        long round_ms = atol(argv[2]), rounds = atol(argv[3]);
+        struct timespec pause = {round_ms / 1000, (round_ms % 1000) * 1000000L};
+        if (write(1, "ready\n", 6) != 6) return 3;
+        for (long r = 0; r < rounds; r++) {
+            pthread_t t;
+            if (pthread_create(&t, NULL, worker, NULL) != 0) return 2;
+            pthread_join(t, NULL);
+            for (int i = 0; i < CHAIN_N; i++) alpha(i);
+            gamma_();
+            delta();
+            nanosleep(&pause, NULL);
+        }
+        if (write(1, "done\n", 5) != 5) return 3;
+        return 0;
+    }
     int wait = argc > 1 && argv[1][0] == '-' && argv[1][1] == 'w';
     if (wait) {
         argc--;
