@@ -66,6 +66,9 @@
 #error "HP_STACK_PAGES out of range"
 #endif
 
+#define SC_PAGES HP_STACK_PAGES
+#include "stackcopy.h"
+
 struct hp_sample {
     struct hp_event h;
     u8 stack[HP_STACK_PAGES * HP_PAGE];
@@ -200,31 +203,8 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     s->h.ts = bpf_ktime_get_ns();
     s->h.id = sample_id;
     s->h.other = 0;
-    u64 sp = PT_REGS_SP(ctx);
-    s->h.regs[0] = PT_REGS_IP(ctx);
-    s->h.regs[1] = sp;
-    s->h.regs[2] = ctx->bp;
-    s->h.regs[3] = ctx->bx;
-    s->h.regs[4] = ctx->r12;
-    s->h.regs[5] = ctx->r13;
-    s->h.regs[6] = ctx->r14;
-    s->h.regs[7] = ctx->r15;
-    /* The partial page holding sp, then whole pages: a page is mapped or not, so the copy
-     * stops exactly at the end of the stack mapping. Each page is written at a constant
-     * offset from `first` (bounded by the verifier); a running length would lose the bound. */
-    u32 len = 0;
-    u32 first = HP_PAGE - (u32)(sp & (HP_PAGE - 1));
-    if (first > HP_PAGE) first = HP_PAGE;
-    if (pm_probe_read_user(s->stack, first, (void *)sp) == 0) {
-        len = first;
-#pragma unroll
-        for (int i = 0; i < HP_STACK_PAGES - 1; i++) {
-            if (pm_probe_read_user(s->stack + first + i * HP_PAGE, HP_PAGE,
-                                   (void *)(sp + first + i * HP_PAGE)) != 0)
-                break;
-            len = first + (i + 1) * HP_PAGE;
-        }
-    }
+    sc_regs(ctx, s->h.regs);
+    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx));
     s->h.stack_len = len;
     /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
      * shared per CPU): the slot holds a mix; drop it, counted. */

@@ -8,7 +8,9 @@
  *
  * Compile-time switches (-D): RB_PAGES (ring buffer pages, power of two), TARGET_TGID,
  * FOLLOW (trace TARGET_TGID and its descendants through sched_process_fork), GLIBC_CHUNKS
- * (read glibc chunk headers for size2/size3), STASH_ENTRIES.
+ * (read glibc chunk headers for size2/size3), STASH_ENTRIES, STACKS (record --stacks: each
+ * allocating call's registers and stack at its return into the ring buffer `stacks`; with
+ * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS). Without STACKS no stack code is compiled.
  */
 #include <uapi/linux/ptrace.h>
 #include "record.h"
@@ -51,6 +53,59 @@ BPF_PERCPU_ARRAY(retried, u64, 1); /* reservations that failed once */
  * (a call missed because its entry probe was not attached yet cannot leave holes later) */
 BPF_ARRAY(enabled, u32, 1);
 BPF_HASH(stash, u64, struct stash, STASH_ENTRIES);
+
+#ifdef STACKS
+#ifndef STACK_PAGES
+#define STACK_PAGES 8
+#endif
+#ifndef STACK_RB_PAGES
+#define STACK_RB_PAGES 4096
+#endif
+#ifndef MAX_CPUS
+#define MAX_CPUS 256
+#endif
+#define SC_PAGES STACK_PAGES
+#include "stackcopy.h"
+
+struct stack_sample {
+    struct stack_event h;
+    u8 stack[STACK_PAGES * SC_PAGE];
+};
+/* A second ring buffer: stacks are variable-length (the bytes copied), records stay fixed-size
+ * for the recorder's vectorised drain. */
+BPF_RINGBUF_OUTPUT(stacks, STACK_RB_PAGES);
+/* a plain array indexed by CPU: per-CPU map values are capped at 32 KiB */
+BPF_ARRAY(stack_scratch, struct stack_sample, MAX_CPUS);
+BPF_PERCPU_ARRAY(stack_lost, u64, 1); /* stacks not written (ring full, slot reused): id 0 */
+
+/* The registers and stack at an allocating call's return (the caller's frame: ip is the return
+ * address, the callee-saved registers are restored), keyed by (thread, ts). */
+static __always_inline void emit_stack(struct pt_regs *ctx, u64 id, u32 call, u64 ts) {
+    int zero = 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct stack_sample *s = stack_scratch.lookup(&cpu);
+    if (!s) {
+        u64 *n = stack_lost.lookup(&zero);
+        if (n) *n += 1;
+        return;
+    }
+    s->h.tgid = id >> 32;
+    s->h.tid = (u32)id;
+    s->h.call = call;
+    s->h.ts = ts;
+    s->h.pad = 0;
+    sc_regs(ctx, s->h.regs);
+    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx));
+    s->h.stack_len = len;
+    u64 out = sizeof(struct stack_event) + len;
+    if (out > sizeof(struct stack_sample)) out = sizeof(struct stack_sample);
+    /* another task used this CPU's slot while this one was preempted: a mix, dropped */
+    if (s->h.ts != ts || s->h.tid != (u32)id || stacks.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
+        u64 *n = stack_lost.lookup(&zero);
+        if (n) *n += 1;
+    }
+}
+#endif
 
 /* An interposer in front of glibc (libc_malloc_debug): probed at entry only, to learn the
  * program's return address; glibc's probes then record the call with that caller. No
@@ -127,7 +182,7 @@ static __always_inline struct record_event *reserve(void) {
 }
 
 static __always_inline void fill(struct record_event *e, u64 id, u32 type, u64 ptr1, u64 ptr2, u64 size,
-                                 u64 size2, u64 size3, u64 caller) {
+                                 u64 size2, u64 size3, u64 caller, u64 ts) {
     e->rec.thread = (u32)id;
     e->rec.type = type;
     e->rec.ptr1 = ptr1;
@@ -135,7 +190,7 @@ static __always_inline void fill(struct record_event *e, u64 id, u32 type, u64 p
     e->rec.size = size;
     e->rec.size2 = size2;
     e->rec.size3 = size3;
-    e->rec.pad[0] = bpf_ktime_get_ns();
+    e->rec.pad[0] = ts;
     e->rec.pad[1] = caller;
     e->tgid = id >> 32;
     events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
@@ -282,7 +337,7 @@ int enter_free(struct pt_regs *ctx) {
     struct outer_call o;
     if (outer_call(id, ctx, &o)) caller = o.caller;
     struct record_event *e = reserve();
-    if (e) fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller);
+    if (e) fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller, bpf_ktime_get_ns());
     return 0;
 }
 
@@ -332,7 +387,14 @@ int leave(struct pt_regs *ctx) {
     /* at a return probe the instruction pointer is the caller's return address (the entry
      * probe may sit after the return address was redirected to the uretprobe trampoline) */
     u64 caller = s->caller ? s->caller : PT_REGS_IP(ctx);
+    u64 ts = bpf_ktime_get_ns();
+#ifdef STACKS
+    /* before the record is reserved: a record's stack is always committed before it */
+    int zero = 0;
+    u32 *on = enabled.lookup(&zero);
+    if (on && *on) emit_stack(ctx, id, type, ts);
+#endif
     struct record_event *e = reserve();
-    if (e) fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller);
+    if (e) fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller, ts);
     return 0;
 }

@@ -31,4 +31,20 @@ struct record_event {
     __u64 tgid;
 };
 
+/* record --stacks: one per allocating call's record, in the ring buffer `stacks`, written just
+ * before the record itself (so a consumer that drained the records reserved before a moment and
+ * then the stacks has every stack of those records). Keyed by the record's (thread, pad[0]): a
+ * thread's records never share a timestamp. The registers at the call's return and the copied
+ * stack (from regs[1] = sp upward, stack_len bytes) follow the caller's frame. */
+#define STACK_NREGS 8
+struct stack_event {
+    __u64 tgid;
+    __u32 tid;
+    __u32 call; /* CALL_*: the function returned from (the leaf frame) */
+    __u64 ts;   /* = the record's pad[0] */
+    __u64 regs[STACK_NREGS];
+    __u32 stack_len;
+    __u32 pad;
+};
+
 #endif

@@ -100,7 +100,7 @@ def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
     return plan
 
 
-def _possible_cpus() -> int:
+def possible_cpus() -> int:
     """Number of CPU ids the kernel may use (the per-CPU scratch slots)."""
     try:
         with open("/sys/devices/system/cpu/possible") as f:
@@ -188,7 +188,7 @@ class HeapCollector(Collector):
             "HP_SAMPLE_MEAN": self.sample_bytes,
             "HP_STACK_PAGES": self.stack_bytes // structs.header(PROGRAM).consts["HP_PAGE"],
             "HP_RB_PAGES": self.ring_pages,
-            "HP_MAX_CPUS": _possible_cpus(),
+            "HP_MAX_CPUS": possible_cpus(),
             "HP_FOLLOW": int(self.follow_forks),
             **self.limits,
         }

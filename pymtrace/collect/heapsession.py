@@ -23,8 +23,7 @@ from typing import Any, Callable, Iterable
 
 from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, HeapCollector, HeapSample
 from pymtrace.collect.heapprofile import HeapProfile
-from pymtrace.errors import ProcessGone
-from pymtrace.target.unwind import UNKNOWN, Location, ProcessImage, Symbolizer
+from pymtrace.target.unwind import UNKNOWN, Location, ProcessImages
 
 # sink(pid, sample_id, stack leaf first, size, ts_ns, complete): where samples go instead of the
 # HeapProfile (top's live call sites: collect.stacksites)
@@ -50,9 +49,8 @@ class HeapSession:
         self.pids = sorted(set(pids))
         self.profile = HeapProfile(sample_bytes, meta)
         self.sink = sink  # None: samples go into self.profile
-        self.symbolizer = Symbolizer()
-        self.images: dict[int, ProcessImage] = {}
-        self.refreshed: dict[int, float] = {}
+        self.processes = ProcessImages(REFRESH_S)
+        self.symbolizer = self.processes.symbolizer
         self.unresolved = 0  # samples of processes gone before their maps were read
         self.capture_now = capture_now
         self.collector = HeapCollector(
@@ -72,7 +70,7 @@ class HeapSession:
         stopped before its loader ran is captured at its first sample), then attach."""
         if self.capture_now:
             for pid in self.pids:
-                self._capture(pid, required=True)
+                self.processes.capture(pid, required=True)
         self.collector.attach()
 
     def poll(self, timeout_ms: int = 10) -> None:
@@ -96,41 +94,14 @@ class HeapSession:
     def close(self) -> None:
         self.collector.close()
 
-    # -- images
-    def _capture(self, pid: int, required: bool = False) -> ProcessImage | None:
-        try:
-            image = ProcessImage(pid)
-        except ProcessGone:
-            if required:
-                raise
-            return None
-        self.images[pid] = image
-        self.refreshed[pid] = 0.0  # a first pc in no file re-reads the maps at once
-        self.symbolizer.add(image)
-        return image
-
-    def _refresh(self, pid: int, image: ProcessImage) -> bool:
-        now = time.monotonic()
-        if now - self.refreshed.get(pid, 0.0) < REFRESH_S:
-            return False
-        self.refreshed[pid] = now
-        try:
-            image.refresh()
-        except ProcessGone:
-            return False
-        self.symbolizer.add(image)
-        return True
-
     # -- collector callbacks (inside poll)
     def _sample(self, s: HeapSample) -> None:
-        image = self.images.get(s.pid) or self._capture(s.pid)
-        if image is None:  # gone before its maps could be read
+        unwound = self.processes.unwind(s.pid, s.tid, s.regs, s.stack, s.stack_len)
+        if unwound is None:  # gone before its maps could be read
             self.unresolved += 1
             self._add(s, ((UNKNOWN, s.regs[0]),), False)
             return
-        stack, complete = image.unwind(s.tid, s.regs, s.stack, s.stack_len)
-        if any(module is UNKNOWN for module, _ in stack) and self._refresh(s.pid, image):
-            stack, complete = image.unwind(s.tid, s.regs, s.stack, s.stack_len)
+        stack, complete = unwound
         self._add(s, stack, complete)
 
     def _add(self, s: HeapSample, stack: tuple[Location, ...], complete: bool) -> None:
@@ -142,19 +113,11 @@ class HeapSession:
     def at_exit(self, pid: int) -> None:
         """PID is exiting but its mappings are still there (a launched command held at its
         exit, target.launch): capture every file it mapped since its image was read."""
-        image = self.images.get(pid)
-        if image is None:
-            self._capture(pid)
-            return
-        try:
-            image.refresh()
-        except ProcessGone:
-            return
-        self.symbolizer.add(image)
+        self.processes.at_exit(pid)
 
     def _exec(self, pid: int) -> None:
-        self.images.pop(pid, None)  # never unwind the new program with the old one's files
-        self._capture(pid)
+        self.processes.forget(pid)
+        self.processes.capture(pid)
 
     def _fork(self, parent: int, child: int) -> None:
-        self._capture(child)
+        self.processes.capture(child)

@@ -1,11 +1,15 @@
 """`pymtrace dump`: decode a recorded trace, like upstream trace_dump, plus per-type statistics."""
 
 import argparse
+import os
 import sys
 
-from pymtrace.errors import CorruptFile
+from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.trace import stacktable
 from pymtrace.trace.formats import load_records
 from pymtrace.trace.tracestats import Stats, path_flags, write_json
+
+TOP_STACKS = 10  # --stats: the stacks listed by bytes requested
 
 HELP = "Decode a recorded malloc trace (mtrace-bin, mtrace-text or parquet), one call a line, with per-type statistics."
 EPILOG = """\
@@ -17,8 +21,10 @@ examples:
   pymtrace dump --stats app.parquet          # a Parquet recording (record --format parquet)
 
 Columns (mtrace-bin, parquet): index, thread id, call, ptr1, ptr2, size, size2, size3, time (ns,
-relative to the first record), caller, path flags. ptr1 of posix_memalign is its return
-code. OVERHEAD: reads the file once (twice with --json, whose statistics come first), in
+relative to the first record), caller, path flags (a `record --stacks` trace: stack=ID).
+ptr1 of posix_memalign is its return code. A recording made with `record --stacks` has its
+stack table FILE.stacks beside it: --stacks prints each allocation's frames under its line
+(leaf first), and the statistics list the top stacks by bytes requested. OVERHEAD: reads the file once (twice with --json, whose statistics come first), in
 bounded memory; no BPF, no root needed.
 """
 
@@ -28,10 +34,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats", action="store_true", help="statistics only")
     parser.add_argument("--limit", type=int, metavar="N", help="decode at most N records (statistics still cover all)")
     parser.add_argument("--json", action="store_true", help="JSON output")
+    parser.add_argument(
+        "--stacks", action="store_true", help="print each record's call stack from FILE.stacks (record --stacks)"
+    )
+
+
+def frame_text(f: stacktable.StackFrame) -> str:
+    """One frame as dump prints it: function (file:line) module+offset."""
+    where = f" ({f.file}:{f.line})" if f.file else ""
+    inl = " [inlined]" if f.inlined else ""
+    return f"{f.function}{where} {os.path.basename(f.module)}+{f.offset:#x}{inl}"
+
+
+def load_table(path: str, required: bool) -> dict[int, stacktable.Stack] | None:
+    """The stack table beside the trace PATH, None if there is none (an error if REQUIRED)."""
+    table = stacktable.table_path(path)
+    if not os.path.exists(table):
+        if required:
+            raise PymtraceError(f"{path}: no stack table {table} (recorded without --stacks?)")
+        return None
+    return stacktable.read_table(table)
 
 
 def run(args: argparse.Namespace) -> int:
     fmt, records = load_records(args.file)
+    table = load_table(args.file, args.stacks)
     stats = Stats()
     out = sys.stdout
     t0 = None
@@ -45,9 +72,22 @@ def run(args: argparse.Namespace) -> int:
             rel = r.ts_ns - t0 if (r.ts_ns and t0 is not None) else 0
             out.write(
                 f"{i:8d} {r.thread:7d} {r.type_name:<14} {r.ptr1:#014x} {r.ptr2:#014x} "
-                f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {path_flags(r.path)}\n"
+                f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {path_flags(r.path)}"
+                + (f"stack={r.stack}" if r.stack else "")
+                + "\n"
             )
+            if args.stacks and r.stack:
+                entry = table.get(r.stack)
+                if entry is None:
+                    raise CorruptFile(f"{args.file}: record {i} names stack {r.stack}, which the stack table lacks")
+                for f in reversed(entry.frames):
+                    out.write(f"           {frame_text(f)}\n")
         st = stats.as_dict()
+        if table is not None:
+            st["top_stacks"] = [
+                {**t, "frames": [f.function for f in table[t["stack"]].frames] if t["stack"] in table else []}
+                for t in stats.top_stacks(TOP_STACKS)
+            ]
         if args.json:
             write_json(args.file, fmt, st, out, stats_only=args.stats, limit=args.limit)
             return 0
@@ -65,4 +105,9 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"{name:<15}{t['count']:>10}{t['failed']:>8}{t['requested_bytes']:>22}{mn!s:>21}{mx!s:>21}\n")
     if st["free_null"]:
         out.write(f"free(NULL): {st['free_null']}\n")
+    if st.get("top_stacks"):
+        out.write(f"\ntop stacks by bytes requested ({len(table)} stacks in {stacktable.table_path(args.file)}):\n")
+        out.write(f"{'bytes':>14}{'count':>10}{'stack':>8}  frames (root first)\n")
+        for t in st["top_stacks"]:
+            out.write(f"{t['bytes']:>14}{t['count']:>10}{t['stack']:>8}  {';'.join(t['frames'])}\n")
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union
@@ -352,3 +353,73 @@ class Symbolizer:
             frames = image.symbolize(module, pc) if image is not None else [unknown_frame(module, pc)]
             self._cache[loc] = frames
         return list(frames)
+
+
+class ProcessImages:
+    """The ProcessImage of every traced process, read when first needed, and one Symbolizer for
+    them all: what `heap` and `record --stacks` unwind their stack copies with.
+
+    A stack reaching a pc in no captured file (a library mapped since: the loader at start, a
+    dlopen) makes the image re-read the process's maps, at most every REFRESH_S per process, and
+    the stack is unwound again. A process gone before its maps were read has no image."""
+
+    def __init__(self, refresh_s: float = 0.02) -> None:
+        self.refresh_s = refresh_s
+        self.images: dict[int, ProcessImage] = {}
+        self.refreshed: dict[int, float] = {}
+        self.symbolizer = Symbolizer()
+
+    def capture(self, pid: int, required: bool = False) -> ProcessImage | None:
+        """PID's image, read now; None if PID is gone (ProcessGone if REQUIRED)."""
+        try:
+            image = ProcessImage(pid)
+        except ProcessGone:
+            if required:
+                raise
+            return None
+        self.images[pid] = image
+        self.refreshed[pid] = 0.0  # a first pc in no file re-reads the maps at once
+        self.symbolizer.add(image)
+        return image
+
+    def get(self, pid: int) -> ProcessImage | None:
+        """PID's image, read now if it has none yet."""
+        return self.images.get(pid) or self.capture(pid)
+
+    def forget(self, pid: int) -> None:
+        """PID exec'd: never unwind the new program with the old one's files."""
+        self.images.pop(pid, None)
+
+    def _refresh(self, pid: int, image: ProcessImage, limited: bool = True) -> bool:
+        now = time.monotonic()
+        if limited and now - self.refreshed.get(pid, 0.0) < self.refresh_s:
+            return False
+        self.refreshed[pid] = now
+        try:
+            image.refresh()
+        except ProcessGone:
+            return False
+        self.symbolizer.add(image)
+        return True
+
+    def at_exit(self, pid: int) -> None:
+        """PID is exiting but its mappings are still there (a launched command held at its exit,
+        target.launch): capture every file it mapped since its image was read."""
+        image = self.images.get(pid)
+        if image is None:
+            self.capture(pid)
+        else:
+            self._refresh(pid, image, limited=False)
+
+    def unwind(
+        self, pid: int, tid: int, regs: Sequence[int], stack: Union[int, bytes], length: int
+    ) -> tuple[tuple[Location, ...], bool] | None:
+        """ProcessImage.unwind with PID's image (re-read once if a pc is in no known file);
+        None when PID is gone without an image."""
+        image = self.get(pid)
+        if image is None:
+            return None
+        frames, complete = image.unwind(tid, regs, stack, length)
+        if any(module is UNKNOWN for module, _ in frames) and self._refresh(pid, image):
+            frames, complete = image.unwind(tid, regs, stack, length)
+        return frames, complete

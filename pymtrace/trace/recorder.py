@@ -27,6 +27,7 @@ from pymtrace.bpf.ringbuf import RingReader
 from pymtrace.collect import base as collect
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import elf, libc, mallocapi, probesite, proc
+from pymtrace.trace import stacktable
 from pymtrace.trace.files import open_exclusive, open_unique
 from pymtrace.trace.formats import mtrace_bin, mtrace_text
 
@@ -67,8 +68,10 @@ class Output:
         tgid: int,
         fallback_maps: Callable[[Output], None] | None = None,
         metadata: dict[str, str] | None = None,
+        stacks: bool = False,
     ) -> None:
         self.path = path
+        self.stack_table: stacktable.TableWriter | None = None  # record --stacks: set by the recorder
         self.fmt = fmt
         self.tgid = tgid
         self.fd = fd
@@ -84,7 +87,7 @@ class Output:
             from pymtrace.trace.formats import parquet  # pyarrow: imported only when needed
 
             try:
-                self.parquet = parquet.Writer(fd, metadata)
+                self.parquet = parquet.Writer(fd, metadata, stacks=stacks)
             except OSError as exc:
                 os.close(fd)
                 try:
@@ -95,7 +98,8 @@ class Output:
             self.bytes_written = self.parquet.size
             self._dtype = mtrace_bin.record_dtype("<")
             return
-        _, exc = self._put(b"= Start\n" if self.resolver is not None else mtrace_bin.magic_record(tgid), [])
+        head = b"= Start\n" if self.resolver is not None else mtrace_bin.magic_record(tgid, stacks=stacks)
+        _, exc = self._put(head, [])
         if exc is not None:
             os.close(fd)
             try:
@@ -210,6 +214,13 @@ class Output:
         return False
 
     def close(self) -> None:
+        if self.stack_table is not None:
+            table, self.stack_table = self.stack_table, None
+            try:
+                table.close()
+            except OSError as exc:
+                self.failed = self.failed or exc
+                raise WriteFailed(f"cannot write {table_path_of(self.path)}: {exc.strerror or exc}") from None
         if self.parquet is not None and self.failed is None:
             try:
                 self._parquet_step(self.parquet.close)
@@ -232,6 +243,142 @@ class Output:
             "counts": {mtrace_bin.TYPE_NAMES[t]: self.counts[t] for t in range(1, 9)},
             "bytes_written": self.bytes_written,
         }
+
+
+def table_path_of(path: str) -> str:
+    return stacktable.table_path(path)
+
+
+# ---------------------------------------------------------------- record --stacks
+
+STACK_PAGES = 8  # at most 32 KiB of stack copied per allocation (heap's default too)
+_ALLOC_TYPES = (
+    mtrace_bin.MALLOC,
+    mtrace_bin.CALLOC,
+    mtrace_bin.REALLOC,
+    mtrace_bin.MEMALIGN,
+    mtrace_bin.VALLOC,
+    mtrace_bin.PVALLOC,
+    mtrace_bin.POSIX_MEMALIGN,
+)
+_MAX_PENDING = 1 << 16  # unmatched stacks (their record was lost) kept before pruning
+
+
+class StackUnwinder:
+    """record --stacks: unwinds each allocation's stack event (ring buffer `stacks`) with its
+    process's ProcessImage as it is drained, and labels the records with stack ids.
+
+    BPF copies the registers and stack at the allocating function's return: ip is then the
+    return address in its caller and the callee-saved registers hold the caller's values, so
+    the unwind starts in the caller; the allocating function itself is added as the leaf
+    (libc's symbol), and the caller's pc becomes return address - 1 like every other caller."""
+
+    def __init__(self, libc_path: str) -> None:
+        from pymtrace.target.unwind import ProcessImages
+
+        self.libc_real = os.path.realpath(libc_path)
+        self.processes = ProcessImages()
+        self.symbolizer = self.processes.symbolizer
+        self.pending: dict[tuple[int, int], tuple[int, tuple, bool]] = {}
+        self.missing = 0  # allocation records written with stack id 0
+        self.incomplete = 0  # stacks whose unwind did not reach the outermost frame
+        self.cpu = 0.0  # CPU time spent taking and unwinding the stack events (the recorder adds it)
+        self.event = structs.header("record").structs["stack_event"]
+        self.event_size = ctypes.sizeof(self.event)
+        self.leaf_pc: dict[int, int] = {}
+        for function in mallocapi.FUNCTIONS:
+            code = getattr(mtrace_bin, function.call.upper(), None)
+            if code in _ALLOC_TYPES and code not in self.leaf_pc:
+                try:
+                    self.leaf_pc[code] = elf.symbol(libc_path, function.name).address
+                except PymtraceError:
+                    pass
+        self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): libc Module
+
+    def capture(self, pid: int) -> None:
+        """Read PID's image now (a running process, before the probes go on)."""
+        self.processes.capture(pid, required=True)
+
+    def at_exit(self, pid: int) -> None:
+        """A held command at its exit: read the files it mapped since (target.launch)."""
+        self.processes.at_exit(pid)
+
+    def _libc(self, pid: int, image: Any) -> Any:
+        module = self.libc_module.get((id(image), len(image.modules)))
+        if module is None:
+            module = next((m for m in image.modules if os.path.realpath(m.path) == self.libc_real), False)
+            self.libc_module[(id(image), len(image.modules))] = module
+        return module or None
+
+    def on_event(self, _ctx: Any, data: int, size: int) -> int:
+        """BCC's ring buffer callback: unwind one stack event now (its bytes live only here)."""
+        from pymtrace.target.unwind import UNKNOWN
+
+        ev = ctypes.cast(data, ctypes.POINTER(self.event)).contents
+        tgid, tid, call, ts = int(ev.tgid), int(ev.tid), int(ev.call), int(ev.ts)
+        regs = list(ev.regs)
+        length = min(int(ev.stack_len), size - self.event_size)
+        unwound = self.processes.unwind(tgid, tid, regs, data + self.event_size, length)
+        if unwound is None:  # gone before its maps could be read
+            stack, complete = ((UNKNOWN, regs[0]),), False
+        else:
+            image = self.processes.images[tgid]
+            stack, complete = unwound
+            if stack:  # the unwind began at the return address: the call is before it
+                stack = ((stack[0][0], stack[0][1] - 1),) + tuple(stack[1:])
+            libc_module = self._libc(tgid, image)
+            if libc_module is not None and call in self.leaf_pc:
+                stack = ((libc_module, self.leaf_pc[call]),) + tuple(stack)
+        if not complete:
+            self.incomplete += 1
+        if len(self.pending) >= _MAX_PENDING:
+            self._prune(ts)
+        self.pending[(tid, ts)] = (tgid, stack, complete)
+        return 0
+
+    def _prune(self, now_ns: int) -> None:
+        """Drop stacks older than 10 s whose record never came (the record itself was lost), and
+        the older half if that is not enough: memory stays bounded."""
+        kept = {k: v for k, v in self.pending.items() if now_ns - k[1] < 10_000_000_000}
+        if len(kept) >= _MAX_PENDING // 2:
+            kept = dict(sorted(kept.items(), key=lambda kv: kv[0][1])[len(kept) // 2 :])
+        self.pending = kept
+
+    def label(
+        self, recs: bytes | bytearray, n: int, tg: Any, target: int, output_for: Callable[[int], Output]
+    ) -> bytearray:
+        """RECS (N records; TG: their processes, or None: all TARGET's) with each allocation's
+        stack id in bits 8-31 of its type word; the new stacks are written to the tables first."""
+        import numpy
+
+        buf = bytearray(recs)
+        words = numpy.frombuffer(buf, dtype="<u4").reshape(n, mtrace_bin.RECORD_SIZE // 4)
+        ts = numpy.frombuffer(buf, dtype="<u8").reshape(n, mtrace_bin.RECORD_SIZE // 8)[:, 6]
+        allocs = numpy.nonzero(numpy.isin(words[:, 1] & 0xFF, _ALLOC_TYPES))[0]
+        threads = words[allocs, 0].tolist()
+        stamps = ts[allocs].tolist()
+        tgids = [target] * len(allocs) if tg is None else [int(tg[i]) for i in allocs.tolist()]
+        ids = []
+        touched = set()
+        pending = self.pending
+        for thread, stamp, tgid in zip(threads, stamps, tgids):
+            entry = pending.pop((thread, stamp), None)
+            out = output_for(tgid)
+            if entry is None or out.stack_table is None:
+                self.missing += 1
+                ids.append(0)
+                continue
+            ids.append(out.stack_table.intern(entry[1], entry[2]))
+            touched.add(out)
+        if len(allocs):
+            words[allocs, 1] |= numpy.array(ids, dtype="<u4") << 8
+        for out in touched:  # the stacks before the records that name them
+            try:
+                out.stack_table.flush()
+            except OSError as exc:
+                out.failed = exc
+                raise WriteFailed(f"cannot write {table_path_of(out.path)}: {exc.strerror or exc}") from None
+        return buf
 
 
 # ---------------------------------------------------------------- probes
@@ -305,6 +452,8 @@ class Recorder:
     """One `pymtrace record` run: ARGS are its parsed arguments, PAGES the ring buffer's size
     in pages (a power of two)."""
 
+    stack_unwinder: StackUnwinder | None = None  # record --stacks (also for Recorders made without __init__)
+
     def __init__(self, args: argparse.Namespace, pages: int) -> None:
         self.args = args
         self.pages = pages
@@ -322,6 +471,8 @@ class Recorder:
         self.max_gap = 0.0
         self.allocators = libc.AllocatorCache()  # -- CMD: whose malloc it calls (_warn_allocator)
         self.allocator_checked, self.allocator_warned = 0.0, []
+        self.stacks = getattr(args, "stacks", False)
+        self.stack_unwinder: StackUnwinder | None = None
 
     # -- files
     def output_for(self, tgid: int) -> Output:
@@ -343,7 +494,21 @@ class Recorder:
             except PymtraceError as exc:  # a full disk: stop like a failed write
                 raise WriteFailed(str(exc)) from None
         meta = self._parquet_metadata(tgid) if self.args.format == "parquet" else None
-        out = Output(path, fd, self.args.format, tgid, fallback_maps=self._note_bases, metadata=meta)
+        if self.stacks and meta is not None:
+            meta["pymtrace.stacks"] = os.path.basename(stacktable.table_path(path))
+        table_fd = None
+        if self.stacks:
+            try:
+                table_fd = open_exclusive(stacktable.table_path(path), self.args.force)
+            except PymtraceError:
+                os.close(fd)
+                os.unlink(path)
+                raise
+        out = Output(
+            path, fd, self.args.format, tgid, fallback_maps=self._note_bases, metadata=meta, stacks=self.stacks
+        )
+        if table_fd is not None:
+            out.stack_table = stacktable.TableWriter(table_fd, path, tgid, self.stack_unwinder.symbolizer.frames)
         self.outputs[tgid] = out
         out.snapshot_maps()
         if not self.args.quiet and not self.args.json:
@@ -393,6 +558,10 @@ class Recorder:
             raise PymtraceError("give -p PID or -- CMD ARGS...")
         if args.pid is not None and args.cmd:
             raise PymtraceError("give either -p PID or -- CMD, not both")
+        if self.stacks and args.format == "mtrace-text":
+            raise PymtraceError(
+                "--stacks needs --format mtrace-bin or parquet (a text log has no field for a stack id)"
+            )
         bpfload.require_root("pymtrace record")
         if args.cmd:
             from pymtrace.target.launch import Launched
@@ -416,6 +585,10 @@ class Recorder:
                 raise PymtraceError(
                     "the process does not use a shared libc (static binary?): nothing to probe; use --libc PATH"
                 )
+            if self.stacks:
+                self.stack_unwinder = StackUnwinder(libc_path)
+                if self.launched is None:
+                    self.stack_unwinder.capture(self.target)
             self.output_for(self.target)
             try:
                 self._load(libc_path)
@@ -431,6 +604,12 @@ class Recorder:
             if out.fd is None:  # record --to: no file, stop its sender
                 out.discard()
                 continue
+            if getattr(out, "stack_table", None) is not None:
+                try:
+                    os.close(out.stack_table.fd)
+                    os.unlink(stacktable.table_path(out.path))
+                except OSError:
+                    pass
             for fd in (out.fd, getattr(out, "final_fd", None)):
                 if fd is not None:
                     try:
@@ -457,12 +636,18 @@ class Recorder:
             defines["NOTE_BASES"] = 1
             for index, (path, _) in enumerate(self.libs):
                 defines[f"MALLOC_SITE_{index}"] = f"{probesite.entry_site(path, 'malloc'):#x}ULL"
+        if self.stacks:
+            from pymtrace.collect.heap import possible_cpus
+
+            defines.update(STACKS=1, STACK_PAGES=STACK_PAGES, STACK_RB_PAGES=self.pages, MAX_CPUS=possible_cpus())
         skips = probesite.tcache_shutdown_returns(libc_path)
         if len(skips) == 2:
             site = probesite.entry_site(libc_path, "free")
             defines["FREE_SKIP1"] = f"{skips[0] - site:#x}ULL"
             defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
+        if self.stacks:
+            self.bpf["stacks"].open_ring_buffer(self.stack_unwinder.on_event)
         if self.follow:
             self.bpf["traced"][ctypes.c_uint32(self.target)] = ctypes.c_uint32(1)
             self._start_procevents()
@@ -500,6 +685,11 @@ class Recorder:
         # began): a process whose calls our own draining causes (pymtrace's own writes
         # reaching a traced reader...) can never keep a drain, or the stop, going.
         limit = self.reader.producer()
+        if self.stack_unwinder is not None:
+            # every record reserved before `limit` had its stack committed before it
+            t1 = time.thread_time()
+            self.bpf.ring_buffer_consume()
+            self.stack_unwinder.cpu += time.thread_time() - t1
         patience = time.monotonic() + 0.1
         # a stop signal waits until this drain is done: a batch taken from the ring is
         # always written whole, and the counts match the file
@@ -526,6 +716,8 @@ class Recorder:
     def _dispatch(self, data: tuple[bytes | bytearray, list[int] | numpy.ndarray | None], n: int) -> None:
         recs, tg = data
         rs = mtrace_bin.RECORD_SIZE
+        if self.stack_unwinder is not None:
+            recs = self.stack_unwinder.label(recs, n, tg, self.target, self.output_for)
         if tg is None:
             self.output_for(self.target).write(recs, n)
             return
@@ -556,6 +748,8 @@ class Recorder:
 
     def _target_alive(self, pidfd: int) -> bool:
         if self.launched is not None:
+            if self.launched.held:
+                return self.launched.service(self.stack_unwinder.at_exit) is None
             if self.launched.proc.poll() is not None:
                 return False
         else:
@@ -584,7 +778,8 @@ class Recorder:
         self.start = time.monotonic()
         deadline = self.start + args.duration if args.duration else None
         if self.launched is not None:
-            self.launched.resume()
+            # --stacks: held at its exit, so the libraries it loaded are read before they go
+            self.launched.resume(hold_exit=self.stacks)
         if not args.quiet and not args.json:
             what = " ".join(args.cmd) if args.cmd else f"process {self.target}"
             print(f"pymtrace: recording {what}" + ("" if args.duration else "; Ctrl-C to stop"), file=sys.stderr)
@@ -647,6 +842,12 @@ class Recorder:
         lost = self._lost()
         if self.reader is not None:
             lost += self.reader.discarded
+        stacks_lost = n_stacks = stacks_unsent = 0
+        if self.stack_unwinder is not None:
+            tables = [o.stack_table for o in self.outputs.values() if o.stack_table is not None]
+            stacks_lost = self.stack_unwinder.missing + sum(t.overflow for t in tables)
+            n_stacks = sum(len(t.ids) for t in tables)
+            stacks_unsent = int(self.bpf["stack_lost"].sum(ctypes.c_int(0)).value)
         for out in self.outputs.values():
             try:
                 out.close()
@@ -665,6 +866,12 @@ class Recorder:
             "reserve_retries": self._retried(),
             "max_backlog_bytes": self.reader.max_backlog if self.reader is not None else 0,
         }
+        if self.stack_unwinder is not None:
+            summary["stacks"] = n_stacks
+            summary["stacks_lost"] = stacks_lost  # allocation records with stack id 0
+            summary["stacks_not_copied"] = stacks_unsent  # in BPF: ring full or scratch slot reused
+            summary["stacks_incomplete"] = self.stack_unwinder.incomplete
+            summary["unwinder_cpu_s"] = round(self.stack_unwinder.cpu, 6)
         if self.failure is not None:
             summary["error"] = str(self.failure)
         if self.launched is not None:
@@ -678,6 +885,12 @@ class Recorder:
                 counts = ", ".join(f"{k} {v}" for k, v in o["counts"].items() if v)
                 print(f"pymtrace:   {counts or 'no calls'}; {o['bytes_written']} bytes written", file=sys.stderr)
             print(f"pymtrace: {lost} events lost, {summary['duration_s']:.3f} s", file=sys.stderr)
+            if self.stack_unwinder is not None:
+                print(
+                    f"pymtrace: {summary['stacks']} distinct stacks in {len(self.outputs)} stack table(s); "
+                    f"{stacks_lost} allocations without a stack (id 0)",
+                    file=sys.stderr,
+                )
             if lost:
                 print(
                     "pymtrace: events were lost: the ring buffer was full; use a larger --buffer-size"
@@ -689,7 +902,7 @@ class Recorder:
                 f"{self.failure}; recording stopped, {summary['entries']} complete "
                 f"entries kept" + (f" in {len(self.outputs)} files" if len(self.outputs) > 1 else "")
             )
-        if lost and not args.allow_drops:
+        if (lost or stacks_lost) and not args.allow_drops:
             return EXIT_LOST
         return 0
 

@@ -21,6 +21,8 @@ class Stats:
         self.first_ts = None
         self.last_ts = None
         self.total = 0
+        self.stack_count = collections.Counter()  # record --stacks: allocations per stack id
+        self.stack_bytes = collections.Counter()  # bytes requested per stack id
 
     def add(self, r: mtrace_bin.Record) -> None:
         name = r.type_name
@@ -34,6 +36,9 @@ class Stats:
             self.free_null += r.ptr1 == 0
             return
         self.bytes[name] += r.size
+        if r.stack:
+            self.stack_count[r.stack] += 1
+            self.stack_bytes[r.stack] += r.size
         self.min[name] = min(self.min.get(name, r.size), r.size)
         self.max[name] = max(self.max.get(name, r.size), r.size)
         failed = (
@@ -42,6 +47,11 @@ class Stats:
             else (r.ptr2 == 0 and not (r.type == mtrace_bin.REALLOC and r.size == 0))
         )
         self.failed[name] += failed
+
+    def top_stacks(self, n: int = 10) -> list[dict]:
+        """The N stacks that requested the most bytes: [{"stack", "bytes", "count"}]."""
+        top = sorted(self.stack_bytes.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
+        return [{"stack": sid, "bytes": b, "count": self.stack_count[sid]} for sid, b in top]
 
     def as_dict(self) -> dict:
         return {
@@ -81,6 +91,7 @@ def record_json(i: int, r: mtrace_bin.Record) -> dict:
         "ts_ns": r.ts_ns,
         "caller": r.caller,
         "path": path_flags(r.path),
+        **({"stack": r.stack} if r.stack else {}),
     }
 
 

@@ -87,6 +87,7 @@ class Record:
     ts_ns: int = 0
     caller: int = 0
     path: int = 0  # path flag bits 8-21, already shifted down by 8
+    stack: int = 0  # record --stacks: the stack id (bits 8-31 of the type word), 0: none
 
     @property
     def type_name(self) -> str:
@@ -107,8 +108,19 @@ def pack(rec: Record, byteorder: str = "<") -> bytes:
     )
 
 
-def magic_record(thread: int = 0, byteorder: str = "<") -> bytes:
-    return pack(Record(thread, MAGIC_TYPE, ptr1=MAGIC_PTR, size=8), byteorder)
+# The MAGIC record's size2 (0 upstream) in a `record --stacks` trace: bits 8-31 of every
+# record's type word hold a stack id (FILE.stacks), not path flags (which an eBPF tracer never
+# observes; upstream's readers take the type as an 8-bit field and ignore the rest).
+STACKS_MARK = 1
+
+
+def magic_record(thread: int = 0, byteorder: str = "<", stacks: bool = False) -> bytes:
+    return pack(Record(thread, MAGIC_TYPE, ptr1=MAGIC_PTR, size=8, size2=STACKS_MARK if stacks else 0), byteorder)
+
+
+def has_stacks(first: bytes, byteorder: str = "<") -> bool:
+    """Whether the MAGIC record FIRST marks a trace whose type words carry stack ids."""
+    return len(first) >= RECORD_SIZE and _STRUCT[byteorder].unpack_from(first)[5] == STACKS_MARK
 
 
 def detect_byteorder(first: bytes) -> str:
@@ -148,6 +160,7 @@ def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 81
     type, or a trailing partial record.
     """
     first, order = _read_magic(stream, name)
+    stacks = has_stacks(first, order)
     unpack = _STRUCT[order].iter_unpack
     for offset, buf in _chunks(stream, name, chunk_records):
         for thread, typ, p1, p2, s1, s2, s3, ts, caller in unpack(buf):
@@ -162,7 +175,10 @@ def iter_records(stream: IO[bytes], name: str = "trace", chunk_records: int = 81
                     offset += RECORD_SIZE
                     continue  # concatenated traces repeat the MAGIC record
                 raise CorruptFile(f"{name}: record at byte {offset} has unknown call type {t}")
-            yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, (typ >> 8) & 0x3FFF)
+            if stacks:
+                yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, 0, typ >> 8)
+            else:
+                yield Record(thread, t, p1, p2, s1, s2, s3, ts, caller, (typ >> 8) & 0x3FFF)
             offset += RECORD_SIZE
 
 

@@ -54,6 +54,13 @@ COLUMNS = {
 SCHEMA = pyarrow.schema(
     [pyarrow.field(name, typ, nullable, metadata={"doc": doc}) for name, (typ, nullable, doc) in COLUMNS.items()]
 )
+# record --stacks: one more column, the stack id of each row in the stack table FILE.stacks
+# (pymtrace.trace.stacktable; 0: none, e.g. a free). Ids, not frames: a stack repeats over
+# thousands of rows, and a join with the small table is what analysis does anyway.
+STACK_ID_COLUMN = (pyarrow.uint32(), False, "stack id in the stack table FILE.stacks (0: none; frees have none)")
+STACKS_SCHEMA = SCHEMA.append(
+    pyarrow.field("stack_id", STACK_ID_COLUMN[0], STACK_ID_COLUMN[1], metadata={"doc": STACK_ID_COLUMN[2]})
+)
 _UINT64 = ("ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller")  # record order
 _LE_DTYPE = mtrace_bin.record_dtype("<")
 
@@ -99,10 +106,10 @@ def record_words(recs: numpy.ndarray) -> numpy.ndarray:
     return numpy.ascontiguousarray(recs).view(numpy.uint64).reshape(len(recs), 8)
 
 
-def table_from_columns(cols: numpy.ndarray) -> pyarrow.Table:
+def table_from_columns(cols: numpy.ndarray, stacks: bool = False) -> pyarrow.Table:
     """The rows (SCHEMA) of records given as columns: an (8, N) uint64 array whose row i is
     word i of every record (the transpose of record_words). The uint64 columns are used
-    without a copy."""
+    without a copy. STACKS: bits 8-31 of the type words are stack ids (STACKS_SCHEMA)."""
     n = cols.shape[1]
     head = cols[0].view(numpy.uint32).reshape(n, 2)  # thread, type word (little endian)
     words = head[:, 1]
@@ -112,8 +119,14 @@ def table_from_columns(cols: numpy.ndarray) -> pyarrow.Table:
     }
     for i, name in enumerate(_UINT64, start=1):
         columns[name] = pyarrow.array(cols[i])
-    columns["path"] = pyarrow.array(((words >> 8) & 0x3FFF).astype(numpy.uint16))
+    if stacks:
+        columns["path"] = pyarrow.array(numpy.zeros(n, numpy.uint16))
+    else:
+        columns["path"] = pyarrow.array(((words >> 8) & 0x3FFF).astype(numpy.uint16))
     columns["stack"] = pyarrow.nulls(n, SCHEMA.field("stack").type)
+    if stacks:
+        columns["stack_id"] = pyarrow.array((words >> 8).astype(numpy.uint32))
+        return pyarrow.Table.from_pydict(columns, schema=STACKS_SCHEMA)
     return pyarrow.Table.from_pydict(columns, schema=SCHEMA)
 
 
@@ -149,7 +162,15 @@ def records_from_batch(batch: pyarrow.RecordBatch | pyarrow.Table, name: str = "
     recs = numpy.zeros(batch.num_rows, mtrace_bin.record_dtype("<"))
     try:
         recs["type"] = _type_codes(batch.column("type"), name)
-        if "path" in batch.schema.names:
+        if "stack_id" in batch.schema.names:  # record --stacks: the id where mtrace-bin keeps it
+            values = batch.column("stack_id")
+            if values.null_count:
+                raise CorruptFile(f"{name}: the stack_id column has nulls")
+            ids = values.cast(pyarrow.uint32()).to_numpy(zero_copy_only=False)
+            if len(ids) and int(ids.max()) >= 1 << 24:
+                raise CorruptFile(f"{name}: a stack id does not fit in 24 bits")
+            recs["type"] |= ids.astype(numpy.uint32) << 8
+        elif "path" in batch.schema.names:
             recs["type"] |= _column(batch, "path", name).astype(numpy.uint32) << 8
         recs["thread"] = _column(batch, "thread", name)
         for col in _UINT64:
@@ -205,9 +226,11 @@ class Writer:
         metadata: Mapping[str, str] | None = None,
         row_group_rows: int = ROW_GROUP_ROWS,
         flush_interval: float = FLUSH_INTERVAL_S,
+        stacks: bool = False,
     ) -> None:
         self.fd = fd
-        self.schema = SCHEMA.with_metadata(dict(metadata or {}))
+        self.stacks = stacks  # records carry stack ids (record --stacks): the stack_id column
+        self.schema = (STACKS_SCHEMA if stacks else SCHEMA).with_metadata(dict(metadata or {}))
         self.row_group_rows = row_group_rows
         self.flush_interval = flush_interval
         self.started = time.monotonic()
@@ -300,7 +323,7 @@ class Writer:
             return
         n = self.pending_rows
         cols = self.pending[:, :n]
-        seg, footer_at = self._segment(table_from_columns(cols))
+        seg, footer_at = self._segment(table_from_columns(cols, self.stacks))
         fields, _ = thrift.read_struct(seg, footer_at)
         rg = thrift.field(fields, 4)[2][1][0]
         _shift_row_group(rg, self.data_end - len(MAGIC), len(self.row_groups))
@@ -363,10 +386,13 @@ def _shift_row_group(rg: list, delta: int, ordinal: int) -> None:
         rg.sort(key=lambda e: e[0])
 
 
-def write_records(fileobj: IO[bytes], arrays: Iterator[numpy.ndarray], metadata: Mapping[str, str]) -> int:
-    """Write record arrays to the new, empty file FILEOBJ as Parquet; the number of rows."""
+def write_records(
+    fileobj: IO[bytes], arrays: Iterator[numpy.ndarray], metadata: Mapping[str, str], stacks: bool = False
+) -> int:
+    """Write record arrays to the new, empty file FILEOBJ as Parquet; the number of rows.
+    STACKS: the records' type words carry stack ids (the stack_id column)."""
     fileobj.flush()
-    w = Writer(fileobj.fileno(), metadata)
+    w = Writer(fileobj.fileno(), metadata, stacks=stacks)
     for recs in arrays:
         w.write_records(recs)
     w.close()
@@ -432,22 +458,31 @@ def iter_batches(
 def iter_arrays(path: str, batch_size: int = 1 << 16) -> Iterator[numpy.ndarray]:
     """numpy record arrays (mtrace_bin.record_dtype, little endian) of the file's rows."""
     names = open_file(path).schema_arrow.names
-    cols = [c for c in COLUMNS if c in names and c != "stack"]
+    cols = [c for c in [*COLUMNS, "stack_id"] if c in names and c != "stack"]
     for batch in iter_batches(path, cols, batch_size):
         yield records_from_batch(batch, path)
 
 
+def has_stacks(path: str) -> bool:
+    """Whether the recording PATH has stack ids (record --stacks: the stack_id column)."""
+    return "stack_id" in open_file(path).schema_arrow.names
+
+
 def iter_records(path: str) -> Iterator[mtrace_bin.Record]:
     """mtrace_bin.Record objects of the file's rows (for per-record readers: dump, workload)."""
+    stacks = has_stacks(path)
     for recs in iter_arrays(path):
-        yield from iter_records_of(recs)
+        yield from iter_records_of(recs, stacks)
 
 
-def iter_records_of(recs: numpy.ndarray) -> Iterator[mtrace_bin.Record]:
-    """mtrace_bin.Record objects of a numpy record array."""
+def iter_records_of(recs: numpy.ndarray, stacks: bool = False) -> Iterator[mtrace_bin.Record]:
+    """mtrace_bin.Record objects of a numpy record array (STACKS: type bits 8-31 are stack ids)."""
     Record = mtrace_bin.Record
     for thread, word, p1, p2, s1, s2, s3, ts, caller in recs.tolist():
-        yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, word >> 8)
+        if stacks:
+            yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, 0, word >> 8)
+        else:
+            yield Record(thread, word & 0xFF, p1, p2, s1, s2, s3, ts, caller, (word >> 8) & 0x3FFF)
 
 
 def magic_of(meta: Mapping[str, str]) -> tuple[str, int]:
@@ -466,7 +501,7 @@ def magic_of(meta: Mapping[str, str]) -> tuple[str, int]:
 def write_mtrace_bin(path: str, out: IO[bytes]) -> int:
     """Write the Parquet trace PATH to OUT as mtrace-bin (MAGIC first); the number of records."""
     order, thread = magic_of(read_metadata(path))
-    out.write(mtrace_bin.magic_record(thread, order))
+    out.write(mtrace_bin.magic_record(thread, order, stacks=has_stacks(path)))
     n = 0
     for recs in iter_arrays(path):
         out.write(raw_bytes(recs, order))
@@ -493,18 +528,25 @@ def convert_to_parquet(path: str, fmt: str, out: IO[bytes]) -> int:
     metadata, so converting back gives the same bytes."""
     if fmt == "parquet":
         meta = {META_PREFIX + k: v for k, v in read_metadata(path).items()}
-        return write_records(out, iter_arrays(path), meta)
+        return write_records(out, iter_arrays(path), meta, stacks=has_stacks(path))
     if fmt == "mtrace-text":
         from pymtrace.trace.formats import mtrace_text
 
         records = mtrace_text.to_records(mtrace_text.read_file(path))
         return write_records(out, arrays_from_records(records), file_metadata(source_format=fmt))
     with open(path, "rb") as f:
+        stacks = mtrace_bin.has_stacks(f.read(mtrace_bin.RECORD_SIZE), "<")
+        f.seek(0)
         order, thread, arrays = mtrace_bin.read_arrays(f, path)
+        if order != "<":
+            f.seek(0)
+            stacks = mtrace_bin.has_stacks(f.read(mtrace_bin.RECORD_SIZE), order)
+            f.seek(0)
+            order, thread, arrays = mtrace_bin.read_arrays(f, path)
         meta = file_metadata(
             source_format=fmt,
             magic_thread=thread,
             pid=thread or None,
             byteorder="big" if order == ">" else "little",
         )
-        return write_records(out, arrays, meta)
+        return write_records(out, arrays, meta, stacks=stacks)

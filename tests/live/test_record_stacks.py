@@ -1,0 +1,130 @@
+"""`pymtrace record --stacks` with real BPF on heap_chains (built -O2 -fomit-frame-pointer):
+every allocation record's stack id resolves to the exact chain of its call, counts and bytes
+exact, in mtrace-bin and Parquet; `dump` shows them; without --stacks nothing changes."""
+
+import collections
+import json
+import os
+import re
+import stat
+
+import duckdb
+import pyarrow.parquet
+import pytest
+from conftest import run_pymtrace
+from support import heapchains
+
+from pymtrace.bpf import load as bpfload
+from pymtrace.trace import stacktable
+from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.trace.formats import parquet
+
+pytestmark = pytest.mark.bpf
+
+ALLOCS = (B.MALLOC, B.CALLOC, B.REALLOC, B.MEMALIGN, B.VALLOC, B.PVALLOC, B.POSIX_MEMALIGN)
+
+
+@pytest.fixture(scope="module")
+def chains_exe(build_dir):
+    return heapchains.build(build_dir)
+
+
+def record(out, exe, *extra):
+    proc = run_pymtrace("record", "--stacks", "--json", "-o", out, *extra, "--", exe, "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+def per_chain(records, table):
+    """{chain name: (calls, bytes, ids)} of the workload's malloc records, by their stacks."""
+    got = {name: [0, 0, set()] for name in heapchains.CHAINS}
+    for r in records:
+        if r.type != B.MALLOC or r.size < 100:
+            continue
+        folded = table[r.stack].folded()
+        for name, (pattern, _, _) in heapchains.CHAINS.items():
+            if re.fullmatch(pattern, folded):
+                got[name][0] += 1
+                got[name][1] += r.size
+                got[name][2].add(r.stack)
+    return got
+
+
+def check_chains(records, table):
+    assert all(r.stack for r in records if r.type in ALLOCS), "an allocation without a stack"
+    assert not any(r.stack for r in records if r.type == B.FREE)  # frees carry no stack
+    got = per_chain(records, table)
+    for name, (_, calls, size) in heapchains.CHAINS.items():
+        assert (got[name][0], got[name][1]) == (calls, size), (name, got[name])
+        assert 1 <= len(got[name][2]) <= 3  # one id per call site (an unrolled loop: a few)
+        for sid in got[name][2]:
+            assert table[sid].complete
+            leaf = table[sid].frames[-1]
+            assert leaf.module.endswith("libc.so.6") and leaf.build_id
+    # interned by content: no two ids with the same frames
+    keys = [tuple((f.module, f.offset) for f in s.frames) for s in table.values()]
+    assert len(keys) == len(set(keys))
+
+
+def test_mtrace_bin_stacks_exact_and_dump(chains_exe, tmp_path):
+    out = tmp_path / "t"
+    summary = record(out, chains_exe)
+    assert summary["stacks_lost"] == 0 and summary["lost"] == 0
+    table_file = tmp_path / "t.stacks"
+    assert stat.S_IMODE(os.stat(table_file).st_mode) == 0o600
+    table = stacktable.read_table(str(table_file))
+    assert summary["stacks"] == len(table)
+    records = list(B.read_file(out))
+    check_chains(records, table)
+
+    listing = run_pymtrace("dump", "--stacks", out, check=True).stdout
+    lines = listing.splitlines()
+    first = next(i for i, line in enumerate(lines) if " malloc " in line and " 100 " in line)
+    assert "stack=" in lines[first]
+    under = [line.split()[0] for line in lines[first + 1 : first + 4]]
+    assert re.fullmatch(heapchains.MALLOC, under[0]) and under[1:] == ["leaf_alloc", "beta"]
+    stats = run_pymtrace("dump", "--stats", "--json", out, check=True).stdout
+    top = json.loads(stats)["stats"]["top_stacks"]
+    assert top[0]["bytes"] == heapchains.CHAINS["thread"][2] and top[0]["frames"][-3:-1] == ["worker", "thread_leaf"]
+
+    # the table is refused where it does not fit, one line
+    again = run_pymtrace("record", "--stacks", "-o", out, "--", chains_exe, "0")
+    assert again.returncode == 1 and "exists" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_parquet_stacks(chains_exe, tmp_path):
+    out = tmp_path / "t.parquet"
+    summary = record(out, chains_exe)
+    assert summary["stacks_lost"] == 0
+    table = stacktable.read_table(str(out) + ".stacks")
+    rows = pyarrow.parquet.read_table(out).to_pylist()
+    assert all(r["stack_id"] for r in rows if r["type"] != "free")
+    check_chains(list(parquet.iter_records(str(out))), table)
+    # a real client joins the two (the query docs/formats.md shows)
+    rows = duckdb.sql(
+        f"select s.frames[-2].function, count(*), sum(t.size) from '{out}' t join "
+        f"(select * from read_json('{out}.stacks') where id is not null) s on t.stack_id = s.id group by all"
+    ).fetchall()
+    by_caller = {name: (n, int(b)) for name, n, b in rows}
+    assert by_caller["leaf_alloc"] == heapchains.CHAINS["alpha"][1:]
+    assert by_caller["lib_inner"] == heapchains.CHAINS["gamma"][1:]
+
+
+def test_without_stacks_unchanged(chains_exe, tmp_path):
+    """No flag: no table, no marks in the records, and the BPF program has no stack code."""
+    out = tmp_path / "plain"
+    proc = run_pymtrace("record", "-o", out, "--", chains_exe, "0")
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "plain.stacks").exists()
+    raw = out.read_bytes()
+    assert raw[:64] == B.magic_record(int.from_bytes(raw[:4], "little"))  # size2 0: no stack mark
+    assert all(int.from_bytes(raw[i + 4 : i + 8], "little") >> 8 == 0 for i in range(64, len(raw), 64))
+    counts = collections.Counter(r.type for r in B.read_file(out))
+    assert counts[B.MALLOC] >= 263
+    plain = bpfload.load("record", defines={"TARGET_TGID": 1})
+    try:
+        names = {k.decode() if isinstance(k, bytes) else k for k in plain.tables}
+        assert "stacks" not in names and "stack_scratch" not in names
+    finally:
+        plain.cleanup()
