@@ -513,6 +513,10 @@ class Collectors:
             c.exited(tgid)
 
     def snapshot(self) -> snapshot_model.Snapshot:
+        # The snapshot's time is when reading began: every event before it is in the counts.
+        # Stamped after reading, it would claim events the first collectors' maps were read
+        # too early to hold (seconds apart on a slow machine: an emulated VM, a busy host).
+        began = time.monotonic()
         parts = []
         for name, c in list(self.collectors.items()):
             try:
@@ -525,7 +529,7 @@ class Collectors:
                 self.errors[name] = f"{type(exc).__name__}: {exc}"  # its bugs must not take top down
         snap = snapshot_model.merge(parts)
         snap["start"] = self.start  # the bundle's attach, before any collector's
-        snap["time"] = time.monotonic()
+        snap["time"] = began
         if "malloc" in self.collectors:  # whose malloc each process calls (not glibc's: not traced)
             self.allocators.annotate(snap["processes"], self.pids or ())
         if self.errors:

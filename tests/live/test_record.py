@@ -169,18 +169,26 @@ def test_record_text_matches_glibc_mtrace(cbuild, tmp_path):
     assert T.leaks(pev).keys() == T.leaks(gev).keys()
 
 
+# How long record may take to start recording: seconds on the host; BPF start-up (the
+# compile, the attach) runs ~10x slower in an emulated VM, more on a loaded machine.
+START_TIMEOUT = 300
+
+
 def _record_running(pid, out, records, step):
     """`pymtrace record -p PID -o OUT --json` in the background, once OUT holds more than
-    RECORDS records (checked every STEP seconds, for at most 60 s)."""
+    RECORDS records (checked every STEP seconds). Records in OUT mean record is in its
+    recording loop: a signal sent before that interrupts the start-up (exit 130), which is
+    not what the callers test."""
     rec = subprocess.Popen(
         PYMTRACE + ["record", "-p", str(pid), "-o", str(out), "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * records):
+    deadline = time.monotonic() + START_TIMEOUT
+    while not (out.exists() and out.stat().st_size > 64 * records):
         assert rec.poll() is None, rec.stderr.read()
+        assert time.monotonic() < deadline, f"no {records} records within {START_TIMEOUT} s"
         time.sleep(step)
     return rec
 
@@ -326,7 +334,7 @@ def _loop_target(cbuild):
         target.wait()
 
 
-def _wait_records(out, records, proc_alive, timeout=60):
+def _wait_records(out, records, proc_alive, timeout=START_TIMEOUT):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * records):
         assert proc_alive(), "pymtrace ended before recording"
