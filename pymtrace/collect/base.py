@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.bpf import stats as bpfstats
 from pymtrace.bpf import structs
 from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
@@ -63,6 +64,19 @@ def lost_names(program: str, prefix: str) -> dict[int, str]:
         for k, v in consts.items()
         if k.startswith(prefix + "_LOST_") and not k.endswith("_N")
     }
+
+
+def skipped_runs(bpf: Any, functions: Iterable[str]) -> int | None:
+    """Events the kernel dropped without running FUNCTIONS (BPF programs of BCC module BPF) on
+    them, summed (pymtrace.bpf.stats.recursion_misses), or None where the kernel does not
+    count them. Reported as a lost cause: the counts lack those events."""
+    total = None
+    for name in functions:
+        fn = bpf.funcs.get(name.encode()) if bpf is not None else None
+        n = bpfstats.recursion_misses(fn.fd) if fn is not None else None
+        if n is not None:
+            total = (total or 0) + n
+    return total
 
 
 def check_pids(pids: Iterable[int | str] | None) -> list[int] | None:

@@ -35,9 +35,14 @@ def slab_row(cbuild):
         while True:
             doc = top.json_after(time.monotonic())
             s = doc["snapshot"]["slab"].get(key, {})
-            if s.get("allocs", 0) >= N and s.get("frees", 0) >= N or time.monotonic() > deadline:
+            # frees the kernel dropped without running our program (another BPF program or a
+            # bpf() map read was running on that CPU when the RCU callback freed): reported,
+            # system-wide, as a lost cause (a few per thousand in an emulated VM, else none)
+            skipped = doc["snapshot"]["lost"].get("slab_skipped_frees", 0)
+            if s.get("allocs", 0) >= N and s.get("frees", 0) + skipped >= N or time.monotonic() > deadline:
                 break
-        assert N <= s["allocs"] and N <= s["frees"], s  # inodes are freed after an RCU grace period
+        # inodes are freed after an RCU grace period; each free counted or reported skipped
+        assert N <= s["allocs"] and N <= s["frees"] + skipped, (s, doc["snapshot"]["lost"])
         if alone:  # no other cache in the row: the counts are this cache's
             assert s["allocs"] <= N + 20 and s["frees"] <= N + 20, s
         assert s["bytes_alloc"] >= N * 64
