@@ -67,6 +67,18 @@ def fdinfo(fd: int) -> dict[str, str] | None:
     return out
 
 
+def recursion_misses(fd: int) -> int | None:
+    """How often the kernel skipped the BPF program FD instead of running it (fdinfo's
+    recursion_misses, Linux 5.12+), or None where the kernel does not say. A tracepoint or
+    kprobe program is skipped when its event fires while any BPF program, or a bpf() map
+    access from user space, is already running on that CPU: e.g. a slab free in an RCU
+    callback at the end of an interrupt that came during such a section."""
+    info = fdinfo(fd)
+    if not info or "recursion_misses" not in info:
+        return None
+    return int(info["recursion_misses"])
+
+
 def own_anon_fds() -> dict[int, str]:
     """{fd: 'anon_inode:...' target} of this process's anonymous-inode descriptors (BPF
     programs and maps, perf events, ...)."""

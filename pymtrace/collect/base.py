@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.bpf import stats as bpfstats
 from pymtrace.bpf import structs
 from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
@@ -63,6 +64,19 @@ def lost_names(program: str, prefix: str) -> dict[int, str]:
         for k, v in consts.items()
         if k.startswith(prefix + "_LOST_") and not k.endswith("_N")
     }
+
+
+def skipped_runs(bpf: Any, functions: Iterable[str]) -> int | None:
+    """Events the kernel dropped without running FUNCTIONS (BPF programs of BCC module BPF) on
+    them, summed (pymtrace.bpf.stats.recursion_misses), or None where the kernel does not
+    count them. Reported as a lost cause: the counts lack those events."""
+    total = None
+    for name in functions:
+        fn = bpf.funcs.get(name.encode()) if bpf is not None else None
+        n = bpfstats.recursion_misses(fn.fd) if fn is not None else None
+        if n is not None:
+            total = (total or 0) + n
+    return total
 
 
 def check_pids(pids: Iterable[int | str] | None) -> list[int] | None:
@@ -513,6 +527,10 @@ class Collectors:
             c.exited(tgid)
 
     def snapshot(self) -> snapshot_model.Snapshot:
+        # The snapshot's time is when reading began: every event before it is in the counts.
+        # Stamped after reading, it would claim events the first collectors' maps were read
+        # too early to hold (seconds apart on a slow machine: an emulated VM, a busy host).
+        began = time.monotonic()
         parts = []
         for name, c in list(self.collectors.items()):
             try:
@@ -525,7 +543,7 @@ class Collectors:
                 self.errors[name] = f"{type(exc).__name__}: {exc}"  # its bugs must not take top down
         snap = snapshot_model.merge(parts)
         snap["start"] = self.start  # the bundle's attach, before any collector's
-        snap["time"] = time.monotonic()
+        snap["time"] = began
         if "malloc" in self.collectors:  # whose malloc each process calls (not glibc's: not traced)
             self.allocators.annotate(snap["processes"], self.pids or ())
         if self.errors:

@@ -13,10 +13,14 @@ from pymtrace.collect.base import (
     Evictions,
     lost_counts,
     lost_names,
+    skipped_runs,
     struct_fields,
 )
 from pymtrace.errors import PymtraceError
 from pymtrace.target import libc
+
+# The programs counting faults: runs the kernel skipped are reported as lost "fault_skipped"
+FAULT_PROGRAMS = ("tracepoint__exceptions__page_fault_user", "tracepoint__exceptions__page_fault_kernel")
 
 if TYPE_CHECKING:
     from pymtrace.target.procevents import ProcEvent
@@ -244,6 +248,9 @@ class FaultCollector(Collector):
                         self._delete(table, table.Key(tgid=pid, granule=granule))
         self.evictions.update({pid: p["faults_user"] + p["faults_kernel"] for pid, p in procs.items()}, gone)
         lost = lost_counts(self.bpf[b"pf_lost"], {i: "fault_" + n for i, n in lost_names("faults", "PF").items()})
+        skipped = skipped_runs(self.bpf, FAULT_PROGRAMS)  # faults the kernel gave no program
+        if skipped is not None:
+            lost["fault_skipped"] = skipped
         maps = {"pf_totals": self.evictions.info(entries, self.max_procs)}
         if self.regions:
             maps["pf_regions"] = {"entries": self._regions_entries, "max_entries": self.max_granules}

@@ -8,7 +8,7 @@ snapshots (pymtrace.sinks.views does). PIDs are int keys here; they become strin
 json.dumps (the views accept both). Keys a collector does not produce are absent, never
 faked, so a consumer works with whichever collectors are running:
 
-    {"time": time.monotonic() of the snapshot,
+    {"time": time.monotonic() when reading began (every event before it is counted),
      "start": time.monotonic() of attach,
      "processes": {pid: {
          "pid": int, "comm": str,           # /proc/PID/comm; for a process that exited
@@ -367,7 +367,9 @@ def merge(parts: Iterable[SnapshotPart]) -> Snapshot:
       is what `top` always showed; the same source given twice would count twice;
     - "glibc", "fault_regions", "stacks" (by PID), "slab", "maps", "errors" (by name): the union, a
       later part's entry winning;
-    - "time": the latest, "start": the earliest of the parts' (None if none has one);
+    - "time", "start": the earliest of the parts' (None if none has one): each part's counts
+      hold every event before its own time, so the merged counts hold every event before
+      the earliest (the latest would claim events a part read earlier may lack);
     - anything else (slab_source, slab_note, glibc_collector, notes): the last part's value.
 
     Keys come out in the order of their first appearance after time, start, processes, lost
@@ -377,7 +379,7 @@ def merge(parts: Iterable[SnapshotPart]) -> Snapshot:
     for part in parts:
         for key, value in part.items():
             if key == "time":
-                if value is not None and (snap["time"] is None or value > snap["time"]):
+                if value is not None and (snap["time"] is None or value < snap["time"]):
                     snap["time"] = value
             elif key == "start":
                 if value is not None and (snap["start"] is None or value < snap["start"]):

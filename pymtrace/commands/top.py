@@ -268,7 +268,9 @@ def _run_batch(
     # every report covers one interval after attach, the first included: rates from a
     # baseline taken now, never from the time spent compiling and attaching
     cur = source()
-    next_at = time.monotonic() + args.interval
+    # one interval between the snapshots' times (when their reading began), whatever the
+    # reading costs (seconds in an emulated VM)
+    next_at = (cur.get("time") or time.monotonic()) + args.interval
     while not args.iterations or reporter.iteration < args.iterations:
         time.sleep(max(0.0, next_at - time.monotonic()))
         next_at += args.interval

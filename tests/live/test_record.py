@@ -155,18 +155,26 @@ def test_record_text_matches_glibc_mtrace(cbuild, tmp_path):
     assert T.leaks(pev).keys() == T.leaks(gev).keys()
 
 
+# How long record may take to start recording: seconds on the host; BPF start-up (the
+# compile, the attach) runs ~10x slower in an emulated VM, more on a loaded machine.
+START_TIMEOUT = 300
+
+
 def _record_running(pid, out, records, step):
     """`pymtrace record -p PID -o OUT --json` in the background, once OUT holds more than
-    RECORDS records (checked every STEP seconds, for at most 60 s)."""
+    RECORDS records (checked every STEP seconds). Records in OUT mean record is in its
+    recording loop: a signal sent before that interrupts the start-up (exit 130), which is
+    not what the callers test."""
     rec = subprocess.Popen(
         PYMTRACE + ["record", "-p", str(pid), "-o", str(out), "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * records):
+    deadline = time.monotonic() + START_TIMEOUT
+    while not (out.exists() and out.stat().st_size > 64 * records):
         assert rec.poll() is None, rec.stderr.read()
+        assert time.monotonic() < deadline, f"no {records} records within {START_TIMEOUT} s"
         time.sleep(step)
     return rec
 
@@ -312,7 +320,7 @@ def _loop_target(cbuild):
         target.wait()
 
 
-def _wait_records(out, records, proc_alive, timeout=60):
+def _wait_records(out, records, proc_alive, timeout=START_TIMEOUT):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not (out.exists() and out.stat().st_size > 64 * records):
         assert proc_alive(), "pymtrace ended before recording"
@@ -394,8 +402,11 @@ def test_record_refuses_its_own_pid():
 
 def test_record_duration_bounds_the_stop_on_a_busy_allocator(cbuild, tmp_path):
     """--duration on a process that allocates as fast as it can (text format, the slowest
-    consumer): record stops within the duration plus a small bound, and the log holds
-    exactly the records counted."""
+    consumer): record stops recording (the drain done, the log closed, the summary printed)
+    within the duration plus a small bound, and the log holds exactly the records counted.
+    Then it detaches: the kernel removes each uprobe after an RCU grace period (~1.5 s in
+    all on the development machine, overlapped; about 2 s in an emulated VM), whatever the
+    target does, so that part has a bound of its own."""
     prog = cbuild("record_storm")
     target = subprocess.Popen([prog, "1000000000"], stdout=subprocess.DEVNULL)
     try:
@@ -423,14 +434,22 @@ def test_record_duration_bounds_the_stop_on_a_busy_allocator(cbuild, tmp_path):
             if line.startswith("pymtrace: recording"):
                 break
         started = time.monotonic()
-        _, rest = rec.communicate(timeout=120)
+        recording = lines[-1] if lines else ""
+        for line in rec.stderr:  # the summary's first line: recording is over
+            lines.append(line)
+            if " entries recorded in " in line:
+                break
         took = time.monotonic() - started
+        _, rest = rec.communicate(timeout=120)
+        detached = time.monotonic() - started - took
     finally:
         target.kill()
         target.wait()
+    rest = "".join(lines[-1:]) + rest
     assert rec.returncode == 0, "".join(lines) + rest
-    assert took < 2 + 3, f"record took {took:.1f} s to stop after a 2 s --duration"
-    assert lines[-1].startswith("pymtrace: recording process")
+    assert took < 2 + 3, f"record took {took:.1f} s to stop recording after a 2 s --duration"
+    assert detached < 20, f"record took {detached:.1f} s to detach"
+    assert recording.startswith("pymtrace: recording process")
     entries = int(re.search(r"^pymtrace: (\d+) entries recorded in ", rest, re.M).group(1))
     events = [e for e in T.read_file(out) if e.op != "="]
     assert entries > 1000

@@ -3,6 +3,7 @@ allocations (and, after RCU, N frees) in the mqueue_inode_cache row. Slab counts
 system-wide (slab frees often run in RCU callbacks, not in the allocating process), so the
 test allows a little activity from others on this rarely used cache."""
 
+import os
 import time
 
 import pytest
@@ -13,6 +14,19 @@ from pymtrace.bpf import kfeatures
 
 N = 500
 CACHE = "mqueue_inode_cache"
+
+
+def counts_skipped_runs(pid):
+    """Whether the kernel counts, per BPF program, the runs it skipped (recursion_misses in
+    the fdinfo of PID's programs)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:bpf-prog":
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    return "recursion_misses:" in f.read()
+        except OSError:  # an fd closed meanwhile
+            continue
+    return False
 
 
 def slab_row(cbuild):
@@ -35,9 +49,16 @@ def slab_row(cbuild):
         while True:
             doc = top.json_after(time.monotonic())
             s = doc["snapshot"]["slab"].get(key, {})
-            if s.get("allocs", 0) >= N and s.get("frees", 0) >= N or time.monotonic() > deadline:
+            # frees the kernel dropped without running our program (another BPF program or a
+            # bpf() map read was running on that CPU when the RCU callback freed): reported,
+            # system-wide, as a lost cause (a few per thousand in an emulated VM, else none)
+            skipped = doc["snapshot"]["lost"].get("slab_skipped_frees", 0)
+            if s.get("allocs", 0) >= N and s.get("frees", 0) + skipped >= N or time.monotonic() > deadline:
                 break
-        assert N <= s["allocs"] and N <= s["frees"], s  # inodes are freed after an RCU grace period
+        # inodes are freed after an RCU grace period; each free counted or reported skipped
+        assert N <= s["allocs"] and N <= s["frees"] + skipped, (s, doc["snapshot"]["lost"])
+        if counts_skipped_runs(top.proc.pid):  # the kernel counts them (5.12+): top reports them
+            assert {"slab_skipped_allocs", "slab_skipped_frees"} <= set(doc["snapshot"]["lost"])
         if alone:  # no other cache in the row: the counts are this cache's
             assert s["allocs"] <= N + 20 and s["frees"] <= N + 20, s
         assert s["bytes_alloc"] >= N * 64
