@@ -1,0 +1,590 @@
+"""`pymtrace analyze`'s numbers: SQL over one or many traces with DuckDB, embedded (docs/analyze.md).
+
+TraceSet gathers the inputs (Parquet files as they are; mtrace-bin and mtrace-text converted to
+private temporary Parquet files) in a private directory (mkdtemp, 0700) that also holds
+DuckDB's database file and its spill directory, all removed at close. DuckDB runs under a
+memory limit and spills to that directory, so traces larger than RAM are analyzed in bounded
+memory. report() returns one dict (what --json prints and the HTML report draws); query()
+runs a user's SQL over a view `calls` on a connection that can read the traces and nothing
+else and write no file.
+
+Pairing: every call is split into events, an allocation (of ptr2) and/or a release (of ptr1);
+realloc is both, its release first. Events of one address in one file, in time order (time_ns,
+then row, then the release before the allocation), pair each allocation with the release after
+it. That gives lifetimes, cross-thread frees, never-freed blocks, live requested bytes over time
+and realloc chains.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+import duckdb
+
+from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
+from pymtrace.trace.formats import detect_format, parquet
+
+MMAP_THRESHOLD = 128 * 1024  # glibc's M_MMAP_THRESHOLD default (it grows dynamically up to 32 MiB)
+DEFAULT_MEMORY_LIMIT = "1GB"
+LIVE_BUCKETS = 200  # points of the live-bytes curve
+THREAD_BUCKETS = 60  # columns of the per-thread timeline
+SIZE_CLASS_BOUNDS = [0] + [1 << k for k in range(4, 26)]  # 0, <=16, <=32, ..., <=32 MiB, then > 32 MiB
+LIFETIME_BOUNDS = [10**k for k in range(3, 12)]  # ns: < 1 us, < 10 us, ..., < 100 s, then >= 100 s
+COLUMNS = ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller", "path", "stack")
+_DUCKDB_READ_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.ConversionException)
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Files named by PATTERNS: a file, a glob (`'traces/*.parquet'`, expanded here when the
+    shell did not) or a directory (its *.parquet files); each file once, in order."""
+    out: list[str] = []
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            found = sorted(glob.glob(os.path.join(glob.escape(pattern), "*.parquet")))
+            if not found:
+                raise PymtraceError(f"{pattern}: a directory without *.parquet files")
+        elif os.path.lexists(pattern) or not glob.has_magic(pattern):
+            found = [pattern]
+        else:
+            found = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+            if not found:
+                raise PymtraceError(f"{pattern}: no file matches")
+        for path in found:
+            if os.path.abspath(path) not in (os.path.abspath(p) for p in out):
+                out.append(path)
+    return out
+
+
+def _size_class_label(k: int) -> str:
+    if k == 0:
+        return "0"
+    lo, hi = SIZE_CLASS_BOUNDS[k - 1] + 1, SIZE_CLASS_BOUNDS[k] if k < len(SIZE_CLASS_BOUNDS) else None
+    if hi is None:
+        return f"> {_bytes(lo - 1)}"
+    return f"{_bytes(lo)}-{_bytes(hi)}" if k > 1 else f"1-{hi}"
+
+
+def _bytes(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)
+
+
+def _lifetime_label(k: int) -> str:
+    names = ["1 us", "10 us", "100 us", "1 ms", "10 ms", "100 ms", "1 s", "10 s", "100 s"]
+    if k == 0:
+        return "< 1 us"
+    if k == len(names):
+        return ">= 100 s"
+    return f"{names[k - 1]} - {names[k]}"
+
+
+def _case_bucket(expr: str, bounds: Sequence[int], inclusive: bool) -> str:
+    """SQL: the index of the first bound EXPR is <= (inclusive) or < to, else len(bounds)."""
+    op = "<=" if inclusive else "<"
+    whens = " ".join(f"WHEN {expr} {op} {b} THEN {i}" for i, b in enumerate(bounds))
+    return f"CASE {whens} ELSE {len(bounds)} END"
+
+
+def _hex(v: int | None) -> str | None:
+    return None if v is None else f"{v:#x}"
+
+
+class TraceSet:
+    """The traces PATHS (patterns as expand_inputs) opened for analysis; use as a context manager.
+
+    MEMORY_LIMIT is DuckDB's (e.g. "1GB"), THREADS its worker threads (None: one per CPU),
+    TEMP_DIR where the private working directory goes (None: $TMPDIR or /tmp); it holds
+    converted inputs, the database file and what DuckDB spills, and is removed at close().
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        threads: int | None = None,
+        temp_dir: str | None = None,
+    ) -> None:
+        self.inputs = expand_inputs(paths)
+        self.memory_limit = memory_limit
+        self.threads = threads
+        try:
+            self.workdir = tempfile.mkdtemp(prefix="pymtrace-analyze.", dir=temp_dir)
+        except OSError as exc:
+            raise PymtraceError(f"cannot create a temporary directory: {exc.strerror}") from None
+        self.spill_dir = os.path.join(self.workdir, "spill")
+        self.con: duckdb.DuckDBPyConnection | None = None
+        try:
+            self.formats = []
+            self.files = [self._parquet_of(p) for p in self.inputs]
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> TraceSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close DuckDB and remove the private directory (converted inputs, database, spill)."""
+        if self.con is not None:
+            self.con.close()
+            self.con = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _parquet_of(self, path: str) -> str:
+        """PATH itself if it is Parquet (checked), else a private temporary Parquet copy."""
+        fmt = detect_format(path)
+        self.formats.append(fmt)
+        if fmt == "parquet":
+            parquet.open_file(path)  # CorruptFile (one line) on a truncated or foreign file
+            return os.path.abspath(path)
+        fd, tmp = tempfile.mkstemp(prefix="input.", suffix=".parquet", dir=self.workdir)  # 0600
+        with os.fdopen(fd, "wb") as out:
+            parquet.convert_to_parquet(path, fmt, out)
+        return tmp
+
+    def _config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "memory_limit": self.memory_limit,
+            "temp_directory": self.spill_dir,
+            "preserve_insertion_order": False,
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+        }
+        if self.threads:
+            config["threads"] = self.threads
+        return config
+
+    def _connect(self, database: str) -> duckdb.DuckDBPyConnection:
+        try:
+            return duckdb.connect(database, config=self._config())
+        except duckdb.Error as exc:
+            raise PymtraceError(f"cannot start DuckDB: {_first_line(exc)}") from None
+
+    def _select_list(self, path: str, source: str, index: int, with_row: bool) -> str:
+        """SELECT of the schema's columns from SOURCE, cast to the types pymtrace writes (a file
+        rewritten by another tool may have signed columns or lack path/stack)."""
+        names = parquet.open_file(path).schema_arrow.names
+        cols = [f"{index} AS file"]
+        casts = {"thread": "INTEGER", "type": "VARCHAR", "path": "USMALLINT", "stack": "UBIGINT[]"}
+        for c in COLUMNS:
+            typ = casts.get(c, "UBIGINT")
+            cols.append(f"CAST({c} AS {typ}) AS {c}" if c in names else f"CAST(NULL AS {typ}) AS {c}")
+        if with_row:
+            cols.append("file_row_number AS row")
+        return f"SELECT {', '.join(cols)} FROM {source}"
+
+    # ---------------------------------------------------------------- user SQL
+
+    def query(self, sql: str) -> tuple[list[str], list[tuple]]:
+        """(column names, rows) of the user's SQL over the view `calls` (the trace columns plus
+        `file`, the input's index). The traces are read through pyarrow datasets registered with
+        DuckDB, then DuckDB's file system access is switched off and its configuration locked:
+        the query can read the traces and nothing else, write no file, load no extension.
+        BadQuery (exit 2) for any error in the query."""
+        import pyarrow.dataset
+
+        con = self.con = self._connect(":memory:")
+        selects = []
+        for i, path in enumerate(self.files):
+            con.register(f"pymtrace_input_{i}", pyarrow.dataset.dataset(path, format="parquet"))
+            selects.append(self._select_list(path, f"pymtrace_input_{i}", i, with_row=False))
+        con.execute("CREATE VIEW calls AS " + " UNION ALL ".join(selects))
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+        try:
+            rel = con.sql(sql)
+            if rel is None:
+                return [], []
+            return list(rel.columns), rel.fetchall()
+        except duckdb.Error as exc:
+            raise BadQuery(f"query failed: {_first_line(exc)}") from None
+
+    # ---------------------------------------------------------------- the report
+
+    def report(self, top: int = 10, mmap_threshold: int = MMAP_THRESHOLD) -> dict:
+        """Every number of the analysis as one JSON-ready dict (docs/analyze.md lists the keys)."""
+        self.con = self._connect(os.path.join(self.workdir, "analysis.duckdb"))
+        try:
+            return self._report(top, mmap_threshold)
+        except duckdb.OutOfMemoryException as exc:
+            raise PymtraceError(
+                f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or free space in the temp directory"
+            ) from None
+        except _DUCKDB_READ_ERRORS as exc:
+            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+
+    def _q(self, sql: str) -> list[tuple]:
+        return self.con.execute(sql).fetchall()
+
+    def _one(self, sql: str) -> tuple:
+        return self.con.execute(sql).fetchone()
+
+    def _report(self, top: int, mmap_threshold: int) -> dict:
+        con = self.con
+        files_sql = ", ".join("'" + p.replace("'", "''") + "'" for p in self.files)
+        con.execute(f"CREATE TEMP TABLE inputs AS SELECT unnest([{files_sql}]) AS path")
+        selects = [
+            self._select_list(p, f"read_parquet('{p.replace(chr(39), chr(39) * 2)}', file_row_number = true)", i, True)
+            for i, p in enumerate(self.files)
+        ]
+        con.execute("CREATE VIEW trace_rows AS " + " UNION ALL ".join(selects))
+        rep: dict[str, Any] = {
+            "files": [{"path": p, "format": f} for p, f in zip(self.inputs, self.formats)],
+            "settings": {"memory_limit": self.memory_limit, "mmap_threshold": mmap_threshold, "top": top},
+        }
+        rep.update(self._call_mix())
+        rep["sizes"] = self._sizes(mmap_threshold)
+        self._pair()
+        rep["lifetimes"] = self._lifetimes()
+        rep["live"] = self._live(rep)
+        rep["never_freed"] = self._never_freed(top)
+        rep["threads"] = self._threads(top, rep)
+        rep["realloc_chains"] = self._chains(top)
+        rep["callers"] = self._callers(top)
+        rep["stacks"] = self._stacks(top)
+        return rep
+
+    def _call_mix(self) -> dict:
+        rows = self._q(
+            """SELECT type, count(*),
+                 count(*) FILTER (WHERE CASE WHEN type = 'free' THEN false
+                                             WHEN type = 'posix_memalign' THEN ptr1 <> 0
+                                             ELSE ptr2 = 0 AND NOT (type = 'realloc' AND size = 0) END),
+                 sum(size) FILTER (WHERE type <> 'free'),
+                 count(*) FILTER (WHERE type = 'free' AND ptr1 = 0)
+               FROM trace_rows GROUP BY type ORDER BY 2 DESC, 1"""
+        )
+        events, threads, t_first, t_last, untimed = self._one(
+            """SELECT count(*), count(DISTINCT (file, thread)), min(time_ns) FILTER (WHERE time_ns > 0),
+                      max(time_ns), count(*) FILTER (WHERE time_ns = 0) FROM trace_rows"""
+        )
+        self.timed = events > 0 and untimed == 0
+        self.t_first = t_first if self.timed else 0
+        return {
+            "totals": {
+                "events": events,
+                "files": len(self.files),
+                "threads": threads,
+                "requested_bytes": int(sum(r[3] or 0 for r in rows)),
+                "span_ns": (t_last - t_first) if self.timed else None,
+                "free_null": int(sum(r[4] for r in rows)),
+            },
+            "calls": {
+                name: {"count": n, "failed": failed, "requested_bytes": int(b or 0)} for name, n, failed, b, _ in rows
+            },
+        }
+
+    def _sizes(self, threshold: int) -> dict:
+        """Request sizes of every allocating call (failed ones too)."""
+        k = _case_bucket("size", SIZE_CLASS_BOUNDS, inclusive=True)
+        counts = dict(
+            self._q(f"SELECT {k} AS k, count(*) FROM trace_rows WHERE type <> 'free' GROUP BY k")  # noqa: S608
+        )
+        histogram = [
+            {
+                "class": _size_class_label(i),
+                "max": SIZE_CLASS_BOUNDS[i] if i < len(SIZE_CLASS_BOUNDS) else None,
+                "count": counts.get(i, 0),
+            }
+            for i in range(len(SIZE_CLASS_BOUNDS) + 1)
+        ]
+        half, double = threshold // 2, threshold * 2
+        below, below_b, above, above_b, near_below, near_above = self._one(
+            f"""SELECT count(*) FILTER (WHERE size < {threshold}), coalesce(sum(size) FILTER (WHERE size < {threshold}), 0),
+                       count(*) FILTER (WHERE size >= {threshold}), coalesce(sum(size) FILTER (WHERE size >= {threshold}), 0),
+                       count(*) FILTER (WHERE size >= {half} AND size < {threshold}),
+                       count(*) FILTER (WHERE size >= {threshold} AND size < {double})
+                FROM trace_rows WHERE type <> 'free'"""
+        )
+        return {
+            "histogram": histogram,
+            "mmap_threshold": {
+                "threshold": threshold,
+                "below": {"count": below, "requested_bytes": int(below_b)},
+                "at_or_above": {"count": above, "requested_bytes": int(above_b)},
+                "half_to_threshold": near_below,
+                "threshold_to_double": near_above,
+            },
+        }
+
+    def _pair(self) -> None:
+        """Table `ev`: allocation and release events with their neighbours at the same address."""
+        self.con.execute(
+            """CREATE TABLE ev AS
+            SELECT *,
+              lag(alloc) OVER w AS prev_alloc, lag(size) OVER w AS prev_size, lag(t) OVER w AS prev_t,
+              lag(thread) OVER w AS prev_thread, lag(row) OVER w AS prev_row, lead(alloc) OVER w AS next_alloc
+            FROM (
+              SELECT file, ptr2 AS ptr, time_ns AS t, row, 1 AS sub, true AS alloc, thread, size, caller, type,
+                     false AS moved
+              FROM trace_rows
+              WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0)
+              UNION ALL
+              SELECT file, ptr1, time_ns, row, 0, false, thread, size, caller, type, ptr1 <> ptr2
+              FROM trace_rows
+              WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0)))
+            )
+            WINDOW w AS (PARTITION BY file, ptr ORDER BY t, row, sub)"""
+        )
+
+    def _lifetimes(self) -> dict:
+        life = "(t - prev_t)"
+        k = _case_bucket(life, LIFETIME_BOUNDS, inclusive=False)
+        counts = dict(self._q(f"SELECT {k} AS k, count(*) FROM ev WHERE NOT alloc AND prev_alloc GROUP BY k"))
+        paired, cross, mn, mx, mean, p50, p90, p99, unknown = self._one(
+            f"""SELECT count(*) FILTER (WHERE prev_alloc),
+                       count(*) FILTER (WHERE prev_alloc AND thread <> prev_thread),
+                       min({life}) FILTER (WHERE prev_alloc), max({life}) FILTER (WHERE prev_alloc),
+                       avg({life}) FILTER (WHERE prev_alloc),
+                       approx_quantile({life}, 0.5) FILTER (WHERE prev_alloc),
+                       approx_quantile({life}, 0.9) FILTER (WHERE prev_alloc),
+                       approx_quantile({life}, 0.99) FILTER (WHERE prev_alloc),
+                       count(*) FILTER (WHERE prev_alloc IS NULL OR NOT prev_alloc)
+                FROM ev WHERE NOT alloc"""
+        )
+        (over_live,) = self._one("SELECT count(*) FROM ev WHERE alloc AND next_alloc")
+        return {
+            "unit": "ns" if self.timed else None,
+            "freed": paired,
+            "cross_thread_frees": cross,
+            "min_ns": mn if self.timed else None,
+            "max_ns": mx if self.timed else None,
+            "mean_ns": float(mean) if self.timed and mean is not None else None,
+            "p50_ns": p50 if self.timed else None,
+            "p90_ns": p90 if self.timed else None,
+            "p99_ns": p99 if self.timed else None,
+            "histogram": [
+                {"class": _lifetime_label(i), "count": counts.get(i, 0)} for i in range(len(LIFETIME_BOUNDS) + 1)
+            ]
+            if self.timed
+            else [],
+            "releases_of_unknown_blocks": unknown,
+            "allocations_over_live_blocks": over_live,
+        }
+
+    def _live(self, rep: dict) -> dict:
+        """Live requested bytes (allocated, not yet freed: the ideal RSS) over time, exact peak.
+        Events go into LIVE_BUCKETS buckets of the timeline; the running sum inside each bucket
+        (a window partitioned by bucket: bounded) gives each bucket's maximum, and the buckets'
+        net changes, summed in order, where each starts."""
+        x = "t" if self.timed else "row"
+        lo, hi = self._one(f"SELECT min({x}), max({x}) FROM ev")
+        if lo is None:
+            return {"unit": None, "peak_bytes": 0, "peak_at": None, "final_bytes": 0, "points": []}
+        span = max(1, hi - lo + 1)
+        b = f"least({LIVE_BUCKETS - 1}, floor(({x} - {lo})::DOUBLE / {span} * {LIVE_BUCKETS}))::INTEGER"
+        rows = self._q(
+            f"""SELECT b, sum(delta), max(running), arg_max({x}, running), max({x}) FROM (
+                  SELECT b, {x}, delta, sum(delta) OVER (PARTITION BY b ORDER BY t, file, row, sub
+                                                         ROWS UNBOUNDED PRECEDING) AS running
+                  FROM (SELECT *, {b} AS b,
+                               CASE WHEN alloc THEN size::HUGEINT WHEN prev_alloc THEN -prev_size::HUGEINT
+                                    ELSE 0 END AS delta FROM ev))
+                GROUP BY b ORDER BY b"""
+        )
+        live = 0
+        peak, peak_at = 0, None
+        points = []
+        for bucket, net, inner_max, at, last in rows:
+            if live + inner_max > peak:
+                peak, peak_at = int(live + inner_max), int(at - lo)
+            points.append(
+                {
+                    "bucket": bucket,
+                    "at": int(last - lo),
+                    "max_bytes": int(live + inner_max),
+                    "end_bytes": int(live + net),
+                }
+            )
+            live += net
+        return {
+            "unit": "ns" if self.timed else "row",
+            "peak_bytes": peak,
+            "peak_at": peak_at,
+            "final_bytes": int(live),
+            "points": points,
+        }
+
+    def _never_freed(self, top: int) -> dict:
+        count, total = self._one("SELECT count(*), coalesce(sum(size), 0) FROM ev WHERE alloc AND next_alloc IS NULL")
+        by_caller = self._q(
+            f"""SELECT caller, count(*), sum(size) FROM ev WHERE alloc AND next_alloc IS NULL
+                GROUP BY caller ORDER BY 3 DESC, 2 DESC, 1 LIMIT {int(top)}"""
+        )
+        return {
+            "count": count,
+            "requested_bytes": int(total),
+            "by_caller": [{"caller": _hex(c), "count": n, "requested_bytes": int(s)} for c, n, s in by_caller],
+        }
+
+    def _threads(self, top: int, rep: dict) -> dict:
+        rows = self._q(
+            f"""SELECT file, thread, count(*), count(*) FILTER (WHERE type <> 'free'),
+                       count(*) FILTER (WHERE type = 'free'), coalesce(sum(size) FILTER (WHERE type <> 'free'), 0),
+                       min(time_ns), max(time_ns)
+                FROM trace_rows GROUP BY file, thread ORDER BY 3 DESC, 1, 2 LIMIT {int(top)}"""
+        )
+        cross = dict(
+            ((f, th), n)
+            for f, th, n in self._q(
+                "SELECT file, thread, count(*) FROM ev WHERE NOT alloc AND prev_alloc AND thread <> prev_thread "
+                "GROUP BY file, thread"
+            )
+        )
+        t0 = self.t_first
+        out = [
+            {
+                "file": f,
+                "thread": th,
+                "calls": n,
+                "allocations": na,
+                "frees": nf,
+                "requested_bytes": int(b),
+                "first_ns": (lo - t0) if self.timed else None,
+                "last_ns": (hi - t0) if self.timed else None,
+                "cross_thread_frees": cross.get((f, th), 0),
+            }
+            for f, th, n, na, nf, b, lo, hi in rows
+        ]
+        timeline = []
+        span = rep["totals"]["span_ns"]
+        if self.timed and out:
+            keys = ", ".join(f"({t['file']}, {t['thread']})" for t in out)
+            width = max(1, span + 1)
+            b = f"least({THREAD_BUCKETS - 1}, floor((time_ns - {t0})::DOUBLE / {width} * {THREAD_BUCKETS}))::INTEGER"
+            cells = self._q(
+                f"""SELECT file, thread, {b} AS b, count(*) FROM trace_rows
+                    WHERE (file, thread) IN ({keys}) GROUP BY ALL"""
+            )
+            grid = {(t["file"], t["thread"]): [0] * THREAD_BUCKETS for t in out}
+            for f, th, bucket, n in cells:
+                grid[(f, th)][bucket] = n
+            timeline = [{"file": f, "thread": th, "calls": row} for (f, th), row in grid.items()]
+        return {
+            "count": rep["totals"]["threads"],
+            "top": out,
+            "timeline": {
+                "buckets": THREAD_BUCKETS if timeline else 0,
+                "bucket_ns": (span + 1) / THREAD_BUCKETS if timeline else None,
+                "threads": timeline,
+            },
+        }
+
+    def _chains(self, top: int) -> dict:
+        """Realloc growth chains: a block followed through the reallocs that moved or resized it.
+        Each realloc whose release half paired with an allocation links to it; chains are found
+        by pointer jumping (each round doubles the distance covered: log2(longest) joins)."""
+        con = self.con
+        con.execute(
+            """CREATE TABLE links AS SELECT file, row, prev_row AS parent, size, moved
+               FROM ev WHERE NOT alloc AND type = 'realloc' AND prev_alloc"""
+        )
+        con.execute("CREATE TABLE jump AS SELECT file, row, parent AS anc, 1 AS dist FROM links")
+        while True:
+            con.execute(
+                """CREATE OR REPLACE TABLE jump2 AS
+                   SELECT a.file, a.row, coalesce(b.anc, a.anc) AS anc, a.dist + coalesce(b.dist, 0) AS dist,
+                          b.row IS NOT NULL AS moved_on
+                   FROM jump a LEFT JOIN jump b ON a.file = b.file AND a.anc = b.row"""
+            )
+            (more,) = self._one("SELECT count(*) FILTER (WHERE moved_on) FROM jump2")
+            con.execute("CREATE OR REPLACE TABLE jump AS SELECT file, row, anc, dist FROM jump2")
+            if not more:
+                break
+        con.execute("DROP TABLE jump2")
+        (reallocs, in_place, moved, grew, shrank) = self._one(
+            """SELECT count(*), count(*) FILTER (WHERE NOT l.moved), count(*) FILTER (WHERE l.moved),
+                      count(*) FILTER (WHERE l.size > e.size), count(*) FILTER (WHERE l.size < e.size)
+               FROM links l JOIN ev e ON e.file = l.file AND e.row = l.parent AND e.alloc"""
+        )
+        con.execute(
+            """CREATE TABLE chains AS
+               SELECT j.file, j.anc AS root, count(*) AS reallocs, arg_max(l.size, j.dist) AS final_size,
+                      max(l.size) AS max_size, count(*) FILTER (WHERE l.moved) AS moves
+               FROM jump j JOIN links l USING (file, row) GROUP BY j.file, j.anc"""
+        )
+        k = _case_bucket("reallocs", [1 << i for i in range(11)], inclusive=False)
+        hist = dict(self._q(f"SELECT {k} AS k, count(*) FROM chains GROUP BY k"))
+        (count,) = self._one("SELECT count(*) FROM chains")
+        longest = self._q(
+            f"""SELECT c.file, e.thread, e.caller, e.type, c.reallocs, e.size, c.final_size, c.max_size, c.moves
+                FROM chains c JOIN ev e ON e.file = c.file AND e.row = c.root AND e.alloc
+                ORDER BY c.reallocs DESC, c.max_size DESC, c.file, c.root LIMIT {int(top)}"""
+        )
+        labels = ["1"] + [f"{1 << (i - 1)}-{(1 << i) - 1}" for i in range(2, 11)] + ["1024+"]
+        return {
+            "reallocs_linked": reallocs,
+            "in_place": in_place,
+            "moved": moved,
+            "grew": grew,
+            "shrank": shrank,
+            "chains": count,
+            "length_histogram": [{"reallocs": labels[i - 1], "chains": hist.get(i, 0)} for i in range(1, 12)],
+            "longest": [
+                {
+                    "file": f,
+                    "thread": th,
+                    "caller": _hex(c),
+                    "first_call": typ,
+                    "reallocs": n,
+                    "first_size": int(s0),
+                    "final_size": int(s1),
+                    "max_size": int(smax),
+                    "moves": mv,
+                }
+                for f, th, c, typ, n, s0, s1, smax, mv in longest
+            ],
+        }
+
+    def _callers(self, top: int) -> list[dict]:
+        rows = self._q(
+            f"""WITH calls_by AS (
+                  SELECT caller, count(*) AS calls, count(*) FILTER (WHERE type <> 'free') AS allocs,
+                         coalesce(sum(size) FILTER (WHERE type <> 'free'), 0) AS bytes,
+                         count(*) FILTER (WHERE type = 'free') AS frees
+                  FROM trace_rows GROUP BY caller ORDER BY bytes DESC, calls DESC, caller LIMIT {int(top)}),
+                leaked AS (SELECT caller, count(*) AS n, sum(size) AS b FROM ev
+                           WHERE alloc AND next_alloc IS NULL GROUP BY caller)
+                SELECT c.caller, c.calls, c.allocs, c.bytes, c.frees, coalesce(l.n, 0), coalesce(l.b, 0)
+                FROM calls_by c LEFT JOIN leaked l USING (caller) ORDER BY c.bytes DESC, c.calls DESC, c.caller"""
+        )
+        return [
+            {
+                "caller": _hex(c),
+                "calls": n,
+                "allocations": na,
+                "requested_bytes": int(b),
+                "frees": nf,
+                "never_freed": int(ln),
+                "never_freed_bytes": int(lb),
+            }
+            for c, n, na, b, nf, ln, lb in rows
+        ]
+
+    def _stacks(self, top: int) -> dict:
+        (with_stack,) = self._one("SELECT count(*) FROM trace_rows WHERE stack IS NOT NULL")
+        if not with_stack:
+            return {"recorded": False, "top": []}
+        rows = self._q(
+            f"""SELECT stack, count(*), coalesce(sum(size) FILTER (WHERE type <> 'free'), 0) AS bytes
+                FROM trace_rows WHERE stack IS NOT NULL GROUP BY stack ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
+        )
+        return {
+            "recorded": True,
+            "calls_with_stack": with_stack,
+            "top": [{"stack": [_hex(a) for a in s], "calls": n, "requested_bytes": int(b)} for s, n, b in rows],
+        }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
