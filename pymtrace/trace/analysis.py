@@ -212,7 +212,9 @@ class TraceSet:
 
     def report(self, top: int = 10, mmap_threshold: int = MMAP_THRESHOLD) -> dict:
         """Every number of the analysis as one JSON-ready dict (docs/analyze.md lists the keys)."""
-        self.con = self._connect(os.path.join(self.workdir, "analysis.duckdb"))
+        # an in-memory database: its tables are evicted to the spill directory beyond the memory
+        # limit like any other DuckDB buffer (an on-disk database costs compression and checkpoints)
+        self.con = self._connect(":memory:")
         try:
             return self._report(top, mmap_threshold)
         except duckdb.OutOfMemoryException as exc:
@@ -226,7 +228,7 @@ class TraceSet:
         return self.con.execute(sql).fetchall()
 
     def _one(self, sql: str) -> tuple:
-        return self.con.execute(sql).fetchone()
+        return self.con.execute(sql).fetchall()[0]
 
     def _report(self, top: int, mmap_threshold: int) -> dict:
         con = self.con
@@ -324,16 +326,16 @@ class TraceSet:
               lag(alloc) OVER w AS prev_alloc, lag(size) OVER w AS prev_size, lag(t) OVER w AS prev_t,
               lag(thread) OVER w AS prev_thread, lag(row) OVER w AS prev_row, lead(alloc) OVER w AS next_alloc
             FROM (
-              SELECT file, ptr2 AS ptr, time_ns AS t, row, 1 AS sub, true AS alloc, thread, size, caller, type,
-                     false AS moved
+              SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size, caller,
+                     type, false AS moved
               FROM trace_rows
               WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0)
               UNION ALL
-              SELECT file, ptr1, time_ns, row, 0, false, thread, size, caller, type, ptr1 <> ptr2
+              SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type, ptr1 <> ptr2
               FROM trace_rows
               WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0)))
             )
-            WINDOW w AS (PARTITION BY file, ptr ORDER BY t, row, sub)"""
+            WINDOW w AS (PARTITION BY file, ptr ORDER BY t, seq)"""
         )
 
     def _lifetimes(self) -> dict:
@@ -372,45 +374,59 @@ class TraceSet:
         }
 
     def _live(self, rep: dict) -> dict:
-        """Live requested bytes (allocated, not yet freed: the ideal RSS) over time, exact peak.
-        Events go into LIVE_BUCKETS buckets of the timeline; the running sum inside each bucket
-        (a window partitioned by bucket: bounded) gives each bucket's maximum, and the buckets'
-        net changes, summed in order, where each starts."""
-        x = "t" if self.timed else "row"
-        lo, hi = self._one(f"SELECT min({x}), max({x}) FROM ev")
-        if lo is None:
+        """Live requested bytes (allocated, not yet freed: the ideal RSS) over time, its exact peak.
+        DuckDB sorts the events (spilling beyond the memory limit) and streams their byte changes
+        in batches; numpy keeps the running sum, the peak and, per bucket of the timeline
+        (LIVE_BUCKETS), the highest and the last value."""
+        import numpy
+
+        (n,) = self._one("SELECT count(*) FROM ev")
+        if not n:
             return {"unit": None, "peak_bytes": 0, "peak_at": None, "final_bytes": 0, "points": []}
-        span = max(1, hi - lo + 1)
-        b = f"least({LIVE_BUCKETS - 1}, floor(({x} - {lo})::DOUBLE / {span} * {LIVE_BUCKETS}))::INTEGER"
-        rows = self._q(
-            f"""SELECT b, sum(delta), max(running), arg_max({x}, running), max({x}) FROM (
-                  SELECT b, {x}, delta, sum(delta) OVER (PARTITION BY b ORDER BY t, file, row, sub
-                                                         ROWS UNBOUNDED PRECEDING) AS running
-                  FROM (SELECT *, {b} AS b,
-                               CASE WHEN alloc THEN size::HUGEINT WHEN prev_alloc THEN -prev_size::HUGEINT
-                                    ELSE 0 END AS delta FROM ev))
-                GROUP BY b ORDER BY b"""
+        if self.timed:
+            lo, hi = self._one("SELECT min(t), max(t) FROM ev")
+        else:
+            lo, hi = 0, n - 1  # untimed: the position in the trace (file after file)
+        span = hi - lo + 1
+        rel = self.con.sql(
+            """SELECT t, CASE WHEN alloc THEN size::BIGINT WHEN prev_alloc THEN -prev_size::BIGINT ELSE 0 END
+               FROM ev ORDER BY t, file, seq"""
         )
-        live = 0
-        peak, peak_at = 0, None
-        points = []
-        for bucket, net, inner_max, at, last in rows:
-            if live + inner_max > peak:
-                peak, peak_at = int(live + inner_max), int(at - lo)
-            points.append(
-                {
-                    "bucket": bucket,
-                    "at": int(last - lo),
-                    "max_bytes": int(live + inner_max),
-                    "end_bytes": int(live + net),
-                }
-            )
-            live += net
+        reader = rel.to_arrow_reader(1 << 20) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(1 << 20)
+        live = peak = 0
+        peak_at = None
+        done = 0
+        buckets: dict[int, list[int]] = {}  # bucket -> [max, end, x of end]
+        for batch in reader:
+            if self.timed:
+                x = batch.column(0).to_numpy().astype(numpy.float64) - lo
+            else:
+                x = numpy.arange(done, done + batch.num_rows, dtype=numpy.float64)
+            done += batch.num_rows
+            running = numpy.cumsum(batch.column(1).to_numpy(zero_copy_only=False)) + live
+            k = int(running.argmax())
+            if running[k] > peak:
+                peak, peak_at = int(running[k]), int(x[k])
+            b = numpy.minimum(LIVE_BUCKETS - 1, (x * LIVE_BUCKETS / span).astype(numpy.int64))
+            starts = numpy.concatenate(([0], numpy.flatnonzero(numpy.diff(b)) + 1))
+            ends = numpy.concatenate((starts[1:] - 1, [len(b) - 1]))
+            for bucket, mx, end, at in zip(
+                b[starts].tolist(),
+                numpy.maximum.reduceat(running, starts).tolist(),
+                running[ends].tolist(),
+                x[ends].tolist(),
+            ):
+                prev = buckets.get(bucket)
+                buckets[bucket] = [max(mx, prev[0]) if prev else mx, end, int(at)]
+            live = int(running[-1])
+        points = [
+            {"bucket": k, "at": at, "max_bytes": mx, "end_bytes": end} for k, (mx, end, at) in sorted(buckets.items())
+        ]
         return {
             "unit": "ns" if self.timed else "row",
             "peak_bytes": peak,
             "peak_at": peak_at,
-            "final_bytes": int(live),
+            "final_bytes": live,
             "points": points,
         }
 
