@@ -2,7 +2,7 @@
 
 TraceSet gathers the inputs (Parquet files as they are; mtrace-bin and mtrace-text converted to
 private temporary Parquet files) in a private directory (mkdtemp, 0700) that also holds
-DuckDB's database file and its spill directory, all removed at close. DuckDB runs under a
+DuckDB's spill directory, all removed at close. DuckDB runs under a
 memory limit and spills to that directory, so traces larger than RAM are analyzed in bounded
 memory. report() returns one dict (what --json prints and the HTML report draws); query()
 runs a user's SQL over a view `calls` on a connection that can read the traces and nothing
@@ -60,12 +60,12 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
 
 
 def _size_class_label(k: int) -> str:
+    """Class K of SIZE_CLASS_BOUNDS: "0", "(0, 16]", ..., "(16 MiB, 32 MiB]", "> 32 MiB"."""
     if k == 0:
         return "0"
-    lo, hi = SIZE_CLASS_BOUNDS[k - 1] + 1, SIZE_CLASS_BOUNDS[k] if k < len(SIZE_CLASS_BOUNDS) else None
-    if hi is None:
-        return f"> {_bytes(lo - 1)}"
-    return f"{_bytes(lo)}-{_bytes(hi)}" if k > 1 else f"1-{hi}"
+    if k == len(SIZE_CLASS_BOUNDS):
+        return f"> {_bytes(SIZE_CLASS_BOUNDS[-1])}"
+    return f"({_bytes(SIZE_CLASS_BOUNDS[k - 1])}, {_bytes(SIZE_CLASS_BOUNDS[k])}]"
 
 
 def _bytes(n: int) -> str:
@@ -100,7 +100,7 @@ class TraceSet:
 
     MEMORY_LIMIT is DuckDB's (e.g. "1GB"), THREADS its worker threads (None: one per CPU),
     TEMP_DIR where the private working directory goes (None: $TMPDIR or /tmp); it holds
-    converted inputs, the database file and what DuckDB spills, and is removed at close().
+    converted inputs and what DuckDB spills, and is removed at close().
     """
 
     def __init__(
@@ -133,7 +133,7 @@ class TraceSet:
         self.close()
 
     def close(self) -> None:
-        """Close DuckDB and remove the private directory (converted inputs, database, spill)."""
+        """Close DuckDB and remove the private directory (converted inputs, spill)."""
         if self.con is not None:
             self.con.close()
             self.con = None
@@ -165,7 +165,9 @@ class TraceSet:
 
     def _connect(self, database: str) -> duckdb.DuckDBPyConnection:
         try:
-            return duckdb.connect(database, config=self._config())
+            con = duckdb.connect(database, config=self._config())
+            con.execute("SET enable_progress_bar = false")  # a session setting: not in config
+            return con
         except duckdb.Error as exc:
             raise PymtraceError(f"cannot start DuckDB: {_first_line(exc)}") from None
 
@@ -223,6 +225,12 @@ class TraceSet:
             ) from None
         except _DUCKDB_READ_ERRORS as exc:
             raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+
+    def spilled_bytes(self) -> int:
+        """Bytes of table data DuckDB holds in its spill directory now (0 before report())."""
+        if self.con is None:
+            return 0
+        return int(self._one("SELECT coalesce(sum(temporary_storage_bytes), 0) FROM duckdb_memory()")[0])
 
     def _q(self, sql: str) -> list[tuple]:
         return self.con.execute(sql).fetchall()
@@ -327,11 +335,13 @@ class TraceSet:
               lag(thread) OVER w AS prev_thread, lag(row) OVER w AS prev_row, lead(alloc) OVER w AS next_alloc
             FROM (
               SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size, caller,
-                     type, false AS moved
+                     type, NULL::UTINYINT AS outcome
               FROM trace_rows
               WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0)
               UNION ALL
-              SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type, ptr1 <> ptr2
+              -- outcome of a realloc: 0 in place, 1 moved, 2 released (realloc(p, 0) returned NULL)
+              SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type,
+                     CASE WHEN type <> 'realloc' THEN NULL WHEN ptr2 = 0 THEN 2 WHEN ptr2 = ptr1 THEN 0 ELSE 1 END
               FROM trace_rows
               WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0)))
             )
@@ -501,7 +511,7 @@ class TraceSet:
         by pointer jumping (each round doubles the distance covered: log2(longest) joins)."""
         con = self.con
         con.execute(
-            """CREATE TABLE links AS SELECT file, row, prev_row AS parent, size, moved
+            """CREATE TABLE links AS SELECT file, row, prev_row AS parent, size, outcome
                FROM ev WHERE NOT alloc AND type = 'realloc' AND prev_alloc"""
         )
         con.execute("CREATE TABLE jump AS SELECT file, row, parent AS anc, 1 AS dist FROM links")
@@ -517,15 +527,16 @@ class TraceSet:
             if not more:
                 break
         con.execute("DROP TABLE jump2")
-        (reallocs, in_place, moved, grew, shrank) = self._one(
-            """SELECT count(*), count(*) FILTER (WHERE NOT l.moved), count(*) FILTER (WHERE l.moved),
+        (reallocs, in_place, moved, released, grew, shrank) = self._one(
+            """SELECT count(*), count(*) FILTER (WHERE l.outcome = 0), count(*) FILTER (WHERE l.outcome = 1),
+                      count(*) FILTER (WHERE l.outcome = 2),
                       count(*) FILTER (WHERE l.size > e.size), count(*) FILTER (WHERE l.size < e.size)
                FROM links l JOIN ev e ON e.file = l.file AND e.row = l.parent AND e.alloc"""
         )
         con.execute(
             """CREATE TABLE chains AS
                SELECT j.file, j.anc AS root, count(*) AS reallocs, arg_max(l.size, j.dist) AS final_size,
-                      max(l.size) AS max_size, count(*) FILTER (WHERE l.moved) AS moves
+                      max(l.size) AS max_size, count(*) FILTER (WHERE l.outcome = 1) AS moves
                FROM jump j JOIN links l USING (file, row) GROUP BY j.file, j.anc"""
         )
         k = _case_bucket("reallocs", [1 << i for i in range(11)], inclusive=False)
@@ -541,6 +552,7 @@ class TraceSet:
             "reallocs_linked": reallocs,
             "in_place": in_place,
             "moved": moved,
+            "released": released,
             "grew": grew,
             "shrank": shrank,
             "chains": count,
