@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_pymtrace
 from support import synthetic
-from support.clients import chromium
+from support.clients import chromium, screenshot_colours
 
 from pymtrace.errors import BadQuery
 from pymtrace.trace.analysis import TraceSet
@@ -304,16 +304,9 @@ def test_html_in_chromium_shows_the_json_totals(html_report, tmp_path):
 
 
 def test_html_screenshot_is_not_blank(html_report, tmp_path):
-    from PIL import Image  # Pillow: matplotlib's dependency, in the test extra
-
     out, _ = html_report
-    shot = tmp_path / "shot.png"
-    chromium(tmp_path, f"--screenshot={shot}", "--window-size=900,1400", out.as_uri())
-    with Image.open(shot) as image:
-        rgb = image.convert("RGB")
-        colours = rgb.getcolors(maxcolors=1 << 20)
+    colours, total = screenshot_colours(tmp_path, out.as_uri(), "900,1400")
     assert colours is not None and len(colours) >= 16, "too few colours: blank page?"
-    total = rgb.width * rgb.height
     white = sum(n for n, c in colours if c == (255, 255, 255))
     bars = sum(n for n, (r, g, b) in colours if b > r + 40)  # the blue bars and timeline cells
     assert white < total * 0.97 and bars > total * 0.01
