@@ -44,10 +44,8 @@ def write_text(rep: dict, out: IO[str]) -> None:
             f"allocations at a live block's address (a free missing): {life['allocations_over_live_blocks']}\n"
         )
     unit = "ns" if live["unit"] == "ns" else "rows"
-    w(
-        f"\nlive requested bytes: peak {live['peak_bytes']} at {live['peak_at']} {unit} from the start, "
-        f"{live['final_bytes']} at the end\n"
-    )
+    at = f" at {live['peak_at']} {unit} from the start" if live["peak_at"] is not None else ""
+    w(f"\nlive requested bytes: peak {live['peak_bytes']}{at}, {live['final_bytes']} at the end\n")
     th = rep["threads"]
     w(f"\nthreads: {th['count']}\n")
     rows = [
