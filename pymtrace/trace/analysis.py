@@ -24,6 +24,7 @@ import tempfile
 from typing import Any, Sequence
 
 import duckdb
+import pyarrow.compute
 
 from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
 from pymtrace.trace.formats import detect_format, parquet
@@ -327,26 +328,82 @@ class TraceSet:
         }
 
     def _pair(self) -> None:
-        """Table `ev`: allocation and release events with their neighbours at the same address."""
-        self.con.execute(
-            """CREATE TABLE ev AS
-            SELECT *,
-              lag(alloc) OVER w AS prev_alloc, lag(size) OVER w AS prev_size, lag(t) OVER w AS prev_t,
-              lag(thread) OVER w AS prev_thread, lag(row) OVER w AS prev_row, lead(alloc) OVER w AS next_alloc
-            FROM (
-              SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size, caller,
-                     type, NULL::UTINYINT AS outcome
-              FROM trace_rows
-              WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0)
-              UNION ALL
-              -- outcome of a realloc: 0 in place, 1 moved, 2 released (realloc(p, 0) returned NULL)
-              SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type,
-                     CASE WHEN type <> 'realloc' THEN NULL WHEN ptr2 = 0 THEN 2 WHEN ptr2 = ptr1 THEN 0 ELSE 1 END
-              FROM trace_rows
-              WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0)))
-            )
-            WINDOW w AS (PARTITION BY file, ptr ORDER BY t, seq)"""
+        """Table `ev`: allocation and release events with their neighbours at the same address.
+
+        DuckDB sorts the events by (file, address, time, row) — an external sort, spilling
+        beyond the memory limit — and streams them in batches; numpy takes each event's previous
+        and next event at the same address, and the batches go back into `ev` through a second
+        cursor. (DuckDB's window operator, lag/lead over PARTITION BY address, was measured to
+        need memory growing with the trace: out of memory at 40 MB for 4M events.)"""
+        import numpy
+        import pyarrow
+
+        con = self.con
+        con.execute(
+            """CREATE TABLE ev (file INTEGER, ptr UBIGINT, t UBIGINT, row BIGINT, seq BIGINT, alloc BOOLEAN,
+                 thread INTEGER, size UBIGINT, caller UBIGINT, type VARCHAR, outcome UTINYINT,
+                 prev_alloc BOOLEAN, prev_size UBIGINT, prev_t UBIGINT, prev_thread INTEGER, prev_row BIGINT,
+                 next_alloc BOOLEAN)"""
         )
+        rel = con.sql(
+            """SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size, caller,
+                      type, NULL::UTINYINT AS outcome
+               FROM trace_rows
+               WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0)
+               UNION ALL
+               -- outcome of a realloc: 0 in place, 1 moved, 2 released (realloc(p, 0) returned NULL)
+               SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type,
+                      CASE WHEN type <> 'realloc' THEN NULL WHEN ptr2 = 0 THEN 2 WHEN ptr2 = ptr1 THEN 0 ELSE 1 END
+               FROM trace_rows
+               WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0)))
+               ORDER BY file, ptr, t, seq"""
+        )
+        batch_rows = 1 << 18
+        reader = (
+            rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(batch_rows)
+        )
+        writer = con.cursor()
+        sentinel = None
+        context = None  # the last two rows seen: the first still lacks its successor
+
+        def emit(x: pyarrow.Table) -> None:
+            """Rows 1..n-2 of X, each with its neighbours at the same address (rows 0 and n-1 are context)."""
+            f = x.column("file").to_numpy()
+            p = x.column("ptr").to_numpy()
+            same = (f[1:] == f[:-1]) & (p[1:] == p[:-1])  # row i+1 continues row i's address
+            has_prev, has_next = same[:-1], same[1:]
+            mid = x.slice(1, x.num_rows - 2)
+
+            def neighbour(col: str, lo: int, mask: numpy.ndarray) -> pyarrow.Array:
+                values = x.column(col).slice(lo, x.num_rows - 2).combine_chunks()
+                return pyarrow.compute.if_else(pyarrow.array(mask), values, pyarrow.nulls(len(values), values.type))
+
+            out = mid
+            for name, col in (("prev_alloc", "alloc"), ("prev_size", "size"), ("prev_t", "t")):
+                out = out.append_column(name, neighbour(col, 0, has_prev))
+            out = out.append_column("prev_thread", neighbour("thread", 0, has_prev))
+            out = out.append_column("prev_row", neighbour("row", 0, has_prev))
+            out = out.append_column("next_alloc", neighbour("alloc", 2, has_next))
+            writer.register("pymtrace_ev_batch", out)
+            writer.execute("INSERT INTO ev SELECT * FROM pymtrace_ev_batch")
+            writer.unregister("pymtrace_ev_batch")
+
+        for batch in reader:
+            if not batch.num_rows:
+                continue
+            table = pyarrow.Table.from_batches([batch])
+            if sentinel is None:
+                row = {name: None for name in table.schema.names}
+                row.update(file=-1, ptr=0, alloc=False)
+                sentinel = pyarrow.Table.from_pylist([row], schema=table.schema)
+                context = sentinel
+            x = pyarrow.concat_tables([context, table])
+            if x.num_rows > 2:
+                emit(x)
+            context = x.slice(x.num_rows - 2)
+        if context is not None and context.num_rows == 2:
+            emit(pyarrow.concat_tables([context, sentinel]))
+        writer.close()
 
     def _lifetimes(self) -> dict:
         life = "(t - prev_t)"
