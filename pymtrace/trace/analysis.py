@@ -222,9 +222,15 @@ class TraceSet:
             return self._report(top, mmap_threshold)
         except duckdb.OutOfMemoryException as exc:
             raise PymtraceError(
-                f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or free space in the temp directory"
+                f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
             ) from None
         except _DUCKDB_READ_ERRORS as exc:
+            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+        except OSError as exc:  # DuckDB's errors inside a streamed result reach pyarrow's reader as OSError
+            if "Out of Memory" in str(exc):
+                raise PymtraceError(
+                    f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
+                ) from None
             raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
 
     def spilled_bytes(self) -> int:
