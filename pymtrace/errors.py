@@ -26,3 +26,9 @@ class CorruptFile(PymtraceError):
     """A trace or workload file that cannot be decoded."""
 
     exit_code = 2
+
+
+class BadQuery(PymtraceError):
+    """A user's SQL query that DuckDB rejected (analyze --sql)."""
+
+    exit_code = 2

@@ -54,3 +54,15 @@ def chromium(tmp_path, *args):
     proc = subprocess.run([exe, *flags, *args], capture_output=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
     return proc.stdout
+
+
+def screenshot_colours(tmp_path, uri, window_size):
+    """Chromium's screenshot of URI at WINDOW_SIZE ("W,H"): (Pillow's getcolors list, pixel count)."""
+    from PIL import Image  # Pillow: matplotlib's dependency, in the test extra
+
+    shot = tmp_path / "shot.png"
+    chromium(tmp_path, f"--screenshot={shot}", f"--window-size={window_size}", uri)
+    with Image.open(shot) as image:
+        rgb = image.convert("RGB")
+        colours = rgb.getcolors(maxcolors=1 << 20)
+        return colours, rgb.width * rgb.height

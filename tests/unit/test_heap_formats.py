@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.clients import chromium, go_pprof, traces
+from support.clients import chromium, go_pprof, screenshot_colours, traces
 from support.heapprofile import (
     CXX_MAKE,
     CXX_NEW,
@@ -311,17 +311,10 @@ def test_html_value_selector_shows_allocations_of_freed_blocks(html_file, tmp_pa
 
 
 def test_html_screenshot_is_not_blank(html_file, tmp_path):
-    from PIL import Image  # Pillow: matplotlib's dependency, in the test extra
-
-    shot = tmp_path / "shot.png"
-    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1000,600", html_file.as_uri())
-    with Image.open(shot) as image:
-        rgb = image.convert("RGB")
-        colours = rgb.getcolors(maxcolors=1 << 20)
+    colours, total = screenshot_colours(tmp_path, html_file.as_uri(), "1000,600")
     assert colours is not None and len(colours) >= 16, "too few colours: blank page?"
     white = sum(n for n, c in colours if c == (255, 255, 255))
     flame = sum(n for n, (r, g, b) in colours if r > 200 and g < 160 and b < 100)  # the warm frame colours
-    total = rgb.width * rgb.height
     assert white < total * 0.95 and flame > total * 0.05
 
 

@@ -1,0 +1,681 @@
+"""`pymtrace analyze`'s numbers: SQL over one or many traces with DuckDB, embedded (docs/analyze.md).
+
+TraceSet gathers the inputs (Parquet files as they are; mtrace-bin and mtrace-text converted to
+private temporary Parquet files) in a private directory (mkdtemp, 0700) that also holds
+DuckDB's spill directory, all removed at close. DuckDB runs under a
+memory limit and spills to that directory, so traces larger than RAM are analyzed in bounded
+memory. report() returns one dict (what --json prints and the HTML report draws); query()
+runs a user's SQL over a view `calls` on a connection that can read the traces and nothing
+else and write no file.
+
+Pairing: every call is split into events, an allocation (of ptr2) and/or a release (of ptr1);
+realloc is both, its release first. Events of one address in one file, in time order (time_ns,
+then row, then the release before the allocation), pair each allocation with the release after
+it. That gives lifetimes, cross-thread frees, never-freed blocks, live requested bytes over time
+and realloc chains.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+import duckdb
+import pyarrow.compute
+
+from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
+from pymtrace.trace.formats import detect_format, parquet
+
+MMAP_THRESHOLD = 128 * 1024  # glibc's M_MMAP_THRESHOLD default (it grows dynamically up to 32 MiB)
+DEFAULT_MEMORY_LIMIT = "1GB"
+LIVE_BUCKETS = 200  # points of the live-bytes curve
+THREAD_BUCKETS = 60  # columns of the per-thread timeline
+SIZE_CLASS_BOUNDS = [0] + [1 << k for k in range(4, 26)]  # 0, <=16, <=32, ..., <=32 MiB, then > 32 MiB
+LIFETIME_BOUNDS = [10**k for k in range(3, 12)]  # ns: < 1 us, < 10 us, ..., < 100 s, then >= 100 s
+COLUMNS = ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller", "path", "stack")
+_DUCKDB_READ_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.ConversionException)
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Files named by PATTERNS: a file, a glob (`'traces/*.parquet'`, expanded here when the
+    shell did not) or a directory (its *.parquet files); each file once, in order."""
+    out: list[str] = []
+    for pattern in patterns:
+        if os.path.isdir(pattern):
+            found = sorted(glob.glob(os.path.join(glob.escape(pattern), "*.parquet")))
+            if not found:
+                raise PymtraceError(f"{pattern}: a directory without *.parquet files")
+        elif os.path.lexists(pattern) or not glob.has_magic(pattern):
+            found = [pattern]
+        else:
+            found = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+            if not found:
+                raise PymtraceError(f"{pattern}: no file matches")
+        for path in found:
+            if os.path.abspath(path) not in (os.path.abspath(p) for p in out):
+                out.append(path)
+    return out
+
+
+def _size_class_label(k: int) -> str:
+    """Class K of SIZE_CLASS_BOUNDS: "0", "(0, 16]", ..., "(16 MiB, 32 MiB]", "> 32 MiB"."""
+    if k == 0:
+        return "0"
+    if k == len(SIZE_CLASS_BOUNDS):
+        return f"> {_bytes(SIZE_CLASS_BOUNDS[-1])}"
+    return f"({_bytes(SIZE_CLASS_BOUNDS[k - 1])}, {_bytes(SIZE_CLASS_BOUNDS[k])}]"
+
+
+def _bytes(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)
+
+
+def _lifetime_label(k: int) -> str:
+    names = ["1 us", "10 us", "100 us", "1 ms", "10 ms", "100 ms", "1 s", "10 s", "100 s"]
+    if k == 0:
+        return "< 1 us"
+    if k == len(names):
+        return ">= 100 s"
+    return f"{names[k - 1]} - {names[k]}"
+
+
+def _case_bucket(expr: str, bounds: Sequence[int], inclusive: bool) -> str:
+    """SQL: the index of the first bound EXPR is <= (inclusive) or < to, else len(bounds)."""
+    op = "<=" if inclusive else "<"
+    whens = " ".join(f"WHEN {expr} {op} {b} THEN {i}" for i, b in enumerate(bounds))
+    return f"CASE {whens} ELSE {len(bounds)} END"
+
+
+def _hex(v: int | None) -> str | None:
+    return None if v is None else f"{v:#x}"
+
+
+class TraceSet:
+    """The traces PATHS (patterns as expand_inputs) opened for analysis; use as a context manager.
+
+    MEMORY_LIMIT is DuckDB's (e.g. "1GB"), THREADS its worker threads (None: one per CPU),
+    TEMP_DIR where the private working directory goes (None: $TMPDIR or /tmp); it holds
+    converted inputs and what DuckDB spills, and is removed at close().
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        threads: int | None = None,
+        temp_dir: str | None = None,
+    ) -> None:
+        self.inputs = expand_inputs(paths)
+        self.memory_limit = memory_limit
+        self.threads = threads
+        try:
+            self.workdir = tempfile.mkdtemp(prefix="pymtrace-analyze.", dir=temp_dir)
+        except OSError as exc:
+            raise PymtraceError(f"cannot create a temporary directory: {exc.strerror}") from None
+        self.spill_dir = os.path.join(self.workdir, "spill")
+        self.con: duckdb.DuckDBPyConnection | None = None
+        try:
+            self.formats = []
+            self.files = [self._parquet_of(p) for p in self.inputs]
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> TraceSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close DuckDB and remove the private directory (converted inputs, spill)."""
+        if self.con is not None:
+            self.con.close()
+            self.con = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _parquet_of(self, path: str) -> str:
+        """PATH itself if it is Parquet (checked), else a private temporary Parquet copy."""
+        fmt = detect_format(path)
+        self.formats.append(fmt)
+        if fmt == "parquet":
+            parquet.open_file(path)  # CorruptFile (one line) on a truncated or foreign file
+            return os.path.abspath(path)
+        fd, tmp = tempfile.mkstemp(prefix="input.", suffix=".parquet", dir=self.workdir)  # 0600
+        with os.fdopen(fd, "wb") as out:
+            parquet.convert_to_parquet(path, fmt, out)
+        return tmp
+
+    def _config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "memory_limit": self.memory_limit,
+            "temp_directory": self.spill_dir,
+            "preserve_insertion_order": False,
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+        }
+        if self.threads:
+            config["threads"] = self.threads
+        return config
+
+    def _connect(self, database: str) -> duckdb.DuckDBPyConnection:
+        try:
+            con = duckdb.connect(database, config=self._config())
+            con.execute("SET enable_progress_bar = false")  # a session setting: not in config
+            return con
+        except duckdb.Error as exc:
+            raise PymtraceError(f"cannot start DuckDB: {_first_line(exc)}") from None
+
+    def _select_list(self, path: str, source: str, index: int, with_row: bool) -> str:
+        """SELECT of the schema's columns from SOURCE, cast to the types pymtrace writes (a file
+        rewritten by another tool may have signed columns or lack path/stack)."""
+        names = parquet.open_file(path).schema_arrow.names
+        cols = [f"{index} AS file"]
+        casts = {"thread": "INTEGER", "type": "VARCHAR", "path": "USMALLINT", "stack": "UBIGINT[]"}
+        for c in COLUMNS:
+            typ = casts.get(c, "UBIGINT")
+            cols.append(f"CAST({c} AS {typ}) AS {c}" if c in names else f"CAST(NULL AS {typ}) AS {c}")
+        if with_row:
+            cols.append("file_row_number AS row")
+        return f"SELECT {', '.join(cols)} FROM {source}"
+
+    # ---------------------------------------------------------------- user SQL
+
+    def query(self, sql: str) -> tuple[list[str], list[tuple]]:
+        """(column names, rows) of the user's SQL over the view `calls` (the trace columns plus
+        `file`, the input's index). The traces are read through pyarrow datasets registered with
+        DuckDB, then DuckDB's file system access is switched off and its configuration locked:
+        the query can read the traces and nothing else, write no file, load no extension.
+        BadQuery (exit 2) for any error in the query."""
+        import pyarrow.dataset
+
+        con = self.con = self._connect(":memory:")
+        selects = []
+        for i, path in enumerate(self.files):
+            con.register(f"pymtrace_input_{i}", pyarrow.dataset.dataset(path, format="parquet"))
+            selects.append(self._select_list(path, f"pymtrace_input_{i}", i, with_row=False))
+        con.execute("CREATE VIEW calls AS " + " UNION ALL ".join(selects))
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+        try:
+            rel = con.sql(sql)
+            if rel is None:
+                return [], []
+            return list(rel.columns), rel.fetchall()
+        except duckdb.Error as exc:
+            raise BadQuery(f"query failed: {_first_line(exc)}") from None
+
+    # ---------------------------------------------------------------- the report
+
+    def report(self, top: int = 10, mmap_threshold: int = MMAP_THRESHOLD) -> dict:
+        """Every number of the analysis as one JSON-ready dict (docs/analyze.md lists the keys)."""
+        # an in-memory database: its tables are evicted to the spill directory beyond the memory
+        # limit like any other DuckDB buffer (an on-disk database costs compression and checkpoints)
+        self.con = self._connect(":memory:")
+        try:
+            return self._report(top, mmap_threshold)
+        except duckdb.OutOfMemoryException as exc:
+            raise PymtraceError(
+                f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
+            ) from None
+        except _DUCKDB_READ_ERRORS as exc:
+            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+        except OSError as exc:  # DuckDB's errors inside a streamed result reach pyarrow's reader as OSError
+            if "Out of Memory" in str(exc):
+                raise PymtraceError(
+                    f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
+                ) from None
+            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+
+    def spilled_bytes(self) -> int:
+        """Bytes of table data DuckDB holds in its spill directory now (0 before report())."""
+        if self.con is None:
+            return 0
+        return int(self._one("SELECT coalesce(sum(temporary_storage_bytes), 0) FROM duckdb_memory()")[0])
+
+    def _q(self, sql: str) -> list[tuple]:
+        return self.con.execute(sql).fetchall()
+
+    def _one(self, sql: str) -> tuple:
+        return self.con.execute(sql).fetchall()[0]
+
+    def _report(self, top: int, mmap_threshold: int) -> dict:
+        con = self.con
+        files_sql = ", ".join("'" + p.replace("'", "''") + "'" for p in self.files)
+        con.execute(f"CREATE TEMP TABLE inputs AS SELECT unnest([{files_sql}]) AS path")
+        selects = [
+            self._select_list(p, f"read_parquet('{p.replace(chr(39), chr(39) * 2)}', file_row_number = true)", i, True)
+            for i, p in enumerate(self.files)
+        ]
+        con.execute("CREATE VIEW trace_rows AS " + " UNION ALL ".join(selects))
+        rep: dict[str, Any] = {
+            "files": [{"path": p, "format": f} for p, f in zip(self.inputs, self.formats)],
+            "settings": {"memory_limit": self.memory_limit, "mmap_threshold": mmap_threshold, "top": top},
+        }
+        rep.update(self._call_mix())
+        rep["sizes"] = self._sizes(mmap_threshold)
+        self._pair()
+        rep["lifetimes"] = self._lifetimes()
+        rep["live"] = self._live(rep)
+        rep["never_freed"] = self._never_freed(top)
+        rep["threads"] = self._threads(top, rep)
+        rep["realloc_chains"] = self._chains(top)
+        rep["callers"] = self._callers(top)
+        rep["stacks"] = self._stacks(top)
+        return rep
+
+    def _call_mix(self) -> dict:
+        rows = self._q(
+            """SELECT type, count(*),
+                 count(*) FILTER (WHERE CASE WHEN type = 'free' THEN false
+                                             WHEN type = 'posix_memalign' THEN ptr1 <> 0
+                                             ELSE ptr2 = 0 AND NOT (type = 'realloc' AND size = 0) END),
+                 sum(size) FILTER (WHERE type <> 'free'),
+                 count(*) FILTER (WHERE type = 'free' AND ptr1 = 0)
+               FROM trace_rows GROUP BY type ORDER BY 2 DESC, 1"""
+        )
+        events, threads, t_first, t_last, untimed = self._one(
+            """SELECT count(*), count(DISTINCT (file, thread)), min(time_ns) FILTER (WHERE time_ns > 0),
+                      max(time_ns), count(*) FILTER (WHERE time_ns = 0) FROM trace_rows"""
+        )
+        self.timed = events > 0 and untimed == 0
+        self.t_first = t_first if self.timed else 0
+        return {
+            "totals": {
+                "events": events,
+                "files": len(self.files),
+                "threads": threads,
+                "requested_bytes": int(sum(r[3] or 0 for r in rows)),
+                "span_ns": (t_last - t_first) if self.timed else None,
+                "free_null": int(sum(r[4] for r in rows)),
+            },
+            "calls": {
+                name: {"count": n, "failed": failed, "requested_bytes": int(b or 0)} for name, n, failed, b, _ in rows
+            },
+        }
+
+    def _sizes(self, threshold: int) -> dict:
+        """Request sizes of every allocating call (failed ones too)."""
+        k = _case_bucket("size", SIZE_CLASS_BOUNDS, inclusive=True)
+        counts = dict(
+            self._q(f"SELECT {k} AS k, count(*) FROM trace_rows WHERE type <> 'free' GROUP BY k")  # noqa: S608
+        )
+        histogram = [
+            {
+                "class": _size_class_label(i),
+                "max": SIZE_CLASS_BOUNDS[i] if i < len(SIZE_CLASS_BOUNDS) else None,
+                "count": counts.get(i, 0),
+            }
+            for i in range(len(SIZE_CLASS_BOUNDS) + 1)
+        ]
+        half, double = threshold // 2, threshold * 2
+        below, below_b, above, above_b, near_below, near_above = self._one(
+            f"""SELECT count(*) FILTER (WHERE size < {threshold}), coalesce(sum(size) FILTER (WHERE size < {threshold}), 0),
+                       count(*) FILTER (WHERE size >= {threshold}), coalesce(sum(size) FILTER (WHERE size >= {threshold}), 0),
+                       count(*) FILTER (WHERE size >= {half} AND size < {threshold}),
+                       count(*) FILTER (WHERE size >= {threshold} AND size < {double})
+                FROM trace_rows WHERE type <> 'free'"""
+        )
+        return {
+            "histogram": histogram,
+            "mmap_threshold": {
+                "threshold": threshold,
+                "below": {"count": below, "requested_bytes": int(below_b)},
+                "at_or_above": {"count": above, "requested_bytes": int(above_b)},
+                "half_to_threshold": near_below,
+                "threshold_to_double": near_above,
+            },
+        }
+
+    def _pair(self) -> None:
+        """Table `ev`: allocation and release events with their neighbours at the same address.
+
+        DuckDB sorts the events by (file, address, time, row) — an external sort, spilling
+        beyond the memory limit — and streams them in batches; numpy takes each event's previous
+        and next event at the same address, and the batches go back into `ev` through a second
+        cursor. (DuckDB's window operator, lag/lead over PARTITION BY address, was measured to
+        need memory growing with the trace: out of memory at 40 MB for 4M events.)"""
+        import numpy
+        import pyarrow
+
+        con = self.con
+        con.execute(
+            """CREATE TABLE ev (file INTEGER, ptr UBIGINT, t UBIGINT, row BIGINT, seq BIGINT, alloc BOOLEAN,
+                 thread INTEGER, size UBIGINT, caller UBIGINT, type VARCHAR, outcome UTINYINT,
+                 prev_alloc BOOLEAN, prev_size UBIGINT, prev_t UBIGINT, prev_thread INTEGER, prev_row BIGINT,
+                 next_alloc BOOLEAN)"""
+        )
+        rel = con.sql(
+            """SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size, caller,
+                      type, NULL::UTINYINT AS outcome
+               FROM trace_rows
+               WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0)
+               UNION ALL
+               -- outcome of a realloc: 0 in place, 1 moved, 2 released (realloc(p, 0) returned NULL)
+               SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type,
+                      CASE WHEN type <> 'realloc' THEN NULL WHEN ptr2 = 0 THEN 2 WHEN ptr2 = ptr1 THEN 0 ELSE 1 END
+               FROM trace_rows
+               WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0)))
+               ORDER BY file, ptr, t, seq"""
+        )
+        batch_rows = 1 << 18
+        reader = (
+            rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(batch_rows)
+        )
+        writer = con.cursor()
+        sentinel = None
+        context = None  # the last two rows seen: the first still lacks its successor
+
+        def emit(x: pyarrow.Table) -> None:
+            """Rows 1..n-2 of X, each with its neighbours at the same address (rows 0 and n-1 are context)."""
+            f = x.column("file").to_numpy()
+            p = x.column("ptr").to_numpy()
+            same = (f[1:] == f[:-1]) & (p[1:] == p[:-1])  # row i+1 continues row i's address
+            has_prev, has_next = same[:-1], same[1:]
+            mid = x.slice(1, x.num_rows - 2)
+
+            def neighbour(col: str, lo: int, mask: numpy.ndarray) -> pyarrow.Array:
+                values = x.column(col).slice(lo, x.num_rows - 2).combine_chunks()
+                return pyarrow.compute.if_else(pyarrow.array(mask), values, pyarrow.nulls(len(values), values.type))
+
+            out = mid
+            for name, col in (("prev_alloc", "alloc"), ("prev_size", "size"), ("prev_t", "t")):
+                out = out.append_column(name, neighbour(col, 0, has_prev))
+            out = out.append_column("prev_thread", neighbour("thread", 0, has_prev))
+            out = out.append_column("prev_row", neighbour("row", 0, has_prev))
+            out = out.append_column("next_alloc", neighbour("alloc", 2, has_next))
+            writer.register("pymtrace_ev_batch", out)
+            writer.execute("INSERT INTO ev SELECT * FROM pymtrace_ev_batch")
+            writer.unregister("pymtrace_ev_batch")
+
+        for batch in reader:
+            if not batch.num_rows:
+                continue
+            table = pyarrow.Table.from_batches([batch])
+            if sentinel is None:
+                row = {name: None for name in table.schema.names}
+                row.update(file=-1, ptr=0, alloc=False)
+                sentinel = pyarrow.Table.from_pylist([row], schema=table.schema)
+                context = sentinel
+            x = pyarrow.concat_tables([context, table])
+            if x.num_rows > 2:
+                emit(x)
+            context = x.slice(x.num_rows - 2)
+        if context is not None and context.num_rows == 2:
+            emit(pyarrow.concat_tables([context, sentinel]))
+        writer.close()
+
+    def _lifetimes(self) -> dict:
+        life = "(t - prev_t)"
+        k = _case_bucket(life, LIFETIME_BOUNDS, inclusive=False)
+        counts = dict(self._q(f"SELECT {k} AS k, count(*) FROM ev WHERE NOT alloc AND prev_alloc GROUP BY k"))
+        paired, cross, mn, mx, mean, p50, p90, p99, unknown = self._one(
+            f"""SELECT count(*) FILTER (WHERE prev_alloc),
+                       count(*) FILTER (WHERE prev_alloc AND thread <> prev_thread),
+                       min({life}) FILTER (WHERE prev_alloc), max({life}) FILTER (WHERE prev_alloc),
+                       avg({life}) FILTER (WHERE prev_alloc),
+                       approx_quantile({life}, 0.5) FILTER (WHERE prev_alloc),
+                       approx_quantile({life}, 0.9) FILTER (WHERE prev_alloc),
+                       approx_quantile({life}, 0.99) FILTER (WHERE prev_alloc),
+                       count(*) FILTER (WHERE prev_alloc IS NULL OR NOT prev_alloc)
+                FROM ev WHERE NOT alloc"""
+        )
+        (over_live,) = self._one("SELECT count(*) FROM ev WHERE alloc AND next_alloc")
+        return {
+            "unit": "ns" if self.timed else None,
+            "freed": paired,
+            "cross_thread_frees": cross,
+            "min_ns": mn if self.timed else None,
+            "max_ns": mx if self.timed else None,
+            "mean_ns": float(mean) if self.timed and mean is not None else None,
+            "p50_ns": p50 if self.timed else None,
+            "p90_ns": p90 if self.timed else None,
+            "p99_ns": p99 if self.timed else None,
+            "histogram": [
+                {"class": _lifetime_label(i), "count": counts.get(i, 0)} for i in range(len(LIFETIME_BOUNDS) + 1)
+            ]
+            if self.timed
+            else [],
+            "releases_of_unknown_blocks": unknown,
+            "allocations_over_live_blocks": over_live,
+        }
+
+    def _live(self, rep: dict) -> dict:
+        """Live requested bytes (allocated, not yet freed: the ideal RSS) over time, its exact peak.
+        DuckDB sorts the events (spilling beyond the memory limit) and streams their byte changes
+        in batches; numpy keeps the running sum, the peak and, per bucket of the timeline
+        (LIVE_BUCKETS), the highest and the last value."""
+        import numpy
+
+        (n,) = self._one("SELECT count(*) FROM ev")
+        if not n:
+            return {"unit": None, "peak_bytes": 0, "peak_at": None, "final_bytes": 0, "points": []}
+        if self.timed:
+            lo, hi = self._one("SELECT min(t), max(t) FROM ev")
+        else:
+            lo, hi = 0, n - 1  # untimed: the position in the trace (file after file)
+        span = hi - lo + 1
+        rel = self.con.sql(
+            """SELECT t, CASE WHEN alloc THEN size::BIGINT WHEN prev_alloc THEN -prev_size::BIGINT ELSE 0 END
+               FROM ev ORDER BY t, file, seq"""
+        )
+        reader = rel.to_arrow_reader(1 << 20) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(1 << 20)
+        live = peak = 0
+        peak_at = None
+        done = 0
+        buckets: dict[int, list[int]] = {}  # bucket -> [max, end, x of end]
+        for batch in reader:
+            if self.timed:
+                x = batch.column(0).to_numpy().astype(numpy.float64) - lo
+            else:
+                x = numpy.arange(done, done + batch.num_rows, dtype=numpy.float64)
+            done += batch.num_rows
+            running = numpy.cumsum(batch.column(1).to_numpy(zero_copy_only=False)) + live
+            k = int(running.argmax())
+            if running[k] > peak:
+                peak, peak_at = int(running[k]), int(x[k])
+            b = numpy.minimum(LIVE_BUCKETS - 1, (x * LIVE_BUCKETS / span).astype(numpy.int64))
+            starts = numpy.concatenate(([0], numpy.flatnonzero(numpy.diff(b)) + 1))
+            ends = numpy.concatenate((starts[1:] - 1, [len(b) - 1]))
+            for bucket, mx, end, at in zip(
+                b[starts].tolist(),
+                numpy.maximum.reduceat(running, starts).tolist(),
+                running[ends].tolist(),
+                x[ends].tolist(),
+            ):
+                prev = buckets.get(bucket)
+                buckets[bucket] = [max(mx, prev[0]) if prev else mx, end, int(at)]
+            live = int(running[-1])
+        points = [
+            {"bucket": k, "at": at, "max_bytes": mx, "end_bytes": end} for k, (mx, end, at) in sorted(buckets.items())
+        ]
+        return {
+            "unit": "ns" if self.timed else "row",
+            "peak_bytes": peak,
+            "peak_at": peak_at,
+            "final_bytes": live,
+            "points": points,
+        }
+
+    def _never_freed(self, top: int) -> dict:
+        count, total = self._one("SELECT count(*), coalesce(sum(size), 0) FROM ev WHERE alloc AND next_alloc IS NULL")
+        by_caller = self._q(
+            f"""SELECT caller, count(*), sum(size) FROM ev WHERE alloc AND next_alloc IS NULL
+                GROUP BY caller ORDER BY 3 DESC, 2 DESC, 1 LIMIT {int(top)}"""
+        )
+        return {
+            "count": count,
+            "requested_bytes": int(total),
+            "by_caller": [{"caller": _hex(c), "count": n, "requested_bytes": int(s)} for c, n, s in by_caller],
+        }
+
+    def _threads(self, top: int, rep: dict) -> dict:
+        rows = self._q(
+            f"""SELECT file, thread, count(*), count(*) FILTER (WHERE type <> 'free'),
+                       count(*) FILTER (WHERE type = 'free'), coalesce(sum(size) FILTER (WHERE type <> 'free'), 0),
+                       min(time_ns), max(time_ns)
+                FROM trace_rows GROUP BY file, thread ORDER BY 3 DESC, 1, 2 LIMIT {int(top)}"""
+        )
+        cross = dict(
+            ((f, th), n)
+            for f, th, n in self._q(
+                "SELECT file, thread, count(*) FROM ev WHERE NOT alloc AND prev_alloc AND thread <> prev_thread "
+                "GROUP BY file, thread"
+            )
+        )
+        t0 = self.t_first
+        out = [
+            {
+                "file": f,
+                "thread": th,
+                "calls": n,
+                "allocations": na,
+                "frees": nf,
+                "requested_bytes": int(b),
+                "first_ns": (lo - t0) if self.timed else None,
+                "last_ns": (hi - t0) if self.timed else None,
+                "cross_thread_frees": cross.get((f, th), 0),
+            }
+            for f, th, n, na, nf, b, lo, hi in rows
+        ]
+        timeline = []
+        span = rep["totals"]["span_ns"]
+        if self.timed and out:
+            keys = ", ".join(f"({t['file']}, {t['thread']})" for t in out)
+            width = max(1, span + 1)
+            b = f"least({THREAD_BUCKETS - 1}, floor((time_ns - {t0})::DOUBLE / {width} * {THREAD_BUCKETS}))::INTEGER"
+            cells = self._q(
+                f"""SELECT file, thread, {b} AS b, count(*) FROM trace_rows
+                    WHERE (file, thread) IN ({keys}) GROUP BY ALL"""
+            )
+            grid = {(t["file"], t["thread"]): [0] * THREAD_BUCKETS for t in out}
+            for f, th, bucket, n in cells:
+                grid[(f, th)][bucket] = n
+            timeline = [{"file": f, "thread": th, "calls": row} for (f, th), row in grid.items()]
+        return {
+            "count": rep["totals"]["threads"],
+            "top": out,
+            "timeline": {
+                "buckets": THREAD_BUCKETS if timeline else 0,
+                "bucket_ns": (span + 1) / THREAD_BUCKETS if timeline else None,
+                "threads": timeline,
+            },
+        }
+
+    def _chains(self, top: int) -> dict:
+        """Realloc growth chains: a block followed through the reallocs that moved or resized it.
+        Each realloc whose release half paired with an allocation links to it; chains are found
+        by pointer jumping (each round doubles the distance covered: log2(longest) joins)."""
+        con = self.con
+        con.execute(
+            """CREATE TABLE links AS SELECT file, row, prev_row AS parent, size, outcome
+               FROM ev WHERE NOT alloc AND type = 'realloc' AND prev_alloc"""
+        )
+        con.execute("CREATE TABLE jump AS SELECT file, row, parent AS anc, 1 AS dist FROM links")
+        while True:
+            con.execute(
+                """CREATE OR REPLACE TABLE jump2 AS
+                   SELECT a.file, a.row, coalesce(b.anc, a.anc) AS anc, a.dist + coalesce(b.dist, 0) AS dist,
+                          b.row IS NOT NULL AS moved_on
+                   FROM jump a LEFT JOIN jump b ON a.file = b.file AND a.anc = b.row"""
+            )
+            (more,) = self._one("SELECT count(*) FILTER (WHERE moved_on) FROM jump2")
+            con.execute("CREATE OR REPLACE TABLE jump AS SELECT file, row, anc, dist FROM jump2")
+            if not more:
+                break
+        con.execute("DROP TABLE jump2")
+        (reallocs, in_place, moved, released, grew, shrank) = self._one(
+            """SELECT count(*), count(*) FILTER (WHERE l.outcome = 0), count(*) FILTER (WHERE l.outcome = 1),
+                      count(*) FILTER (WHERE l.outcome = 2),
+                      count(*) FILTER (WHERE l.size > e.size), count(*) FILTER (WHERE l.size < e.size)
+               FROM links l JOIN ev e ON e.file = l.file AND e.row = l.parent AND e.alloc"""
+        )
+        con.execute(
+            """CREATE TABLE chains AS
+               SELECT j.file, j.anc AS root, count(*) AS reallocs, arg_max(l.size, j.dist) AS final_size,
+                      max(l.size) AS max_size, count(*) FILTER (WHERE l.outcome = 1) AS moves
+               FROM jump j JOIN links l USING (file, row) GROUP BY j.file, j.anc"""
+        )
+        k = _case_bucket("reallocs", [1 << i for i in range(11)], inclusive=False)
+        hist = dict(self._q(f"SELECT {k} AS k, count(*) FROM chains GROUP BY k"))
+        (count,) = self._one("SELECT count(*) FROM chains")
+        longest = self._q(
+            f"""SELECT c.file, e.thread, e.caller, e.type, c.reallocs, e.size, c.final_size, c.max_size, c.moves
+                FROM chains c JOIN ev e ON e.file = c.file AND e.row = c.root AND e.alloc
+                ORDER BY c.reallocs DESC, c.max_size DESC, c.file, c.root LIMIT {int(top)}"""
+        )
+        labels = ["1"] + [f"{1 << (i - 1)}-{(1 << i) - 1}" for i in range(2, 11)] + ["1024+"]
+        return {
+            "reallocs_linked": reallocs,
+            "in_place": in_place,
+            "moved": moved,
+            "released": released,
+            "grew": grew,
+            "shrank": shrank,
+            "chains": count,
+            "length_histogram": [{"reallocs": labels[i - 1], "chains": hist.get(i, 0)} for i in range(1, 12)],
+            "longest": [
+                {
+                    "file": f,
+                    "thread": th,
+                    "caller": _hex(c),
+                    "first_call": typ,
+                    "reallocs": n,
+                    "first_size": int(s0),
+                    "final_size": int(s1),
+                    "max_size": int(smax),
+                    "moves": mv,
+                }
+                for f, th, c, typ, n, s0, s1, smax, mv in longest
+            ],
+        }
+
+    def _callers(self, top: int) -> list[dict]:
+        rows = self._q(
+            f"""WITH calls_by AS (
+                  SELECT caller, count(*) AS calls, count(*) FILTER (WHERE type <> 'free') AS allocs,
+                         coalesce(sum(size) FILTER (WHERE type <> 'free'), 0) AS bytes,
+                         count(*) FILTER (WHERE type = 'free') AS frees
+                  FROM trace_rows GROUP BY caller ORDER BY bytes DESC, calls DESC, caller LIMIT {int(top)}),
+                leaked AS (SELECT caller, count(*) AS n, sum(size) AS b FROM ev
+                           WHERE alloc AND next_alloc IS NULL GROUP BY caller)
+                SELECT c.caller, c.calls, c.allocs, c.bytes, c.frees, coalesce(l.n, 0), coalesce(l.b, 0)
+                FROM calls_by c LEFT JOIN leaked l USING (caller) ORDER BY c.bytes DESC, c.calls DESC, c.caller"""
+        )
+        return [
+            {
+                "caller": _hex(c),
+                "calls": n,
+                "allocations": na,
+                "requested_bytes": int(b),
+                "frees": nf,
+                "never_freed": int(ln),
+                "never_freed_bytes": int(lb),
+            }
+            for c, n, na, b, nf, ln, lb in rows
+        ]
+
+    def _stacks(self, top: int) -> dict:
+        (with_stack,) = self._one("SELECT count(*) FROM trace_rows WHERE stack IS NOT NULL")
+        if not with_stack:
+            return {"recorded": False, "top": []}
+        rows = self._q(
+            f"""SELECT stack, count(*), coalesce(sum(size) FILTER (WHERE type <> 'free'), 0) AS bytes
+                FROM trace_rows WHERE stack IS NOT NULL GROUP BY stack ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
+        )
+        return {
+            "recorded": True,
+            "calls_with_stack": with_stack,
+            "top": [{"stack": [_hex(a) for a in s], "calls": n, "requested_bytes": int(b)} for s, n, b in rows],
+        }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

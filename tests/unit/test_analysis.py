@@ -1,0 +1,312 @@
+"""`pymtrace analyze` (no root): exact numbers on synthetic traces whose ground truth is computed
+independently (tests/support/synthetic.py) and on a hand-made trace of known calls, through
+every input format; spilling under a low memory limit; the read-only --sql; corrupt inputs; the
+HTML report rendered in headless Chromium."""
+
+import html
+import json
+import os
+import re
+
+import numpy
+import pyarrow
+import pyarrow.parquet as pq
+import pytest
+from conftest import run_pymtrace
+from support import synthetic
+from support.clients import chromium, screenshot_colours
+
+from pymtrace.errors import BadQuery
+from pymtrace.trace.analysis import TraceSet
+from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.trace.formats import parquet as P
+
+STEPS, SLOTS, THREADS = 30_000, 500, 4
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    d = tmp_path_factory.mktemp("synth")
+    path = d / "synth.parquet"
+    synthetic.write(str(path), STEPS, SLOTS, THREADS)
+    return path, synthetic.truth(STEPS, SLOTS, THREADS)
+
+
+def report(*paths, **kw):
+    """The report in process (the CLI's --json prints this dict; checked once through the CLI)."""
+    with TraceSet([str(p) for p in paths], **kw) as ts:
+        return json.loads(json.dumps(ts.report()))
+
+
+def analyze_json(*args, env=None):
+    proc = run_pymtrace("analyze", "--json", *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def check_against_truth(rep, truth):
+    assert {name: c["count"] for name, c in rep["calls"].items()} == truth["counts"]
+    assert rep["totals"]["events"] == truth["events"]
+    assert rep["totals"]["requested_bytes"] == truth["requested_bytes"]
+    assert rep["live"]["peak_bytes"] == truth["peak_live_bytes"]
+    assert rep["live"]["final_bytes"] == truth["final_live_bytes"]
+    assert rep["never_freed"]["count"] == truth["never_freed"]
+    assert rep["never_freed"]["requested_bytes"] == truth["final_live_bytes"]
+    life = rep["lifetimes"]
+    assert life["freed"] == truth["freed"] and life["cross_thread_frees"] == truth["cross_thread_frees"]
+    assert life["min_ns"] == truth["lifetime_min_ns"] and life["max_ns"] == truth["lifetime_max_ns"]
+    assert life["releases_of_unknown_blocks"] == 0 and life["allocations_over_live_blocks"] == 0
+    assert sum(h["count"] for h in life["histogram"]) == truth["freed"]
+    assert sum(h["count"] for h in rep["sizes"]["histogram"]) == truth["events"] - truth["counts"]["free"]
+
+
+def test_synthetic_parquet_exact(synth, tmp_path):
+    path, truth = synth
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    rep = analyze_json(path, "--temp-dir", tmp)
+    check_against_truth(rep, truth)
+    assert os.listdir(tmp) == []  # the private directory is gone
+    # sizes: every 997th request is 200,000 bytes: at or above the 128 KiB mmap threshold
+    big = len(range(0, STEPS, 997))
+    mm = rep["sizes"]["mmap_threshold"]
+    assert mm["at_or_above"]["count"] == big == mm["threshold_to_double"]
+    assert mm["below"]["count"] == STEPS - big
+    cls = {h["class"]: h["count"] for h in rep["sizes"]["histogram"]}
+    assert cls["(128 KiB, 256 KiB]"] == big
+    assert rep["threads"]["count"] == THREADS and len(rep["threads"]["timeline"]["threads"]) == THREADS
+    assert sum(sum(t["calls"]) for t in rep["threads"]["timeline"]["threads"]) == truth["events"]
+    assert sum(t["cross_thread_frees"] for t in rep["threads"]["top"]) == truth["cross_thread_frees"]
+    assert sum(c["calls"] for c in rep["callers"]) == truth["events"]  # 5 callers, top 10
+    assert rep["stacks"] == {"recorded": False, "top": []}
+
+
+def test_other_formats_and_many_files_give_the_same_numbers(synth, tmp_path):
+    path, truth = synth
+    raw, back = tmp_path / "synth.bin", tmp_path / "back.parquet"
+    run_pymtrace("convert", path, raw, "--to", "mtrace-bin", check=True)
+    run_pymtrace("convert", raw, back, "--to", "parquet", check=True)
+    rep = analyze_json(raw)
+    check_against_truth(rep, truth)
+    assert rep["files"] == [{"path": str(raw), "format": "mtrace-bin"}]
+    check_against_truth(report(back), truth)
+    # a glob of two files: counts add up, addresses pair within each file only
+    d = tmp_path / "many"
+    d.mkdir()
+    os.link(path, d / "a.parquet")
+    os.link(back, d / "b.parquet")
+    rep = report(str(d / "*.parquet"))
+    assert rep["totals"]["files"] == 2
+    assert {n: c["count"] for n, c in rep["calls"].items()} == {n: 2 * c for n, c in truth["counts"].items()}
+    assert rep["never_freed"]["count"] == 2 * truth["never_freed"]
+    assert rep["lifetimes"]["min_ns"] == truth["lifetime_min_ns"]
+    assert rep["lifetimes"]["allocations_over_live_blocks"] == 0
+    assert report(d)["totals"] == rep["totals"]  # a directory: its *.parquet
+
+
+def test_spills_under_a_low_memory_limit(tmp_path):
+    """600k events under a 30 MB limit: the events table alone is larger, so DuckDB must spill;
+    the numbers stay exact and the spill is gone afterwards."""
+    steps, slots = 300_000, 2000
+    path = tmp_path / "big.parquet"
+    synthetic.write(str(path), steps, slots, THREADS)
+    truth = synthetic.truth(steps, slots, THREADS)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with TraceSet([str(path)], memory_limit="30MB", threads=1, temp_dir=str(tmp)) as ts:
+        rep = ts.report()
+        assert ts.spilled_bytes() > 0
+    check_against_truth(rep, truth)
+    assert os.listdir(tmp) == []
+
+
+# ---------------------------------------------------------------- a trace of known calls
+
+
+def rec(thread, typ, p1=0, p2=0, size=0, s2=0, s3=0, t=0, caller=0x401000):
+    return (thread, typ, p1, p2, size, s2, s3, t, caller)
+
+
+def known_calls():
+    """Calls whose pairing is known: a realloc chain, realloc(p, 0), a failed malloc, free(NULL),
+    a failed posix_memalign, a cross-thread free, a free of a block from before the trace."""
+    M, C, F, R, PM = B.MALLOC, B.CALLOC, B.FREE, B.REALLOC, B.POSIX_MEMALIGN
+    ms = 1_000_000
+    rows = [
+        rec(1, M, p2=0xA0, size=10, t=1 * ms, caller=0x401100),
+        rec(1, R, p1=0xA0, p2=0xB0, size=20, t=2 * ms, caller=0x401200),  # moved
+        rec(1, R, p1=0xB0, p2=0xB0, size=30, t=3 * ms, caller=0x401200),  # in place
+        rec(1, R, p1=0xB0, p2=0xC0, size=40, t=4 * ms, caller=0x401200),  # moved
+        rec(2, C, p2=0xD0, size=1000, t=5 * ms),
+        rec(1, M, size=1 << 62, t=6 * ms),  # fails
+        rec(1, F, t=7 * ms),  # free(NULL)
+        rec(1, PM, p1=22, size=64, s2=3, t=8 * ms),  # EINVAL
+        rec(1, F, p1=0xD0, t=9 * ms),  # cross-thread: thread 2 allocated it
+        rec(1, F, p1=0xE0, t=10 * ms),  # allocated before the trace
+        rec(2, M, p2=0xF0, size=200_000, t=11 * ms),
+        rec(2, R, p1=0xF0, size=0, t=1011 * ms),  # realloc(p, 0): frees after 1 s
+        rec(1, F, p1=0xC0, t=1012 * ms),  # the chain's end
+        rec(2, M, p2=0x100, size=5, t=1013 * ms),  # never freed
+    ]
+    return numpy.array(rows, B.record_dtype("<"))
+
+
+@pytest.fixture(scope="module")
+def known(tmp_path_factory):
+    path = tmp_path_factory.mktemp("known") / "known.parquet"
+    with open(path, "wb") as f:
+        P.write_records(f, iter([known_calls()]), P.file_metadata())
+    return path
+
+
+def test_known_calls(known):
+    rep = report(known)
+    counts = {n: c["count"] for n, c in rep["calls"].items()}
+    assert counts == {"malloc": 4, "realloc": 4, "calloc": 1, "free": 4, "posix_memalign": 1}
+    assert rep["calls"]["malloc"]["failed"] == 1 and rep["calls"]["posix_memalign"]["failed"] == 1
+    assert rep["calls"]["realloc"]["failed"] == 0  # realloc(p, 0) returning NULL is no failure
+    assert rep["totals"]["free_null"] == 1
+    life = rep["lifetimes"]
+    # paired: 0xA0, 0xB0 twice (realloc), 0xD0, 0xF0, 0xC0
+    assert life["freed"] == 6 and life["cross_thread_frees"] == 1
+    assert life["releases_of_unknown_blocks"] == 1  # free(0xE0); free(NULL) releases nothing
+    assert life["min_ns"] == 1_000_000 and life["max_ns"] == 1_008_000_000
+    assert rep["live"]["peak_bytes"] == 200_000 + 40 and rep["live"]["final_bytes"] == 5
+    assert rep["never_freed"] == {
+        "count": 1,
+        "requested_bytes": 5,
+        "by_caller": [{"caller": "0x401000", "count": 1, "requested_bytes": 5}],
+    }
+    ch = rep["realloc_chains"]
+    assert (ch["chains"], ch["reallocs_linked"], ch["in_place"], ch["moved"], ch["released"]) == (2, 4, 1, 2, 1)
+    assert ch["grew"] == 3
+    assert ch["shrank"] == 1  # 200,000 -> 0
+    first = ch["longest"][0]
+    assert (first["reallocs"], first["first_size"], first["final_size"], first["moves"]) == (3, 10, 40, 2)
+    assert first["caller"] == "0x401100" and first["first_call"] == "malloc"
+    assert {h["reallocs"]: h["chains"] for h in ch["length_histogram"]}["2-3"] == 1
+
+
+def test_stacks_when_recorded(known, tmp_path):
+    table = pq.read_table(known)
+    stacks = [[0x401000 + i, 0x402000] if i % 2 else None for i in range(table.num_rows)]
+    table = table.set_column(
+        table.schema.get_field_index("stack"),
+        P.SCHEMA.field("stack"),
+        pyarrow.array(stacks, P.SCHEMA.field("stack").type),
+    )
+    path = tmp_path / "stacks.parquet"
+    pq.write_table(table, path)
+    rep = report(path)
+    assert rep["stacks"]["recorded"] and rep["stacks"]["calls_with_stack"] == table.num_rows // 2
+    assert rep["stacks"]["top"][0]["stack"][1] == "0x402000"
+
+
+def test_text_log_input(known, tmp_path):
+    text = tmp_path / "known.txt"
+    run_pymtrace("convert", known, text, "--to", "mtrace-text", check=True)
+    rep = report(text)
+    assert rep["files"][0]["format"] == "mtrace-text" and rep["live"]["unit"] == "row"
+    assert rep["lifetimes"]["min_ns"] is None  # a text log has no times
+
+
+# ---------------------------------------------------------------- --sql
+
+
+def test_sql_query_and_its_limits(known, tmp_path):
+    proc = run_pymtrace("analyze", known, "--sql", "SELECT type, count(*) AS n FROM calls GROUP BY type ORDER BY type")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "type\tn" and "free\t4" in lines and "realloc\t4" in lines
+    proc = run_pymtrace("analyze", known, known, "--json", "--sql", "SELECT file, count(*) AS n FROM calls GROUP BY 1")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == [{"file": 0, "n": 14}]  # the same file once
+    proc = run_pymtrace("analyze", known, "--sql", "SELECT nonsense FROM calls")
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    assert proc.stderr.startswith("pymtrace: error: query failed: Binder Error")
+    out = tmp_path / "out.csv"
+    before = known.read_bytes()
+    for bad in (
+        f"COPY calls TO '{out}'",
+        f"COPY (SELECT 1 AS a) TO '{known}' (FORMAT parquet, USE_TMP_FILE false)",
+        "SELECT * FROM read_csv('/etc/passwd')",
+        "SET enable_external_access = true",
+        f"ATTACH '{tmp_path / 'x.db'}'",
+        "INSTALL httpfs",
+    ):
+        with TraceSet([str(known)]) as ts, pytest.raises(BadQuery) as err:
+            ts.query(bad)
+        assert err.value.exit_code == 2 and "\n" not in str(err.value), bad
+    assert not out.exists() and not (tmp_path / "x.db").exists() and known.read_bytes() == before
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_truncated_or_corrupt_parquet_is_one_line_exit_2(known, tmp_path):
+    data = known.read_bytes()
+    cases = {
+        "truncated.parquet": data[: len(data) // 2],
+        "footer.parquet": data[:-12] + b"\xff" * 4 + data[-8:],
+        "pages.parquet": data[:8] + bytes(b ^ 0x5A for b in data[8:-200]) + data[-200:],
+        "empty.parquet": b"PAR1",
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        proc = run_pymtrace("analyze", path)
+        assert proc.returncode == 2, (name, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("pymtrace: error: "), proc.stderr
+        assert "Traceback" not in proc.stderr
+    proc = run_pymtrace("analyze", tmp_path / "none*.parquet")
+    assert proc.returncode == 1 and proc.stderr.strip() == f"pymtrace: error: {tmp_path}/none*.parquet: no file matches"
+
+
+# ---------------------------------------------------------------- HTML
+
+
+@pytest.fixture(scope="module")
+def html_report(synth, tmp_path_factory):
+    path, _ = synth
+    out = tmp_path_factory.mktemp("html") / "report.html"
+    rep = analyze_json(path, "--html", out)
+    return out, rep
+
+
+def test_html_file_is_private_self_contained_and_not_replaced(html_report, synth):
+    out, _ = html_report
+    assert oct(out.stat().st_mode & 0o777) == "0o600"
+    text = out.read_text()
+    assert "<script" not in text and not re.search(r"(src|href)=", text)  # nothing loaded from anywhere
+    assert text.count("<svg") >= 5
+    proc = run_pymtrace("analyze", synth[0], "--html", out)
+    assert proc.returncode == 1 and "exists" in proc.stderr
+    link = out.parent / "link.html"
+    link.symlink_to(out)
+    proc = run_pymtrace("analyze", synth[0], "--html", link, "--force", "--json")
+    assert proc.returncode == 0 and not link.is_symlink() and out.exists()
+
+
+def test_html_in_chromium_shows_the_json_totals(html_report, tmp_path):
+    out, rep = html_report
+    dom = html.unescape(chromium(tmp_path, "--dump-dom", out.as_uri()).decode())
+    totals = re.search(r'<table class="big totals">(.*?)</table>', dom, re.S).group(1)
+    cells = [c.replace(",", "") for c in re.findall(r"<td>(.*?)</td>", totals)]
+    assert cells[:5] == [
+        str(rep["totals"]["events"]),
+        str(rep["totals"]["threads"]),
+        str(rep["totals"]["requested_bytes"]),
+        str(rep["live"]["peak_bytes"]),
+        str(rep["never_freed"]["count"]),
+    ]
+    for name, c in rep["calls"].items():
+        assert f"<td>{name}</td><td>{c['count']:,}</td>" in dom
+    assert dom.count('class="bar"') >= 10 and 'class="area"' in dom and 'class="cell"' in dom
+
+
+def test_html_screenshot_is_not_blank(html_report, tmp_path):
+    out, _ = html_report
+    colours, total = screenshot_colours(tmp_path, out.as_uri(), "900,1400")
+    assert colours is not None and len(colours) >= 16, "too few colours: blank page?"
+    white = sum(n for n, c in colours if c == (255, 255, 255))
+    bars = sum(n for n, (r, g, b) in colours if b > r + 40)  # the blue bars and timeline cells
+    assert white < total * 0.97 and bars > total * 0.01
