@@ -41,11 +41,12 @@ _DUCKDB_READ_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
     """Files named by PATTERNS: a file, a glob (`'traces/*.parquet'`, expanded here when the
-    shell did not) or a directory (its *.parquet files); each file once, in order."""
+    shell did not) or a directory (its *.parquet files, in subdirectories too: a `pymtrace
+    collect` dataset); each file once, in order."""
     out: list[str] = []
     for pattern in patterns:
         if os.path.isdir(pattern):
-            found = sorted(glob.glob(os.path.join(glob.escape(pattern), "*.parquet")))
+            found = sorted(glob.glob(os.path.join(glob.escape(pattern), "**", "*.parquet"), recursive=True))
             if not found:
                 raise PymtraceError(f"{pattern}: a directory without *.parquet files")
         elif os.path.lexists(pattern) or not glob.has_magic(pattern):
@@ -123,6 +124,7 @@ class TraceSet:
         try:
             self.formats = []
             self.files = [self._parquet_of(p) for p in self.inputs]
+            self.recording = self._recordings()
         except BaseException:
             self.close()
             raise
@@ -152,6 +154,22 @@ class TraceSet:
             parquet.convert_to_parquet(path, fmt, out)
         return tmp
 
+    def _recordings(self) -> list[int]:
+        """For each file, the index of the recording it belongs to: the parts `pymtrace
+        collect` wrote of one stream (pymtrace.stream) are one recording, so a block allocated
+        in one part and freed in a later one is paired; any other file is a recording alone."""
+        index: dict[str, int] = {}
+        out = []
+        self.row_base = []  # a part's first row in its recording: rows count across its parts
+        for i, path in enumerate(self.files):
+            meta = parquet.read_metadata(path) if self.formats[i] == "parquet" else {}
+            stream = meta.get("stream")
+            key = f"stream:{stream}" if stream else f"file:{i}"
+            out.append(index.setdefault(key, len(index)))
+            base = meta.get("first_offset", "0") if stream else "0"
+            self.row_base.append(int(base) if base.isdigit() else 0)
+        return out
+
     def _config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
             "memory_limit": self.memory_limit,
@@ -172,7 +190,7 @@ class TraceSet:
         except duckdb.Error as exc:
             raise PymtraceError(f"cannot start DuckDB: {_first_line(exc)}") from None
 
-    def _select_list(self, path: str, source: str, index: int, with_row: bool) -> str:
+    def _select_list(self, path: str, source: str, index: int, with_row: bool, row_base: int = 0) -> str:
         """SELECT of the schema's columns from SOURCE, cast to the types pymtrace writes (a file
         rewritten by another tool may have signed columns or lack path/stack)."""
         names = parquet.open_file(path).schema_arrow.names
@@ -182,7 +200,7 @@ class TraceSet:
             typ = casts.get(c, "UBIGINT")
             cols.append(f"CAST({c} AS {typ}) AS {c}" if c in names else f"CAST(NULL AS {typ}) AS {c}")
         if with_row:
-            cols.append("file_row_number AS row")
+            cols.append(f"file_row_number + {int(row_base)} AS row")
         return f"SELECT {', '.join(cols)} FROM {source}"
 
     # ---------------------------------------------------------------- user SQL
@@ -199,7 +217,7 @@ class TraceSet:
         selects = []
         for i, path in enumerate(self.files):
             con.register(f"pymtrace_input_{i}", pyarrow.dataset.dataset(path, format="parquet"))
-            selects.append(self._select_list(path, f"pymtrace_input_{i}", i, with_row=False))
+            selects.append(self._select_list(path, f"pymtrace_input_{i}", self.recording[i], with_row=False))
         con.execute("CREATE VIEW calls AS " + " UNION ALL ".join(selects))
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
@@ -250,7 +268,13 @@ class TraceSet:
         files_sql = ", ".join("'" + p.replace("'", "''") + "'" for p in self.files)
         con.execute(f"CREATE TEMP TABLE inputs AS SELECT unnest([{files_sql}]) AS path")
         selects = [
-            self._select_list(p, f"read_parquet('{p.replace(chr(39), chr(39) * 2)}', file_row_number = true)", i, True)
+            self._select_list(
+                p,
+                f"read_parquet('{p.replace(chr(39), chr(39) * 2)}', file_row_number = true)",
+                self.recording[i],
+                True,
+                self.row_base[i],
+            )
             for i, p in enumerate(self.files)
         ]
         con.execute("CREATE VIEW trace_rows AS " + " UNION ALL ".join(selects))

@@ -187,6 +187,21 @@ def test_known_calls(known):
     assert {h["reallocs"]: h["chains"] for h in ch["length_histogram"]}["2-3"] == 1
 
 
+def test_collect_dataset_parts_of_one_stream_are_one_recording(known, tmp_path):
+    """`pymtrace collect`'s layout: a directory tree of parts; the parts of one stream
+    (pymtrace.stream) are one recording, so a block allocated in one part and freed in a
+    later one is paired, exactly as in the single file."""
+    rows = known_calls()
+    part_dir = tmp_path / "dataset" / "host=h" / "date=2026-11-24" / "pid=7"
+    part_dir.mkdir(parents=True)
+    for offset, chunk in ((0, rows[:7]), (7, rows[7:])):
+        with open(part_dir / f"part-s1-{offset}.parquet", "wb") as f:
+            P.write_records(f, iter([chunk]), P.file_metadata(stream="s1", first_offset=offset))
+    split, whole = report(str(tmp_path / "dataset")), report(known)
+    for key in ("calls", "lifetimes", "live", "never_freed", "realloc_chains"):
+        assert split[key] == whole[key], key
+
+
 def test_stacks_when_recorded(known, tmp_path):
     table = pq.read_table(known)
     stacks = [[0x401000 + i, 0x402000] if i % 2 else None for i in range(table.num_rows)]
