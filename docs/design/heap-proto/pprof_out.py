@@ -1,5 +1,5 @@
 """Write the prototype's profile as gzip'd pprof profile.proto with protobuf's runtime and the
-protoc-generated profile_pb2 (from profile.proto beside this file)."""
+protoc-generated profile_pb2 (from pymtrace/sinks/profile.proto, which replaced the prototype's copy)."""
 import gzip
 import time
 
