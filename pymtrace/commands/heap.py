@@ -21,7 +21,7 @@ from pymtrace.sinks.flamegraph import write_html
 from pymtrace.sinks.folded import write_folded
 from pymtrace.sinks.heap_text import write_text
 from pymtrace.sinks.pprof import write_pprof
-from pymtrace.target import proc
+from pymtrace.target import libc, proc
 from pymtrace.target.launch import Launched
 from pymtrace.trace.files import atomic_output, check_new
 from pymtrace.units import parse_bytes
@@ -125,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         pids = sorted({proc.tgid(pid) for pid in args.pid})
         if os.getpid() in pids:
             raise PymtraceError(f"process {os.getpid()} is this pymtrace: it cannot sample itself")
+        for pid in pids:  # heap probes glibc's malloc: a process calling another one would show nothing
+            found = libc.allocator(pid)
+            if found is not None and not found.traced:
+                raise PymtraceError(libc.untraced_message(pid, found) + ": nothing to sample")
     meta = {"command": " ".join(cmd) if cmd else "", "pids": pids, "time_ns": time.time_ns()}
     meta["exe"] = _exe(pids[0])
     session = None

@@ -193,6 +193,25 @@ def test_errors_are_one_line(tmp_path):
     assert proc.returncode != 0 and "exists" in proc.stderr and existing.read_text() == "keep"
 
 
+def test_a_process_on_another_allocator_is_refused_not_shown_empty(tmp_path):
+    """heap probes glibc's malloc: a process whose malloc is jemalloc's gets one line, not an
+    empty profile."""
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    jemalloc = next((line.split()[-1] for line in found.splitlines() if "libjemalloc.so.2 " in line), None)
+    if jemalloc is None:
+        missing_or_fail("libjemalloc2 is not installed")
+    target = subprocess.Popen(["sleep", "60"], env=dict(os.environ, LD_PRELOAD=jemalloc))
+    try:
+        time.sleep(0.3)
+        proc = run_pymtrace("heap", "-p", str(target.pid), "-o", str(tmp_path / "x.txt"))
+    finally:
+        target.kill()
+        target.wait()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "jemalloc" in proc.stderr and "nothing to sample" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.txt").exists()
+
+
 def test_output_is_private(chains, tmp_path):
     out = tmp_path / "a.folded"
     heap(out, "--sample-bytes", "1", cmd=(chains["exe"], "0"))
