@@ -20,7 +20,8 @@ SITES = {
     "leaf_alloc": ("heap_chains", 200, (100, 107), ["main", "alpha", "beta", "leaf_alloc"]),
     "lib_inner": ("libheapchain.so", 10, (4000, 4000), ["main", "gamma_", "lib_outer", "lib_inner"]),
     "young_leaf": ("heap_chains", 3, (3000, 3000), ["main", "delta", "young_leaf"]),
-    "thread_leaf": ("heap_chains", 50, (2500, 2549), ["start_thread", "worker", "thread_leaf"]),
+    # above worker: libc's start_thread (a name only with libc's debug info)
+    "thread_leaf": ("heap_chains", 50, (2500, 2549), ["worker", "thread_leaf"]),
 }
 ROUND_MS = 20
 MALLOC = ("malloc", "__libc_malloc")
@@ -32,7 +33,8 @@ def exe(build_dir):
 
 
 def test_top_stacks_json_sites_rates_inuse_and_chains(exe):
-    target = subprocess.Popen([exe, "-l", str(ROUND_MS), "1500"], stdout=subprocess.PIPE)
+    # rounds enough for a slow (emulated) machine's start-up; killed at the end
+    target = subprocess.Popen([exe, "-l", str(ROUND_MS), "100000"], stdout=subprocess.PIPE)
     try:
         assert target.stdout.readline() == b"ready\n"
         proc = run_pymtrace(
@@ -68,7 +70,8 @@ def test_top_stacks_json_sites_rates_inuse_and_chains(exe):
             functions = [f["function"] for f in stack["frames"]]
             assert stack["complete"] and functions[-1] in MALLOC, functions
             assert functions[-1 - len(chain) : -1] == chain, functions
-            assert functions[0] in ("_start", "__clone3", "clone3", "clone"), functions
+            root = functions[0]  # libc's clone3 is named only with libc's debug info
+            assert root in ("_start", "__clone3", "clone3", "clone") or root.startswith("libc.so.6+0x"), functions
     # freed at once: at most the one block between its malloc and free; leaked: everything
     assert rows["leaf_alloc"]["inuse_bytes"] <= 107 and rows["thread_leaf"]["inuse_bytes"] <= 2549
     leaked = rows["lib_inner"]

@@ -7,21 +7,22 @@ import time
 
 from conftest import PYMTRACE, missing_or_fail
 
-LIBS = {
+LIBS = {  # "a|b": the first ldconfig knows (Debian 13's libmimalloc3 has soname .so.3)
     "jemalloc": "libjemalloc.so.2",
     "tcmalloc": "libtcmalloc_minimal.so.4",
-    "mimalloc": "libmimalloc.so.2",
+    "mimalloc": "libmimalloc.so.2|libmimalloc.so.3",
 }
 
 
-def library(soname):
-    """The x86-64 path ldconfig knows for SONAME (missing: a skip, or a failure under
-    PYMTRACE_REQUIRE_BPF=1: install.sh installs these)."""
+def library(sonames):
+    """The x86-64 path ldconfig knows for SONAMES ("a|b": the first found; missing: a skip, or
+    a failure under PYMTRACE_REQUIRE_BPF=1: install.sh installs these)."""
     out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        if line.strip().startswith(soname + " ") and "x86-64" in line:
-            return line.split("=>")[-1].strip()
-    missing_or_fail(f"{soname} is not installed (install.sh installs it)")
+    for soname in sonames.split("|"):
+        for line in out.splitlines():
+            if line.strip().startswith(soname + " ") and "x86-64" in line:
+                return line.split("=>")[-1].strip()
+    missing_or_fail(f"{sonames} is not installed (install.sh installs it)")
 
 
 def start_exporter(port, *args, timeout=300):
