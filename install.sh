@@ -38,7 +38,7 @@ distro_family() {
 # these the distribution has (resolve_packages); Debian 13 renamed some libraries.
 # golang-go/golang and chromium are for the tests only: `go tool pprof` reads `heap`'s pprof
 # profiles and headless Chromium renders its HTML flame graphs (real clients of the formats).
-# openjdk-17 (java-17-openjdk-headless) runs pyspark's local mode in the test that reads
+# openjdk-17 (Debian 13: 21; Fedora java-17-openjdk-headless) runs pyspark's local mode in the test that reads
 # `pymtrace collect`'s dataset with Spark (a real client of the dataset, docs/collect.md).
 # g++ (gcc-c++) builds the C++ test workloads (heap: operator new callers, demangled names).
 distro_packages() {
@@ -47,7 +47,7 @@ distro_packages() {
 python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
 prometheus libc-devtools libdw-dev \
 tmux shellcheck vagrant binutils procps clang-format golang-go chromium|chromium-browser \
-openjdk-17-jre-headless" ;;
+openjdk-17-jre-headless|openjdk-21-jre-headless" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc gcc-c++ make glibc-devel \
 jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils elfutils-devel tmux ShellCheck \
 binutils procps-ng kernel-devel clang-tools-extra golang chromium java-17-openjdk-headless" ;;

@@ -153,11 +153,17 @@ build_wheelhouse() {
     python_requirements >"$reqfile"
     log "downloading wheels for Python $pyver"
     # Binary wheels only: the guest has no compiler toolchain for Python extensions' build
-    # dependencies and no network to fetch them.
+    # dependencies and no network to fetch them. pyspark is published as a source archive
+    # only: its wheel (pure Python) is built here, with its dependencies (py4j, pure Python).
+    grep -v '^pyspark' "$reqfile" >"$reqfile.binary"
     /usr/bin/python3 -m pip download -q --disable-pip-version-check --dest "$dest" \
         --only-binary=:all: --python-version "$pyver" --implementation cp \
-        -r "$reqfile" >&2
-    rm -f "$reqfile"
+        -r "$reqfile.binary" >&2
+    if grep -q '^pyspark' "$reqfile"; then
+        /usr/bin/python3 -m pip wheel -q --disable-pip-version-check -w "$dest" \
+            "$(grep '^pyspark' "$reqfile")" >&2
+    fi
+    rm -f "$reqfile" "$reqfile.binary"
 }
 
 # The hook mmdebstrap runs in the finished root filesystem ($1).
