@@ -13,7 +13,8 @@ its fork is reported; after an exec the new program is captured at once. A sampl
 reaches a pc in no captured file (a library mapped since: the loader at start, a dlopen)
 makes the image re-read the process's maps, at most every REFRESH_S per process, and the
 stack is unwound again. A process that exits before pymtrace read its maps (it lived less
-than a poll interval) keeps its samples, as one unknown frame each: counted, never dropped.
+than a poll interval) keeps its samples, as one unknown frame each: counted as incomplete
+stacks, never dropped.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class HeapSession:
         stack_bytes: int = DEFAULT_STACK_BYTES,
         follow_forks: bool = False,
         meta: dict[str, Any] | None = None,
-        capture_now: bool = True,
         libc_path: str | None = None,
         sink: SampleSink | None = None,
     ) -> None:
@@ -51,8 +51,6 @@ class HeapSession:
         self.sink = sink  # None: samples go into self.profile
         self.processes = ProcessImages(REFRESH_S)
         self.symbolizer = self.processes.symbolizer
-        self.unresolved = 0  # samples of processes gone before their maps were read
-        self.capture_now = capture_now
         self.collector = HeapCollector(
             self.pids,
             sample_bytes=sample_bytes,
@@ -66,11 +64,10 @@ class HeapSession:
 
     # -- lifecycle
     def attach(self) -> None:
-        """Capture the processes' images (unless capture_now is False: a launched command
-        stopped before its loader ran is captured at its first sample), then attach."""
-        if self.capture_now:
-            for pid in self.pids:
-                self.processes.capture(pid, required=True)
+        """Capture the processes' images (a launched command stopped before its loader ran:
+        its executable and loader; the rest when a stack first reaches it), then attach."""
+        for pid in self.pids:
+            self.processes.capture(pid, required=True)
         self.collector.attach()
 
     def poll(self, timeout_ms: int = 10) -> None:
@@ -97,8 +94,7 @@ class HeapSession:
     # -- collector callbacks (inside poll)
     def _sample(self, s: HeapSample) -> None:
         unwound = self.processes.unwind(s.pid, s.tid, s.regs, s.stack, s.stack_len)
-        if unwound is None:  # gone before its maps could be read
-            self.unresolved += 1
+        if unwound is None:  # gone before its maps could be read: an incomplete one-frame stack
             self._add(s, ((UNKNOWN, s.regs[0]),), False)
             return
         stack, complete = unwound

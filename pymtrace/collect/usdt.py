@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import os
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from pymtrace.bpf import structs
 from pymtrace.errors import PymtraceError
-from pymtrace.target import libc
+from pymtrace.target import libc, proc
 
 if TYPE_CHECKING:
     from pymtrace.target.launch import Launched
@@ -428,10 +427,8 @@ def static_exe_with_probes(exe: str | None) -> str | None:
 
 def process_exe(pid: int) -> str | None:
     """PID's executable as a path reachable from here, or None."""
-    try:
-        return libc.host_path(pid, os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        return None
+    own = proc.exe(pid)
+    return libc.host_path(pid, own) if own is not None else None
 
 
 def probe_file(pid: int) -> str | None:

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             if found is not None and not found.traced:
                 raise PymtraceError(libc.untraced_message(pid, found) + ": nothing to sample")
     meta = {"command": " ".join(cmd) if cmd else "", "pids": pids, "time_ns": time.time_ns()}
-    meta["exe"] = _exe(pids[0])
+    meta["exe"] = proc.exe(pids[0]) or ""  # as its maps name it: pprof's first mapping
     session = None
     try:
         session = HeapSession(
@@ -178,13 +178,6 @@ def run(args: argparse.Namespace) -> int:
         print("pymtrace heap: samples were lost (see drops above); exit status 3", file=sys.stderr)
         return 3
     return 0
-
-
-def _exe(pid: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        return ""
 
 
 def _loop(session: HeapSession, pids: list[int], launched: Launched | None, duration: float | None) -> None:

@@ -317,10 +317,8 @@ def allocator(pid: int) -> Allocator | None:
     except MapsUnreadable:
         return None  # maps unreadable even to root (some sandboxes): cannot tell
     libc_path = process_libc(pid, maps)
-    try:
-        exe = host_path(pid, os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        exe = None
+    own = proc.exe(pid)
+    exe = host_path(pid, own) if own is not None else None
     order = None
     if exe is not None and libc_path is not None:
         try:

@@ -31,6 +31,15 @@ def comm(pid: int, missing: str = "") -> str:
         return missing
 
 
+def exe(pid: int) -> str | None:
+    """The process's executable as it names it (/proc/PID/exe: the path in its own mount
+    namespace, as in its maps), or None when it cannot be read (exited, a kernel thread)."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
 _cgroup_cache = {}
 
 
