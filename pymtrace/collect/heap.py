@@ -54,6 +54,22 @@ class HeapSample:
     stack_len: int
 
 
+def check_settings(
+    sample_bytes: int,
+    stack_bytes: int = DEFAULT_STACK_BYTES,
+    sample_option: str = "sample bytes",
+    stack_option: str = "stack bytes",
+) -> None:
+    """The sampler's settings the BPF program can take, else a PymtraceError naming the options
+    (commands check them before root, a compile or a launch; HeapCollector again)."""
+    if not 1 <= sample_bytes < 1 << 32:  # the BPF draw's fixed point needs mean < 2^32
+        raise PymtraceError(f"{sample_option} must be from 1 to {(1 << 32) - 1}, not {sample_bytes}")
+    header = structs.header(PROGRAM)
+    page, max_pages = header.consts["HP_PAGE"], header.consts["HP_MAX_PAGES"]
+    if stack_bytes % page or not page <= stack_bytes <= max_pages * page:
+        raise PymtraceError(f"{stack_option} must be a multiple of {page} from {page} to {max_pages * page}")
+
+
 def log2_table(bits: int = 10) -> list[int]:
     """hp_lg: round(2^20 * log2(1 + j / 2^BITS)) for j = 0 .. 2^BITS (the BPF draw's table)."""
     n = 1 << bits
@@ -147,12 +163,8 @@ class HeapCollector(Collector):
         if not pids:
             raise PymtraceError("heap needs at least one process to trace")
         super().__init__(pids, track_exits=False)  # exits come as ring records
-        if not 1 <= sample_bytes < 1 << 32:  # the BPF draw's fixed point needs mean < 2^32
-            raise PymtraceError(f"sample bytes must be from 1 to {(1 << 32) - 1}, not {sample_bytes}")
+        check_settings(sample_bytes, stack_bytes)
         header = structs.header(PROGRAM)
-        page, max_pages = header.consts["HP_PAGE"], header.consts["HP_MAX_PAGES"]
-        if stack_bytes % page or not page <= stack_bytes <= max_pages * page:
-            raise PymtraceError(f"stack bytes must be a multiple of {page} from {page} to {max_pages * page}")
         if ring_pages is None:  # every call: bursts of up to 32 KiB records need room
             ring_pages = 16384 if sample_bytes == 1 else 4096
         if ring_pages & (ring_pages - 1):

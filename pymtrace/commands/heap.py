@@ -13,7 +13,7 @@ import sys
 import time
 
 from pymtrace.bpf import load as bpfload
-from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES
+from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, check_settings
 from pymtrace.collect.heapprofile import DEFAULT_VALUE, VALUE_TYPES
 from pymtrace.collect.heapsession import HeapSession
 from pymtrace.errors import PymtraceError
@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise PymtraceError("give either -p PID or -- CMD, not both")
     sample_bytes = parse_bytes(args.sample_bytes, "--sample-bytes")
     stack_bytes = parse_bytes(args.stack_bytes, "--stack-bytes")
+    check_settings(sample_bytes, stack_bytes, "--sample-bytes", "--stack-bytes")  # before launching anything
     if args.older is not None and args.older < 0:
         raise PymtraceError("--older: must be 0 or more seconds")
     fmt = output_format(args.output, args.format)

@@ -185,6 +185,8 @@ def test_errors_are_one_line(tmp_path):
         (["-p", "999999999", "-o", str(tmp_path / "x")], "999999999"),
         (["-o", str(tmp_path / "x")], "give -p PID"),
         (["--sample-bytes", "lots", "-o", str(tmp_path / "x"), "-p", "1"], "--sample-bytes"),
+        (["--sample-bytes", "0", "-o", str(tmp_path / "x"), "--", "true"], "--sample-bytes must be from 1"),
+        (["--stack-bytes", "5000", "-o", str(tmp_path / "x"), "--", "true"], "--stack-bytes must be a multiple"),
     ):
         proc = run_pymtrace("heap", *args)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
