@@ -127,7 +127,9 @@ class Launched:
                     _libc.ptrace(_PTRACE_DETACH, self.pid, None, None)
             elif signum == signal.SIGTRAP and event == _PTRACE_EVENT_EXEC:
                 _libc.ptrace(_PTRACE_CONT, self.pid, None, None)
-            else:  # a signal on its way to the command: deliver it
+            else:  # a signal on its way to the command: deliver it (a group-stop, reported once
+                # the stop signal was delivered, is resumed: the kernel ignores the signal given
+                # then, so a held command does not stay stopped: docs/heap.md)
                 _libc.ptrace(_PTRACE_CONT, self.pid, None, ctypes.c_void_p(signum))
 
     def wait(self, timeout: float | None = None) -> int:
