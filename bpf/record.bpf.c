@@ -341,6 +341,60 @@ int enter_free(struct pt_regs *ctx) {
     return 0;
 }
 
+/* ---- other allocators (jemalloc, tcmalloc, mimalloc, a malloc in the executable) -------
+ * Attached by the recorder to the functions of pymtrace/target/allocators.py's probe plan:
+ * entry program enter_f_<call>_<layout> for its ms_f_<call>_<layout> (the same argument
+ * layouts), `leave` at every return probe. Compiled with GLIBC_CHUNKS=0: their blocks have
+ * no glibc chunk header, so size2/size3 stay 0 (alignments and the page size are kept).
+ * Every allocating function is an outer call: what it calls inside is not recorded again. */
+#define ENTER_F(name, TYPE, A0, A1, A2)                                                                      \
+    int enter_f_##name(struct pt_regs *ctx) {                                                                \
+        return enter(ctx, TYPE, A0, A1, A2);                                                                 \
+    }
+ENTER_F(malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+ENTER_F(malloc_n1s2, CALL_MALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+ENTER_F(calloc_n1s2, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+ENTER_F(calloc_s1, CALL_CALLOC, PT_REGS_PARM1(ctx), 0, 0)
+ENTER_F(realloc_p1s2, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
+/* xallocx(p, size, extra, flags) resizes in place and returns a size: recorded as realloc(p) -> p */
+ENTER_F(realloc_x, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 1)
+/* (size, alignment): mi_malloc_aligned, mi_zalloc_aligned */
+ENTER_F(memalign_s1, CALL_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
+ENTER_F(memalign_s2, CALL_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
+ENTER_F(posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx))
+ENTER_F(valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
+ENTER_F(pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
+
+/* A free-type function: recorded at entry unless nested in another recorded call. NEST: it
+ * calls another probed function and has a return probe, so its depth is kept like an
+ * allocating call's (`leave` records nothing for CALL_FREE). */
+static __always_inline int enter_foreign_free(struct pt_regs *ctx, int nest) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32)) return 0;
+    struct stash *s = stash.lookup(&id);
+    if (s && s->depth) {
+        if (nest) s->depth++;
+        return 0;
+    }
+    u64 p = PT_REGS_PARM1(ctx);
+    struct record_event *e = reserve();
+    if (e) fill(e, id, CALL_FREE, p, 0, 0, 0, 0, caller_of(ctx), bpf_ktime_get_ns());
+    if (nest) {
+        struct stash n = {};
+        n.depth = 1;
+        n.type = CALL_FREE;
+        n.inner = CALL_FREE;
+        stash.update(&id, &n);
+    }
+    return 0;
+}
+int enter_f_free_p1(struct pt_regs *ctx) {
+    return enter_foreign_free(ctx, 0);
+}
+int enter_f_free_nest(struct pt_regs *ctx) {
+    return enter_foreign_free(ctx, 1);
+}
+
 int leave(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     if (!wanted(id >> 32)) return 0;
@@ -364,6 +418,7 @@ int leave(struct pt_regs *ctx) {
         ptr1 = s->a0;
         size = s->a1;
         size2 = s->old_size;
+        if (s->a2) ptr2 = s->a0; /* xallocx: in place, returns a size */
         break;
     case CALL_MEMALIGN:
         size = s->a1;

@@ -392,7 +392,7 @@ def untraced_message(pid: int, found: Allocator) -> str:
     who = (
         "pymtrace does not trace (only glibc's malloc is)"
         if found.family is None
-        else "record and heap do not trace (only glibc's malloc; top and the exporter count it)"
+        else "heap and `record -- CMD` do not trace (only glibc's malloc; `record -p`, top and the exporter do)"
     )
     return (
         f"process {pid} ({proc.comm(pid, missing='?')}) does not allocate with glibc's malloc: its allocator is "

@@ -26,7 +26,7 @@ from pymtrace.bpf import structs
 from pymtrace.bpf.ringbuf import RingReader
 from pymtrace.collect import base as collect
 from pymtrace.errors import ProcessGone, PymtraceError
-from pymtrace.target import elf, libc, mallocapi, probesite, proc
+from pymtrace.target import allocators, elf, libc, mallocapi, probesite, proc
 from pymtrace.trace import stacktable
 from pymtrace.trace.files import open_exclusive, open_unique
 from pymtrace.trace.formats import mtrace_bin, mtrace_text
@@ -69,6 +69,7 @@ class Output:
         fallback_maps: Callable[[Output], None] | None = None,
         metadata: dict[str, str] | None = None,
         stacks: bool = False,
+        allocator: str | None = None,
     ) -> None:
         self.path = path
         self.stack_table: stacktable.TableWriter | None = None  # record --stacks: set by the recorder
@@ -98,7 +99,11 @@ class Output:
             self.bytes_written = self.parquet.size
             self._dtype = mtrace_bin.record_dtype("<")
             return
-        head = b"= Start\n" if self.resolver is not None else mtrace_bin.magic_record(tgid, stacks=stacks)
+        head = (
+            b"= Start\n"
+            if self.resolver is not None
+            else mtrace_bin.magic_record(tgid, stacks=stacks, allocator=allocator)
+        )
         _, exc = self._put(head, [])
         if exc is not None:
             os.close(fd)
@@ -445,6 +450,25 @@ def attach(bpf: Any, libs: list[tuple[str, bool]], pid: int, note_bases: bool = 
     return [(p, f, o) for p, f, _, _, o, _ in plan]
 
 
+def attach_foreign(bpf: Any, path: str, family: str, pid: int) -> list[tuple[str, str, tuple]]:
+    """Attach the probes of another allocator (FAMILY, a target.allocators.FAMILIES key) in
+    PATH: top's placement (allocators.probe_plan), record's programs (enter_f_*, `leave`),
+    return probes first. Returns [(path, function, entry offsets)]."""
+    plan = allocators.probe_plan(path, family)
+    for function, probes in plan:
+        address = elf.symbol(path, function).address
+        for p in probes:
+            if p.kind == "return":
+                bpf.attach_uretprobe(name=path, addr=address + p.offset, fn_name="leave", pid=pid)
+    for function, probes in plan:
+        address = elf.symbol(path, function).address
+        for p in probes:
+            if p.kind == "entry":
+                entry = "enter_f_" + p.program.removeprefix("ms_f_")
+                bpf.attach_uprobe(name=path, addr=address + p.offset, fn_name=entry, pid=pid)
+    return [(path, f, tuple(p.offset for p in probes if p.kind == "entry")) for f, probes in plan]
+
+
 # ---------------------------------------------------------------- the recorder
 
 
@@ -453,6 +477,7 @@ class Recorder:
     in pages (a power of two)."""
 
     stack_unwinder: StackUnwinder | None = None  # record --stacks (also for Recorders made without __init__)
+    allocator: libc.Allocator | None = None
 
     def __init__(self, args: argparse.Namespace, pages: int) -> None:
         self.args = args
@@ -473,6 +498,12 @@ class Recorder:
         self.allocator_checked, self.allocator_warned = 0.0, []
         self.stacks = getattr(args, "stacks", False)
         self.stack_unwinder: StackUnwinder | None = None
+        self.allocator = None  # -p on jemalloc, tcmalloc, ...: its file is probed instead of libc
+
+    @property
+    def family(self) -> str:
+        """The allocator family recorded ("glibc", or a target.allocators.FAMILIES key)."""
+        return self.allocator.family if self.allocator is not None else "glibc"
 
     # -- files
     def output_for(self, tgid: int) -> Output:
@@ -505,7 +536,14 @@ class Recorder:
                 os.unlink(path)
                 raise
         out = Output(
-            path, fd, self.args.format, tgid, fallback_maps=self._note_bases, metadata=meta, stacks=self.stacks
+            path,
+            fd,
+            self.args.format,
+            tgid,
+            fallback_maps=self._note_bases,
+            metadata=meta,
+            stacks=self.stacks,
+            allocator=self.family,
         )
         if table_fd is not None:
             out.stack_table = stacktable.TableWriter(table_fd, path, tgid, self.stack_unwinder.symbolizer.frames)
@@ -547,6 +585,8 @@ class Recorder:
             command=" ".join(self.args.cmd) if tgid == self.target and self.args.cmd else None,
             byteorder=sys.byteorder,
             source_format="record",
+            allocator=self.family,
+            allocator_path=self.allocator.path if self.allocator is not None else libc_path,
         )
 
     def run(self) -> int:
@@ -577,8 +617,10 @@ class Recorder:
                 )
             libc_path = args.libc or libc.process_libc(self.target)
             found = None if args.libc else libc.allocator(self.target)
-            if found is not None and not found.traced and libc_path is not None:
-                raise PymtraceError(libc.untraced_message(self.target, found) + ": nothing to record")
+            if found is not None and not found.traced:
+                if found.family is None:
+                    raise PymtraceError(libc.untraced_message(self.target, found) + ": nothing to record")
+                self.allocator = found  # jemalloc, tcmalloc, mimalloc, a malloc of its own
         self.libc_path = libc_path
         try:
             if libc_path is None:
@@ -586,7 +628,7 @@ class Recorder:
                     "the process does not use a shared libc (static binary?): nothing to probe; use --libc PATH"
                 )
             if self.stacks:
-                self.stack_unwinder = StackUnwinder(libc_path)
+                self.stack_unwinder = StackUnwinder(self.allocator.path if self.allocator else libc_path)
                 if self.launched is None:
                     self.stack_unwinder.capture(self.target)
             self.output_for(self.target)
@@ -623,28 +665,35 @@ class Recorder:
         self.outputs.clear()
 
     def _load(self, libc_path: str) -> None:
-        if not os.path.isfile(libc_path):
-            raise PymtraceError(f"{libc_path}: no such file")
         defines = {"RB_PAGES": self.pages, "PAGE_SIZE_BYTES": _PAGE, "TARGET_TGID": self.target}
         if self.follow:
             defines["FOLLOW"] = 1
-        want_debug = self.follow or uses_debug_lib(
-            pid=None if self.launched is not None else self.target, launched=self.launched
-        )
-        self.libs = probe_libraries(libc_path, want_debug)
-        if self.args.format == "mtrace-text":
-            defines["NOTE_BASES"] = 1
-            for index, (path, _) in enumerate(self.libs):
-                defines[f"MALLOC_SITE_{index}"] = f"{probesite.entry_site(path, 'malloc'):#x}ULL"
         if self.stacks:
             from pymtrace.collect.heap import possible_cpus
 
             defines.update(STACKS=1, STACK_PAGES=STACK_PAGES, STACK_RB_PAGES=self.pages, MAX_CPUS=possible_cpus())
-        skips = probesite.tcache_shutdown_returns(libc_path)
-        if len(skips) == 2:
-            site = probesite.entry_site(libc_path, "free")
-            defines["FREE_SKIP1"] = f"{skips[0] - site:#x}ULL"
-            defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
+        found = self.allocator
+        if found is not None:  # another allocator: its functions (target.allocators), no chunk headers
+            defines["GLIBC_CHUNKS"] = 0
+            self.libs = [(found.path, False)]
+            probed = found.path
+        else:
+            if not os.path.isfile(libc_path):
+                raise PymtraceError(f"{libc_path}: no such file")
+            want_debug = self.follow or uses_debug_lib(
+                pid=None if self.launched is not None else self.target, launched=self.launched
+            )
+            self.libs = probe_libraries(libc_path, want_debug)
+            if self.args.format == "mtrace-text":
+                defines["NOTE_BASES"] = 1
+                for index, (path, _) in enumerate(self.libs):
+                    defines[f"MALLOC_SITE_{index}"] = f"{probesite.entry_site(path, 'malloc'):#x}ULL"
+            skips = probesite.tcache_shutdown_returns(libc_path)
+            if len(skips) == 2:
+                site = probesite.entry_site(libc_path, "free")
+                defines["FREE_SKIP1"] = f"{skips[0] - site:#x}ULL"
+                defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
+            probed = libc_path
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
         if self.stacks:
             self.bpf["stacks"].open_ring_buffer(self.stack_unwinder.on_event)
@@ -653,13 +702,16 @@ class Recorder:
             self._start_procevents()
         pid = -1 if self.follow else self.target
         try:
-            self.sites = attach(self.bpf, self.libs, pid, note_bases=self.args.format == "mtrace-text")
+            if found is not None:
+                self.sites = attach_foreign(self.bpf, found.path, found.family, pid)
+            else:
+                self.sites = attach(self.bpf, self.libs, pid, note_bases=self.args.format == "mtrace-text")
         except Exception as exc:  # BCC's attach_uprobe raises plain Exception; reported below
             if isinstance(exc, PymtraceError):
                 raise
             if not proc.exists(self.target):
                 raise ProcessGone(self.target) from None
-            raise PymtraceError(f"cannot attach uprobes to {libc_path}: {exc}") from None
+            raise PymtraceError(f"cannot attach uprobes to {probed}: {exc}") from None
         self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(1)
         sample = ctypes.sizeof(structs.header("record").structs["record_event"])
         self.reader = RingReader(self.bpf["events"].map_fd, self.pages * _PAGE, sample, mtrace_bin.RECORD_SIZE)

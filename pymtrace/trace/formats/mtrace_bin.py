@@ -114,8 +114,25 @@ def pack(rec: Record, byteorder: str = "<") -> bytes:
 STACKS_MARK = 1
 
 
-def magic_record(thread: int = 0, byteorder: str = "<", stacks: bool = False) -> bytes:
-    return pack(Record(thread, MAGIC_TYPE, ptr1=MAGIC_PTR, size=8, size2=STACKS_MARK if stacks else 0), byteorder)
+# The MAGIC record's size3 (0 upstream): the allocator family the calls were recorded from
+# (pymtrace.target.allocators.FAMILIES; 0: glibc or not known), so replay can suggest it.
+ALLOCATOR_CODES = {"glibc": 0, "jemalloc": 1, "tcmalloc": 2, "mimalloc": 3, "generic": 4}
+
+
+def magic_record(thread: int = 0, byteorder: str = "<", stacks: bool = False, allocator: str | None = None) -> bytes:
+    code = ALLOCATOR_CODES.get(allocator or "glibc", 0)
+    return pack(
+        Record(thread, MAGIC_TYPE, ptr1=MAGIC_PTR, size=8, size2=STACKS_MARK if stacks else 0, size3=code),
+        byteorder,
+    )
+
+
+def allocator_of(first: bytes, byteorder: str = "<") -> str | None:
+    """The allocator family the MAGIC record FIRST names (None: glibc, or not said)."""
+    if len(first) < RECORD_SIZE:
+        return None
+    code = _STRUCT[byteorder].unpack_from(first)[6]
+    return next((name for name, c in ALLOCATOR_CODES.items() if c == code and c), None)
 
 
 def has_stacks(first: bytes, byteorder: str = "<") -> bool:
