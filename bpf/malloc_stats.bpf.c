@@ -146,10 +146,28 @@ static __always_inline int alloc_return(struct pt_regs *ctx) {
     return 0;
 }
 
+/* The outer call this thread is in when it is a C++ operator new/delete (CALL_NEW..), else 0. */
+static __always_inline struct ms_outer *inside_cxx(void) {
+    int zero = 0;
+    s64 *active = ms_active.lookup(&zero);
+    if (active && *active <= 0) return 0;
+    u64 id = bpf_get_current_pid_tgid();
+    struct ms_outer *op = ms_outer.lookup(&id);
+    return op && op->type >= CALL_NEW && op->depth ? op : 0;
+}
+
 int ms_malloc_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
+    struct ms_outer *cxx = inside_cxx();
+    if (cxx) { /* glibc's malloc inside operator new: the new's block and its bytes */
+        u64 ret = PT_REGS_RC(ctx);
+        struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
+        if (s && ret) s->allocated_bytes += chunk_bytes(ret);
+        cxx->old_chunk = 1; /* its bytes are known */
+        return 0;
+    }
     if (inside_outer()) return 0;
     return alloc_return(ctx);
 }
@@ -179,6 +197,14 @@ int ms_free_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
+    struct ms_outer *cxx = inside_cxx();
+    if (cxx) { /* glibc's free inside operator delete: the bytes it releases */
+        u64 ptr = PT_REGS_PARM1(ctx);
+        struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
+        if (s && ptr) s->freed_bytes += chunk_bytes(ptr);
+        cxx->old_chunk = 1;
+        return 0;
+    }
     if (inside_outer()) return 0;
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
     if (!s) return 0;
@@ -194,6 +220,7 @@ int ms_free_entry(struct pt_regs *ctx) {
 /* ---- outer calls: realloc and the memalign family -------------------------------- */
 
 static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr) {
+    if (inside_cxx()) return 0; /* an aligned operator new's aligned_alloc: counted as the new */
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer o = {};
     o.type = type;
@@ -254,6 +281,15 @@ int ms_outer_return(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer *op = ms_outer.lookup(&id);
     if (!op) return 0; /* attached while the call was running */
+    if (op->type >= CALL_NEW && op->depth) {
+        /* glibc's aligned_alloc/memalign inside an aligned operator new (its entry was
+         * skipped): the block's bytes; a small value is posix_memalign's code, no block */
+        u64 ret = PT_REGS_RC(ctx);
+        struct ms_stats *s = stats_for(id >> 32);
+        if (s && ret > 4096) s->allocated_bytes += chunk_bytes(ret);
+        op->old_chunk = 1;
+        return 0;
+    }
     struct ms_outer o = *op;
     if (ms_outer.delete(&id) == 0) add_active(-1);
     struct ms_stats *s = stats_for(id >> 32);
@@ -330,6 +366,47 @@ static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size
     return 0;
 }
 
+/* C++ operator new/delete (CALL_NEW..): counted at entry (foreign_entry without
+ * foreign_calls). On glibc the malloc/free they make inside adds the block's bytes and sets
+ * old_chunk; an outermost call that saw none (another allocator's new, whose blocks have no
+ * chunk header) marks the process's bytes unknown, as the ms_f_* functions do. */
+static __always_inline int cxx_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr) {
+    u64 id = bpf_get_current_pid_tgid();
+    u64 sp = PT_REGS_SP(ctx);
+    struct ms_outer *op = foreign_outer(id, sp);
+    if (op) { /* new[] -> new, sized delete -> delete, or inside another probed call */
+        if (op->depth) op->depth++;
+        return 0;
+    }
+    struct ms_outer o = {};
+    o.type = type;
+    o.requested = size;
+    o.arg_ptr = arg_ptr;
+    o.sp = sp;
+    o.depth = 1;
+    if (ms_outer.update(&id, &o) != 0)
+        ms_lost_inc(MS_LOST_OUTER_FULL);
+    else
+        add_active(1);
+    struct ms_stats *s = stats_for(id >> 32);
+    if (!s) return 0;
+    if (type >= CALL_DELETE)
+        s->calls[type]++;
+    else
+        count_call(s, type, size);
+    return 0;
+}
+
+static __always_inline int cxx_return(struct pt_regs *ctx, u64 id, struct ms_outer *o) {
+    u64 ret = PT_REGS_RC(ctx);
+    int is_new = o->type < CALL_DELETE;
+    struct ms_stats *s = stats_for(id >> 32);
+    if (!s) return 0;
+    if (is_new && !ret) s->failed++; /* a nothrow new that returned NULL */
+    if (!o->old_chunk && (is_new ? ret : o->arg_ptr)) s->foreign_calls++;
+    return 0;
+}
+
 int ms_f_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
@@ -343,6 +420,7 @@ int ms_f_return(struct pt_regs *ctx) {
     }
     struct ms_outer o = *op;
     if (ms_outer.delete(&id) == 0) add_active(-1);
+    if (o.type >= CALL_NEW) return cxx_return(ctx, id, &o);
     if (o.type == CALL_FREE || o.old_chunk) return 0;                      /* nothing can fail */
     if (o.type == CALL_REALLOC && o.arg_ptr && o.requested == 0) return 0; /* realloc(p, 0) */
     u64 ret = PT_REGS_RC(ctx);
@@ -401,6 +479,27 @@ MS_F_ENTRY(ms_f_posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT
 MS_F_ENTRY(ms_f_valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
 MS_F_ENTRY(ms_f_pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
 MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
+
+/* C++ operator new/delete (allocators.CXX; entry + ms_f_return): ms_f_<call>_<layout> too */
+#if MS_EMPTY
+#define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
+    int name(struct pt_regs *ctx) {                                                                          \
+        return 0;                                                                                            \
+    }
+#else
+#define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
+    int name(struct pt_regs *ctx) {                                                                          \
+        return cxx_entry(ctx, type, size, ptr);                                                              \
+    }
+#endif
+MS_CXX_ENTRY(ms_f_new_s1, CALL_NEW, PT_REGS_PARM1(ctx), 0)
+MS_CXX_ENTRY(ms_f_new_array_s1, CALL_NEW_ARRAY, PT_REGS_PARM1(ctx), 0)
+MS_CXX_ENTRY(ms_f_new_nothrow_s1, CALL_NEW_NOTHROW, PT_REGS_PARM1(ctx), 0)
+MS_CXX_ENTRY(ms_f_new_aligned_s1, CALL_NEW_ALIGNED, PT_REGS_PARM1(ctx), 0)
+MS_CXX_ENTRY(ms_f_delete_p1, CALL_DELETE, 0, PT_REGS_PARM1(ctx))
+MS_CXX_ENTRY(ms_f_delete_array_p1, CALL_DELETE_ARRAY, 0, PT_REGS_PARM1(ctx))
+MS_CXX_ENTRY(ms_f_delete_sized_p1, CALL_DELETE_SIZED, 0, PT_REGS_PARM1(ctx))
+MS_CXX_ENTRY(ms_f_delete_aligned_p1, CALL_DELETE_ALIGNED, 0, PT_REGS_PARM1(ctx))
 
 /* ---- exec: the process has a new name ------------------------------------------ */
 

@@ -7,11 +7,22 @@
 
 /* calls[] is indexed by the CALL_* numbers of common.h (1..8); index MS_FREE_NULL counts
  * free(NULL), which is ALSO counted in calls[CALL_FREE] (every free() call once). */
-#define MS_FREE_NULL    9
-#define MS_NCALLS       10
+#define MS_FREE_NULL        9
+/* C++ operator new/delete (pymtrace/target/allocators.py CXX), each call once: the malloc or
+ * free it makes inside is not counted again (its bytes are, on glibc). The CALL_ prefix
+ * names them in snapshots (collect/snapshot.py); record maps them onto dj/malloc's codes. */
+#define CALL_NEW            10 /* operator new(size) */
+#define CALL_NEW_ARRAY      11 /* operator new[](size) */
+#define CALL_NEW_NOTHROW    12 /* new and new[] (size, std::nothrow) */
+#define CALL_NEW_ALIGNED    13 /* new and new[] (size, std::align_val_t[, nothrow]) */
+#define CALL_DELETE         14 /* operator delete(p) (and its nothrow form) */
+#define CALL_DELETE_ARRAY   15 /* operator delete[](p) (and its nothrow form) */
+#define CALL_DELETE_SIZED   16 /* delete and delete[] (p, size) */
+#define CALL_DELETE_ALIGNED 17 /* delete and delete[] (p[, size], std::align_val_t[, nothrow]) */
+#define MS_NCALLS           18
 /* size_log2[i] counts requests whose size has bit length i: [0] size 0, [1] size 1,
  * [2] 2..3, [3] 4..7, ..., [64] 2^63..2^64-1. */
-#define MS_LOG2_BUCKETS 65
+#define MS_LOG2_BUCKETS     65
 
 /* Value of the per-CPU LRU hash `ms_stats` keyed by tgid (__u32); user space sums the CPUs. */
 struct ms_stats {

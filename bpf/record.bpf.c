@@ -378,7 +378,7 @@ static __always_inline int enter_foreign_free(struct pt_regs *ctx, int nest) {
     }
     u64 p = PT_REGS_PARM1(ctx);
     struct record_event *e = reserve();
-    if (e) fill(e, id, CALL_FREE, p, 0, 0, 0, 0, caller_of(ctx), bpf_ktime_get_ns());
+    if (e) fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller_of(ctx), bpf_ktime_get_ns());
     if (nest) {
         struct stash n = {};
         n.depth = 1;
@@ -392,6 +392,26 @@ int enter_f_free_p1(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 0);
 }
 int enter_f_free_nest(struct pt_regs *ctx) {
+    return enter_foreign_free(ctx, 1);
+}
+
+/* C++ operator new/delete (allocators.CXX, entry + `leave`), mapped onto dj/malloc's codes
+ * (docs/formats.md): every new -> malloc (size), an aligned new -> memalign (alignment, size),
+ * every delete -> free. The malloc/free they make inside is nested: not recorded again. */
+ENTER_F(new_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+ENTER_F(new_array_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+ENTER_F(new_nothrow_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+ENTER_F(new_aligned_s1, CALL_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
+int enter_f_delete_p1(struct pt_regs *ctx) {
+    return enter_foreign_free(ctx, 1);
+}
+int enter_f_delete_array_p1(struct pt_regs *ctx) {
+    return enter_foreign_free(ctx, 1);
+}
+int enter_f_delete_sized_p1(struct pt_regs *ctx) {
+    return enter_foreign_free(ctx, 1);
+}
+int enter_f_delete_aligned_p1(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 1);
 }
 

@@ -88,6 +88,8 @@ class MallocCollector(Collector):
         self.attached = []  # (path, function, offset, kind, pid)
         self.libcs = {}  # libc (or other allocator's file) path -> [pids] (or [-1] for every process)
         self.families = {}  # path -> "glibc" or a pymtrace.target.allocators.FAMILIES key
+        self.cxx = {}  # file where C++ operator new/delete resolve -> [pids] (or [-1])
+        self.cxx_plans = {}  # its probes (allocators.CXX)
         self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
         self._users = {}  # system-wide: libc path -> the processes mapping it
         self._maps_seen = None  # system-wide, from prepare() to plan(): {pid: maps}
@@ -100,6 +102,7 @@ class MallocCollector(Collector):
         says which allocator family each path is probed as ("glibc": the libc's programs)."""
         targets = {}
         self.families = {}
+        self.cxx = {}
         if self.pids is not None:
             uncounted = []
             for pid in self.pids:
@@ -110,6 +113,9 @@ class MallocCollector(Collector):
                     continue
                 targets.setdefault(path, []).append(pid)
                 self.families[path] = family
+                cxx = libc.cxx_runtime(pid)
+                if cxx is not None:
+                    self.cxx.setdefault(cxx, []).append(pid)
             if not targets and uncounted:
                 raise uncounted[0]
             return targets
@@ -154,6 +160,9 @@ class MallocCollector(Collector):
                 self.libcs[path] = [-1]
                 self._users[path] = users
                 self.families[path] = allocators.family_of(name)
+            for path, users in libc.distinct_cxx_runtimes(self._maps_seen).items():
+                self.cxx[path] = [-1]
+                self._users.setdefault(path, users)
             self._maps_seen = None
         for path in list(self.libcs):
             try:
@@ -172,15 +181,28 @@ class MallocCollector(Collector):
                 del self.libcs[path]
         if not self.libcs:
             raise PymtraceError("found no libc to attach to")
+        self.cxx_plans = {}
+        for path in list(self.cxx):
+            try:
+                self.cxx_plans[path] = [
+                    (function, [(p.kind, p.offset, p.program) for p in probes])
+                    for function, probes in allocators.probe_plan(path, allocators.CXX_FAMILY)
+                ]
+            except Exception as exc:  # whatever a malformed file raises: C++ calls left out, said
+                self.skipped.append((path, set(self._users.get(path, self.cxx[path])), str(exc)))
+                del self.cxx[path]
 
     def _attach(self) -> None:
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
         for path, pids in self.libcs.items():
             for pid in pids:
-                self._attach_libc(path, pid)
+                self._attach_libc(path, pid, self.plans[path])
+        for path, pids in self.cxx.items():
+            for pid in pids:
+                self._attach_libc(path, pid, self.cxx_plans[path])
 
-    def _attach_libc(self, path: str, pid: int) -> None:
-        for function, probes in self.plans[path]:
+    def _attach_libc(self, path: str, pid: int, plan: list) -> None:
+        for function, probes in plan:
             try:
                 for kind, off, fn_name in probes:
                     if kind == "entry":

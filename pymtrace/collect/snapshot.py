@@ -19,7 +19,10 @@ faked, so a consumer works with whichever collectors are running:
          "calls": {name: count for name in CALLS},   # each public call once (names: from the
                    # BPF headers, call_names()); "free" counts every free() call, "free_null"
                    # the free(NULL) among them; "memalign" includes aligned_alloc (same
-                   # function in glibc)
+                   # function in glibc); C++: "new", "new_array", "new_nothrow",
+                   # "new_aligned", "delete", "delete_array", "delete_sized",
+                   # "delete_aligned" (NEW_CALLS, DELETE_CALLS: the malloc/free a new or
+                   # delete makes inside is not counted again; its bytes are, on glibc)
          "requested_bytes": sizes asked for (calloc: nmemb*size; realloc: new size),
          "allocated_bytes": chunk bytes of blocks returned (malloc_usable_size + 8, or + 16
                             for mmapped chunks: the chunk header's size field),
@@ -133,7 +136,25 @@ def call_names() -> Dict[int, str]:
 
 # The order in which views and top's totals show the calls (a display choice, not a list of
 # names: the names are the headers'; one the headers add and this omits comes last).
-_DISPLAY_ORDER = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
+_DISPLAY_ORDER = (
+    "malloc",
+    "calloc",
+    "realloc",
+    "free",
+    "free_null",
+    "memalign",
+    "posix_memalign",
+    "valloc",
+    "pvalloc",
+    "new",
+    "new_array",
+    "new_nothrow",
+    "new_aligned",
+    "delete",
+    "delete_array",
+    "delete_sized",
+    "delete_aligned",
+)
 
 
 def _display_key(name: str) -> Tuple[int, str]:
@@ -142,7 +163,10 @@ def _display_key(name: str) -> Tuple[int, str]:
 
 CALLS: Tuple[str, ...] = tuple(sorted(set(call_names().values()), key=_display_key))
 """The keys of a process's "calls", in display order."""
-FREE_CALLS = ("free", "free_null")
+# C++ operator new/delete, each variant its own call type (bpf/malloc_stats.h CALL_NEW..)
+NEW_CALLS: Tuple[str, ...] = tuple(c for c in CALLS if c.startswith("new"))
+DELETE_CALLS: Tuple[str, ...] = tuple(c for c in CALLS if c.startswith("delete"))
+FREE_CALLS = ("free", "free_null") + DELETE_CALLS
 ALLOC_CALLS: Tuple[str, ...] = tuple(c for c in CALLS if c not in FREE_CALLS)
 
 

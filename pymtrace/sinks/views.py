@@ -19,7 +19,7 @@ import math
 import os
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple, Union
 
-from pymtrace.collect.snapshot import ALLOC_CALLS, CALLS, Snapshot
+from pymtrace.collect.snapshot import ALLOC_CALLS, CALLS, DELETE_CALLS, FREE_CALLS, NEW_CALLS, Snapshot
 from pymtrace.sinks.text import format_cell, human_bytes, human_count
 
 VIEWS = ("processes", "slab", "faults", "glibc", "stacks")
@@ -121,6 +121,9 @@ PROCESS_COLUMNS = [
     Column("realloc_per_s", "REALLOC/s", "rate"),
     Column("free_per_s", "FREE/s", "rate"),
     Column("memalign_per_s", "MEMALIGN/s", "rate"),
+    # C++ operator new/delete: every variant summed (each one: --json's calls, the exporter)
+    Column("new_per_s", "NEW/s", "rate"),
+    Column("delete_per_s", "DELETE/s", "rate"),
     Column("requested_bytes_per_s", "REQ B/s", "byterate"),
     Column("mean_size", "MEAN SIZE", "bytes"),
     Column("live_bytes", "LIVE", "bytes"),
@@ -139,8 +142,9 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
         o = old_procs.get(pid, {})
         if o and o.get("comm") not in (None, p.get("comm")) and _call(p, "malloc") < _call(o, "malloc"):
             o = {}  # PID reused by another program
-        calls = {c: _delta(_call(p, c), _call(o, c)) for c in ALLOC_CALLS + ("free",)}
+        calls = {c: _delta(_call(p, c), _call(o, c)) for c in ALLOC_CALLS + FREE_CALLS}
         n_alloc = sum(calls[c] for c in ALLOC_CALLS)
+        n_free = calls["free"] + sum(calls[c] for c in DELETE_CALLS)
         req = _delta(p.get("requested_bytes", 0), o.get("requested_bytes", 0))
         mean = req / n_alloc if n_alloc else None  # per interval: none when idle (blank, null)
         faults = _delta(_faults(p), _faults(o))
@@ -156,6 +160,8 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
             calls["realloc"] / dt if traced else None,
             calls["free"] / dt if traced else None,
             sum(calls[c] for c in MEMALIGN_FAMILY) / dt if traced else None,
+            sum(calls[c] for c in NEW_CALLS) / dt if traced else None,
+            sum(calls[c] for c in DELETE_CALLS) / dt if traced else None,
             req / dt if traced else None,
             mean if traced else None,
             p.get("live_bytes") if traced else None,  # absent: another allocator (sizes unknown)
@@ -165,7 +171,7 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
         rows.append(row)
         tot["processes"] += 1
         tot["traced"] = tot.get("traced", 0) + (1 if traced else 0)
-        tot["calls_per_s"] += (n_alloc + calls["free"]) / dt
+        tot["calls_per_s"] += (n_alloc + n_free) / dt
         tot["requested_bytes_per_s"] += req / dt
         tot["live_bytes"] += p.get("live_bytes") or 0
         tot["faults_per_s"] += faults / dt

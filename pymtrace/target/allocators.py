@@ -111,6 +111,38 @@ FAMILIES: dict[str, tuple[ApiFunction, ...]] = {
 }
 
 
+# C++ operator new/delete (Itanium ABI names, size_t = unsigned long), each variant its own
+# call type (bpf/malloc_stats.h CALL_NEW..). Where two names share an address (tcmalloc's and
+# mimalloc's new and new[] are one function) the first here wins: such an allocator's new[]
+# is counted as new. Defined by libstdc++ and by every allocator that replaces them
+# (jemalloc, tcmalloc, mimalloc); where a process's calls go: libc.cxx_runtime.
+_NT = "RKSt9nothrow_t"
+_AL = "St11align_val_t"
+CXX: tuple[ApiFunction, ...] = (
+    _f("_Znwm", "new", "s1"),
+    _f("_Znam", "new_array", "s1"),
+    _f("_Znwm" + _NT, "new_nothrow", "s1"),
+    _f("_Znam" + _NT, "new_nothrow", "s1"),
+    _f("_Znwm" + _AL, "new_aligned", "s1"),
+    _f("_Znam" + _AL, "new_aligned", "s1"),
+    _f("_Znwm" + _AL + _NT, "new_aligned", "s1"),
+    _f("_Znam" + _AL + _NT, "new_aligned", "s1"),
+    _f("_ZdlPv", "delete", "p1"),
+    _f("_ZdaPv", "delete_array", "p1"),
+    _f("_ZdlPv" + _NT, "delete", "p1"),
+    _f("_ZdaPv" + _NT, "delete_array", "p1"),
+    _f("_ZdlPvm", "delete_sized", "p1"),
+    _f("_ZdaPvm", "delete_sized", "p1"),
+    _f("_ZdlPv" + _AL, "delete_aligned", "p1"),
+    _f("_ZdaPv" + _AL, "delete_aligned", "p1"),
+    _f("_ZdlPvm" + _AL, "delete_aligned", "p1"),
+    _f("_ZdaPvm" + _AL, "delete_aligned", "p1"),
+    _f("_ZdlPv" + _AL + _NT, "delete_aligned", "p1"),
+    _f("_ZdaPv" + _AL + _NT, "delete_aligned", "p1"),
+)
+CXX_FAMILY = "c++"  # probe_plan's key for CXX
+
+
 def family_of(name: str) -> str:
     """The FAMILIES key for an allocator named NAME by pymtrace.target.libc.allocator."""
     return name if name in FAMILIES else "generic"
@@ -208,13 +240,20 @@ def _branch_site(code: bytes, start: int) -> int | None:
 @functools.lru_cache(maxsize=64)
 def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
     syms = elf.symbols(path)
+    cxx = family == CXX_FAMILY
     chosen = {}  # address -> ApiFunction (first name in the table wins)
-    for f in FAMILIES[family]:
+    for f in CXX if cxx else FAMILIES[family]:
         sym = syms.get(f.name)
         if sym is not None and sym.address not in chosen:
             chosen[sym.address] = (f, sym)
-    if not any(f.name.endswith("malloc") for f, _ in chosen.values()):
-        raise PymtraceError(f"{path} defines no malloc")
+    if cxx:
+        # a C allocator's function at the same address (tcmalloc's and mimalloc's operator
+        # delete is their free): one function, probed once, under its C name (the family's plan)
+        c_names = {f.name for table in FAMILIES.values() for f in table}
+        taken = {sym.address for name, sym in syms.items() if name in c_names}
+        chosen = {a: v for a, v in chosen.items() if a not in taken}
+    if not any(f.name.endswith("malloc") or f.name == "_Znwm" for f, _ in chosen.values()):
+        raise PymtraceError(f"{path} defines no {'operator new' if cxx else 'malloc'}")
     plt = _plt_stubs(path)
 
     def probed(target: int) -> int | None:
@@ -230,8 +269,9 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
         targets = [(m, probed(t)) for m, t in _direct_targets(code, address)]
         head = code[4:] if code.startswith(b"\xf3\x0f\x1e\xfa") else code  # endbr64
         first = _direct_targets(head[:6], address + len(code) - len(head))
-        if first and first[0][0] == "jmp" and probed(first[0][1]) not in (None, address):
-            continue  # a forwarder: every call reaches the probed function it jumps to
+        if not cxx and first and first[0][0] == "jmp" and probed(first[0][1]) not in (None, address):
+            continue  # a forwarder: every call reaches the probed function it jumps to (C++'s
+            # variants are kept: each is its own call type, nesting depth counts it once)
         nested = f.call != "free" or any(t not in (None, address) for _, t in targets)
         program = f.program if f.call != "free" else ("ms_f_free_nest" if nested else "ms_f_free_p1")
         sites = probesite.choose(code, address, len(code), f.name)
@@ -254,7 +294,8 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
 
 
 def probe_plan(path: str, family: str) -> list[tuple[str, tuple[Probe, ...]]]:
-    """top's uprobes for the allocator FAMILY (a FAMILIES key) in the ELF file PATH:
+    """top's uprobes for the allocator FAMILY (a FAMILIES key, or CXX_FAMILY: operator
+    new/delete, every variant with a return probe) in the ELF file PATH:
     [(function, (Probe, ...))], each function found in PATH once per address. Raises
     PymtraceError when PATH cannot be read or defines no malloc."""
     try:

@@ -350,6 +350,49 @@ def allocator(pid: int) -> Allocator | None:
     return Allocator("musl" if "musl" in os.path.basename(libc_path) else "glibc", True, libc_path)
 
 
+@functools.lru_cache(maxsize=256)
+def _defines(path: str, name: str, _key: tuple) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return bool(elf.DynamicSymbols(f).defined(name))
+    except (OSError, ValueError, struct.error):  # not an ELF file we can read
+        return False
+
+
+def defines(path: str, name: str) -> bool:
+    """Whether the ELF file PATH defines and exports the symbol NAME (.dynsym; cached per file)."""
+    key = file_key(path)
+    return key is not None and _defines(path, name, key)
+
+
+def cxx_runtime(pid: int) -> str | None:
+    """The file PID's C++ `operator new` calls go to (the first object in the dynamic
+    linker's search order that exports _Znwm: libstdc++, or an allocator that replaces it,
+    such as a preloaded jemalloc/tcmalloc/mimalloc), or None (no C++ runtime mapped, or the
+    maps are unreadable). When the link map cannot be read, the mapped files in map order."""
+    try:
+        maps = read_maps(pid)
+    except MapsUnreadable:
+        return None
+    own = proc.exe(pid)
+    exe = host_path(pid, own) if own is not None else None
+    order = None
+    if exe is not None:
+        try:
+            order = _link_map(pid, exe, maps)
+        except Exception:  # the link map lives in the process's own (corruptible) memory
+            order = None
+    if order is None:
+        order = ([exe] if exe else []) + [
+            host_path(pid, m.path) for m in maps if "x" in m.perms and m.path.startswith("/")
+        ]
+    mapped = {file_key(host_path(pid, m.path)) for m in maps if m.path.startswith("/")}
+    for path in order:
+        if path and file_key(path) in mapped and defines(path, "_Znwm"):
+            return path
+    return None
+
+
 def distinct_allocators(maps_seen: dict[int, list[Mapping]] | None = None) -> dict[str, tuple[str, set[int]]]:
     """Every mapped file other than a libc that defines and exports malloc (jemalloc,
     tcmalloc, mimalloc, an executable with its own malloc, ...), once per file (device,
@@ -376,6 +419,29 @@ def distinct_allocators(maps_seen: dict[int, list[Mapping]] | None = None) -> di
             if hit is not None and hit[0] is not None:
                 found.setdefault(hit[0], (real, hit[1], set()))[2].add(pid)
     return {path: (name, users) for path, name, users in found.values()}
+
+
+def distinct_cxx_runtimes(maps_seen: dict[int, list[Mapping]] | None = None) -> dict[str, set[int]]:
+    """Every mapped file exporting C++'s operator new (_Znwm: libstdc++, or an allocator
+    replacing it), once per file (device, inode): {path: {pid, ...}}. MAPS_SEEN as for
+    distinct_allocators."""
+    found = {}
+    looked = {}
+    for pid in sorted(maps_seen) if maps_seen is not None else pids():
+        try:
+            maps = maps_seen[pid] if maps_seen is not None else read_maps(pid)
+            root = os.readlink(f"/proc/{pid}/root")
+        except (PymtraceError, OSError):
+            continue
+        prefix = "" if root == "/" else f"/proc/{pid}/root"
+        for path in {m.path for m in maps if "x" in m.perms and m.path.startswith("/")}:
+            real = prefix + path
+            if real not in looked:
+                key = file_key(real)
+                looked[real] = key if key is not None and not is_libc_path(path) and defines(real, "_Znwm") else None
+            if looked[real] is not None:
+                found.setdefault(looked[real], (real, set()))[1].add(pid)
+    return {path: users for path, users in found.values()}
 
 
 def _dynamic(path: str) -> bool:

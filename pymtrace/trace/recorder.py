@@ -712,6 +712,17 @@ class Recorder:
             if not proc.exists(self.target):
                 raise ProcessGone(self.target) from None
             raise PymtraceError(f"cannot attach uprobes to {probed}: {exc}") from None
+        # C++'s operator new/delete where the process's calls resolve (-p: known now)
+        cxx = libc.cxx_runtime(self.target) if self.launched is None else None
+        if cxx is not None:
+            try:
+                self.sites += attach_foreign(self.bpf, cxx, allocators.CXX_FAMILY, pid)
+            except PymtraceError:
+                raise
+            except Exception as exc:  # BCC's attach_uprobe raises plain Exception
+                if not proc.exists(self.target):
+                    raise ProcessGone(self.target) from None
+                raise PymtraceError(f"cannot attach uprobes to {cxx}: {exc}") from None
         self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(1)
         sample = ctypes.sizeof(structs.header("record").structs["record_event"])
         self.reader = RingReader(self.bpf["events"].map_fd, self.pages * _PAGE, sample, mtrace_bin.RECORD_SIZE)

@@ -3,54 +3,16 @@ tcmalloc and mimalloc LD_PRELOADed, and an allocator defined in the executable, 
 tests/support/workloads/top_calls.c's exact tally (-DANY_ALLOCATOR); mtrace-bin and Parquet,
 with the allocator family in the trace's metadata."""
 
-import signal
-import subprocess
-
 import pyarrow.parquet as pq
 import pytest
-from conftest import PYMTRACE
-from support.allocators import LIBS, library
-from support.top import Lines, Workload
+from support.allocators import LIBS, library, record_workload
+from support.top import Workload
 
 from pymtrace.trace.formats import mtrace_bin as B
 
 pytestmark = pytest.mark.bpf
 
 TYPES = ("malloc", "calloc", "free", "realloc", "memalign", "valloc", "pvalloc", "posix_memalign")
-
-
-def _record(w, out, *extra):
-    """record -p W -o OUT, the workload run once recording; the workload's tally."""
-    rec = subprocess.Popen(
-        PYMTRACE + ["record", "-p", str(w.pid), "-o", str(out), *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    err = Lines(rec.stderr)
-    try:
-        seen = []
-        while not seen or "recording" not in seen[-1]:
-            seen.append(err.get(300))
-        w.go()
-        expected = w.result()
-        # stopped before the workload's threads exit (glibc frees their TLS then: real calls
-        # the workload's tally does not count)
-        rec.send_signal(signal.SIGINT)
-        rc = rec.wait(60)
-        assert w.finish() == 0
-        while True:
-            try:
-                seen.append(err.get(5))
-            except AssertionError:
-                break
-        assert rc == 0, "".join(seen)
-        return expected
-    finally:
-        if rec.poll() is None:
-            rec.kill()
-            rec.wait()
-        w.kill()
 
 
 def _counts(types):
@@ -71,7 +33,7 @@ def _workload(cbuild, name):
 @pytest.mark.parametrize("name", sorted(LIBS) + ["own"])
 def test_record_counts_another_allocator_exactly(cbuild, tmp_path, name):
     out = tmp_path / "trace"
-    expected = _record(_workload(cbuild, name), out)
+    expected = record_workload(_workload(cbuild, name), out)
     with open(out, "rb") as f:
         magic = f.read(64)
     assert B.allocator_of(magic) == ("generic" if name == "own" else name)
@@ -84,7 +46,7 @@ def test_record_counts_another_allocator_exactly(cbuild, tmp_path, name):
 
 def test_record_parquet_names_the_allocator(cbuild, tmp_path):
     out = tmp_path / "trace.parquet"
-    expected = _record(_workload(cbuild, "jemalloc"), out, "--format", "parquet")
+    expected = record_workload(_workload(cbuild, "jemalloc"), out, "--format", "parquet")
     table = pq.read_table(out)
     meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
     assert meta["pymtrace.allocator"] == "jemalloc"

@@ -1,11 +1,14 @@
 """Helpers for the tests of other allocators than glibc (no tests here): Debian's allocator
 libraries (installed by install.sh) found through ldconfig, and `pymtrace exporter` started
-and waited for."""
+and waited for, `pymtrace record -p` around one run of a workload."""
 
+import signal
 import subprocess
 import time
 
 from conftest import PYMTRACE, missing_or_fail
+
+from support.top import Lines
 
 LIBS = {  # "a|b": the first ldconfig knows (Debian 13's libmimalloc3 has soname .so.3)
     "jemalloc": "libjemalloc.so.2",
@@ -44,3 +47,37 @@ def start_exporter(port, *args, timeout=300):
         exp.wait()
         raise AssertionError(f"the exporter did not start: {line}")
     return exp
+
+
+def record_workload(w, out, *extra):
+    """record -p W -o OUT, the workload run once recording; the workload's tally."""
+    rec = subprocess.Popen(
+        PYMTRACE + ["record", "-p", str(w.pid), "-o", str(out), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    err = Lines(rec.stderr)
+    try:
+        seen = []
+        while not seen or "recording" not in seen[-1]:
+            seen.append(err.get(300))
+        w.go()
+        expected = w.result()
+        # stopped before the workload's threads exit (glibc frees their TLS then: real calls
+        # the workload's tally does not count)
+        rec.send_signal(signal.SIGINT)
+        rc = rec.wait(60)
+        assert w.finish() == 0
+        while True:
+            try:
+                seen.append(err.get(5))
+            except AssertionError:
+                break
+        assert rc == 0, "".join(seen)
+        return expected
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.wait()
+        w.kill()

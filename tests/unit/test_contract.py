@@ -176,7 +176,10 @@ def test_call_names_shown_are_the_ones_the_collector_emits():
     assert len(set(snapshot.CALLS)) == len(snapshot.CALLS)
     assert set(snapshot.CALLS) == set(emitted.values())
     assert [k for k, _ in views.TOTAL_COLUMNS if k in emitted.values()] == list(snapshot.CALLS)
-    assert set(views.ALLOC_CALLS) == set(snapshot.CALLS) - {"free", "free_null"}
+    # C++'s operator delete variants release blocks like free
+    deletes = {"delete", "delete_array", "delete_sized", "delete_aligned"}
+    assert set(snapshot.DELETE_CALLS) == deletes
+    assert set(views.ALLOC_CALLS) == set(snapshot.CALLS) - {"free", "free_null"} - deletes
 
 
 def test_installed_layout_reads_the_headers(tmp_path):

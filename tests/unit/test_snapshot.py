@@ -246,5 +246,6 @@ def test_exporter_merges_its_sources_with_the_same_rule():
 def test_call_names_in_top_s_display_order():
     """The display order of the calls (top's columns) is the one top always printed."""
     order = ("malloc", "calloc", "realloc", "free", "free_null", "memalign", "posix_memalign", "valloc", "pvalloc")
-    assert snapshot.CALLS == order
-    assert snapshot.ALLOC_CALLS == tuple(c for c in order if c not in ("free", "free_null"))
+    cxx = ("new", "new_array", "new_nothrow", "new_aligned", "delete", "delete_array", "delete_sized", "delete_aligned")
+    assert snapshot.CALLS == order + cxx  # C++'s operator new/delete after the C calls
+    assert snapshot.ALLOC_CALLS == tuple(c for c in order + cxx if c not in ("free", "free_null") + cxx[4:])

@@ -171,8 +171,8 @@ def test_fake_source_views_sort_pause_quit(tmux):
     # '<' back to MALLOC/s (descending again)
     t.send("<")
     wait_order(t, ["aaa-malloc", "bbb-calloc", "ccc-idle"], "sorted by MALLOC/s again")
-    # '>' ... to LIVE (column 9): bbb has 1 GiB live
-    for _ in range(7):
+    # '>' ... to LIVE (column 11, after NEW/s and DELETE/s): bbb has 1 GiB live
+    for _ in range(9):
         t.send(">")
     s = wait_order(t, ["bbb-calloc", "ccc-idle", "aaa-malloc"], "sorted by LIVE")
     assert "sort LIVE desc" in s and "1.00 GiB" in s

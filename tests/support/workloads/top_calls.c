@@ -250,6 +250,10 @@ int main(void) {
     int n = snprintf(line, sizeof(line), "{\"calls\": {");
     for (int k = 0; k < NTYPES; k++)
         n += snprintf(line + n, sizeof(line) - n, "%s\"%s\": %lu", k ? ", " : "", names[k], sum.calls[k]);
+    /* a C program: no C++ operator new/delete call (top counts those as their own types) */
+    static const char *cxx[] = {"new",    "new_array",    "new_nothrow",  "new_aligned",
+                                "delete", "delete_array", "delete_sized", "delete_aligned"};
+    for (int k = 0; k < 8; k++) n += snprintf(line + n, sizeof(line) - n, ", \"%s\": 0", cxx[k]);
     n += snprintf(line + n, sizeof(line) - n,
                   "}, \"requested_bytes\": %lu, \"allocated_bytes\": %lu, \"freed_bytes\": %lu, "
                   "\"failed\": %lu, \"size_log2\": [",
