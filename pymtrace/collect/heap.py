@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 from pymtrace.bpf import structs
 from pymtrace.collect.base import Collector, lost_counts, lost_names
 from pymtrace.errors import ProcessGone, PymtraceError
-from pymtrace.target import elf, libc, mallocapi, probesite, proc
+from pymtrace.target import allocators, elf, libc, mallocapi, probesite, proc
 
 PROGRAM = "heap"
 DEFAULT_SAMPLE_BYTES = 524288
@@ -89,7 +89,21 @@ def draw_bytes(x: int, mean: int, table: list[int]) -> int:
     return ((a >> 16) * neg >> LG_FRACTION_BITS) + ((a & 0xFFFF) * neg >> 36) + 1
 
 
-def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
+# glibc's argument layout of each call type (pymtrace.target.allocators' names): another
+# allocator's function with the same layout is sampled by the same hp_<call>_entry program
+_GLIBC_LAYOUTS = {
+    "malloc": "s1",
+    "calloc": "n1s2",
+    "realloc": "p1s2",
+    "free": "p1",
+    "memalign": "s2",
+    "posix_memalign": "p1s3",
+    "valloc": "s1",
+    "pvalloc": "s1",
+}
+
+
+def probe_plan(path: str, family: str = "glibc") -> list[tuple[str, list[tuple[str, int, str]]]]:
     """heap's uprobes on the libc at PATH: [(function, [(kind, offset, bpf_function), ...])].
 
     free goes where pymtrace.target.probesite finds an emulated instruction, as in top. The
@@ -97,7 +111,25 @@ def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
     at [sp] as soon as +0 has run, and the copied stack must hold the real one for the
     unwinder (on glibc 2.36 this costs posix_memalign, valloc and pvalloc a single-step:
     rare calls). Functions sharing an address (memalign and aligned_alloc) are probed once.
-    Raises PymtraceError if PATH has no malloc/free to probe."""
+    Raises PymtraceError if PATH has no malloc/free to probe.
+
+    FAMILY other than glibc (jemalloc, ...: pymtrace.target.allocators): the functions of
+    allocators.probe_plan (one per address, forwarders left out) whose arguments are laid
+    out as glibc's (mallocx, rallocx, sdallocx, dallocx too; not xallocx or mimalloc's
+    (size, alignment) functions, which no sampler program reads), the same way."""
+    if family != "glibc":
+        table = {f.name: f for f in allocators.FAMILIES[family]}
+        plan = []
+        for function, probes in allocators.probe_plan(path, family):
+            f = table[function]
+            if _GLIBC_LAYOUTS.get(f.call) != f.layout:
+                continue
+            if f.call == "free":
+                entries = [("entry", p.offset, "hp_free_entry") for p in probes if p.kind == "entry"]
+            else:
+                entries = [("entry", 0, f"hp_{f.call}_entry"), ("return", 0, "hp_return")]
+            plan.append((function, entries))
+        return plan
     syms = elf.symbols(path)
     plan, done = [], set()
     for f in mallocapi.FUNCTIONS:
@@ -185,6 +217,7 @@ class HeapCollector(Collector):
             "HP_MAX_TARGETS": max_targets,
         }
         self.libcs = {}  # libc path -> [pid, ...] (or [-1]: every process, filtered in BPF)
+        self.families = {}  # path -> another allocator's family (allocators.FAMILIES); glibc if absent
         self.plans = {}
         self.attached = []  # (path, function, offset, kind, pid)
         self.calls = {v: k[len("CALL_") :].lower() for k, v in header.consts.items() if k.startswith("CALL_")}
@@ -207,7 +240,13 @@ class HeapCollector(Collector):
 
     def prepare(self) -> None:
         targets = {}
+        self.families = {}
         for pid in self.pids:
+            found = None if self.libc_path else libc.allocator(pid)
+            if found is not None and found.family not in (None, "glibc"):  # jemalloc, ...
+                targets.setdefault(found.path, []).append(pid)
+                self.families[found.path] = found.family
+                continue
             # raises ProcessGone, or why its maps are unreadable
             path = self.libc_path or libc.process_libc(pid)
             if path is None:
@@ -219,7 +258,7 @@ class HeapCollector(Collector):
         super().prepare()
 
     def plan(self) -> None:
-        self.plans = {path: probe_plan(path) for path in self.libcs}
+        self.plans = {path: probe_plan(path, self.families.get(path, "glibc")) for path in self.libcs}
 
     def _attach(self) -> None:
         table = self.bpf[b"hp_lg"]

@@ -126,9 +126,9 @@ def run(args: argparse.Namespace) -> int:
         pids = sorted({proc.tgid(pid) for pid in args.pid})
         if os.getpid() in pids:
             raise PymtraceError(f"process {os.getpid()} is this pymtrace: it cannot sample itself")
-        for pid in pids:  # heap probes glibc's malloc: a process calling another one would show nothing
+        for pid in pids:  # an allocator heap cannot probe (a static binary) would show nothing
             found = libc.allocator(pid)
-            if found is not None and not found.traced:
+            if found is not None and found.family is None:
                 raise PymtraceError(libc.untraced_message(pid, found) + ": nothing to sample")
     meta = {"command": " ".join(cmd) if cmd else "", "pids": pids, "time_ns": time.time_ns()}
     meta["exe"] = proc.exe(pids[0]) or ""  # as its maps name it: pprof's first mapping

@@ -458,7 +458,7 @@ def untraced_message(pid: int, found: Allocator) -> str:
     who = (
         "pymtrace does not trace (only glibc's malloc is)"
         if found.family is None
-        else "heap and `record -- CMD` do not trace (only glibc's malloc; `record -p`, top and the exporter do)"
+        else "`heap -- CMD` and `record -- CMD` do not trace (only glibc's; with -p, heap, record, top and the exporter do)"
     )
     return (
         f"process {pid} ({proc.comm(pid, missing='?')}) does not allocate with glibc's malloc: its allocator is "

@@ -197,14 +197,52 @@ def test_errors_are_one_line(tmp_path):
     assert proc.returncode != 0 and "exists" in proc.stderr and existing.read_text() == "keep"
 
 
-def test_a_process_on_another_allocator_is_refused_not_shown_empty(tmp_path):
-    """heap probes glibc's malloc: a process whose malloc is jemalloc's gets one line, not an
-    empty profile."""
+def test_a_jemalloc_process_gives_exact_chains(chains, tmp_path):
+    """heap -p on a process whose malloc is jemalloc's (LD_PRELOADed) samples jemalloc's
+    functions (target/allocators.py): with --sample-bytes 1 every chain exact in folded."""
     found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
     jemalloc = next((line.split()[-1] for line in found.splitlines() if "libjemalloc.so.2 " in line), None)
     if jemalloc is None:
         missing_or_fail("libjemalloc2 is not installed")
-    target = subprocess.Popen(["sleep", "60"], env=dict(os.environ, LD_PRELOAD=jemalloc))
+    out = tmp_path / "j.folded"
+    target = subprocess.Popen(
+        [chains["exe"], "-w", "0"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, LD_PRELOAD=jemalloc),
+    )
+    try:
+        assert target.stdout.readline() == b"ready\n"
+        tracer = subprocess.Popen(
+            [*PYMTRACE, "heap", "-p", str(target.pid), "--sample-bytes", "1", "--value", "alloc_space"]
+            + ["--duration", "60", "-o", str(out)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = tracer.stderr.readline()
+        assert "sampling PID" in line, line
+        target.stdin.write(b"go\n")
+        target.stdin.flush()
+        assert target.stdout.readline() == b"done\n"
+        time.sleep(0.3)
+        tracer.send_signal(2)
+        _, err = tracer.communicate(timeout=60)
+        assert tracer.returncode == 0, err
+    finally:
+        target.stdin.close()
+        target.wait(timeout=30)
+    got = folded(out)
+    leaf = r"(je_)?malloc"  # jemalloc's own symbol names the leaf
+    assert value_of(got, f"{ROOT};alpha;beta;leaf_alloc;{leaf}") == CHAIN_BYTES
+    assert value_of(got, f"{ROOT};gamma_;lib_outer;lib_inner;{leaf}") == OLD_LEAKS[1]
+    assert value_of(got, f"{ROOT};delta;young_leaf;{leaf}") == YOUNG_LEAKS[1]
+    assert value_of(got, rf".*;worker;thread_leaf;{leaf}") == THREAD_BYTES
+
+
+def test_a_static_binary_is_refused_not_shown_empty(cbuild, tmp_path):
+    """A process whose allocator heap cannot probe (a stripped static binary) gets one line,
+    not an empty profile."""
+    target = subprocess.Popen([cbuild("top_steady", "-static", "-s"), "10", "0", "pmt-static"], stdin=subprocess.PIPE)
     try:
         time.sleep(0.3)
         proc = run_pymtrace("heap", "-p", str(target.pid), "-o", str(tmp_path / "x.txt"))
@@ -212,7 +250,7 @@ def test_a_process_on_another_allocator_is_refused_not_shown_empty(tmp_path):
         target.kill()
         target.wait()
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "jemalloc" in proc.stderr and "nothing to sample" in proc.stderr
+    assert "static" in proc.stderr and "nothing to sample" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.txt").exists()
 
 
