@@ -6,9 +6,10 @@ import sys
 
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.trace import stacktable
-from pymtrace.trace.formats import load_records
+from pymtrace.trace.formats import load_records, recorded_allocator
 from pymtrace.trace.tracestats import Stats, path_flags, write_json
 
+_ALLOCATOR_TEXT = {"generic": "the program's own malloc"}
 TOP_STACKS = 10  # --stats: the stacks listed by bytes requested
 
 HELP = "Decode a recorded malloc trace (mtrace-bin, mtrace-text or parquet), one call a line, with per-type statistics."
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 for f in reversed(entry.frames):
                     out.write(f"           {frame_text(f)}\n")
         st = stats.as_dict()
+        st["allocator"] = recorded_allocator(args.file)  # recorded from (None: glibc, or not said)
         if table is not None:
             st["top_stacks"] = [
                 {**t, "frames": [f.function for f in table[t["stack"]].frames] if t["stack"] in table else []}
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     out.write(
         f"\n{args.file}: {fmt}, {st['records']} records, {st['threads']} threads"
         + (f", {st['span_ns'] / 1e9:.6f} s" if st["span_ns"] is not None else "")
+        + (f", recorded from {_ALLOCATOR_TEXT.get(st['allocator'], st['allocator'])}" if st["allocator"] else "")
         + "\n"
     )
     out.write(f"{'call':<15}{'count':>10}{'failed':>8}{'requested bytes':>22}{'min':>21}{'max':>21}\n")

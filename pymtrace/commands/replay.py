@@ -18,6 +18,7 @@ import tempfile
 from pymtrace.errors import PymtraceError
 from pymtrace.replay import report, runner
 from pymtrace.trace.files import check_new
+from pymtrace.trace.formats import recorded_allocator
 
 HELP = (
     "Replay a .wl workload (or a binary trace, converted on the fly) against allocators and tunables and compare them."
@@ -26,6 +27,8 @@ EPILOG = """configurations (one table row each):
   --allocator NAME[:SETTING,...]   NAME: glibc, jemalloc, tcmalloc, mimalloc or /path/lib.so
       SETTING: glibc.malloc.X=V (GLIBC_TUNABLES), M_NAME=V (mallopt), trim=N (malloc_trim)
   --tunable/--mallopt/--trim-interval apply to every configuration.
+  Without --allocator: glibc, plus jemalloc/tcmalloc/mimalloc when the trace was recorded
+  from that allocator (record -p on such a process; the trace names it).
 
 examples:
   pymtrace replay app.wl --allocator glibc --allocator jemalloc --allocator tcmalloc
@@ -47,7 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--allocator",
         action="append",
         metavar="NAME[:SETTINGS]",
-        help="a configuration to run (repeatable; default glibc)",
+        help="a configuration to run (repeatable; default glibc, plus the allocator a trace was recorded from)",
     )
     parser.add_argument(
         "--tunable",
@@ -99,12 +102,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", action="store_true", help="also print each run's upstream-style text report")
 
 
+REPLAYABLE = ("jemalloc", "tcmalloc", "mimalloc")  # families replay can load by name
+
+
+def default_allocators(workload: str) -> list[str]:
+    """The configurations without --allocator: glibc, and the allocator the trace was
+    recorded from when it names one replay can load (said on stderr)."""
+    family = recorded_allocator(workload) if os.path.isfile(workload) else None
+    if family in REPLAYABLE:
+        print(
+            f"pymtrace: {workload} was recorded from {family}: replaying against glibc and {family} "
+            "(--allocator to choose)",
+            file=sys.stderr,
+        )
+        return ["glibc", family]
+    if family is not None:
+        print(
+            f"pymtrace: {workload} was recorded from the program's own malloc, which replay cannot load: "
+            "replaying against glibc (--allocator /path/lib.so for another)",
+            file=sys.stderr,
+        )
+    return ["glibc"]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise PymtraceError("--repeat must be at least 1")
     if args.plot:
         check_new(args.plot, args.force)  # before the replay, not after it
-    specs = args.allocator or ["glibc"]
+    specs = args.allocator or default_allocators(args.workload)
     configs = [runner.Config(s, args.tunable, args.mallopt, args.trim_interval) for s in specs]
     options = runner.RunOptions(
         sync=args.sync,

@@ -2,6 +2,7 @@
 allocator/tunable/mallopt/trim configurations, failures per row, plots, the simulator's build
 cache (tests/live/test_replay_bpf.py: what needs root or BPF)."""
 
+import json
 import os
 import subprocess
 
@@ -381,3 +382,24 @@ def test_mimalloc_installed_here_is_found():
     if not here:
         pytest.skip("neither libmimalloc.so.2 nor libmimalloc.so.3 is installed")
     assert lib_for("mimalloc") == os.path.realpath(runner._ldconfig()[here[0]])
+
+
+def test_a_trace_from_another_allocator_is_replayed_against_it_by_default(tmp_path):
+    """A trace naming its allocator (record -p on a jemalloc process: the MAGIC record's size3)
+    is replayed against glibc and that allocator without --allocator; dump says it too."""
+    if not lib_for("jemalloc"):
+        pytest.skip("jemalloc not installed")
+    trace = tmp_path / "je.trace"
+    trace.write_bytes(mb.magic_record(SINGLE[0].thread, allocator="jemalloc") + b"".join(mb.pack(r) for r in SINGLE))
+    proc = run_pymtrace("replay", trace, "--json", timeout=SIM_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [c["configuration"] for c in doc["configurations"]] == ["glibc", "jemalloc"]
+    assert "recorded from jemalloc" in proc.stderr and "--allocator" in proc.stderr
+    stats = json.loads(run_pymtrace("dump", "--stats", "--json", trace, check=True).stdout)["stats"]
+    assert stats["allocator"] == "jemalloc"
+    assert "recorded from jemalloc" in run_pymtrace("dump", "--stats", trace, check=True).stdout
+    # an explicit --allocator is what runs; a trace naming none (glibc) stays glibc only
+    assert [c["configuration"] for c in replay_json(trace, "--allocator", "glibc")["configurations"]] == ["glibc"]
+    plain = write_trace(tmp_path / "plain.trace", SINGLE)
+    assert [c["configuration"] for c in replay_json(plain)["configurations"]] == ["glibc"]
