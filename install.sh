@@ -41,16 +41,18 @@ distro_family() {
 # openjdk-17 (Debian 13: 21; Fedora java-17-openjdk-headless) runs pyspark's local mode in the test that reads
 # `pymtrace collect`'s dataset with Spark (a real client of the dataset, docs/collect.md).
 # g++ (gcc-c++) builds the C++ test workloads (heap: operator new callers, demangled names).
+# redis-server + redis-tools (Fedora: redis) for the test of a real jemalloc server driven by
+# redis-benchmark (top's rates, a record replayed under jemalloc: tests/live/test_redis.py).
 distro_packages() {
     case $1 in
         debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc g++ make libc6-dev \
 python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
 prometheus libc-devtools libdw-dev \
 tmux shellcheck vagrant binutils procps clang-format golang-go chromium|chromium-browser \
-openjdk-17-jre-headless|openjdk-21-jre-headless" ;;
+openjdk-17-jre-headless|openjdk-21-jre-headless redis-server redis-tools" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc gcc-c++ make glibc-devel \
 jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils elfutils-devel tmux ShellCheck \
-binutils procps-ng kernel-devel clang-tools-extra golang chromium java-17-openjdk-headless" ;;
+binutils procps-ng kernel-devel clang-tools-extra golang chromium java-17-openjdk-headless redis" ;;
         *) return 1 ;;
     esac
 }

@@ -10,13 +10,15 @@ from conftest import ProbeWatch
 from support.schema import problems
 from support.top import Top, Workload, alive, assert_probes_gone, assert_probes_installed
 
-from pymtrace.collect.snapshot import CALLS
+from pymtrace.collect.snapshot import CALLS, DELETE_CALLS, NEW_CALLS
 
 
 def _expected_ok(expected):
-    # the workload really exercised every path we claim to handle
+    # the workload really exercised every C path we claim to handle (C++'s operator
+    # new/delete: tests/live/test_cxx_calls.py)
     for name in CALLS:
-        assert expected["calls"][name] > 0, name
+        if name not in NEW_CALLS + DELETE_CALLS:
+            assert expected["calls"][name] > 0, name
     assert expected["failed"] > 0
 
 
