@@ -133,6 +133,9 @@ def test_record_compiles_only_the_record_program(tmp_path, target):
     assert proc.returncode == 0, proc.stderr
     assert compiles == [{"record"}], events
     assert compiled_before_uprobes(events), events
+    # a process without glibc's libc_malloc_debug interposer: no interposer entry programs
+    (functions,) = compiled_functions(proc)
+    assert functions and not {f for f in functions if f.startswith("enter_outer_")}, functions
 
 
 @pytest.mark.bpf
