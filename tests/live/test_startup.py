@@ -204,3 +204,38 @@ def test_system_wide_top_compiles_other_allocators_programs_when_one_is_mapped(t
     assert proc.returncode == 0, proc.stderr
     assert len(compiles) == 1 and "malloc_stats" in compiles[0], events
     assert [malloc_programs(f) for f in compiled_functions(proc)] == [GLIBC_PROGRAMS | FOREIGN_PROGRAMS | {"ms_exec"}]
+
+
+@pytest.mark.bpf
+def test_system_wide_top_names_a_later_allocator_file_as_not_counted(tmp_path, cbuild):
+    """A process started after top attached, on an allocator file no process mapped then
+    (a fresh copy of jemalloc: a new inode), is not probed (its file was not in the
+    program set nor the attach): its row names the allocator as not traced, never zeros."""
+    import shutil
+
+    from support.allocators import LIBS, library
+    from support.top import Top, Workload
+
+    late = tmp_path / "libjemalloc-late.so.2"
+    shutil.copy(library(LIBS["jemalloc"]), late)
+    top = Top("--json", "-i", "0.5", "--view", "processes", "--no-glibc")
+    work = None
+    try:
+        top.json_doc()  # attached
+        work = Workload(["env", f"LD_PRELOAD={late}", cbuild("top_calls", "-DANY_ALLOCATOR")])
+        work.go()
+        work.result()
+        started = time.monotonic()
+        for _ in range(20):
+            doc = top.json_after(started)
+            p = doc["snapshot"]["processes"].get(str(work.pid), {})
+            if "allocator" in p:
+                break
+        assert p["allocator"] == "jemalloc" and p["allocator_traced"] is False, p
+        row = {r["pid"]: r for r in doc["views"]["processes"]["rows"]}[work.pid]
+        assert row["untraced_allocator"] == "jemalloc" and row["malloc_per_s"] is None, row
+        assert top.stop() == 0
+    finally:
+        top.kill()
+        if work is not None:
+            work.kill()
