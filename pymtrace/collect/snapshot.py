@@ -31,6 +31,14 @@ faked, so a consumer works with whichever collectors are running:
          # header to read its block sizes from)
          "failed": calls that returned NULL / an error code,
          "size_log2": [65 counts]: [0] size 0, [i] sizes in [2^(i-1), 2^i - 1],
+         # MallocCollector, heap efficiency (pymtrace.collect.heapefficiency; absent for a
+         # process that exited or whose /proc/PID/statm cannot be read):
+         "rss_bytes": resident bytes now, "rss_anon_bytes": anonymous resident bytes now
+                      (/proc/PID/statm: resident - shared = status's RssAnon),
+         "rss_anon_base_bytes": RssAnon when counting began (at attach; 0 for a process
+                      started after it): live_bytes is compared with the growth since,
+         "heap_flag": anon growth > 1.5 x live_bytes and > live_bytes + 64 MiB (None: no
+                      live bytes to judge: another allocator than glibc),
          # FaultCollector:
          "faults_user": faults raised in user mode,
          "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user),
@@ -165,6 +173,10 @@ class ProcessEntry(_ProcessBase, total=False):
     live_bytes: int
     failed: int
     size_log2: List[int]
+    rss_bytes: int
+    rss_anon_bytes: int
+    rss_anon_base_bytes: int
+    heap_flag: Optional[bool]
     faults_user: int
     faults_kernel: int
     allocator: str

@@ -9,7 +9,7 @@ snapshots' "time" fields) and draws the chosen view. SOURCE may return None (not
 the last snapshot stays) or raise StopIteration (end: the UI exits with 0, e.g. when every
 watched process is gone).
 
-Keys: 1-5 view (Tab / Shift-Tab cycle), Left/Right or < > sort column, r reverse order,
+Keys: 1-6 view (Tab / Shift-Tab cycle), Left/Right or < > sort column, r reverse order,
 p or space pause, Up/Down/PgUp/PgDn/Home scroll, q quit. In view 5 (call stacks) Up/Down
 select a row and Enter shows (or hides) its full stacks, root to leaf.
 
@@ -32,8 +32,8 @@ from pymtrace.collect.snapshot import Snapshot
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks import views
 
-HELP = "1-5/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
-HELP_STACKS = "1-5/Tab view  </> sort  r reverse  p pause  Up/Down select  Enter stacks  q quit"
+HELP = "1-6/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
+HELP_STACKS = "1-6/Tab view  </> sort  r reverse  p pause  Up/Down select  Enter stacks  q quit"
 STACKS_VIEW = views.VIEWS.index("stacks")
 
 KEY_VIEW = {ord(str(i + 1)): i for i in range(len(views.VIEWS))}
@@ -246,7 +246,7 @@ def _loop(scr: curses.window, source: Callable[[], Optional[Snapshot]], state: S
 def run(source: Callable[[], Optional[Snapshot]], args: Any = None) -> int:
     """Show the live view until q, Ctrl-C or SIGTERM; returns the exit code (0).
 
-    args: a namespace with optional `interval` (seconds, default 1) and `view` (1-5 or a name).
+    args: a namespace with optional `interval` (seconds, default 1) and `view` (1-6 or a name).
     """
     interval = getattr(args, "interval", None) or 1.0
     view = getattr(args, "view", None) or 1
