@@ -36,7 +36,7 @@ def assess(entry: Mapping[str, Any]) -> dict[str, Any]:
     pymtrace.collect.snapshot.ProcessStats): anon_growth_bytes (None when the RssAnon at
     attach is unknown), rss_anon_per_live (growth / live bytes; None without live bytes >
     0), wasted_bytes (growth - live) and heap_flag (bool; None when it cannot be judged:
-    no RSS, no live bytes: another allocator than glibc)."""
+    no RSS or no live bytes)."""
     live = entry.get("live_bytes")
     anon = entry.get("rss_anon_bytes")
     base = entry.get("rss_anon_base_bytes")

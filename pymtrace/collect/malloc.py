@@ -216,6 +216,19 @@ class MallocCollector(Collector):
                     raise ProcessGone(pid) from None
                 raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
 
+    def _forget_blocks(self, pids: list[int]) -> None:
+        """Delete the ms_fblocks entries (other allocators' live blocks) of exited PIDS: a
+        later process with the same PID must not find them (one pass over the table)."""
+        if not pids:
+            return
+        table = self.bpf[b"ms_fblocks"]
+        wanted = set(pids)
+        for key in [k for k in table.keys() if k.tgid in wanted]:
+            try:
+                del table[key]
+            except KeyError:  # freed meanwhile by the BPF side (a reused PID's free)
+                pass
+
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         table = self.bpf[b"ms_stats"]
@@ -235,14 +248,14 @@ class MallocCollector(Collector):
                 "size_log2": [int(x) for x in s["size_log2"]],
                 "exited": pid in gone,
             }
-            if s["foreign_calls"]:  # counted on another allocator: its block sizes are unknown
-                for key in ("allocated_bytes", "freed_bytes", "live_bytes"):
-                    del p[key]
+            if s["foreign_calls"]:  # another allocator: sizes of blocks allocated since attach, as requested
+                p["block_bytes"] = "requested"
             mem = None if pid in gone else proc.rss(pid)
             if mem is not None:
                 p["rss_bytes"], p["rss_anon_bytes"] = mem
                 p["rss_anon_base_bytes"] = self.rss_anon_base.get(pid, 0)
                 p["heap_flag"] = heapefficiency.assess(p)["heap_flag"]
+        self._forget_blocks([pid for pid, s, _ in rows if pid in gone and s["foreign_calls"]])
         for pid in gone:
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)

@@ -26,9 +26,11 @@ faked, so a consumer works with whichever collectors are running:
          "freed_bytes": chunk bytes of blocks freed (free, realloc's old block),
          "live_bytes": allocated_bytes - freed_bytes (negative when blocks allocated
                        before attach are freed),
-         # (allocated_bytes, freed_bytes and live_bytes are absent for a process whose
-         # calls were counted on another allocator than glibc: jemalloc, ...; no chunk
-         # header to read its block sizes from)
+         # (for a process counted on another allocator than glibc, jemalloc, ..., whose
+         # blocks have no chunk header, allocated_bytes, freed_bytes and live_bytes are
+         # REQUESTED bytes of the blocks allocated since attach, each block's size kept in
+         # BPF (ms_fblocks): live_bytes is then never negative; marked by
+         "block_bytes": "requested",   # absent for glibc (chunk bytes)
          "failed": calls that returned NULL / an error code,
          "size_log2": [65 counts]: [0] size 0, [i] sizes in [2^(i-1), 2^i - 1],
          # MallocCollector, heap efficiency (pymtrace.collect.heapefficiency; absent for a
@@ -171,6 +173,7 @@ class ProcessEntry(_ProcessBase, total=False):
     allocated_bytes: int
     freed_bytes: int
     live_bytes: int
+    block_bytes: str
     failed: int
     size_log2: List[int]
     rss_bytes: int

@@ -509,14 +509,14 @@ METRICS: Tuple[Metric, ...] = (
     Metric(
         "pymtrace_malloc_allocated_bytes",
         "counter",
-        "chunk bytes of the blocks returned (malloc_usable_size + chunk header)",
+        "chunk bytes of the blocks returned (malloc_usable_size + chunk header); requested bytes on other allocators than glibc",
         (LABEL,),
         _counter("allocated_bytes"),
     ),
     Metric(
         "pymtrace_malloc_freed_bytes",
         "counter",
-        "chunk bytes of the blocks freed (free, realloc's old block)",
+        "chunk bytes of the blocks freed (free, realloc's old block); on other allocators the requested bytes of blocks allocated since attach",
         (LABEL,),
         _counter("freed_bytes"),
     ),
@@ -524,7 +524,7 @@ METRICS: Tuple[Metric, ...] = (
     Metric(
         "pymtrace_malloc_live_bytes",
         "gauge",
-        "allocated minus freed chunk bytes since the exporter attached, over live processes (negative when blocks from before attach are freed)",
+        "allocated minus freed bytes since the exporter attached, over live processes: chunk bytes on glibc (negative when blocks from before attach are freed), requested bytes of the blocks allocated since attach on other allocators",
         (LABEL,),
         _gauge("gauges", "live_bytes"),
     ),
@@ -545,7 +545,7 @@ METRICS: Tuple[Metric, ...] = (
     Metric(
         "pymtrace_process_heap_flagged",
         "gauge",
-        "processes whose anonymous RSS grew since attach by more than 1.5x their live malloc bytes and by 64 MiB more (fragmentation or free memory kept by the allocator; glibc only: live bytes are known there)",
+        "processes whose anonymous RSS grew since attach by more than 1.5x their live malloc bytes and by 64 MiB more (fragmentation or free memory kept by the allocator)",
         (LABEL,),
         _gauge("gauges", "heap_flag"),
     ),

@@ -518,8 +518,8 @@ HEAP_COLUMNS = [
     Column("flag", "FLAG", "str", False),
 ]
 HEAP_NOTE = (
-    "LIVE: malloc'd minus freed chunk bytes since attach (glibc only: other allocators' blocks have no "
-    "header to read); ANON GROWTH: RssAnon now minus at attach; WASTED = growth - live; flagged when growth > "
+    "LIVE: allocated minus freed bytes since attach (glibc: chunk bytes; other allocators: requested "
+    "bytes, kept per block); ANON GROWTH: RssAnon now minus at attach; WASTED = growth - live; flagged when growth > "
     f"{heapefficiency.WASTE_RATIO:g}x live and wasted > {heapefficiency.WASTE_MIN_BYTES >> 20} MiB."
 )
 
@@ -540,8 +540,6 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
         live = p.get("live_bytes")
         comm = str(p.get("comm") or "?")
         flag = {True: "FRAGMENTED?", False: ""}.get(a["heap_flag"], "no live bytes")
-        if live is None and p.get("allocator") not in (None, "glibc"):
-            flag = f"no live bytes ({p['allocator']})"
         rows.append(
             [
                 pid,

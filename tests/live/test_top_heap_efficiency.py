@@ -98,19 +98,25 @@ def test_exporter_gauges(cbuild):
         control.kill()
 
 
-def test_jemalloc_live_bytes_gap_is_named(cbuild):
+def test_jemalloc_fragmented_heap_is_flagged(cbuild):
+    """jemalloc's blocks have no header: live bytes are the requested sizes top keeps per block
+    (BPF map ms_fblocks), exact here; jemalloc's 2,048-byte size class keeps the freed
+    halves of the pages resident too."""
     w = Workload(["env", f"LD_PRELOAD={library(LIBS['jemalloc'])}", cbuild("heap_frag"), "frag"])
     top = Top("--json", "-p", w.pid, "-i", "0.5", "--view", "heap")
     try:
         top.json_doc()
         w.go()
-        w.result()
+        expected = w.result()
         doc = top.json_after(time.monotonic())
+        p = doc["snapshot"]["processes"][str(w.pid)]
+        assert p["allocator"] == "jemalloc" and p["block_bytes"] == "requested"
+        assert p["live_bytes"] == expected["live_requested"] == 100_000_000
+        assert p["requested_bytes"] == 100_000 * 2000 and p["freed_bytes"] == 50_000 * 2000
+        assert abs(p["rss_anon_bytes"] - _rss_anon(w.pid)) <= 0.02 * p["rss_anon_bytes"]
         row = {r["pid"]: r for r in doc["views"]["heap"]["rows"]}[w.pid]
-        assert row["live_bytes"] is None and row["rss_anon_per_live"] is None
-        assert row["flag"] == "no live bytes (jemalloc)"
-        assert abs(row["rss_anon_bytes"] - _rss_anon(w.pid)) <= 0.02 * row["rss_anon_bytes"]
-        assert doc["snapshot"]["processes"][str(w.pid)]["heap_flag"] is None
+        assert 1.8 <= row["rss_anon_per_live"] <= 2.3, row
+        assert p["heap_flag"] is True and row["flag"] == "FRAGMENTED?"
         assert top.stop() == 0
         assert w.finish() == 0
     finally:
