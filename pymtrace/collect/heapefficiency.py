@@ -75,6 +75,20 @@ def flag_line(pid: int, comm: str, entry: Mapping[str, Any], glibc: Optional[Map
     )
 
 
+def describe(pid: int, comm: str, entry: Mapping[str, Any], glibc: Optional[Mapping[str, Any]]) -> str:
+    """One sentence on ENTRY's heap efficiency: flag_line when flagged, else the numbers."""
+    a = assess(entry)
+    if a["heap_flag"]:
+        return flag_line(pid, comm, entry, glibc)
+    if a["heap_flag"] is None:
+        return f"PID {pid} ({comm}): no live bytes to set against its RSS."
+    return (
+        f"PID {pid} ({comm}): anon RSS grew {_mib(a['anon_growth_bytes'])} for {_mib(entry['live_bytes'])} "
+        f"live ({_ratio(a['rss_anon_per_live'])}): not flagged (needs > {WASTE_RATIO:g}x and "
+        f"> {WASTE_MIN_BYTES >> 20} MiB resident but not allocated)."
+    )
+
+
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 

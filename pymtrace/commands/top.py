@@ -46,7 +46,8 @@ HELP = """Live view of memory-allocation activity, per process and system-wide:
                its probes exist; FRAGMENTED? when the growth is > 1.5x live and > 64 MiB
                above it, with what to try (malloc_trim, M_ARENA_MAX, replay)
 Keys in the full-screen view: 1-6/Tab view, </> sort column, r reverse, p pause, q quit;
-view 5: Up/Down select a call site, Enter shows its stacks."""
+view 5: Up/Down select a call site, Enter shows its stacks; view 6: Up/Down select a process
+(its heap-efficiency line shows below)."""
 
 EPILOG = """examples:
   sudo pymtrace top                         every process, full screen

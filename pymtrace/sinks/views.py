@@ -11,7 +11,8 @@ stay numbers, for --json), a default sort column, optional grouping (a process r
 by its region/thread rows, sorted as a unit) and plain-sentence notes. Formatting for
 humans is separate (`format_rows`, `text_table`), so JSON output keeps raw numbers. A row
 may carry one value after its columns, its *detail* (`row_detail`: the stacks view's full
-stacks), which sorting and filtering keep with the row and `to_json` writes under "stacks".
+stacks; the heap view's sentence), which sorting and filtering keep with the row and `to_json`
+writes under "stacks" / "line".
 """
 
 import dataclasses
@@ -552,6 +553,7 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
                 a["wasted_bytes"],
                 arena,
                 flag,
+                heapefficiency.describe(pid, comm, p, g or None),  # detail: the full screen's selected row
             ]
         )
         if a["heap_flag"]:
@@ -566,7 +568,8 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
 
 
 def row_detail(table: Table, row: list) -> Any:
-    """The detail a row carries after its columns (the stacks view: its stacks), or None."""
+    """The detail a row carries after its columns (the stacks view: its stacks; the heap
+    view: its sentence), or None."""
     return row[len(table.columns)] if len(row) > len(table.columns) else None
 
 
@@ -872,6 +875,8 @@ def to_json(table: Table) -> Dict[str, Any]:
             d["kind"] = "process" if lead else ("region" if table.view == "faults" else "thread")
         if table.view == "stacks":
             d["stacks"] = row_detail(table, row) or []
+        elif table.view == "heap":
+            d["line"] = row_detail(table, row)
         rows.append(d)
     return {
         "view": table.view,

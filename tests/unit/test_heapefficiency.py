@@ -52,3 +52,16 @@ def test_rss_is_the_kernels_rss_anon():
     rss, anon = proc.rss(os.getpid())
     assert abs(anon - status("RssAnon:")) <= 256 * 1024 and abs(rss - status("VmRSS:")) <= 256 * 1024
     assert proc.rss(2**22 + 1) is None  # no such process
+
+
+def test_full_screen_heap_view_shows_the_selected_process_line():
+    from pymtrace.sinks import tui
+
+    frag = _entry(100 * MiB, 200 * MiB, rss_bytes=210 * MiB)
+    ok = dict(_entry(100 * MiB, 101 * MiB, rss_bytes=110 * MiB), pid=8, comm="ok")
+    t = views.build("heap", None, {"time": 2.0, "start": 1.0, "processes": {7: frag, 8: ok}})
+    assert views.to_json(t)["rows"][1]["line"].startswith("PID 8 (ok): anon RSS grew 101.0 MiB")
+    first = tui.heap_notes(t, 0)
+    assert first[0].startswith("PID 7 (app)") and "malloc_trim" in first[0] and first[-1] == views.HEAP_NOTE
+    second = tui.heap_notes(t, 1)  # the flagged line of the other row is not repeated
+    assert second[0].startswith("PID 8 (ok)") and "not flagged" in second[0] and len(second) == 2
