@@ -122,3 +122,26 @@ def test_jemalloc_fragmented_heap_is_flagged(cbuild):
     finally:
         top.kill()
         w.kill()
+
+
+def test_glibc_arena_totals_beside_the_flag(cbuild, sdt_libc):
+    """On a glibc with malloc USDT probes the flagged line carries glibc's own totals: the
+    main arena grew by sbrk by about the heap's size (~200 MB of 2,016-byte chunks)."""
+    prefix, _libc = sdt_libc
+    w = Workload(prefix + [cbuild("heap_frag"), "frag"])
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--view", "heap")
+    try:
+        top.json_doc()
+        w.go()
+        w.result()
+        doc = top.json_after(time.monotonic())
+        row = {r["pid"]: r for r in doc["views"]["heap"]["rows"]}[w.pid]
+        assert row["flag"] == "FRAGMENTED?"
+        # grown since attach; the first ~132 KiB of the heap existed before (stdio's buffers)
+        assert 100_000 * CHUNK - (1 << 20) <= row["glibc_heap_bytes"] <= 100_000 * CHUNK + (8 << 20), row
+        assert "glibc: main arena grew" in row["line"] and row["line"] in doc["views"]["heap"]["notes"]
+        assert top.stop() == 0
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
