@@ -4,6 +4,8 @@
 Commands (each run as `python -m pymtrace ...` in a fresh process, as a user would):
   top          top --batch -n 1 -i 0.5            until the first report is on stdout
   top-always   top --always-on --batch -n 1 -i 0.5
+  top-p        top -p PID --batch -n 1 -i 0.5       (what is compiled does not depend on the
+                                                    other processes of the machine)
   record       record -p PID -o FILE               until "pymtrace: recording" (then SIGINT)
   exporter     exporter --listen 127.0.0.1:PORT    until the first /metrics scrape is answered
   top-stacks   top --stacks -p PID --batch -n 1 -i 0.5   (not run by default: --commands)
@@ -39,7 +41,7 @@ import time
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-COMMANDS = ("top", "top-always", "record", "exporter")
+COMMANDS = ("top", "top-p", "top-always", "record", "exporter")
 SERIAL = itertools.count()
 
 
@@ -52,6 +54,8 @@ def free_port():
 def argv_for(name, target, tmp):
     if name == "top":
         return ["top", "--batch", "-n", "1", "-i", "0.5"], "stdout"
+    if name == "top-p":
+        return ["top", "-p", str(target), "--batch", "-n", "1", "-i", "0.5"], "stdout"
     if name == "top-stacks":
         return ["top", "--stacks", "-p", str(target), "--batch", "-n", "1", "-i", "0.5"], "stdout"
     if name == "top-always":
