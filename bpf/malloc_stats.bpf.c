@@ -16,7 +16,8 @@
  *
  *   sched:sched_process_exec  (tracepoint, ms_exec) the process's new name into its entry
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
- * the benchmark's floor on the same attach points).
+ * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 (leave out the
+ * libc's / the other allocators' programs).
  */
 #include <uapi/linux/ptrace.h>
 #include "malloc_stats.h"
@@ -27,6 +28,18 @@
 #ifndef MS_MAX_THREADS
 #define MS_MAX_THREADS 16384
 #endif
+/* Which programs the module gets (both by default): MS_GLIBC the libc's (ms_<call>_*),
+ * MS_FOREIGN the other allocators' (ms_f_*). MallocCollector compiles only the ones it will
+ * attach: ~0.1-0.2 CPU-s of compile each, for programs no process may need. */
+#ifndef MS_GLIBC
+#define MS_GLIBC 1
+#endif
+#ifndef MS_FOREIGN
+#define MS_FOREIGN 1
+#endif
+#ifndef MS_MAX_BLOCKS
+#define MS_MAX_BLOCKS 1048576
+#endif
 
 /* LRU: when MS_MAX_PROCS processes are tracked, a new one evicts the least recently used
  * entry (user space notices the counters restart: pymtrace.collect.collectors, exporter.Aggregator)
@@ -35,6 +48,10 @@ BPF_TABLE("lru_percpu_hash", u32, struct ms_stats, ms_stats, MS_MAX_PROCS);
 BPF_PERCPU_ARRAY(ms_zero, struct ms_stats, 1); /* never written: the zero value */
 BPF_TABLE("lru_hash", u64, struct ms_outer, ms_outer, MS_MAX_THREADS);
 BPF_PERCPU_ARRAY(ms_lost, u64, MS_LOST_N);
+/* Other allocators' live blocks allocated since attach -> requested size (their blocks have no
+ * header to read a size from). Not preallocated: kernel memory grows with the blocks live
+ * (~100 bytes each), not with MS_MAX_BLOCKS; full -> MS_LOST_BLOCKS_FULL. */
+BPF_F_TABLE("hash", struct ms_fblock, u64, ms_fblocks, MS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
 /* Outer calls in progress on all threads: while 0 (nearly always), malloc and free need not
  * look their thread up in ms_outer. Only ever too high (an outer call whose return was never
  * seen), which costs a lookup, never a wrong count. */
@@ -123,6 +140,7 @@ static __always_inline void add_active(s64 n) {
     if (active) __sync_fetch_and_add(active, n);
 }
 
+#if MS_GLIBC
 /* ---- malloc, calloc ------------------------------------------------------------ */
 
 int ms_malloc_entry(struct pt_regs *ctx) {
@@ -318,11 +336,15 @@ int ms_outer_return(struct pt_regs *ctx) {
     return 0;
 }
 
+#endif /* MS_GLIBC */
+
+#if MS_FOREIGN
 /* ---- other allocators: jemalloc, tcmalloc, mimalloc, a malloc in the executable --------
  *
  * Attached by MallocCollector to the functions of pymtrace/target/allocators.py's tables,
  * one program per (call type, argument layout). No chunk header is read (their blocks have
- * none): foreign_calls marks the process's byte totals as unknown. Every allocating call
+ * none): each block allocated since attach is kept in ms_fblocks with its requested size,
+ * so allocated/freed/live bytes are requested bytes (foreign_calls says so to user space). Every allocating call
  * is an outer call with a return probe: whatever it calls inside (another probed function,
  * a forwarder's tail jump, an internal free) is not counted again. A state whose frame is
  * gone (its return never seen: stack pointer now above it) is stale and replaced. */
@@ -334,6 +356,24 @@ static __always_inline struct ms_outer *foreign_outer(u64 id, u64 sp) {
         return 0;
     }
     return op;
+}
+
+/* A block of another allocator leaves: its requested size (if allocated since attach) is freed. */
+static __always_inline void fblock_free(struct ms_stats *s, u32 tgid, u64 ptr) {
+    struct ms_fblock k = {.ptr = ptr, .tgid = tgid};
+    u64 *size = ms_fblocks.lookup(&k);
+    if (!size) return;
+    s->freed_bytes += *size;
+    ms_fblocks.delete(&k);
+}
+
+static __always_inline void fblock_alloc(struct ms_stats *s, u32 tgid, u64 ptr, u64 size) {
+    struct ms_fblock k = {.ptr = ptr, .tgid = tgid};
+    if (ms_fblocks.update(&k, &size) != 0) {
+        ms_lost_inc(MS_LOST_BLOCKS_FULL);
+        return;
+    }
+    s->allocated_bytes += size;
 }
 
 static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr, u32 nofail) {
@@ -360,7 +400,10 @@ static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size
     s->foreign_calls++;
     if (type == CALL_FREE) {
         s->calls[CALL_FREE]++;
-        if (!arg_ptr) s->calls[MS_FREE_NULL]++;
+        if (!arg_ptr)
+            s->calls[MS_FREE_NULL]++;
+        else
+            fblock_free(s, id >> 32, arg_ptr);
     } else
         count_call(s, type, size);
     return 0;
@@ -368,8 +411,8 @@ static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size
 
 /* C++ operator new/delete (CALL_NEW..): counted at entry (foreign_entry without
  * foreign_calls). On glibc the malloc/free they make inside adds the block's bytes and sets
- * old_chunk; an outermost call that saw none (another allocator's new, whose blocks have no
- * chunk header) marks the process's bytes unknown, as the ms_f_* functions do. */
+ * old_chunk; an outermost new that saw none (another allocator's, whose blocks have no
+ * chunk header) keeps its block's requested size in ms_fblocks, as the ms_f_* functions do. */
 static __always_inline int cxx_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr) {
     u64 id = bpf_get_current_pid_tgid();
     u64 sp = PT_REGS_SP(ctx);
@@ -390,9 +433,12 @@ static __always_inline int cxx_entry(struct pt_regs *ctx, u32 type, u64 size, u6
         add_active(1);
     struct ms_stats *s = stats_for(id >> 32);
     if (!s) return 0;
-    if (type >= CALL_DELETE)
+    if (type >= CALL_DELETE) {
         s->calls[type]++;
-    else
+        /* another allocator's block (kept in ms_fblocks), before it is released; a glibc
+         * block is not there (its chunk bytes are counted by the free inside) */
+        if (arg_ptr) fblock_free(s, id >> 32, arg_ptr);
+    } else
         count_call(s, type, size);
     return 0;
 }
@@ -402,8 +448,11 @@ static __always_inline int cxx_return(struct pt_regs *ctx, u64 id, struct ms_out
     int is_new = o->type < CALL_DELETE;
     struct ms_stats *s = stats_for(id >> 32);
     if (!s) return 0;
-    if (is_new && !ret) s->failed++; /* a nothrow new that returned NULL */
-    if (!o->old_chunk && (is_new ? ret : o->arg_ptr)) s->foreign_calls++;
+    if (is_new && !ret) s->failed++;                    /* a nothrow new that returned NULL */
+    if (!o->old_chunk && (is_new ? ret : o->arg_ptr)) { /* no glibc call inside: another allocator */
+        s->foreign_calls++;
+        if (is_new) fblock_alloc(s, id >> 32, ret, o->requested);
+    }
     return 0;
 }
 
@@ -421,14 +470,32 @@ int ms_f_return(struct pt_regs *ctx) {
     struct ms_outer o = *op;
     if (ms_outer.delete(&id) == 0) add_active(-1);
     if (o.type >= CALL_NEW) return cxx_return(ctx, id, &o);
-    if (o.type == CALL_FREE || o.old_chunk) return 0;                      /* nothing can fail */
-    if (o.type == CALL_REALLOC && o.arg_ptr && o.requested == 0) return 0; /* realloc(p, 0) */
+    if (o.type == CALL_FREE || o.old_chunk) return 0; /* nothing can fail; xallocx: in place */
+    struct ms_stats *s = stats_for(id >> 32);
+    if (!s) return 0;
     u64 ret = PT_REGS_RC(ctx);
-    int failed = o.type == CALL_POSIX_MEMALIGN ? (u32)ret != 0 : ret == 0;
-    if (failed) {
-        struct ms_stats *s = stats_for(id >> 32);
-        if (s) s->failed++;
+    u64 block = ret;
+    if (o.type == CALL_POSIX_MEMALIGN) {
+        block = 0;
+        if ((u32)ret == 0 && o.arg_ptr) pm_probe_read_user(&block, sizeof(block), (void *)o.arg_ptr);
     }
+    if (o.type == CALL_REALLOC && o.arg_ptr) {
+        if (o.requested == 0) { /* realloc(p, 0) frees p; a block it returns (mimalloc) is new */
+            fblock_free(s, id >> 32, o.arg_ptr);
+            if (ret) fblock_alloc(s, id >> 32, ret, 0);
+            return 0;
+        }
+        if (!ret) { /* failed: the old block stays */
+            s->failed++;
+            return 0;
+        }
+        fblock_free(s, id >> 32, o.arg_ptr);
+    }
+    int failed = o.type == CALL_POSIX_MEMALIGN ? (u32)ret != 0 : ret == 0;
+    if (failed)
+        s->failed++;
+    else if (block)
+        fblock_alloc(s, id >> 32, block, o.requested);
     return 0;
 }
 
@@ -448,7 +515,11 @@ int ms_f_free_p1(struct pt_regs *ctx) {
     if (!s) return 0;
     s->foreign_calls++;
     s->calls[CALL_FREE]++;
-    if (!PT_REGS_PARM1(ctx)) s->calls[MS_FREE_NULL]++;
+    u64 ptr = PT_REGS_PARM1(ctx);
+    if (!ptr)
+        s->calls[MS_FREE_NULL]++;
+    else
+        fblock_free(s, id >> 32, ptr);
     return 0;
 }
 
@@ -480,7 +551,8 @@ MS_F_ENTRY(ms_f_valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
 MS_F_ENTRY(ms_f_pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
 MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
 
-/* C++ operator new/delete (allocators.CXX; entry + ms_f_return): ms_f_<call>_<layout> too */
+/* C++ operator new/delete (allocators.CXX; entry + ms_f_return): ms_f_<call>_<layout> too.
+ * Compiled with the other allocators' programs (MallocCollector sets MS_FOREIGN for them). */
 #if MS_EMPTY
 #define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
     int name(struct pt_regs *ctx) {                                                                          \
@@ -500,6 +572,7 @@ MS_CXX_ENTRY(ms_f_delete_p1, CALL_DELETE, 0, PT_REGS_PARM1(ctx))
 MS_CXX_ENTRY(ms_f_delete_array_p1, CALL_DELETE_ARRAY, 0, PT_REGS_PARM1(ctx))
 MS_CXX_ENTRY(ms_f_delete_sized_p1, CALL_DELETE_SIZED, 0, PT_REGS_PARM1(ctx))
 MS_CXX_ENTRY(ms_f_delete_aligned_p1, CALL_DELETE_ALIGNED, 0, PT_REGS_PARM1(ctx))
+#endif /* MS_FOREIGN */
 
 /* ---- exec: the process has a new name ------------------------------------------ */
 

@@ -20,6 +20,7 @@ import os
 import time
 from typing import Any, Iterable
 
+from pymtrace.collect import heapefficiency
 from pymtrace.collect.base import (
     Collector,
     Evictions,
@@ -92,10 +93,10 @@ class MallocCollector(Collector):
         self.cxx_plans = {}  # its probes (allocators.CXX)
         self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
         self._users = {}  # system-wide: libc path -> the processes mapping it
-        self._maps_seen = None  # system-wide, from prepare() to plan(): {pid: maps}
         self.fields = struct_fields(self.program, "ms_stats")
         self.call_names = call_names()
         self.evictions = Evictions()
+        self.rss_anon_base = {}  # pid -> RssAnon bytes when counting began (heap efficiency)
 
     def _targets(self):
         """{path: [pid, ...] or [-1]}, one path per distinct file (dev, inode); self.families
@@ -125,9 +126,19 @@ class MallocCollector(Collector):
             targets[path] = [-1]  # decoded by plan(), while the programs compile
             self._users[path] = users
             self.families[path] = "glibc"
-        self._maps_seen = maps_seen  # the other allocators' files are found by plan()
         if not targets:
             raise PymtraceError("found no libc to attach to")
+        # Every other mapped file defining malloc, from the same maps (~5 ms for ~100
+        # processes): before the compile, which includes the ms_f_* programs only if one
+        # is mapped. A file first mapped after this (a process started later on an
+        # allocator no process had loaded) is not probed: docs/top.md "Other allocators".
+        for path, (name, users) in libc.distinct_allocators(maps_seen).items():
+            targets[path] = [-1]
+            self._users[path] = users
+            self.families[path] = allocators.family_of(name)
+        for path, users in libc.distinct_cxx_runtimes(maps_seen).items():  # C++'s operator new
+            self.cxx[path] = [-1]
+            self._users.setdefault(path, users)
         return targets
 
     @staticmethod
@@ -143,7 +154,15 @@ class MallocCollector(Collector):
         return path, "glibc"
 
     def _defines(self):
-        return {"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)}
+        # only the programs prepare()'s files need: the libc's, the other allocators', or both
+        families = set(self.families.values())
+        return {
+            "MS_MAX_PROCS": self.max_procs,
+            "MS_EMPTY": int(self.empty),
+            "MS_GLIBC": int("glibc" in families),
+            # C++'s operator new/delete programs share the other allocators' nesting state
+            "MS_FOREIGN": int(bool(families - {"glibc"}) or bool(self.cxx)),
+        }
 
     def prepare(self) -> None:
         self.libcs = self._targets()
@@ -155,15 +174,6 @@ class MallocCollector(Collector):
         decoded (any user can map one named libc.so.6) is left out with the reason in
         self.skipped, and only the processes mapping it go untraced."""
         self.plans = {}
-        if self.pids is None:  # system-wide: every other mapped file defining malloc too
-            for path, (name, users) in libc.distinct_allocators(self._maps_seen).items():
-                self.libcs[path] = [-1]
-                self._users[path] = users
-                self.families[path] = allocators.family_of(name)
-            for path, users in libc.distinct_cxx_runtimes(self._maps_seen).items():
-                self.cxx[path] = [-1]
-                self._users.setdefault(path, users)
-            self._maps_seen = None
         for path in list(self.libcs):
             try:
                 family = self.families.get(path, "glibc")
@@ -200,6 +210,12 @@ class MallocCollector(Collector):
         for path, pids in self.cxx.items():
             for pid in pids:
                 self._attach_libc(path, pid, self.cxx_plans[path])
+        # live bytes count from now: their RSS counterpart is the growth of RssAnon from now
+        # (a process absent here starts after attach: from 0); ~17 us a process
+        for pid in [int(p) for p in self.pids] if self.pids is not None else libc.pids():
+            mem = proc.rss(pid)
+            if mem is not None:
+                self.rss_anon_base[pid] = mem[1]
 
     def _attach_libc(self, path: str, pid: int, plan: list) -> None:
         for function, probes in plan:
@@ -230,6 +246,19 @@ class MallocCollector(Collector):
                     raise ProcessGone(pid) from None
                 raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
 
+    def _forget_blocks(self, pids: list[int]) -> None:
+        """Delete the ms_fblocks entries (other allocators' live blocks) of exited PIDS: a
+        later process with the same PID must not find them (one pass over the table)."""
+        if not pids:
+            return
+        table = self.bpf[b"ms_fblocks"]
+        wanted = set(pids)
+        for key in [k for k in table.keys() if k.tgid in wanted]:
+            try:
+                del table[key]
+            except KeyError:  # freed meanwhile by the BPF side (a reused PID's free)
+                pass
+
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         table = self.bpf[b"ms_stats"]
@@ -249,12 +278,18 @@ class MallocCollector(Collector):
                 "size_log2": [int(x) for x in s["size_log2"]],
                 "exited": pid in gone,
             }
-            if s["foreign_calls"]:  # counted on another allocator: its block sizes are unknown
-                for key in ("allocated_bytes", "freed_bytes", "live_bytes"):
-                    del p[key]
+            if s["foreign_calls"]:  # another allocator: sizes of blocks allocated since attach, as requested
+                p["block_bytes"] = "requested"
+            mem = None if pid in gone else proc.rss(pid)
+            if mem is not None:
+                p["rss_bytes"], p["rss_anon_bytes"] = mem
+                p["rss_anon_base_bytes"] = self.rss_anon_base.get(pid, 0)
+                p["heap_flag"] = heapefficiency.assess(p)["heap_flag"]
+        self._forget_blocks([pid for pid, s, _ in rows if pid in gone and s["foreign_calls"]])
         for pid in gone:
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)
+            self.rss_anon_base.pop(pid, None)
         self.evictions.update({pid: sum(p["calls"].values()) for pid, p in procs.items()}, gone)
         lost = lost_counts(
             self.bpf[b"ms_lost"], {i: "malloc_" + n for i, n in lost_names("malloc_stats", "MS").items()}

@@ -675,6 +675,7 @@ class Recorder:
         found = self.allocator
         if found is not None:  # another allocator: its functions (target.allocators), no chunk headers
             defines["GLIBC_CHUNKS"] = 0
+            defines["OUTER_PROBES"] = 0
             self.libs = [(found.path, False)]
             probed = found.path
         else:
@@ -684,6 +685,7 @@ class Recorder:
                 pid=None if self.launched is not None else self.target, launched=self.launched
             )
             self.libs = probe_libraries(libc_path, want_debug)
+            defines["OUTER_PROBES"] = int(any(outer for _, outer in self.libs))  # only the programs it attaches
             if self.args.format == "mtrace-text":
                 defines["NOTE_BASES"] = 1
                 for index, (path, _) in enumerate(self.libs):
