@@ -376,11 +376,13 @@ static __always_inline void fblock_alloc(struct ms_stats *s, u32 tgid, u64 ptr, 
     s->allocated_bytes += size;
 }
 
-static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr, u32 nofail) {
-    u64 id = bpf_get_current_pid_tgid();
+/* An outermost call's state (depth 1) on this thread; 0 when it runs inside another probed
+ * call of this thread (whose depth is raised instead: not counted again). */
+static __always_inline int enter_outermost(struct pt_regs *ctx, u64 id, u32 type, u64 size, u64 arg_ptr,
+                                           u32 nofail) {
     u64 sp = PT_REGS_SP(ctx);
     struct ms_outer *op = foreign_outer(id, sp);
-    if (op) { /* inside another probed call of this thread */
+    if (op) {
         if (op->depth) op->depth++;
         return 0;
     }
@@ -395,6 +397,12 @@ static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size
         ms_lost_inc(MS_LOST_OUTER_FULL);
     else
         add_active(1);
+    return 1;
+}
+
+static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr, u32 nofail) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!enter_outermost(ctx, id, type, size, arg_ptr, nofail)) return 0;
     struct ms_stats *s = stats_for(id >> 32);
     if (!s) return 0;
     s->foreign_calls++;
@@ -415,22 +423,8 @@ static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size
  * chunk header) keeps its block's requested size in ms_fblocks, as the ms_f_* functions do. */
 static __always_inline int cxx_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr) {
     u64 id = bpf_get_current_pid_tgid();
-    u64 sp = PT_REGS_SP(ctx);
-    struct ms_outer *op = foreign_outer(id, sp);
-    if (op) { /* new[] -> new, sized delete -> delete, or inside another probed call */
-        if (op->depth) op->depth++;
-        return 0;
-    }
-    struct ms_outer o = {};
-    o.type = type;
-    o.requested = size;
-    o.arg_ptr = arg_ptr;
-    o.sp = sp;
-    o.depth = 1;
-    if (ms_outer.update(&id, &o) != 0)
-        ms_lost_inc(MS_LOST_OUTER_FULL);
-    else
-        add_active(1);
+    /* new[] -> new, sized delete -> delete, or inside another probed call: not counted */
+    if (!enter_outermost(ctx, id, type, size, arg_ptr, 0)) return 0;
     struct ms_stats *s = stats_for(id >> 32);
     if (!s) return 0;
     if (type >= CALL_DELETE) {

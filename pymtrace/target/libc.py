@@ -13,7 +13,7 @@ import os
 import re
 import struct
 import time
-from typing import Any, Collection, Optional
+from typing import Any, Collection, Iterator, Optional
 
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import elf, proc
@@ -393,14 +393,9 @@ def cxx_runtime(pid: int) -> str | None:
     return None
 
 
-def distinct_allocators(maps_seen: dict[int, list[Mapping]] | None = None) -> dict[str, tuple[str, set[int]]]:
-    """Every mapped file other than a libc that defines and exports malloc (jemalloc,
-    tcmalloc, mimalloc, an executable with its own malloc, ...), once per file (device,
-    inode): {path: (allocator name, {pid, ...})}. Processes whose maps cannot be read are
-    skipped; glibc's own wrappers (libc_malloc_debug, libmemusage) are left out. MAPS_SEEN:
-    {pid: maps} already read (distinct_libcs), else every process's maps are read here."""
-    found = {}
-    looked = {}  # path from here -> (key, name) or None: each file read once, not per process
+def _mapped_files(maps_seen: dict[int, list[Mapping]] | None) -> Iterator[tuple[int, str, str]]:
+    """(pid, path as mapped, path from here) of every executable file mapping of every
+    process (MAPS_SEEN, else every process's maps read here); unreadable processes skipped."""
     for pid in sorted(maps_seen) if maps_seen is not None else pids():
         try:
             maps = maps_seen[pid] if maps_seen is not None else read_maps(pid)
@@ -409,15 +404,26 @@ def distinct_allocators(maps_seen: dict[int, list[Mapping]] | None = None) -> di
             continue
         prefix = "" if root == "/" else f"/proc/{pid}/root"
         for path in {m.path for m in maps if "x" in m.perms and m.path.startswith("/")}:
-            real = prefix + path
-            if real not in looked:
-                name = None
-                if not (is_libc_path(path) or _GLIBC_WRAPPERS.search(path)):
-                    name = _malloc_export_of(real)
-                looked[real] = (file_key(real), name) if name is not None else None
-            hit = looked[real]
-            if hit is not None and hit[0] is not None:
-                found.setdefault(hit[0], (real, hit[1], set()))[2].add(pid)
+            yield pid, path, prefix + path
+
+
+def distinct_allocators(maps_seen: dict[int, list[Mapping]] | None = None) -> dict[str, tuple[str, set[int]]]:
+    """Every mapped file other than a libc that defines and exports malloc (jemalloc,
+    tcmalloc, mimalloc, an executable with its own malloc, ...), once per file (device,
+    inode): {path: (allocator name, {pid, ...})}. Processes whose maps cannot be read are
+    skipped; glibc's own wrappers (libc_malloc_debug, libmemusage) are left out. MAPS_SEEN:
+    {pid: maps} already read (distinct_libcs), else every process's maps are read here."""
+    found = {}
+    looked = {}  # path from here -> (key, name) or None: each file read once, not per process
+    for pid, path, real in _mapped_files(maps_seen):
+        if real not in looked:
+            name = None
+            if not (is_libc_path(path) or _GLIBC_WRAPPERS.search(path)):
+                name = _malloc_export_of(real)
+            looked[real] = (file_key(real), name) if name is not None else None
+        hit = looked[real]
+        if hit is not None and hit[0] is not None:
+            found.setdefault(hit[0], (real, hit[1], set()))[2].add(pid)
     return {path: (name, users) for path, name, users in found.values()}
 
 
@@ -427,20 +433,12 @@ def distinct_cxx_runtimes(maps_seen: dict[int, list[Mapping]] | None = None) -> 
     distinct_allocators."""
     found = {}
     looked = {}
-    for pid in sorted(maps_seen) if maps_seen is not None else pids():
-        try:
-            maps = maps_seen[pid] if maps_seen is not None else read_maps(pid)
-            root = os.readlink(f"/proc/{pid}/root")
-        except (PymtraceError, OSError):
-            continue
-        prefix = "" if root == "/" else f"/proc/{pid}/root"
-        for path in {m.path for m in maps if "x" in m.perms and m.path.startswith("/")}:
-            real = prefix + path
-            if real not in looked:
-                key = file_key(real)
-                looked[real] = key if key is not None and not is_libc_path(path) and defines(real, "_Znwm") else None
-            if looked[real] is not None:
-                found.setdefault(looked[real], (real, set()))[1].add(pid)
+    for pid, path, real in _mapped_files(maps_seen):
+        if real not in looked:
+            key = file_key(real)
+            looked[real] = key if key is not None and not is_libc_path(path) and defines(real, "_Znwm") else None
+        if looked[real] is not None:
+            found.setdefault(looked[real], (real, set()))[1].add(pid)
     return {path: users for path, users in found.values()}
 
 
