@@ -74,6 +74,10 @@ FOREIGN_PROGRAMS = {
     "ms_f_return", "ms_f_free_p1", "ms_f_malloc_s1", "ms_f_malloc_n1s2", "ms_f_calloc_n1s2",
     "ms_f_calloc_s1", "ms_f_realloc_p1s2", "ms_f_realloc_x", "ms_f_memalign_s1", "ms_f_memalign_s2",
     "ms_f_posix_memalign_p1s3", "ms_f_valloc_s1", "ms_f_pvalloc_s1", "ms_f_free_nest",
+    # C++'s operator new/delete: compiled with them (jemalloc, tcmalloc and mimalloc define
+    # their own operator new, which a process on them resolves to)
+    "ms_f_new_s1", "ms_f_new_array_s1", "ms_f_new_nothrow_s1", "ms_f_new_aligned_s1", "ms_f_delete_p1",
+    "ms_f_delete_array_p1", "ms_f_delete_sized_p1", "ms_f_delete_aligned_p1",
 }  # fmt: skip
 
 
