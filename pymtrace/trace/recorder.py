@@ -54,6 +54,22 @@ class WriteFailed(PymtraceError):
     every complete record written before the failure."""
 
 
+def close_outputs(outputs: list) -> WriteFailed | None:
+    """Close every output (Output, NetOutput); the first WriteFailed, if any. The network
+    outputs' ends are begun together first (begin_close), so with --follow-forks the end
+    waits one --send-timeout in all, not one per process."""
+    for out in outputs:
+        if hasattr(out, "begin_close"):
+            out.begin_close()
+    failure = None
+    for out in outputs:
+        try:
+            out.close()
+        except WriteFailed as exc:
+            failure = failure or exc
+    return failure
+
+
 class Output:
     """One process's trace, written as it is recorded: the MAGIC record then raw records
     (mtrace-bin), "= Start" then glibc's text lines (mtrace-text), or Parquet row groups
@@ -848,11 +864,7 @@ class Recorder:
             stacks_lost = self.stack_unwinder.missing + sum(t.overflow for t in tables)
             n_stacks = sum(len(t.ids) for t in tables)
             stacks_unsent = int(self.bpf["stack_lost"].sum(ctypes.c_int(0)).value)
-        for out in self.outputs.values():
-            try:
-                out.close()
-            except WriteFailed as exc:
-                self.failure = self.failure or exc
+        self.failure = self.failure or close_outputs(list(self.outputs.values()))
         summary = {
             "files": [o.summary() for o in self.outputs.values()],
             "entries": sum(o.entries for o in self.outputs.values()),

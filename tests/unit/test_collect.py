@@ -219,3 +219,24 @@ def test_two_streams_at_once(collector):
     ).fetchall()
     assert got == [(101, 30_000, 30_000), (102, 30_000, 30_000)]
     assert pq.ParquetDataset(c.directory).read().num_rows == 60_000  # pyarrow's dataset reader too
+
+
+def test_follow_forks_outputs_wait_their_send_timeouts_at_once(tmp_path, monkeypatch):
+    """record --follow-forks has one NetOutput per process: with the collector away, their ends
+    wait one --send-timeout in all (close_outputs begins them together), not one each."""
+    from pymtrace.trace.recorder import WriteFailed, close_outputs
+
+    monkeypatch.chdir(tmp_path)  # what is never acknowledged is kept in ./mtrace.out.PID
+    with socket.socket() as s:  # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [sender(port, pid=5000 + i, close_wait=2.0) for i in range(4)]
+    for out in outs:
+        send(out, 100)
+    t0 = time.monotonic()
+    failure = close_outputs(outs)
+    took = time.monotonic() - t0
+    assert isinstance(failure, WriteFailed) and "never acknowledged" in str(failure)
+    assert 2.0 <= took < 4.0, took  # one after another: >= 8 s
+    for i in range(4):  # each process's records kept locally, whole
+        assert os.path.getsize(tmp_path / f"mtrace.out.{5000 + i}") == 64 * 101
