@@ -46,6 +46,7 @@ PART_ROWS = (
 PART_SECONDS = 5.0  # or when its oldest record is this old (the recorder's spool holds it until then)
 MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT_S = 5.0  # TLS handshake and HELLO, before authentication
+COMPACTION_GRACE_S = 10.0  # at a stop, how long compactions in progress may still run
 IDLE_TIMEOUT_S = 120.0  # an authenticated connection that sends nothing at all this long is closed
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _DTYPE = mtrace_bin.record_dtype("<")
@@ -209,13 +210,18 @@ def stream_parts(directory: str, stream: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def compact_stream(directory: str, stream: str) -> tuple[int, int]:
+class CompactionStopped(Exception):
+    """The collector is stopping: a compaction not yet committed is abandoned (parts kept)."""
+
+
+def compact_stream(directory: str, stream: str, stopping: Callable[[], bool] | None = None) -> tuple[int, int]:
     """Merge the stream's parts in DIRECTORY into one (the first part's name and metadata, plus
     pymtrace.compacted_parts): (parts merged, rows). Crash-safe and idempotent: the merged file
     is written whole under a temporary name, fsync'ed and renamed over the first part (the
     commit), then the merged parts are removed; a kill at any point leaves every record once
     after stream_parts() runs again (this function or a collector's recovery). A merged part is
-    read one row group at a time (memory: one row group)."""
+    read one row group at a time (memory: one row group). STOPPING(): checked before each part
+    is read; true abandons the compaction before its commit (CompactionStopped, parts kept)."""
     parts = stream_parts(directory, stream)
     if len(parts) < 2:
         return 0, sum(rows for _, rows, _ in parts)
@@ -229,6 +235,8 @@ def compact_stream(directory: str, stream: str) -> tuple[int, int]:
     def write_merged(fd: int) -> None:
         w = parquet.Writer(fd, meta)
         for _, _, path in parts:
+            if stopping is not None and stopping():
+                raise CompactionStopped
             for recs in parquet.iter_arrays(path, 1 << 18):
                 w.write_records(recs)
         w.close()
@@ -283,6 +291,8 @@ class Collector:
         self.count_lock = threading.Lock()
         self.stopping = threading.Event()
         self.records = 0  # records received (for the closing line)
+        self.compacting = 0  # compactions running (shutdown waits for them)
+        self.abandon_compactions = threading.Event()
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -321,6 +331,14 @@ class Collector:
         """Stop accepting; write every stream's pending records as parts."""
         self.stopping.set()
         self.sock.close()
+        # compactions get COMPACTION_GRACE_S to finish, then stop before their next part (one
+        # past its commit finishes removing the parts it merged): exiting in the middle would
+        # leave a merged part beside parts it holds until the next `collect --compact`
+        deadline = time.monotonic() + COMPACTION_GRACE_S
+        while self.compacting and time.monotonic() < deadline + 60:
+            if time.monotonic() > deadline:
+                self.abandon_compactions.set()
+            time.sleep(0.05)
         with self.streams_lock:
             streams = list(self.streams.values())
         for s in streams:
@@ -477,8 +495,14 @@ class Collector:
                 if stream.due(time.monotonic()):
                     self._flush(conn, stream, client)
             elif kind == proto.END:
-                self._flush(conn, stream, client, end=True)
-                self._compact(stream)
+                with self.count_lock:  # counted before the ACK: a stop right after it waits for it
+                    self.compacting += 1
+                try:
+                    self._flush(conn, stream, client, end=True)
+                    self._compact(stream)
+                finally:
+                    with self.count_lock:
+                        self.compacting -= 1
                 return
             else:
                 raise proto.ProtocolError(f"unexpected frame {kind}")
@@ -487,7 +511,9 @@ class Collector:
         """A closed stream's parts merged into one (after its END is acknowledged: the recorder
         does not wait for it). A failure leaves the parts as they are: one line."""
         try:
-            compact_stream(stream.dir, stream.id)
+            compact_stream(stream.dir, stream.id, self.abandon_compactions.is_set)
+        except CompactionStopped:
+            pass
         except (OSError, PymtraceError) as exc:
             _log(f"cannot compact {stream.dir} stream {stream.id}: {getattr(exc, 'strerror', None) or exc}")
 
