@@ -4,6 +4,8 @@
 Commands (each run as `python -m pymtrace ...` in a fresh process, as a user would):
   top          top --batch -n 1 -i 0.5            until the first report is on stdout
   top-always   top --always-on --batch -n 1 -i 0.5
+  top-p        top -p PID --batch -n 1 -i 0.5       (what is compiled does not depend on the
+                                                    other processes of the machine)
   record       record -p PID -o FILE               until "pymtrace: recording" (then SIGINT)
   exporter     exporter --listen 127.0.0.1:PORT    until the first /metrics scrape is answered
   top-stacks   top --stacks -p PID --batch -n 1 -i 0.5   (not run by default: --commands)
@@ -11,7 +13,11 @@ Rounds are interleaved (every command and version once per round, the order of t
 alternating), and each measurement notes the 1-minute load average: on this 2-core machine
 start-up is mostly CPU-bound, so wall time grows with the load (about CPU x load / cores once
 the load exceeds the cores). CPU is the child's user+sys time over its whole run (for record
-and the exporter: until they exit after SIGINT), which the load does not inflate much.
+and the exporter: until they exit after SIGINT), which the load does not inflate much;
+"compile CPU" is the CPU time of its BCC compile(s) alone (PYMTRACE_DEBUG_BPF's line; only
+versions that print it). System-wide top also compiles the other allocators' programs when
+some process maps jemalloc, tcmalloc, mimalloc or its own malloc: the files mapped at the
+start are printed (the machine's state decides what is compiled, not only the code).
 
 --before DIR runs the same commands from another checkout (e.g. the main branch) for a
 before/after table. Usage: sudo bench/startup.py [--rounds 5] [--before /path/to/old/tree]
@@ -22,6 +28,7 @@ import argparse
 import itertools
 import os
 import pathlib
+import re
 import resource
 import selectors
 import signal
@@ -34,7 +41,7 @@ import time
 import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-COMMANDS = ("top", "top-always", "record", "exporter")
+COMMANDS = ("top", "top-p", "top-always", "record", "exporter")
 SERIAL = itertools.count()
 
 
@@ -47,6 +54,8 @@ def free_port():
 def argv_for(name, target, tmp):
     if name == "top":
         return ["top", "--batch", "-n", "1", "-i", "0.5"], "stdout"
+    if name == "top-p":
+        return ["top", "-p", str(target), "--batch", "-n", "1", "-i", "0.5"], "stdout"
     if name == "top-stacks":
         return ["top", "--stacks", "-p", str(target), "--batch", "-n", "1", "-i", "0.5"], "stdout"
     if name == "top-always":
@@ -84,10 +93,11 @@ def run_once(tree, name, target, tmp, timeout):
         cwd=tree,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=dict(os.environ, PYTHONPATH=str(tree)),
+        env=dict(os.environ, PYTHONPATH=str(tree), PYMTRACE_DEBUG_BPF="1"),
     )
     deadline = start + timeout
     elapsed = None
+    seen = b""
     try:
         if until == "scrape":
             port = int(argv[-1].rsplit(":", 1)[1])
@@ -97,7 +107,6 @@ def run_once(tree, name, target, tmp, timeout):
             stream = proc.stdout if until == "stdout" else proc.stderr
             sel = selectors.DefaultSelector()
             sel.register(stream, selectors.EVENT_READ)
-            seen = b""
             while elapsed is None and time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
                 chunk = os.read(stream.fileno(), 65536)
                 if not chunk:
@@ -119,7 +128,9 @@ def run_once(tree, name, target, tmp, timeout):
         tail = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
         print(f"  {name} from {tree}: no output within {timeout:g} s {tail}", file=sys.stderr)
         return None
-    return elapsed, cpu, load
+    stderr = (seen if until != "stdout" else b"") + (err or b"")  # record's first lines were read above
+    compile_cpu = [float(x) for x in re.findall(rb"compiled BPF .* \(CPU ([0-9.]+) s\)", stderr)]
+    return elapsed, cpu, load, sum(compile_cpu) if compile_cpu else None
 
 
 def main():
@@ -137,6 +148,11 @@ def main():
         versions = {"before": pathlib.Path(args.before).resolve(), "after": ROOT}
     names = args.commands.split(",")
     target = subprocess.Popen(["sleep", "100000"])  # record -p's target: any process with a libc
+    sys.path.insert(0, str(ROOT))
+    from pymtrace.target import libc
+
+    others = libc.distinct_allocators()
+    print(f"other allocators mapped at the start: {sorted(others) or 'none'}", file=sys.stderr)
     results = {(v, n): [] for v in versions for n in names}
     try:
         with tempfile.TemporaryDirectory(prefix="pymtrace-startup-") as tmp:
@@ -149,6 +165,7 @@ def main():
                             results[(v, name)].append(res)
                             print(
                                 f"round {r + 1} {name:10} {v:6} {res[0]:6.2f} s  cpu {res[1]:5.2f} s  "
+                                f"compile cpu {res[3] if res[3] is not None else float('nan'):5.2f} s  "
                                 f"load {res[2]:.1f}",
                                 file=sys.stderr,
                             )
@@ -159,23 +176,35 @@ def main():
 
 
 def print_table(results, versions, names, markdown):
-    head = ["command", "version", "first output min (s)", "median (s)", "CPU median (s)", "load (1-min avg)", "runs"]
+    head = [
+        "command",
+        "version",
+        "first output min (s)",
+        "median (s)",
+        "CPU min / median (s)",
+        "compile CPU min / median (s)",
+        "load (1-min avg)",
+        "runs",
+    ]
     rows = []
     for name in names:
         for v in versions:
             res = results[(v, name)]
             if not res:
-                rows.append([name, v, "-", "-", "-", "-", "0"])
+                rows.append([name, v, "-", "-", "-", "-", "-", "0"])
                 continue
             wall = [x[0] for x in res]
             loads = [x[2] for x in res]
+            cpus = [x[1] for x in res]
+            compiles = [x[3] for x in res if x[3] is not None]
             rows.append(
                 [
                     name,
                     v,
                     f"{min(wall):.2f}",
                     f"{statistics.median(wall):.2f}",
-                    f"{statistics.median(x[1] for x in res):.2f}",
+                    f"{min(cpus):.2f} / {statistics.median(cpus):.2f}",
+                    f"{min(compiles):.2f} / {statistics.median(compiles):.2f}" if compiles else "-",
                     f"{min(loads):.1f}-{max(loads):.1f}",
                     str(len(res)),
                 ]

@@ -16,7 +16,8 @@
  *
  *   sched:sched_process_exec  (tracepoint, ms_exec) the process's new name into its entry
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
- * the benchmark's floor on the same attach points).
+ * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 (leave out the
+ * libc's / the other allocators' programs).
  */
 #include <uapi/linux/ptrace.h>
 #include "malloc_stats.h"
@@ -26,6 +27,15 @@
 #endif
 #ifndef MS_MAX_THREADS
 #define MS_MAX_THREADS 16384
+#endif
+/* Which programs the module gets (both by default): MS_GLIBC the libc's (ms_<call>_*),
+ * MS_FOREIGN the other allocators' (ms_f_*). MallocCollector compiles only the ones it will
+ * attach: ~0.1-0.2 CPU-s of compile each, for programs no process may need. */
+#ifndef MS_GLIBC
+#define MS_GLIBC 1
+#endif
+#ifndef MS_FOREIGN
+#define MS_FOREIGN 1
 #endif
 #ifndef MS_MAX_BLOCKS
 #define MS_MAX_BLOCKS 1048576
@@ -130,6 +140,7 @@ static __always_inline void add_active(s64 n) {
     if (active) __sync_fetch_and_add(active, n);
 }
 
+#if MS_GLIBC
 /* ---- malloc, calloc ------------------------------------------------------------ */
 
 int ms_malloc_entry(struct pt_regs *ctx) {
@@ -289,6 +300,9 @@ int ms_outer_return(struct pt_regs *ctx) {
     return 0;
 }
 
+#endif /* MS_GLIBC */
+
+#if MS_FOREIGN
 /* ---- other allocators: jemalloc, tcmalloc, mimalloc, a malloc in the executable --------
  *
  * Attached by MallocCollector to the functions of pymtrace/target/allocators.py's tables,
@@ -452,6 +466,7 @@ MS_F_ENTRY(ms_f_posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT
 MS_F_ENTRY(ms_f_valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
 MS_F_ENTRY(ms_f_pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
 MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
+#endif /* MS_FOREIGN */
 
 /* ---- exec: the process has a new name ------------------------------------------ */
 

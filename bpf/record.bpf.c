@@ -11,6 +11,8 @@
  * (read glibc chunk headers for size2/size3), STASH_ENTRIES, STACKS (record --stacks: each
  * allocating call's registers and stack at its return into the ring buffer `stacks`; with
  * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS). Without STACKS no stack code is compiled.
+ * OUTER_PROBES=0 leaves out the enter_outer_* programs (an interposer's entry probes), which
+ * the recorder compiles only when it probes one.
  */
 #include <uapi/linux/ptrace.h>
 #include "record.h"
@@ -26,6 +28,9 @@
 #endif
 #ifndef TARGET_TGID
 #define TARGET_TGID 0
+#endif
+#ifndef OUTER_PROBES
+#define OUTER_PROBES 1
 #endif
 #ifndef GLIBC_CHUNKS
 #define GLIBC_CHUNKS 1
@@ -229,6 +234,7 @@ static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 a0, u6
     return 0;
 }
 
+#if OUTER_PROBES /* only for an interposer (libc_malloc_debug) among the probed files */
 #define OUTER(name, TYPE, A0, A1, A2)                                                                        \
     int enter_outer_##name(struct pt_regs *ctx) {                                                            \
         return outer_entry(ctx, TYPE, A0, A1, A2);                                                           \
@@ -241,6 +247,7 @@ OUTER(posix_memalign, CALL_POSIX_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx
 OUTER(valloc, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
 OUTER(pvalloc, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
 OUTER(free, CALL_FREE, PT_REGS_PARM1(ctx), 0, 0)
+#endif
 
 static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2) {
     u64 id = bpf_get_current_pid_tgid();

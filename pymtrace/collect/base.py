@@ -446,7 +446,10 @@ class Collectors:
                     pass
             self.close()
             raise
-        note = libc.skipped_note(getattr(self.collectors.get("malloc"), "skipped", None))
+        malloc = self.collectors.get("malloc")
+        if malloc is not None:  # only processes on these files are counted (rows say so)
+            self.allocators.probed = {libc.file_key(path) for path in malloc.libcs}
+        note = libc.skipped_note(getattr(malloc, "skipped", None))
         if note:
             self.notes.append(note)
         return self

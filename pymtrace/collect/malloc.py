@@ -91,7 +91,6 @@ class MallocCollector(Collector):
         self.families = {}  # path -> "glibc" or a pymtrace.target.allocators.FAMILIES key
         self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
         self._users = {}  # system-wide: libc path -> the processes mapping it
-        self._maps_seen = None  # system-wide, from prepare() to plan(): {pid: maps}
         self.fields = struct_fields(self.program, "ms_stats")
         self.call_names = call_names()
         self.evictions = Evictions()
@@ -121,9 +120,16 @@ class MallocCollector(Collector):
             targets[path] = [-1]  # decoded by plan(), while the programs compile
             self._users[path] = users
             self.families[path] = "glibc"
-        self._maps_seen = maps_seen  # the other allocators' files are found by plan()
         if not targets:
             raise PymtraceError("found no libc to attach to")
+        # Every other mapped file defining malloc, from the same maps (~5 ms for ~100
+        # processes): before the compile, which includes the ms_f_* programs only if one
+        # is mapped. A file first mapped after this (a process started later on an
+        # allocator no process had loaded) is not probed: docs/top.md "Other allocators".
+        for path, (name, users) in libc.distinct_allocators(maps_seen).items():
+            targets[path] = [-1]
+            self._users[path] = users
+            self.families[path] = allocators.family_of(name)
         return targets
 
     @staticmethod
@@ -139,7 +145,14 @@ class MallocCollector(Collector):
         return path, "glibc"
 
     def _defines(self):
-        return {"MS_MAX_PROCS": self.max_procs, "MS_EMPTY": int(self.empty)}
+        # only the programs prepare()'s files need: the libc's, the other allocators', or both
+        families = set(self.families.values())
+        return {
+            "MS_MAX_PROCS": self.max_procs,
+            "MS_EMPTY": int(self.empty),
+            "MS_GLIBC": int("glibc" in families),
+            "MS_FOREIGN": int(bool(families - {"glibc"})),
+        }
 
     def prepare(self) -> None:
         self.libcs = self._targets()
@@ -151,12 +164,6 @@ class MallocCollector(Collector):
         decoded (any user can map one named libc.so.6) is left out with the reason in
         self.skipped, and only the processes mapping it go untraced."""
         self.plans = {}
-        if self.pids is None:  # system-wide: every other mapped file defining malloc too
-            for path, (name, users) in libc.distinct_allocators(self._maps_seen).items():
-                self.libcs[path] = [-1]
-                self._users[path] = users
-                self.families[path] = allocators.family_of(name)
-            self._maps_seen = None
         for path in list(self.libcs):
             try:
                 family = self.families.get(path, "glibc")

@@ -414,6 +414,11 @@ class AllocatorCache:
 
     def __init__(self) -> None:
         self.known = {}  # pid -> (exe identity, Allocator or None)
+        # (device, inode) of the files whose malloc top probes, or None (not checked): a
+        # process whose allocator is not among them (a file first mapped after top
+        # attached, system-wide) is not counted, and annotate() says so
+        self.probed = None
+        self._in_probed = {}  # allocator path -> its file is probed (decided while it exists)
 
     budget = 0.2  # seconds of new detections per annotate() (~1-4 ms a process); the rest wait
 
@@ -460,10 +465,21 @@ class AllocatorCache:
         for pid, p in sorted(processes.items(), key=busy):
             found = self.get(int(pid), deadline)
             if found is not None and isinstance(p, dict):
-                p["allocator"], p["allocator_traced"] = found.name, found.family is not None
+                p["allocator"], p["allocator_traced"] = found.name, self.counted(found)
         listed = {int(pid) for pid in processes} | set(pids)
         for pid in [p for p in self.known if p not in listed]:
             del self.known[pid]
+
+    def counted(self, found: Allocator) -> bool:
+        """Whether top counts the calls of a process on FOUND: an allocator it can probe, in
+        a file it probes (self.probed)."""
+        if found.family is None:
+            return False
+        if self.probed is None or found.path is None:
+            return True
+        if found.path not in self._in_probed:
+            self._in_probed[found.path] = file_key(found.path) in self.probed
+        return self._in_probed[found.path]
 
 
 def _start_time(pid: int) -> str:

@@ -648,6 +648,7 @@ class Recorder:
             pid=None if self.launched is not None else self.target, launched=self.launched
         )
         self.libs = probe_libraries(libc_path, want_debug)
+        defines["OUTER_PROBES"] = int(any(outer for _, outer in self.libs))  # only the programs it attaches
         if self.args.format == "mtrace-text":
             defines["NOTE_BASES"] = 1
             for index, (path, _) in enumerate(self.libs):

@@ -30,7 +30,10 @@ if bcc is not None and hasattr(bcc, "BPF"):
         text = text.encode() if isinstance(text, str) else text
         found = [name for name, marker in _MARKERS if marker in text]
         print("bcc-test: compile " + ",".join(found), file=sys.stderr, flush=True)
-        return _init(self, *args, **kw)
+        _init(self, *args, **kw)
+        n = bcc.lib.bpf_num_functions(self.module)  # the programs the module holds
+        names = [bcc.lib.bpf_function_name(self.module, i).decode() for i in range(n)]
+        print("bcc-test: programs " + ",".join(names), file=sys.stderr, flush=True)
 
     def _counting_attach(self, *args, **kw):
         print("bcc-test: uprobe", file=sys.stderr, flush=True)
@@ -41,7 +44,9 @@ if bcc is not None and hasattr(bcc, "BPF"):
 
 
 def traced_run(tmp_path, *args, timeout=600):
-    """Run pymtrace ARGS; (process, [set of programs of each compile, in order], events)."""
+    """Run pymtrace ARGS; (process, [set of programs of each compile, in order], events).
+    Events: "compile ...", "uprobe", and after each compile "programs NAME,..." (the BPF
+    functions it holds; left out of the returned events, see compiled_functions)."""
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -49,7 +54,31 @@ def traced_run(tmp_path, *args, timeout=600):
     proc = run_pymtrace(*args, env=env, timeout=timeout)
     events = [line[len("bcc-test: ") :] for line in proc.stderr.splitlines() if line.startswith("bcc-test: ")]
     compiles = [set(e.split(" ", 1)[1].split(",")) - {""} for e in events if e.startswith("compile")]
-    return proc, compiles, events
+    return proc, compiles, [e for e in events if not e.startswith("programs")]
+
+
+def compiled_functions(proc):
+    """[set of BPF function names] of each compile of the run PROC (traced_run)."""
+    tag = "bcc-test: programs "
+    return [set(line[len(tag) :].split(",")) - {""} for line in proc.stderr.splitlines() if line.startswith(tag)]
+
+
+# malloc_stats's programs, exactly (bpf/malloc_stats.bpf.c): the libc's (MS_GLIBC), the other
+# allocators' (MS_FOREIGN: pymtrace.target.allocators' tables), and the exec probe both need.
+GLIBC_PROGRAMS = {
+    "ms_malloc_entry", "ms_malloc_return", "ms_calloc_entry", "ms_calloc_return", "ms_free_entry",
+    "ms_realloc_entry", "ms_memalign_entry", "ms_posix_memalign_entry", "ms_valloc_entry",
+    "ms_pvalloc_entry", "ms_outer_return",
+}  # fmt: skip
+FOREIGN_PROGRAMS = {
+    "ms_f_return", "ms_f_free_p1", "ms_f_malloc_s1", "ms_f_malloc_n1s2", "ms_f_calloc_n1s2",
+    "ms_f_calloc_s1", "ms_f_realloc_p1s2", "ms_f_realloc_x", "ms_f_memalign_s1", "ms_f_memalign_s2",
+    "ms_f_posix_memalign_p1s3", "ms_f_valloc_s1", "ms_f_pvalloc_s1", "ms_f_free_nest",
+}  # fmt: skip
+
+
+def malloc_programs(functions):
+    return {f for f in functions if f.startswith("ms_")}
 
 
 @pytest.fixture
@@ -104,6 +133,9 @@ def test_record_compiles_only_the_record_program(tmp_path, target):
     assert proc.returncode == 0, proc.stderr
     assert compiles == [{"record"}], events
     assert compiled_before_uprobes(events), events
+    # a process without glibc's libc_malloc_debug interposer: no interposer entry programs
+    (functions,) = compiled_functions(proc)
+    assert functions and not {f for f in functions if f.startswith("enter_outer_")}, functions
 
 
 @pytest.mark.bpf
@@ -123,3 +155,87 @@ def test_top_compiles_glibc_probes_with_the_rest(tmp_path, sdt_libc, cbuild):
     assert compiled_before_uprobes(events), events
     glibc = json.loads(proc.stdout.splitlines()[0])["snapshot"]["glibc"][str(work.pid)]
     assert glibc["probes"] > 0, glibc
+
+
+def _foreign_workload(cbuild):
+    """A process whose malloc is jemalloc's (LD_PRELOAD), waiting for stdin."""
+    from support.allocators import LIBS, library
+    from support.top import Workload
+
+    return Workload(["env", f"LD_PRELOAD={library(LIBS['jemalloc'])}", cbuild("top_calls", "-DANY_ALLOCATOR")])
+
+
+@pytest.mark.bpf
+def test_top_compiles_other_allocators_programs_only_where_one_is_mapped(tmp_path, target, cbuild):
+    """The ms_f_* programs (jemalloc, tcmalloc, mimalloc, a malloc in the executable) are
+    compiled only for a traced process on such an allocator, the libc's only for one on the
+    libc: counted exactly (every program of the module is one it can attach)."""
+    plain = ("--batch", "-n", "1", "-i", "0.2", "--view", "processes")
+    proc, compiles, events = traced_run(tmp_path, "top", "-p", target, *plain)
+    assert proc.returncode == 0, proc.stderr
+    assert compiles == [{"malloc_stats", "faults"}], events
+    assert [malloc_programs(f) for f in compiled_functions(proc)] == [GLIBC_PROGRAMS | {"ms_exec"}]
+
+    work = _foreign_workload(cbuild)
+    try:
+        proc, compiles, events = traced_run(tmp_path, "top", "-p", work.pid, *plain)
+        assert proc.returncode == 0, proc.stderr
+        assert [malloc_programs(f) for f in compiled_functions(proc)] == [FOREIGN_PROGRAMS | {"ms_exec"}]
+        proc, compiles, events = traced_run(tmp_path, "top", "-p", work.pid, "-p", target, *plain)
+        assert proc.returncode == 0, proc.stderr
+        assert len(compiles) == 1, events
+        both = GLIBC_PROGRAMS | FOREIGN_PROGRAMS | {"ms_exec"}
+        assert [malloc_programs(f) for f in compiled_functions(proc)] == [both]
+    finally:
+        work.kill()
+
+
+@pytest.mark.bpf
+def test_system_wide_top_compiles_other_allocators_programs_when_one_is_mapped(tmp_path, cbuild):
+    """System-wide, the /proc/*/maps scan that finds the libcs decides before the compile:
+    a jemalloc process running -> the ms_f_* programs are in the one compile. (Without one
+    they are not, which a shared machine cannot promise for a system-wide test: the -p test
+    above shows it.)"""
+    work = _foreign_workload(cbuild)
+    try:
+        proc, compiles, events = traced_run(tmp_path, "top", "--batch", "-n", "1", "-i", "0.2", "--view", "processes")
+    finally:
+        work.kill()
+    assert proc.returncode == 0, proc.stderr
+    assert len(compiles) == 1 and "malloc_stats" in compiles[0], events
+    assert [malloc_programs(f) for f in compiled_functions(proc)] == [GLIBC_PROGRAMS | FOREIGN_PROGRAMS | {"ms_exec"}]
+
+
+@pytest.mark.bpf
+def test_system_wide_top_names_a_later_allocator_file_as_not_counted(tmp_path, cbuild):
+    """A process started after top attached, on an allocator file no process mapped then
+    (a fresh copy of jemalloc: a new inode), is not probed (its file was not in the
+    program set nor the attach): its row names the allocator as not traced, never zeros."""
+    import shutil
+
+    from support.allocators import LIBS, library
+    from support.top import Top, Workload
+
+    late = tmp_path / "libjemalloc-late.so.2"
+    shutil.copy(library(LIBS["jemalloc"]), late)
+    top = Top("--json", "-i", "0.5", "--view", "processes", "--no-glibc")
+    work = None
+    try:
+        top.json_doc()  # attached
+        work = Workload(["env", f"LD_PRELOAD={late}", cbuild("top_calls", "-DANY_ALLOCATOR")])
+        work.go()
+        work.result()
+        started = time.monotonic()
+        for _ in range(20):
+            doc = top.json_after(started)
+            p = doc["snapshot"]["processes"].get(str(work.pid), {})
+            if "allocator" in p:
+                break
+        assert p["allocator"] == "jemalloc" and p["allocator_traced"] is False, p
+        row = {r["pid"]: r for r in doc["views"]["processes"]["rows"]}[work.pid]
+        assert row["untraced_allocator"] == "jemalloc" and row["malloc_per_s"] is None, row
+        assert top.stop() == 0
+    finally:
+        top.kill()
+        if work is not None:
+            work.kill()
