@@ -36,6 +36,7 @@ PROGRAM = "heap"
 DEFAULT_SAMPLE_BYTES = 524288
 DEFAULT_STACK_BYTES = 32768
 LG_FRACTION_BITS = 20  # hp_lg's fixed point: log2 values * 2^20
+RING_RECORDS = 4096  # --sample-bytes 1: sample records the ring holds at least (~20-40 ms of a storm)
 _FORK_MEMORY = 4096  # fork records of children gone before they were looked at, kept for their exit
 
 
@@ -116,6 +117,17 @@ def probe_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
     return plan
 
 
+def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page: int, header: int) -> int:
+    """Ring-buffer pages (a power of two): 16 MiB at a sampling rate; 64 MiB with every call
+    sampled, and with RESERVE (each record takes the largest size) room for RING_RECORDS."""
+    if sample_bytes != 1:
+        return 4096
+    if not reserve:
+        return 16384
+    pages = max(16384, -(-RING_RECORDS * (stack_bytes + header + 8) // page))
+    return 1 << (pages - 1).bit_length()
+
+
 def possible_cpus() -> int:
     """Number of CPU ids the kernel may use (the per-CPU scratch slots)."""
     try:
@@ -158,6 +170,7 @@ class HeapCollector(Collector):
         max_threads: int = 16384,
         max_targets: int = 4096,
         libc_path: str | None = None,
+        reserve: bool = False,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -165,8 +178,11 @@ class HeapCollector(Collector):
         super().__init__(pids, track_exits=False)  # exits come as ring records
         check_settings(sample_bytes, stack_bytes)
         header = structs.header(PROGRAM)
-        if ring_pages is None:  # every call: bursts of up to 32 KiB records need room
-            ring_pages = 16384 if sample_bytes == 1 else 4096
+        page = header.consts["HP_PAGE"]
+        if ring_pages is None:
+            ring_pages = default_ring_pages(
+                sample_bytes, stack_bytes, reserve, page, ctypes.sizeof(header.structs["hp_event"])
+            )
         if ring_pages & (ring_pages - 1):
             raise PymtraceError(f"ring buffer pages must be a power of two, not {ring_pages}")
         self.sample_bytes = sample_bytes
@@ -178,6 +194,7 @@ class HeapCollector(Collector):
         self.on_exit = on_exit
         self.ring_pages = ring_pages
         self.libc_path = libc_path  # a launched command's libc, not mapped yet (launch.predict_libc)
+        self.reserve = reserve  # one stack copy straight into a largest-size ring record (slower: bpf)
         self.limits = {
             "HP_MAX_LIVE": max_live,
             "HP_MAX_PENDING": max_pending,
@@ -202,6 +219,7 @@ class HeapCollector(Collector):
             "HP_RB_PAGES": self.ring_pages,
             "HP_MAX_CPUS": possible_cpus(),
             "HP_FOLLOW": int(self.follow_forks),
+            "HP_RESERVE": int(self.reserve),
             **self.limits,
         }
 
@@ -228,6 +246,7 @@ class HeapCollector(Collector):
         targets = self.bpf[b"hp_targets"]
         for pid in self.pids:
             targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+            self._set_top(pid)
         self.bpf[b"hp_events"].open_ring_buffer(self._on_record)
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"hp_exec")
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exit", fn_name=b"hp_exit")
@@ -239,6 +258,15 @@ class HeapCollector(Collector):
         for pid in self.pids:  # gone while we attached: its probes would wait for nothing
             if not proc.alive(pid):
                 raise ProcessGone(pid)
+
+    def _set_top(self, pid: int) -> None:
+        """Tell BPF PID's stack top, so its main thread's copies stop there (bpf: hp_tops)."""
+        try:
+            top = proc.start_stack(pid)
+        except ProcessGone:
+            return
+        if top:
+            self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
 
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
         name = os.fsencode(path)
@@ -295,6 +323,7 @@ class HeapCollector(Collector):
                 stack_len = min(ev.stack_len, size - self.event_size)
                 self.on_sample(self.decode_sample(ev, data + self.event_size, stack_len))
         elif kind == "exec":
+            self._set_top(ev.pid)
             self._forget_live(ev.pid, ev.id)
             if self.on_exec is not None:
                 self.on_exec(ev.pid)
@@ -332,8 +361,10 @@ class HeapCollector(Collector):
             if len(self._unresolved_forks) >= _FORK_MEMORY:
                 self._unresolved_forks.pop(next(iter(self._unresolved_forks)))
             self._unresolved_forks[child] = parent
-        elif not thread and self.on_fork is not None:
-            self.on_fork(parent, child)
+        elif not thread:
+            self._set_top(child)
+            if self.on_fork is not None:
+                self.on_fork(parent, child)
 
     def _forget_live(self, pid: int, last_id: int) -> None:
         """PID exec'd: the blocks of its old image sampled up to LAST_ID are gone with it."""

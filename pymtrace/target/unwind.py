@@ -130,6 +130,22 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         c.POINTER(c.c_int),
         c.POINTER(c.c_int),
     ]
+    lib.pmt_ring_scan.argtypes = [
+        c.c_void_p,
+        c.c_uint64,
+        c.c_uint64,
+        c.c_uint64,
+        c.c_uint32,
+        c.c_uint32,
+        c.c_uint32,
+        c.c_uint32,
+        c.c_void_p,
+        c.c_void_p,
+        c.c_int,
+        c.c_void_p,
+        c.c_int,
+        c.POINTER(c.c_uint64),
+    ]
     lib.pmt_cache_stats.argtypes = [c.c_void_p, c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]
     lib.pmt_symbolize.argtypes = [c.c_void_p, c.c_int, c.c_uint64, c.c_char_p, c.c_size_t]
     lib.pmt_errmsg.restype = c.c_char_p
@@ -321,6 +337,11 @@ class ProcessImage:
                     self._by_raw[raw] = frames
             return frames, bool(self._complete.value)
 
+    def cached_stack(self, result: int) -> tuple[Location, ...]:
+        """The stack of the native cache's RESULT (a number RingScanner reported for this
+        image: made by an earlier unwind, interned then)."""
+        return self._by_result[result]
+
     def _frames(self, n: int) -> tuple[Location, ...]:
         modules = self.modules
         return tuple((modules[f] if f >= 0 else UNKNOWN, pc) for f, pc in zip(self._files[:n], self._pcs[:n]))
@@ -363,6 +384,56 @@ class ProcessImage:
     def __del__(self) -> None:
         if getattr(self, "_session", None):
             self.close()
+
+
+ROW_HEAD = 40  # bytes of each record a RingScanner row carries (native/unwind.c PMT_ROW_HEAD)
+
+
+class RingScanner:
+    """Walks a BPF ring buffer's records in native code, a batch at a time, and looks each
+    sample's stack up in its process's unwind cache (no unwinding, no Python per record
+    there): rows of (payload offset, length, cache result, the record's first ROW_HEAD
+    bytes). A result >= 0 is ProcessImage.cached_stack's number; -1 a sample to unwind
+    (ProcessImage.unwind), -2 not a sample of an imaged process. See pmt_ring_scan."""
+
+    ROW_SIZE = 16 + ROW_HEAD
+
+    def __init__(
+        self, data_addr: int, mask: int, sample_type: int, regs_off: int, stack_len_off: int, header: int
+    ) -> None:
+        self._lib = native_library()
+        self.data_addr, self.mask = data_addr, mask
+        self.layout = (sample_type, regs_off, stack_len_off, header)
+        self.max_rows = 4096
+        self._rows = ctypes.create_string_buffer(self.ROW_SIZE * self.max_rows)
+        self._view = memoryview(self._rows).cast("B")
+        self._next = ctypes.c_uint64()
+        self._next_ref = ctypes.byref(self._next)
+        self._pids = (ctypes.c_int32 * 0)()
+        self._sessions = (ctypes.c_void_p * 0)()
+        self._images: list[ProcessImage] = []
+
+    def scan(self, cons: int, prod: int, images: dict[int, ProcessImage]) -> tuple[memoryview, int]:
+        """(rows, the consumer position after them) of the records from CONS to PROD."""
+        live = [(pid, image) for pid, image in images.items() if image._session]
+        if [image for _, image in live] != self._images:
+            self._images = [image for _, image in live]
+            self._pids = (ctypes.c_int32 * len(live))(*(pid for pid, _ in live))
+            self._sessions = (ctypes.c_void_p * len(live))(*(image._session for _, image in live))
+        n = self._lib.pmt_ring_scan(
+            self.data_addr,
+            self.mask,
+            cons,
+            prod,
+            *self.layout,
+            self._pids,
+            self._sessions,
+            len(self._images),
+            self._rows,
+            self.max_rows,
+            self._next_ref,
+        )
+        return self._view[: n * self.ROW_SIZE], self._next.value
 
 
 def unknown_frame(module: Module, pc: int) -> Frame:

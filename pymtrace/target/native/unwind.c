@@ -508,6 +508,71 @@ int pmt_unwind(struct pmt_session *s, int tid, const uint64_t *regs, const void 
     return s->n;
 }
 
+/* -- reading a BPF ring buffer in batches ------------------------------------------------- */
+
+#define PMT_RB_BUSY    (1u << 31)
+#define PMT_RB_DISCARD (1u << 30)
+#define PMT_ROW_HEAD   40 /* bytes of each record copied into its row */
+
+/* One ring record, for the caller: where its payload is (offset in the data pages), its
+ * length, the unwind cache's result for a sample (-1: not cached, -2: not a sample of a
+ * process with a session), and the record's first PMT_ROW_HEAD bytes. */
+struct pmt_row {
+    uint64_t off;
+    uint32_t len;
+    int32_t result;
+    uint8_t head[PMT_ROW_HEAD];
+};
+
+/* Scans the committed records of a BPF ring buffer from consumer position CONS up to PROD
+ * (DATA: its data pages, mapped twice in a row as the kernel does; MASK: their size - 1),
+ * into up to MAX ROWS, stopping at a record still being written and after any record that is
+ * not a sample (the caller handles exec/fork/exit before the records after them). A sample
+ * record (u32 type == SAMPLE_TYPE at 0, u32 pid at 4, 8 u64 registers at REGS_OFF, u32 stack
+ * length at STACK_LEN_OFF, the stack from HEADER on) of a pid in PIDS[] is looked up in that
+ * pid's session's unwind cache: no libdwfl work, nothing added. The consumer position is the
+ * caller's to advance (to *NEXT) once it is done with the rows: the records stay in place
+ * until then. Returns the number of rows. */
+int pmt_ring_scan(const uint8_t *data, uint64_t mask, uint64_t cons, uint64_t prod, uint32_t sample_type,
+                  uint32_t regs_off, uint32_t stack_len_off, uint32_t header, const int32_t *pids,
+                  struct pmt_session *const *sessions, int nsessions, struct pmt_row *rows, int max,
+                  uint64_t *next) {
+    int n = 0;
+    while (cons < prod && n < max) {
+        const uint8_t *rec = data + (cons & mask);
+        uint32_t flags = __atomic_load_n((const uint32_t *)rec, __ATOMIC_ACQUIRE);
+        if (flags & PMT_RB_BUSY) break;
+        uint32_t len = flags & ~(PMT_RB_BUSY | PMT_RB_DISCARD);
+        cons += ((uint64_t)len + 8 + 7) & ~7ull;
+        if (flags & PMT_RB_DISCARD) continue;
+        struct pmt_row *row = &rows[n++];
+        const uint8_t *payload = rec + 8;
+        row->off = (uint64_t)(payload - data);
+        row->len = len;
+        row->result = -2;
+        memset(row->head, 0, sizeof row->head);
+        memcpy(row->head, payload, len < PMT_ROW_HEAD ? len : PMT_ROW_HEAD);
+        uint32_t type = 0, pid = 0, stack_len = 0;
+        if (len >= header) {
+            memcpy(&type, payload, 4);
+            memcpy(&pid, payload + 4, 4);
+            memcpy(&stack_len, payload + stack_len_off, 4);
+        }
+        if (len < header || type != sample_type) break; /* the caller handles it first */
+        if (stack_len > len - header) stack_len = len - header;
+        for (int i = 0; i < nsessions; i++) {
+            if ((uint32_t)pids[i] != pid) continue;
+            uint64_t regs[8];
+            memcpy(regs, payload + regs_off, sizeof regs);
+            row->result = cache_lookup(&sessions[i]->cache, regs, payload + header, stack_len);
+            if (row->result >= 0) sessions[i]->cache.hits++;
+            break;
+        }
+    }
+    *next = cons;
+    return n;
+}
+
 /* The cache's hits and misses so far (for benchmarks). */
 void pmt_cache_stats(struct pmt_session *s, uint64_t *hits, uint64_t *misses) {
     *hits = s->cache.hits;
