@@ -267,6 +267,30 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
 #endif
 }
 
+/* The sampled block B is gone: tell user space, which forgets its sample (the profile's memory
+ * stays bounded by the sampled blocks live). A short record, no stack. Not counted when the ring
+ * is full: it only bounds memory (the sample is then kept to the end, where hp_live decides). */
+struct hp_free_rec { /* hp_event's first 40 bytes */
+    u32 type;
+    u32 pid;
+    u32 tid;
+    u32 call;
+    u64 size;
+    u64 ts;
+    u64 id;
+};
+
+static __always_inline void hp_gone(struct hp_block *b) {
+    u64 *sample_id = hp_live.lookup(b);
+    if (!sample_id) return;
+    struct hp_free_rec r = {};
+    r.type = HP_REC_FREE;
+    r.pid = b->pid;
+    r.id = *sample_id;
+    hp_live.delete(b);
+    hp_events.ringbuf_output(&r, sizeof(r), BPF_RB_NO_WAKEUP);
+}
+
 /* Entry of an allocating call. OUTER: it calls other malloc-API functions inside glibc, so it
  * keeps an hp_pending entry for its whole duration even when not sampled. */
 static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
@@ -342,7 +366,7 @@ int hp_return(struct pt_regs *ctx) {
     /* realloc: the old block is gone when it succeeded, and after realloc(p, 0) */
     if (p.call == CALL_REALLOC && p.arg_ptr && (rc || p.size == 0)) {
         b.addr = p.arg_ptr;
-        hp_live.delete(&b);
+        hp_gone(&b);
     }
     if (p.sample_id && addr) {
         b.addr = addr;
@@ -352,14 +376,14 @@ int hp_return(struct pt_regs *ctx) {
 }
 
 /* free, at its first emulated instruction (and the early exits before it): the pointer
- * argument is unchanged there. Deleting an address that was never sampled is a no-op. */
+ * argument is unchanged there. An address that was never sampled is not in hp_live: nothing. */
 int hp_free_entry(struct pt_regs *ctx) {
     u64 ptr = PT_REGS_PARM1(ctx);
     if (!ptr) return 0;
     struct hp_block b = {};
     b.addr = ptr;
     b.pid = bpf_get_current_pid_tgid() >> 32;
-    hp_live.delete(&b);
+    hp_gone(&b);
     return 0;
 }
 

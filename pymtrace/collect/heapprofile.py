@@ -119,10 +119,14 @@ class HeapProfile:
         self._pending[sample_id] = (entry, size, ts_ns, weight)
 
     def freed(self, sample_ids: Iterable[int]) -> None:
-        """Forget samples known to be freed before the end: optional, it only bounds memory
-        (without it every sample is kept until finish, about 210 bytes each)."""
+        """Forget samples known to be freed before the end: it only bounds memory (a sample
+        not forgotten is kept until finish, about 210 bytes, where the live ids decide)."""
         for sample_id in sample_ids:
             self._pending.pop(sample_id, None)
+
+    def forget(self, sample_id: int) -> None:
+        """freed() for one sample (the collector tells each free of a sampled block)."""
+        self._pending.pop(sample_id, None)
 
     def finish(
         self,

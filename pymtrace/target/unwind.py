@@ -139,6 +139,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         c.c_uint32,
         c.c_uint32,
         c.c_uint32,
+        c.c_uint32,
         c.c_void_p,
         c.c_void_p,
         c.c_int,
@@ -394,16 +395,24 @@ class RingScanner:
     sample's stack up in its process's unwind cache (no unwinding, no Python per record
     there): rows of (payload offset, length, cache result, the record's first ROW_HEAD
     bytes). A result >= 0 is ProcessImage.cached_stack's number; -1 a sample to unwind
-    (ProcessImage.unwind), -2 not a sample of an imaged process. See pmt_ring_scan."""
+    (ProcessImage.unwind), -2 not a sample of an imaged process. Records of SHORT_TYPE (shorter
+    than a sample) are rows like samples; any other type ends a batch. See pmt_ring_scan."""
 
     ROW_SIZE = 16 + ROW_HEAD
 
     def __init__(
-        self, data_addr: int, mask: int, sample_type: int, regs_off: int, stack_len_off: int, header: int
+        self,
+        data_addr: int,
+        mask: int,
+        sample_type: int,
+        short_type: int,
+        regs_off: int,
+        stack_len_off: int,
+        header: int,
     ) -> None:
         self._lib = native_library()
         self.data_addr, self.mask = data_addr, mask
-        self.layout = (sample_type, regs_off, stack_len_off, header)
+        self.layout = (sample_type, short_type, regs_off, stack_len_off, header)
         self.max_rows = 4096
         self._rows = ctypes.create_string_buffer(self.ROW_SIZE * self.max_rows)
         self._view = memoryview(self._rows).cast("B")

@@ -527,16 +527,17 @@ struct pmt_row {
 /* Scans the committed records of a BPF ring buffer from consumer position CONS up to PROD
  * (DATA: its data pages, mapped twice in a row as the kernel does; MASK: their size - 1),
  * into up to MAX ROWS, stopping at a record still being written and after any record that is
- * not a sample (the caller handles exec/fork/exit before the records after them). A sample
+ * neither a sample nor of SHORT_TYPE (the caller handles exec/fork/exit before the records
+ * after them). A sample
  * record (u32 type == SAMPLE_TYPE at 0, u32 pid at 4, 8 u64 registers at REGS_OFF, u32 stack
  * length at STACK_LEN_OFF, the stack from HEADER on) of a pid in PIDS[] is looked up in that
  * pid's session's unwind cache: no libdwfl work, nothing added. The consumer position is the
  * caller's to advance (to *NEXT) once it is done with the rows: the records stay in place
  * until then. Returns the number of rows. */
 int pmt_ring_scan(const uint8_t *data, uint64_t mask, uint64_t cons, uint64_t prod, uint32_t sample_type,
-                  uint32_t regs_off, uint32_t stack_len_off, uint32_t header, const int32_t *pids,
-                  struct pmt_session *const *sessions, int nsessions, struct pmt_row *rows, int max,
-                  uint64_t *next) {
+                  uint32_t short_type, uint32_t regs_off, uint32_t stack_len_off, uint32_t header,
+                  const int32_t *pids, struct pmt_session *const *sessions, int nsessions,
+                  struct pmt_row *rows, int max, uint64_t *next) {
     int n = 0;
     while (cons < prod && n < max) {
         const uint8_t *rec = data + (cons & mask);
@@ -553,12 +554,13 @@ int pmt_ring_scan(const uint8_t *data, uint64_t mask, uint64_t cons, uint64_t pr
         memset(row->head, 0, sizeof row->head);
         memcpy(row->head, payload, len < PMT_ROW_HEAD ? len : PMT_ROW_HEAD);
         uint32_t type = 0, pid = 0, stack_len = 0;
-        if (len >= header) {
+        if (len >= 8) {
             memcpy(&type, payload, 4);
             memcpy(&pid, payload + 4, 4);
-            memcpy(&stack_len, payload + stack_len_off, 4);
         }
+        if (type == short_type) continue;               /* a short record (a free): the caller's, in order */
         if (len < header || type != sample_type) break; /* the caller handles it first */
+        memcpy(&stack_len, payload + stack_len_off, 4);
         if (stack_len > len - header) stack_len = len - header;
         for (int i = 0; i < nsessions; i++) {
             if ((uint32_t)pids[i] != pid) continue;
