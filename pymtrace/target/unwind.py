@@ -147,6 +147,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         c.c_int,
         c.POINTER(c.c_uint64),
     ]
+    lib.pmt_cache_enable.argtypes = [c.c_void_p, c.c_int]
     lib.pmt_cache_stats.argtypes = [c.c_void_p, c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]
     lib.pmt_symbolize.argtypes = [c.c_void_p, c.c_int, c.c_uint64, c.c_char_p, c.c_size_t]
     lib.pmt_errmsg.restype = c.c_char_p
@@ -346,6 +347,13 @@ class ProcessImage:
     def _frames(self, n: int) -> tuple[Location, ...]:
         modules = self.modules
         return tuple((modules[f] if f >= 0 else UNKNOWN, pc) for f, pc in zip(self._files[:n], self._pcs[:n]))
+
+    def enable_cache(self, on: bool) -> None:
+        """Switch the native unwind cache on (the default) or off (every unwind runs libdwfl:
+        for benchmarks)."""
+        with self._lock:
+            if self._session:
+                self._lib.pmt_cache_enable(self._session, int(on))
 
     def cache_stats(self) -> tuple[int, int]:
         """(hits, misses) of the native unwind cache so far."""

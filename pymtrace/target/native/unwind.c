@@ -35,7 +35,11 @@
  * register's sp-relative value, or the word at sp + offset); edges are keyed by the answer;
  * a leaf is a result. A lookup walks the tree reading the new copy: on a hit no CFI is
  * evaluated. Only complete unwinds (every read inside the copy, every frame in a known file)
- * are cached, so a hit is exactly what libdwfl would compute. Bounded: at PMT_CACHE_NODES nodes
+ * are cached, so a hit is exactly what libdwfl would compute. A word read is answered by its
+ * value when it was a return address; any other word read (a saved register) by its class: an
+ * address near the copied stack (sp-relative: it may be a later frame's base) or "anything
+ * else" - such a value cannot be the base of a read inside the copy, so it cannot change the
+ * frames of a complete unwind; per-call values (heap pointers in saved registers) then still hit. Bounded: at PMT_CACHE_NODES nodes
  * or PMT_CACHE_PCS cached frames nothing more is added. */
 #define PMT_CACHE_NODES (1 << 18)
 #define PMT_CACHE_PCS   (1 << 20)
@@ -44,10 +48,14 @@
 #define PMT_ASK_NONE    (INT32_MIN + 1) /* a node whose question is not known yet */
 #define PMT_ASK_IP      -1              /* then -2 - r for regs[2 + r], r = 0..5 (bp bx r12 r13 r14 r15) */
 #define PMT_OUTSIDE     0xffffffffffffffffull /* a register not pointing into the copy */
+#define PMT_NEAR        65536        /* a value within this of the copied stack may be an address in it */
+#define PMT_STACK_TAG   (1ull << 63) /* answer: a stack address, as (value - sp) | tag */
+#define PMT_ANY         (1ull << 62) /* answer: a value neither near the stack nor a return address */
 
 struct pmt_node {
     int32_t ask;    /* PMT_ASK_*, or the byte offset from sp of the word read */
     int32_t result; /* leaf: index into results */
+    int32_t wild;   /* a read whose value was no return address: only its class matters */
 };
 struct pmt_edge {
     uint64_t value;
@@ -67,6 +75,7 @@ struct pmt_cache {
     int32_t *files;
     uint32_t npcs;
     int full;
+    int off; /* pmt_cache_enable(s, 0): every unwind runs libdwfl (benchmarks) */
     uint64_t hits, misses;
 };
 #define PMT_EDGE_SLOTS (2 * PMT_CACHE_NODES)
@@ -104,7 +113,9 @@ struct pmt_session {
     int read_failed;              /* a read fell outside the copy: the unwind may have stopped short */
     int32_t reads[PMT_MAX_READS]; /* sp-relative offsets of this unwind's reads, in order */
     uint64_t read_values[PMT_MAX_READS];
-    int nreads; /* > PMT_MAX_READS: too many to cache */
+    int nreads;                  /* > PMT_MAX_READS: too many to cache */
+    uint64_t ret[PMT_MAX_READS]; /* the frames' raw pcs (return addresses) of this unwind */
+    int nret;
     struct pmt_cache cache;
 };
 
@@ -336,6 +347,7 @@ static int on_frame(Dwfl_Frame *frame, void *arg) {
     Dwarf_Addr pc;
     bool activation;
     if (!dwfl_frame_pc(frame, &pc, &activation)) return -1;
+    if (s->nret < PMT_MAX_READS) s->ret[s->nret++] = pc;
     if (!activation) pc -= 1; /* a return address: the call is the instruction before it */
     Dwfl_Module *mod = dwfl_addrmodule(s->dwfl, pc);
     Dwarf_Addr bias = 0;
@@ -390,9 +402,15 @@ static void cache_free(struct pmt_cache *c) {
     free(c->files);
 }
 
+/* The answer for a word V read at a node (WILD: see struct pmt_node). */
+static uint64_t word_answer(uint64_t v, uint64_t sp, size_t len, int wild) {
+    if (v - sp + PMT_NEAR < len + 2 * PMT_NEAR) return PMT_STACK_TAG | ((v - sp) & ~PMT_STACK_TAG);
+    return wild ? PMT_ANY : v;
+}
+
 /* The answer to node question ASK for this unwind's inputs; 0 if it cannot be answered (a
  * read outside the copy). */
-static int cache_answer(const uint64_t *regs, const uint8_t *stack, size_t len, int32_t ask,
+static int cache_answer(const uint64_t *regs, const uint8_t *stack, size_t len, int32_t ask, int wild,
                         uint64_t *value) {
     if (ask == PMT_ASK_IP) {
         *value = regs[0];
@@ -401,7 +419,9 @@ static int cache_answer(const uint64_t *regs, const uint8_t *stack, size_t len, 
         *value = r >= regs[1] && r - regs[1] <= len ? r - regs[1] : PMT_OUTSIDE;
     } else if (ask >= 0) {
         if ((size_t)ask > len || len - (size_t)ask < sizeof(uint64_t)) return 0;
-        memcpy(value, stack + ask, sizeof *value);
+        uint64_t v;
+        memcpy(&v, stack + ask, sizeof v);
+        *value = word_answer(v, regs[1], len, wild);
     } else {
         return 0;
     }
@@ -410,13 +430,13 @@ static int cache_answer(const uint64_t *regs, const uint8_t *stack, size_t len, 
 
 /* The cached result for these inputs, or -1. */
 static int cache_lookup(struct pmt_cache *c, const uint64_t *regs, const uint8_t *stack, size_t len) {
-    if (!c->nodes) return -1;
+    if (!c->nodes || c->off) return -1;
     uint32_t node = 0;
     for (int steps = 0; steps < PMT_MAX_READS + 8; steps++) {
         int32_t ask = c->nodes[node].ask;
         if (ask == PMT_ASK_LEAF) return c->nodes[node].result;
         uint64_t value;
-        if (!cache_answer(regs, stack, len, ask, &value)) return -1;
+        if (!cache_answer(regs, stack, len, ask, c->nodes[node].wild, &value)) return -1;
         node = edge_find(c, node, value, 0);
         if (!node) return -1;
     }
@@ -426,7 +446,7 @@ static int cache_lookup(struct pmt_cache *c, const uint64_t *regs, const uint8_t
 /* Remembers the complete unwind just made (s->reads, s->out_*): its result index, or -1. */
 static int cache_insert(struct pmt_session *s) {
     struct pmt_cache *c = &s->cache;
-    if (!c->nodes || c->full || s->nreads > PMT_MAX_READS) return -1;
+    if (!c->nodes || c->off || c->full || s->nreads > PMT_MAX_READS) return -1;
     if (c->npcs + (uint32_t)s->n > PMT_CACHE_PCS || c->nresults >= PMT_CACHE_NODES) {
         c->full = 1;
         return -1;
@@ -435,15 +455,22 @@ static int cache_insert(struct pmt_session *s) {
     /* the questions in order: ip, the six registers, then the reads */
     for (int step = 0; step < 7 + s->nreads; step++) {
         int32_t ask = step == 0 ? PMT_ASK_IP : step < 7 ? -1 - step : s->reads[step - 7];
-        if (c->nodes[node].ask == PMT_ASK_NONE)
+        if (c->nodes[node].ask == PMT_ASK_NONE) {
+            int wild = 0;
+            if (step >= 7) { /* a return address is asked exactly, other words by class */
+                wild = 1;
+                for (int i = 0; i < s->nret; i++) wild &= s->ret[i] != s->read_values[step - 7];
+            }
             c->nodes[node].ask = ask;
-        else if (c->nodes[node].ask != ask)
+            c->nodes[node].wild = wild;
+        } else if (c->nodes[node].ask != ask) {
             return -1; /* not the unwind we thought: leave it */
+        }
         uint64_t value;
         if (step < 7) {
-            if (!cache_answer(s->regs, s->stack, s->stack_len, ask, &value)) return -1;
+            if (!cache_answer(s->regs, s->stack, s->stack_len, ask, 0, &value)) return -1;
         } else {
-            value = s->read_values[step - 7];
+            value = word_answer(s->read_values[step - 7], s->sp, s->stack_len, c->nodes[node].wild);
         }
         node = edge_find(c, node, value, 1);
         if (!node) {
@@ -486,6 +513,7 @@ int pmt_unwind(struct pmt_session *s, int tid, const uint64_t *regs, const void 
     }
     s->cache.misses++;
     s->nreads = 0;
+    s->nret = 0;
     s->tid = tid;
     s->regs = regs;
     s->stack = stack;
@@ -573,6 +601,11 @@ int pmt_ring_scan(const uint8_t *data, uint64_t mask, uint64_t cons, uint64_t pr
     }
     *next = cons;
     return n;
+}
+
+/* Switches the unwind cache on (ON != 0, the default) or off (benchmarks). */
+void pmt_cache_enable(struct pmt_session *s, int on) {
+    s->cache.off = !on;
 }
 
 /* The cache's hits and misses so far (for benchmarks). */
