@@ -60,7 +60,7 @@ class HeapSession:
             on_exec=self._exec,
             images=self.processes,
             on_stack=self._cached,
-            on_free=self.profile.forget if sink is None else None,
+            on_free=self.profile.freed if sink is None else None,
             on_fork=self._fork,
             libc_path=libc_path,
         )
