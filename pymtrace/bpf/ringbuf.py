@@ -124,3 +124,51 @@ class RingReader:
         self.data.release()
         self.prod_map.close()
         self.cons_map.close()
+
+
+class MappedRing:
+    """A BPF ring buffer's pages mapped for a consumer that walks variable-length records itself
+    (pymtrace heap: target.unwind.RingScanner): the addresses and the two positions, no copies.
+
+    data_addr: the data pages, mapped twice in a row as the kernel does (a record that wraps is
+    contiguous); size: their length (a power of two). The consumer position is written only by
+    advance(), once the caller is done with the records below it."""
+
+    def __init__(self, map_fd: int, size: int) -> None:
+        import ctypes
+
+        self.size = size
+        self.mask = size - 1
+        self.map_fd = map_fd
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._munmap = libc.munmap
+        self.cons_map = mmap.mmap(map_fd, _PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self._length = _PAGE + 2 * size
+        addr = libc.mmap(None, self._length, mmap.PROT_READ, mmap.MAP_SHARED, map_fd, _PAGE)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            self.cons_map.close()
+            raise PymtraceError(f"cannot map the ring buffer: errno {ctypes.get_errno()}")
+        self._addr = addr
+        self.data_addr = addr + _PAGE
+        # whole aligned 8-byte words (see RingReader): never a half-written position
+        self.cons_pos = memoryview(self.cons_map).cast("Q")
+        self.prod_pos = memoryview((ctypes.c_char * 8).from_address(addr)).cast("B").cast("Q")
+
+    def positions(self) -> tuple[int, int]:
+        """(consumer, producer) positions."""
+        return self.cons_pos[0], self.prod_pos[0]
+
+    def advance(self, pos: int) -> None:
+        """Give the records below POS back to the kernel."""
+        self.cons_pos[0] = pos
+
+    def close(self) -> None:
+        if self._addr is not None:
+            self.cons_pos.release()
+            self.prod_pos.release()
+            self.cons_map.close()
+            self._munmap(self._addr, self._length)
+            self._addr = None
