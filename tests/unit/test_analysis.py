@@ -120,6 +120,20 @@ def test_spills_under_a_low_memory_limit(tmp_path):
     assert os.listdir(tmp) == []
 
 
+def test_sorts_in_partitions_at_a_fixed_memory_limit(tmp_path):
+    """2M events under a 24 MB limit, one thread: more than one DuckDB sort holds there (one sort
+    of them all ran out of memory), so pairing and the live-bytes curve sort in partitions
+    (address hash, time ranges); every number stays exact."""
+    steps, slots = 1_000_000, 2000
+    path = tmp_path / "big.parquet"
+    synthetic.write(str(path), steps, slots, THREADS)
+    truth = synthetic.truth(steps, slots, THREADS)
+    with TraceSet([str(path)], memory_limit="24MB", threads=1, temp_dir=str(tmp_path)) as ts:
+        rep = ts.report()
+        assert ts.partitions() >= 2
+    check_against_truth(rep, truth)
+
+
 # ---------------------------------------------------------------- a trace of known calls
 
 
