@@ -297,7 +297,86 @@ class TraceSet:
         rep["realloc_chains"] = self._chains(top)
         rep["callers"] = self._callers(top)
         rep["stacks"] = self._stacks(top)
+        rep["symbols"] = self._symbolize(rep)
         return rep
+
+    def _stack_tables(self) -> dict[int, dict]:
+        """The stack table (FILE.stacks) of each input recorded with `record --stacks` and
+        still beside it: file index -> {stack id: stacktable.Stack}."""
+        from pymtrace.trace import stacktable
+
+        tables = {}
+        for i, path in enumerate(self.files):
+            if self.formats[i] != "parquet" or not parquet.has_stacks(path):
+                continue
+            table_path = stacktable.table_path(self.inputs[i])
+            if os.path.isfile(table_path):
+                tables[i] = stacktable.read_table(table_path)
+        return tables
+
+    def _symbolize(self, rep: dict) -> dict:
+        """Function, file and line of the callers in REP, from the stack tables: a caller
+        address is in the allocating (innermost) frame of the stacks of its calls. A trace
+        holds no memory maps of its process, so without a stack table the callers stay
+        addresses (docs/analyze.md, "Callers")."""
+        tables = self._stack_tables()
+        if not tables:
+            return {"source": None, "callers_symbolized": 0}
+        leaf: dict[int, Any] = {}
+        for i, table in tables.items():
+            for caller, stack_id in self._q(
+                f"""SELECT caller, any_value(stack_id) FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
+                    WHERE stack_id > 0 GROUP BY caller"""
+            ):
+                stack = table.get(int(stack_id))
+                if stack is not None and stack.frames and caller not in leaf:
+                    leaf[caller] = stack.frames[-1]
+        entries = [*rep["callers"], *rep["never_freed"]["by_caller"], *rep["realloc_chains"]["longest"]]
+        done = set()
+        for entry in entries:
+            frame = leaf.get(int(entry["caller"], 16)) if entry.get("caller") else None
+            entry["function"] = frame.function if frame else None
+            entry["source"] = f"{frame.file}:{frame.line}" if frame and frame.file else None
+            if frame:
+                done.add(entry["caller"])
+        if not rep["stacks"]["recorded"]:
+            rep["stacks"] = self._table_stacks(tables, int(rep["settings"]["top"]))
+        return {"source": "stack table", "callers_symbolized": len(done)}
+
+    def _table_stacks(self, tables: dict[int, dict], top: int) -> dict:
+        """The top stacks by requested bytes of `record --stacks` recordings (stack ids, the
+        frames from the stack tables), innermost frame first like the `stack` column's."""
+        rows = []
+        for i in tables:
+            rows += [
+                (i, *r)
+                for r in self._q(
+                    f"""SELECT stack_id, count(*), coalesce(sum(size), 0) AS bytes
+                        FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
+                        WHERE stack_id > 0 GROUP BY stack_id ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
+                )
+            ]
+        rows.sort(key=lambda r: (-r[3], -r[2], r[0], r[1]))
+        out = []
+        for i, stack_id, n, nbytes in rows[:top]:
+            stack = tables[i].get(int(stack_id))
+            frames = reversed(stack.frames) if stack is not None else []
+            out.append(
+                {
+                    "file": i,
+                    "stack_id": int(stack_id),
+                    "stack": [f"{f.function}({f.file}:{f.line})" if f.file else f.function for f in frames],
+                    "calls": n,
+                    "requested_bytes": int(nbytes),
+                }
+            )
+        with_stack = sum(
+            self._one(
+                f"SELECT count(*) FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}') WHERE stack_id > 0"
+            )[0]
+            for i in tables
+        )
+        return {"recorded": True, "source": "stack table", "calls_with_stack": with_stack, "top": out}
 
     def _call_mix(self) -> dict:
         rows = self._q(
