@@ -10,6 +10,8 @@ Columns: events/s of the traced storm (its full traced rate, all recorded?), los
 recorder's CPU per event (drain loop; net: + the sender thread), the collector's CPU per
 million events (utime+stime of its process from /proc over the round), spool peak.
 Usage: sudo bench/collect_bench.py [--pairs N] [--rounds R] [--markdown]
+       bench/collect_bench.py --compaction [--markdown]   (no root: the collector's part
+       compaction alone, streams of many small and of a few large parts, CPU time)
 """
 
 import argparse
@@ -105,12 +107,56 @@ def round_of(kind, exe, pairs, tmp):
     return row
 
 
+def compaction_rows(tmp):
+    """A closed stream written part by part by the collector's Stream, then compacted."""
+    import numpy
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from pymtrace.trace.collector import Stream, compact
+    from pymtrace.trace.formats import mtrace_bin
+    from pymtrace.trace.formats import parquet as P
+
+    rows = []
+    for n_parts, per_part in ((720, 1000), (20, 50_000)):
+        root = pathlib.Path(tempfile.mkdtemp(dir=tmp))
+        meta = P.file_metadata(pid=1, host="bench", start_time="2026-11-24T10:00:00Z")
+        stream = Stream(str(root), {"stream": "ef" * 16, "pid": 1, "host": "bench", "metadata": meta})
+        for k in range(n_parts):
+            recs = numpy.zeros(per_part, mtrace_bin.record_dtype("<"))
+            recs["type"], recs["thread"] = mtrace_bin.MALLOC, 7
+            recs["ptr2"] = numpy.arange(k * per_part, (k + 1) * per_part, dtype=numpy.uint64) * 16
+            recs["time_ns"] = recs["ptr2"] + 1
+            stream.add(k * per_part, recs.tobytes())
+            stream.flush()
+        stream.end()
+        c0, w0 = time.process_time(), time.monotonic()
+        done = compact(str(root))
+        cpu, wall = time.process_time() - c0, time.monotonic() - w0
+        rows.append(
+            {
+                "parts": n_parts,
+                "records": done["rows"],
+                "cpu_s": round(cpu, 2),
+                "wall_s": round(wall, 2),
+                "parts_per_cpu_s": round(n_parts / cpu),
+                "M_records_per_cpu_s": round(done["rows"] / cpu / 1e6, 2),
+            }
+        )
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--compaction", action="store_true", help="only the part compaction (no root)")
     args = ap.parse_args()
+    if args.compaction:
+        with tempfile.TemporaryDirectory() as tmp:
+            print_table(compaction_rows(tmp), args.markdown)
+        return
     if os.geteuid() != 0:
         sys.exit("run as root (BPF)")
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,6 +16,9 @@ copy of its libc (as bench/overhead.py: other tracers' system-wide probes cannot
               (one trap at a shared site runs both programs)
   heap-every-N  with --small-stack-bytes N: heap-every copying at most N bytes of stack
               (how much of heap-every's cost is the stack copy)
+  heap-every-reserve  heap-every built with HP_RESERVE 1: a ring record of the largest size
+              reserved and the stack copied into it once (heap-every: into a per-CPU slot,
+              then ringbuf_output of the bytes copied, two copies)
 
 Each collector is compiled and attached once; between measurements only its uprobes are
 attached/detached. The cost is the storm process's CPU time (utime + stime from
@@ -91,7 +94,7 @@ class Both:
 
 def heap_mode(path, pid, sample_bytes, **options):
     """A HeapCollector on the private libc (not named libc.so.6: set by hand), probes detached."""
-    c = HeapCollector({pid}, sample_bytes=sample_bytes, on_sample=lambda s: None, **options)
+    c = HeapCollector({pid}, sample_bytes=sample_bytes, **options)  # records read and dropped
     c.libcs, c.prepared = {path: [pid]}, True
     c.plan()
     c.attach()
@@ -117,14 +120,16 @@ def main():
     top = Probes(top_bpf, collect.probe_plan(path), path, pid)
     heap, heap_probes = heap_mode(path, pid, 524288)
     every, every_probes = heap_mode(path, pid, 1)
+    reserve, reserve_probes = heap_mode(path, pid, 1, reserve=True)
     modes = {
         "untraced": None,
         "top": top,
         "heap": heap_probes,
         "heap-every": every_probes,
+        "heap-every-reserve": reserve_probes,
         "top+heap": Both(top, heap_probes),
     }
-    collectors = {"heap": heap, "heap-every": every}
+    collectors = {"heap": heap, "heap-every": every, "heap-every-reserve": reserve}
     if args.small_stack_bytes:
         name = f"heap-every-{args.small_stack_bytes}"
         collectors[name], modes[name] = heap_mode(path, pid, 1, stack_bytes=args.small_stack_bytes)
@@ -134,7 +139,7 @@ def main():
     def consume():
         while not stop.is_set():
             for c in collectors.values():
-                c.poll(10)
+                c.poll(1)
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()

@@ -1,5 +1,7 @@
 """CPU cost of target/unwind.py on real dumped stacks (tests/support/workloads/heap_selfstack*):
-per sample and per frame for unwinding, and per pc for symbolizing (cold and cached).
+per sample and per frame for unwinding, without the native unwind cache (libdwfl every time)
+and with it (a hit: the usual case, a stack seen before), and per pc for symbolizing (cold
+and cached).
 
     python bench/unwind_bench.py [--rounds 5] [--samples 5000]
 
@@ -48,21 +50,23 @@ def main():
         subprocess.run(["gcc", *FLAGS, "-o", c, WORKLOADS / "heap_selfstack.c"], check=True)
         subprocess.run(["g++", *FLAGS, "-o", cxx, WORKLOADS / "heap_selfstack_cxx.cpp"], check=True)
         cases = {"C main>a>b>leaf": dump(tmp, [c, "exe"]), "C++ build>make": dump(tmp, [cxx])}
-        times = {name: [] for name in cases}
+        times = {(name, cached): [] for name in cases for cached in (False, True)}
         frames = {}
         for _ in range(args.rounds):
-            for name, (image, tid, regs, stack) in cases.items():
+            for name, cached in times:
+                image, tid, regs, stack = cases[name]
+                image.enable_cache(cached)
                 start = time.process_time()
                 for _ in range(args.samples):
                     locs, complete = image.unwind(tid, regs, stack, len(stack))
-                times[name].append((time.process_time() - start) / args.samples)
+                times[name, cached].append((time.process_time() - start) / args.samples)
                 frames[name] = len(locs)
                 assert complete
-        for name, t in times.items():
+        for (name, cached), t in times.items():
             best, med = min(t), statistics.median(t)
             print(
-                f"unwind {name}: {frames[name]} frames, {best * 1e6:.2f} us/sample best "
-                f"({med * 1e6:.2f} median), {best * 1e6 / frames[name]:.2f} us/frame"
+                f"unwind {name} {'cache hit' if cached else 'no cache '}: {frames[name]} frames, "
+                f"{best * 1e6:.2f} us/sample best ({med * 1e6:.2f} median), {best * 1e6 / frames[name]:.2f} us/frame"
             )
         for name, (image, tid, regs, stack) in cases.items():
             symbolizer = unwind.Symbolizer()

@@ -16,8 +16,10 @@
  * Exp(HP_SAMPLE_MEAN); a call of size >= HP_SAMPLE_MEAN is always sampled, a smaller one when
  * it uses up `left`, so P(sampled) = 1 - exp(-size / mean) for every block. HP_SAMPLE_MEAN 1:
  * every call (malloc(0) too). A sampled call's record (struct hp_event + the stack bytes) is
- * built in a per-CPU slot and written with ringbuf_output(length): the ring holds only the
- * bytes copied. Its block, once returned, goes into hp_live until freed.
+ * reserved in the ring at its largest size and the stack copied straight into it (HP_RESERVE 1,
+ * one copy), or built in a per-CPU slot and written with ringbuf_output(length) (HP_RESERVE 0:
+ * two copies, the ring holds only the bytes copied). Its block, once returned, goes into
+ * hp_live until freed.
  *
  * Nested calls: realloc and the memalign family keep an hp_pending entry (depth) for the whole
  * call, so glibc's internal malloc/free calls (realloc(NULL, n) tail-jumps into malloc,
@@ -27,9 +29,10 @@
  *
  * Knobs (-D, set by HeapCollector): HP_SAMPLE_MEAN, HP_STACK_PAGES (the stack copy: the partial
  * page holding sp, then whole pages, HP_STACK_PAGES * 4096 bytes at most, stopping at the end
- * of the mapping), HP_RB_PAGES (ring buffer pages, a power of two), HP_MAX_CPUS (possible
+ * of the mapping; a main thread's copy ends HP_TOP_SLACK bytes above its stack top, hp_tops),
+ * HP_RB_PAGES (ring buffer pages, a power of two), HP_MAX_CPUS (possible
  * CPUs: the scratch slots), HP_MAX_LIVE, HP_MAX_PENDING, HP_MAX_THREADS, HP_MAX_TARGETS,
- * HP_FOLLOW (follow fork children).
+ * HP_FOLLOW (follow fork children), HP_RESERVE (above).
  */
 #include <uapi/linux/ptrace.h>
 #include "heap.h"
@@ -61,6 +64,10 @@
 #ifndef HP_FOLLOW
 #define HP_FOLLOW 0
 #endif
+#ifndef HP_RESERVE
+#define HP_RESERVE 0
+#endif
+#define HP_TOP_SLACK 64 /* bytes copied above the stack top: argc, the start of argv */
 
 #if HP_STACK_PAGES < 1 || HP_STACK_PAGES > HP_MAX_PAGES
 #error "HP_STACK_PAGES out of range"
@@ -91,13 +98,18 @@ struct hp_block {
 };
 
 BPF_RINGBUF_OUTPUT(hp_events, HP_RB_PAGES);
+#if !HP_RESERVE
 /* a plain array indexed by CPU: per-CPU map values are capped at 32 KiB */
 BPF_ARRAY(hp_scratch, struct hp_sample, HP_MAX_CPUS);
+#endif
 BPF_PERCPU_ARRAY(hp_lost, u64, HP_LOST_N);
 BPF_ARRAY(hp_next_id, u64, 1);
 BPF_ARRAY(hp_active, s64, 1);
 BPF_ARRAY(hp_lg, u32, HP_LG_ENTRIES);
 BPF_HASH(hp_targets, u32, u32, HP_MAX_TARGETS);
+/* tgid -> its main thread's stack top (/proc/PID/stat startstack, set by user space): the
+ * outermost frame (_start) lies just below it, the environment and auxv above it */
+BPF_HASH(hp_tops, u32, u64, HP_MAX_TARGETS);
 BPF_HASH(hp_pending, u64, struct hp_pending, HP_MAX_PENDING);
 BPF_HASH(hp_live, struct hp_block, u64, HP_MAX_LIVE); /* block -> sample id */
 /* LRU: an evicted thread draws afresh, which the memoryless draw allows */
@@ -187,24 +199,57 @@ static __always_inline int hp_sampled(u32 tid, u64 size) {
 #endif
 }
 
+/* The sample record's header and registers (its stack is copied after it). */
+/* How many bytes of stack from SP the unwinder needs: up to the main thread's stack top (plus
+ * HP_TOP_SLACK) when sp is below it within the limit; else the limit (threads, other stacks). */
+static __always_inline u32 hp_want(u64 id, u64 sp) {
+    u32 tgid = id >> 32, want = HP_STACK_PAGES * HP_PAGE;
+    if (tgid != (u32)id) return want;
+    u64 *top = hp_tops.lookup(&tgid);
+    if (top && *top > sp && *top - sp < want - HP_TOP_SLACK) want = (u32)(*top - sp) + HP_TOP_SLACK;
+    return want;
+}
+
+static __always_inline void hp_fill(struct hp_event *h, struct pt_regs *ctx, u64 id, u32 call, u64 size,
+                                    u64 sample_id) {
+    h->type = HP_REC_SAMPLE;
+    h->pid = id >> 32;
+    h->tid = (u32)id;
+    h->call = call;
+    h->size = size;
+    h->ts = bpf_ktime_get_ns();
+    h->id = sample_id;
+    h->other = 0;
+    sc_regs(ctx, h->regs);
+}
+
 /* Write the sample record (header, registers, stack copy); its id, or 0 if it was lost. */
 static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 size) {
-    u32 cpu = bpf_get_smp_processor_id();
-    struct hp_sample *s = hp_scratch.lookup(&cpu);
     int zero = 0;
     u64 *next = hp_next_id.lookup(&zero);
-    if (!s || !next) return 0;
+    if (!next) return 0;
+#if HP_RESERVE
+    /* The stack is copied once, straight into a ring record of the largest size (reserve needs
+     * a constant size): ring space per sample is the maximum, the copy only what is mapped. */
+    struct hp_sample *s = hp_events.ringbuf_reserve(sizeof(struct hp_sample));
+    if (!s) {
+        hp_lost_inc(HP_LOST_RINGBUF);
+        return 0;
+    }
     u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
-    s->h.type = HP_REC_SAMPLE;
-    s->h.pid = id >> 32;
-    s->h.tid = (u32)id;
-    s->h.call = call;
-    s->h.size = size;
-    s->h.ts = bpf_ktime_get_ns();
-    s->h.id = sample_id;
-    s->h.other = 0;
-    sc_regs(ctx, s->h.regs);
-    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx));
+    hp_fill(&s->h, ctx, id, call, size, sample_id);
+    s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
+    hp_events.ringbuf_submit(s, BPF_RB_NO_WAKEUP);
+    return sample_id;
+#else
+    /* Copied twice: into a per-CPU slot, then ringbuf_output of the bytes copied (ring space per
+     * sample is what was copied). */
+    u32 cpu = bpf_get_smp_processor_id();
+    struct hp_sample *s = hp_scratch.lookup(&cpu);
+    if (!s) return 0;
+    u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
+    hp_fill(&s->h, ctx, id, call, size, sample_id);
+    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
     s->h.stack_len = len;
     /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
      * shared per CPU): the slot holds a mix; drop it, counted. */
@@ -219,6 +264,31 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
         return 0;
     }
     return sample_id;
+#endif
+}
+
+/* The sampled block B is gone: tell user space, which forgets its sample (the profile's memory
+ * stays bounded by the sampled blocks live). A short record, no stack. Not counted when the ring
+ * is full: it only bounds memory (the sample is then kept to the end, where hp_live decides). */
+struct hp_free_rec { /* hp_event's first 40 bytes */
+    u32 type;
+    u32 pid;
+    u32 tid;
+    u32 call;
+    u64 size;
+    u64 ts;
+    u64 id;
+};
+
+static __always_inline void hp_gone(struct hp_block *b) {
+    u64 *sample_id = hp_live.lookup(b);
+    if (!sample_id) return;
+    struct hp_free_rec r = {};
+    r.type = HP_REC_FREE;
+    r.pid = b->pid;
+    r.id = *sample_id;
+    hp_live.delete(b);
+    hp_events.ringbuf_output(&r, sizeof(r), BPF_RB_NO_WAKEUP);
 }
 
 /* Entry of an allocating call. OUTER: it calls other malloc-API functions inside glibc, so it
@@ -296,7 +366,7 @@ int hp_return(struct pt_regs *ctx) {
     /* realloc: the old block is gone when it succeeded, and after realloc(p, 0) */
     if (p.call == CALL_REALLOC && p.arg_ptr && (rc || p.size == 0)) {
         b.addr = p.arg_ptr;
-        hp_live.delete(&b);
+        hp_gone(&b);
     }
     if (p.sample_id && addr) {
         b.addr = addr;
@@ -306,14 +376,14 @@ int hp_return(struct pt_regs *ctx) {
 }
 
 /* free, at its first emulated instruction (and the early exits before it): the pointer
- * argument is unchanged there. Deleting an address that was never sampled is a no-op. */
+ * argument is unchanged there. An address that was never sampled is not in hp_live: nothing. */
 int hp_free_entry(struct pt_regs *ctx) {
     u64 ptr = PT_REGS_PARM1(ctx);
     if (!ptr) return 0;
     struct hp_block b = {};
     b.addr = ptr;
     b.pid = bpf_get_current_pid_tgid() >> 32;
-    hp_live.delete(&b);
+    hp_gone(&b);
     return 0;
 }
 
@@ -334,7 +404,9 @@ static __always_inline void hp_event(u32 type, u64 id, u32 other, u64 value) {
  * given so far: user space drops the live blocks of the old image sampled up to it. */
 int hp_exec(void *ctx) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!hp_wanted(id >> 32)) return 0;
+    u32 tgid = id >> 32;
+    if (!hp_wanted(tgid)) return 0;
+    hp_tops.delete(&tgid); /* a new stack: copies are whole until user space sets the new top */
     int zero = 0;
     u64 *next = hp_next_id.lookup(&zero);
     hp_event(HP_REC_EXEC, id, 0, next ? *next : 0);
@@ -354,6 +426,7 @@ int hp_exit(void *ctx) {
 #endif
         return 0;
     }
+    hp_tops.delete(&tgid);
     hp_event(HP_REC_EXIT, id, 0, 0);
     return 0;
 }

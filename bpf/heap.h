@@ -11,6 +11,9 @@
 #define HP_REC_EXEC   2 /* pid exec'd: user space re-captures the process image */
 #define HP_REC_FORK   3 /* pid (the parent) forked `other` (a process or a thread: user space tells) */
 #define HP_REC_EXIT   4 /* the process pid (its thread-group leader) exited */
+/* HP_REC_FREE: the block of sample `id` was freed (or realloc'd away): a short record, the
+ * first 40 bytes of a struct hp_event (type, pid, id set) */
+#define HP_REC_FREE   5
 
 #define HP_NREGS     8 /* ip, sp, bp, bx, r12, r13, r14, r15 (x86-64, at the probed instruction) */
 #define HP_PAGE      4096

@@ -100,7 +100,7 @@ static __always_inline void emit_stack(struct pt_regs *ctx, u64 id, u32 call, u6
     s->h.ts = ts;
     s->h.pad = 0;
     sc_regs(ctx, s->h.regs);
-    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx));
+    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), STACK_PAGES * SC_PAGE);
     s->h.stack_len = len;
     u64 out = sizeof(struct stack_event) + len;
     if (out > sizeof(struct stack_sample)) out = sizeof(struct stack_sample);

@@ -25,23 +25,29 @@ static __always_inline void sc_regs(struct pt_regs *ctx, u64 *regs) {
     regs[7] = ctx->r15;
 }
 
-/* Copy the stack from SP upward into DST: the partial page holding sp, then whole pages. A page
- * is mapped or not, so the copy stops exactly at the end of the stack mapping. Each page is
- * written at a constant offset from `first` (bounded for the verifier); a running length would
- * lose the bound. Returns the bytes copied (0 if even sp's page could not be read). */
-static __always_inline u32 sc_copy_stack(u8 *dst, u64 sp) {
+/* Copy the stack from SP upward into DST, at most WANT bytes (<= SC_PAGES * SC_PAGE): the
+ * partial page holding sp, then whole pages, the last one cut at WANT. A page is mapped or not,
+ * so the copy stops exactly at the end of the stack mapping. Each page is written at a constant
+ * offset from `first` (bounded for the verifier); a running length would lose the bound.
+ * Returns the bytes copied (0 if even sp's page could not be read). */
+static __always_inline u32 sc_copy_stack(u8 *dst, u64 sp, u32 want) {
     u32 len = 0;
     u32 first = SC_PAGE - (u32)(sp & (SC_PAGE - 1));
+    if (first > want) first = want;
     if (first > SC_PAGE) first = SC_PAGE;
-    if (pm_probe_read_user(dst, first, (void *)sp) == 0) {
-        len = first;
+    if (first == 0) return 0;
+    first = ((first - 1) & (SC_PAGE - 1)) + 1; /* the same, in a form the verifier bounds */
+    if (pm_probe_read_user(dst, first, (void *)sp) != 0) return 0;
+    len = first;
 #pragma unroll
-        for (int i = 0; i < SC_PAGES - 1; i++) {
-            if (pm_probe_read_user(dst + first + i * SC_PAGE, SC_PAGE, (void *)(sp + first + i * SC_PAGE)) !=
-                0)
-                break;
-            len = first + (i + 1) * SC_PAGE;
-        }
+    for (int i = 0; i < SC_PAGES - 1; i++) {
+        u32 chunk = want - len;
+        if (len >= want) break;
+        if (chunk > SC_PAGE) chunk = SC_PAGE;
+        chunk = ((chunk - 1) & (SC_PAGE - 1)) + 1; /* [1, SC_PAGE]: unchanged, but the verifier sees it */
+        if (pm_probe_read_user(dst + first + i * SC_PAGE, chunk, (void *)(sp + first + i * SC_PAGE)) != 0)
+            break;
+        len += chunk;
     }
     return len;
 }

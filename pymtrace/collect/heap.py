@@ -17,6 +17,11 @@ samples every call. The exponential draw runs in BPF from a log2 table user spac
 
 A sample's stack bytes are read in place from the ring buffer: HeapSample.stack is their
 address, valid only during the on_sample callback (copy them with ctypes.string_at if needed).
+
+The ring buffer is read in batches by native code (target.unwind.RingScanner), not one Python
+callback per record. Given IMAGES (target.unwind.ProcessImages) and ON_STACK, a sample whose
+stack the process image's unwind cache already knows goes to on_stack(pid, sample_id, stack,
+size, ts_ns) with no unwinding and no HeapSample; the others to on_sample(HeapSample).
 """
 
 from __future__ import annotations
@@ -25,18 +30,29 @@ import ctypes
 import dataclasses
 import math
 import os
+import select
+import struct
 from typing import Any, Callable, Iterable
 
 from pymtrace.bpf import structs
+from pymtrace.bpf.ringbuf import MappedRing
 from pymtrace.collect.base import Collector, lost_counts, lost_names
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import allocators, elf, libc, mallocapi, probesite, proc
+from pymtrace.target.unwind import Location, ProcessImages, RingScanner
 
 PROGRAM = "heap"
 DEFAULT_SAMPLE_BYTES = 524288
 DEFAULT_STACK_BYTES = 32768
 LG_FRACTION_BITS = 20  # hp_lg's fixed point: log2 values * 2^20
-_FORK_MEMORY = 4096  # fork records of children gone before they were looked at, kept for their exit
+RING_RECORDS = 4096  # --sample-bytes 1: sample records the ring holds at least (~20-40 ms of a storm)
+_FORK_MEMORY = 4096
+# a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
+_ROW = struct.Struct("<QIi4I3Q")
+# StackSink(pid, sample_id, stack leaf first, size, ts_ns): a sample whose stack the unwind cache knew
+StackSink = Callable[
+    [int, int, "tuple[Location, ...]", int, int], None
+]  # fork records of children gone before they were looked at, kept for their exit
 
 
 @dataclasses.dataclass
@@ -148,6 +164,17 @@ def probe_plan(path: str, family: str = "glibc") -> list[tuple[str, list[tuple[s
     return plan
 
 
+def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page: int, header: int) -> int:
+    """Ring-buffer pages (a power of two): 16 MiB at a sampling rate; 64 MiB with every call
+    sampled, and with RESERVE (each record takes the largest size) room for RING_RECORDS."""
+    if sample_bytes != 1:
+        return 4096
+    if not reserve:
+        return 16384
+    pages = max(16384, -(-RING_RECORDS * (stack_bytes + header + 8) // page))
+    return 1 << (pages - 1).bit_length()
+
+
 def possible_cpus() -> int:
     """Number of CPU ids the kernel may use (the per-CPU scratch slots)."""
     try:
@@ -168,7 +195,8 @@ def _is_thread(pid: int) -> bool | None:
 class HeapCollector(Collector):
     """Sampled allocation calls (stack copy + registers) of a set of processes, and the sampled
     blocks still live. Callbacks: on_sample(HeapSample), on_exec(pid), on_fork(parent, child),
-    on_exit(pid); they run inside poll()/drain()."""
+    on_exit(pid), on_stack (module docstring), on_free(sample_id); they run inside
+    poll()/drain()."""
 
     program = PROGRAM
     what = "sampling allocation call stacks"
@@ -190,6 +218,10 @@ class HeapCollector(Collector):
         max_threads: int = 16384,
         max_targets: int = 4096,
         libc_path: str | None = None,
+        reserve: bool = False,
+        images: ProcessImages | None = None,
+        on_stack: StackSink | None = None,
+        on_free: Callable[[int], None] | None = None,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -197,8 +229,11 @@ class HeapCollector(Collector):
         super().__init__(pids, track_exits=False)  # exits come as ring records
         check_settings(sample_bytes, stack_bytes)
         header = structs.header(PROGRAM)
-        if ring_pages is None:  # every call: bursts of up to 32 KiB records need room
-            ring_pages = 16384 if sample_bytes == 1 else 4096
+        page = header.consts["HP_PAGE"]
+        if ring_pages is None:
+            ring_pages = default_ring_pages(
+                sample_bytes, stack_bytes, reserve, page, ctypes.sizeof(header.structs["hp_event"])
+            )
         if ring_pages & (ring_pages - 1):
             raise PymtraceError(f"ring buffer pages must be a power of two, not {ring_pages}")
         self.sample_bytes = sample_bytes
@@ -210,6 +245,7 @@ class HeapCollector(Collector):
         self.on_exit = on_exit
         self.ring_pages = ring_pages
         self.libc_path = libc_path  # a launched command's libc, not mapped yet (launch.predict_libc)
+        self.reserve = reserve  # one stack copy straight into a largest-size ring record (slower: bpf)
         self.limits = {
             "HP_MAX_LIVE": max_live,
             "HP_MAX_PENDING": max_pending,
@@ -223,9 +259,16 @@ class HeapCollector(Collector):
         self.calls = {v: k[len("CALL_") :].lower() for k, v in header.consts.items() if k.startswith("CALL_")}
         self.event_type = header.structs["hp_event"]
         self.event_size = ctypes.sizeof(self.event_type)
-        self.kinds = {header.consts[f"HP_REC_{k}"]: k.lower() for k in ("SAMPLE", "EXEC", "FORK", "EXIT")}
+        self.kinds = {header.consts[f"HP_REC_{k}"]: k.lower() for k in ("SAMPLE", "EXEC", "FORK", "EXIT", "FREE")}
+        self.images = images
+        self.on_stack = on_stack
+        self.on_free = on_free  # on_free(sample_id): that sample's block was freed (or realloc'd away)
+        self.ring: MappedRing | None = None
+        self.scanner: RingScanner | None = None
+        self._epoll: Any = None
+        self._sample_type = header.consts["HP_REC_SAMPLE"]
+        self._free_type = header.consts["HP_REC_FREE"]
         self._unresolved_forks = {}  # child -> parent: gone before we could tell thread from process
-        self._error = None  # an exception raised by a callback inside BCC's ring-buffer poll
 
     # -- lifecycle (collect.base.Collector)
     def _defines(self) -> dict[str, Any]:
@@ -235,6 +278,7 @@ class HeapCollector(Collector):
             "HP_RB_PAGES": self.ring_pages,
             "HP_MAX_CPUS": possible_cpus(),
             "HP_FOLLOW": int(self.follow_forks),
+            "HP_RESERVE": int(self.reserve),
             **self.limits,
         }
 
@@ -267,7 +311,21 @@ class HeapCollector(Collector):
         targets = self.bpf[b"hp_targets"]
         for pid in self.pids:
             targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
-        self.bpf[b"hp_events"].open_ring_buffer(self._on_record)
+            self._set_top(pid)
+        ring = self.bpf[b"hp_events"]
+        self.ring = MappedRing(ring.map_fd, self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"])
+        ev = self.event_type
+        self.scanner = RingScanner(
+            self.ring.data_addr,
+            self.ring.mask,
+            self._sample_type,
+            self._free_type,
+            ev.regs.offset,
+            ev.stack_len.offset,
+            self.event_size,
+        )
+        self._epoll = select.epoll()
+        self._epoll.register(ring.map_fd, select.EPOLLIN)
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"hp_exec")
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exit", fn_name=b"hp_exit")
         # return probes first: an entry seen without its return would leave a stale depth
@@ -278,6 +336,17 @@ class HeapCollector(Collector):
         for pid in self.pids:  # gone while we attached: its probes would wait for nothing
             if not proc.alive(pid):
                 raise ProcessGone(pid)
+
+    def _set_top(self, pid: int) -> None:
+        """Tell BPF PID's stack top, so its main thread's copies stop there (bpf: hp_tops)."""
+        if self.bpf is None:  # not attached
+            return
+        try:
+            top = proc.start_stack(pid)
+        except ProcessGone:
+            return
+        if top:
+            self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
 
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
         name = os.fsencode(path)
@@ -302,29 +371,32 @@ class HeapCollector(Collector):
     def poll(self, timeout_ms: int = 10) -> None:
         """Wait up to TIMEOUT_MS for records (samples do not wake us: they are taken in batches
         here), then hand every record written so far to the callbacks."""
-        self.bpf.ring_buffer_poll(timeout_ms)
+        self._epoll.poll(timeout_ms / 1000)
         self.drain()
 
     def drain(self) -> None:
         """Hand every record written so far to the callbacks."""
-        self.bpf.ring_buffer_consume()
-        self._raise_callback_error()
-
-    def _raise_callback_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def _on_record(self, _ctx: Any, data: int, size: int) -> int:
-        # runs inside BCC's ctypes callback, which would print and swallow an exception
-        if self._error is not None:
-            return 0
-        try:
-            self._record(data, size)
-        except BaseException as exc:  # re-raised by drain() in the caller's frame
-            self._error = exc
-            return -1
-        return 0
+        ring, scanner = self.ring, self.scanner
+        images = self.images.images if self.images is not None else {}
+        on_stack = self.on_stack if self.images is not None else None
+        sample, free, base = self._sample_type, self._free_type, ring.data_addr
+        on_free = self.on_free
+        while True:
+            cons, prod = ring.positions()
+            if cons >= prod:
+                return
+            rows, after = scanner.scan(cons, prod, images)
+            if after == cons:
+                return  # the first record is still being written
+            for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
+                if kind == free:
+                    if on_free is not None:
+                        on_free(sample_id)
+                elif kind == sample and result >= 0 and on_stack is not None:
+                    on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts)
+                else:
+                    self._record(base + off, length)
+            ring.advance(after)
 
     def _record(self, data: int, size: int) -> None:
         ev = self.event_type.from_address(data)
@@ -334,6 +406,7 @@ class HeapCollector(Collector):
                 stack_len = min(ev.stack_len, size - self.event_size)
                 self.on_sample(self.decode_sample(ev, data + self.event_size, stack_len))
         elif kind == "exec":
+            self._set_top(ev.pid)
             self._forget_live(ev.pid, ev.id)
             if self.on_exec is not None:
                 self.on_exec(ev.pid)
@@ -371,8 +444,10 @@ class HeapCollector(Collector):
             if len(self._unresolved_forks) >= _FORK_MEMORY:
                 self._unresolved_forks.pop(next(iter(self._unresolved_forks)))
             self._unresolved_forks[child] = parent
-        elif not thread and self.on_fork is not None:
-            self.on_fork(parent, child)
+        elif not thread:
+            self._set_top(child)
+            if self.on_fork is not None:
+                self.on_fork(parent, child)
 
     def _forget_live(self, pid: int, last_id: int) -> None:
         """PID exec'd: the blocks of its old image sampled up to LAST_ID are gone with it."""
@@ -392,6 +467,15 @@ class HeapCollector(Collector):
     def drops(self) -> dict[str, int]:
         """{counter: n} of everything dropped (bpf/heap.h HP_LOST_*), zeros included."""
         return lost_counts(self.bpf[b"hp_lost"], lost_names(PROGRAM, "HP"))
+
+    def close(self) -> None:
+        if self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        super().close()
 
     def snapshot(self) -> dict[str, Any]:
         """The collector's counters in the snapshot shape (lost counts only)."""

@@ -17,7 +17,7 @@ stacks never merge, and no stack is dropped here.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,11 +118,12 @@ class HeapProfile:
         # kept until finish: whether it is still in use is known only at the end
         self._pending[sample_id] = (entry, size, ts_ns, weight)
 
-    def freed(self, sample_ids: Iterable[int]) -> None:
-        """Forget samples known to be freed before the end: optional, it only bounds memory
-        (without it every sample is kept until finish, about 210 bytes each)."""
-        for sample_id in sample_ids:
-            self._pending.pop(sample_id, None)
+    def freed(self, sample_id: int) -> None:
+        """Forget a sample whose block was freed before the end (the collector tells each free
+        of a sampled block: HeapCollector's on_free). It bounds memory by the blocks still
+        allocated; a sample not forgotten is kept until finish (about 210 bytes), where the
+        live ids decide."""
+        self._pending.pop(sample_id, None)
 
     def finish(
         self,

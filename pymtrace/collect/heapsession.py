@@ -58,6 +58,9 @@ class HeapSession:
             follow_forks=follow_forks,
             on_sample=self._sample,
             on_exec=self._exec,
+            images=self.processes,
+            on_stack=self._cached,
+            on_free=self.profile.freed if sink is None else None,
             on_fork=self._fork,
             libc_path=libc_path,
         )
@@ -99,6 +102,13 @@ class HeapSession:
             return
         stack, complete = unwound
         self._add(s, stack, complete)
+
+    def _cached(self, pid: int, sample_id: int, stack: tuple[Location, ...], size: int, ts_ns: int) -> None:
+        """A sample whose (complete) stack the unwind cache knew: no unwinding, no HeapSample."""
+        if self.sink is not None:
+            self.sink(pid, sample_id, stack, size, ts_ns, True)
+        else:
+            self.profile.add(sample_id, stack, size, ts_ns, True)
 
     def _add(self, s: HeapSample, stack: tuple[Location, ...], complete: bool) -> None:
         if self.sink is not None:

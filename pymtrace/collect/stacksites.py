@@ -121,21 +121,19 @@ class SiteAggregator:
             self._pending[sample_id] = (pid, entry, size, ts_ns, weight)
 
     def snapshot(
-        self, live_ids: Iterable[int], now_ns: int, symbolizer: Symbolizer, comms: Callable[[int], str] | None = None
+        self,
+        live_ids: Iterable[int] | Callable[[], Iterable[int]],
+        now_ns: int,
+        symbolizer: Symbolizer,
+        comms: Callable[[int], str] | None = None,
     ) -> dict[int, StackProcess]:
         """{pid: StackProcess}: cumulative values, in-use values of the samples in LIVE_IDS (the
         sampled blocks not freed when they were read, at NOW_NS); samples neither live nor
-        younger than LIVE_GRACE_NS are forgotten (freed)."""
-        live = set(live_ids)
+        younger than LIVE_GRACE_NS are forgotten (freed). LIVE_IDS may be a function: it is
+        then called after the samples are taken, so that a sample the reader adds meanwhile
+        is not counted as allocated but not in use (a leak would read as partly freed)."""
         with self._lock:  # a copy of the values; symbolizing below must not stall the reader
-            inuse: dict[int, list[float]] = {}  # id(stack) -> [objects, bytes]
-            for sample_id, (_, entry, size, ts_ns, weight) in list(self._pending.items()):
-                if sample_id in live:
-                    acc = inuse.setdefault(id(entry), [0.0, 0.0])
-                    acc[0] += weight
-                    acc[1] += weight * size
-                elif ts_ns < now_ns - LIVE_GRACE_NS:
-                    del self._pending[sample_id]
+            pending = list(self._pending.items())
             copies = []
             for pid, proc in self.processes.items():
                 entries = list(proc.stacks.values()) + ([proc.other] if proc.other is not None else [])
@@ -145,6 +143,19 @@ class SiteAggregator:
                 ]
                 counts = (proc.samples, proc.complete_samples, len(proc.stacks), proc.overflow_samples)
                 copies.append((pid, values, counts))
+        live = set(live_ids() if callable(live_ids) else live_ids)
+        inuse: dict[int, list[float]] = {}  # id(stack) -> [objects, bytes]
+        forgotten = []
+        for sample_id, (_, entry, size, ts_ns, weight) in pending:
+            if sample_id in live:
+                acc = inuse.setdefault(id(entry), [0.0, 0.0])
+                acc[0] += weight
+                acc[1] += weight * size
+            elif ts_ns < now_ns - LIVE_GRACE_NS:
+                forgotten.append(sample_id)
+        with self._lock:
+            for sample_id in forgotten:
+                self._pending.pop(sample_id, None)
         out: dict[int, StackProcess] = {}
         for pid, values, (samples, complete_samples, kept, overflow) in copies:
             sites: dict[str, StackSite] = {}
@@ -280,8 +291,7 @@ class StackSitesCollector:
             raise error
         collector = self.session.collector
         now_ns = time.monotonic_ns()
-        live = collector.live().keys()
-        stacks = self.sites.snapshot(live, now_ns, self.session.symbolizer, self.comms.get)
+        stacks = self.sites.snapshot(lambda: collector.live().keys(), now_ns, self.session.symbolizer, self.comms.get)
         return {"stacks": stacks, "lost": {f"heap_{k}": v for k, v in collector.drops().items()}}
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ examples:
   pymtrace collect --listen 0.0.0.0:7300 --dir /srv/traces --web-config tls.yml --token-file token
   # on each traced host:
   sudo pymtrace record -p 1234 --to collector.example:7300 --web-config client.yml
+  pymtrace collect --compact /srv/traces    # finish compactions a crash interrupted
   # query the dataset:
   python3 -c "import duckdb; print(duckdb.sql(\\"select host, pid, type, count(*) from \\
     read_parquet('/srv/traces/**/*.parquet', hive_partitioning=true) group by all\\"))"
@@ -42,8 +43,14 @@ records are written as parts first. See docs/collect.md.
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", required=True, metavar="ADDR:PORT", help="address to listen on (port 0: any)")
-    parser.add_argument("--dir", required=True, metavar="DIR", help="root directory of the dataset")
+    parser.add_argument("--listen", metavar="ADDR:PORT", help="address to listen on (port 0: any)")
+    parser.add_argument("--dir", metavar="DIR", help="root directory of the dataset")
+    parser.add_argument(
+        "--compact",
+        metavar="DIR",
+        help="merge each closed stream's parts under the dataset DIR into one file, then exit "
+        "(the collector does it itself at each stream's end; this finishes one a crash interrupted)",
+    )
     parser.add_argument("--web-config", metavar="FILE", help="TLS and basic auth (the exporter's web config format)")
     parser.add_argument("--token-file", metavar="FILE", help="also accept recorders sending the token in FILE")
     parser.add_argument("--max-connections", type=int, default=64, metavar="N", help="connections at once (default 64)")
@@ -64,8 +71,25 @@ def _read_token(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pymtrace.trace.collector import Collector
+    from pymtrace.trace.collector import Collector, compact
 
+    if args.compact:
+        if args.listen or args.dir:
+            raise PymtraceError("--compact DIR goes alone (not with --listen or --dir)")
+        if not os.path.isdir(args.compact):
+            raise PymtraceError(f"--compact {args.compact}: not a directory")
+        try:
+            done = compact(args.compact)
+        except OSError as exc:
+            raise PymtraceError(f"cannot compact {args.compact}: {exc.strerror or exc}") from None
+        print(
+            f"pymtrace collect: compacted {done['streams']} streams: {done['parts']} parts into "
+            f"{done['streams']} files, {done['rows']} records",
+            file=sys.stderr,
+        )
+        return 0
+    if not args.listen or not args.dir:
+        raise PymtraceError("--listen ADDR:PORT and --dir DIR are required (or --compact DIR)")
     host, port = netproto.parse_address(args.listen, "--listen")
     ssl_context, check_password = None, None
     if args.web_config:

@@ -43,10 +43,11 @@ speedscope, inferno), html (one self-contained flame graph), text (top stacks). 
 html, .txt -> text.
 
 OVERHEAD: the probes of `top` (a uprobe trap per malloc-API call) plus, for a sampled call
-only, a copy of the thread's stack (up to --stack-bytes) into a ring buffer and its
-unwinding in pymtrace (~1 us per frame). At the default --sample-bytes (512 KiB: on average
+only, a copy of the thread's stack (up to --stack-bytes; a main thread's only up to its
+stack top) into a ring buffer and its unwinding in pymtrace (~1 us per frame the first time
+a stack is seen, then a cache lookup). At the default --sample-bytes (512 KiB: on average
 one sample per 512 KiB allocated) heap costs about what top costs; --sample-bytes 1 samples
-every call (~2x top per call, and pymtrace's CPU grows with the call rate). See docs/heap.md.
+every call (~1.3x top per call, and pymtrace's CPU grows with the call rate). See docs/heap.md.
 
 STOPPING: when the command exits, on Ctrl-C/SIGTERM or after --duration; with -p the
 processes keep running. EXIT STATUS: 0 ok; 1 error; 3 samples were lost (the report says

@@ -255,7 +255,7 @@ def write_html(rep: dict, out: IO[str], title: str = "pymtrace analyze") -> None
     parts.append(
         bar_chart(
             "top callers (requested bytes)",
-            [c["caller"] for c in callers],
+            [c["caller"] + (f" {c['function']}" if c.get("function") else "") for c in callers],
             [c["requested_bytes"] for c in callers],
             "bytes",
         )
@@ -265,7 +265,7 @@ def write_html(rep: dict, out: IO[str], title: str = "pymtrace analyze") -> None
             ["caller", "calls", "allocations", "requested bytes", "never freed", "never freed bytes"],
             [
                 [
-                    c["caller"],
+                    c["caller"] + (f" {c['function']}" if c.get("function") else ""),
                     _num(c["calls"]),
                     _num(c["allocations"]),
                     _num(c["requested_bytes"]),

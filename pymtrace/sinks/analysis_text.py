@@ -67,13 +67,13 @@ def write_text(rep: dict, out: IO[str]) -> None:
     )
     if ch["longest"]:
         rows = [
-            [f"{c['file']}:{c['thread']}", c["caller"], c["reallocs"], c["first_size"], c["final_size"], c["moves"]]
+            [f"{c['file']}:{c['thread']}", _where(c), c["reallocs"], c["first_size"], c["final_size"], c["moves"]]
             for c in ch["longest"]
         ]
         w(tabulate(rows, ["thread", "caller", "reallocs", "first size", "final size", "moves"]) + "\n")
     w("\ntop callers\n")
     rows = [
-        [c["caller"], c["calls"], c["allocations"], c["requested_bytes"], c["never_freed"], c["never_freed_bytes"]]
+        [_where(c), c["calls"], c["allocations"], c["requested_bytes"], c["never_freed"], c["never_freed_bytes"]]
         for c in rep["callers"]
     ]
     w(tabulate(rows, ["caller", "calls", "allocations", "requested bytes", "never freed", "bytes"]) + "\n")
@@ -84,5 +84,12 @@ def write_text(rep: dict, out: IO[str]) -> None:
     nf = rep["never_freed"]
     w(f"\nnever freed: {nf['count']} blocks, {nf['requested_bytes']} bytes requested\n")
     if nf["by_caller"]:
-        rows = [[c["caller"], c["count"], c["requested_bytes"]] for c in nf["by_caller"]]
+        rows = [[_where(c), c["count"], c["requested_bytes"]] for c in nf["by_caller"]]
         w(tabulate(rows, ["caller", "blocks", "requested bytes"]) + "\n")
+
+
+def _where(entry: dict) -> str:
+    """A caller address, with its function and source line when the report has them."""
+    if not entry.get("function"):
+        return str(entry["caller"])
+    return f"{entry['caller']} {entry['function']}" + (f" ({entry['source']})" if entry.get("source") else "")

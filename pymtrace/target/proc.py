@@ -85,6 +85,19 @@ def tgid(pid: int) -> int:
     raise ProcessGone(pid)
 
 
+def start_stack(pid: int) -> int:
+    """The address of the bottom of PID's initial stack (its main thread's stack top:
+    /proc/PID/stat's startstack); 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b") ", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessGone(pid) from None
+    except PermissionError:
+        return 0
+    return int(fields[25]) if len(fields) > 25 else 0
+
+
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 

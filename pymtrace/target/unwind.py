@@ -32,6 +32,7 @@ NATIVE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", 
 CFLAGS = ["-O2", "-Wall"]
 LIBS = ["-ldw", "-lelf", "-ldl"]
 MAX_FRAMES = 256  # deeper stacks are cut (reported incomplete)
+MAX_INTERNED = 65536  # uncached stacks interned per process by their raw frames (then built each time)
 LIBDW_PACKAGES = "Debian/Ubuntu: apt install libdw-dev; Fedora: dnf install elfutils-devel"
 
 
@@ -120,14 +121,34 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pmt_unwind.argtypes = [
         c.c_void_p,
         c.c_int,
-        c.POINTER(c.c_uint64),
+        c.c_void_p,  # 8 u64 registers
         c.c_void_p,
         c.c_size_t,
         c.POINTER(c.c_uint64),
         c.POINTER(c.c_int32),
         c.c_int,
         c.POINTER(c.c_int),
+        c.POINTER(c.c_int),
     ]
+    lib.pmt_ring_scan.argtypes = [
+        c.c_void_p,
+        c.c_uint64,
+        c.c_uint64,
+        c.c_uint64,
+        c.c_uint32,
+        c.c_uint32,
+        c.c_uint32,
+        c.c_uint32,
+        c.c_uint32,
+        c.c_void_p,
+        c.c_void_p,
+        c.c_int,
+        c.c_void_p,
+        c.c_int,
+        c.POINTER(c.c_uint64),
+    ]
+    lib.pmt_cache_enable.argtypes = [c.c_void_p, c.c_int]
+    lib.pmt_cache_stats.argtypes = [c.c_void_p, c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]
     lib.pmt_symbolize.argtypes = [c.c_void_p, c.c_int, c.c_uint64, c.c_char_p, c.c_size_t]
     lib.pmt_errmsg.restype = c.c_char_p
     lib.pmt_errmsg.argtypes = []
@@ -202,6 +223,15 @@ class ProcessImage:
         self._files = (ctypes.c_int32 * MAX_FRAMES)()
         self._regs = (ctypes.c_uint64 * 8)()
         self._complete = ctypes.c_int()
+        self._result = ctypes.c_int()
+        self._complete_ref = ctypes.byref(self._complete)
+        self._result_ref = ctypes.byref(self._result)
+        self._pcs_addr = ctypes.addressof(self._pcs)
+        self._files_addr = ctypes.addressof(self._files)
+        # one tuple of Locations per distinct stack: by the native cache's result number, and
+        # for uncached unwinds by their raw (file, pc) arrays; Locations are built once each
+        self._by_result: dict[int, tuple[Location, ...]] = {}
+        self._by_raw: dict[bytes, tuple[Location, ...]] = {}
         self.refresh()
 
     def _read_maps(self) -> list[MapLine]:
@@ -267,32 +297,71 @@ class ProcessImage:
                 )
 
     def unwind(
-        self, tid: int, regs: Sequence[int], stack: Union[int, bytes], length: int
+        self, tid: int, regs: Union[Sequence[int], int], stack: Union[int, bytes], length: int
     ) -> tuple[tuple[Location, ...], bool]:
         """The call stack of thread TID, leaf first, from REGS (ip, sp, bp, bx, r12, r13, r14,
-        r15 at the probed instruction) and STACK, the LENGTH bytes copied from sp upward (bytes,
-        or the address of memory valid during the call). The bool says whether the unwind
-        reached the outermost frame (_start, clone, thread start)."""
+        r15 at the probed instruction: a sequence, or the address of 8 u64 in memory valid
+        during the call) and STACK, the LENGTH bytes copied from sp upward (bytes, or the
+        address of memory valid during the call). The bool says whether the unwind reached the
+        outermost frame (_start, clone, thread start). The same stack is the same tuple object
+        (interned): callers may key on it cheaply."""
         if isinstance(stack, bytes):
             length = min(length, len(stack))
         with self._lock:
             if not self._session:
                 raise PymtraceError("the process image is closed")
-            self._regs[:] = regs[:8]
+            if not isinstance(regs, int):
+                self._regs[:] = regs[:8]
+                regs = self._regs
             n = self._lib.pmt_unwind(
                 self._session,
                 tid,
-                self._regs,
+                regs,
                 stack,
                 length,
                 self._pcs,
                 self._files,
                 MAX_FRAMES,
-                ctypes.byref(self._complete),
+                self._complete_ref,
+                self._result_ref,
             )
-            modules = self.modules
-            frames = tuple((modules[f] if f >= 0 else UNKNOWN, pc) for f, pc in zip(self._files[:n], self._pcs[:n]))
+            result = self._result.value
+            if result >= 0:
+                frames = self._by_result.get(result)
+                if frames is None:
+                    frames = self._by_result[result] = self._frames(n)
+                return frames, True
+            raw = ctypes.string_at(self._pcs_addr, 8 * n) + ctypes.string_at(self._files_addr, 4 * n)
+            frames = self._by_raw.get(raw)
+            if frames is None:
+                frames = self._frames(n)
+                if len(self._by_raw) < MAX_INTERNED:
+                    self._by_raw[raw] = frames
             return frames, bool(self._complete.value)
+
+    def cached_stack(self, result: int) -> tuple[Location, ...]:
+        """The stack of the native cache's RESULT (a number RingScanner reported for this
+        image: made by an earlier unwind, interned then)."""
+        return self._by_result[result]
+
+    def _frames(self, n: int) -> tuple[Location, ...]:
+        modules = self.modules
+        return tuple((modules[f] if f >= 0 else UNKNOWN, pc) for f, pc in zip(self._files[:n], self._pcs[:n]))
+
+    def enable_cache(self, on: bool) -> None:
+        """Switch the native unwind cache on (the default) or off (every unwind runs libdwfl:
+        for benchmarks)."""
+        with self._lock:
+            if self._session:
+                self._lib.pmt_cache_enable(self._session, int(on))
+
+    def cache_stats(self) -> tuple[int, int]:
+        """(hits, misses) of the native unwind cache so far."""
+        hits, misses = ctypes.c_uint64(), ctypes.c_uint64()
+        with self._lock:
+            if self._session:
+                self._lib.pmt_cache_stats(self._session, ctypes.byref(hits), ctypes.byref(misses))
+        return hits.value, misses.value
 
     def symbolize(self, module: Module, pc: int) -> list[Frame]:
         """Frames of PC in MODULE (one of self.modules), innermost first: what Symbolizer uses."""
@@ -324,6 +393,64 @@ class ProcessImage:
     def __del__(self) -> None:
         if getattr(self, "_session", None):
             self.close()
+
+
+ROW_HEAD = 40  # bytes of each record a RingScanner row carries (native/unwind.c PMT_ROW_HEAD)
+
+
+class RingScanner:
+    """Walks a BPF ring buffer's records in native code, a batch at a time, and looks each
+    sample's stack up in its process's unwind cache (no unwinding, no Python per record
+    there): rows of (payload offset, length, cache result, the record's first ROW_HEAD
+    bytes). A result >= 0 is ProcessImage.cached_stack's number; -1 a sample to unwind
+    (ProcessImage.unwind), -2 not a sample of an imaged process. Records of SHORT_TYPE (shorter
+    than a sample) are rows like samples; any other type ends a batch. See pmt_ring_scan."""
+
+    ROW_SIZE = 16 + ROW_HEAD
+
+    def __init__(
+        self,
+        data_addr: int,
+        mask: int,
+        sample_type: int,
+        short_type: int,
+        regs_off: int,
+        stack_len_off: int,
+        header: int,
+    ) -> None:
+        self._lib = native_library()
+        self.data_addr, self.mask = data_addr, mask
+        self.layout = (sample_type, short_type, regs_off, stack_len_off, header)
+        self.max_rows = 4096
+        self._rows = ctypes.create_string_buffer(self.ROW_SIZE * self.max_rows)
+        self._view = memoryview(self._rows).cast("B")
+        self._next = ctypes.c_uint64()
+        self._next_ref = ctypes.byref(self._next)
+        self._pids = (ctypes.c_int32 * 0)()
+        self._sessions = (ctypes.c_void_p * 0)()
+        self._images: list[ProcessImage] = []
+
+    def scan(self, cons: int, prod: int, images: dict[int, ProcessImage]) -> tuple[memoryview, int]:
+        """(rows, the consumer position after them) of the records from CONS to PROD."""
+        live = [(pid, image) for pid, image in images.items() if image._session]
+        if [image for _, image in live] != self._images:
+            self._images = [image for _, image in live]
+            self._pids = (ctypes.c_int32 * len(live))(*(pid for pid, _ in live))
+            self._sessions = (ctypes.c_void_p * len(live))(*(image._session for _, image in live))
+        n = self._lib.pmt_ring_scan(
+            self.data_addr,
+            self.mask,
+            cons,
+            prod,
+            *self.layout,
+            self._pids,
+            self._sessions,
+            len(self._images),
+            self._rows,
+            self.max_rows,
+            self._next_ref,
+        )
+        return self._view[: n * self.ROW_SIZE], self._next.value
 
 
 def unknown_frame(module: Module, pc: int) -> Frame:

@@ -31,6 +31,7 @@ from pymtrace.trace.formats import detect_format, parquet
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's M_MMAP_THRESHOLD default (it grows dynamically up to 32 MiB)
 DEFAULT_MEMORY_LIMIT = "1GB"
+SORT_BYTES_PER_EVENT = 16  # of the memory limit per DuckDB thread, per event in one sort (_sort_rows)
 LIVE_BUCKETS = 200  # points of the live-bytes curve
 THREAD_BUCKETS = 60  # columns of the per-thread timeline
 SIZE_CLASS_BOUNDS = [0] + [1 << k for k in range(4, 26)]  # 0, <=16, <=32, ..., <=32 MiB, then > 32 MiB
@@ -121,6 +122,7 @@ class TraceSet:
             raise PymtraceError(f"cannot create a temporary directory: {exc.strerror}") from None
         self.spill_dir = os.path.join(self.workdir, "spill")
         self.con: duckdb.DuckDBPyConnection | None = None
+        self.events_file: str | None = None  # the paired events (report(): _pair)
         try:
             self.formats = []
             self.files = [self._parquet_of(p) for p in self.inputs]
@@ -252,10 +254,13 @@ class TraceSet:
             raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
 
     def spilled_bytes(self) -> int:
-        """Bytes of table data DuckDB holds in its spill directory now (0 before report())."""
+        """Bytes of working data held on disk rather than in memory now (0 before report()):
+        what DuckDB spilled, plus the paired events, which analyze keeps in a private file."""
         if self.con is None:
             return 0
-        return int(self._one("SELECT coalesce(sum(temporary_storage_bytes), 0) FROM duckdb_memory()")[0])
+        (spilled,) = self._one("SELECT coalesce(sum(temporary_storage_bytes), 0) FROM duckdb_memory()")
+        events = os.path.getsize(self.events_file) if self.events_file else 0
+        return int(spilled) + events
 
     def _q(self, sql: str) -> list[tuple]:
         return self.con.execute(sql).fetchall()
@@ -292,7 +297,86 @@ class TraceSet:
         rep["realloc_chains"] = self._chains(top)
         rep["callers"] = self._callers(top)
         rep["stacks"] = self._stacks(top)
+        rep["symbols"] = self._symbolize(rep)
         return rep
+
+    def _stack_tables(self) -> dict[int, dict]:
+        """The stack table (FILE.stacks) of each input recorded with `record --stacks` and
+        still beside it: file index -> {stack id: stacktable.Stack}."""
+        from pymtrace.trace import stacktable
+
+        tables = {}
+        for i, path in enumerate(self.files):
+            if self.formats[i] != "parquet" or not parquet.has_stacks(path):
+                continue
+            table_path = stacktable.table_path(self.inputs[i])
+            if os.path.isfile(table_path):
+                tables[i] = stacktable.read_table(table_path)
+        return tables
+
+    def _symbolize(self, rep: dict) -> dict:
+        """Function, file and line of the callers in REP, from the stack tables: a caller
+        address is in the allocating (innermost) frame of the stacks of its calls. A trace
+        holds no memory maps of its process, so without a stack table the callers stay
+        addresses (docs/analyze.md, "Callers")."""
+        tables = self._stack_tables()
+        if not tables:
+            return {"source": None, "callers_symbolized": 0}
+        leaf: dict[int, Any] = {}
+        for i, table in tables.items():
+            for caller, stack_id in self._q(
+                f"""SELECT caller, any_value(stack_id) FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
+                    WHERE stack_id > 0 GROUP BY caller"""
+            ):
+                stack = table.get(int(stack_id))
+                if stack is not None and stack.frames and caller not in leaf:
+                    leaf[caller] = stack.frames[-1]
+        entries = [*rep["callers"], *rep["never_freed"]["by_caller"], *rep["realloc_chains"]["longest"]]
+        done = set()
+        for entry in entries:
+            frame = leaf.get(int(entry["caller"], 16)) if entry.get("caller") else None
+            entry["function"] = frame.function if frame else None
+            entry["source"] = f"{frame.file}:{frame.line}" if frame and frame.file else None
+            if frame:
+                done.add(entry["caller"])
+        if not rep["stacks"]["recorded"]:
+            rep["stacks"] = self._table_stacks(tables, int(rep["settings"]["top"]))
+        return {"source": "stack table", "callers_symbolized": len(done)}
+
+    def _table_stacks(self, tables: dict[int, dict], top: int) -> dict:
+        """The top stacks by requested bytes of `record --stacks` recordings (stack ids, the
+        frames from the stack tables), innermost frame first like the `stack` column's."""
+        rows = []
+        for i in tables:
+            rows += [
+                (i, *r)
+                for r in self._q(
+                    f"""SELECT stack_id, count(*), coalesce(sum(size), 0) AS bytes
+                        FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
+                        WHERE stack_id > 0 GROUP BY stack_id ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
+                )
+            ]
+        rows.sort(key=lambda r: (-r[3], -r[2], r[0], r[1]))
+        out = []
+        for i, stack_id, n, nbytes in rows[:top]:
+            stack = tables[i].get(int(stack_id))
+            frames = reversed(stack.frames) if stack is not None else []
+            out.append(
+                {
+                    "file": i,
+                    "stack_id": int(stack_id),
+                    "stack": [f"{f.function}({f.file}:{f.line})" if f.file else f.function for f in frames],
+                    "calls": n,
+                    "requested_bytes": int(nbytes),
+                }
+            )
+        with_stack = sum(
+            self._one(
+                f"SELECT count(*) FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}') WHERE stack_id > 0"
+            )[0]
+            for i in tables
+        )
+        return {"recorded": True, "source": "stack table", "calls_with_stack": with_stack, "top": out}
 
     def _call_mix(self) -> dict:
         rows = self._q(
@@ -309,6 +393,7 @@ class TraceSet:
                       max(time_ns), count(*) FILTER (WHERE time_ns = 0) FROM trace_rows"""
         )
         self.timed = events > 0 and untimed == 0
+        self.max_events = events + sum(r[1] for r in rows if r[0] == "realloc")  # realloc: 2 events
         self.t_first = t_first if self.timed else 0
         return {
             "totals": {
@@ -357,6 +442,18 @@ class TraceSet:
             },
         }
 
+    def _sort_rows(self) -> int:
+        """How many events one DuckDB sort may hold under the memory limit. DuckDB's external
+        sort needs memory growing with its input (it merges its spilled runs with a block of each
+        pinned: 10M events did not sort in 64 MB, 2.5M did, 2 threads), so analyze sorts
+        partitions of at most this many events: SORT_BYTES_PER_EVENT of the limit per thread."""
+        limit, threads = self._one("SELECT current_setting('memory_limit'), current_setting('threads')")
+        return max(1 << 16, _size_bytes(str(limit)) // (SORT_BYTES_PER_EVENT * max(1, int(threads))))
+
+    def partitions(self) -> int:
+        """Into how many partitions the events are sorted (see _sort_rows)."""
+        return max(1, -(-self.max_events // self._sort_rows()))
+
     def _pair(self) -> None:
         """Table `ev`: allocation and release events with their neighbours at the same address.
 
@@ -367,32 +464,51 @@ class TraceSet:
         need memory growing with the trace: out of memory at 40 MB for 4M events.)"""
         import numpy
         import pyarrow
+        import pyarrow.parquet
 
         con = self.con
-        con.execute(
-            """CREATE TABLE ev (file INTEGER, ptr UBIGINT, t UBIGINT, row BIGINT, seq BIGINT, alloc BOOLEAN,
+        ev_schema = """(file INTEGER, ptr UBIGINT, t UBIGINT, row BIGINT, seq BIGINT, alloc BOOLEAN,
                  thread INTEGER, size UBIGINT, caller UBIGINT, type VARCHAR, outcome UTINYINT,
                  prev_alloc BOOLEAN, prev_size UBIGINT, prev_t UBIGINT, prev_thread INTEGER, prev_row BIGINT,
                  next_alloc BOOLEAN)"""
-        )
-        rel = con.sql(
-            """SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size, caller,
-                      type, NULL::UTINYINT AS outcome
+        parts = self.partitions()
+        event_sql = """SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size,
+                      caller, type, NULL::UTINYINT AS outcome
                FROM trace_rows
-               WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0)
+               WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0) AND {part2}
                UNION ALL
                -- outcome of a realloc: 0 in place, 1 moved, 2 released (realloc(p, 0) returned NULL)
                SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type,
                       CASE WHEN type <> 'realloc' THEN NULL WHEN ptr2 = 0 THEN 2 WHEN ptr2 = ptr1 THEN 0 ELSE 1 END
                FROM trace_rows
-               WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0)))
+               WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0))) AND {part1}
                ORDER BY file, ptr, t, seq"""
-        )
         batch_rows = 1 << 18
-        reader = (
-            rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(batch_rows)
-        )
-        writer = con.cursor()
+
+        def batches() -> Any:
+            """The events of every address partition in turn, each sorted: partitions hold
+            different addresses, so their concatenation pairs like one sort would."""
+            for k in range(parts):
+                if parts == 1:
+                    sql = event_sql.format(part1="true", part2="true")
+                else:
+                    sql = event_sql.format(
+                        part1=f"hash(file, ptr1) % {parts} = {k}", part2=f"hash(file, ptr2) % {parts} = {k}"
+                    )
+                rel = con.sql(sql)
+                yield from (
+                    rel.to_arrow_reader(batch_rows)
+                    if hasattr(rel, "to_arrow_reader")
+                    else rel.fetch_record_batch(batch_rows)
+                )
+
+        reader = batches()
+        # the paired events go to a private Parquet file, not a DuckDB table: an in-memory table
+        # kept ~40-60 MB resident beyond what it spilled and starved the sorts (64 MB, 10M events)
+        fd, ev_path = tempfile.mkstemp(prefix="events.", suffix=".parquet", dir=self.workdir)  # 0600
+        self.events_file = ev_path
+        sink = os.fdopen(fd, "wb")
+        writer = None
         sentinel = None
         context = None  # the last two rows seen: the first still lacks its successor
 
@@ -414,9 +530,10 @@ class TraceSet:
             out = out.append_column("prev_thread", neighbour("thread", 0, has_prev))
             out = out.append_column("prev_row", neighbour("row", 0, has_prev))
             out = out.append_column("next_alloc", neighbour("alloc", 2, has_next))
-            writer.register("pymtrace_ev_batch", out)
-            writer.execute("INSERT INTO ev SELECT * FROM pymtrace_ev_batch")
-            writer.unregister("pymtrace_ev_batch")
+            nonlocal writer
+            if writer is None:
+                writer = pyarrow.parquet.ParquetWriter(sink, out.schema, compression="lz4")
+            writer.write_table(out.cast(writer.schema))
 
         for batch in reader:
             if not batch.num_rows:
@@ -433,7 +550,13 @@ class TraceSet:
             context = x.slice(x.num_rows - 2)
         if context is not None and context.num_rows == 2:
             emit(pyarrow.concat_tables([context, sentinel]))
-        writer.close()
+        if writer is None:  # no events
+            con.execute("CREATE TABLE ev " + ev_schema)
+        else:
+            writer.close()
+            sink.close()
+            con.execute(f"CREATE VIEW ev AS SELECT * FROM read_parquet('{ev_path.replace(chr(39), chr(39) * 2)}')")
+        sink.close()
 
     def _lifetimes(self) -> dict:
         life = "(t - prev_t)"
@@ -485,11 +608,7 @@ class TraceSet:
         else:
             lo, hi = 0, n - 1  # untimed: the position in the trace (file after file)
         span = hi - lo + 1
-        rel = self.con.sql(
-            """SELECT t, CASE WHEN alloc THEN size::BIGINT WHEN prev_alloc THEN -prev_size::BIGINT ELSE 0 END
-               FROM ev ORDER BY t, file, seq"""
-        )
-        reader = rel.to_arrow_reader(1 << 20) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(1 << 20)
+        reader = self._time_ordered(n)
         live = peak = 0
         peak_at = None
         done = 0
@@ -526,6 +645,32 @@ class TraceSet:
             "final_bytes": live,
             "points": points,
         }
+
+    def _time_ordered(self, n: int) -> Any:
+        """Batches of (t, change of live bytes) of the N events in time order (t, file, seq).
+        Above _sort_rows events the sort is split into time ranges (bounds: approximate
+        quantiles of t; every event of one t in one range), sorted one after the other: their
+        concatenation is the order one sort would give. A trace without times is one sort."""
+        parts = max(1, -(-n // self._sort_rows())) if self.timed else 1
+        bounds: list = []
+        if parts > 1:
+            qs = ", ".join(str(i / parts) for i in range(1, parts))
+            (bounds,) = self._one(f"SELECT approx_quantile(t, [{qs}]) FROM ev")
+            bounds = sorted(set(bounds))
+        edges = [None, *bounds, None]
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            where = " AND ".join(
+                ([f"t >= {int(lo)}"] if lo is not None else []) + ([f"t < {int(hi)}"] if hi is not None else [])
+            )
+            rel = self.con.sql(
+                """SELECT t, CASE WHEN alloc THEN size::BIGINT WHEN prev_alloc THEN -prev_size::BIGINT ELSE 0 END
+                   FROM ev """
+                + (f"WHERE {where} " if where else "")
+                + "ORDER BY t, file, seq"
+            )
+            yield from (
+                rel.to_arrow_reader(1 << 20) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(1 << 20)
+            )
 
     def _never_freed(self, top: int) -> dict:
         count, total = self._one("SELECT count(*), coalesce(sum(size), 0) FROM ev WHERE alloc AND next_alloc IS NULL")
@@ -703,3 +848,16 @@ class TraceSet:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+_UNITS = {"": 1, "b": 1, "bytes": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def _size_bytes(text: str) -> int:
+    """Bytes of a DuckDB size setting as it reports it ("61.0 MiB", "1.0 GiB")."""
+    number, _, unit = text.strip().partition(" ")
+    try:
+        return int(float(number) * _UNITS[unit.strip().lower()])
+    except (ValueError, KeyError):
+        raise PymtraceError(f"cannot understand DuckDB's memory limit {text!r}") from None

@@ -46,6 +46,7 @@ PART_ROWS = (
 PART_SECONDS = 5.0  # or when its oldest record is this old (the recorder's spool holds it until then)
 MAX_CONNECTIONS = 64
 HANDSHAKE_TIMEOUT_S = 5.0  # TLS handshake and HELLO, before authentication
+COMPACTION_GRACE_S = 10.0  # at a stop, how long compactions in progress may still run
 IDLE_TIMEOUT_S = 120.0  # an authenticated connection that sends nothing at all this long is closed
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _DTYPE = mtrace_bin.record_dtype("<")
@@ -82,6 +83,7 @@ class Stream:
         self.pending = []  # raw record blobs received, not yet in a part
         self.pending_rows = 0
         self.pending_since = None
+        self.ended = False  # END acknowledged: the stream is closed (its parts may be compacted)
 
     def _state_path(self) -> str:
         return os.path.join(self.dir, f".stream-{self.id}.json")
@@ -89,22 +91,10 @@ class Stream:
     def _recover(self) -> int:
         """The acknowledged offset: the state file's, moved on past parts renamed before a
         crash let it be updated; temporary files of an interrupted part are removed."""
-        acked = 0
-        try:
-            with open(self._state_path()) as f:
-                acked = int(json.load(f)["acked"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        prefix = f"part-{self.id}-"
-        for name in sorted(os.listdir(self.dir)):
-            if name.startswith(f".{self.id}-") and name.endswith(".inprogress"):
-                os.unlink(os.path.join(self.dir, name))
-            elif name.startswith(prefix) and name.endswith(".parquet"):
-                first = int(name[len(prefix) : -len(".parquet")])
-                if first >= acked:
-                    rows = parquet.open_file(os.path.join(self.dir, name)).metadata.num_rows
-                    if first == acked:
-                        acked = first + rows
+        acked = read_state(self.dir, self.id).get("acked", 0)
+        for first, rows, _ in stream_parts(self.dir, self.id):
+            if first == acked:
+                acked = first + rows
         return acked
 
     def add(self, offset: int, blob: bytes) -> None:
@@ -141,31 +131,137 @@ class Stream:
             w.write_records(recs)
             w.close()
 
-        self._publish(f"part-{self.id}-{first:012d}.parquet", write_part)
+        _publish(self.dir, self.id, f"part-{self.id}-{first:012d}.parquet", write_part)
         self.acked = first + len(recs)
         self.pending, self.pending_rows, self.pending_since = [], 0, None
-        state = json.dumps({"stream": self.id, "acked": self.acked}).encode()
-        self._publish(os.path.basename(self._state_path()), lambda fd: os.write(fd, state))
+        self._write_state()
 
-    def _publish(self, name: str, write: Callable[[int], object]) -> None:
-        """Create NAME in the stream's directory durably and whole: WRITE(fd) fills a hidden
-        mkstemp file (0600), which is fsync'ed and renamed over NAME, then the directory
-        fsync'ed. A failure removes the temporary file and raises OSError."""
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{self.id}-", suffix=".inprogress")
+    def end(self) -> None:
+        """END: the rest written, the stream marked closed in its state file."""
+        self.flush()
+        if not self.ended:
+            self.ended = True
+            self._write_state()
+
+    def _write_state(self) -> None:
+        state = json.dumps({"stream": self.id, "acked": self.acked, "ended": self.ended}).encode()
+        _publish(self.dir, self.id, os.path.basename(self._state_path()), lambda fd: os.write(fd, state))
+
+
+def _publish(directory: str, stream: str, name: str, write: Callable[[int], object]) -> None:
+    """Create NAME in DIRECTORY durably and whole: WRITE(fd) fills a hidden mkstemp file (0600,
+    `.STREAM-*.inprogress`), which is fsync'ed and renamed over NAME, then the directory
+    fsync'ed. A failure removes the temporary file and raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stream}-", suffix=".inprogress")
+    try:
         try:
-            try:
-                write(fd)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, os.path.join(self.dir, name))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(self.dir)
+            write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, os.path.join(directory, name))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def read_state(directory: str, stream: str) -> dict:
+    """The stream's state file ({"acked": N, "ended": bool}; {} when absent or unreadable)."""
+    try:
+        with open(os.path.join(directory, f".stream-{stream}.json")) as f:
+            state = json.load(f)
+        return {"acked": int(state["acked"]), "ended": bool(state.get("ended"))}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def stream_parts(directory: str, stream: str) -> list[tuple[int, int, str]]:
+    """The stream's parts in DIRECTORY as (first offset, rows, path), in offset order, after
+    removing what an interrupted write or compaction left: temporary files, and parts whose
+    records a compacted part already holds (a crash between a compaction's rename and its
+    removal of the parts it merged). Parts never overlap otherwise."""
+    prefix = f"part-{stream}-"
+    found = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(f".{stream}-") and name.endswith(".inprogress"):
+            os.unlink(path)
+        elif name.startswith(prefix) and name.endswith(".parquet") and name[len(prefix) : -8].isdigit():
+            found.append((int(name[len(prefix) : -8]), path))
+    out: list[tuple[int, int, str]] = []
+    end = 0
+    removed = False
+    for first, path in found:
+        rows = parquet.open_file(path).metadata.num_rows
+        if out and first < end:
+            if first + rows > end:
+                raise PymtraceError(f"{path}: overlaps the part before it (records {first}-{first + rows - 1})")
+            os.unlink(path)  # merged into the part before it
+            removed = True
+            continue
+        out.append((first, rows, path))
+        end = first + rows
+    if removed:
+        _fsync_dir(directory)
+    return out
+
+
+class CompactionStopped(Exception):
+    """The collector is stopping: a compaction not yet committed is abandoned (parts kept)."""
+
+
+def compact_stream(directory: str, stream: str, stopping: Callable[[], bool] | None = None) -> tuple[int, int]:
+    """Merge the stream's parts in DIRECTORY into one (the first part's name and metadata, plus
+    pymtrace.compacted_parts): (parts merged, rows). Crash-safe and idempotent: the merged file
+    is written whole under a temporary name, fsync'ed and renamed over the first part (the
+    commit), then the merged parts are removed; a kill at any point leaves every record once
+    after stream_parts() runs again (this function or a collector's recovery). A merged part is
+    read one row group at a time (memory: one row group). STOPPING(): checked before each part
+    is read; true abandons the compaction before its commit (CompactionStopped, parts kept)."""
+    parts = stream_parts(directory, stream)
+    if len(parts) < 2:
+        return 0, sum(rows for _, rows, _ in parts)
+    for (first, rows, path), (nxt, _, _) in zip(parts, parts[1:]):
+        if first + rows != nxt:
+            raise PymtraceError(f"{path}: records {first + rows}-{nxt - 1} are missing; not compacted")
+    head = parquet.open_file(parts[0][2]).schema_arrow.metadata or {}
+    meta = {k.decode(): v.decode() for k, v in head.items() if k.decode().startswith(parquet.META_PREFIX)}
+    meta[parquet.META_PREFIX + "compacted_parts"] = str(len(parts))
+
+    def write_merged(fd: int) -> None:
+        w = parquet.Writer(fd, meta)
+        for _, _, path in parts:
+            if stopping is not None and stopping():
+                raise CompactionStopped
+            for recs in parquet.iter_arrays(path, 1 << 18):
+                w.write_records(recs)
+        w.close()
+
+    _publish(directory, stream, os.path.basename(parts[0][2]), write_merged)  # the commit
+    for _, _, path in parts[1:]:
+        os.unlink(path)
+    _fsync_dir(directory)
+    return len(parts), sum(rows for _, rows, _ in parts)
+
+
+def compact(root: str) -> dict[str, int]:
+    """Compact every closed stream (END acknowledged) under the dataset ROOT; the counts of
+    streams, parts merged and rows. Streams still open (or cut off) are left as they are."""
+    done = {"streams": 0, "parts": 0, "rows": 0}
+    for directory, _, names in os.walk(root):
+        for name in sorted(names):
+            m = re.fullmatch(r"\.stream-([0-9a-f]{32})\.json", name)
+            if m and read_state(directory, m.group(1)).get("ended"):
+                parts, rows = compact_stream(directory, m.group(1))
+                if parts:
+                    done["streams"] += 1
+                    done["parts"] += parts
+                    done["rows"] += rows
+    return done
 
 
 class Collector:
@@ -195,6 +291,8 @@ class Collector:
         self.count_lock = threading.Lock()
         self.stopping = threading.Event()
         self.records = 0  # records received (for the closing line)
+        self.compacting = 0  # compactions running (shutdown waits for them)
+        self.abandon_compactions = threading.Event()
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -233,6 +331,14 @@ class Collector:
         """Stop accepting; write every stream's pending records as parts."""
         self.stopping.set()
         self.sock.close()
+        # compactions get COMPACTION_GRACE_S to finish, then stop before their next part (one
+        # past its commit finishes removing the parts it merged): exiting in the middle would
+        # leave a merged part beside parts it holds until the next `collect --compact`
+        deadline = time.monotonic() + COMPACTION_GRACE_S
+        while self.compacting and time.monotonic() < deadline + 60:
+            if time.monotonic() > deadline:
+                self.abandon_compactions.set()
+            time.sleep(0.05)
         with self.streams_lock:
             streams = list(self.streams.values())
         for s in streams:
@@ -389,17 +495,35 @@ class Collector:
                 if stream.due(time.monotonic()):
                     self._flush(conn, stream, client)
             elif kind == proto.END:
-                self._flush(conn, stream, client)
+                with self.count_lock:  # counted before the ACK: a stop right after it waits for it
+                    self.compacting += 1
+                try:
+                    self._flush(conn, stream, client, end=True)
+                    self._compact(stream)
+                finally:
+                    with self.count_lock:
+                        self.compacting -= 1
                 return
             else:
                 raise proto.ProtocolError(f"unexpected frame {kind}")
 
-    def _flush(self, conn: socket.socket, stream: Stream, client: str) -> None:
+    def _compact(self, stream: Stream) -> None:
+        """A closed stream's parts merged into one (after its END is acknowledged: the recorder
+        does not wait for it). A failure leaves the parts as they are: one line."""
+        try:
+            compact_stream(stream.dir, stream.id, self.abandon_compactions.is_set)
+        except CompactionStopped:
+            pass
+        except (OSError, PymtraceError) as exc:
+            _log(f"cannot compact {stream.dir} stream {stream.id}: {getattr(exc, 'strerror', None) or exc}")
+
+    def _flush(self, conn: socket.socket, stream: Stream, client: str, end: bool = False) -> None:
         """Write the stream's pending records as a part and acknowledge them. A full disk:
         one line here, REFUSED to the recorder (it keeps spooling and retries); the pending
-        records are dropped (never acknowledged, the recorder sends them again)."""
+        records are dropped (never acknowledged, the recorder sends them again). END: the
+        stream is also marked closed."""
         try:
-            stream.flush()
+            stream.end() if end else stream.flush()
         except OSError as exc:
             stream.pending, stream.pending_rows, stream.pending_since = [], 0, None
             message = f"cannot write {stream.dir}: {exc.strerror or exc}"

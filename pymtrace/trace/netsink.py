@@ -339,14 +339,23 @@ class NetOutput:
         self.thread.join(CONNECT_TIMEOUT_S)
         self.spool.close()
 
-    def close(self) -> None:
-        """Send the rest and wait (up to close_wait seconds) until the collector has it all; what it
-        never took is kept in a local mtrace-bin file and reported (WriteFailed)."""
+    def begin_close(self) -> None:
+        """Start the end: send the rest and END; the close_wait deadline counts from now. The
+        recorder calls it on every output (--follow-forks: one per process) before close(), so
+        their waits run at once and the end takes one close_wait in all, not one each."""
         with self.spool.cond:
+            if self.closing:
+                return
             self.close_deadline = time.monotonic() + self.close_wait
             self.closing = True
             self.spool.cond.notify_all()
-        self.thread.join(self.close_wait + CONNECT_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Send the rest and wait (up to close_wait seconds from begin_close) until the collector
+        has it all; what it never took is kept in a local mtrace-bin file and reported (WriteFailed)."""
+        self.begin_close()
+        # the sender leaves at the deadline (or within a connect attempt after it)
+        self.thread.join(max(0.0, self.close_deadline - time.monotonic()) + CONNECT_TIMEOUT_S)
         self.bytes_written = self.spool.acked * _RS
         if self.finished:
             self.spool.close()

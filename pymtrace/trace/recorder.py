@@ -54,6 +54,22 @@ class WriteFailed(PymtraceError):
     every complete record written before the failure."""
 
 
+def close_outputs(outputs: list) -> WriteFailed | None:
+    """Close every output (Output, NetOutput); the first WriteFailed, if any. The network
+    outputs' ends are begun together first (begin_close), so with --follow-forks the end
+    waits one --send-timeout in all, not one per process."""
+    for out in outputs:
+        if hasattr(out, "begin_close"):
+            out.begin_close()
+    failure = None
+    for out in outputs:
+        try:
+            out.close()
+        except WriteFailed as exc:
+            failure = failure or exc
+    return failure
+
+
 class Output:
     """One process's trace, written as it is recorded: the MAGIC record then raw records
     (mtrace-bin), "= Start" then glibc's text lines (mtrace-text), or Parquet row groups
@@ -154,6 +170,11 @@ class Output:
         self.entries += kept
         if exc is not None:
             raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}")
+
+    def write_words(self, words: numpy.ndarray) -> None:
+        """Parquet: records as an (N, 8) uint64 array of their words (a view of the ring buffer:
+        copied once, into the writer's columns)."""
+        self._parquet_step(self.parquet.write_words, words)
 
     def _parquet_step(self, step: Callable[..., object], *args: object) -> None:
         """Run a parquet Writer step; count the rows it put in the file; WriteFailed on OSError."""
@@ -756,6 +777,14 @@ class Recorder:
             self.bpf.ring_buffer_consume()
             self.stack_unwinder.cpu += time.thread_time() - t1
         patience = time.monotonic() + 0.1
+        # a parquet file of one process: the records go from the ring straight into the columns
+        args = getattr(self, "args", None)  # (tests drive Recorders made without __init__)
+        direct = (
+            getattr(args, "format", None) == "parquet"
+            and self.stack_unwinder is None
+            and not self.follow
+            and getattr(args, "network", None) is None
+        )
         # a stop signal waits until this drain is done: a batch taken from the ring is
         # always written whole, and the counts match the file
         try:
@@ -764,19 +793,35 @@ class Recorder:
                 # would read tiny batches, and the per-batch cost would dominate. Read again
                 # at once only while batches are large (the buffer was filling up).
                 while True:
-                    data, n = self.reader.read(limit=limit)
+                    if direct:
+                        n = self._drain_words(limit)
+                    else:
+                        data, n = self.reader.read(limit=limit)
                     if not n:
                         if final and self.reader.cons_pos[0] < limit and time.monotonic() < patience:
                             time.sleep(0.001)  # a record reserved before the stop, being written
                             continue
                         return total
                     total += n
-                    self._dispatch(data, n)
+                    if not direct:
+                        self._dispatch(data, n)
                     if n < self.reader.max_batch // 8 and not final:
                         return total
         finally:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
+
+    def _drain_words(self, limit: int) -> int:
+        """Copy the committed records from the ring into the target's parquet columns (one
+        copy, no bytes object in between); how many."""
+        words, n = self.reader.read_words(limit=limit)
+        if n:
+            try:
+                self.output_for(self.target).write_words(words[:, 1:9])
+            finally:
+                del words  # the ring's mmap cannot close while a view of it lives
+                self.reader.consume(n)
+        return n
 
     def _dispatch(self, data: tuple[bytes | bytearray, list[int] | numpy.ndarray | None], n: int) -> None:
         recs, tg = data
@@ -913,11 +958,7 @@ class Recorder:
             stacks_lost = self.stack_unwinder.missing + sum(t.overflow for t in tables)
             n_stacks = sum(len(t.ids) for t in tables)
             stacks_unsent = int(self.bpf["stack_lost"].sum(ctypes.c_int(0)).value)
-        for out in self.outputs.values():
-            try:
-                out.close()
-            except WriteFailed as exc:
-                self.failure = self.failure or exc
+        self.failure = self.failure or close_outputs(list(self.outputs.values()))
         summary = {
             "files": [o.summary() for o in self.outputs.values()],
             "entries": sum(o.entries for o in self.outputs.values()),

@@ -106,7 +106,8 @@ def test_collector_sigkilled_and_restarted_during_a_storm(collector, cbuild):
     c = collector()
     pairs = 1_500_000
     rec = _storm(cbuild, c.address, pairs)
-    time.sleep(2.5)  # attached (~1 s), storming
+    c.wait_connected()  # the recorder's stream is open (slow start-up under load is waited for)
+    time.sleep(1.0)  # the storm under way: the rest of it must go through a second connection
     c.kill()
     time.sleep(0.5)
     c.start()  # same port

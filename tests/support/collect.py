@@ -42,6 +42,19 @@ class CollectorProcess:
     def address(self):
         return f"127.0.0.1:{self.port}"
 
+    def wait_connected(self, timeout=120):
+        """Until a client holds an established TCP connection to the collector (the kernel's
+        /proc/net/tcp: state 01 with our port as the local one)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open("/proc/net/tcp") as f:
+                for line in f.readlines()[1:]:
+                    local, _remote, state = line.split()[1:4]
+                    if state == "01" and int(local.split(":")[1], 16) == self.port:
+                        return
+            time.sleep(0.05)
+        raise AssertionError(f"no client connected to {self.address} in {timeout} s")
+
     def kill(self):
         self.proc.send_signal(signal.SIGKILL)
         self._reap()

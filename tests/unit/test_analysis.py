@@ -120,6 +120,20 @@ def test_spills_under_a_low_memory_limit(tmp_path):
     assert os.listdir(tmp) == []
 
 
+def test_sorts_in_partitions_at_a_fixed_memory_limit(tmp_path):
+    """2M events under a 24 MB limit, one thread: more than one DuckDB sort holds there (one sort
+    of them all ran out of memory), so pairing and the live-bytes curve sort in partitions
+    (address hash, time ranges); every number stays exact."""
+    steps, slots = 1_000_000, 2000
+    path = tmp_path / "big.parquet"
+    synthetic.write(str(path), steps, slots, THREADS)
+    truth = synthetic.truth(steps, slots, THREADS)
+    with TraceSet([str(path)], memory_limit="24MB", threads=1, temp_dir=str(tmp_path)) as ts:
+        rep = ts.report()
+        assert ts.partitions() >= 2
+    check_against_truth(rep, truth)
+
+
 # ---------------------------------------------------------------- a trace of known calls
 
 
@@ -215,6 +229,45 @@ def test_stacks_when_recorded(known, tmp_path):
     rep = report(path)
     assert rep["stacks"]["recorded"] and rep["stacks"]["calls_with_stack"] == table.num_rows // 2
     assert rep["stacks"]["top"][0]["stack"][1] == "0x402000"
+
+
+def test_callers_symbolized_from_a_stack_table(tmp_path):
+    """A `record --stacks` recording (stack_id column, FILE.stacks beside it): callers get the
+    function and source line of their allocating frame, the top stacks their frames; without
+    the table they stay addresses (a trace keeps no memory maps to symbolize with)."""
+    recs = known_calls()
+    allocating = recs["type"] != B.FREE
+    ids = numpy.where(recs["caller"] == 0x401200, 2, 1)
+    recs["type"] |= numpy.where(allocating, ids, 0).astype(numpy.uint32) << 8
+    path = tmp_path / "s.parquet"
+    with open(path, "wb") as f:
+        P.write_records(f, iter([recs]), P.file_metadata(), stacks=True)
+    plain = report(path)
+    assert plain["symbols"] == {"source": None, "callers_symbolized": 0}
+    assert "function" not in plain["callers"][0] and not plain["stacks"]["recorded"]
+
+    def frame(function, line, offset):
+        return {"function": function, "file": "w.c", "line": line, "module": "/w", "build_id": "ab", "offset": offset}
+
+    lines = [
+        {"format": "pymtrace-stacks", "version": 1, "trace": "s.parquet", "pid": 1},
+        {"id": 1, "complete": True, "frames": [frame("main", 3, 0x1000), frame("make", 9, 0x1100)]},
+        {"id": 2, "complete": True, "frames": [frame("main", 4, 0x1008), frame("grow", 17, 0x1200)]},
+    ]
+    (tmp_path / "s.parquet.stacks").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rep = report(path)
+    by = {c["caller"]: c for c in rep["callers"]}
+    assert by["0x401200"]["function"] == "grow" and by["0x401200"]["source"] == "w.c:17"
+    assert by["0x401100"]["function"] == "make" and by["0x401000"]["function"] == "make"
+    assert rep["symbols"] == {"source": "stack table", "callers_symbolized": 3}
+    assert rep["never_freed"]["by_caller"][0]["function"] == "make"
+    assert rep["stacks"]["recorded"] and rep["stacks"]["calls_with_stack"] == 10
+    top = rep["stacks"]["top"][0]
+    assert (
+        top["stack"] == ["make(w.c:9)", "main(w.c:3)"]
+        and top["requested_bytes"] == 10 + 1000 + 200_005 + (1 << 62) + 64
+    )
+    assert rep["totals"] == plain["totals"]
 
 
 def test_text_log_input(known, tmp_path):

@@ -102,6 +102,23 @@ def test_collector_killed_and_restarted_every_record_once(collector):
     c.stop()
     check_exactly_once(c.directory, n)
     assert not [f for _, _, fs in os.walk(c.directory) for f in fs if f.endswith(".inprogress")]
+    assert len(parts(c.directory)) == 1  # at END the collector merged the stream's parts
+
+
+def test_parts_of_a_stream_compacted_at_its_end(collector):
+    """More records than a part holds (collector.PART_ROWS): two parts, one file after END."""
+    from pymtrace.trace.collector import PART_ROWS
+
+    c = collector()
+    out = sender(c.port)
+    n = PART_ROWS // 50_000 * 50_000 + 50_000 + 1000  # the part closes at the DATA crossing PART_ROWS
+    send(out, n, 50_000)
+    out.close()
+    c.stop()
+    (part,) = parts(c.directory)
+    meta = P.read_metadata(os.path.join(c.directory, part))
+    assert meta["compacted_parts"] == "2" and meta["first_offset"] == "0" and meta["pid"] == "4242"
+    check_exactly_once(c.directory, n)
 
 
 def test_collector_down_longer_than_the_memory_spool(collector):
@@ -219,3 +236,93 @@ def test_two_streams_at_once(collector):
     ).fetchall()
     assert got == [(101, 30_000, 30_000), (102, 30_000, 30_000)]
     assert pq.ParquetDataset(c.directory).read().num_rows == 60_000  # pyarrow's dataset reader too
+
+
+def test_follow_forks_outputs_wait_their_send_timeouts_at_once(tmp_path, monkeypatch):
+    """record --follow-forks has one NetOutput per process: with the collector away, their ends
+    wait one --send-timeout in all (close_outputs begins them together), not one each."""
+    from pymtrace.trace.recorder import WriteFailed, close_outputs
+
+    monkeypatch.chdir(tmp_path)  # what is never acknowledged is kept in ./mtrace.out.PID
+    with socket.socket() as s:  # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [sender(port, pid=5000 + i, close_wait=2.0) for i in range(4)]
+    for out in outs:
+        send(out, 100)
+    t0 = time.monotonic()
+    failure = close_outputs(outs)
+    took = time.monotonic() - t0
+    assert isinstance(failure, WriteFailed) and "never acknowledged" in str(failure)
+    assert 2.0 <= took < 4.0, took  # one after another: >= 8 s
+    for i in range(4):  # each process's records kept locally, whole
+        assert os.path.getsize(tmp_path / f"mtrace.out.{5000 + i}") == 64 * 101
+
+
+def closed_stream(root, n_parts, rows):
+    """A closed stream of N_PARTS parts of ROWS records each, written by the collector's Stream."""
+    from pymtrace.trace.collector import Stream
+
+    meta = P.file_metadata(pid=77, host="h", start_time="2026-11-24T10:00:00Z")
+    stream = Stream(str(root), {"stream": "cd" * 16, "pid": 77, "host": "h", "metadata": meta})
+    for k in range(n_parts):
+        stream.add(k * rows, records(rows, k * rows).tobytes())
+        stream.flush()
+    stream.end()
+    return stream.dir
+
+
+def test_compaction_killed_at_any_point_leaves_every_record_once(tmp_path):
+    """`collect --compact DIR` SIGKILLed while it writes the merged file, and right after its
+    commit (the rename) while it removes the merged parts; run again: one part, every record
+    once. Then the state a kill after the commit leaves, made exactly: a merged part beside a
+    part it holds."""
+    import shutil
+    import signal
+    import subprocess
+
+    from conftest import PYMTRACE
+
+    from pymtrace.trace.collector import stream_parts
+
+    n_parts, rows = 150, 2000
+    n = n_parts * rows
+    root = tmp_path / "ds"
+    directory = closed_stream(root, n_parts, rows)
+    shutil.copytree(root, tmp_path / "before")
+    first = os.path.join(directory, f"part-{'cd' * 16}-{0:012d}.parquet")
+    inode = os.stat(first).st_ino
+    landed = []
+    for wait_for in ("temporary file", "commit"):
+        proc = subprocess.Popen(PYMTRACE + ["collect", "--compact", str(root)], stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            names = os.listdir(directory)
+            if wait_for == "temporary file" and any(f.endswith(".inprogress") for f in names):
+                break
+            if wait_for == "commit" and os.stat(first).st_ino != inode:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.returncode == -signal.SIGKILL:
+            landed.append(wait_for)
+        if wait_for == "temporary file":  # before the commit: the parts as they were
+            check_exactly_once(root, n)
+    assert "temporary file" in landed  # the kill hit a compaction in progress
+    done = subprocess.run(PYMTRACE + ["collect", "--compact", str(root)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert len(parts(root)) == 1 and not [f for f in os.listdir(directory) if f.endswith(".inprogress")]
+    check_exactly_once(root, n)
+    again = subprocess.run(PYMTRACE + ["collect", "--compact", str(root)], capture_output=True, text=True)
+    assert "compacted 0 streams" in again.stderr  # idempotent
+    check_exactly_once(root, n)
+    back = numpy.concatenate(list(P.iter_arrays(os.path.join(root, parts(root)[0]))))
+    assert back.tobytes() == records(n).tobytes()
+    # a kill between the commit and the removals: the merged part and some parts it holds
+    for k in (1, 75, 149):
+        name = f"part-{'cd' * 16}-{k * rows:012d}.parquet"
+        shutil.copy(os.path.join(str(tmp_path / "before"), os.path.relpath(directory, root), name), directory)
+    assert duckdb.sql(f"select count(*) from read_parquet('{root}/**/*.parquet')").fetchall()[0][0] == n + 3 * rows
+    assert [(f, r) for f, r, _ in stream_parts(directory, "cd" * 16)] == [(0, n)]  # what recovery does
+    check_exactly_once(root, n)
+    print("kills landed:", landed)

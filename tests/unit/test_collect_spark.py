@@ -1,58 +1,113 @@
-"""The dataset `pymtrace collect` writes, read by Spark (pyspark, local mode) and DuckDB: the
-same numbers for the same queries. Spark needs a JDK (install.sh: openjdk-17).
+"""analyze's report on Spark: the dataset `pymtrace collect` writes, reported by `pymtrace analyze
+--json` (its own engine), by the report's shared SQL on DuckDB and by the same SQL on Spark (local
+mode): the same numbers, exactly (pymtrace.trace.report_sql). Spark needs a JDK (install.sh:
+openjdk-17).
 
-Slow on the shared 2-core test machine: ~50 s to start the JVM and Spark, ~5-25 s a query
-(one session for the module, local[1])."""
+Slow on the shared 2-core test machine: ~50 s to start the JVM and Spark, then the report's
+queries (one session, local[1], small data)."""
 
+import json
 import shutil
 import time
 
 import numpy
 import pytest
-from conftest import missing_or_fail
+from conftest import missing_or_fail, run_pymtrace
 from support.collect import CollectorProcess
 
-from pymtrace.trace import netproto, netsink
-from pymtrace.trace.formats import mtrace_bin
+from pymtrace.trace import collector as C
+from pymtrace.trace import netproto, netsink, report_sql
+from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import parquet as P
 
-# (name, SQL over the view `trace`): the questions a report asks of a recording
-QUERIES = [
-    ("calls per type", "select type, count(*) as n from trace group by type"),
-    ("calls per process and type", "select host, pid, type, count(*) as n from trace group by host, pid, type"),
-    ("bytes requested per type", "select type, sum(size) as bytes from trace where ptr2 <> 0 group by type"),
-    ("threads per process", "select pid, count(distinct thread) as threads from trace group by pid"),
-    ("largest requests", "select pid, max(size) as biggest, min(size) as smallest from trace group by pid"),
-    ("frees of NULL", "select pid, count(*) as n from trace where type = 'free' and ptr1 = 0 group by pid"),
-]
 
-
-def workload(n, pid):
-    """N records of one made-up process: all call types, several threads, some NULLs."""
-    rng = numpy.random.default_rng(pid)
-    recs = numpy.zeros(n, mtrace_bin.record_dtype("<"))
-    recs["type"] = rng.integers(1, 9, n).astype(numpy.uint32)
-    recs["thread"] = rng.integers(pid, pid + 4, n)
-    recs["ptr1"] = rng.integers(0, 3, n) * 0x1000
-    recs["ptr2"] = rng.integers(0, 1 << 47, n, dtype=numpy.uint64)
-    recs["size"] = rng.integers(0, 1 << 20, n, dtype=numpy.uint64)
-    recs["time_ns"] = numpy.arange(n, dtype=numpy.uint64)
+def workload(n, seed):
+    """N calls of one made-up process, with what the report counts: every call type, three
+    threads (cross-thread frees), realloc in place / moved / to 0 / failed / of NULL, frees of
+    NULL, of unknown blocks and double frees, failed mallocs, an address returned twice
+    without a free (a lost record), sizes around the mmap threshold, equal times."""
+    rng = numpy.random.default_rng(seed)
+    recs = numpy.zeros(n, B.record_dtype("<"))
+    live = {}  # ptr -> size
+    next_ptr = 0x7F0000000000 + seed * 0x10000000
+    t = 10**15 + seed
+    for i in range(n):
+        t += int(rng.integers(0, 3)) * 37  # some equal times
+        r = recs[i]
+        r["thread"] = 1000 + seed * 10 + int(rng.integers(0, 3))
+        r["time_ns"] = t
+        r["caller"] = 0x401000 + 16 * int(rng.integers(0, 7))
+        size = int(rng.choice([0, 8, 24, 100, 4000, 65536, 131071, 131072, 200000, 1 << 26]))
+        k = rng.random()
+        if k < 0.35 or not live:
+            kind = int(rng.choice([B.MALLOC, B.CALLOC, B.MEMALIGN, B.VALLOC, B.PVALLOC, B.POSIX_MEMALIGN]))
+            r["type"], r["size"] = kind, size
+            if rng.random() < 0.02:  # failed
+                if kind == B.POSIX_MEMALIGN:
+                    r["ptr1"] = 12
+                continue
+            if live and rng.random() < 0.01:  # an address returned again: a lost free record
+                ptr = next(iter(live))
+            else:
+                next_ptr += 0x1000
+                ptr = next_ptr
+            r["ptr2"], live[ptr] = ptr, size
+        elif k < 0.6:
+            r["type"] = B.FREE
+            u = rng.random()
+            if u < 0.03:
+                continue  # free(NULL)
+            if u < 0.06:
+                r["ptr1"] = 0x10000 + int(rng.integers(0, 50)) * 16  # unknown block (or its double free)
+                continue
+            ptr = list(live)[int(rng.integers(0, len(live)))]
+            r["ptr1"] = ptr
+            del live[ptr]
+        else:
+            r["type"], r["size"] = B.REALLOC, size
+            u = rng.random()
+            old = list(live)[int(rng.integers(0, len(live)))]
+            if u < 0.05:  # realloc(NULL, n)
+                next_ptr += 0x1000
+                r["ptr2"], live[next_ptr] = next_ptr, size
+            elif u < 0.1:  # realloc(p, 0): released
+                r["ptr1"], r["size"] = old, 0
+                del live[old]
+            elif u < 0.13:  # failed: nothing released
+                r["ptr1"] = old
+            elif u < 0.5:  # in place
+                r["ptr1"] = r["ptr2"] = old
+                live[old] = size
+            else:  # moved
+                next_ptr += 0x1000
+                r["ptr1"], r["ptr2"] = old, next_ptr
+                del live[old]
+                live[next_ptr] = size
     return recs
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
+    """Two recordings: pid 301 streamed by the recorder's sender to a real collector process,
+    pid 302 written as three parts by the collector's Stream (a block allocated in one part
+    and freed in a later one is paired across them)."""
     root = tmp_path_factory.mktemp("spark") / "ds"
     c = CollectorProcess(root)
     try:
-        for pid in (301, 302):
-            meta = P.file_metadata(pid=pid, host="h1", start_time="2026-11-24T10:00:00Z")
-            out = netsink.NetOutput(("127.0.0.1", c.port), netproto.ClientConfig(), pid, meta, quiet=True)
-            recs = workload(50_000, pid)
-            out.write(recs.tobytes(), len(recs))
-            out.close()
+        meta = P.file_metadata(pid=301, host="h1", start_time="2026-11-24T10:00:00Z")
+        out = netsink.NetOutput(("127.0.0.1", c.port), netproto.ClientConfig(), 301, meta, quiet=True)
+        recs = workload(3000, 1)
+        out.write(recs.tobytes(), len(recs))
+        out.close()
     finally:
         c.stop()
+    meta = P.file_metadata(pid=302, host="h1", start_time="2026-11-24T10:00:00Z")
+    stream = C.Stream(str(root), {"stream": "ab" * 16, "pid": 302, "host": "h1", "metadata": meta})
+    recs = workload(3000, 2)
+    for lo in (0, 1000, 2200):
+        stream.add(lo, recs[lo : {0: 1000, 1000: 2200, 2200: 3000}[lo]].tobytes())
+        stream.flush()
+    assert len(list(root.glob("**/part-*.parquet"))) == 4
     return str(root)
 
 
@@ -84,22 +139,47 @@ def spark():
     session.stop()
 
 
-def normalized(rows):
-    return sorted(tuple(int(v) if not isinstance(v, str) else v for v in row) for row in rows)
+def without_percentiles(rep):
+    """REP without the lifetime percentiles: analyze's are approximate (DuckDB's t-digest),
+    the shared SQL's exact (percentile_disc); everything else is exact in both."""
+    rep = json.loads(json.dumps(rep))
+    for k in ("p50_ns", "p90_ns", "p99_ns"):
+        rep["lifetimes"].pop(k)
+    return rep
 
 
-def test_spark_and_duckdb_agree_on_every_query(dataset, spark):
-    import duckdb
+@pytest.fixture(scope="module")
+def duckdb_sql_report(dataset):
+    return report_sql.duckdb_report(dataset, top=5)
 
-    spark.read.parquet(dataset).createOrReplaceTempView("trace")  # partitions discovered from the paths
-    con = duckdb.connect()
-    con.execute(f"create view trace as select * from read_parquet('{dataset}/**/*.parquet', hive_partitioning=true)")
-    for name, sql in QUERIES:
-        t0 = time.monotonic()
-        want = normalized(con.execute(sql).fetchall())
-        got = normalized(tuple(r) for r in spark.sql(sql).collect())
-        assert got == want, name
-        print(f"{name}: {time.monotonic() - t0:.1f} s")
-        assert want, name
-    counts = dict(con.execute("select type, count(*) from trace group by type").fetchall())
-    assert sum(counts.values()) == 100_000 and set(counts) == set(P.TYPE_NAMES)
+
+def test_analyze_and_the_shared_sql_on_duckdb_agree(dataset, duckdb_sql_report):
+    analyzed = json.loads(run_pymtrace("analyze", dataset, "--json", "--top", "5", check=True).stdout)
+    want = {k: v for k, v in analyzed.items() if k not in ("files", "settings")}
+    assert want["totals"]["events"] == 6000 and want["totals"]["files"] == 4
+    assert want["realloc_chains"]["chains"] > 0 and want["lifetimes"]["cross_thread_frees"] > 0
+    got = duckdb_sql_report
+    assert without_percentiles(got) == without_percentiles(want)
+    for k in ("p50_ns", "p90_ns", "p99_ns"):  # approximate in analyze
+        assert got["lifetimes"][k] == pytest.approx(want["lifetimes"][k], rel=0.2), k
+
+
+def test_spark_gives_the_report_duckdb_gives(dataset, spark, duckdb_sql_report):
+    t0 = time.monotonic()
+    got = report_sql.spark_report(spark, dataset, top=5)
+    print(f"report on spark: {time.monotonic() - t0:.1f} s")
+    assert got == duckdb_sql_report
+
+
+def test_the_runnable_script_prints_the_report(dataset, duckdb_sql_report):
+    """`python3 -m pymtrace.trace.report_sql --engine duckdb DIR` (what spark-submit runs, on DuckDB)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pymtrace.trace.report_sql", "--engine", "duckdb", "--top", "5", dataset],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout) == json.loads(json.dumps(duckdb_sql_report))

@@ -68,7 +68,7 @@ def test_sample_record_decoded_in_place():
     ev.regs[:] = list(range(10, 18))
     ev.stack_len = len(stack)
     buf, address, size = _record(bytes(ev) + stack)
-    assert c._on_record(None, address, size) == 0
+    c._record(address, size)
     (s,) = got
     assert (s.pid, s.tid, s.call, s.size, s.ts_ns, s.sample_id) == (7, 8, "posix_memalign", 4096, 99, 5)
     assert s.regs == tuple(range(10, 18))
@@ -80,7 +80,7 @@ def test_truncated_stack_length_is_clamped_to_the_record():
     c = HeapCollector({os.getpid()}, sample_bytes=1, on_sample=got.append)
     ev = _event(type=structs.header("heap").consts["HP_REC_SAMPLE"], call=1, stack_len=4096)
     buf, address, size = _record(bytes(ev) + b"\1" * 16)
-    c._on_record(None, address, size)
+    c._record(address, size)
     assert got[0].stack_len == 16
 
 

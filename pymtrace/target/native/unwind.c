@@ -28,6 +28,58 @@
 
 #define MAX_BUILD_ID 64
 
+/* The unwind cache (pmt_unwind): a decision tree over what a deterministic unwind looks at. An
+ * unwind's result depends only on ip, on the registers it bases addresses on (sp, and bp/bx/
+ * r12-r15 when they point into the stack) and on the stack words it reads, at sp-relative
+ * offsets that are themselves fixed by what came before. Each node asks one question (ip, a
+ * register's sp-relative value, or the word at sp + offset); edges are keyed by the answer;
+ * a leaf is a result. A lookup walks the tree reading the new copy: on a hit no CFI is
+ * evaluated. Only complete unwinds (every read inside the copy, every frame in a known file)
+ * are cached, so a hit is exactly what libdwfl would compute. A word read is answered by its
+ * value when it was a return address; any other word read (a saved register) by its class: an
+ * address near the copied stack (sp-relative: it may be a later frame's base) or "anything
+ * else" - such a value cannot be the base of a read inside the copy, so it cannot change the
+ * frames of a complete unwind; per-call values (heap pointers in saved registers) then still hit. Bounded: at PMT_CACHE_NODES nodes
+ * or PMT_CACHE_PCS cached frames nothing more is added. */
+#define PMT_CACHE_NODES (1 << 18)
+#define PMT_CACHE_PCS   (1 << 20)
+#define PMT_MAX_READS   2048
+#define PMT_ASK_LEAF    INT32_MIN
+#define PMT_ASK_NONE    (INT32_MIN + 1) /* a node whose question is not known yet */
+#define PMT_ASK_IP      -1              /* then -2 - r for regs[2 + r], r = 0..5 (bp bx r12 r13 r14 r15) */
+#define PMT_OUTSIDE     0xffffffffffffffffull /* a register not pointing into the copy */
+#define PMT_NEAR        65536        /* a value within this of the copied stack may be an address in it */
+#define PMT_STACK_TAG   (1ull << 63) /* answer: a stack address, as (value - sp) | tag */
+#define PMT_ANY         (1ull << 62) /* answer: a value neither near the stack nor a return address */
+
+struct pmt_node {
+    int32_t ask;    /* PMT_ASK_*, or the byte offset from sp of the word read */
+    int32_t result; /* leaf: index into results */
+    int32_t wild;   /* a read whose value was no return address: only its class matters */
+};
+struct pmt_edge {
+    uint64_t value;
+    uint32_t parent; /* 0: empty slot (node 0, the root, is nobody's child) */
+    uint32_t child;
+};
+struct pmt_result {
+    uint32_t first, n; /* frames at pcs[first ..], files[first ..] */
+};
+struct pmt_cache {
+    struct pmt_node *nodes;
+    uint32_t nnodes;
+    struct pmt_edge *edges; /* open addressing, 2 * PMT_CACHE_NODES slots */
+    struct pmt_result *results;
+    uint32_t nresults;
+    uint64_t *pcs;
+    int32_t *files;
+    uint32_t npcs;
+    int full;
+    int off; /* pmt_cache_enable(s, 0): every unwind runs libdwfl (benchmarks) */
+    uint64_t hits, misses;
+};
+#define PMT_EDGE_SLOTS (2 * PMT_CACHE_NODES)
+
 /* One ELF file the process mapped: its name as /proc/PID/maps shows it, and either a captured
  * descriptor or (the vdso) a copy of its bytes. */
 struct pmt_file {
@@ -58,7 +110,13 @@ struct pmt_session {
     uint64_t *out_pc;
     int32_t *out_file;
     int n, max;
-    int read_failed; /* a read fell outside the copy: the unwind may have stopped short */
+    int read_failed;              /* a read fell outside the copy: the unwind may have stopped short */
+    int32_t reads[PMT_MAX_READS]; /* sp-relative offsets of this unwind's reads, in order */
+    uint64_t read_values[PMT_MAX_READS];
+    int nreads;                  /* > PMT_MAX_READS: too many to cache */
+    uint64_t ret[PMT_MAX_READS]; /* the frames' raw pcs (return addresses) of this unwind */
+    int nret;
+    struct pmt_cache cache;
 };
 
 /* Build ID of an open ELF, into file->build_id. */
@@ -72,6 +130,9 @@ static void read_build_id(struct pmt_file *file, Elf *elf) {
         file->build_id_len = 0;
     }
 }
+
+static int cache_init(struct pmt_cache *c);
+static void cache_free(struct pmt_cache *c);
 
 /* Read-only ELF handle of FILE, or NULL. Never ELF_C_READ_MMAP_PRIVATE (libdwfl's default): the
  * kernel applies other tools' uprobe reference counters to writable private mappings of a probed
@@ -142,6 +203,10 @@ struct pmt_session *pmt_open(void) {
     if (!s->dwfl) {
         free(s);
         return NULL;
+    }
+    if (cache_init(&s->cache) != 0) { /* no cache: every unwind runs libdwfl */
+        cache_free(&s->cache);
+        memset(&s->cache, 0, sizeof s->cache);
     }
     return s;
 }
@@ -216,6 +281,11 @@ static bool memory_read(Dwfl *dwfl, Dwarf_Addr addr, Dwarf_Word *result, void *a
         return false;
     }
     memcpy(result, s->stack + (addr - s->sp), sizeof *result);
+    if (s->nreads < PMT_MAX_READS) {
+        s->reads[s->nreads] = (int32_t)(addr - s->sp);
+        s->read_values[s->nreads] = *result;
+    }
+    s->nreads++;
     return true;
 }
 
@@ -277,6 +347,7 @@ static int on_frame(Dwfl_Frame *frame, void *arg) {
     Dwarf_Addr pc;
     bool activation;
     if (!dwfl_frame_pc(frame, &pc, &activation)) return -1;
+    if (s->nret < PMT_MAX_READS) s->ret[s->nret++] = pc;
     if (!activation) pc -= 1; /* a return address: the call is the instruction before it */
     Dwfl_Module *mod = dwfl_addrmodule(s->dwfl, pc);
     Dwarf_Addr bias = 0;
@@ -287,13 +358,162 @@ static int on_frame(Dwfl_Frame *frame, void *arg) {
     return s->n < s->max ? DWARF_CB_OK : DWARF_CB_ABORT;
 }
 
+static uint64_t edge_hash(uint32_t parent, uint64_t value) {
+    uint64_t h = (value ^ ((uint64_t)parent << 32 | parent)) * 0x9e3779b97f4a7c15ull;
+    return h ^ (h >> 29);
+}
+
+static uint32_t edge_find(struct pmt_cache *c, uint32_t parent, uint64_t value, int create) {
+    uint64_t i = edge_hash(parent, value) & (PMT_EDGE_SLOTS - 1);
+    for (;; i = (i + 1) & (PMT_EDGE_SLOTS - 1)) {
+        struct pmt_edge *e = &c->edges[i];
+        if (e->parent == 0 && e->child == 0) {
+            if (!create || c->nnodes >= PMT_CACHE_NODES) return 0;
+            e->parent = parent;
+            e->value = value;
+            e->child = c->nnodes;
+            c->nodes[c->nnodes].ask = PMT_ASK_NONE; /* unasked yet */
+            c->nodes[c->nnodes].result = -1;
+            c->nnodes++;
+            return e->child;
+        }
+        if (e->parent == parent && e->value == value) return e->child;
+    }
+}
+
+static int cache_init(struct pmt_cache *c) {
+    c->nodes = calloc(PMT_CACHE_NODES, sizeof *c->nodes);
+    c->edges = calloc(PMT_EDGE_SLOTS, sizeof *c->edges);
+    c->results = calloc(PMT_CACHE_NODES, sizeof *c->results);
+    c->pcs = calloc(PMT_CACHE_PCS, sizeof *c->pcs);
+    c->files = calloc(PMT_CACHE_PCS, sizeof *c->files);
+    if (!c->nodes || !c->edges || !c->results || !c->pcs || !c->files) return -1;
+    c->nodes[0].ask = PMT_ASK_IP;
+    c->nodes[0].result = -1;
+    c->nnodes = 1;
+    return 0;
+}
+
+static void cache_free(struct pmt_cache *c) {
+    free(c->nodes);
+    free(c->edges);
+    free(c->results);
+    free(c->pcs);
+    free(c->files);
+}
+
+/* The answer for a word V read at a node (WILD: see struct pmt_node). */
+static uint64_t word_answer(uint64_t v, uint64_t sp, size_t len, int wild) {
+    if (v - sp + PMT_NEAR < len + 2 * PMT_NEAR) return PMT_STACK_TAG | ((v - sp) & ~PMT_STACK_TAG);
+    return wild ? PMT_ANY : v;
+}
+
+/* The answer to node question ASK for this unwind's inputs; 0 if it cannot be answered (a
+ * read outside the copy). */
+static int cache_answer(const uint64_t *regs, const uint8_t *stack, size_t len, int32_t ask, int wild,
+                        uint64_t *value) {
+    if (ask == PMT_ASK_IP) {
+        *value = regs[0];
+    } else if (ask < 0 && ask >= -7) {
+        uint64_t r = regs[2 + (-2 - ask)];
+        *value = r >= regs[1] && r - regs[1] <= len ? r - regs[1] : PMT_OUTSIDE;
+    } else if (ask >= 0) {
+        if ((size_t)ask > len || len - (size_t)ask < sizeof(uint64_t)) return 0;
+        uint64_t v;
+        memcpy(&v, stack + ask, sizeof v);
+        *value = word_answer(v, regs[1], len, wild);
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
+/* The cached result for these inputs, or -1. */
+static int cache_lookup(struct pmt_cache *c, const uint64_t *regs, const uint8_t *stack, size_t len) {
+    if (!c->nodes || c->off) return -1;
+    uint32_t node = 0;
+    for (int steps = 0; steps < PMT_MAX_READS + 8; steps++) {
+        int32_t ask = c->nodes[node].ask;
+        if (ask == PMT_ASK_LEAF) return c->nodes[node].result;
+        uint64_t value;
+        if (!cache_answer(regs, stack, len, ask, c->nodes[node].wild, &value)) return -1;
+        node = edge_find(c, node, value, 0);
+        if (!node) return -1;
+    }
+    return -1;
+}
+
+/* Remembers the complete unwind just made (s->reads, s->out_*): its result index, or -1. */
+static int cache_insert(struct pmt_session *s) {
+    struct pmt_cache *c = &s->cache;
+    if (!c->nodes || c->off || c->full || s->nreads > PMT_MAX_READS) return -1;
+    if (c->npcs + (uint32_t)s->n > PMT_CACHE_PCS || c->nresults >= PMT_CACHE_NODES) {
+        c->full = 1;
+        return -1;
+    }
+    uint32_t node = 0;
+    /* the questions in order: ip, the six registers, then the reads */
+    for (int step = 0; step < 7 + s->nreads; step++) {
+        int32_t ask = step == 0 ? PMT_ASK_IP : step < 7 ? -1 - step : s->reads[step - 7];
+        if (c->nodes[node].ask == PMT_ASK_NONE) {
+            int wild = 0;
+            if (step >= 7) { /* a return address is asked exactly, other words by class */
+                wild = 1;
+                for (int i = 0; i < s->nret; i++) wild &= s->ret[i] != s->read_values[step - 7];
+            }
+            c->nodes[node].ask = ask;
+            c->nodes[node].wild = wild;
+        } else if (c->nodes[node].ask != ask) {
+            return -1; /* not the unwind we thought: leave it */
+        }
+        uint64_t value;
+        if (step < 7) {
+            if (!cache_answer(s->regs, s->stack, s->stack_len, ask, 0, &value)) return -1;
+        } else {
+            value = word_answer(s->read_values[step - 7], s->sp, s->stack_len, c->nodes[node].wild);
+        }
+        node = edge_find(c, node, value, 1);
+        if (!node) {
+            c->full = 1;
+            return -1;
+        }
+    }
+    if (c->nodes[node].ask == PMT_ASK_LEAF) return c->nodes[node].result;
+    if (c->nodes[node].ask != PMT_ASK_NONE) return -1;
+    struct pmt_result *r = &c->results[c->nresults];
+    r->first = c->npcs;
+    r->n = (uint32_t)s->n;
+    memcpy(c->pcs + c->npcs, s->out_pc, (size_t)s->n * sizeof *c->pcs);
+    memcpy(c->files + c->npcs, s->out_file, (size_t)s->n * sizeof *c->files);
+    c->npcs += (uint32_t)s->n;
+    c->nodes[node].ask = PMT_ASK_LEAF;
+    c->nodes[node].result = (int32_t)c->nresults;
+    return (int)c->nresults++;
+}
+
 /* Unwinds thread TID from REGS (ip sp bp bx r12 r13 r14 r15) over STACK, the LEN bytes copied
  * from sp upward. Writes up to MAX frames leaf first: OUT_FILE the file index (-1: in no
  * captured file, OUT_PC then absolute) and OUT_PC the file-relative pc (ELF virtual address,
  * return addresses minus one). *COMPLETE = 1 when the unwind reached the outermost frame
- * without needing memory outside the copy. */
+ * without needing memory outside the copy. *RESULT: the cached result's number (the same
+ * number for the same frames: callers intern by it), or -1 when this unwind is not cached. */
 int pmt_unwind(struct pmt_session *s, int tid, const uint64_t *regs, const void *stack, size_t len,
-               uint64_t *out_pc, int32_t *out_file, int max, int *complete) {
+               uint64_t *out_pc, int32_t *out_file, int max, int *complete, int *result) {
+    *result = -1;
+    int hit = cache_lookup(&s->cache, regs, stack, len);
+    if (hit >= 0) {
+        struct pmt_result *r = &s->cache.results[hit];
+        int n = (int)r->n < max ? (int)r->n : max;
+        memcpy(out_pc, s->cache.pcs + r->first, (size_t)n * sizeof *out_pc);
+        memcpy(out_file, s->cache.files + r->first, (size_t)n * sizeof *out_file);
+        *complete = 1;
+        *result = hit;
+        s->cache.hits++;
+        return n;
+    }
+    s->cache.misses++;
+    s->nreads = 0;
+    s->nret = 0;
     s->tid = tid;
     s->regs = regs;
     s->stack = stack;
@@ -307,8 +527,91 @@ int pmt_unwind(struct pmt_session *s, int tid, const uint64_t *regs, const void 
     /* 0: the last frame's return address is undefined by its CFI (_start, clone, thread start) */
     int rc = max > 0 ? dwfl_getthread_frames(s->dwfl, tid, on_frame, s) : -1;
     *complete = rc == 0 && !s->read_failed;
+    if (*complete && s->n < max) {
+        int known = 1;
+        for (int i = 0; i < s->n; i++) known &= out_file[i] >= 0;
+        if (known) *result = cache_insert(s);
+    }
     s->stack = NULL;
     return s->n;
+}
+
+/* -- reading a BPF ring buffer in batches ------------------------------------------------- */
+
+#define PMT_RB_BUSY    (1u << 31)
+#define PMT_RB_DISCARD (1u << 30)
+#define PMT_ROW_HEAD   40 /* bytes of each record copied into its row */
+
+/* One ring record, for the caller: where its payload is (offset in the data pages), its
+ * length, the unwind cache's result for a sample (-1: not cached, -2: not a sample of a
+ * process with a session), and the record's first PMT_ROW_HEAD bytes. */
+struct pmt_row {
+    uint64_t off;
+    uint32_t len;
+    int32_t result;
+    uint8_t head[PMT_ROW_HEAD];
+};
+
+/* Scans the committed records of a BPF ring buffer from consumer position CONS up to PROD
+ * (DATA: its data pages, mapped twice in a row as the kernel does; MASK: their size - 1),
+ * into up to MAX ROWS, stopping at a record still being written and after any record that is
+ * neither a sample nor of SHORT_TYPE (the caller handles exec/fork/exit before the records
+ * after them). A sample
+ * record (u32 type == SAMPLE_TYPE at 0, u32 pid at 4, 8 u64 registers at REGS_OFF, u32 stack
+ * length at STACK_LEN_OFF, the stack from HEADER on) of a pid in PIDS[] is looked up in that
+ * pid's session's unwind cache: no libdwfl work, nothing added. The consumer position is the
+ * caller's to advance (to *NEXT) once it is done with the rows: the records stay in place
+ * until then. Returns the number of rows. */
+int pmt_ring_scan(const uint8_t *data, uint64_t mask, uint64_t cons, uint64_t prod, uint32_t sample_type,
+                  uint32_t short_type, uint32_t regs_off, uint32_t stack_len_off, uint32_t header,
+                  const int32_t *pids, struct pmt_session *const *sessions, int nsessions,
+                  struct pmt_row *rows, int max, uint64_t *next) {
+    int n = 0;
+    while (cons < prod && n < max) {
+        const uint8_t *rec = data + (cons & mask);
+        uint32_t flags = __atomic_load_n((const uint32_t *)rec, __ATOMIC_ACQUIRE);
+        if (flags & PMT_RB_BUSY) break;
+        uint32_t len = flags & ~(PMT_RB_BUSY | PMT_RB_DISCARD);
+        cons += ((uint64_t)len + 8 + 7) & ~7ull;
+        if (flags & PMT_RB_DISCARD) continue;
+        struct pmt_row *row = &rows[n++];
+        const uint8_t *payload = rec + 8;
+        row->off = (uint64_t)(payload - data);
+        row->len = len;
+        row->result = -2;
+        memset(row->head, 0, sizeof row->head);
+        memcpy(row->head, payload, len < PMT_ROW_HEAD ? len : PMT_ROW_HEAD);
+        uint32_t type = 0, pid = 0, stack_len = 0;
+        if (len >= 8) {
+            memcpy(&type, payload, 4);
+            memcpy(&pid, payload + 4, 4);
+        }
+        if (type == short_type) continue;               /* a short record (a free): the caller's, in order */
+        if (len < header || type != sample_type) break; /* the caller handles it first */
+        memcpy(&stack_len, payload + stack_len_off, 4);
+        if (stack_len > len - header) stack_len = len - header;
+        for (int i = 0; i < nsessions; i++) {
+            if ((uint32_t)pids[i] != pid) continue;
+            uint64_t regs[8];
+            memcpy(regs, payload + regs_off, sizeof regs);
+            row->result = cache_lookup(&sessions[i]->cache, regs, payload + header, stack_len);
+            if (row->result >= 0) sessions[i]->cache.hits++;
+            break;
+        }
+    }
+    *next = cons;
+    return n;
+}
+
+/* Switches the unwind cache on (ON != 0, the default) or off (benchmarks). */
+void pmt_cache_enable(struct pmt_session *s, int on) {
+    s->cache.off = !on;
+}
+
+/* The cache's hits and misses so far (for benchmarks). */
+void pmt_cache_stats(struct pmt_session *s, uint64_t *hits, uint64_t *misses) {
+    *hits = s->cache.hits;
+    *misses = s->cache.misses;
 }
 
 const char *pmt_errmsg(void) {
@@ -447,6 +750,7 @@ int pmt_symbolize(struct pmt_session *s, int index, uint64_t rel_pc, char *out, 
 void pmt_close(struct pmt_session *s) {
     if (!s) return;
     dwfl_end(s->dwfl);
+    cache_free(&s->cache);
     for (int i = 0; i < s->nfiles; i++) {
         if (s->files[i]->fd >= 0) close(s->files[i]->fd);
         free(s->files[i]->image);
