@@ -27,6 +27,9 @@
 #ifndef MS_MAX_THREADS
 #define MS_MAX_THREADS 16384
 #endif
+#ifndef MS_MAX_BLOCKS
+#define MS_MAX_BLOCKS 1048576
+#endif
 
 /* LRU: when MS_MAX_PROCS processes are tracked, a new one evicts the least recently used
  * entry (user space notices the counters restart: pymtrace.collect.collectors, exporter.Aggregator)
@@ -35,6 +38,10 @@ BPF_TABLE("lru_percpu_hash", u32, struct ms_stats, ms_stats, MS_MAX_PROCS);
 BPF_PERCPU_ARRAY(ms_zero, struct ms_stats, 1); /* never written: the zero value */
 BPF_TABLE("lru_hash", u64, struct ms_outer, ms_outer, MS_MAX_THREADS);
 BPF_PERCPU_ARRAY(ms_lost, u64, MS_LOST_N);
+/* Other allocators' live blocks allocated since attach -> requested size (their blocks have no
+ * header to read a size from). Not preallocated: kernel memory grows with the blocks live
+ * (~100 bytes each), not with MS_MAX_BLOCKS; full -> MS_LOST_BLOCKS_FULL. */
+BPF_F_TABLE("hash", struct ms_fblock, u64, ms_fblocks, MS_MAX_BLOCKS, BPF_F_NO_PREALLOC);
 /* Outer calls in progress on all threads: while 0 (nearly always), malloc and free need not
  * look their thread up in ms_outer. Only ever too high (an outer call whose return was never
  * seen), which costs a lookup, never a wrong count. */
@@ -286,7 +293,8 @@ int ms_outer_return(struct pt_regs *ctx) {
  *
  * Attached by MallocCollector to the functions of pymtrace/target/allocators.py's tables,
  * one program per (call type, argument layout). No chunk header is read (their blocks have
- * none): foreign_calls marks the process's byte totals as unknown. Every allocating call
+ * none): each block allocated since attach is kept in ms_fblocks with its requested size,
+ * so allocated/freed/live bytes are requested bytes (foreign_calls says so to user space). Every allocating call
  * is an outer call with a return probe: whatever it calls inside (another probed function,
  * a forwarder's tail jump, an internal free) is not counted again. A state whose frame is
  * gone (its return never seen: stack pointer now above it) is stale and replaced. */
@@ -298,6 +306,24 @@ static __always_inline struct ms_outer *foreign_outer(u64 id, u64 sp) {
         return 0;
     }
     return op;
+}
+
+/* A block of another allocator leaves: its requested size (if allocated since attach) is freed. */
+static __always_inline void fblock_free(struct ms_stats *s, u32 tgid, u64 ptr) {
+    struct ms_fblock k = {.ptr = ptr, .tgid = tgid};
+    u64 *size = ms_fblocks.lookup(&k);
+    if (!size) return;
+    s->freed_bytes += *size;
+    ms_fblocks.delete(&k);
+}
+
+static __always_inline void fblock_alloc(struct ms_stats *s, u32 tgid, u64 ptr, u64 size) {
+    struct ms_fblock k = {.ptr = ptr, .tgid = tgid};
+    if (ms_fblocks.update(&k, &size) != 0) {
+        ms_lost_inc(MS_LOST_BLOCKS_FULL);
+        return;
+    }
+    s->allocated_bytes += size;
 }
 
 static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr, u32 nofail) {
@@ -324,7 +350,10 @@ static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size
     s->foreign_calls++;
     if (type == CALL_FREE) {
         s->calls[CALL_FREE]++;
-        if (!arg_ptr) s->calls[MS_FREE_NULL]++;
+        if (!arg_ptr)
+            s->calls[MS_FREE_NULL]++;
+        else
+            fblock_free(s, id >> 32, arg_ptr);
     } else
         count_call(s, type, size);
     return 0;
@@ -343,14 +372,32 @@ int ms_f_return(struct pt_regs *ctx) {
     }
     struct ms_outer o = *op;
     if (ms_outer.delete(&id) == 0) add_active(-1);
-    if (o.type == CALL_FREE || o.old_chunk) return 0;                      /* nothing can fail */
-    if (o.type == CALL_REALLOC && o.arg_ptr && o.requested == 0) return 0; /* realloc(p, 0) */
+    if (o.type == CALL_FREE || o.old_chunk) return 0; /* nothing can fail; xallocx: in place */
+    struct ms_stats *s = stats_for(id >> 32);
+    if (!s) return 0;
     u64 ret = PT_REGS_RC(ctx);
-    int failed = o.type == CALL_POSIX_MEMALIGN ? (u32)ret != 0 : ret == 0;
-    if (failed) {
-        struct ms_stats *s = stats_for(id >> 32);
-        if (s) s->failed++;
+    u64 block = ret;
+    if (o.type == CALL_POSIX_MEMALIGN) {
+        block = 0;
+        if ((u32)ret == 0 && o.arg_ptr) pm_probe_read_user(&block, sizeof(block), (void *)o.arg_ptr);
     }
+    if (o.type == CALL_REALLOC && o.arg_ptr) {
+        if (o.requested == 0) { /* realloc(p, 0) frees p; a block it returns (mimalloc) is new */
+            fblock_free(s, id >> 32, o.arg_ptr);
+            if (ret) fblock_alloc(s, id >> 32, ret, 0);
+            return 0;
+        }
+        if (!ret) { /* failed: the old block stays */
+            s->failed++;
+            return 0;
+        }
+        fblock_free(s, id >> 32, o.arg_ptr);
+    }
+    int failed = o.type == CALL_POSIX_MEMALIGN ? (u32)ret != 0 : ret == 0;
+    if (failed)
+        s->failed++;
+    else if (block)
+        fblock_alloc(s, id >> 32, block, o.requested);
     return 0;
 }
 
@@ -370,7 +417,11 @@ int ms_f_free_p1(struct pt_regs *ctx) {
     if (!s) return 0;
     s->foreign_calls++;
     s->calls[CALL_FREE]++;
-    if (!PT_REGS_PARM1(ctx)) s->calls[MS_FREE_NULL]++;
+    u64 ptr = PT_REGS_PARM1(ctx);
+    if (!ptr)
+        s->calls[MS_FREE_NULL]++;
+    else
+        fblock_free(s, id >> 32, ptr);
     return 0;
 }
 

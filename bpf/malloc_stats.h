@@ -21,7 +21,8 @@ struct ms_stats {
     __u64 freed_bytes;     /* chunk sizes of freed blocks (free, realloc's old block) */
     __u64 failed;          /* calls that returned NULL / an error (size > 0) */
     /* calls counted by the programs for allocators other than glibc (ms_f_*): they read no
-     * chunk header, so the allocated/freed/live bytes are unknown */
+     * chunk header; their allocated/freed bytes are REQUESTED bytes of blocks allocated since
+     * attach, kept per block in ms_fblocks (freed: only blocks found there) */
     __u64 foreign_calls;
     __u64 size_log2[MS_LOG2_BUCKETS];
     /* The process's name, written at the entry's creation and again at exec (sched_process_exec)
@@ -48,8 +49,18 @@ struct ms_outer {
 /* Indexes of the per-CPU array `ms_lost`. */
 /* MS_LOST_STATS_FULL: event dropped, no ms_stats entry could be made (LRU: only when the kernel
  * cannot allocate one; a full map evicts) */
-#define MS_LOST_STATS_FULL 0
-#define MS_LOST_OUTER_FULL 1 /* outer-call state not stored: nested calls may count twice */
-#define MS_LOST_N          2
+#define MS_LOST_STATS_FULL  0
+#define MS_LOST_OUTER_FULL  1 /* outer-call state not stored: nested calls may count twice */
+/* other allocators: a block's size not stored (ms_fblocks full): its bytes stay out of
+ * allocated and freed, so live bytes miss it */
+#define MS_LOST_BLOCKS_FULL 2
+#define MS_LOST_N           3
+
+/* Key of ms_fblocks: a live block of a process counted on another allocator than glibc. */
+struct ms_fblock {
+    __u64 ptr;
+    __u32 tgid;
+    __u32 pad;
+};
 
 #endif

@@ -20,6 +20,7 @@ import os
 import time
 from typing import Any, Iterable
 
+from pymtrace.collect import heapefficiency
 from pymtrace.collect.base import (
     Collector,
     Evictions,
@@ -94,6 +95,7 @@ class MallocCollector(Collector):
         self.fields = struct_fields(self.program, "ms_stats")
         self.call_names = call_names()
         self.evictions = Evictions()
+        self.rss_anon_base = {}  # pid -> RssAnon bytes when counting began (heap efficiency)
 
     def _targets(self):
         """{path: [pid, ...] or [-1]}, one path per distinct file (dev, inode); self.families
@@ -178,6 +180,12 @@ class MallocCollector(Collector):
         for path, pids in self.libcs.items():
             for pid in pids:
                 self._attach_libc(path, pid)
+        # live bytes count from now: their RSS counterpart is the growth of RssAnon from now
+        # (a process absent here starts after attach: from 0); ~17 us a process
+        for pid in [int(p) for p in self.pids] if self.pids is not None else libc.pids():
+            mem = proc.rss(pid)
+            if mem is not None:
+                self.rss_anon_base[pid] = mem[1]
 
     def _attach_libc(self, path: str, pid: int) -> None:
         for function, probes in self.plans[path]:
@@ -208,6 +216,19 @@ class MallocCollector(Collector):
                     raise ProcessGone(pid) from None
                 raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
 
+    def _forget_blocks(self, pids: list[int]) -> None:
+        """Delete the ms_fblocks entries (other allocators' live blocks) of exited PIDS: a
+        later process with the same PID must not find them (one pass over the table)."""
+        if not pids:
+            return
+        table = self.bpf[b"ms_fblocks"]
+        wanted = set(pids)
+        for key in [k for k in table.keys() if k.tgid in wanted]:
+            try:
+                del table[key]
+            except KeyError:  # freed meanwhile by the BPF side (a reused PID's free)
+                pass
+
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         table = self.bpf[b"ms_stats"]
@@ -227,12 +248,18 @@ class MallocCollector(Collector):
                 "size_log2": [int(x) for x in s["size_log2"]],
                 "exited": pid in gone,
             }
-            if s["foreign_calls"]:  # counted on another allocator: its block sizes are unknown
-                for key in ("allocated_bytes", "freed_bytes", "live_bytes"):
-                    del p[key]
+            if s["foreign_calls"]:  # another allocator: sizes of blocks allocated since attach, as requested
+                p["block_bytes"] = "requested"
+            mem = None if pid in gone else proc.rss(pid)
+            if mem is not None:
+                p["rss_bytes"], p["rss_anon_bytes"] = mem
+                p["rss_anon_base_bytes"] = self.rss_anon_base.get(pid, 0)
+                p["heap_flag"] = heapefficiency.assess(p)["heap_flag"]
+        self._forget_blocks([pid for pid, s, _ in rows if pid in gone and s["foreign_calls"]])
         for pid in gone:
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)
+            self.rss_anon_base.pop(pid, None)
         self.evictions.update({pid: sum(p["calls"].values()) for pid, p in procs.items()}, gone)
         lost = lost_counts(
             self.bpf[b"ms_lost"], {i: "malloc_" + n for i, n in lost_names("malloc_stats", "MS").items()}

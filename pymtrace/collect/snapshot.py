@@ -26,11 +26,21 @@ faked, so a consumer works with whichever collectors are running:
          "freed_bytes": chunk bytes of blocks freed (free, realloc's old block),
          "live_bytes": allocated_bytes - freed_bytes (negative when blocks allocated
                        before attach are freed),
-         # (allocated_bytes, freed_bytes and live_bytes are absent for a process whose
-         # calls were counted on another allocator than glibc: jemalloc, ...; no chunk
-         # header to read its block sizes from)
+         # (for a process counted on another allocator than glibc, jemalloc, ..., whose
+         # blocks have no chunk header, allocated_bytes, freed_bytes and live_bytes are
+         # REQUESTED bytes of the blocks allocated since attach, each block's size kept in
+         # BPF (ms_fblocks): live_bytes is then never negative; marked by
+         "block_bytes": "requested",   # absent for glibc (chunk bytes)
          "failed": calls that returned NULL / an error code,
          "size_log2": [65 counts]: [0] size 0, [i] sizes in [2^(i-1), 2^i - 1],
+         # MallocCollector, heap efficiency (pymtrace.collect.heapefficiency; absent for a
+         # process that exited or whose /proc/PID/statm cannot be read):
+         "rss_bytes": resident bytes now, "rss_anon_bytes": anonymous resident bytes now
+                      (/proc/PID/statm: resident - shared = status's RssAnon),
+         "rss_anon_base_bytes": RssAnon when counting began (at attach; 0 for a process
+                      started after it): live_bytes is compared with the growth since,
+         "heap_flag": anon growth > 1.5 x live_bytes and > live_bytes + 64 MiB (None: no
+                      live bytes to judge: another allocator than glibc),
          # FaultCollector:
          "faults_user": faults raised in user mode,
          "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user),
@@ -163,8 +173,13 @@ class ProcessEntry(_ProcessBase, total=False):
     allocated_bytes: int
     freed_bytes: int
     live_bytes: int
+    block_bytes: str
     failed: int
     size_log2: List[int]
+    rss_bytes: int
+    rss_anon_bytes: int
+    rss_anon_base_bytes: int
+    heap_flag: Optional[bool]
     faults_user: int
     faults_kernel: int
     allocator: str

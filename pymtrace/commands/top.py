@@ -41,8 +41,13 @@ HELP = """Live view of memory-allocation activity, per process and system-wide:
                libc/libstdc++) of those processes from the heap sampler: estimated bytes/s and
                calls/s, sampled bytes still in use, bytes since attach; the full stacks, root
                to leaf (Enter on a row; in --json every stack of every site)
-Keys in the full-screen view: 1-5/Tab view, </> sort column, r reverse, p pause, q quit;
-view 5: Up/Down select a call site, Enter shows its stacks."""
+  6 heap       heap efficiency: live bytes beside the growth of anonymous RSS since attach,
+               RssAnon and RSS (/proc/PID/statm), their ratio, glibc's arena totals where
+               its probes exist; FRAGMENTED? when the growth is > 1.5x live and > 64 MiB
+               above it, with what to try (malloc_trim, M_ARENA_MAX, replay)
+Keys in the full-screen view: 1-6/Tab view, </> sort column, r reverse, p pause, q quit;
+view 5: Up/Down select a call site, Enter shows its stacks; view 6: Up/Down select a process
+(its heap-efficiency line shows below)."""
 
 EPILOG = """examples:
   sudo pymtrace top                         every process, full screen
@@ -70,8 +75,8 @@ top+heap: 3.2-3.9 us a pair against top's 2.6-2.9 us), nothing on others; with
 --stack-sample-bytes 1 every call also copies its stack. Start-up: ~0.9 s more CPU (its own
 compile). Without --stacks nothing of it is loaded: top's start-up and cost are unchanged."""
 
-VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "stacks", "totals")
-VIEW_NUMBERS = {"1": "processes", "2": "slab", "3": "faults", "4": "glibc", "5": "stacks"}
+VIEW_CHOICES = ("processes", "slab", "faults", "glibc", "stacks", "heap", "totals")
+VIEW_NUMBERS = {"1": "processes", "2": "slab", "3": "faults", "4": "glibc", "5": "stacks", "6": "heap"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +162,7 @@ def _views_wanted(args: argparse.Namespace, have_glibc: bool) -> list[str]:
         if name not in wanted:
             wanted.append(name)
     if not wanted:
-        wanted = ["processes", "totals", "slab", "faults"] + (["glibc"] if have_glibc else [])
+        wanted = ["processes", "totals", "slab", "faults", "heap"] + (["glibc"] if have_glibc else [])
         if args.stacks:
             wanted.append("stacks")
     return wanted
@@ -175,6 +180,7 @@ VIEW_SOURCES = {
     "faults": ("faults",),
     "glibc": ("glibc",),
     "stacks": (),  # the heap sampler: a collector of its own (collect.stacksites)
+    "heap": ("malloc", "glibc"),  # live bytes and RSS; glibc's arena totals where it has probes
 }
 
 

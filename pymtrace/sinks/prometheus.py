@@ -39,7 +39,9 @@ if TYPE_CHECKING:
     from pymtrace.bpf.stats import BpfStats
 
 PROC_COUNTERS = ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", "faults_user", "faults_kernel")
-PROC_GAUGES = ("live_bytes",)
+# process gauges, summed over a label's live processes; heap_flag (bool, None when it cannot
+# be judged: pymtrace.collect.heapefficiency) sums to the number of flagged processes
+PROC_GAUGES = ("live_bytes", "rss_bytes", "rss_anon_bytes", "heap_flag")
 # glibc (USDT) values per process: gauges (state now) and counters (cumulative)
 GLIBC_GAUGES = {
     "arenas": ("pymtrace_glibc_arenas", "malloc arenas known to exist (main arena + arenas created since attach)"),
@@ -219,7 +221,7 @@ class Aggregator:
                 st.comm = comm
                 st.want = self._want_label(pid, comm)
             st.last = counters
-            st.gauges = {k: entry[k] for k in PROC_GAUGES if k in entry}
+            st.gauges = {k: int(entry[k]) for k in PROC_GAUGES if entry.get(k) is not None}
             st.glibc = {k: g[k] for k in GLIBC_GAUGES if isinstance(g.get(k), (int, float))}
             st.alive = not entry.get("exited") and self.alive(pid)
         # processes no longer in the collectors' maps: their work stays with their label
@@ -507,14 +509,14 @@ METRICS: Tuple[Metric, ...] = (
     Metric(
         "pymtrace_malloc_allocated_bytes",
         "counter",
-        "chunk bytes of the blocks returned (malloc_usable_size + chunk header)",
+        "chunk bytes of the blocks returned (malloc_usable_size + chunk header); requested bytes on other allocators than glibc",
         (LABEL,),
         _counter("allocated_bytes"),
     ),
     Metric(
         "pymtrace_malloc_freed_bytes",
         "counter",
-        "chunk bytes of the blocks freed (free, realloc's old block)",
+        "chunk bytes of the blocks freed (free, realloc's old block); on other allocators the requested bytes of blocks allocated since attach",
         (LABEL,),
         _counter("freed_bytes"),
     ),
@@ -522,9 +524,30 @@ METRICS: Tuple[Metric, ...] = (
     Metric(
         "pymtrace_malloc_live_bytes",
         "gauge",
-        "allocated minus freed chunk bytes since the exporter attached, over live processes (negative when blocks from before attach are freed)",
+        "allocated minus freed bytes since the exporter attached, over live processes: chunk bytes on glibc (negative when blocks from before attach are freed), requested bytes of the blocks allocated since attach on other allocators",
         (LABEL,),
         _gauge("gauges", "live_bytes"),
+    ),
+    Metric(
+        "pymtrace_process_rss_bytes",
+        "gauge",
+        "resident bytes (/proc/PID/statm) of the live processes whose malloc calls are counted",
+        (LABEL,),
+        _gauge("gauges", "rss_bytes"),
+    ),
+    Metric(
+        "pymtrace_process_rss_anon_bytes",
+        "gauge",
+        "anonymous resident bytes (RssAnon: statm's resident - shared) of the live processes whose malloc calls are counted",
+        (LABEL,),
+        _gauge("gauges", "rss_anon_bytes"),
+    ),
+    Metric(
+        "pymtrace_process_heap_flagged",
+        "gauge",
+        "processes whose anonymous RSS grew since attach by more than 1.5x their live malloc bytes and by 64 MiB more (fragmentation or free memory kept by the allocator)",
+        (LABEL,),
+        _gauge("gauges", "heap_flag"),
     ),
     Metric(
         "pymtrace_malloc_size_bytes",

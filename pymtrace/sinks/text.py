@@ -64,7 +64,7 @@ def human_count(x: Optional[Number]) -> str:
 
 def format_cell(kind: str, value: object) -> str:
     """VALUE as text for a column of KIND: "bytes"/"byterate" (human_bytes), "rate"
-    (human_count), "int", "pct", "allocator" (the name of an untraced allocator), "str".
+    (human_count), "int", "pct", "ratio" (2.00x), "allocator" (the name of an untraced allocator), "str".
     None or "" (unknown, not applicable) is blank."""
     if value is None or value == "":
         return ""
@@ -76,6 +76,8 @@ def format_cell(kind: str, value: object) -> str:
         return str(int(value)) if isinstance(value, (int, float)) else str(value)
     if kind == "pct":
         return f"{value:.1f}%"
+    if kind == "ratio":
+        return f"{value:.2f}x"
     if kind == "allocator":
         return f"allocator: {value} (not traced)"
     return str(value)

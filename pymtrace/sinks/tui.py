@@ -9,7 +9,7 @@ snapshots' "time" fields) and draws the chosen view. SOURCE may return None (not
 the last snapshot stays) or raise StopIteration (end: the UI exits with 0, e.g. when every
 watched process is gone).
 
-Keys: 1-5 view (Tab / Shift-Tab cycle), Left/Right or < > sort column, r reverse order,
+Keys: 1-6 view (Tab / Shift-Tab cycle), Left/Right or < > sort column, r reverse order,
 p or space pause, Up/Down/PgUp/PgDn/Home scroll, q quit. In view 5 (call stacks) Up/Down
 select a row and Enter shows (or hides) its full stacks, root to leaf.
 
@@ -32,9 +32,11 @@ from pymtrace.collect.snapshot import Snapshot
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks import views
 
-HELP = "1-5/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
-HELP_STACKS = "1-5/Tab view  </> sort  r reverse  p pause  Up/Down select  Enter stacks  q quit"
+HELP = "1-6/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
+HELP_STACKS = "1-6/Tab view  </> sort  r reverse  p pause  Up/Down select  Enter stacks  q quit"
 STACKS_VIEW = views.VIEWS.index("stacks")
+HEAP_VIEW = views.VIEWS.index("heap")
+HELP_HEAP = "1-6/Tab view  </> sort  r reverse  p pause  Up/Down select (its line below)  q quit"
 
 KEY_VIEW = {ord(str(i + 1)): i for i in range(len(views.VIEWS))}
 
@@ -51,7 +53,7 @@ class State:
         self.cur = None
         self.scroll = 0
         self.quit = False
-        self.selected = 0  # the stacks view's selected row
+        self.selected = 0  # the stacks or heap view's selected row
         self.detail = False  # the stacks view shows the selected row's stacks
 
     def push(self, snapshot: Optional[Snapshot]) -> None:
@@ -86,7 +88,7 @@ class State:
         elif self.view == STACKS_VIEW and ch in (curses.KEY_ENTER, ord("\n"), ord("\r")):
             self.detail = not self.detail
             self.scroll = 0
-        elif self.view == STACKS_VIEW and not self.detail and ch in (curses.KEY_DOWN, curses.KEY_UP):
+        elif self.view in (STACKS_VIEW, HEAP_VIEW) and not self.detail and ch in (curses.KEY_DOWN, curses.KEY_UP):
             self.selected = max(0, self.selected + (1 if ch == curses.KEY_DOWN else -1))
         elif ch == curses.KEY_DOWN:
             self.scroll += 1
@@ -143,6 +145,14 @@ def layout(table: views.Table, width: int) -> tuple[str, list[str]]:
     return line(heads), [line(r) for r in cells]
 
 
+def heap_notes(table: views.Table, selected: int) -> list[str]:
+    """The heap view's note lines on the full screen: the SELECTED row's sentence (flagged or
+    not), then the notes that are not another row's flag line."""
+    details = [views.row_detail(table, r) for r in table.rows]
+    own = details[selected] if 0 <= selected < len(details) else None
+    return ([own] if own else []) + [n for n in table.notes if n not in details]
+
+
 def draw(scr: curses.window, state: State, table: views.Table) -> None:
     scr.erase()
     height, width = scr.getmaxyx()
@@ -161,10 +171,14 @@ def draw(scr: curses.window, state: State, table: views.Table) -> None:
     _put(scr, 0, 0, f"pymtrace top  {tabs}  {status}", width, curses.A_BOLD)
     head, lines = layout(table, width)
     stacks = state.view == STACKS_VIEW
-    if stacks and lines:
+    selecting = state.view in (STACKS_VIEW, HEAP_VIEW)
+    notes = list(table.notes)
+    if selecting and lines:
         state.selected = min(state.selected, len(lines) - 1)
-        if state.detail:
+        if stacks and state.detail:
             lines = views.detail_lines(table, table.rows[state.selected], most=10)
+        if state.view == HEAP_VIEW:  # the selected process's line first, then the view's own notes
+            notes = heap_notes(table, state.selected)
     if state.prev is None:  # the first interval after attach is running: no rates yet
         _put(scr, 1, 0, f"measuring the first {state.interval:g}s interval...", width)
         lines = []
@@ -173,17 +187,16 @@ def draw(scr: curses.window, state: State, table: views.Table) -> None:
     _put(scr, 2, 0, head.ljust(width)[:width], width, curses.A_REVERSE)
     body_top, body_bottom = 3, height - 2  # last line: help
     room = body_bottom - body_top + 1
-    notes = list(table.notes)
     note_lines = min(len(notes), max(0, room // 2)) if notes else 0
     room_rows = room - note_lines - (1 if note_lines and lines else 0)
-    if stacks and not state.detail:  # keep the selected row on screen
+    if selecting and not state.detail:  # keep the selected row on screen
         state.scroll = min(max(state.scroll, state.selected - room_rows + 1), state.selected)
     state.scroll = max(0, min(state.scroll, max(0, len(lines) - room_rows)))
     y = body_top
     for i, text in enumerate(lines[state.scroll : state.scroll + room_rows]):
         bold = table.leaders is not None and table.groups and table.leaders[state.scroll + i]
         attr = curses.A_BOLD if bold else 0
-        if stacks and not state.detail and state.scroll + i == state.selected:
+        if selecting and not state.detail and state.scroll + i == state.selected:
             attr = curses.A_STANDOUT
         _put(scr, y, 0, text, width, attr)
         y += 1
@@ -197,7 +210,9 @@ def draw(scr: curses.window, state: State, table: views.Table) -> None:
             _put(scr, y, 0, text, width)
             y += 1
     more = len(lines) - state.scroll - room_rows
-    help_text = (HELP_STACKS if stacks else HELP) + (f"  (+{more} rows)" if more > 0 else "")
+    help_text = (HELP_STACKS if stacks else HELP_HEAP if state.view == HEAP_VIEW else HELP) + (
+        f"  (+{more} rows)" if more > 0 else ""
+    )
     _put(scr, height - 1, 0, help_text, width, curses.A_REVERSE)
     scr.refresh()
 
@@ -246,7 +261,7 @@ def _loop(scr: curses.window, source: Callable[[], Optional[Snapshot]], state: S
 def run(source: Callable[[], Optional[Snapshot]], args: Any = None) -> int:
     """Show the live view until q, Ctrl-C or SIGTERM; returns the exit code (0).
 
-    args: a namespace with optional `interval` (seconds, default 1) and `view` (1-5 or a name).
+    args: a namespace with optional `interval` (seconds, default 1) and `view` (1-6 or a name).
     """
     interval = getattr(args, "interval", None) or 1.0
     view = getattr(args, "view", None) or 1

@@ -11,7 +11,8 @@ stay numbers, for --json), a default sort column, optional grouping (a process r
 by its region/thread rows, sorted as a unit) and plain-sentence notes. Formatting for
 humans is separate (`format_rows`, `text_table`), so JSON output keeps raw numbers. A row
 may carry one value after its columns, its *detail* (`row_detail`: the stacks view's full
-stacks), which sorting and filtering keep with the row and `to_json` writes under "stacks".
+stacks; the heap view's sentence), which sorting and filtering keep with the row and `to_json`
+writes under "stacks" / "line".
 """
 
 import dataclasses
@@ -19,16 +20,18 @@ import math
 import os
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple, Union
 
+from pymtrace.collect import heapefficiency
 from pymtrace.collect.snapshot import ALLOC_CALLS, CALLS, Snapshot
 from pymtrace.sinks.text import format_cell, human_bytes, human_count
 
-VIEWS = ("processes", "slab", "faults", "glibc", "stacks")
+VIEWS = ("processes", "slab", "faults", "glibc", "stacks", "heap")
 TITLES = {
     "processes": "processes",
     "slab": "slab caches",
     "faults": "page faults",
     "glibc": "glibc internals",
     "stacks": "call stacks",
+    "heap": "heap efficiency",
 }
 # The snapshot's "calls" names (ALLOC_CALLS, ...) come from pymtrace.collect.snapshot, which
 # reads them from the BPF headers; the MEMALIGN/s column sums this family.
@@ -124,6 +127,7 @@ PROCESS_COLUMNS = [
     Column("requested_bytes_per_s", "REQ B/s", "byterate"),
     Column("mean_size", "MEAN SIZE", "bytes"),
     Column("live_bytes", "LIVE", "bytes"),
+    Column("rss_anon_per_live", "ANON/LIVE", "ratio"),  # heap efficiency: view 6
     Column("faults_per_s", "FAULTS/s", "rate"),
     Column("untraced_allocator", "NOTE", "allocator", False),  # set when malloc is not glibc's
 ]
@@ -159,6 +163,7 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
             req / dt if traced else None,
             mean if traced else None,
             p.get("live_bytes") if traced else None,  # absent: another allocator (sizes unknown)
+            heapefficiency.assess(p)["rss_anon_per_live"] if traced else None,
             faults / dt if has_faults else None,
             untraced,
         ]
@@ -501,8 +506,70 @@ def stacks_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = Non
     return Table("stacks", TITLES["stacks"], STACK_COLUMNS, rows, sort=4, notes=notes, totals=tot, interval=dt)
 
 
+HEAP_COLUMNS = [
+    Column("pid", "PID", "int"),
+    Column("comm", "COMM", "str", False),
+    Column("live_bytes", "LIVE", "bytes"),
+    Column("anon_growth_bytes", "ANON GROWTH", "bytes"),
+    Column("rss_anon_bytes", "RSS ANON", "bytes"),
+    Column("rss_bytes", "RSS", "bytes"),
+    Column("rss_anon_per_live", "ANON/LIVE", "ratio"),
+    Column("wasted_bytes", "WASTED", "bytes"),
+    Column("glibc_heap_bytes", "GLIBC HEAP", "bytes"),
+    Column("flag", "FLAG", "str", False),
+]
+HEAP_NOTE = (
+    "LIVE: allocated minus freed bytes since attach (glibc: chunk bytes; other allocators: requested "
+    "bytes, kept per block); ANON GROWTH: RssAnon now minus at attach; WASTED = growth - live; flagged when growth > "
+    f"{heapefficiency.WASTE_RATIO:g}x live and wasted > {heapefficiency.WASTE_MIN_BYTES >> 20} MiB."
+)
+
+
+def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
+    """Heap efficiency: per process, live malloc bytes beside its anonymous and total RSS,
+    their ratio, and a flag (with what to try, in the notes) when RSS is far above them."""
+    dt = interval_of(prev, cur, interval)
+    glibc = _by_pid(cur.get("glibc"))
+    rows, notes = [], []
+    tot = {"processes": 0, "flagged": 0, "live_bytes": 0, "rss_anon_bytes": 0, "rss_bytes": 0}
+    for pid, p in sorted(_by_pid(cur.get("processes")).items()):
+        if "rss_bytes" not in p:
+            continue
+        a = heapefficiency.assess(p)
+        g = glibc.get(pid) or {}
+        arena = g.get("sbrk_bytes", 0) + g.get("heap_bytes", 0) if _has_probes(g) and g else None
+        live = p.get("live_bytes")
+        comm = str(p.get("comm") or "?")
+        flag = {True: "FRAGMENTED?", False: ""}.get(a["heap_flag"], "no live bytes")
+        rows.append(
+            [
+                pid,
+                comm,
+                live,
+                a["anon_growth_bytes"],
+                p["rss_anon_bytes"],
+                p["rss_bytes"],
+                a["rss_anon_per_live"],
+                a["wasted_bytes"],
+                arena,
+                flag,
+                heapefficiency.describe(pid, comm, p, g or None),  # detail: the full screen's selected row
+            ]
+        )
+        if a["heap_flag"]:
+            notes.append(heapefficiency.flag_line(pid, comm, p, g or None))
+            tot["flagged"] += 1
+        tot["processes"] += 1
+        tot["live_bytes"] += live or 0
+        tot["rss_anon_bytes"] += p["rss_anon_bytes"]
+        tot["rss_bytes"] += p["rss_bytes"]
+    notes.append(HEAP_NOTE)
+    return Table("heap", TITLES["heap"], HEAP_COLUMNS, rows, sort=7, notes=notes, totals=tot, interval=dt)
+
+
 def row_detail(table: Table, row: list) -> Any:
-    """The detail a row carries after its columns (the stacks view: its stacks), or None."""
+    """The detail a row carries after its columns (the stacks view: its stacks; the heap
+    view: its sentence), or None."""
     return row[len(table.columns)] if len(row) > len(table.columns) else None
 
 
@@ -535,6 +602,7 @@ _BUILDERS = {
     "faults": faults_view,
     "glibc": glibc_view,
     "stacks": stacks_view,
+    "heap": heap_view,
 }
 
 
@@ -735,6 +803,12 @@ def summary(table: Table) -> str:
         )
     elif table.view == "faults":
         text = f"{t.get('processes', 0)} processes, {human_count(t.get('faults_per_s', 0))} faults/s, {t.get('faults', 0)} since attach"
+    elif table.view == "heap":
+        text = (
+            f"{t.get('processes', 0)} processes, {human_bytes(t.get('live_bytes', 0))} live, "
+            f"{human_bytes(t.get('rss_anon_bytes', 0))} anon RSS, {human_bytes(t.get('rss_bytes', 0))} RSS, "
+            f"{t.get('flagged', 0)} flagged"
+        )
     elif table.view == "stacks":
         text = (
             f"{t.get('sites', 0)} call sites in {t.get('processes', 0)} processes, "
@@ -801,6 +875,8 @@ def to_json(table: Table) -> Dict[str, Any]:
             d["kind"] = "process" if lead else ("region" if table.view == "faults" else "thread")
         if table.view == "stacks":
             d["stacks"] = row_detail(table, row) or []
+        elif table.view == "heap":
+            d["line"] = row_detail(table, row)
         rows.append(d)
     return {
         "view": table.view,

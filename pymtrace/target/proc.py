@@ -83,3 +83,23 @@ def tgid(pid: int) -> int:
     except (FileNotFoundError, ProcessLookupError):
         pass
     raise ProcessGone(pid)
+
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss(pid: int) -> Optional[tuple[int, int]]:
+    """(resident bytes, anonymous resident bytes) of PID, or None when it cannot be read.
+
+    From /proc/PID/statm: the kernel's per-mm counters (resident = anon + file + shmem
+    pages, shared = file + shmem), so resident - shared is exactly status's RssAnon. Chosen
+    over /proc/PID/status (the same counters in ~1.4 KB of text: 2x the CPU), smaps_rollup
+    (walks every page table: 3.5x for a small process, ~19 ms for one with 1 GiB touched)
+    and netlink taskstats (only the peak hiwater_rss: 8x); bench/rss_sources.py."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            fields = f.read().split()
+        resident, shared = int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident * PAGE_SIZE, (resident - shared) * PAGE_SIZE

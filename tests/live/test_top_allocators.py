@@ -1,7 +1,8 @@
 """top and the exporter count the malloc API wherever a process's malloc really resolves
 (issue 16): Debian's jemalloc, tcmalloc and mimalloc LD_PRELOADed, and an allocator defined
 in the executable itself, against tests/support/workloads/top_calls.c's exact tally (built
-with -DANY_ALLOCATOR: no glibc chunk header read, no pvalloc). A process whose allocator
+with -DANY_ALLOCATOR: no glibc chunk header read, allocated/freed/live bytes in requested
+bytes, no pvalloc). A process whose allocator
 cannot be probed (a stripped static binary) is named, never shown as zero."""
 
 import subprocess
@@ -25,8 +26,11 @@ def _exact(p, expected):
     assert p["calls"] == expected["calls"]
     for key in ("requested_bytes", "failed", "size_log2"):
         assert p[key] == expected[key], key
-    for key in ("allocated_bytes", "freed_bytes", "live_bytes"):  # no chunk header to read
-        assert key not in p, key
+    # no chunk header to read: requested sizes of the blocks allocated since attach, kept per block
+    assert p["block_bytes"] == "requested"
+    for key in ("allocated_bytes", "freed_bytes"):
+        assert p[key] == expected[key], key
+    assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
 
 
 def _top_counts(w, name):
@@ -41,7 +45,7 @@ def _top_counts(w, name):
         _exact(p, expected)
         assert p["allocator"] == name and p["allocator_traced"] is True
         row = {r["pid"]: r for r in doc["views"]["processes"]["rows"]}[w.pid]
-        assert row["untraced_allocator"] is None and row["live_bytes"] is None
+        assert row["untraced_allocator"] is None and row["live_bytes"] == p["live_bytes"]
         assert row["malloc_per_s"] is not None
         totals = {r["pid"]: r for r in doc["views"]["totals"]["rows"]}[w.pid]
         assert totals["malloc"] == expected["calls"]["malloc"]
@@ -80,7 +84,8 @@ def test_exporter_counts_jemalloc_exactly(cbuild):
             assert got == expected["calls"][call], call
         gauge = "pymtrace_process_allocator_traced"
         assert m.get((gauge, frozenset({("comm", comm), ("allocator", "jemalloc")}))) == 1
-        assert not [k for k in m if k[0] == "pymtrace_malloc_live_bytes" and ("comm", comm) in k[1]]
+        live = expected["allocated_bytes"] - expected["freed_bytes"]
+        assert m.get(("pymtrace_malloc_live_bytes", frozenset({("comm", comm)}))) == live
         assert w.finish() == 0
     finally:
         exp.terminate()

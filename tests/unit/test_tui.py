@@ -207,6 +207,8 @@ def test_fake_source_views_sort_pause_quit(tmux):
     t.send("Enter")
     t.wait_for(lambda s: "CALL SITE" in s and "hot_site" in s, "back to the rows")
     t.send("Tab")
+    t.wait_for(lambda s: "[6 heap efficiency]" in s and "ANON/LIVE" in s, "heap efficiency view")
+    t.send("Tab")
     s = t.wait_for(lambda s: "[1 processes]" in s, "Tab back to processes")
     assert "sort LIVE desc" in s  # each view keeps its sort
 
@@ -287,7 +289,9 @@ def test_state_keys_without_terminal():
     assert st.table().view == "slab"
     st.key(curses.KEY_BTAB)
     st.key(curses.KEY_BTAB)
-    assert st.table().view == "stacks"  # the last view
+    assert st.table().view == "heap"  # the last view
+    st.key(curses.KEY_BTAB)
+    assert st.table().view == "stacks"
     st.key(curses.KEY_BTAB)
     assert st.table().view == "glibc"
     st.key(ord("1"))

@@ -351,9 +351,10 @@ def test_processes_without_per_call_data_are_blank_not_zero():
 
 def test_unknown_view():
     with pytest.raises(ValueError):
-        views.build(6, None, {})  # views 1-5 exist (5: call stacks)
+        views.build(7, None, {})  # views 1-6 exist (5: call stacks, 6: heap efficiency)
     assert views.view_name("2") == "slab"
     assert views.view_name(5) == "stacks"
+    assert views.view_name(6) == "heap"
 
 
 def test_mean_size_is_per_interval_blank_when_idle():

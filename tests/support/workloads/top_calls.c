@@ -11,7 +11,8 @@
  *
  * Built with -DANY_ALLOCATOR (tests/live/test_top_allocators.py) it runs on any malloc
  * (LD_PRELOADed jemalloc, tcmalloc, mimalloc; top_calls_own.c's own): no chunk header is
- * read (allocated/freed stay 0), pvalloc is left out (jemalloc has none: the call would
+ * read; allocated/freed are the REQUESTED sizes of the blocks (kept per block in a small
+ * per-thread table, as top keeps them in BPF), pvalloc is left out (jemalloc has none: the call would
  * reach glibc's), and a realloc(p, 0) that returns a block (mimalloc) has it freed. */
 #define _GNU_SOURCE
 #include <malloc.h>
@@ -50,16 +51,62 @@ static unsigned bitlen(unsigned long v) {
     return n;
 }
 
+#ifndef ANY_ALLOCATOR
 static unsigned long chunk(void *p) {
-#ifdef ANY_ALLOCATOR
-    (void)p;
-    return 0;
-#endif
     size_t hdr = ((size_t *)p)[-1];
     unsigned long by_header = hdr & ~7UL;
     unsigned long by_usable = malloc_usable_size(p) + ((hdr & 2) ? 16 : 8);
     if (by_header != by_usable) abort();
     return by_usable;
+}
+#endif
+
+#ifdef ANY_ALLOCATOR
+/* block -> requested size, per thread (each thread frees only its own blocks); open
+ * addressing, TOMB marks a removed slot */
+#define NSLOTS 4096
+#define TOMB   ((void *)1)
+static __thread struct {
+    void *p;
+    unsigned long n;
+} sizes[NSLOTS];
+
+static void size_put(void *p, unsigned long n) {
+    unsigned h = ((uintptr_t)p >> 4) % NSLOTS;
+    while (sizes[h].p && sizes[h].p != TOMB) h = (h + 1) % NSLOTS;
+    sizes[h].p = p;
+    sizes[h].n = n;
+}
+
+static unsigned long size_take(void *p) {
+    for (unsigned h = ((uintptr_t)p >> 4) % NSLOTS; sizes[h].p; h = (h + 1) % NSLOTS)
+        if (sizes[h].p == p) {
+            sizes[h].p = TOMB;
+            return sizes[h].n;
+        }
+    abort();
+}
+#endif
+
+/* The bytes block P (just returned for N requested bytes) counts for: its chunk on glibc,
+ * N on any other allocator (what top counts there). */
+static unsigned long block_new(void *p, unsigned long n) {
+#ifdef ANY_ALLOCATOR
+    size_put(p, n);
+    return n;
+#else
+    (void)n;
+    return chunk(p);
+#endif
+}
+
+/* The bytes block P, about to be freed, counted for. */
+static unsigned long block_gone(void *p) {
+#ifdef ANY_ALLOCATOR
+    return size_take(p);
+#else
+    return chunk(p);
+#endif
 }
 
 static void req(struct tally *t, int type, unsigned long size) {
@@ -68,9 +115,9 @@ static void req(struct tally *t, int type, unsigned long size) {
     t->log2[bitlen(size)]++;
 }
 
-static void got(struct tally *t, void *p) {
+static void got(struct tally *t, void *p, unsigned long n) {
     if (p)
-        t->allocated += chunk(p);
+        t->allocated += block_new(p, n);
     else
         t->failed++;
 }
@@ -78,7 +125,7 @@ static void got(struct tally *t, void *p) {
 static void do_free(struct tally *t, void *p) {
     t->calls[FREE]++;
     if (p)
-        t->freed += chunk(p);
+        t->freed += block_gone(p);
     else
         t->calls[FREE_NULL]++;
     free(p);
@@ -95,7 +142,7 @@ static void *worker(void *arg) {
         size_t n = 1 + 37 * k + id;
         req(t, MALLOC, n);
         void *p = malloc(n);
-        got(t, p);
+        got(t, p, n);
         if (k % 3 == 0)
             keep[nkeep++] = p;
         else
@@ -105,7 +152,7 @@ static void *worker(void *arg) {
         size_t a = 3, b = 40 + k;
         req(t, CALLOC, a * b);
         void *p = calloc(a, b);
-        got(t, p);
+        got(t, p, a * b);
         if (k % 2)
             keep[nkeep++] = p;
         else
@@ -115,19 +162,19 @@ static void *worker(void *arg) {
         size_t n = 100 + k;
         req(t, REALLOC, n);
         void *p = realloc(no_block, n);
-        got(t, p);
+        got(t, p, n);
         keep[nkeep++] = p;
     }
     for (int k = 0; k < 30; k++) { /* realloc(p, n) grow/shrink */
         int i = k % nkeep;
         void *old = keep[i];
         size_t n = (k % 2) ? 3000 + 13 * k : 24;
-        unsigned long oldc = chunk(old);
+        unsigned long oldc = block_gone(old);
         req(t, REALLOC, n);
         void *p = realloc(old, n);
         if (p) {
             t->freed += oldc;
-            t->allocated += chunk(p);
+            t->allocated += block_new(p, n);
             keep[i] = p;
         } else
             t->failed++;
@@ -135,13 +182,16 @@ static void *worker(void *arg) {
     for (int k = 0; k < 10; k++) { /* realloc(p, 0): frees p */
         void *p = malloc(64 + k);
         req(t, MALLOC, 64 + k);
-        got(t, p);
-        unsigned long c = chunk(p);
+        got(t, p, 64 + k);
+        unsigned long c = block_gone(p);
         req(t, REALLOC, 0);
         void *r = realloc(p, 0);
         t->freed += c;
 #ifdef ANY_ALLOCATOR
-        if (r) do_free(t, r); /* mimalloc: a block of size 0 */
+        if (r) { /* mimalloc: a block of size 0 */
+            block_new(r, 0);
+            do_free(t, r);
+        }
 #else
         if (r) abort();
 #endif
@@ -150,19 +200,19 @@ static void *worker(void *arg) {
         void *p;
         req(t, MEMALIGN, 100 + k);
         p = memalign(64, 100 + k);
-        got(t, p);
+        got(t, p, 100 + k);
         do_free(t, p);
         req(t, MEMALIGN, 200 + k);
         p = memalign(16, 200 + k);
-        got(t, p);
+        got(t, p, 200 + k);
         keep[nkeep++] = p; /* -> malloc inside */
         req(t, MEMALIGN, 64 * (k + 1));
         p = aligned_alloc(32, 64 * (k + 1));
-        got(t, p);
+        got(t, p, 64 * (k + 1));
         do_free(t, p);
         req(t, POSIX_MEMALIGN, 300 + k);
         if (posix_memalign(&p, 128, 300 + k) == 0)
-            got(t, p);
+            got(t, p, 300 + k);
         else {
             t->failed++;
             p = NULL;
@@ -170,7 +220,7 @@ static void *worker(void *arg) {
         do_free(t, p);
         req(t, POSIX_MEMALIGN, 50 + k);
         if (posix_memalign(&p, 8, 50 + k) == 0)
-            got(t, p);
+            got(t, p, 50 + k);
         else {
             t->failed++;
             p = NULL;
@@ -179,12 +229,12 @@ static void *worker(void *arg) {
         if (k < 3) {
             req(t, VALLOC, 5000 + k);
             p = valloc(5000 + k);
-            got(t, p);
+            got(t, p, 5000 + k);
             do_free(t, p);
 #ifndef ANY_ALLOCATOR
             req(t, PVALLOC, 100 + k);
             p = pvalloc(100 + k);
-            got(t, p);
+            got(t, p, 100 + k);
             keep[nkeep++] = p;
 #endif
         }
@@ -194,7 +244,7 @@ static void *worker(void *arg) {
     for (int k = 0; k < 2; k++) { /* mmapped chunks */
         req(t, MALLOC, 300000 + k);
         void *p = malloc(300000 + k);
-        got(t, p);
+        got(t, p, 300000 + k);
         if (k)
             do_free(t, p);
         else
@@ -206,7 +256,7 @@ static void *worker(void *arg) {
 #define FAILING (1UL << 44) /* 16 TiB */
 #endif
     req(t, MALLOC, FAILING); /* fails, NULL */
-    got(t, malloc(FAILING));
+    got(t, malloc(FAILING), FAILING);
     for (int i = 0; i < nkeep; i += 2) /* free half of what is kept */
         do_free(t, keep[i]);
 
