@@ -128,11 +128,12 @@ def read_btf() -> btf_types.Btf | None:
     return btf_types.Btf.read(os.environ.get(FAKE_BTF_ENV) or btf_types.VMLINUX)
 
 
-def slab_source() -> SlabSource:
-    """How the slab program can identify caches here; PymtraceError when it cannot at all."""
+def slab_source(use_btf: bool = True) -> SlabSource:
+    """How the slab program can identify caches here (USE_BTF False: without the raw
+    tracepoints, e.g. after this kernel rejected them); PymtraceError when it cannot at all."""
     alloc = tracepoint_fields("kmem", "kmem_cache_alloc")
     free = tracepoint_fields("kmem", "kmem_cache_free")
-    raw = slab_raw(read_btf()) if alloc is not None else {}
+    raw = slab_raw(read_btf()) if alloc is not None and use_btf else {}
     if raw:
         frees = bool(raw.get("SLAB_RAW_FREE")) or (free is not None and "name" in free)
         how = "raw tracepoints" if raw.get("SLAB_RAW_FREE") or not frees else "raw tracepoint (frees: `name`)"

@@ -46,6 +46,15 @@ class SlabCollector(Collector):
         self.max_caches = max_caches
         self.fields = struct_fields(self.program, "slab_stats")
         self.source = None
+        self.raw_rejected = None  # why this kernel rejected the raw tracepoint programs
+
+    def fallback(self, reason: str) -> bool:
+        """The raw tracepoint programs rejected: the kmem:* tracepoints' fields instead."""
+        if self.source is None or self.source.source != kfeatures.SLAB_BY_BTF:
+            return False
+        self.source = kfeatures.slab_source(use_btf=False)
+        self.raw_rejected = reason
+        return True
 
     def prepare(self) -> None:
         self.source = kfeatures.slab_source()  # PymtraceError: this kernel cannot do it at all
@@ -94,6 +103,8 @@ class SlabCollector(Collector):
             "lost": lost,
             "maps": maps,
         }
-        if by_size or not self.source.frees:
-            snap["slab_note"] = self.source.detail  # what the fallback in use means, for the view
+        if by_size or not self.source.frees or self.raw_rejected:
+            # what the fallback in use means, for the view
+            rejected = self.raw_rejected and "this kernel rejected the raw tracepoint programs, so "
+            snap["slab_note"] = (rejected or "") + self.source.detail
         return snap
