@@ -375,17 +375,22 @@ class HeapCollector(Collector):
         self.drain()
 
     def drain(self) -> None:
-        """Hand every record written so far to the callbacks."""
+        """Hand every record written before this call to the callbacks.
+
+        Only up to the producer position read on entry: a traced process that allocates
+        faster than we unwind (an emulated VM: every call sampled) would otherwise keep the
+        loop going forever, and the reader thread with it (top --stacks never stopped)."""
         ring, scanner = self.ring, self.scanner
         images = self.images.images if self.images is not None else {}
         on_stack = self.on_stack if self.images is not None else None
         sample, free, base = self._sample_type, self._free_type, ring.data_addr
         on_free = self.on_free
+        _, limit = ring.positions()
         while True:
-            cons, prod = ring.positions()
-            if cons >= prod:
+            cons = ring.positions()[0]
+            if cons >= limit:
                 return
-            rows, after = scanner.scan(cons, prod, images)
+            rows, after = scanner.scan(cons, limit, images)
             if after == cons:
                 return  # the first record is still being written
             for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
