@@ -403,6 +403,15 @@ class HeapCollector(Collector):
                     self._record(base + off, length)
             ring.advance(after)
 
+    def written(self) -> int:
+        """The ring's producer position: every record reserved so far lies below it."""
+        return self.ring.positions()[1]
+
+    def handed_over(self, pos: int) -> bool:
+        """Whether every record below POS (a position written() returned) has been handed to
+        the callbacks."""
+        return self.ring.positions()[0] >= pos
+
     def _record(self, data: int, size: int) -> None:
         ev = self.event_type.from_address(data)
         kind = self.kinds.get(ev.type)

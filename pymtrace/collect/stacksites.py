@@ -38,6 +38,9 @@ MAX_STACKS = 500  # distinct stacks kept per process
 OTHER_SITE = "[other stacks]"  # the site key and name of samples beyond MAX_STACKS
 POLL_MS = 10  # the reader's wait for ring-buffer records
 LIVE_GRACE_NS = 1_000_000_000  # a sample younger than this may not have reached the live table yet
+# how long a snapshot waits for the reader to take the samples written before it (milliseconds
+# normally; seconds where unwinding is slow, as in an emulated VM)
+CATCH_UP_S = 5.0
 ALLOCATOR_FILES = ("libc.so", "libc-", "libstdc++.so", "libc_malloc_debug.so")
 
 
@@ -290,9 +293,21 @@ class StackSitesCollector:
             error, self._error = self._error, None
             raise error
         collector = self.session.collector
+        self._catch_up(collector.written())
         now_ns = time.monotonic_ns()
         stacks = self.sites.snapshot(lambda: collector.live().keys(), now_ns, self.session.symbolizer, self.comms.get)
         return {"stacks": stacks, "lost": {f"heap_{k}": v for k, v in collector.drops().items()}}
+
+    def _catch_up(self, pos: int) -> None:
+        """Wait (at most CATCH_UP_S) until the reader has taken every sample written before
+        ring position POS. The view's rates then cover the same calls as top's counters read
+        just before (rates from samples still waiting in the ring would lag behind them)."""
+        deadline = time.monotonic() + CATCH_UP_S
+        reader = self._reader
+        while not self.session.collector.handed_over(pos) and time.monotonic() < deadline:
+            if reader is None or not reader.is_alive():
+                return
+            time.sleep(POLL_MS / 1000)
 
     def close(self) -> None:
         """Stop the reader, detach every probe; safe to call twice."""

@@ -40,6 +40,7 @@ def test_top_stacks_json_sites_rates_inuse_and_chains(exe):
         proc = run_pymtrace(
             "top", "--stacks", "--stack-sample-bytes", "1", "-p", str(target.pid), "--json", "-n", "2",
             "--view", "stacks", "--view", "processes",
+            timeout=600,  # an emulated VM (Debian 12's, TCG): ~3.5 min, mostly compiling
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert "Traceback" not in proc.stderr
