@@ -81,9 +81,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--poll-interval",
         type=float,
-        default=10.0,
+        default=None,
         metavar="MS",
-        help="how often the ring buffer is drained, in ms (default 10)",
+        help="drain the ring buffer every MS ms (default: when a large batch is expected, at most 100 ms "
+        "apart, sooner for a small --buffer-size; --stacks: every 10 ms)",
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if events were lost")
