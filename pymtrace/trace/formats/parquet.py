@@ -115,13 +115,17 @@ def table_from_columns(cols: numpy.ndarray, stacks: bool = False) -> pyarrow.Tab
     n = cols.shape[1]
     head = cols[0].view(numpy.uint32).reshape(n, 2)  # thread, type word (little endian)
     words = head[:, 1]
+    word_bytes = cols[0].view(numpy.uint8).reshape(n, 8)[:, 4:8]  # the type word's bytes
+    # one pass each (a recording runs this on every row group): the call type code is the
+    # type word's low byte, its dictionary index that minus 1
+    index = numpy.subtract(word_bytes[:, 0], 1, dtype=numpy.int8, casting="unsafe")
     columns = {
         "thread": pyarrow.array(head[:, 0].view(numpy.int32).copy()),
-        "type": pyarrow.DictionaryArray.from_arrays(pyarrow.array((words & 0xFF).astype(numpy.int8) - 1), _TYPE_DICT),
+        "type": pyarrow.DictionaryArray.from_arrays(pyarrow.array(index), _TYPE_DICT),
     }
     for i, name in enumerate(_UINT64, start=1):
         columns[name] = pyarrow.array(cols[i])
-    if stacks:
+    if stacks or not word_bytes[:, 1:3].any():  # pymtrace's recordings: no path flags
         columns["path"] = pyarrow.array(numpy.zeros(n, numpy.uint16))
     else:
         columns["path"] = pyarrow.array(((words >> 8) & 0x3FFF).astype(numpy.uint16))
@@ -354,7 +358,7 @@ class Writer:
         self.data_end += len(data)
         self.footer = footer
         self.pending_rows, self.pending_since = 0, None
-        counts = numpy.bincount((cols[0] >> 32) & 0xFF, minlength=9)
+        counts = numpy.bincount(cols[0].view(numpy.uint8).reshape(n, 8)[:, 4], minlength=9)  # type codes
         self.type_counts = [a + int(b) for a, b in zip(self.type_counts, counts[:9])]
 
     def _pwrite(self, parts: list, offset: int) -> None:
