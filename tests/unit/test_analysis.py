@@ -17,7 +17,7 @@ from support import synthetic
 from support.clients import chromium, screenshot_colours
 
 from pymtrace.errors import BadQuery
-from pymtrace.trace.analysis import TraceSet
+from pymtrace.trace.analysis import SORT_BYTES_PER_EVENT, TraceSet
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import parquet as P
 
@@ -120,17 +120,21 @@ def test_spills_under_a_low_memory_limit(tmp_path):
     assert os.listdir(tmp) == []
 
 
-def test_sorts_in_partitions_at_a_fixed_memory_limit(tmp_path):
-    """2M events under a 24 MB limit, one thread: more than one DuckDB sort holds there (one sort
-    of them all ran out of memory), so pairing and the live-bytes curve sort in partitions
-    (address hash, time ranges); every number stays exact."""
-    steps, slots = 1_000_000, 2000
+def test_sorts_in_partitions(tmp_path):
+    """Events beyond what one DuckDB sort may hold sort in partitions (address hash, time ranges);
+    every number stays exact. The number a sort may hold comes from the memory limit: at 24 MB
+    and one thread 1.5M events, so 2M events sorted in 2 partitions there (one sort of them all
+    ran out of memory; ~80 s on a loaded machine). Here sort_events sets it so that 200k events
+    make 4 partitions at the same limit, and the limit's own value is checked separately."""
+    steps, slots = 100_000, 2000
     path = tmp_path / "big.parquet"
     synthetic.write(str(path), steps, slots, THREADS)
     truth = synthetic.truth(steps, slots, THREADS)
-    with TraceSet([str(path)], memory_limit="24MB", threads=1, temp_dir=str(tmp_path)) as ts:
+    with TraceSet([str(path)], memory_limit="24MB", threads=1, temp_dir=str(tmp_path), sort_events=1 << 16) as ts:
         rep = ts.report()
-        assert ts.partitions() >= 2
+        assert ts.partitions() >= 3
+        ts.max_sort_events = None  # the limit's own value: 24 MB (DuckDB says 22.8 MiB) / 16 B
+        assert 0.99 * 24e6 / SORT_BYTES_PER_EVENT <= ts.sort_events() <= 24e6 / SORT_BYTES_PER_EVENT
     check_against_truth(rep, truth)
 
 
