@@ -66,13 +66,14 @@ _LE_DTYPE = mtrace_bin.record_dtype("<")
 
 # Encodings, chosen per column by measurement on a malloc storm and on python3 churning
 # JSON (docs/formats.md, section 5): dictionary (RLE/bit-packed indices; PLAIN once the
-# dictionary outgrows its page) for what repeats: thread, type, caller, path, chunk sizes
+# dictionary outgrows its page) for what repeats: thread, type, caller, path, size2
 # and the pointers, which DELTA_BINARY_PACKED made 2.4x larger (allocations and frees interleave,
 # so consecutive pointers are unrelated); DELTA_BINARY_PACKED for the nearly monotonic
-# time; BYTE_STREAM_SPLIT for the requested size.
+# time; BYTE_STREAM_SPLIT for the requested size and the chunk size returned (size3: as small
+# as its dictionary or smaller, no hashing).
 # zstd on all.
-DICTIONARY_COLUMNS = ["thread", "type", "ptr1", "ptr2", "size2", "size3", "caller", "path"]
-COLUMN_ENCODINGS = {"time_ns": "DELTA_BINARY_PACKED", "size": "BYTE_STREAM_SPLIT"}
+DICTIONARY_COLUMNS = ["thread", "type", "ptr1", "ptr2", "size2", "caller", "path"]
+COLUMN_ENCODINGS = {"time_ns": "DELTA_BINARY_PACKED", "size": "BYTE_STREAM_SPLIT", "size3": "BYTE_STREAM_SPLIT"}
 STATISTICS_COLUMNS = ["thread", "time_ns", "size"]  # min/max per row group: lets queries skip groups
 COMPRESSION, COMPRESSION_LEVEL = "zstd", 1  # level 3: ~5% smaller, ~60 ns a row more CPU
 ROW_GROUP_ROWS = 1 << 18  # rows buffered before a row group is written (16 MiB of columns,
