@@ -317,7 +317,7 @@ class DrainPacer:
 
 # ---------------------------------------------------------------- record --stacks
 
-DIRECT_CHUNK = 8192  # records copied from the ring at a time into parquet columns (640 KiB of samples)
+DIRECT_CHUNK = 8192  # records copied from the ring at a time (640 KiB of samples: the copy stays in the cache)
 STACKS_POLL_INTERVAL_S = 0.01  # record --stacks drains this often (DrainPacer's wait otherwise)
 STACK_PAGES = 8  # at most 32 KiB of stack copied per allocation (heap's default too)
 _ALLOC_TYPES = (
@@ -837,8 +837,8 @@ class Recorder:
                 while True:
                     if direct:
                         n = self._drain_words(limit)
-                    else:
-                        data, n = self.reader.read(limit=limit)
+                    else:  # a chunk at a time: its copy and write(2) stay in the cache
+                        data, n = self.reader.read(max_records=DIRECT_CHUNK, limit=limit)
                     if not n:
                         if final and self.reader.cons_pos[0] < limit and time.monotonic() < patience:
                             time.sleep(0.001)  # a record reserved before the stop, being written
@@ -847,6 +847,8 @@ class Recorder:
                     total += n
                     if not direct:
                         self._dispatch(data, n)
+                        if n == DIRECT_CHUNK:
+                            continue
                     if n < self.reader.max_batch // 8 and not final:
                         return total
         finally:
