@@ -158,9 +158,16 @@ static __always_inline int wanted(u32 tgid) {
 }
 #endif
 
+/* 1 (set by user space) while the traced program's malloc is another allocator's: its blocks
+ * have no glibc chunk header (`record -- CMD` follows execs from one allocator to another) */
+BPF_ARRAY(foreign, u32, 1);
+
 static __always_inline u64 chunk_size(u64 p) {
     u64 h = 0;
     if (!GLIBC_CHUNKS || p == 0) return 0;
+    int zero = 0;
+    u32 *no_header = foreign.lookup(&zero);
+    if (no_header && *no_header) return 0;
     pm_probe_read_user(&h, sizeof(h), (void *)(p - 8));
     return h & ~7ULL;
 }

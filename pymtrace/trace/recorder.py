@@ -88,6 +88,8 @@ class Output:
         allocator: str | None = None,
     ) -> None:
         self.path = path
+        self.allocator = allocator or "glibc"
+        self.stacks = stacks
         self.stack_table: stacktable.TableWriter | None = None  # record --stacks: set by the recorder
         self.fmt = fmt
         self.tgid = tgid
@@ -128,6 +130,17 @@ class Output:
             except OSError:
                 pass
             raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}")
+
+    def set_allocator(self, family: str) -> None:
+        """Name FAMILY as the recorded allocator (`record -- CMD` after an exec into a program
+        on another allocator): the MAGIC record rewritten in place (mtrace-bin)."""
+        if self.fmt == "mtrace-bin" and self.failed is None and family != self.allocator:
+            self.allocator = family
+            try:
+                os.pwrite(self.fd, mtrace_bin.magic_record(self.tgid, stacks=self.stacks, allocator=family), 0)
+            except OSError as exc:
+                self.failed = exc
+                raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
     def _put(self, blob: bytes | bytearray, ends: Sequence[int]) -> tuple[int, OSError | None]:
         """Append BLOB; ENDS: where each of its records ends in it. Returns how many of them
@@ -515,8 +528,8 @@ class Recorder:
         self.polls = 0
         self.last_poll = None
         self.max_gap = 0.0
-        self.allocators = libc.AllocatorCache()  # -- CMD: whose malloc it calls (_warn_allocator)
-        self.allocator_checked, self.allocator_warned = 0.0, []
+        self.allocator_warned = []  # -- CMD: programs whose malloc cannot be recorded, warned of
+        self.probed_files: set[tuple[str, str]] = set()  # (path, family) with probes (-- CMD: per exec)
         self.stacks = getattr(args, "stacks", False)
         self.stack_unwinder: StackUnwinder | None = None
         self.allocator = None  # -p on jemalloc, tcmalloc, ...: its file is probed instead of libc
@@ -629,7 +642,12 @@ class Recorder:
 
             self.launched = Launched(args.cmd)
             self.target = self.launched.pid
-            libc_path = args.libc or self.launched.libc_path()
+            # its objects mapped (LD_PRELOAD too), nothing run yet: resolved as for -p
+            self.launched.run_until_loaded()
+            libc_path = args.libc or libc.process_libc(self.target) or self.launched.libc_path()
+            found = None if args.libc else libc.allocator(self.target)
+            if found is not None and found.family not in (None, "glibc"):
+                self.allocator = found  # named by the trace; probed beside glibc (_probe_program)
         else:
             self.target = proc.tgid(args.pid)  # a thread id means its whole process
             if self.target == os.getpid():
@@ -693,8 +711,10 @@ class Recorder:
             from pymtrace.collect.heap import possible_cpus
 
             defines.update(STACKS=1, STACK_PAGES=STACK_PAGES, STACK_RB_PAGES=self.pages, MAX_CPUS=possible_cpus())
-        found = self.allocator
-        if found is not None:  # another allocator: its functions (target.allocators), no chunk headers
+        # -p on another allocator: its functions only (target.allocators), no chunk headers;
+        # -- CMD: glibc's, and per program (it may exec) its allocator's beside (_probe_program)
+        found = self.allocator if self.launched is None else None
+        if found is not None:
             defines["GLIBC_CHUNKS"] = 0
             defines["OUTER_PROBES"] = 0
             self.libs = [(found.path, False)]
@@ -735,7 +755,11 @@ class Recorder:
             if not proc.exists(self.target):
                 raise ProcessGone(self.target) from None
             raise PymtraceError(f"cannot attach uprobes to {probed}: {exc}") from None
-        # C++'s operator new/delete where the process's calls resolve (-p: known now)
+        if found is not None:
+            self.probed_files.add((found.path, found.family))
+        if self.launched is not None:  # its allocator and operator new, as they resolve now
+            self._probe_program(self.target, at_start=True)
+        # C++'s operator new/delete where the process's calls resolve
         cxx = libc.cxx_runtime(self.target) if self.launched is None else None
         if cxx is not None:
             try:
@@ -859,7 +883,8 @@ class Recorder:
     def _target_alive(self, pidfd: int) -> bool:
         if self.launched is not None:
             if self.launched.held:
-                return self.launched.service(self.stack_unwinder.at_exit) is None
+                at_exit = self.stack_unwinder.at_exit if self.stack_unwinder is not None else None
+                return self.launched.service(at_exit) is None
             if self.launched.proc.poll() is not None:
                 return False
         else:
@@ -889,7 +914,8 @@ class Recorder:
         deadline = self.start + args.duration if args.duration else None
         if self.launched is not None:
             # --stacks: held at its exit, so the libraries it loaded are read before they go
-            self.launched.resume(hold_exit=self.stacks)
+            # held at each exec (its new allocator probed) and, with --stacks, at its exit
+            self.launched.resume(hold_exit=self.stacks, on_exec=self._probe_program)
         if not args.quiet and not args.json:
             what = " ".join(args.cmd) if args.cmd else f"process {self.target}"
             print(f"pymtrace: recording {what}" + ("" if args.duration else "; Ctrl-C to stop"), file=sys.stderr)
@@ -909,8 +935,6 @@ class Recorder:
                     for out in self.outputs.values():
                         out.snapshot_maps()
                     last_maps = now
-                if self.launched is not None and not args.libc:
-                    self._warn_allocator()
                 if deadline is not None and now >= deadline:
                     break
                 if not self._target_alive(pidfd) and not self._children_alive():
@@ -935,17 +959,48 @@ class Recorder:
         self.interrupted = interrupted
         return self._finish()
 
-    def _warn_allocator(self):
-        """-- CMD: once the command's libraries are loaded (after each exec), warn once if its
-        malloc is not glibc's (jemalloc, tcmalloc, ...): those calls are not recorded."""
-        now = time.monotonic()
-        if now - self.allocator_checked < 0.02:
+    def _probe_program(self, pid: int, at_start: bool = False) -> None:
+        """-- CMD, stopped with its program's objects mapped (at start and after each exec,
+        target.launch): probe where its malloc-API and operator new calls resolve (the same
+        resolution as -p: libc.allocator, libc.cxx_runtime) unless probed already; the trace
+        names that allocator. What cannot be probed is warned of once, never fatal here."""
+        try:
+            found = None if self.args.libc else libc.allocator(pid)
+            cxx = libc.cxx_runtime(pid)
+        except PymtraceError:  # gone meanwhile: its end is seen by the loop
             return
-        self.allocator_checked = now
-        found = self.allocators.get(self.target)
-        if found is not None and not found.traced and found not in self.allocator_warned:
+        wanted = []
+        if found is not None and found.family not in (None, "glibc"):
+            wanted.append((found.path, found.family))
+        if cxx is not None:
+            wanted.append((cxx, allocators.CXX_FAMILY))
+        where = -1 if self.follow else self.target
+        for path, family in wanted:
+            if (path, family) in self.probed_files:
+                continue
+            self.probed_files.add((path, family))
+            try:
+                self.sites += attach_foreign(self.bpf, path, family, where)
+            except PymtraceError as exc:
+                if at_start:
+                    raise
+                print(f"pymtrace: warning: {exc}", file=sys.stderr)
+            except Exception as exc:  # BCC's attach_uprobe raises plain Exception
+                if at_start:
+                    raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
+                print(f"pymtrace: warning: cannot attach uprobes to {path}: {exc}", file=sys.stderr)
+        if found is None:
+            return
+        foreign = found.family not in (None, "glibc")
+        self.bpf["foreign"][ctypes.c_int(0)] = ctypes.c_uint32(int(foreign))
+        if found.family is None and found not in self.allocator_warned:
             self.allocator_warned.append(found)
-            print(f"pymtrace: warning: {libc.untraced_message(self.target, found)}", file=sys.stderr)
+            print(f"pymtrace: warning: {libc.untraced_message(pid, found)}", file=sys.stderr)
+        elif found.family is not None and not at_start:
+            self.allocator = found if foreign else None  # the trace names the last program's
+            for out in self.outputs.values():
+                if hasattr(out, "set_allocator"):
+                    out.set_allocator(self.family)
 
     def _finish(self):
         args = self.args
@@ -1031,6 +1086,8 @@ class Recorder:
             self.procevents.stop()
         if self.launched is not None and not self.launched.resumed:
             self.launched.kill()  # failed before it could run traced: do not let it run
+        elif self.launched is not None:
+            self.launched.release()  # still running (Ctrl-C, --duration): on, untraced
         # a launched command still running after Ctrl-C/--duration keeps running, untraced
         if self.reader is not None:
             try:
