@@ -36,6 +36,11 @@ EPILOG = """examples:
   pymtrace heap -p 1234 --duration 30 -o leak.html --older 10   # in use, older than 10 s
   pymtrace heap -p 1234 -o stacks.folded --value alloc_space && flamegraph.pl stacks.folded
   pymtrace heap --sample-bytes 1 -o exact.txt -- ./test      # every call (exact, costly)
+  pymtrace heap -o je.pb.gz -- env LD_PRELOAD=libjemalloc.so.2 ./app   # jemalloc's calls
+
+ALLOCATORS: glibc, jemalloc, tcmalloc, mimalloc or a malloc of the program's own, where its
+calls resolve; a launched command is stopped once its loader has mapped its libraries (and
+after each exec) so its allocator is found before it runs. See docs/heap.md.
 
 FORMATS: pprof (gzip'd profile.proto: go tool pprof, Pyroscope, Parca), folded (flamegraph.pl,
 speedscope, inferno), html (one self-contained flame graph), text (top stacks). Chosen by

@@ -220,7 +220,11 @@ class Launched:
             except OSError:  # gone meanwhile (killed): its end is reported by waitpid
                 pass
             else:
-                self.on_exec(self.pid)
+                try:
+                    self.on_exec(self.pid)
+                finally:  # also when it raises: the command must not stay stopped
+                    _libc.ptrace(_PTRACE_CONT, self.pid, None, None)
+                return
         _libc.ptrace(_PTRACE_CONT, self.pid, None, None)
 
     def wait(self, timeout: float | None = None) -> int:

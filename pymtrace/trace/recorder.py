@@ -131,16 +131,24 @@ class Output:
                 pass
             raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}")
 
-    def set_allocator(self, family: str) -> None:
-        """Name FAMILY as the recorded allocator (`record -- CMD` after an exec into a program
-        on another allocator): the MAGIC record rewritten in place (mtrace-bin)."""
-        if self.fmt == "mtrace-bin" and self.failed is None and family != self.allocator:
-            self.allocator = family
-            try:
+    def set_allocator(self, family: str, path: str | None) -> None:
+        """Name FAMILY (in PATH) as the recorded allocator (`record -- CMD` after an exec into a
+        program on another allocator): the MAGIC record rewritten in place (mtrace-bin), the
+        metadata in a new footer (parquet)."""
+        if self.fmt == "mtrace-text" or self.failed is not None or family == self.allocator:
+            return
+        self.allocator = family
+        try:
+            if self.parquet is not None:
+                items = {"pymtrace.allocator": family}
+                if path:
+                    items["pymtrace.allocator_path"] = path
+                self.parquet.update_metadata(items)
+            else:
                 os.pwrite(self.fd, mtrace_bin.magic_record(self.tgid, stacks=self.stacks, allocator=family), 0)
-            except OSError as exc:
-                self.failed = exc
-                raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}") from None
+        except OSError as exc:
+            self.failed = exc
+            raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
     def _put(self, blob: bytes | bytearray, ends: Sequence[int]) -> tuple[int, OSError | None]:
         """Append BLOB; ENDS: where each of its records ends in it. Returns how many of them
@@ -1000,7 +1008,7 @@ class Recorder:
             self.allocator = found if foreign else None  # the trace names the last program's
             for out in self.outputs.values():
                 if hasattr(out, "set_allocator"):
-                    out.set_allocator(self.family)
+                    out.set_allocator(self.family, found.path)
 
     def _finish(self):
         args = self.args

@@ -120,3 +120,22 @@ def test_record_cmd_records_cxx_new_and_delete(tmp_path):
     assert got[B.MEMALIGN] == c["new_aligned"]
     assert got[B.FREE] == sum(c[k] for k in ("delete", "delete_array", "delete_sized", "delete_aligned"))
     assert sum(got.values()) == got[B.MALLOC] + got[B.MEMALIGN] + got[B.FREE]  # the malloc inside: not again
+
+
+def test_record_cmd_parquet_names_the_allocator_exec_reached(cbuild, tmp_path):
+    """Parquet: the metadata names the allocator of the program env exec'd (rewritten footer)."""
+    prog = cbuild("top_calls", "-DANY_ALLOCATOR", "-no-pie")
+    out = tmp_path / "trace.parquet"
+    lib = library(LIBS["jemalloc"])
+    r = run_pymtrace("record", "-q", "-o", out, "--", "env", f"LD_PRELOAD={lib}", prog, input="xx", timeout=300)
+    assert r.returncode == 0, r.stderr
+    table = pq.read_table(out)
+    meta = {k.decode(): v.decode() for k, v in table.schema.metadata.items()}
+    assert meta["pymtrace.allocator"] == "jemalloc"
+    assert "libjemalloc" in meta["pymtrace.allocator_path"]
+    lo, hi = text_range(prog)
+    truth = json.loads(r.stdout.splitlines()[-1])
+    rows = [
+        str(t) for t, c in zip(table.column("type").to_pylist(), table.column("caller").to_pylist()) if lo <= c < hi
+    ]
+    assert {name: rows.count(name) for name in TYPES} == _expected(truth)
