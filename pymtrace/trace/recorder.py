@@ -1044,7 +1044,9 @@ class Recorder:
         if self.failure is not None:
             summary["error"] = str(self.failure)
         if self.launched is not None:
-            rc = self.launched.proc.poll()
+            # a held command's stops must be taken by service() (Popen.poll would swallow one)
+            at_exit = self.stack_unwinder.at_exit if self.stack_unwinder is not None else None
+            rc = self.launched.service(at_exit)
             summary["command_exit_status"] = rc
         if args.json:
             print(json.dumps(summary), file=sys.stderr)
