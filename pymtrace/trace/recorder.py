@@ -323,7 +323,7 @@ class StackUnwinder:
     def __init__(self, libc_path: str) -> None:
         from pymtrace.target.unwind import ProcessImages
 
-        self.libc_real = os.path.realpath(libc_path)
+        self.leaf_files: list[tuple[str, dict[int, int]]] = []  # (real path, {call: pc}), preferred first
         self.processes = ProcessImages()
         self.symbolizer = self.processes.symbolizer
         self.pending: dict[tuple[int, int], tuple[int, tuple, bool]] = {}
@@ -332,15 +332,24 @@ class StackUnwinder:
         self.cpu = 0.0  # CPU time spent taking and unwinding the stack events (the recorder adds it)
         self.event = structs.header("record").structs["stack_event"]
         self.event_size = ctypes.sizeof(self.event)
-        self.leaf_pc: dict[int, int] = {}
+        self.add_leaf_file(libc_path)
+        self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): (Module, {call: pc})
+
+    def add_leaf_file(self, path: str) -> None:
+        """Name the allocating functions of PATH (the allocator a program calls: glibc, or one
+        a `record -- CMD` exec'd into) as the leaf of a stack in a process that maps it;
+        the file added last is preferred."""
+        leaf_pc: dict[int, int] = {}
         for function in mallocapi.FUNCTIONS:
             code = getattr(mtrace_bin, function.call.upper(), None)
-            if code in _ALLOC_TYPES and code not in self.leaf_pc:
+            if code in _ALLOC_TYPES and code not in leaf_pc:
                 try:
-                    self.leaf_pc[code] = elf.symbol(libc_path, function.name).address
+                    leaf_pc[code] = elf.symbol(path, function.name).address
                 except PymtraceError:
                     pass
-        self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): libc Module
+        real = os.path.realpath(path)
+        self.leaf_files = [(real, leaf_pc)] + [f for f in self.leaf_files if f[0] != real]
+        self.libc_module = {}
 
     def capture(self, pid: int) -> None:
         """Read PID's image now (a running process, before the probes go on)."""
@@ -351,11 +360,14 @@ class StackUnwinder:
         self.processes.at_exit(pid)
 
     def _libc(self, pid: int, image: Any) -> Any:
-        module = self.libc_module.get((id(image), len(image.modules)))
-        if module is None:
-            module = next((m for m in image.modules if os.path.realpath(m.path) == self.libc_real), False)
-            self.libc_module[(id(image), len(image.modules))] = module
-        return module or None
+        """(the allocator's Module in IMAGE, its {call: leaf pc}), or None."""
+        key = (id(image), len(image.modules))
+        found = self.libc_module.get(key)
+        if found is None:
+            reals = {os.path.realpath(m.path): m for m in image.modules}
+            found = next(((reals[real], pcs) for real, pcs in self.leaf_files if real in reals), False)
+            self.libc_module[key] = found
+        return found or None
 
     def on_event(self, _ctx: Any, data: int, size: int) -> int:
         """BCC's ring buffer callback: unwind one stack event now (its bytes live only here)."""
@@ -373,9 +385,9 @@ class StackUnwinder:
             stack, complete = unwound
             if stack:  # the unwind began at the return address: the call is before it
                 stack = ((stack[0][0], stack[0][1] - 1),) + tuple(stack[1:])
-            libc_module = self._libc(tgid, image)
-            if libc_module is not None and call in self.leaf_pc:
-                stack = ((libc_module, self.leaf_pc[call]),) + tuple(stack)
+            leaf = self._libc(tgid, image)
+            if leaf is not None and call in leaf[1]:
+                stack = ((leaf[0], leaf[1][call]),) + tuple(stack)
         if not complete:
             self.incomplete += 1
         if len(self.pending) >= _MAX_PENDING:
@@ -675,7 +687,9 @@ class Recorder:
                     "the process does not use a shared libc (static binary?): nothing to probe; use --libc PATH"
                 )
             if self.stacks:
-                self.stack_unwinder = StackUnwinder(self.allocator.path if self.allocator else libc_path)
+                self.stack_unwinder = StackUnwinder(libc_path)
+                if self.allocator is not None:  # its functions are the leaf where it is mapped
+                    self.stack_unwinder.add_leaf_file(self.allocator.path)
                 if self.launched is None:
                     self.stack_unwinder.capture(self.target)
             self.output_for(self.target)
@@ -1004,7 +1018,11 @@ class Recorder:
         if found.family is None and found not in self.allocator_warned:
             self.allocator_warned.append(found)
             print(f"pymtrace: warning: {libc.untraced_message(pid, found)}", file=sys.stderr)
-        elif found.family is not None and not at_start:
+        elif found.family is not None:
+            if foreign and self.stack_unwinder is not None:
+                self.stack_unwinder.add_leaf_file(found.path)
+            if at_start:
+                return
             self.allocator = found if foreign else None  # the trace names the last program's
             for out in self.outputs.values():
                 if hasattr(out, "set_allocator"):
