@@ -12,7 +12,8 @@
  * allocating call's registers and stack at its return into the ring buffer `stacks`; with
  * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS). Without STACKS no stack code is compiled.
  * OUTER_PROBES=0 leaves out the enter_outer_* programs (an interposer's entry probes), which
- * the recorder compiles only when it probes one.
+ * the recorder compiles only when it probes one. EXEC_ALLOCATORS (`record -- CMD`): chunk
+ * headers are read only while the map `foreign` says the program's allocator is glibc.
  */
 #include <uapi/linux/ptrace.h>
 #include "record.h"
@@ -158,16 +159,21 @@ static __always_inline int wanted(u32 tgid) {
 }
 #endif
 
-/* 1 (set by user space) while the traced program's malloc is another allocator's: its blocks
- * have no glibc chunk header (`record -- CMD` follows execs from one allocator to another) */
+#ifdef EXEC_ALLOCATORS
+/* `record -- CMD`, which follows execs from one allocator to another: 1 (set by user space)
+ * while the traced program's malloc is another allocator's, whose blocks have no glibc chunk
+ * header */
 BPF_ARRAY(foreign, u32, 1);
+#endif
 
 static __always_inline u64 chunk_size(u64 p) {
     u64 h = 0;
     if (!GLIBC_CHUNKS || p == 0) return 0;
+#ifdef EXEC_ALLOCATORS
     int zero = 0;
     u32 *no_header = foreign.lookup(&zero);
     if (no_header && *no_header) return 0;
+#endif
     pm_probe_read_user(&h, sizeof(h), (void *)(p - 8));
     return h & ~7ULL;
 }

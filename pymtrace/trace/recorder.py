@@ -729,6 +729,8 @@ class Recorder:
         defines = {"RB_PAGES": self.pages, "PAGE_SIZE_BYTES": _PAGE, "TARGET_TGID": self.target}
         if self.follow:
             defines["FOLLOW"] = 1
+        if self.launched is not None:  # it may exec onto another allocator (_probe_program)
+            defines["EXEC_ALLOCATORS"] = 1
         if self.stacks:
             from pymtrace.collect.heap import possible_cpus
 
