@@ -172,6 +172,15 @@ ensure_libvirt_user() {
         --shell /usr/sbin/nologin libvirt-qemu
 }
 
+# PATH -> whether a process has the file open.
+open_by_a_process() {
+    local fd
+    for fd in /proc/[0-9]*/fd/*; do
+        [ "$(readlink "$fd" 2>/dev/null)" = "$1" ] && return 0
+    done
+    return 1
+}
+
 # NAME LOG -> runs one local box; exit status 0 = suite passed.
 run_local_box() {
     local name=$1 logfile=$2 box_file key ns state rc
@@ -186,6 +195,19 @@ run_local_box() {
     local lock
     exec {lock}>"$cache/.run-$name.lock"
     flock "$lock"
+    # The VM disk of a run that was killed, or kept (PYMTRACE_VM_KEEP=1) and never destroyed,
+    # makes `vagrant up` fail ("Volume for domain is already created"): remove it unless a
+    # process (a kept VM's QEMU) still has it open.
+    local disk=$cache/pool/vagrant_$name.img
+    if [ -e "$disk" ]; then
+        if open_by_a_process "$disk"; then
+            log "$name: $disk is in use (a kept VM?): destroy it first"
+            exec {lock}>&-
+            return 1
+        fi
+        log "$name: removing the disk left by an earlier run: $disk"
+        rm -f "$disk"
+    fi
     state=$(mktemp -d "$cache/run.XXXXXX")
     ns=pymtrace-vm-$$-$name
     ip netns add "$ns" || { rm -rf "$state"; return 1; }

@@ -2,6 +2,7 @@
 
     tracepoint_fields("kmem", "kmem_cache_alloc")  -> {"call_site": "unsigned long", ...} or None
     slab_source()     -> SlabSource: how the slab view identifies caches on this kernel
+                         (BTF and raw tracepoints, else the tracepoints' `name`, else sizes)
     has_btf(), uretprobe_syscall()
 
 Tracepoint fields come from /sys/kernel/tracing/events/SYSTEM/NAME/format. For TESTS ONLY,
@@ -10,6 +11,8 @@ when the directory DIR/SYSTEM/NAME exists (without a format file in it: no such 
 so that a kernel without a field or a tracepoint can be emulated (e.g. Linux 6.1's
 kmem_cache_alloc, which has no `name`); BPF programs are still compiled and attached against
 the real kernel, so the emulated format must be a subset of the real one.
+Struct layouts and tracepoint arguments come from the kernel's BTF (pymtrace.bpf.btf); for
+TESTS ONLY, PYMTRACE_FAKE_BTF=PATH reads PATH instead (a missing file: a kernel without BTF).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from __future__ import annotations
 import os
 import typing
 
+from pymtrace.bpf import btf as btf_types
 from pymtrace.errors import PymtraceError
 
 TRACEFS = "/sys/kernel/tracing"
 FAKE_FORMAT_ENV = "PYMTRACE_FAKE_TP_FORMAT_DIR"
+FAKE_BTF_ENV = "PYMTRACE_FAKE_BTF"
 SLABINFO = "/proc/slabinfo"
 
 
@@ -75,24 +80,70 @@ def uretprobe_syscall() -> bool | None:
 
 # --------------------------------------------------------------------------- slab caches
 
+SLAB_BY_BTF = "struct kmem_cache via BTF"
 SLAB_BY_NAME = "tracepoint name"
 SLAB_BY_SIZE = "object size via /proc/slabinfo"
+# members of struct kmem_cache the raw tracepoint programs read (bpf/slab.bpf.c SLAB_OFF_*)
+SLAB_CACHE_MEMBERS = ("name", "size", "object_size")
 
 
 class SlabSource(typing.NamedTuple):
-    source: str  # SLAB_BY_NAME or SLAB_BY_SIZE
-    frees: bool  # kmem_cache_free can be attributed to a cache (it has `name`)
+    source: str  # SLAB_BY_BTF, SLAB_BY_NAME or SLAB_BY_SIZE
+    frees: bool  # kmem_cache_free can be attributed to a cache (a cache pointer or `name`)
     detail: str  # one sentence for the view and doctor
+    raw: dict[str, int] = {}  # SLAB_BY_BTF: slab.bpf.c's SLAB_RAW_*/SLAB_*_ARG/SLAB_OFF_* switches
 
     def defines(self) -> dict[str, int]:
         """-D switches of bpf/slab.bpf.c."""
-        return {"SLAB_ALLOC_BY_NAME": int(self.source == SLAB_BY_NAME), "SLAB_FREE_BY_NAME": int(self.frees)}
+        return {
+            "SLAB_ALLOC_BY_NAME": int(self.source != SLAB_BY_SIZE),
+            "SLAB_FREE_BY_NAME": int(self.frees),
+            **self.raw,
+        }
 
 
-def slab_source() -> SlabSource:
-    """How the slab program can identify caches here; PymtraceError when it cannot at all."""
+def slab_raw(btf: btf_types.Btf | None) -> dict[str, int]:
+    """slab.bpf.c's switches for raw tracepoints that read the cache from the `struct kmem_cache
+    *` argument (its name, size and object size at the offsets BTF gives), per tracepoint that
+    has one; {} when the allocation tracepoint has none (or there is no BTF). Raw tracepoint
+    programs are skipped only when they re-enter themselves, not whenever another BPF program or
+    a bpf() map access runs on the CPU as the kmem:* tracepoint programs are."""
+    if btf is None:
+        return {}
+    offsets = btf.member_offsets("kmem_cache", list(SLAB_CACHE_MEMBERS))
+    alloc = btf.tracepoint_arg("kmem_cache_alloc", "kmem_cache")
+    if offsets is None or alloc is None:
+        return {}
+    raw = {"SLAB_RAW_ALLOC": 1, "SLAB_ALLOC_CACHE_ARG": alloc}
+    raw.update({f"SLAB_OFF_{m.upper()}": off for m, off in offsets.items()})
+    free = btf.tracepoint_arg("kmem_cache_free", "kmem_cache")
+    if free is not None:
+        raw.update({"SLAB_RAW_FREE": 1, "SLAB_FREE_CACHE_ARG": free})
+    return raw
+
+
+def read_btf() -> btf_types.Btf | None:
+    """The kernel's BTF (PYMTRACE_FAKE_BTF=PATH, for tests only, reads PATH instead: a path
+    that does not exist emulates a kernel without BTF)."""
+    return btf_types.Btf.read(os.environ.get(FAKE_BTF_ENV) or btf_types.VMLINUX)
+
+
+def slab_source(use_btf: bool = True) -> SlabSource:
+    """How the slab program can identify caches here (USE_BTF False: without the raw
+    tracepoints, e.g. after this kernel rejected them); PymtraceError when it cannot at all."""
     alloc = tracepoint_fields("kmem", "kmem_cache_alloc")
     free = tracepoint_fields("kmem", "kmem_cache_free")
+    raw = slab_raw(read_btf()) if alloc is not None and use_btf else {}
+    if raw:
+        frees = bool(raw.get("SLAB_RAW_FREE")) or (free is not None and "name" in free)
+        how = "raw tracepoints" if raw.get("SLAB_RAW_FREE") or not frees else "raw tracepoint (frees: `name`)"
+        return SlabSource(
+            SLAB_BY_BTF,
+            frees,
+            f"caches named from the struct kmem_cache argument of the kmem {how}, its layout from BTF"
+            + ("" if frees else "; frees not counted (kmem:kmem_cache_free gives no cache here)"),
+            raw,
+        )
     if alloc is None:
         raise PymtraceError(
             "no slab view: this kernel has no readable kmem:kmem_cache_alloc tracepoint "

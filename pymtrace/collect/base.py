@@ -284,6 +284,11 @@ class Collector:
     def _defines(self) -> dict[str, Any]:
         return {}
 
+    def fallback(self, reason: str) -> bool:
+        """This kernel rejected the program (REASON): switch to a less demanding way of
+        collecting, which part() then gives; False when there is none."""
+        return False
+
     def prepare(self) -> None:
         """Before the compile: find what to attach to (errors before seconds of compiling)."""
         self.prepared = True
@@ -496,6 +501,8 @@ class Collectors:
         except PymtraceError as exc:
             if len(parts) == 1:
                 name = owners.get(parts[0].program, parts[0].program)
+                if self.collectors[name].fallback(str(exc)):
+                    return self._compile([self.collectors[name].part()])
                 if not self.collectors[name].contained:
                     raise
                 self.errors[name] = str(exc)
@@ -509,7 +516,7 @@ class Collectors:
         for part in parts:
             name = owners.get(part.program, part.program)
             try:
-                bpfload.detach_all(bpfload.load_parts([part], what=what))
+                part = self._alone(part, self.collectors[name], what)
             except PymtraceError as exc:
                 if self.collectors[name].required:  # what top is for: not a view to leave empty
                     raise
@@ -520,6 +527,19 @@ class Collectors:
         if not keep:
             raise first
         return bpfload.load_parts(keep, what=what)
+
+    @staticmethod
+    def _alone(part: bpfload.Part, collector: Collector, what: str) -> bpfload.Part:
+        """PART if it compiles and loads alone (then detached), else the collector's fallback
+        part if it has one that does (Collector.fallback); PymtraceError when neither."""
+        while True:
+            try:
+                bpfload.detach_all(bpfload.load_parts([part], what=what))
+                return part
+            except PymtraceError as exc:
+                if not collector.fallback(str(exc)):
+                    raise
+                part = collector.part()
 
     def _on_event(self, ev: ProcEvent) -> None:
         for c in self.collectors.values():

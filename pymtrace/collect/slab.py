@@ -17,9 +17,10 @@ from pymtrace.collect.base import (
 )
 
 # lost cause -> the programs whose skipped runs it counts (pymtrace.bpf.stats.recursion_misses)
+# (the raw tracepoint programs where BTF allows them, else the kmem:* tracepoint programs)
 SKIPPED = {
-    "slab_skipped_allocs": ["tracepoint__kmem__kmem_cache_alloc"],
-    "slab_skipped_frees": ["tracepoint__kmem__kmem_cache_free"],
+    "slab_skipped_allocs": ["raw_tracepoint__kmem_cache_alloc", "tracepoint__kmem__kmem_cache_alloc"],
+    "slab_skipped_frees": ["raw_tracepoint__kmem_cache_free", "tracepoint__kmem__kmem_cache_free"],
 }
 
 
@@ -27,12 +28,13 @@ class SlabCollector(Collector):
     """Per-cache slab counters from kmem:kmem_cache_alloc/free (system-wide).
 
     How caches are identified depends on the kernel (pymtrace.bpf.kfeatures.slab_source(), read
-    from the tracepoints' format files in prepare()): by the `name` field where the
-    tracepoints have it; otherwise allocations are keyed by object size, under the key
+    from its BTF and the tracepoints' format files in prepare()): by the name in the struct
+    kmem_cache the raw tracepoints pass, where BTF gives its layout; else by the `name` field
+    where the tracepoints have it; otherwise allocations are keyed by object size, under the key
     "size N", whose value also lists the caches of that size from /proc/slabinfo
     ("caches": [...]), and frees (by name, when kmem_cache_free has it) are added to the row
     of their cache's size (a cache /proc/slabinfo no longer lists keeps a row of its own).
-    The snapshot says which: "slab_source" (kfeatures.SLAB_BY_NAME / SLAB_BY_SIZE)."""
+    The snapshot says which: "slab_source" (kfeatures.SLAB_BY_BTF / SLAB_BY_NAME / SLAB_BY_SIZE)."""
 
     program = "slab"
     what = "tracing slab caches"
@@ -44,6 +46,15 @@ class SlabCollector(Collector):
         self.max_caches = max_caches
         self.fields = struct_fields(self.program, "slab_stats")
         self.source = None
+        self.raw_rejected = None  # why this kernel rejected the raw tracepoint programs
+
+    def fallback(self, reason: str) -> bool:
+        """The raw tracepoint programs rejected: the kmem:* tracepoints' fields instead."""
+        if self.source is None or self.source.source != kfeatures.SLAB_BY_BTF:
+            return False
+        self.source = kfeatures.slab_source(use_btf=False)
+        self.raw_rejected = reason
+        return True
 
     def prepare(self) -> None:
         self.source = kfeatures.slab_source()  # PymtraceError: this kernel cannot do it at all
@@ -92,6 +103,8 @@ class SlabCollector(Collector):
             "lost": lost,
             "maps": maps,
         }
-        if by_size or not self.source.frees:
-            snap["slab_note"] = self.source.detail  # what the fallback in use means, for the view
+        if by_size or not self.source.frees or self.raw_rejected:
+            # what the fallback in use means, for the view
+            rejected = self.raw_rejected and "this kernel rejected the raw tracepoint programs, so "
+            snap["slab_note"] = (rejected or "") + self.source.detail
         return snap

@@ -570,7 +570,7 @@ def check_slab_source(sim: Collection[str], tracefs_ok: bool) -> Check:
             "use a kernel with the kmem tracepoints for the slab view",
             False,
         )
-    if src.source == kfeatures.SLAB_BY_NAME and src.frees:
+    if src.source in (kfeatures.SLAB_BY_BTF, kfeatures.SLAB_BY_NAME) and src.frees:
         return Check("slab-source", name, OK, f"{src.source}: {src.detail}", "", False)
     return Check("slab-source", name, INFO, f"fallback in use, {src.source}: {src.detail}", "", False)
 

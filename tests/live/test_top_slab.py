@@ -34,7 +34,7 @@ def slab_row(cbuild):
     the snapshot key of the cache's row, its counters, whether that row is the cache's alone).
     The row is the cache's name, or on a kernel without cache names in its kmem tracepoints
     (6.1, or emulated) its object size, shared with the other caches of that size."""
-    by_name = kfeatures.slab_source().source == kfeatures.SLAB_BY_NAME
+    by_name = kfeatures.slab_source().source != kfeatures.SLAB_BY_SIZE
     sizes = kfeatures.slab_sizes()
     key = CACHE if by_name else kfeatures.size_key(sizes[CACHE])
     alone = by_name or [c for c, s in sizes.items() if s == sizes[CACHE]] == [CACHE]

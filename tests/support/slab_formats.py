@@ -35,7 +35,10 @@ format:
 
 
 def fake_formats(tmp_path, monkeypatch, **formats):
-    """Emulate a kernel whose kmem tracepoints have the given format files (kfeatures' test hook)."""
+    """Emulate a kernel whose kmem tracepoints have the given format files, and which has no
+    BTF (else the slab program would read the caches from BTF, whatever the formats say)
+    (kfeatures' test hooks)."""
+    monkeypatch.setenv(kfeatures.FAKE_BTF_ENV, str(tmp_path / "no-btf"))
     for tp, text in formats.items():
         d = tmp_path / "formats" / "kmem" / tp
         d.mkdir(parents=True)

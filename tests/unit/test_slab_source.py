@@ -46,3 +46,39 @@ def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
     assert list(cs.collectors) == ["faults"]
     assert "data_loc_name" in cs.errors["slab"]
     assert loads[0] == ["faults", "slab"] and loads[-1] == ["faults"]
+
+
+def test_raw_tracepoints_this_kernel_rejects_fall_back_to_the_tracepoint_fields(tmp_path, monkeypatch):
+    """BTF offers the raw tracepoint programs, the kernel rejects them: the slab collector is
+    kept, compiled the way the tracepoints' fields allow, and its view says why."""
+    from test_btf import blob
+
+    from pymtrace.bpf import load as bpfload
+    from pymtrace.collect import base as collect
+
+    fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME)
+    (tmp_path / "btf").write_bytes(blob(alloc=True))
+    monkeypatch.setenv(kfeatures.FAKE_BTF_ENV, str(tmp_path / "btf"))
+    assert kfeatures.slab_source().source == kfeatures.SLAB_BY_BTF
+    loads = []
+
+    def load_parts(parts, what=None):
+        loads.append([(p.program, p.defines.get("SLAB_RAW_ALLOC", 0)) for p in parts])
+        if any(p.defines.get("SLAB_RAW_ALLOC") for p in parts):
+            raise PymtraceError("cannot compile/load BPF program slab: raw tracepoint rejected")
+        return object()
+
+    monkeypatch.setattr(bpfload, "load_parts", load_parts)
+    monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
+    cs = collect.Collectors(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    cs.collectors["slab"].prepare()
+    assert cs._compile([c.part() for c in cs.collectors.values()]) is not None
+    slab = cs.collectors["slab"]
+    assert list(cs.collectors) == ["faults", "slab"] and "slab" not in cs.errors
+    assert slab.source.source == kfeatures.SLAB_BY_SIZE and "raw tracepoint rejected" in slab.raw_rejected
+    assert loads[-1] == [("faults", 0), ("slab", 0)]
+    # alone, too (a bundle of one)
+    cs = collect.Collectors(malloc=False, slab=True, faults=False, glibc=False, track_exits=False)
+    cs.collectors["slab"].prepare()
+    assert cs._compile([cs.collectors["slab"].part()]) is not None
+    assert cs.collectors["slab"].source.source == kfeatures.SLAB_BY_SIZE

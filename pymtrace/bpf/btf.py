@@ -1,0 +1,170 @@
+"""The kernel's own type information (BTF, /sys/kernel/btf/vmlinux), read for two questions:
+where a member lies in a kernel struct, and which argument of a raw tracepoint is a pointer
+to a given struct. Both let a BPF program read kernel data whose layout kernel headers do not
+give (struct kmem_cache is private to mm/): the offsets are passed to the program as -D
+switches, so nothing depends on a kernel version.
+
+    types = Btf.read()                                  # None: no BTF on this kernel
+    types.member_offsets("kmem_cache", ["name", "size"])  -> {"name": 96, "size": 24} or None
+    types.tracepoint_arg("kmem_cache_free", "kmem_cache")  -> 2 (ctx->args[2]) or None
+
+The format is the kernel's (Documentation/bpf/btf.rst): a header, then type records, then
+the strings. Only the records needed are decoded; the walk over the others only measures
+their length (~0.1 s for a whole vmlinux).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+VMLINUX = "/sys/kernel/btf/vmlinux"
+MAGIC = 0xEB9F
+
+KIND_PTR = 2
+KIND_STRUCT = 4
+KIND_UNION = 5
+KIND_FWD = 7
+KIND_TYPEDEF = 8
+KIND_VOLATILE = 9
+KIND_CONST = 10
+KIND_RESTRICT = 11
+KIND_FUNC_PROTO = 13
+KIND_TYPE_TAG = 18
+MODIFIERS = {KIND_TYPEDEF, KIND_VOLATILE, KIND_CONST, KIND_RESTRICT, KIND_TYPE_TAG}
+
+# kind -> (bytes after the 12-byte record, bytes per vlen item)
+_EXTRA = {
+    1: (4, 0),  # INT
+    3: (12, 0),  # ARRAY
+    4: (0, 12),  # STRUCT: btf_member
+    5: (0, 12),  # UNION
+    6: (0, 8),  # ENUM
+    13: (0, 8),  # FUNC_PROTO: btf_param
+    14: (4, 0),  # VAR
+    15: (0, 12),  # DATASEC
+    17: (4, 0),  # DECL_TAG
+    19: (0, 12),  # ENUM64
+}
+
+
+class Btf:
+    """Type records of one BTF blob, indexed by type id (1..n; 0 is void)."""
+
+    def __init__(self, data: bytes) -> None:
+        magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
+        if magic != MAGIC:
+            raise ValueError("not BTF (bad magic)")
+        type_off, type_len, str_off, str_len = struct.unpack_from("<IIII", data, 8)
+        self.data = data
+        self.types_at = hdr_len + type_off
+        self.strings = data[hdr_len + str_off : hdr_len + str_off + str_len]
+        self.starts = [0]  # offset of each type id's record (id 0: void, unused)
+        self.named: dict[int, list[int]] = {}  # name offset -> ids of the structs, fwds, typedefs
+        pos, end = self.types_at, self.types_at + type_len
+        unpack = struct.Struct("<II").unpack_from
+        extra, named = _EXTRA, (KIND_STRUCT, KIND_FWD, KIND_TYPEDEF)
+        while pos < end:
+            self.starts.append(pos)
+            name, info = unpack(data, pos)
+            kind = (info >> 24) & 0x1F
+            if kind in named:
+                self.named.setdefault(name, []).append(len(self.starts) - 1)
+            fixed, per_item = extra.get(kind, (0, 0))
+            pos += 12 + fixed + per_item * (info & 0xFFFF)
+
+    @classmethod
+    def read(cls, path: str = VMLINUX) -> Btf | None:
+        """The kernel's BTF, or None when this kernel has none (or it cannot be read)."""
+        try:
+            with open(path, "rb") as f:
+                return cls(f.read())
+        except (OSError, ValueError, struct.error):
+            return None
+
+    def _record(self, type_id: int) -> tuple[int, int, int, int, int]:
+        """(kind, vlen, kind_flag, name_off, size_or_type) of TYPE_ID."""
+        name, info, size = struct.unpack_from("<III", self.data, self.starts[type_id])
+        return (info >> 24) & 0x1F, info & 0xFFFF, info >> 31, name, size
+
+    def _items(self, type_id: int, width: int) -> list[tuple[int, ...]]:
+        kind, vlen, _flag, _name, _size = self._record(type_id)
+        pos = self.starts[type_id] + 12 + _EXTRA.get(kind, (0, 0))[0]
+        fmt = "<" + "I" * (width // 4)
+        return [struct.unpack_from(fmt, self.data, pos + i * width) for i in range(vlen)]
+
+    def _name_offsets(self, name: str) -> set[int]:
+        pattern = re.escape(b"\0" + name.encode() + b"\0")
+        found = {m.start() + 1 for m in re.finditer(pattern, self.strings)}
+        if self.strings.startswith(name.encode() + b"\0"):
+            found.add(0)
+        return found
+
+    def _find(self, kind: int, name: str) -> list[int]:
+        offsets = self._name_offsets(name)
+        if not offsets:
+            return []
+        return [tid for off in offsets for tid in self.named.get(off, []) if self._record(tid)[0] == kind]
+
+    def _strip(self, type_id: int) -> int:
+        """TYPE_ID without typedefs and const/volatile/restrict/type tags."""
+        for _ in range(32):
+            if type_id == 0:
+                return 0
+            kind, _vlen, _flag, _name, target = self._record(type_id)
+            if kind not in MODIFIERS:
+                return type_id
+            type_id = target
+        return type_id
+
+    def _members(self, type_id: int, base: int, out: dict[str, int]) -> None:
+        """Member name -> byte offset of a struct/union, anonymous members flattened in."""
+        _kind, _vlen, flag, _name, _size = self._record(type_id)
+        for name_off, mtype, offset in self._items(type_id, 12):
+            bits = offset & 0xFFFFFF if flag else offset
+            if bits % 8:
+                continue  # a bit field: not addressable
+            if name_off == 0:
+                inner = self._strip(mtype)
+                if self._record(inner)[0] in (KIND_STRUCT, KIND_UNION):
+                    self._members(inner, base + bits // 8, out)
+                continue
+            out.setdefault(self._string(name_off), base + bits // 8)
+
+    def _string(self, off: int) -> str:
+        end = self.strings.index(b"\0", off)
+        return self.strings[off:end].decode("utf-8", "replace")
+
+    def member_offsets(self, struct_name: str, members: list[str]) -> dict[str, int] | None:
+        """{member: byte offset} in `struct STRUCT_NAME` for every one of MEMBERS, or None
+        when the struct or any member is not there (or the definitions disagree)."""
+        found = None
+        for tid in self._find(KIND_STRUCT, struct_name):
+            if self._record(tid)[1] == 0:
+                continue  # an empty declaration
+            offsets = {}
+            self._members(tid, 0, offsets)
+            if not all(m in offsets for m in members):
+                return None
+            mine = {m: offsets[m] for m in members}
+            if found is not None and found != mine:
+                return None
+            found = mine
+        return found
+
+    def tracepoint_arg(self, tracepoint: str, struct_name: str) -> int | None:
+        """Index in a raw tracepoint's ctx->args of its argument that points to `struct
+        STRUCT_NAME` (from the typedef btf_trace_TRACEPOINT the kernel declares for each
+        tracepoint: a pointer to a function whose first parameter is the probe's data), or
+        None when the tracepoint or such an argument is not there."""
+        targets = set(self._find(KIND_STRUCT, struct_name)) | set(self._find(KIND_FWD, struct_name))
+        for tid in self._find(KIND_TYPEDEF, "btf_trace_" + tracepoint):
+            ptr = self._strip(tid)
+            kind, _vlen, _flag, _name, proto = self._record(ptr)
+            if kind != KIND_PTR or self._record(proto)[0] != KIND_FUNC_PROTO:
+                continue
+            for index, (_pname, ptype) in enumerate(self._items(proto, 8)[1:]):
+                arg = self._strip(ptype)
+                if self._record(arg)[0] == KIND_PTR and self._strip(self._record(arg)[4]) in targets:
+                    return index
+        return None
