@@ -523,6 +523,20 @@ def attach_foreign(bpf: Any, path: str, family: str, pid: int) -> list[tuple[str
     return [(path, f, tuple(p.offset for p in probes if p.kind == "entry")) for f, probes in plan]
 
 
+def foreign_defines(found: libc.Allocator | None, cxx: str | None) -> dict[str, int]:
+    """record.bpf.c's switches for its enter_f_* programs: only those attach_foreign will
+    attach for the allocator FOUND (None: glibc, probed by the libc's programs) and the C++
+    runtime CXX (None: none probed) -- none for a glibc process without C++ (a BCC compile
+    costs ~0.02 CPU-s a program). Raises PymtraceError as allocators.probe_plan does."""
+    wanted = set()
+    if found is not None:
+        wanted |= allocators.programs(found.path, found.family)
+    if cxx is not None:
+        wanted |= allocators.programs(cxx, allocators.CXX_FAMILY)
+    names = {"enter_f_" + p.removeprefix("ms_f_") for p in wanted if p != "ms_f_return"}  # `leave`: always
+    return {"F_SELECT": 1, **{f"WANT_{name}": 1 for name in sorted(names)}}
+
+
 # ---------------------------------------------------------------- the recorder
 
 
@@ -740,6 +754,7 @@ class Recorder:
         found = self.allocator if self.launched is None else None
         if found is not None:
             defines["GLIBC_CHUNKS"] = 0
+            defines["LIBC_PROBES"] = 0
             defines["OUTER_PROBES"] = 0
             self.libs = [(found.path, False)]
             probed = found.path
@@ -761,6 +776,11 @@ class Recorder:
                 defines["FREE_SKIP1"] = f"{skips[0] - site:#x}ULL"
                 defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
             probed = libc_path
+        # C++'s operator new/delete where the process's calls resolve (-p: known now; a
+        # launched command: per program, _probe_program)
+        cxx = libc.cxx_runtime(self.target) if self.launched is None else None
+        if self.launched is None:  # a launched command may exec onto any allocator: all enter_f_*
+            defines.update(foreign_defines(found, cxx))
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
         if self.stacks:
             self.bpf["stacks"].open_ring_buffer(self.stack_unwinder.on_event)
@@ -783,8 +803,6 @@ class Recorder:
             self.probed_files.add((found.path, found.family))
         if self.launched is not None:  # its allocator and operator new, as they resolve now
             self._probe_program(self.target, at_start=True)
-        # C++'s operator new/delete where the process's calls resolve
-        cxx = libc.cxx_runtime(self.target) if self.launched is None else None
         if cxx is not None:
             try:
                 self.sites += attach_foreign(self.bpf, cxx, allocators.CXX_FAMILY, pid)
