@@ -27,7 +27,7 @@ import duckdb
 import pyarrow.compute
 
 from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
-from pymtrace.trace.formats import detect_format, parquet
+from pymtrace.trace.formats import detect_format, parquet, recorded_allocator
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's M_MMAP_THRESHOLD default (it grows dynamically up to 32 MiB)
 DEFAULT_MEMORY_LIMIT = "1GB"
@@ -96,6 +96,14 @@ def _case_bucket(expr: str, bounds: Sequence[int], inclusive: bool) -> str:
 
 def _hex(v: int | None) -> str | None:
     return None if v is None else f"{v:#x}"
+
+
+def _allocator_of(path: str, fmt: str) -> str | None:
+    """The allocator family trace PATH (of format FMT) was recorded from: "glibc", "jemalloc",
+    ..., or None when the format cannot say (mtrace-text, a workload)."""
+    if fmt not in ("mtrace-bin", "parquet"):
+        return None
+    return recorded_allocator(path) or "glibc"
 
 
 class TraceSet:
@@ -290,10 +298,14 @@ class TraceSet:
         ]
         con.execute("CREATE VIEW trace_rows AS " + " UNION ALL ".join(selects))
         rep: dict[str, Any] = {
-            "files": [{"path": p, "format": f} for p, f in zip(self.inputs, self.formats)],
+            "files": [
+                {"path": p, "format": f, "allocator": _allocator_of(p, f)} for p, f in zip(self.inputs, self.formats)
+            ],
             "settings": {"memory_limit": self.memory_limit, "mmap_threshold": mmap_threshold, "top": top},
         }
         rep.update(self._call_mix())
+        # the allocators the traces say they were recorded from (None: not said, e.g. a text log)
+        rep["totals"]["allocators"] = sorted({f["allocator"] for f in rep["files"] if f["allocator"]})
         rep["sizes"] = self._sizes(mmap_threshold)
         self._pair()
         rep["lifetimes"] = self._lifetimes()

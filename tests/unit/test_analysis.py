@@ -4,6 +4,7 @@ every input format; spilling under a low memory limit; the read-only --sql; corr
 HTML report rendered in headless Chromium."""
 
 import html
+import io
 import json
 import os
 import re
@@ -88,7 +89,7 @@ def test_other_formats_and_many_files_give_the_same_numbers(synth, tmp_path):
     run_pymtrace("convert", raw, back, "--to", "parquet", check=True)
     rep = analyze_json(raw)
     check_against_truth(rep, truth)
-    assert rep["files"] == [{"path": str(raw), "format": "mtrace-bin"}]
+    assert rep["files"] == [{"path": str(raw), "format": "mtrace-bin", "allocator": "glibc"}]
     check_against_truth(report(back), truth)
     # a glob of two files: counts add up, addresses pair within each file only
     d = tmp_path / "many"
@@ -203,6 +204,24 @@ def test_known_calls(known):
     assert (first["reallocs"], first["first_size"], first["final_size"], first["moves"]) == (3, 10, 40, 2)
     assert first["caller"] == "0x401100" and first["first_call"] == "malloc"
     assert {h["reallocs"]: h["chains"] for h in ch["length_histogram"]}["2-3"] == 1
+
+
+def test_the_recorded_allocator_is_shown(known, tmp_path):
+    """json totals, text and html name the allocator each trace says it was recorded from."""
+    assert report(known)["totals"]["allocators"] == ["glibc"]
+    je = tmp_path / "je.trace"
+    with open(je, "wb") as f:
+        f.write(B.magic_record(1, allocator="jemalloc"))
+        f.write(known_calls().tobytes())
+    rep = report(je)
+    assert rep["totals"]["allocators"] == ["jemalloc"] and rep["files"][0]["allocator"] == "jemalloc"
+    from pymtrace.sinks.analysis_html import write_html
+    from pymtrace.sinks.analysis_text import write_text
+
+    text, page = io.StringIO(), io.StringIO()
+    write_text(rep, text)
+    write_html(rep, page)
+    assert "recorded from jemalloc" in text.getvalue() and "recorded from jemalloc" in page.getvalue()
 
 
 def test_collect_dataset_parts_of_one_stream_are_one_recording(known, tmp_path):

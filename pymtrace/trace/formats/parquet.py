@@ -362,6 +362,21 @@ class Writer:
         counts = numpy.bincount(cols[0].view(numpy.uint8).reshape(n, 8)[:, 4], minlength=9)  # type codes
         self.type_counts = [a + int(b) for a, b in zip(self.type_counts, counts[:9])]
 
+    def update_metadata(self, items: Mapping[str, str]) -> None:
+        """Set key-value metadata ITEMS (`record -- CMD`: the allocator of the program the
+        command exec'd); the footer is rewritten at once. Raises OSError."""
+        meta = {k.decode(): v.decode() for k, v in (self.schema.metadata or {}).items()}
+        meta.update(items)
+        self.schema = self.schema.with_metadata(meta)
+        empty, _ = self._segment(None)
+        self.template, _ = thrift.read_struct(
+            empty, len(empty) - 8 - struct.unpack_from("<I", empty, len(empty) - 8)[0]
+        )
+        footer = self._footer()
+        self._pwrite([footer], self.data_end)
+        os.ftruncate(self.fd, self.data_end + len(footer))
+        self.footer = footer
+
     def _pwrite(self, parts: list, offset: int) -> None:
         """Write PARTS (bytes-like) at OFFSET, all of them (pwritev can write less)."""
         views = [memoryview(p).cast("B") for p in parts]
