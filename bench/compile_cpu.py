@@ -18,23 +18,42 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+# the programs a command selects (allocators.programs; jemalloc 5.3's layouts, as measured)
+_CXX = ["ms_f_new_s1", "ms_f_new_array_s1", "ms_f_new_nothrow_s1", "ms_f_new_aligned_s1", "ms_f_delete_p1",
+        "ms_f_delete_array_p1", "ms_f_delete_sized_p1", "ms_f_delete_aligned_p1"]  # fmt: skip
+_JEMALLOC = ["ms_f_malloc_s1", "ms_f_calloc_n1s2", "ms_f_realloc_p1s2", "ms_f_realloc_x", "ms_f_free_p1",
+             "ms_f_memalign_s2", "ms_f_posix_memalign_p1s3", "ms_f_valloc_s1"]  # fmt: skip
+
+
+def _want(prefix, programs, rename=lambda p: p):
+    return {prefix + "SELECT": 1, **{f"{'MS_' if prefix == 'MS_F_' else ''}WANT_{rename(p)}": 1 for p in programs}}
+
+
+def _ms(glibc, foreign, cxx, programs=None):
+    d = {"MS_GLIBC": glibc, "MS_FOREIGN": foreign, "MS_CXX": cxx}
+    return d if programs is None else {**d, **_want("MS_F_", programs)}
+
+
+def _rec(programs=None, libc=1):
+    d = {"OUTER_PROBES": 0, "LIBC_PROBES": libc, "GLIBC_CHUNKS": libc}
+    if programs is None:
+        return d
+    return {**d, **_want("F_", programs, lambda p: "enter_f_" + p.removeprefix("ms_f_"))}
+
+
+_TOP = [("faults", {}), ("slab", {})]
 # variant -> [(program, defines)]: top's and the exporter's module (malloc_stats + faults +
-# slab), with and without the other allocators' programs; record's, with and without the
-# interposer's entry programs
+# slab) as each program selection compiles it; record's for a glibc process and a jemalloc one
 VARIANTS = {
-    "top: malloc_stats (libc + other allocators) + faults + slab": [
-        ("malloc_stats", {"MS_GLIBC": 1, "MS_FOREIGN": 1}),
-        ("faults", {}),
-        ("slab", {}),
-    ],
-    "top: malloc_stats (libc only) + faults + slab": [
-        ("malloc_stats", {"MS_GLIBC": 1, "MS_FOREIGN": 0}),
-        ("faults", {}),
-        ("slab", {}),
-    ],
-    "top --always-on: faults + slab": [("faults", {}), ("slab", {})],
-    "record (with interposer programs)": [("record", {"OUTER_PROBES": 1})],
-    "record (without)": [("record", {"OUTER_PROBES": 0})],
+    "top, before: libc + every other allocator's and C++'s program": [("malloc_stats", _ms(1, 1, 1))] + _TOP,
+    "top, libc only (before and now, no C++ mapped)": [("malloc_stats", _ms(1, 0, 0))] + _TOP,
+    "top, now: libc + C++ (a libstdc++ mapped)": [("malloc_stats", _ms(1, 0, 1, _CXX))] + _TOP,
+    "top, now: libc + C++ + jemalloc's layouts": [("malloc_stats", _ms(1, 1, 1, _CXX + _JEMALLOC))] + _TOP,
+    "top --always-on: faults + slab": _TOP,
+    "record, before: glibc process (every enter_f_*)": [("record", _rec())],
+    "record, now: glibc process": [("record", _rec([]))],
+    "record, now: glibc process with C++": [("record", _rec(_CXX))],
+    "record, now: jemalloc process (its layouts + C++)": [("record", _rec(_CXX + _JEMALLOC, libc=0))],
 }
 
 CHILD = """
@@ -70,7 +89,7 @@ def main() -> None:
             )
             cpu, programs = json.loads(out.stdout.splitlines()[-1])
             results[v].append((cpu, load, programs))
-            print(f"round {r + 1} {v:60} {cpu:5.2f} CPU-s  {programs:2} programs  load {load:.1f}", file=sys.stderr)
+            print(f"round {r + 1} {v:62} {cpu:5.2f} CPU-s  {programs:2} programs  load {load:.1f}", file=sys.stderr)
     print("| module | programs | compile CPU min / median (s) | load (1-min avg) |")
     print("|---|---|---|---|")
     for v, res in results.items():

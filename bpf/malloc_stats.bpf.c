@@ -16,8 +16,9 @@
  *
  *   sched:sched_process_exec  (tracepoint, ms_exec) the process's new name into its entry
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
- * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 (leave out the
- * libc's / the other allocators' programs).
+ * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
+ * out the libc's / the other allocators' / C++ operator new/delete's programs), MS_F_SELECT=1
+ * (of the ms_f_* entry programs only those whose MS_WANT_<program> is 1).
  */
 #include <uapi/linux/ptrace.h>
 #include "malloc_stats.h"
@@ -28,15 +29,26 @@
 #ifndef MS_MAX_THREADS
 #define MS_MAX_THREADS 16384
 #endif
-/* Which programs the module gets (both by default): MS_GLIBC the libc's (ms_<call>_*),
- * MS_FOREIGN the other allocators' (ms_f_*). MallocCollector compiles only the ones it will
- * attach: ~0.1-0.2 CPU-s of compile each, for programs no process may need. */
+/* Which programs the module gets (all by default): MS_GLIBC the libc's (ms_<call>_*),
+ * MS_FOREIGN the other allocators' (ms_f_<call>_<layout>), MS_CXX C++ operator new/delete's
+ * (ms_f_new_*, ms_f_delete_*); ms_f_return with either of the last two. With MS_F_SELECT, of
+ * the last two groups' entry programs only those whose MS_WANT_<program> is 1 (the argument
+ * layouts the probed files use: pymtrace.target.allocators.programs). MallocCollector
+ * compiles only what it will attach: ~0.02 CPU-s of compile a program. */
 #ifndef MS_GLIBC
 #define MS_GLIBC 1
 #endif
 #ifndef MS_FOREIGN
 #define MS_FOREIGN 1
 #endif
+#ifndef MS_CXX
+#define MS_CXX 1
+#endif
+#ifndef MS_F_SELECT
+#define MS_F_SELECT 0
+#endif
+/* an identifier left undefined after expansion is 0 in #if: a program not asked for */
+#define MS_WANT(program) (!MS_F_SELECT || MS_WANT_##program)
 #ifndef MS_MAX_BLOCKS
 #define MS_MAX_BLOCKS 1048576
 #endif
@@ -338,7 +350,7 @@ int ms_outer_return(struct pt_regs *ctx) {
 
 #endif /* MS_GLIBC */
 
-#if MS_FOREIGN
+#if MS_FOREIGN || MS_CXX
 /* ---- other allocators: jemalloc, tcmalloc, mimalloc, a malloc in the executable --------
  *
  * Attached by MallocCollector to the functions of pymtrace/target/allocators.py's tables,
@@ -417,6 +429,7 @@ static __always_inline int foreign_entry(struct pt_regs *ctx, u32 type, u64 size
     return 0;
 }
 
+#if MS_CXX
 /* C++ operator new/delete (CALL_NEW..): counted at entry (foreign_entry without
  * foreign_calls). On glibc the malloc/free they make inside adds the block's bytes and sets
  * old_chunk; an outermost new that saw none (another allocator's, whose blocks have no
@@ -450,6 +463,8 @@ static __always_inline int cxx_return(struct pt_regs *ctx, u64 id, struct ms_out
     return 0;
 }
 
+#endif /* MS_CXX */
+
 int ms_f_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
@@ -463,7 +478,9 @@ int ms_f_return(struct pt_regs *ctx) {
     }
     struct ms_outer o = *op;
     if (ms_outer.delete(&id) == 0) add_active(-1);
+#if MS_CXX
     if (o.type >= CALL_NEW) return cxx_return(ctx, id, &o);
+#endif
     if (o.type == CALL_FREE || o.old_chunk) return 0; /* nothing can fail; xallocx: in place */
     struct ms_stats *s = stats_for(id >> 32);
     if (!s) return 0;
@@ -493,6 +510,8 @@ int ms_f_return(struct pt_regs *ctx) {
     return 0;
 }
 
+#if MS_FOREIGN
+#if MS_WANT(ms_f_free_p1)
 /* A free-type function that calls no other probed function: entry only, skipped inside an
  * allocating call (realloc(p, 0), an internal free). */
 int ms_f_free_p1(struct pt_regs *ctx) {
@@ -516,6 +535,7 @@ int ms_f_free_p1(struct pt_regs *ctx) {
         fblock_free(s, id >> 32, ptr);
     return 0;
 }
+#endif
 
 /* The entry programs, named ms_f_<call>_<layout> (allocators.py's ApiFunction.program):
  * s1/s2 size in argument 1/2, n1s2 count * size, p1s2 pointer and size, p1s3
@@ -532,21 +552,48 @@ int ms_f_free_p1(struct pt_regs *ctx) {
         return foreign_entry(ctx, type, size, ptr, nofail);                                                  \
     }
 #endif
+#if MS_WANT(ms_f_malloc_s1)
 MS_F_ENTRY(ms_f_malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_malloc_n1s2)
 MS_F_ENTRY(ms_f_malloc_n1s2, CALL_MALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_calloc_n1s2)
 MS_F_ENTRY(ms_f_calloc_n1s2, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_calloc_s1)
 MS_F_ENTRY(ms_f_calloc_s1, CALL_CALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_realloc_p1s2)
 MS_F_ENTRY(ms_f_realloc_p1s2, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
+#endif
+#if MS_WANT(ms_f_realloc_x)
 MS_F_ENTRY(ms_f_realloc_x, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 1)
+#endif
+#if MS_WANT(ms_f_memalign_s1)
 MS_F_ENTRY(ms_f_memalign_s1, CALL_MEMALIGN, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_memalign_s2)
 MS_F_ENTRY(ms_f_memalign_s2, CALL_MEMALIGN, PT_REGS_PARM2(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_posix_memalign_p1s3)
 MS_F_ENTRY(ms_f_posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx), 0)
+#endif
+#if MS_WANT(ms_f_valloc_s1)
 MS_F_ENTRY(ms_f_valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_pvalloc_s1)
 MS_F_ENTRY(ms_f_pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if MS_WANT(ms_f_free_nest)
 MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
+#endif
 
+#endif /* MS_FOREIGN */
+
+#if MS_CXX
 /* C++ operator new/delete (allocators.CXX; entry + ms_f_return): ms_f_<call>_<layout> too.
- * Compiled with the other allocators' programs (MallocCollector sets MS_FOREIGN for them). */
+ * MS_F_SELECT applies to them too: tcmalloc's and mimalloc's leave some to their free. */
 #if MS_EMPTY
 #define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
     int name(struct pt_regs *ctx) {                                                                          \
@@ -558,15 +605,32 @@ MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
         return cxx_entry(ctx, type, size, ptr);                                                              \
     }
 #endif
+#if MS_WANT(ms_f_new_s1)
 MS_CXX_ENTRY(ms_f_new_s1, CALL_NEW, PT_REGS_PARM1(ctx), 0)
+#endif
+#if MS_WANT(ms_f_new_array_s1)
 MS_CXX_ENTRY(ms_f_new_array_s1, CALL_NEW_ARRAY, PT_REGS_PARM1(ctx), 0)
+#endif
+#if MS_WANT(ms_f_new_nothrow_s1)
 MS_CXX_ENTRY(ms_f_new_nothrow_s1, CALL_NEW_NOTHROW, PT_REGS_PARM1(ctx), 0)
+#endif
+#if MS_WANT(ms_f_new_aligned_s1)
 MS_CXX_ENTRY(ms_f_new_aligned_s1, CALL_NEW_ALIGNED, PT_REGS_PARM1(ctx), 0)
+#endif
+#if MS_WANT(ms_f_delete_p1)
 MS_CXX_ENTRY(ms_f_delete_p1, CALL_DELETE, 0, PT_REGS_PARM1(ctx))
+#endif
+#if MS_WANT(ms_f_delete_array_p1)
 MS_CXX_ENTRY(ms_f_delete_array_p1, CALL_DELETE_ARRAY, 0, PT_REGS_PARM1(ctx))
+#endif
+#if MS_WANT(ms_f_delete_sized_p1)
 MS_CXX_ENTRY(ms_f_delete_sized_p1, CALL_DELETE_SIZED, 0, PT_REGS_PARM1(ctx))
+#endif
+#if MS_WANT(ms_f_delete_aligned_p1)
 MS_CXX_ENTRY(ms_f_delete_aligned_p1, CALL_DELETE_ALIGNED, 0, PT_REGS_PARM1(ctx))
-#endif /* MS_FOREIGN */
+#endif
+#endif /* MS_CXX */
+#endif /* MS_FOREIGN || MS_CXX */
 
 /* ---- exec: the process has a new name ------------------------------------------ */
 

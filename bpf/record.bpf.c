@@ -11,8 +11,13 @@
  * (read glibc chunk headers for size2/size3), STASH_ENTRIES, STACKS (record --stacks: each
  * allocating call's registers and stack at its return into the ring buffer `stacks`; with
  * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS). Without STACKS no stack code is compiled.
- * OUTER_PROBES=0 leaves out the enter_outer_* programs (an interposer's entry probes), which
- * the recorder compiles only when it probes one.
+ * LIBC_PROBES=0 leaves out the libc's entry programs (enter_<call>: a process on another
+ * allocator is probed by enter_f_* alone). OUTER_PROBES=0 leaves out the enter_outer_* programs (an interposer's entry probes), which
+ * the recorder compiles only when it probes one. F_SELECT=1: of the enter_f_* programs (other
+ * allocators, C++ operator new/delete) only those whose WANT_<program> is 1 (the recorder:
+ * those its probe plans attach; none for a glibc process without C++). EXEC_ALLOCATORS
+ * (`record -- CMD`, compiled without F_SELECT: it may exec onto any allocator): chunk
+ * headers are read only while the map `foreign` says the program's allocator is glibc.
  */
 #include <uapi/linux/ptrace.h>
 #include "record.h"
@@ -32,6 +37,14 @@
 #ifndef OUTER_PROBES
 #define OUTER_PROBES 1
 #endif
+#ifndef LIBC_PROBES
+#define LIBC_PROBES 1
+#endif
+#ifndef F_SELECT
+#define F_SELECT 0
+#endif
+/* an identifier left undefined after expansion is 0 in #if: a program not asked for */
+#define WANT(program) (!F_SELECT || WANT_##program)
 #ifndef GLIBC_CHUNKS
 #define GLIBC_CHUNKS 1
 #endif
@@ -158,9 +171,21 @@ static __always_inline int wanted(u32 tgid) {
 }
 #endif
 
+#ifdef EXEC_ALLOCATORS
+/* `record -- CMD`, which follows execs from one allocator to another: 1 (set by user space)
+ * while the traced program's malloc is another allocator's, whose blocks have no glibc chunk
+ * header */
+BPF_ARRAY(foreign, u32, 1);
+#endif
+
 static __always_inline u64 chunk_size(u64 p) {
     u64 h = 0;
     if (!GLIBC_CHUNKS || p == 0) return 0;
+#ifdef EXEC_ALLOCATORS
+    int zero = 0;
+    u32 *no_header = foreign.lookup(&zero);
+    if (no_header && *no_header) return 0;
+#endif
     pm_probe_read_user(&h, sizeof(h), (void *)(p - 8));
     return h & ~7ULL;
 }
@@ -277,6 +302,7 @@ static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, 
     return 0;
 }
 
+#if LIBC_PROBES
 int enter_malloc(struct pt_regs *ctx) {
     return enter(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0);
 }
@@ -347,6 +373,7 @@ int enter_free(struct pt_regs *ctx) {
     if (e) fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller, bpf_ktime_get_ns());
     return 0;
 }
+#endif /* LIBC_PROBES */
 
 /* ---- other allocators (jemalloc, tcmalloc, mimalloc, a malloc in the executable) -------
  * Attached by the recorder to the functions of pymtrace/target/allocators.py's probe plan:
@@ -358,19 +385,41 @@ int enter_free(struct pt_regs *ctx) {
     int enter_f_##name(struct pt_regs *ctx) {                                                                \
         return enter(ctx, TYPE, A0, A1, A2);                                                                 \
     }
+#if WANT(enter_f_malloc_s1)
 ENTER_F(malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if WANT(enter_f_malloc_n1s2)
 ENTER_F(malloc_n1s2, CALL_MALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+#endif
+#if WANT(enter_f_calloc_n1s2)
 ENTER_F(calloc_n1s2, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
+#endif
+#if WANT(enter_f_calloc_s1)
 ENTER_F(calloc_s1, CALL_CALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if WANT(enter_f_realloc_p1s2)
 ENTER_F(realloc_p1s2, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
+#endif
 /* xallocx(p, size, extra, flags) resizes in place and returns a size: recorded as realloc(p) -> p */
+#if WANT(enter_f_realloc_x)
 ENTER_F(realloc_x, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 1)
+#endif
 /* (size, alignment): mi_malloc_aligned, mi_zalloc_aligned */
+#if WANT(enter_f_memalign_s1)
 ENTER_F(memalign_s1, CALL_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
+#endif
+#if WANT(enter_f_memalign_s2)
 ENTER_F(memalign_s2, CALL_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
+#endif
+#if WANT(enter_f_posix_memalign_p1s3)
 ENTER_F(posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx))
+#endif
+#if WANT(enter_f_valloc_s1)
 ENTER_F(valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if WANT(enter_f_pvalloc_s1)
 ENTER_F(pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
 
 /* A free-type function: recorded at entry unless nested in another recorded call. NEST: it
  * calls another probed function and has a return probe, so its depth is kept like an
@@ -395,32 +444,52 @@ static __always_inline int enter_foreign_free(struct pt_regs *ctx, int nest) {
     }
     return 0;
 }
+#if WANT(enter_f_free_p1)
 int enter_f_free_p1(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 0);
 }
+#endif
+#if WANT(enter_f_free_nest)
 int enter_f_free_nest(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 1);
 }
+#endif
 
 /* C++ operator new/delete (allocators.CXX, entry + `leave`), mapped onto dj/malloc's codes
  * (docs/formats.md): every new -> malloc (size), an aligned new -> memalign (alignment, size),
  * every delete -> free. The malloc/free they make inside is nested: not recorded again. */
+#if WANT(enter_f_new_s1)
 ENTER_F(new_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if WANT(enter_f_new_array_s1)
 ENTER_F(new_array_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if WANT(enter_f_new_nothrow_s1)
 ENTER_F(new_nothrow_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
+#endif
+#if WANT(enter_f_new_aligned_s1)
 ENTER_F(new_aligned_s1, CALL_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
+#endif
+#if WANT(enter_f_delete_p1)
 int enter_f_delete_p1(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 1);
 }
+#endif
+#if WANT(enter_f_delete_array_p1)
 int enter_f_delete_array_p1(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 1);
 }
+#endif
+#if WANT(enter_f_delete_sized_p1)
 int enter_f_delete_sized_p1(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 1);
 }
+#endif
+#if WANT(enter_f_delete_aligned_p1)
 int enter_f_delete_aligned_p1(struct pt_regs *ctx) {
     return enter_foreign_free(ctx, 1);
 }
+#endif
 
 int leave(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();

@@ -67,13 +67,14 @@ class RingReader:
         self._advance(cons + n * self.stride)
         return out, n
 
-    def read_words(self, limit: int | None = None) -> tuple[object, int]:
+    def read_words(self, limit: int | None = None, max_records: int | None = None) -> tuple[object, int]:
         """(an (n, stride/8) uint64 numpy view of the committed samples in the ring itself,
         word 0 the sample header, words 1.. the record), n; or (None, 0). Nothing is copied
         and the consumer position stays: the caller copies what it needs, then calls
         consume(n). One copy less than read() for a consumer that reorganizes the records
-        anyway (record --format parquet copies them straight into its columns). Needs numpy."""
-        cons, n = self._committed(None, limit)
+        anyway (record --format parquet copies them straight into its columns). At most
+        MAX_RECORDS samples. Needs numpy."""
+        cons, n = self._committed(max_records, limit)
         if not n:
             return None, 0
         start = _PAGE + (cons & self.mask)

@@ -286,20 +286,42 @@ class HeapCollector(Collector):
         targets = {}
         self.families = {}
         for pid in self.pids:
-            found = None if self.libc_path else libc.allocator(pid)
-            if found is not None and found.family not in (None, "glibc"):  # jemalloc, ...
-                targets.setdefault(found.path, []).append(pid)
-                self.families[found.path] = found.family
-                continue
-            # raises ProcessGone, or why its maps are unreadable
-            path = self.libc_path or libc.process_libc(pid)
-            if path is None:
-                raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+            path, family = self._allocator_of(pid)
             targets.setdefault(path, []).append(pid)
+            if family != "glibc":
+                self.families[path] = family
         # following forks: children are probed by system-wide uprobes filtered in BPF (a uprobe
         # bound to one process is not inherited); otherwise each process alone
         self.libcs = {path: [-1] for path in targets} if self.follow_forks else targets
         super().prepare()
+
+    def _allocator_of(self, pid: int) -> tuple[str, str]:
+        """(the file whose malloc PID calls, its family): libc.allocator's answer (jemalloc,
+        ...), else its libc (or the libc_path given). Raises ProcessGone, or PymtraceError
+        when it maps no libc (static binary) or its maps are unreadable."""
+        found = None if self.libc_path else libc.allocator(pid)
+        if found is not None and found.family not in (None, "glibc"):  # jemalloc, ...
+            return found.path, found.family
+        path = self.libc_path or libc.process_libc(pid)
+        if path is None:
+            raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+        return path, "glibc"
+
+    def probe_program(self, pid: int) -> None:
+        """PID (traced) stopped after an exec, its new program's objects mapped but nothing
+        run (target.launch's on_exec): probe the file its malloc calls now resolve to, unless
+        it is probed already (`heap -- env LD_PRELOAD=libjemalloc.so.2 PROG`). Raises
+        PymtraceError when that program's malloc cannot be probed."""
+        path, family = self._allocator_of(pid)
+        if path in self.libcs:
+            return
+        if family != "glibc":
+            self.families[path] = family
+        self.plans[path] = probe_plan(path, family)
+        who = -1 if self.follow_forks else pid
+        self.libcs[path] = [who]
+        for kinds in (("return",), ("entry",)):
+            self._attach_libc(path, who, kinds)
 
     def plan(self) -> None:
         self.plans = {path: probe_plan(path, self.families.get(path, "glibc")) for path in self.libcs}

@@ -73,6 +73,12 @@ class HeapSession:
             self.processes.capture(pid, required=True)
         self.collector.attach()
 
+    def probe_program(self, pid: int) -> None:
+        """A launched command after an exec, its objects mapped (target.launch's on_exec):
+        its new program's allocator probed too (HeapCollector.probe_program); raises
+        PymtraceError when it cannot be."""
+        self.collector.probe_program(pid)
+
     def poll(self, timeout_ms: int = 10) -> None:
         self.collector.poll(timeout_ms)
 

@@ -91,6 +91,7 @@ class MallocCollector(Collector):
         self.families = {}  # path -> "glibc" or a pymtrace.target.allocators.FAMILIES key
         self.cxx = {}  # file where C++ operator new/delete resolve -> [pids] (or [-1])
         self.cxx_plans = {}  # its probes (allocators.CXX)
+        self.foreign_programs = set()  # the other allocators' ms_f_* programs the files need
         self.skipped = []  # system-wide: (path, {pid, ...}, reason) of libc files not traced
         self._users = {}  # system-wide: libc path -> the processes mapping it
         self.fields = struct_fields(self.program, "ms_stats")
@@ -154,19 +155,55 @@ class MallocCollector(Collector):
         return path, "glibc"
 
     def _defines(self):
-        # only the programs prepare()'s files need: the libc's, the other allocators', or both
+        # only the programs prepare()'s files need: the libc's, the other allocators' (of
+        # those, the argument layouts the files use), C++'s operator new/delete's
         families = set(self.families.values())
         return {
             "MS_MAX_PROCS": self.max_procs,
             "MS_EMPTY": int(self.empty),
             "MS_GLIBC": int("glibc" in families),
-            # C++'s operator new/delete programs share the other allocators' nesting state
-            "MS_FOREIGN": int(bool(families - {"glibc"}) or bool(self.cxx)),
+            "MS_FOREIGN": int(bool(families - {"glibc"})),
+            "MS_CXX": int(bool(self.cxx)),
+            "MS_F_SELECT": 1,
+            **{f"MS_WANT_{program}": 1 for program in sorted(self.foreign_programs)},
         }
 
     def prepare(self) -> None:
         self.libcs = self._targets()
+        self._select_programs()
         super().prepare()
+
+    def _select_programs(self) -> None:
+        """The ms_f_* programs the other allocators' files need (allocators.programs:
+        symbols, PLT stubs and free's code, ~0.02 s a file; the probe sites are decoded by
+        plan(), beside the compile). System-wide, a file that cannot be read is left out
+        as plan() leaves it out. C++'s: exactly for a file whose symbols that just read (an
+        allocator replacing operator new: tcmalloc's and mimalloc's delete is their free),
+        else every variant (libstdc++ defines each; its symbol table is read beside the
+        compile, ~0.04 s with pyelftools' import, for no program saved)."""
+        self.foreign_programs = set()
+        for path in [p for p, family in self.families.items() if family != "glibc"]:
+            try:
+                self.foreign_programs |= allocators.programs(path, self.families[path])
+            except Exception as exc:  # whatever a malformed file raises: recorded, shown as a note
+                self._leave_out(path, exc)
+        for path in self.cxx:
+            if self.families.get(path, "glibc") == "glibc":
+                self.foreign_programs |= allocators.CXX_PROGRAMS
+                continue
+            try:
+                self.foreign_programs |= allocators.programs(path, allocators.CXX_FAMILY)
+            except PymtraceError:  # no operator new after all: plan() leaves it out, said
+                self.foreign_programs |= allocators.CXX_PROGRAMS
+
+    def _leave_out(self, path: str, exc: Exception) -> None:
+        """A file that cannot be decoded: with -p (a traced process's allocator) the error,
+        system-wide left out with the reason in self.skipped (only its processes untraced)."""
+        if self.pids is not None:
+            raise exc
+        self.skipped.append((path, self._users[path], str(exc)))
+        del self.libcs[path]
+        self.families.pop(path, None)
 
     def plan(self) -> None:
         """Decode each libc's allocator functions (~0.02-0.1 s a file), run while the programs
@@ -185,10 +222,7 @@ class MallocCollector(Collector):
                         for function, probes in allocators.probe_plan(path, family)
                     ]
             except Exception as exc:  # whatever a malformed file raises: recorded, shown as a note
-                if self.pids is not None:  # the libc of a process named with -p: an error
-                    raise
-                self.skipped.append((path, self._users[path], str(exc)))
-                del self.libcs[path]
+                self._leave_out(path, exc)
         if not self.libcs:
             raise PymtraceError("found no libc to attach to")
         self.cxx_plans = {}

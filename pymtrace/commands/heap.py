@@ -36,6 +36,11 @@ EPILOG = """examples:
   pymtrace heap -p 1234 --duration 30 -o leak.html --older 10   # in use, older than 10 s
   pymtrace heap -p 1234 -o stacks.folded --value alloc_space && flamegraph.pl stacks.folded
   pymtrace heap --sample-bytes 1 -o exact.txt -- ./test      # every call (exact, costly)
+  pymtrace heap -o je.pb.gz -- env LD_PRELOAD=libjemalloc.so.2 ./app   # jemalloc's calls
+
+ALLOCATORS: glibc, jemalloc, tcmalloc, mimalloc or a malloc of the program's own, where its
+calls resolve; a launched command is stopped once its loader has mapped its libraries (and
+after each exec) so its allocator is found before it runs. See docs/heap.md.
 
 FORMATS: pprof (gzip'd profile.proto: go tool pprof, Pyroscope, Parca), folded (flamegraph.pl,
 speedscope, inferno), html (one self-contained flame graph), text (top stacks). Chosen by
@@ -123,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
     if cmd:
         launched = Launched(cmd)
         pids = [launched.pid]
+        try:  # its objects mapped (LD_PRELOAD too), nothing run: its allocator resolved as for -p
+            launched.run_until_loaded()
+        except PymtraceError:
+            launched.kill()
+            raise
     else:
         pids = sorted({proc.tgid(pid) for pid in args.pid})
         if os.getpid() in pids:
@@ -141,11 +151,11 @@ def run(args: argparse.Namespace) -> int:
             stack_bytes=stack_bytes,
             follow_forks=args.follow_forks,
             meta=meta,
-            libc_path=launched.libc_path() if launched is not None else None,
         )
         session.attach()
         if launched is not None:
-            launched.resume(hold_exit=True)  # its maps are read again at its exit
+            # its maps are read again at its exit; each exec's program gets its allocator probed
+            launched.resume(hold_exit=True, on_exec=lambda pid: _probe_program(session, pid))
         if not args.quiet:
             what = f"`{meta['command']}`" if cmd else "PID " + ", ".join(map(str, pids))
             print(f"pymtrace heap: sampling {what}; Ctrl-C to stop and write {args.output}", file=sys.stderr)
@@ -180,6 +190,15 @@ def run(args: argparse.Namespace) -> int:
         print("pymtrace heap: samples were lost (see drops above); exit status 3", file=sys.stderr)
         return 3
     return 0
+
+
+def _probe_program(session: HeapSession, pid: int) -> None:
+    """After an exec of the launched command: its new program's allocator probed too; a
+    warning when it cannot be (a static program): the profile then lacks its calls."""
+    try:
+        session.probe_program(pid)
+    except PymtraceError as exc:
+        print(f"pymtrace heap: warning: {exc}", file=sys.stderr)
 
 
 def _loop(session: HeapSession, pids: list[int], launched: Launched | None, duration: float | None) -> None:

@@ -20,7 +20,8 @@ EPILOG = """\
 examples:
   pymtrace record -p 1234                    # all threads of 1234 until Ctrl-C or its exit
   pymtrace record -p 1234 --duration 10 -o app.trace
-  pymtrace record -- ./myprog arg1 arg2      # traced from its first instruction on
+  pymtrace record -- ./myprog arg1 arg2      # traced before its libraries' initializers run
+  pymtrace record -- env LD_PRELOAD=libjemalloc.so.2 ./myprog   # jemalloc's calls, exact
   pymtrace record --format mtrace-text -o log -- ./myprog && mtrace ./myprog log
   pymtrace record -o app.parquet -- ./myprog  # columnar, ~1-6 bytes a call (-o *.parquet: --format parquet)
   pymtrace record --follow-forks -o t -- make -j2   # children go to t.PID
@@ -28,6 +29,12 @@ examples:
   pymtrace dump mtrace.out.1234
   pymtrace record -p 1234 --to 127.0.0.1:7300          # to `pymtrace collect` (docs/collect.md)
   pymtrace record -p 1234 --to collector:7300 --web-config client.yml   # TLS + credential
+
+ALLOCATORS: glibc, jemalloc, tcmalloc, mimalloc, a malloc defined in the program, and C++'s
+operator new/delete (-> malloc/memalign/free records), where the process's calls resolve.
+A launched command is stopped once its loader has mapped its libraries and preloads (and
+again after each exec) so its allocator is found before it runs (about 1 ms); pymtrace stays
+its ptrace tracer meanwhile (signals pass through). See docs/record.md.
 
 OVERHEAD: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~300x slower
@@ -81,9 +88,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--poll-interval",
         type=float,
-        default=10.0,
+        default=None,
         metavar="MS",
-        help="how often the ring buffer is drained, in ms (default 10)",
+        help="drain the ring buffer every MS ms (default: when a large batch is expected, at most 100 ms "
+        "apart, sooner for a small --buffer-size; --stacks: every 10 ms)",
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if events were lost")

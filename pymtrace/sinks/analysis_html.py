@@ -162,7 +162,15 @@ def write_html(rep: dict, out: IO[str], title: str = "pymtrace analyze") -> None
         "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'\">",
         f"<title>{_e(title)}</title><style>{CSS}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
-        "<p>" + ", ".join(_e(f["path"]) + f" ({_e(f['format'])})" for f in rep["files"]) + "</p>",
+        "<p>"
+        + ", ".join(
+            _e(f["path"])
+            + f" ({_e(f['format'])}"
+            + (f", recorded from {_e(f['allocator'])}" if f.get("allocator") else "")
+            + ")"
+            for f in rep["files"]
+        )
+        + "</p>",
         _table(
             ["events", "threads", "requested bytes", "peak live bytes", "never freed", "span"],
             [

@@ -12,7 +12,8 @@ def write_text(rep: dict, out: IO[str]) -> None:
     tot, life, live = rep["totals"], rep["lifetimes"], rep["live"]
     w = out.write
     for f in rep["files"]:
-        w(f"{f['path']} ({f['format']})\n")
+        by = f", recorded from {f['allocator']}" if f.get("allocator") else ""
+        w(f"{f['path']} ({f['format']}{by})\n")
     span = f", {tot['span_ns'] / 1e9:.6f} s" if tot["span_ns"] is not None else ""
     w(f"{tot['events']} events, {tot['threads']} threads, {tot['requested_bytes']} bytes requested{span}\n\n")
     w("call mix\n")

@@ -27,11 +27,11 @@ import duckdb
 import pyarrow.compute
 
 from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
-from pymtrace.trace.formats import detect_format, parquet
+from pymtrace.trace.formats import detect_format, parquet, recorded_allocator
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's M_MMAP_THRESHOLD default (it grows dynamically up to 32 MiB)
 DEFAULT_MEMORY_LIMIT = "1GB"
-SORT_BYTES_PER_EVENT = 16  # of the memory limit per DuckDB thread, per event in one sort (_sort_rows)
+SORT_BYTES_PER_EVENT = 16  # of the memory limit per DuckDB thread, per event in one sort (TraceSet.sort_events)
 LIVE_BUCKETS = 200  # points of the live-bytes curve
 THREAD_BUCKETS = 60  # columns of the per-thread timeline
 SIZE_CLASS_BOUNDS = [0] + [1 << k for k in range(4, 26)]  # 0, <=16, <=32, ..., <=32 MiB, then > 32 MiB
@@ -98,12 +98,24 @@ def _hex(v: int | None) -> str | None:
     return None if v is None else f"{v:#x}"
 
 
+def _allocator_of(path: str, fmt: str) -> str | None:
+    """The allocator family trace PATH (of format FMT) was recorded from: "glibc", "jemalloc",
+    ..., or None when the format cannot say (mtrace-text, a workload)."""
+    if fmt not in ("mtrace-bin", "parquet"):
+        return None
+    return recorded_allocator(path) or "glibc"
+
+
 class TraceSet:
     """The traces PATHS (patterns as expand_inputs) opened for analysis; use as a context manager.
 
     MEMORY_LIMIT is DuckDB's (e.g. "1GB"), THREADS its worker threads (None: one per CPU),
     TEMP_DIR where the private working directory goes (None: $TMPDIR or /tmp); it holds
-    converted inputs and what DuckDB spills, and is removed at close().
+    converted inputs and what DuckDB spills, and is removed at close(). SORT_EVENTS: the most
+    events one DuckDB sort is given (None: from the memory limit, see sort_events()); more
+    events sort in partitions. Setting it makes a small trace sort in partitions (the tests:
+    the limit's own value needs millions of events, and the memory limit cannot go below
+    DuckDB's fixed ~20 MB).
     """
 
     def __init__(
@@ -112,9 +124,11 @@ class TraceSet:
         memory_limit: str = DEFAULT_MEMORY_LIMIT,
         threads: int | None = None,
         temp_dir: str | None = None,
+        sort_events: int | None = None,
     ) -> None:
         self.inputs = expand_inputs(paths)
         self.memory_limit = memory_limit
+        self.max_sort_events = sort_events
         self.threads = threads
         try:
             self.workdir = tempfile.mkdtemp(prefix="pymtrace-analyze.", dir=temp_dir)
@@ -284,10 +298,14 @@ class TraceSet:
         ]
         con.execute("CREATE VIEW trace_rows AS " + " UNION ALL ".join(selects))
         rep: dict[str, Any] = {
-            "files": [{"path": p, "format": f} for p, f in zip(self.inputs, self.formats)],
+            "files": [
+                {"path": p, "format": f, "allocator": _allocator_of(p, f)} for p, f in zip(self.inputs, self.formats)
+            ],
             "settings": {"memory_limit": self.memory_limit, "mmap_threshold": mmap_threshold, "top": top},
         }
         rep.update(self._call_mix())
+        # the allocators the traces say they were recorded from (None: not said, e.g. a text log)
+        rep["totals"]["allocators"] = sorted({f["allocator"] for f in rep["files"] if f["allocator"]})
         rep["sizes"] = self._sizes(mmap_threshold)
         self._pair()
         rep["lifetimes"] = self._lifetimes()
@@ -442,17 +460,20 @@ class TraceSet:
             },
         }
 
-    def _sort_rows(self) -> int:
-        """How many events one DuckDB sort may hold under the memory limit. DuckDB's external
-        sort needs memory growing with its input (it merges its spilled runs with a block of each
-        pinned: 10M events did not sort in 64 MB, 2.5M did, 2 threads), so analyze sorts
-        partitions of at most this many events: SORT_BYTES_PER_EVENT of the limit per thread."""
+    def sort_events(self) -> int:
+        """How many events one DuckDB sort may hold under the memory limit (or the sort_events
+        given). DuckDB's external sort needs memory growing with its input (it merges its
+        spilled runs with a block of each pinned: 10M events did not sort in 64 MB, 2.5M did,
+        2 threads), so analyze sorts partitions of at most this many events:
+        SORT_BYTES_PER_EVENT of the limit per thread."""
+        if self.max_sort_events is not None:
+            return max(1, self.max_sort_events)
         limit, threads = self._one("SELECT current_setting('memory_limit'), current_setting('threads')")
         return max(1 << 16, _size_bytes(str(limit)) // (SORT_BYTES_PER_EVENT * max(1, int(threads))))
 
     def partitions(self) -> int:
-        """Into how many partitions the events are sorted (see _sort_rows)."""
-        return max(1, -(-self.max_events // self._sort_rows()))
+        """Into how many partitions the events are sorted (see sort_events)."""
+        return max(1, -(-self.max_events // self.sort_events()))
 
     def _pair(self) -> None:
         """Table `ev`: allocation and release events with their neighbours at the same address.
@@ -648,10 +669,10 @@ class TraceSet:
 
     def _time_ordered(self, n: int) -> Any:
         """Batches of (t, change of live bytes) of the N events in time order (t, file, seq).
-        Above _sort_rows events the sort is split into time ranges (bounds: approximate
+        Above sort_events() events the sort is split into time ranges (bounds: approximate
         quantiles of t; every event of one t in one range), sorted one after the other: their
         concatenation is the order one sort would give. A trace without times is one sort."""
-        parts = max(1, -(-n // self._sort_rows())) if self.timed else 1
+        parts = max(1, -(-n // self.sort_events())) if self.timed else 1
         bounds: list = []
         if parts > 1:
             qs = ", ".join(str(i / parts) for i in range(1, parts))

@@ -88,6 +88,8 @@ class Output:
         allocator: str | None = None,
     ) -> None:
         self.path = path
+        self.allocator = allocator or "glibc"
+        self.stacks = stacks
         self.stack_table: stacktable.TableWriter | None = None  # record --stacks: set by the recorder
         self.fmt = fmt
         self.tgid = tgid
@@ -128,6 +130,25 @@ class Output:
             except OSError:
                 pass
             raise WriteFailed(f"cannot write {path}: {exc.strerror or exc}")
+
+    def set_allocator(self, family: str, path: str | None) -> None:
+        """Name FAMILY (in PATH) as the recorded allocator (`record -- CMD` after an exec into a
+        program on another allocator): the MAGIC record rewritten in place (mtrace-bin), the
+        metadata in a new footer (parquet)."""
+        if self.fmt == "mtrace-text" or self.failed is not None or family == self.allocator:
+            return
+        self.allocator = family
+        try:
+            if self.parquet is not None:
+                items = {"pymtrace.allocator": family}
+                if path:
+                    items["pymtrace.allocator_path"] = path
+                self.parquet.update_metadata(items)
+            else:
+                os.pwrite(self.fd, mtrace_bin.magic_record(self.tgid, stacks=self.stacks, allocator=family), 0)
+        except OSError as exc:
+            self.failed = exc
+            raise WriteFailed(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
     def _put(self, blob: bytes | bytearray, ends: Sequence[int]) -> tuple[int, OSError | None]:
         """Append BLOB; ENDS: where each of its records ends in it. Returns how many of them
@@ -275,8 +296,50 @@ def table_path_of(path: str) -> str:
     return stacktable.table_path(path)
 
 
+# ---------------------------------------------------------------- when to drain
+
+
+class DrainPacer:
+    """How long the recorder sleeps before its next drain of the ring buffer (no --poll-interval).
+
+    Every drain has a fixed cost besides its per-record work: a wakeup into caches other
+    processes have taken, the Python calls of a drain, numpy and pyarrow calls per batch. A real
+    program's calls arrive at a few 100k a second, so a drain every 10 ms took batches of ~2,500
+    records and the fixed cost was ~40 ns a record. The pacer waits until about BATCH records
+    are expected (from the rate of the last interval, falling at most by half a drain), at
+    least MIN_WAIT_S and at most MAX_WAIT_S (the latency of a recording's end and of its row
+    groups), and never longer than a quarter of the ring buffer takes to fill at BURST_RATE,
+    so that a burst after a quiet period still fits (BPF never wakes us: BPF_RB_NO_WAKEUP).
+    FIXED (seconds): a constant wait instead (--poll-interval)."""
+
+    BATCH = 1 << 16  # records a drain aims for (and at most a quarter of the ring)
+    MIN_WAIT_S = 0.001
+    MAX_WAIT_S = 0.1
+    BURST_RATE = 1e6  # records/s a quiet process may suddenly make (a storm: ~0.75M/s traced)
+
+    def __init__(self, ring_records: int, fixed: float | None = None) -> None:
+        self.fixed = fixed
+        self.batch = max(1, min(self.BATCH, ring_records // 4))
+        self.max_wait = max(self.MIN_WAIT_S, min(self.MAX_WAIT_S, ring_records / 4 / self.BURST_RATE))
+        self.rate = 0.0  # records/s expected
+        self.last = None  # when the previous drain ended
+
+    def wait(self, drained: int, now: float) -> float:
+        """Seconds to sleep after a drain that took DRAINED records and ended at NOW."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.last is not None and now > self.last:
+            self.rate = max(drained / (now - self.last), self.rate / 2)
+        self.last = now
+        if self.rate <= 0:
+            return self.max_wait
+        return min(self.max_wait, max(self.MIN_WAIT_S, self.batch / self.rate))
+
+
 # ---------------------------------------------------------------- record --stacks
 
+DIRECT_CHUNK = 8192  # records copied from the ring at a time (640 KiB of samples: the copy stays in the cache)
+STACKS_POLL_INTERVAL_S = 0.01  # record --stacks drains this often (DrainPacer's wait otherwise)
 STACK_PAGES = 8  # at most 32 KiB of stack copied per allocation (heap's default too)
 _ALLOC_TYPES = (
     mtrace_bin.MALLOC,
@@ -302,7 +365,7 @@ class StackUnwinder:
     def __init__(self, libc_path: str) -> None:
         from pymtrace.target.unwind import ProcessImages
 
-        self.libc_real = os.path.realpath(libc_path)
+        self.leaf_files: list[tuple[str, dict[int, int]]] = []  # (real path, {call: pc}), preferred first
         self.processes = ProcessImages()
         self.symbolizer = self.processes.symbolizer
         self.pending: dict[tuple[int, int], tuple[int, tuple, bool]] = {}
@@ -311,15 +374,24 @@ class StackUnwinder:
         self.cpu = 0.0  # CPU time spent taking and unwinding the stack events (the recorder adds it)
         self.event = structs.header("record").structs["stack_event"]
         self.event_size = ctypes.sizeof(self.event)
-        self.leaf_pc: dict[int, int] = {}
+        self.add_leaf_file(libc_path)
+        self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): (Module, {call: pc})
+
+    def add_leaf_file(self, path: str) -> None:
+        """Name the allocating functions of PATH (the allocator a program calls: glibc, or one
+        a `record -- CMD` exec'd into) as the leaf of a stack in a process that maps it;
+        the file added last is preferred."""
+        leaf_pc: dict[int, int] = {}
         for function in mallocapi.FUNCTIONS:
             code = getattr(mtrace_bin, function.call.upper(), None)
-            if code in _ALLOC_TYPES and code not in self.leaf_pc:
+            if code in _ALLOC_TYPES and code not in leaf_pc:
                 try:
-                    self.leaf_pc[code] = elf.symbol(libc_path, function.name).address
+                    leaf_pc[code] = elf.symbol(path, function.name).address
                 except PymtraceError:
                     pass
-        self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): libc Module
+        real = os.path.realpath(path)
+        self.leaf_files = [(real, leaf_pc)] + [f for f in self.leaf_files if f[0] != real]
+        self.libc_module = {}
 
     def capture(self, pid: int) -> None:
         """Read PID's image now (a running process, before the probes go on)."""
@@ -330,11 +402,14 @@ class StackUnwinder:
         self.processes.at_exit(pid)
 
     def _libc(self, pid: int, image: Any) -> Any:
-        module = self.libc_module.get((id(image), len(image.modules)))
-        if module is None:
-            module = next((m for m in image.modules if os.path.realpath(m.path) == self.libc_real), False)
-            self.libc_module[(id(image), len(image.modules))] = module
-        return module or None
+        """(the allocator's Module in IMAGE, its {call: leaf pc}), or None."""
+        key = (id(image), len(image.modules))
+        found = self.libc_module.get(key)
+        if found is None:
+            reals = {os.path.realpath(m.path): m for m in image.modules}
+            found = next(((reals[real], pcs) for real, pcs in self.leaf_files if real in reals), False)
+            self.libc_module[key] = found
+        return found or None
 
     def on_event(self, _ctx: Any, data: int, size: int) -> int:
         """BCC's ring buffer callback: unwind one stack event now (its bytes live only here)."""
@@ -352,9 +427,9 @@ class StackUnwinder:
             stack, complete = unwound
             if stack:  # the unwind began at the return address: the call is before it
                 stack = ((stack[0][0], stack[0][1] - 1),) + tuple(stack[1:])
-            libc_module = self._libc(tgid, image)
-            if libc_module is not None and call in self.leaf_pc:
-                stack = ((libc_module, self.leaf_pc[call]),) + tuple(stack)
+            leaf = self._libc(tgid, image)
+            if leaf is not None and call in leaf[1]:
+                stack = ((leaf[0], leaf[1][call]),) + tuple(stack)
         if not complete:
             self.incomplete += 1
         if len(self.pending) >= _MAX_PENDING:
@@ -490,6 +565,20 @@ def attach_foreign(bpf: Any, path: str, family: str, pid: int) -> list[tuple[str
     return [(path, f, tuple(p.offset for p in probes if p.kind == "entry")) for f, probes in plan]
 
 
+def foreign_defines(found: libc.Allocator | None, cxx: str | None) -> dict[str, int]:
+    """record.bpf.c's switches for its enter_f_* programs: only those attach_foreign will
+    attach for the allocator FOUND (None: glibc, probed by the libc's programs) and the C++
+    runtime CXX (None: none probed) -- none for a glibc process without C++ (a BCC compile
+    costs ~0.02 CPU-s a program). Raises PymtraceError as allocators.probe_plan does."""
+    wanted = set()
+    if found is not None:
+        wanted |= allocators.programs(found.path, found.family)
+    if cxx is not None:
+        wanted |= allocators.programs(cxx, allocators.CXX_FAMILY)
+    names = {"enter_f_" + p.removeprefix("ms_f_") for p in wanted if p != "ms_f_return"}  # `leave`: always
+    return {"F_SELECT": 1, **{f"WANT_{name}": 1 for name in sorted(names)}}
+
+
 # ---------------------------------------------------------------- the recorder
 
 
@@ -515,8 +604,8 @@ class Recorder:
         self.polls = 0
         self.last_poll = None
         self.max_gap = 0.0
-        self.allocators = libc.AllocatorCache()  # -- CMD: whose malloc it calls (_warn_allocator)
-        self.allocator_checked, self.allocator_warned = 0.0, []
+        self.allocator_warned = []  # -- CMD: programs whose malloc cannot be recorded, warned of
+        self.probed_files: set[tuple[str, str]] = set()  # (path, family) with probes (-- CMD: per exec)
         self.stacks = getattr(args, "stacks", False)
         self.stack_unwinder: StackUnwinder | None = None
         self.allocator = None  # -p on jemalloc, tcmalloc, ...: its file is probed instead of libc
@@ -629,7 +718,12 @@ class Recorder:
 
             self.launched = Launched(args.cmd)
             self.target = self.launched.pid
-            libc_path = args.libc or self.launched.libc_path()
+            # its objects mapped (LD_PRELOAD too), nothing run yet: resolved as for -p
+            self.launched.run_until_loaded()
+            libc_path = args.libc or libc.process_libc(self.target) or self.launched.libc_path()
+            found = None if args.libc else libc.allocator(self.target)
+            if found is not None and found.family not in (None, "glibc"):
+                self.allocator = found  # named by the trace; probed beside glibc (_probe_program)
         else:
             self.target = proc.tgid(args.pid)  # a thread id means its whole process
             if self.target == os.getpid():
@@ -649,7 +743,9 @@ class Recorder:
                     "the process does not use a shared libc (static binary?): nothing to probe; use --libc PATH"
                 )
             if self.stacks:
-                self.stack_unwinder = StackUnwinder(self.allocator.path if self.allocator else libc_path)
+                self.stack_unwinder = StackUnwinder(libc_path)
+                if self.allocator is not None:  # its functions are the leaf where it is mapped
+                    self.stack_unwinder.add_leaf_file(self.allocator.path)
                 if self.launched is None:
                     self.stack_unwinder.capture(self.target)
             self.output_for(self.target)
@@ -689,13 +785,18 @@ class Recorder:
         defines = {"RB_PAGES": self.pages, "PAGE_SIZE_BYTES": _PAGE, "TARGET_TGID": self.target}
         if self.follow:
             defines["FOLLOW"] = 1
+        if self.launched is not None:  # it may exec onto another allocator (_probe_program)
+            defines["EXEC_ALLOCATORS"] = 1
         if self.stacks:
             from pymtrace.collect.heap import possible_cpus
 
             defines.update(STACKS=1, STACK_PAGES=STACK_PAGES, STACK_RB_PAGES=self.pages, MAX_CPUS=possible_cpus())
-        found = self.allocator
-        if found is not None:  # another allocator: its functions (target.allocators), no chunk headers
+        # -p on another allocator: its functions only (target.allocators), no chunk headers;
+        # -- CMD: glibc's, and per program (it may exec) its allocator's beside (_probe_program)
+        found = self.allocator if self.launched is None else None
+        if found is not None:
             defines["GLIBC_CHUNKS"] = 0
+            defines["LIBC_PROBES"] = 0
             defines["OUTER_PROBES"] = 0
             self.libs = [(found.path, False)]
             probed = found.path
@@ -717,6 +818,11 @@ class Recorder:
                 defines["FREE_SKIP1"] = f"{skips[0] - site:#x}ULL"
                 defines["FREE_SKIP2"] = f"{skips[1] - site:#x}ULL"
             probed = libc_path
+        # C++'s operator new/delete where the process's calls resolve (-p: known now; a
+        # launched command: per program, _probe_program)
+        cxx = libc.cxx_runtime(self.target) if self.launched is None else None
+        if self.launched is None:  # a launched command may exec onto any allocator: all enter_f_*
+            defines.update(foreign_defines(found, cxx))
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
         if self.stacks:
             self.bpf["stacks"].open_ring_buffer(self.stack_unwinder.on_event)
@@ -735,8 +841,10 @@ class Recorder:
             if not proc.exists(self.target):
                 raise ProcessGone(self.target) from None
             raise PymtraceError(f"cannot attach uprobes to {probed}: {exc}") from None
-        # C++'s operator new/delete where the process's calls resolve (-p: known now)
-        cxx = libc.cxx_runtime(self.target) if self.launched is None else None
+        if found is not None:
+            self.probed_files.add((found.path, found.family))
+        if self.launched is not None:  # its allocator and operator new, as they resolve now
+            self._probe_program(self.target, at_start=True)
         if cxx is not None:
             try:
                 self.sites += attach_foreign(self.bpf, cxx, allocators.CXX_FAMILY, pid)
@@ -795,8 +903,8 @@ class Recorder:
                 while True:
                     if direct:
                         n = self._drain_words(limit)
-                    else:
-                        data, n = self.reader.read(limit=limit)
+                    else:  # a chunk at a time: its copy and write(2) stay in the cache
+                        data, n = self.reader.read(max_records=DIRECT_CHUNK, limit=limit)
                     if not n:
                         if final and self.reader.cons_pos[0] < limit and time.monotonic() < patience:
                             time.sleep(0.001)  # a record reserved before the stop, being written
@@ -805,6 +913,8 @@ class Recorder:
                     total += n
                     if not direct:
                         self._dispatch(data, n)
+                        if n == DIRECT_CHUNK:
+                            continue
                     if n < self.reader.max_batch // 8 and not final:
                         return total
         finally:
@@ -813,15 +923,22 @@ class Recorder:
 
     def _drain_words(self, limit: int) -> int:
         """Copy the committed records from the ring into the target's parquet columns (one
-        copy, no bytes object in between); how many."""
-        words, n = self.reader.read_words(limit=limit)
-        if n:
+        copy, no bytes object in between), DIRECT_CHUNK at a time: a chunk's header check
+        brings its records into the cache the copy then reads (a whole large batch would not
+        fit). How many."""
+        total = 0
+        while True:
+            words, n = self.reader.read_words(limit=limit, max_records=DIRECT_CHUNK)
+            if not n:
+                return total
             try:
                 self.output_for(self.target).write_words(words[:, 1:9])
             finally:
                 del words  # the ring's mmap cannot close while a view of it lives
                 self.reader.consume(n)
-        return n
+            total += n
+            if n < DIRECT_CHUNK:
+                return total
 
     def _dispatch(self, data: tuple[bytes | bytearray, list[int] | numpy.ndarray | None], n: int) -> None:
         recs, tg = data
@@ -859,7 +976,8 @@ class Recorder:
     def _target_alive(self, pidfd: int) -> bool:
         if self.launched is not None:
             if self.launched.held:
-                return self.launched.service(self.stack_unwinder.at_exit) is None
+                at_exit = self.stack_unwinder.at_exit if self.stack_unwinder is not None else None
+                return self.launched.service(at_exit) is None
             if self.launched.proc.poll() is not None:
                 return False
         else:
@@ -883,13 +1001,18 @@ class Recorder:
 
     def _loop(self):
         args = self.args
-        interval = max(args.poll_interval, 0.5) / 1000.0
+        if args.poll_interval is not None:
+            fixed = max(args.poll_interval, 0.5) / 1000.0
+        else:  # --stacks: its stack events fill their ring ~100 times faster: the old 10 ms
+            fixed = STACKS_POLL_INTERVAL_S if self.stacks else None
+        pacer = DrainPacer(self.reader.max_batch, fixed)
         pidfd = os.pidfd_open(self.target)
         self.start = time.monotonic()
         deadline = self.start + args.duration if args.duration else None
         if self.launched is not None:
             # --stacks: held at its exit, so the libraries it loaded are read before they go
-            self.launched.resume(hold_exit=self.stacks)
+            # held at each exec (its new allocator probed) and, with --stacks, at its exit
+            self.launched.resume(hold_exit=self.stacks, on_exec=self._probe_program)
         if not args.quiet and not args.json:
             what = " ".join(args.cmd) if args.cmd else f"process {self.target}"
             print(f"pymtrace: recording {what}" + ("" if args.duration else "; Ctrl-C to stop"), file=sys.stderr)
@@ -898,7 +1021,7 @@ class Recorder:
         self.failure = None
         try:
             while True:
-                self._drain()
+                drained = self._drain()
                 if args.format == "parquet":
                     t0 = time.thread_time()
                     for out in list(self.outputs.values()):
@@ -909,13 +1032,13 @@ class Recorder:
                     for out in self.outputs.values():
                         out.snapshot_maps()
                     last_maps = now
-                if self.launched is not None and not args.libc:
-                    self._warn_allocator()
                 if deadline is not None and now >= deadline:
                     break
                 if not self._target_alive(pidfd) and not self._children_alive():
                     break
-                timeout = interval if deadline is None else max(0.0, min(interval, deadline - now))
+                timeout = pacer.wait(drained, now)
+                if deadline is not None:
+                    timeout = max(0.0, min(timeout, deadline - now))
                 time.sleep(timeout)
         except KeyboardInterrupt:
             interrupted = True
@@ -935,17 +1058,52 @@ class Recorder:
         self.interrupted = interrupted
         return self._finish()
 
-    def _warn_allocator(self):
-        """-- CMD: once the command's libraries are loaded (after each exec), warn once if its
-        malloc is not glibc's (jemalloc, tcmalloc, ...): those calls are not recorded."""
-        now = time.monotonic()
-        if now - self.allocator_checked < 0.02:
+    def _probe_program(self, pid: int, at_start: bool = False) -> None:
+        """-- CMD, stopped with its program's objects mapped (at start and after each exec,
+        target.launch): probe where its malloc-API and operator new calls resolve (the same
+        resolution as -p: libc.allocator, libc.cxx_runtime) unless probed already; the trace
+        names that allocator. What cannot be probed is warned of once, never fatal here."""
+        try:
+            found = None if self.args.libc else libc.allocator(pid)
+            cxx = libc.cxx_runtime(pid)
+        except PymtraceError:  # gone meanwhile: its end is seen by the loop
             return
-        self.allocator_checked = now
-        found = self.allocators.get(self.target)
-        if found is not None and not found.traced and found not in self.allocator_warned:
+        wanted = []
+        if found is not None and found.family not in (None, "glibc"):
+            wanted.append((found.path, found.family))
+        if cxx is not None:
+            wanted.append((cxx, allocators.CXX_FAMILY))
+        where = -1 if self.follow else self.target
+        for path, family in wanted:
+            if (path, family) in self.probed_files:
+                continue
+            self.probed_files.add((path, family))
+            try:
+                self.sites += attach_foreign(self.bpf, path, family, where)
+            except PymtraceError as exc:
+                if at_start:
+                    raise
+                print(f"pymtrace: warning: {exc}", file=sys.stderr)
+            except Exception as exc:  # BCC's attach_uprobe raises plain Exception
+                if at_start:
+                    raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
+                print(f"pymtrace: warning: cannot attach uprobes to {path}: {exc}", file=sys.stderr)
+        if found is None:
+            return
+        foreign = found.family not in (None, "glibc")
+        self.bpf["foreign"][ctypes.c_int(0)] = ctypes.c_uint32(int(foreign))
+        if found.family is None and found not in self.allocator_warned:
             self.allocator_warned.append(found)
-            print(f"pymtrace: warning: {libc.untraced_message(self.target, found)}", file=sys.stderr)
+            print(f"pymtrace: warning: {libc.untraced_message(pid, found)}", file=sys.stderr)
+        elif found.family is not None:
+            if foreign and self.stack_unwinder is not None:
+                self.stack_unwinder.add_leaf_file(found.path)
+            if at_start:
+                return
+            self.allocator = found if foreign else None  # the trace names the last program's
+            for out in self.outputs.values():
+                if hasattr(out, "set_allocator"):
+                    out.set_allocator(self.family, found.path)
 
     def _finish(self):
         args = self.args
@@ -958,7 +1116,9 @@ class Recorder:
             stacks_lost = self.stack_unwinder.missing + sum(t.overflow for t in tables)
             n_stacks = sum(len(t.ids) for t in tables)
             stacks_unsent = int(self.bpf["stack_lost"].sum(ctypes.c_int(0)).value)
+        t0 = time.thread_time()  # closing writes what is buffered (parquet: the last row group)
         self.failure = self.failure or close_outputs(list(self.outputs.values()))
+        self.consumer_cpu += time.thread_time() - t0
         summary = {
             "files": [o.summary() for o in self.outputs.values()],
             "entries": sum(o.entries for o in self.outputs.values()),
@@ -981,7 +1141,9 @@ class Recorder:
         if self.failure is not None:
             summary["error"] = str(self.failure)
         if self.launched is not None:
-            rc = self.launched.proc.poll()
+            # a held command's stops must be taken by service() (Popen.poll would swallow one)
+            at_exit = self.stack_unwinder.at_exit if self.stack_unwinder is not None else None
+            rc = self.launched.service(at_exit)
             summary["command_exit_status"] = rc
         if args.json:
             print(json.dumps(summary), file=sys.stderr)
@@ -1031,6 +1193,8 @@ class Recorder:
             self.procevents.stop()
         if self.launched is not None and not self.launched.resumed:
             self.launched.kill()  # failed before it could run traced: do not let it run
+        elif self.launched is not None:
+            self.launched.release()  # still running (Ctrl-C, --duration): on, untraced
         # a launched command still running after Ctrl-C/--duration keeps running, untraced
         if self.reader is not None:
             try:

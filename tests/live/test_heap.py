@@ -239,6 +239,28 @@ def test_a_jemalloc_process_gives_exact_chains(chains, tmp_path):
     assert value_of(got, rf".*;worker;thread_leaf;{leaf}") == THREAD_BYTES
 
 
+def test_a_command_on_a_preloaded_jemalloc_gives_exact_chains(chains, tmp_path):
+    """`heap -- env LD_PRELOAD=libjemalloc.so.2 PROG`: env (on glibc) execs PROG, which is
+    stopped once its loader has mapped jemalloc; jemalloc's functions are probed then, and
+    with --sample-bytes 1 every chain is exact in folded."""
+    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    jemalloc = next((line.split()[-1] for line in found.splitlines() if "libjemalloc.so.2 " in line), None)
+    if jemalloc is None:
+        missing_or_fail("libjemalloc2 is not installed")
+    out = tmp_path / "je.folded"
+    proc = heap(
+        out, "--sample-bytes", "1", "--value", "alloc_space", cmd=("env", f"LD_PRELOAD={jemalloc}", chains["exe"], "0")
+    )
+    assert "warning" not in proc.stderr
+    got = folded(out)
+    leaf = r"(je_)?malloc"
+    assert value_of(got, f"{ROOT};alpha;beta;leaf_alloc;{leaf}") == CHAIN_BYTES
+    assert value_of(got, f"{ROOT};gamma_;lib_outer;lib_inner;{leaf}") == OLD_LEAKS[1]
+    assert value_of(got, f"{ROOT};delta;young_leaf;{leaf}") == YOUNG_LEAKS[1]
+    assert value_of(got, rf".*;worker;thread_leaf;{leaf}") == THREAD_BYTES
+    assert bpfload.own_uprobe_events() == []
+
+
 def test_a_static_binary_is_refused_not_shown_empty(cbuild, tmp_path):
     """A process whose allocator heap cannot probe (a stripped static binary) gets one line,
     not an empty profile."""

@@ -128,3 +128,31 @@ def test_without_stacks_unchanged(chains_exe, tmp_path):
         assert "stacks" not in names and "stack_scratch" not in names
     finally:
         plain.cleanup()
+
+
+def test_stacks_of_a_command_exec_d_onto_jemalloc(chains_exe, tmp_path):
+    """`record --stacks -- env LD_PRELOAD=libjemalloc.so.2 PROG`: PROG's chains exact, with
+    jemalloc's malloc as the leaf (the allocator its exec resolved to)."""
+    from support.allocators import LIBS, library
+
+    jemalloc = library(LIBS["jemalloc"])
+    out = tmp_path / "je"
+    proc = run_pymtrace(
+        "record", "--stacks", "--json", "-o", out, "--", "env", f"LD_PRELOAD={jemalloc}", chains_exe, "0"
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert summary["stacks_lost"] == 0 and summary["lost"] == 0
+    table = stacktable.read_table(str(tmp_path / "je.stacks"))
+    leaf = r"(je_)?malloc"
+    got = {name: [0, 0] for name in heapchains.CHAINS}
+    for r in B.read_file(out):
+        if r.type != B.MALLOC or r.size < 100:
+            continue
+        frames = table[r.stack].frames
+        for name, (pattern, _, _) in heapchains.CHAINS.items():
+            if re.fullmatch(pattern[: -len(heapchains.MALLOC)] + leaf, table[r.stack].folded()):
+                assert "libjemalloc" in frames[-1].module
+                got[name][0] += 1
+                got[name][1] += r.size
+    assert got == {name: [calls, size] for name, (_, calls, size) in heapchains.CHAINS.items()}

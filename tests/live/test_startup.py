@@ -64,21 +64,37 @@ def compiled_functions(proc):
 
 
 # malloc_stats's programs, exactly (bpf/malloc_stats.bpf.c): the libc's (MS_GLIBC), the other
-# allocators' (MS_FOREIGN: pymtrace.target.allocators' tables), and the exec probe both need.
+# allocators' (MS_FOREIGN: pymtrace.target.allocators' tables; of those only the argument
+# layouts the probed files use), C++'s (MS_CXX), and the exec probe they all need.
 GLIBC_PROGRAMS = {
     "ms_malloc_entry", "ms_malloc_return", "ms_calloc_entry", "ms_calloc_return", "ms_free_entry",
     "ms_realloc_entry", "ms_memalign_entry", "ms_posix_memalign_entry", "ms_valloc_entry",
     "ms_pvalloc_entry", "ms_outer_return",
 }  # fmt: skip
-FOREIGN_PROGRAMS = {
-    "ms_f_return", "ms_f_free_p1", "ms_f_malloc_s1", "ms_f_malloc_n1s2", "ms_f_calloc_n1s2",
-    "ms_f_calloc_s1", "ms_f_realloc_p1s2", "ms_f_realloc_x", "ms_f_memalign_s1", "ms_f_memalign_s2",
-    "ms_f_posix_memalign_p1s3", "ms_f_valloc_s1", "ms_f_pvalloc_s1", "ms_f_free_nest",
-    # C++'s operator new/delete: compiled with them (jemalloc, tcmalloc and mimalloc define
-    # their own operator new, which a process on them resolves to)
-    "ms_f_new_s1", "ms_f_new_array_s1", "ms_f_new_nothrow_s1", "ms_f_new_aligned_s1", "ms_f_delete_p1",
-    "ms_f_delete_array_p1", "ms_f_delete_sized_p1", "ms_f_delete_aligned_p1",
+# Debian 12's jemalloc 5.3 (no pvalloc; free calls no other probed function), which also
+# defines every C++ operator new/delete (a process preloading it resolves them there)
+JEMALLOC_PROGRAMS = {
+    "ms_f_return", "ms_f_free_p1", "ms_f_malloc_s1", "ms_f_calloc_n1s2", "ms_f_realloc_p1s2",
+    "ms_f_realloc_x", "ms_f_memalign_s2", "ms_f_posix_memalign_p1s3", "ms_f_valloc_s1",
 }  # fmt: skip
+CXX_PROGRAMS = {
+    "ms_f_return", "ms_f_new_s1", "ms_f_new_array_s1", "ms_f_new_nothrow_s1", "ms_f_new_aligned_s1",
+    "ms_f_delete_p1", "ms_f_delete_array_p1", "ms_f_delete_sized_p1", "ms_f_delete_aligned_p1",
+}  # fmt: skip
+FOREIGN_PROGRAMS = JEMALLOC_PROGRAMS | CXX_PROGRAMS  # a process on jemalloc
+# record's (bpf/record.bpf.c): the libc's entry programs, and `leave` (every return probe)
+RECORD_GLIBC = {
+    "enter_malloc", "enter_calloc", "enter_realloc", "enter_memalign", "enter_posix_memalign",
+    "enter_valloc", "enter_pvalloc", "enter_free", "leave",
+}  # fmt: skip
+
+
+def attached_programs(path, family):
+    """The programs pymtrace.target.allocators' probe plan attaches in PATH (ground truth
+    for the exact sets above: the plan's own decoding, not the pre-compile selection)."""
+    from pymtrace.target import allocators
+
+    return {p.program for _, probes in allocators.probe_plan(path, family) for p in probes}
 
 
 def malloc_programs(functions):
@@ -137,9 +153,31 @@ def test_record_compiles_only_the_record_program(tmp_path, target):
     assert proc.returncode == 0, proc.stderr
     assert compiles == [{"record"}], events
     assert compiled_before_uprobes(events), events
-    # a process without glibc's libc_malloc_debug interposer: no interposer entry programs
-    (functions,) = compiled_functions(proc)
-    assert functions and not {f for f in functions if f.startswith("enter_outer_")}, functions
+    # a glibc process without C++ and without glibc's libc_malloc_debug interposer: the
+    # libc's programs, exactly (no enter_outer_*, no other allocator's or C++'s enter_f_*)
+    assert compiled_functions(proc) == [RECORD_GLIBC]
+
+
+@pytest.mark.bpf
+def test_record_on_jemalloc_compiles_its_programs_only(tmp_path, cbuild):
+    """record -p on a process on jemalloc: the enter_f_* programs of the layouts jemalloc's
+    functions use and of its C++ operator new/delete, and `leave`; none of the libc's."""
+    from support.allocators import LIBS, library
+
+    work = _foreign_workload(cbuild)
+    try:
+        proc, compiles, events = traced_run(
+            tmp_path, "record", "-p", work.pid, "--duration", "0.3", "-o", tmp_path / "trace.mtrace"
+        )
+    finally:
+        work.kill()
+    assert proc.returncode == 0, proc.stderr
+    assert compiles == [{"record"}] and compiled_before_uprobes(events), events
+    jemalloc = library(LIBS["jemalloc"])
+    used = attached_programs(jemalloc, "jemalloc") | attached_programs(jemalloc, "c++")
+    assert used == FOREIGN_PROGRAMS
+    expected = {"enter_f_" + p.removeprefix("ms_f_") for p in used - {"ms_f_return"}} | {"leave"}
+    assert compiled_functions(proc) == [expected]
 
 
 @pytest.mark.bpf
@@ -174,6 +212,8 @@ def test_top_compiles_other_allocators_programs_only_where_one_is_mapped(tmp_pat
     """The ms_f_* programs (jemalloc, tcmalloc, mimalloc, a malloc in the executable) are
     compiled only for a traced process on such an allocator, the libc's only for one on the
     libc: counted exactly (every program of the module is one it can attach)."""
+    from support.allocators import LIBS, library
+
     plain = ("--batch", "-n", "1", "-i", "0.2", "--view", "processes")
     proc, compiles, events = traced_run(tmp_path, "top", "-p", target, *plain)
     assert proc.returncode == 0, proc.stderr
@@ -184,6 +224,10 @@ def test_top_compiles_other_allocators_programs_only_where_one_is_mapped(tmp_pat
     try:
         proc, compiles, events = traced_run(tmp_path, "top", "-p", work.pid, *plain)
         assert proc.returncode == 0, proc.stderr
+        # of the other allocators' programs, only jemalloc's argument layouts (not e.g.
+        # mimalloc's ms_f_malloc_n1s2): exactly what its probe plan attaches
+        jemalloc = library(LIBS["jemalloc"])
+        assert attached_programs(jemalloc, "jemalloc") | attached_programs(jemalloc, "c++") == FOREIGN_PROGRAMS
         assert [malloc_programs(f) for f in compiled_functions(proc)] == [FOREIGN_PROGRAMS | {"ms_exec"}]
         proc, compiles, events = traced_run(tmp_path, "top", "-p", work.pid, "-p", target, *plain)
         assert proc.returncode == 0, proc.stderr
@@ -197,17 +241,26 @@ def test_top_compiles_other_allocators_programs_only_where_one_is_mapped(tmp_pat
 @pytest.mark.bpf
 def test_system_wide_top_compiles_other_allocators_programs_when_one_is_mapped(tmp_path, cbuild):
     """System-wide, the /proc/*/maps scan that finds the libcs decides before the compile:
-    a jemalloc process running -> the ms_f_* programs are in the one compile. (Without one
-    they are not, which a shared machine cannot promise for a system-wide test: the -p test
-    above shows it.)"""
+    a jemalloc process running -> its ms_f_* programs are in the one compile, and of the
+    other allocators' only the layouts some mapped file uses. (Without one they are not,
+    which a shared machine cannot promise for a system-wide test: the -p test above shows
+    it; other users' allocator files mapped now are added to the expected set.)"""
+    from pymtrace.target import allocators, libc
+
     work = _foreign_workload(cbuild)
     try:
+        others = set()
+        for path, (name, _) in libc.distinct_allocators().items():
+            others |= allocators.programs(path, allocators.family_of(name))
+        if libc.distinct_cxx_runtimes():
+            others |= CXX_PROGRAMS
         proc, compiles, events = traced_run(tmp_path, "top", "--batch", "-n", "1", "-i", "0.2", "--view", "processes")
     finally:
         work.kill()
     assert proc.returncode == 0, proc.stderr
     assert len(compiles) == 1 and "malloc_stats" in compiles[0], events
-    assert [malloc_programs(f) for f in compiled_functions(proc)] == [GLIBC_PROGRAMS | FOREIGN_PROGRAMS | {"ms_exec"}]
+    expected = GLIBC_PROGRAMS | FOREIGN_PROGRAMS | others | {"ms_exec"}
+    assert [malloc_programs(f) for f in compiled_functions(proc)] == [expected]
 
 
 @pytest.mark.bpf

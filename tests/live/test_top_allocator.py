@@ -1,7 +1,7 @@
 """Processes whose malloc is not glibc's (issue 10 item 7): the test workload run with
-Debian's libjemalloc.so.2 preloaded. record traces glibc's malloc only, so it must say so
-for that process instead of reporting silent zeros; top and the exporter count jemalloc's
-calls since issue 16 (exact counts: test_top_allocators.py) and name the allocator."""
+Debian's libjemalloc.so.2 preloaded. top, the exporter and record count jemalloc's calls
+since issue 16 (exact counts: test_top_allocators.py, test_record_allocators.py) and name
+the allocator; `record -- CMD` follows the command's exec into it."""
 
 import json
 import os
@@ -11,6 +11,9 @@ import time
 import pytest
 from conftest import PYMTRACE, run_pymtrace
 from support.prometheus import free_port, http_get, parse_metrics
+from support.recording import text_range
+
+from pymtrace.trace.formats import mtrace_bin as B
 
 pytestmark = pytest.mark.bpf
 
@@ -47,33 +50,40 @@ def _stop(proc):
         proc.wait(30)
 
 
-def test_record_pid_refuses_a_jemalloc_process(cbuild, jemalloc, tmp_path):
+def test_record_pid_records_a_jemalloc_process(cbuild, jemalloc, tmp_path):
+    """record -p on a jemalloc process records its calls (it used to refuse it: issue 16
+    made it probe jemalloc; exact counts: test_record_allocators.py), and leaves it running."""
     proc, pid = _steady(cbuild, "pmt-jemalloc", preload=jemalloc)
     try:
         out = tmp_path / "trace"
         r = run_pymtrace("record", "-p", pid, "-o", out, "--duration", "1", timeout=300)
-        assert r.returncode != 0
-        lines = [line for line in r.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-        assert "jemalloc" in lines[0] and str(pid) in lines[0] and "not trace" in lines[0]
-        assert not out.exists()
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr and "warning" not in r.stderr
+        with open(out, "rb") as f:
+            assert B.allocator_of(f.read(64)) == "jemalloc"
+        mallocs = [rec for rec in B.read_file(out) if rec.type == B.MALLOC and rec.size == 64]
+        assert mallocs and all(rec.size3 == 0 for rec in mallocs)
         assert proc.poll() is None  # untouched
     finally:
         _stop(proc)
 
 
-def test_record_cmd_warns_when_the_command_uses_jemalloc(cbuild, jemalloc, tmp_path):
-    out = tmp_path / "trace"
-    r = run_pymtrace(
-        "record", "-o", out, "--", "env", f"LD_PRELOAD={jemalloc}", cbuild("top_steady"), "2000", "1", timeout=300
-    )
-    warnings = [line for line in r.stderr.splitlines() if "warning" in line and "jemalloc" in line]
-    assert len(warnings) == 1, r.stderr
-    assert "not trace" in warnings[0]
-    # the same command on glibc's malloc: no such warning
-    r = run_pymtrace("record", "-o", tmp_path / "trace2", "--", cbuild("top_steady"), "2000", "1", timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "warning" not in r.stderr
+def test_record_cmd_records_a_command_on_jemalloc(cbuild, jemalloc, tmp_path):
+    """`record -- env LD_PRELOAD=jemalloc PROG` records PROG's calls (it used to warn that
+    they were not recorded): 2000 malloc+free pairs from its call site, no warning; the same
+    command on glibc's malloc likewise."""
+    prog = cbuild("top_steady", "-no-pie")
+    lo, hi = text_range(prog)
+    for preload in (["env", f"LD_PRELOAD={jemalloc}"], []):
+        out = tmp_path / f"trace{len(preload)}"
+        r = run_pymtrace("record", "-o", out, "--", *preload, prog, "2000", "1", timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "warning" not in r.stderr
+        made = int(r.stdout.split("count ")[1].split()[0])  # top_steady's malloc(64)+free pairs
+        own = [rec for rec in B.read_file(out) if lo <= rec.caller < hi]
+        assert made >= 1000
+        assert sum(rec.type == B.MALLOC and rec.size == 64 for rec in own) == made
+        assert sum(rec.type == B.FREE for rec in own) == made
 
 
 def test_top_row_names_the_counted_allocator(cbuild, jemalloc):

@@ -66,8 +66,9 @@ def test_top_counts_an_allocator_defined_in_the_executable(cbuild):
     _top_counts(w, "its own malloc in top_calls_own")
 
 
-def test_exporter_counts_jemalloc_exactly(cbuild):
-    w = _workload(cbuild, library(LIBS["jemalloc"]))
+@pytest.mark.parametrize("name", sorted(LIBS))
+def test_exporter_counts_a_preloaded_allocator_exactly(cbuild, name):
+    w = _workload(cbuild, library(LIBS[name]))
     with open(f"/proc/{w.pid}/comm") as f:
         comm = f.read().strip()
     port = free_port()
@@ -83,7 +84,7 @@ def test_exporter_counts_jemalloc_exactly(cbuild):
             got = m.get(("pymtrace_malloc_calls_total", frozenset({("comm", comm), ("call", call)})))
             assert got == expected["calls"][call], call
         gauge = "pymtrace_process_allocator_traced"
-        assert m.get((gauge, frozenset({("comm", comm), ("allocator", "jemalloc")}))) == 1
+        assert m.get((gauge, frozenset({("comm", comm), ("allocator", name)}))) == 1
         live = expected["allocated_bytes"] - expected["freed_bytes"]
         assert m.get(("pymtrace_malloc_live_bytes", frozenset({("comm", comm)}))) == live
         assert w.finish() == 0

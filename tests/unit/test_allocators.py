@@ -73,3 +73,37 @@ def test_a_malloc_defined_in_the_executable(tmp_path):
     plan = _plan(str(exe), "generic")
     assert set(plan) == {"malloc", "free"}
     assert [p.program for p in plan["free"]] == ["ms_f_free_p1"]
+
+
+@pytest.mark.parametrize("family", sorted(LIBS) + ["c++"])
+def test_programs_before_the_compile_are_exactly_those_the_plan_attaches(family):
+    """allocators.programs (read before the BPF compile, which includes only these) equals
+    the programs of the probe plan decoded beside it, for each allocator and its C++
+    operator new/delete: nothing attached is missing, nothing compiled is left unused."""
+    for name in sorted(LIBS) if family == "c++" else [family]:
+        path = library(LIBS[name])
+        attached = {p.program for _, probes in allocators.probe_plan(path, family) for p in probes}
+        assert allocators.programs(path, family) == attached, name
+        cxx_entries = allocators.CXX_PROGRAMS - {"ms_f_return"}
+        assert attached <= allocators.CXX_PROGRAMS if family == "c++" else not attached & cxx_entries
+    # layouts differ between allocators: jemalloc's do not include mimalloc's count * size malloc
+    if family == "jemalloc":
+        assert "ms_f_malloc_n1s2" not in allocators.programs(library(LIBS["jemalloc"]), "jemalloc")
+
+
+def test_programs_of_a_free_calling_another_probed_function(tmp_path):
+    """A free-type function that calls another probed one gets the nesting program (and a
+    return probe): known before the compile from its code."""
+    src = tmp_path / "own.c"
+    src.write_text(
+        "#include <stddef.h>\n"
+        "static char a[1 << 20]; static size_t n;\n"
+        "__attribute__((noipa)) void *malloc(size_t s) { void *p = a + n; n += (s + 15) & ~15UL; return p; }\n"
+        "void *volatile kept;\n"
+        "__attribute__((noipa)) void free(void *p) { if (!p) kept = malloc(0); }\n"
+        "int main(void) { free(malloc(1)); return 0; }\n"
+    )
+    exe = tmp_path / "own"
+    subprocess.run(["gcc", "-O1", "-o", str(exe), str(src)], check=True)
+    attached = {p.program for _, probes in allocators.probe_plan(str(exe), "generic") for p in probes}
+    assert allocators.programs(str(exe), "generic") == attached == {"ms_f_malloc_s1", "ms_f_free_nest", "ms_f_return"}

@@ -4,6 +4,7 @@ every input format; spilling under a low memory limit; the read-only --sql; corr
 HTML report rendered in headless Chromium."""
 
 import html
+import io
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from support import synthetic
 from support.clients import chromium, screenshot_colours
 
 from pymtrace.errors import BadQuery
-from pymtrace.trace.analysis import TraceSet
+from pymtrace.trace.analysis import SORT_BYTES_PER_EVENT, TraceSet
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import parquet as P
 
@@ -88,7 +89,7 @@ def test_other_formats_and_many_files_give_the_same_numbers(synth, tmp_path):
     run_pymtrace("convert", raw, back, "--to", "parquet", check=True)
     rep = analyze_json(raw)
     check_against_truth(rep, truth)
-    assert rep["files"] == [{"path": str(raw), "format": "mtrace-bin"}]
+    assert rep["files"] == [{"path": str(raw), "format": "mtrace-bin", "allocator": "glibc"}]
     check_against_truth(report(back), truth)
     # a glob of two files: counts add up, addresses pair within each file only
     d = tmp_path / "many"
@@ -120,17 +121,21 @@ def test_spills_under_a_low_memory_limit(tmp_path):
     assert os.listdir(tmp) == []
 
 
-def test_sorts_in_partitions_at_a_fixed_memory_limit(tmp_path):
-    """2M events under a 24 MB limit, one thread: more than one DuckDB sort holds there (one sort
-    of them all ran out of memory), so pairing and the live-bytes curve sort in partitions
-    (address hash, time ranges); every number stays exact."""
-    steps, slots = 1_000_000, 2000
+def test_sorts_in_partitions(tmp_path):
+    """Events beyond what one DuckDB sort may hold sort in partitions (address hash, time ranges);
+    every number stays exact. The number a sort may hold comes from the memory limit: at 24 MB
+    and one thread 1.5M events, so 2M events sorted in 2 partitions there (one sort of them all
+    ran out of memory; ~80 s on a loaded machine). Here sort_events sets it so that 200k events
+    make 4 partitions at the same limit, and the limit's own value is checked separately."""
+    steps, slots = 100_000, 2000
     path = tmp_path / "big.parquet"
     synthetic.write(str(path), steps, slots, THREADS)
     truth = synthetic.truth(steps, slots, THREADS)
-    with TraceSet([str(path)], memory_limit="24MB", threads=1, temp_dir=str(tmp_path)) as ts:
+    with TraceSet([str(path)], memory_limit="24MB", threads=1, temp_dir=str(tmp_path), sort_events=1 << 16) as ts:
         rep = ts.report()
-        assert ts.partitions() >= 2
+        assert ts.partitions() >= 3
+        ts.max_sort_events = None  # the limit's own value: 24 MB (DuckDB says 22.8 MiB) / 16 B
+        assert 0.99 * 24e6 / SORT_BYTES_PER_EVENT <= ts.sort_events() <= 24e6 / SORT_BYTES_PER_EVENT
     check_against_truth(rep, truth)
 
 
@@ -199,6 +204,24 @@ def test_known_calls(known):
     assert (first["reallocs"], first["first_size"], first["final_size"], first["moves"]) == (3, 10, 40, 2)
     assert first["caller"] == "0x401100" and first["first_call"] == "malloc"
     assert {h["reallocs"]: h["chains"] for h in ch["length_histogram"]}["2-3"] == 1
+
+
+def test_the_recorded_allocator_is_shown(known, tmp_path):
+    """json totals, text and html name the allocator each trace says it was recorded from."""
+    assert report(known)["totals"]["allocators"] == ["glibc"]
+    je = tmp_path / "je.trace"
+    with open(je, "wb") as f:
+        f.write(B.magic_record(1, allocator="jemalloc"))
+        f.write(known_calls().tobytes())
+    rep = report(je)
+    assert rep["totals"]["allocators"] == ["jemalloc"] and rep["files"][0]["allocator"] == "jemalloc"
+    from pymtrace.sinks.analysis_html import write_html
+    from pymtrace.sinks.analysis_text import write_text
+
+    text, page = io.StringIO(), io.StringIO()
+    write_text(rep, text)
+    write_html(rep, page)
+    assert "recorded from jemalloc" in text.getvalue() and "recorded from jemalloc" in page.getvalue()
 
 
 def test_collect_dataset_parts_of_one_stream_are_one_recording(known, tmp_path):

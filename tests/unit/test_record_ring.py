@@ -242,3 +242,44 @@ def test_final_drain_ends_although_draining_makes_records(ring):
         ring.produce(rec(i), 7)
     assert rec_._drain(final=True) == 10
     assert got == list(range(10))
+
+
+def test_direct_drain_copies_in_chunks_across_wraparound(ring, monkeypatch):
+    """record --format parquet: the records go from the ring into the columns DIRECT_CHUNK at a
+    time, all of them, in order, across the ring's end; a busy sample stops the drain."""
+    if ringbuf._np is None:
+        pytest.skip("read_words needs numpy")
+    monkeypatch.setattr(recorder, "DIRECT_CHUNK", 16)
+    got = []
+
+    class Columns:
+        def write_words(self, words):
+            got.extend(int(w) for w in words[:, 2])  # ptr2
+
+    rec_ = recorder.Recorder.__new__(recorder.Recorder)
+    rec_.reader, rec_.target = ring, 7
+    rec_.output_for = lambda tgid: Columns()
+    for round_ in range(5):  # 5 x 150 samples through a ring of ~204
+        for i in range(150):
+            ring.produce(rec(round_ * 150 + i), 7)
+        assert rec_._drain_words(ring.producer()) == 150
+    assert got == [rec(i).ptr2 for i in range(750)]
+    offs = [ring.produce(rec(750 + i), 7) for i in range(40)]
+    ring.set_flags(offs[20], 1 << 31)  # still being written
+    assert rec_._drain_words(ring.producer()) == 20
+    ring.set_flags(offs[20], 0)
+    assert rec_._drain_words(ring.producer()) == 20
+    assert got == [rec(i).ptr2 for i in range(790)]
+
+
+def test_drain_pacer_waits_for_a_large_batch_within_bounds():
+    pacer = recorder.DrainPacer(ring_records=419_430)  # 32 MiB of 80-byte samples
+    assert pacer.batch == 1 << 16 and pacer.max_wait == 0.1
+    assert pacer.wait(0, 10.0) == 0.1  # nothing seen yet: the longest wait
+    assert pacer.wait(250_000, 11.0) == 0.1  # 250k/s: the batch in 0.26 s, capped
+    assert pacer.wait(2_000_000, 12.0) == pytest.approx(65_536 / 2e6)  # a burst: sooner
+    assert pacer.wait(0, 12.1) == pytest.approx(65_536 / 1e6)  # quiet again: the rate halves a drain
+    assert pacer.wait(0, 12.2) == 0.1  # 500k/s: 0.13 s, capped
+    small = recorder.DrainPacer(ring_records=3276)  # 256 KiB: a quarter of it fills in 0.8 ms at 1M/s
+    assert small.batch == 819 and small.wait(0, 1.0) == recorder.DrainPacer.MIN_WAIT_S
+    assert recorder.DrainPacer(419_430, fixed=0.05).wait(10**6, 1.0) == 0.05  # --poll-interval 50

@@ -66,13 +66,14 @@ _LE_DTYPE = mtrace_bin.record_dtype("<")
 
 # Encodings, chosen per column by measurement on a malloc storm and on python3 churning
 # JSON (docs/formats.md, section 5): dictionary (RLE/bit-packed indices; PLAIN once the
-# dictionary outgrows its page) for what repeats: thread, type, caller, path, chunk sizes
+# dictionary outgrows its page) for what repeats: thread, type, caller, path, size2
 # and the pointers, which DELTA_BINARY_PACKED made 2.4x larger (allocations and frees interleave,
 # so consecutive pointers are unrelated); DELTA_BINARY_PACKED for the nearly monotonic
-# time; BYTE_STREAM_SPLIT for the requested size.
+# time; BYTE_STREAM_SPLIT for the requested size and the chunk size returned (size3: as small
+# as its dictionary or smaller, no hashing).
 # zstd on all.
-DICTIONARY_COLUMNS = ["thread", "type", "ptr1", "ptr2", "size2", "size3", "caller", "path"]
-COLUMN_ENCODINGS = {"time_ns": "DELTA_BINARY_PACKED", "size": "BYTE_STREAM_SPLIT"}
+DICTIONARY_COLUMNS = ["thread", "type", "ptr1", "ptr2", "size2", "caller", "path"]
+COLUMN_ENCODINGS = {"time_ns": "DELTA_BINARY_PACKED", "size": "BYTE_STREAM_SPLIT", "size3": "BYTE_STREAM_SPLIT"}
 STATISTICS_COLUMNS = ["thread", "time_ns", "size"]  # min/max per row group: lets queries skip groups
 COMPRESSION, COMPRESSION_LEVEL = "zstd", 1  # level 3: ~5% smaller, ~60 ns a row more CPU
 ROW_GROUP_ROWS = 1 << 18  # rows buffered before a row group is written (16 MiB of columns,
@@ -115,13 +116,17 @@ def table_from_columns(cols: numpy.ndarray, stacks: bool = False) -> pyarrow.Tab
     n = cols.shape[1]
     head = cols[0].view(numpy.uint32).reshape(n, 2)  # thread, type word (little endian)
     words = head[:, 1]
+    word_bytes = cols[0].view(numpy.uint8).reshape(n, 8)[:, 4:8]  # the type word's bytes
+    # one pass each (a recording runs this on every row group): the call type code is the
+    # type word's low byte, its dictionary index that minus 1
+    index = numpy.subtract(word_bytes[:, 0], 1, dtype=numpy.int8, casting="unsafe")
     columns = {
         "thread": pyarrow.array(head[:, 0].view(numpy.int32).copy()),
-        "type": pyarrow.DictionaryArray.from_arrays(pyarrow.array((words & 0xFF).astype(numpy.int8) - 1), _TYPE_DICT),
+        "type": pyarrow.DictionaryArray.from_arrays(pyarrow.array(index), _TYPE_DICT),
     }
     for i, name in enumerate(_UINT64, start=1):
         columns[name] = pyarrow.array(cols[i])
-    if stacks:
+    if stacks or not word_bytes[:, 1:3].any():  # pymtrace's recordings: no path flags
         columns["path"] = pyarrow.array(numpy.zeros(n, numpy.uint16))
     else:
         columns["path"] = pyarrow.array(((words >> 8) & 0x3FFF).astype(numpy.uint16))
@@ -354,8 +359,23 @@ class Writer:
         self.data_end += len(data)
         self.footer = footer
         self.pending_rows, self.pending_since = 0, None
-        counts = numpy.bincount((cols[0] >> 32) & 0xFF, minlength=9)
+        counts = numpy.bincount(cols[0].view(numpy.uint8).reshape(n, 8)[:, 4], minlength=9)  # type codes
         self.type_counts = [a + int(b) for a, b in zip(self.type_counts, counts[:9])]
+
+    def update_metadata(self, items: Mapping[str, str]) -> None:
+        """Set key-value metadata ITEMS (`record -- CMD`: the allocator of the program the
+        command exec'd); the footer is rewritten at once. Raises OSError."""
+        meta = {k.decode(): v.decode() for k, v in (self.schema.metadata or {}).items()}
+        meta.update(items)
+        self.schema = self.schema.with_metadata(meta)
+        empty, _ = self._segment(None)
+        self.template, _ = thrift.read_struct(
+            empty, len(empty) - 8 - struct.unpack_from("<I", empty, len(empty) - 8)[0]
+        )
+        footer = self._footer()
+        self._pwrite([footer], self.data_end)
+        os.ftruncate(self.fd, self.data_end + len(footer))
+        self.footer = footer
 
     def _pwrite(self, parts: list, offset: int) -> None:
         """Write PARTS (bytes-like) at OFFSET, all of them (pwritev can write less)."""
