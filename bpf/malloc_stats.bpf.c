@@ -15,6 +15,13 @@
  * kernel runs it first, while the ms_outer entry still exists, so it skips too.
  *
  *   sched:sched_process_exec  (tracepoint, ms_exec) the process's new name into its entry
+ * Several processes traced on one file (-p A -p B) attach each return probe once per process:
+ * a kernel that does not filter return probes by process (6.1, 6.12; 6.18 does) then runs
+ * every process's return program at each return (calls counted at the entry once, bytes at
+ * the return N times). With MS_RET_ONCE=1 (set by MallocCollector for that case) each entry
+ * of a non-idempotent return program marks its thread in ms_ret, and only the return that
+ * finds and deletes the mark counts. ms_outer_return and ms_f_return at depth 1 need no mark:
+ * their state is deleted by the first run.
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
  * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
  * out the libc's / the other allocators' / C++ operator new/delete's programs), MS_F_SELECT=1
@@ -49,6 +56,9 @@
 #endif
 /* an identifier left undefined after expansion is 0 in #if: a program not asked for */
 #define MS_WANT(program) (!MS_F_SELECT || MS_WANT_##program)
+#ifndef MS_RET_ONCE
+#define MS_RET_ONCE 0
+#endif
 #ifndef MS_MAX_BLOCKS
 #define MS_MAX_BLOCKS 1048576
 #endif
@@ -68,6 +78,40 @@ BPF_F_TABLE("hash", struct ms_fblock, u64, ms_fblocks, MS_MAX_BLOCKS, BPF_F_NO_P
  * look their thread up in ms_outer. Only ever too high (an outer call whose return was never
  * seen), which costs a lookup, never a wrong count. */
 BPF_ARRAY(ms_active, s64, 1);
+#if MS_RET_ONCE
+/* Returns expected by this thread (MS_RET_ONCE), one per return program kind MS_RET_*:
+ * malloc and calloc do not nest on a thread, realloc(NULL, n)'s tail call into malloc marks
+ * another kind than realloc's. */
+struct ms_ret_key {
+    u64 id; /* pid_tgid */
+    u32 kind;
+    u32 pad;
+};
+BPF_TABLE("lru_hash", struct ms_ret_key, u8, ms_ret, MS_MAX_THREADS);
+#endif
+#define MS_RET_MALLOC    0
+#define MS_RET_CALLOC    1
+#define MS_RET_OUTER_CXX 2 /* an aligned_alloc/memalign inside an aligned operator new */
+
+/* At a probed entry: its return is to be counted once (MS_RET_ONCE). */
+static __always_inline void expect_return(u32 kind) {
+#if MS_RET_ONCE
+    struct ms_ret_key k = {.id = bpf_get_current_pid_tgid(), .kind = kind};
+    u8 one = 1;
+    ms_ret.update(&k, &one);
+#endif
+}
+
+/* At a return: 1 for the first run of the return programs (the mark deleted), 0 for the
+ * runs of the other traced processes' attachments (and for a call entered before attach). */
+static __always_inline int first_return(u32 kind) {
+#if MS_RET_ONCE
+    struct ms_ret_key k = {.id = bpf_get_current_pid_tgid(), .kind = kind};
+    return ms_ret.delete(&k) == 0;
+#else
+    return 1;
+#endif
+}
 
 static __always_inline void ms_lost_inc(int idx) {
     u64 *v = ms_lost.lookup(&idx);
@@ -159,6 +203,7 @@ int ms_malloc_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
+    expect_return(MS_RET_MALLOC); /* also inside an outer call: operator new's bytes */
     if (inside_outer()) return 0;
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
     if (s) count_call(s, CALL_MALLOC, PT_REGS_PARM1(ctx));
@@ -190,6 +235,7 @@ int ms_malloc_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
+    if (!first_return(MS_RET_MALLOC)) return 0;
     struct ms_outer *cxx = inside_cxx();
     if (cxx) { /* glibc's malloc inside operator new: the new's block and its bytes */
         u64 ret = PT_REGS_RC(ctx);
@@ -206,6 +252,7 @@ int ms_calloc_entry(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
+    expect_return(MS_RET_CALLOC);
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
     if (s) count_call(s, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx));
     return 0;
@@ -215,6 +262,7 @@ int ms_calloc_return(struct pt_regs *ctx) {
 #if MS_EMPTY
     return 0;
 #endif
+    if (!first_return(MS_RET_CALLOC)) return 0;
     return alloc_return(ctx);
 }
 
@@ -250,7 +298,10 @@ int ms_free_entry(struct pt_regs *ctx) {
 /* ---- outer calls: realloc and the memalign family -------------------------------- */
 
 static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr) {
-    if (inside_cxx()) return 0; /* an aligned operator new's aligned_alloc: counted as the new */
+    if (inside_cxx()) { /* an aligned operator new's aligned_alloc: counted as the new */
+        expect_return(MS_RET_OUTER_CXX);
+        return 0;
+    }
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer o = {};
     o.type = type;
@@ -314,6 +365,7 @@ int ms_outer_return(struct pt_regs *ctx) {
     if (op->type >= CALL_NEW && op->depth) {
         /* glibc's aligned_alloc/memalign inside an aligned operator new (its entry was
          * skipped): the block's bytes; a small value is posix_memalign's code, no block */
+        if (!first_return(MS_RET_OUTER_CXX)) return 0;
         u64 ret = PT_REGS_RC(ctx);
         struct ms_stats *s = stats_for(id >> 32);
         if (s && ret > 4096) s->allocated_bytes += chunk_bytes(ret);

@@ -165,6 +165,9 @@ class MallocCollector(Collector):
             "MS_FOREIGN": int(bool(families - {"glibc"})),
             "MS_CXX": int(bool(self.cxx)),
             "MS_F_SELECT": 1,
+            # one return probe per process on a file: a kernel that runs each of them at every
+            # return of every such process needs the entry's mark (bpf/malloc_stats.bpf.c)
+            "MS_RET_ONCE": int(any(len(pids) > 1 for pids in (*self.libcs.values(), *self.cxx.values()))),
             **{f"MS_WANT_{program}": 1 for program in sorted(self.foreign_programs)},
         }
 
