@@ -298,7 +298,11 @@ int ms_free_entry(struct pt_regs *ctx) {
 /* ---- outer calls: realloc and the memalign family -------------------------------- */
 
 static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, u64 arg_ptr) {
-    if (inside_cxx()) { /* an aligned operator new's aligned_alloc: counted as the new */
+    struct ms_outer *cxx = inside_cxx();
+    if (cxx) { /* an aligned operator new's aligned_alloc or posix_memalign: counted as the new */
+        /* posix_memalign (libstdc++ 14's aligned new) writes its block to *memptr: kept for
+         * the return (a new's own arg_ptr is unused) */
+        if (type == CALL_POSIX_MEMALIGN && cxx->type < CALL_DELETE) cxx->arg_ptr = arg_ptr;
         expect_return(MS_RET_OUTER_CXX);
         return 0;
     }
@@ -363,12 +367,19 @@ int ms_outer_return(struct pt_regs *ctx) {
     struct ms_outer *op = ms_outer.lookup(&id);
     if (!op) return 0; /* attached while the call was running */
     if (op->type >= CALL_NEW && op->depth) {
-        /* glibc's aligned_alloc/memalign inside an aligned operator new (its entry was
-         * skipped): the block's bytes; a small value is posix_memalign's code, no block */
+        /* glibc's aligned_alloc/memalign/posix_memalign inside an aligned operator new (its
+         * entry was not counted): the block's bytes (posix_memalign: returns 0 and the block
+         * in *memptr, kept in arg_ptr by its entry) */
         if (!first_return(MS_RET_OUTER_CXX)) return 0;
         u64 ret = PT_REGS_RC(ctx);
+        u64 block = ret;
+        if (op->arg_ptr) {
+            block = 0;
+            if ((u32)ret == 0) pm_probe_read_user(&block, sizeof(block), (void *)op->arg_ptr);
+            op->arg_ptr = 0;
+        }
         struct ms_stats *s = stats_for(id >> 32);
-        if (s && ret > 4096) s->allocated_bytes += chunk_bytes(ret);
+        if (s && block > 4096) s->allocated_bytes += chunk_bytes(block); /* not an error code */
         op->old_chunk = 1;
         return 0;
     }
