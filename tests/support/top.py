@@ -90,6 +90,16 @@ class Top:
             if doc["time"] > t:
                 return doc
 
+    def json_span(self, start, end, timeout=30):
+        """The JSON documents from the first whose snapshot was taken after monotonic time
+        START to the first taken after END: together their intervals cover START..END (a slow
+        machine may report calls made in that span in any of them, not only the last)."""
+        deadline = time.monotonic() + timeout
+        docs = [self.json_after(start, timeout)]
+        while docs[-1]["time"] <= end:
+            docs.append(self.json_doc(max(1, deadline - time.monotonic())))
+        return docs
+
     def block(self, timeout=90):
         """The next batch report (text up to the next header line), as a list of lines."""
         lines = []
