@@ -1,7 +1,7 @@
 """`pymtrace heap --format text`: the top stacks as a plain report, like bcc memleak's.
 
-One block per stack, largest first by the chosen value: bytes and allocations, then the
-stack leaf first, one symbolized frame per line with its module (and source line when the
+One block per stack (stacks that print the same summed into one), largest first by the
+chosen value: bytes and allocations, then the stack leaf first, one symbolized frame per line with its module (and source line when the
 debug info has it); inlined frames are marked. The run's settings and counters head it.
 """
 
@@ -23,8 +23,8 @@ def render_text(profile: HeapProfile, symbolizer: FrameSource, top: int = 10, va
     space = _SPACE_OF.get(value, "inuse_space")
     objects = _OBJECTS_OF.get(value, "inuse_objects")
     what = "allocated" if space == "alloc_space" else "in use"
-    entries = [e for e in profile.stacks() if round(e.value(value))]
-    entries.sort(key=lambda e: (-e.value(value), -e.value(space)))
+    entries = [e for e in _merged(profile, symbolizer) if round(e[0][value])]
+    entries.sort(key=lambda e: (-e[0][value], -e[0][space]))
     lines = [profile.title()]
     lines += [f"  {line}" for line in profile.summary_lines()]
     totals = profile.totals()
@@ -32,17 +32,37 @@ def render_text(profile: HeapProfile, symbolizer: FrameSource, top: int = 10, va
         f"{round(totals[space])} bytes in {round(totals[objects])} allocations {what} "
         f"in {len(entries)} stacks; top {min(top, len(entries))} by {value}:"
     )
-    for entry in entries[:top]:
-        lines.append(f"\t{round(entry.value(space))} bytes in {round(entry.value(objects))} allocations from stack")
-        if not entry.stack:
-            lines.append("\t\t[unknown]")
-        for loc in entry.stack:  # leaf first, like memleak
-            module = os.path.basename(loc[0].path) or "?"
-            for frame in symbolizer.frames(loc):
-                source = f" {frame.file}:{frame.line}" if frame.file and frame.line else ""
-                inlined = " (inlined)" if frame.inlined else ""
-                lines.append(f"\t\t{frame.function} [{module}]{source}{inlined}")
+    for values, frames in entries[:top]:
+        lines.append(f"\t{round(values[space])} bytes in {round(values[objects])} allocations from stack")
+        lines += frames
     return "\n".join(lines) + "\n"
+
+
+def _frame_lines(stack: tuple, symbolizer: FrameSource) -> tuple[str, ...]:
+    """STACK's lines in the report, leaf first, like memleak."""
+    if not stack:
+        return ("\t\t[unknown]",)
+    lines = []
+    for loc in stack:
+        module = os.path.basename(loc[0].path) or "?"
+        for frame in symbolizer.frames(loc):
+            source = f" {frame.file}:{frame.line}" if frame.file and frame.line else ""
+            inlined = " (inlined)" if frame.inlined else ""
+            lines.append(f"\t\t{frame.function} [{module}]{source}{inlined}")
+    return tuple(lines)
+
+
+def _merged(profile: HeapProfile, symbolizer: FrameSource) -> list[tuple[dict[str, float], tuple[str, ...]]]:
+    """[(values by VALUE_TYPES name, frame lines)] of PROFILE's stacks, the stacks that print
+    the same summed into one: a loop the compiler unrolled calls from several return addresses
+    in one function (gcc 14 -O2), which without line numbers read as one stack."""
+    merged = {}
+    for entry in profile.stacks():
+        frames = _frame_lines(entry.stack, symbolizer)
+        values = merged.setdefault(frames, dict.fromkeys(VALUE_TYPES, 0.0))
+        for name in VALUE_TYPES:
+            values[name] += entry.value(name)
+    return [(values, frames) for frames, values in merged.items()]
 
 
 def write_text(

@@ -25,6 +25,7 @@ from support.heapprofile import (
     EXE,
     EXPECTED,
     EXPECTED_OLDER_30,
+    FRAMES,
     HOSTILE,
     LIB,
     LIBC,
@@ -484,3 +485,20 @@ def test_every_writer_accepts_an_empty_profile():
     assert len(parsed_pprof(written(write_pprof, profile)).sample) == 0
     assert "0 bytes in 0 allocations in use in 0 stacks" in render_text(profile, FakeSymbolizer())
     assert "<title>pymtrace heap: pid 1</title>" in render_html(profile, FakeSymbolizer())
+
+
+def test_text_sums_stacks_that_print_the_same():
+    """An unrolled loop (gcc 14 -O2) calls lib_inner from two return addresses in lib_outer:
+    without line numbers the two stacks read alike, so the report shows them as one."""
+    frames = dict(FRAMES)
+    frames[(LIB, 0x121)] = frames[(LIB, 0x120)]
+    profile = HeapProfile(1, {"command": "chain", "pids": [4242], "exe": EXE.path})
+    for i in range(10):
+        stack = list(STACKS["leak"])
+        stack[2] = (LIB, 0x120 + i % 2)
+        profile.add(i + 1, tuple(stack), 4000, 10**9, True)
+    profile.finish(set(range(1, 11)), END_NS)
+    text = render_text(profile, FakeSymbolizer(frames))
+    assert "40000 bytes in 10 allocations in use in 1 stacks; top 1 by inuse_space:" in text
+    assert text.count("allocations from stack") == 1
+    assert "\t40000 bytes in 10 allocations from stack\n\t\tmalloc [libc.so.6] malloc.c:3287\n" in text
