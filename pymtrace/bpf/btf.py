@@ -7,6 +7,7 @@ switches, so nothing depends on a kernel version.
     types = Btf.read()                                  # None: no BTF on this kernel
     types.member_offsets("kmem_cache", ["name", "size"])  -> {"name": 96, "size": 24} or None
     types.tracepoint_arg("kmem_cache_free", "kmem_cache")  -> 2 (ctx->args[2]) or None
+    types.has_member_path("bpf_link_info", ["kprobe_multi", "missed"])  -> True or False
 
 The format is the kernel's (Documentation/bpf/btf.rst): a header, then type records, then
 the strings. Only the records needed are decoded; the walk over the others only measures
@@ -151,6 +152,32 @@ class Btf:
                 return None
             found = mine
         return found
+
+    def has_member_path(self, struct_name: str, path: list[str]) -> bool:
+        """Whether `struct STRUCT_NAME` has member PATH[0], whose struct or union has PATH[1],
+        and so on (anonymous members flattened in), e.g. ("bpf_link_info", ["kprobe_multi",
+        "missed"]): a field a kernel change added tells whether this kernel has the change."""
+        for tid in self._find(KIND_STRUCT, struct_name):
+            current = tid
+            for name in path:
+                types = {}
+                self._member_types(current, types)
+                if name not in types:
+                    break
+                current = self._strip(types[name])
+            else:
+                return True
+        return False
+
+    def _member_types(self, type_id: int, out: dict[str, int]) -> None:
+        """Member name -> type id of a struct/union, anonymous members flattened in."""
+        if self._record(type_id)[0] not in (KIND_STRUCT, KIND_UNION):
+            return
+        for name_off, mtype, _offset in self._items(type_id, 12):
+            if name_off == 0:
+                self._member_types(self._strip(mtype), out)
+            else:
+                out.setdefault(self._string(name_off), mtype)
 
     def tracepoint_arg(self, tracepoint: str, struct_name: str) -> int | None:
         """Index in a raw tracepoint's ctx->args of its argument that points to `struct

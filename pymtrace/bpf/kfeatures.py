@@ -17,6 +17,7 @@ TESTS ONLY, PYMTRACE_FAKE_BTF=PATH reads PATH instead (a missing file: a kernel 
 
 from __future__ import annotations
 
+import functools
 import os
 import typing
 
@@ -76,6 +77,19 @@ def uretprobe_syscall() -> bool | None:
             return any(line.rstrip().endswith("sys_uretprobe") for line in f)
     except OSError:
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def tracepoint_misses_counted() -> bool:
+    """Whether the kernel counts in a tracepoint (or kprobe) program's recursion_misses the
+    events it skipped because another BPF program or a bpf() map access was running on the
+    CPU (trace_call_bpf). Before that change (Linux 6.7: Debian 12's 6.1 has fdinfo's
+    recursion_misses, counted for raw tracepoint programs only) they vanish uncounted. Read
+    from the kernel's own BTF: the same change added `missed` to bpf_link_info's kprobe_multi
+    record. False without BTF (not known). The real BTF even under the test hook
+    PYMTRACE_FAKE_BTF: the question is about this kernel's code, not the emulated layout."""
+    btf = btf_types.Btf.read()
+    return btf is not None and btf.has_member_path("bpf_link_info", ["kprobe_multi", "missed"])
 
 
 # --------------------------------------------------------------------------- slab caches

@@ -45,9 +45,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
+from pymtrace.bpf import kfeatures, structs
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import stats as bpfstats
-from pymtrace.bpf import structs
 from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
 from pymtrace.target import libc, proc
@@ -69,9 +69,13 @@ def lost_names(program: str, prefix: str) -> dict[int, str]:
 def skipped_runs(bpf: Any, functions: Iterable[str]) -> int | None:
     """Events the kernel dropped without running FUNCTIONS (BPF programs of BCC module BPF) on
     them, summed (pymtrace.bpf.stats.recursion_misses), or None where the kernel does not
-    count them. Reported as a lost cause: the counts lack those events."""
+    count them. Reported as a lost cause: the counts lack those events. A (non-raw) tracepoint
+    program's skips are counted only where kfeatures.tracepoint_misses_counted(): elsewhere its
+    recursion_misses stays 0 whatever was skipped, which is not reported as none skipped."""
     total = None
     for name in functions:
+        if name.startswith("tracepoint__") and not kfeatures.tracepoint_misses_counted():
+            continue
         fn = bpf.funcs.get(name.encode()) if bpf is not None else None
         n = bpfstats.recursion_misses(fn.fd) if fn is not None else None
         if n is not None:

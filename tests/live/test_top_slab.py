@@ -18,7 +18,12 @@ CACHE = "mqueue_inode_cache"
 
 def counts_skipped_runs(pid):
     """Whether the kernel counts, per BPF program, the runs it skipped (recursion_misses in
-    the fdinfo of PID's programs)."""
+    the fdinfo of PID's programs) for the slab programs in use: raw tracepoint programs
+    (both, where BTF gives the cache), else tracepoint programs, whose skips only kernels
+    with kfeatures.tracepoint_misses_counted() count (Linux 6.1 does not)."""
+    source = kfeatures.slab_source()
+    if not (source.raw.get("SLAB_RAW_FREE") or kfeatures.tracepoint_misses_counted()):
+        return False
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:bpf-prog":

@@ -100,3 +100,24 @@ def test_this_kernels_kmem_cache():
     offsets = btf.member_offsets("kmem_cache", ["name", "size", "object_size"])
     assert offsets and len(set(offsets.values())) == 3
     assert btf.tracepoint_arg("kmem_cache_free", "kmem_cache") is not None
+
+
+def test_member_paths_of_a_known_blob(tmp_path):
+    """Through a named member's type and an anonymous union: kmem_cache has size and, in its
+    anonymous union, object_size; name is a char *, no struct to go into."""
+    path = tmp_path / "btf"
+    path.write_bytes(blob())
+    btf = Btf.read(str(path))
+    assert btf.has_member_path("kmem_cache", ["size"]) and btf.has_member_path("kmem_cache", ["object_size"])
+    assert not btf.has_member_path("kmem_cache", ["missing"])
+    assert not btf.has_member_path("kmem_cache", ["name", "size"])
+    assert not btf.has_member_path("no_such_struct", ["size"])
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/btf/vmlinux"), reason="this kernel has no BTF")
+def test_this_kernels_link_info_members():
+    """bpf_link_info's kprobe_multi record (Linux 5.18+) has addrs on every such kernel; `missed`
+    tells tracepoint_misses_counted()."""
+    btf = Btf.read()
+    assert btf.has_member_path("bpf_link_info", ["kprobe_multi", "addrs"])
+    assert kfeatures.tracepoint_misses_counted() == btf.has_member_path("bpf_link_info", ["kprobe_multi", "missed"])
