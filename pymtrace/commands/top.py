@@ -193,13 +193,15 @@ def _sources(args: argparse.Namespace) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pymtrace.collect import heap
     from pymtrace.collect.base import Collectors
 
     # argument errors first: they need neither root nor seconds of compiling
     stacks_on = _stacks_wanted(args)
     sample_bytes = parse_bytes(args.stack_sample_bytes, "--stack-sample-bytes")
-    heap.check_settings(sample_bytes, sample_option="--stack-sample-bytes")
+    if stacks_on:  # the sampler's module costs ~0.1 s to import: plain top does without it
+        from pymtrace.collect import heap
+
+        heap.check_settings(sample_bytes, sample_option="--stack-sample-bytes")
     if stacks_on and not (args.pids or args.demo):
         raise PymtraceError("the stacks view (--stacks, view 5) needs -p PID: the heap sampler attaches per process")
     args.stacks = stacks_on

@@ -62,7 +62,7 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return out
 
 
-def _size_class_label(k: int) -> str:
+def size_class_label(k: int) -> str:
     """Class K of SIZE_CLASS_BOUNDS: "0", "(0, 16]", ..., "(16 MiB, 32 MiB]", "> 32 MiB"."""
     if k == 0:
         return "0"
@@ -78,13 +78,18 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
-def _lifetime_label(k: int) -> str:
+def lifetime_label(k: int) -> str:
+    """Class K of LIFETIME_BOUNDS: "< 1 us", "1 us - 10 us", ..., ">= 100 s"."""
     names = ["1 us", "10 us", "100 us", "1 ms", "10 ms", "100 ms", "1 s", "10 s", "100 s"]
     if k == 0:
         return "< 1 us"
     if k == len(names):
         return ">= 100 s"
     return f"{names[k - 1]} - {names[k]}"
+
+
+# realloc chain lengths: 1, 2-3, 4-7, ..., 512-1023, 1024+ (the report's length_histogram)
+CHAIN_LABELS = ["1"] + [f"{1 << (i - 1)}-{(1 << i) - 1}" for i in range(2, 11)] + ["1024+"]
 
 
 def _case_bucket(expr: str, bounds: Sequence[int], inclusive: bool) -> str:
@@ -435,7 +440,7 @@ class TraceSet:
         )
         histogram = [
             {
-                "class": _size_class_label(i),
+                "class": size_class_label(i),
                 "max": SIZE_CLASS_BOUNDS[i] if i < len(SIZE_CLASS_BOUNDS) else None,
                 "count": counts.get(i, 0),
             }
@@ -606,7 +611,7 @@ class TraceSet:
             "p90_ns": p90 if self.timed else None,
             "p99_ns": p99 if self.timed else None,
             "histogram": [
-                {"class": _lifetime_label(i), "count": counts.get(i, 0)} for i in range(len(LIFETIME_BOUNDS) + 1)
+                {"class": lifetime_label(i), "count": counts.get(i, 0)} for i in range(len(LIFETIME_BOUNDS) + 1)
             ]
             if self.timed
             else [],
@@ -800,7 +805,7 @@ class TraceSet:
                 FROM chains c JOIN ev e ON e.file = c.file AND e.row = c.root AND e.alloc
                 ORDER BY c.reallocs DESC, c.max_size DESC, c.file, c.root LIMIT {int(top)}"""
         )
-        labels = ["1"] + [f"{1 << (i - 1)}-{(1 << i) - 1}" for i in range(2, 11)] + ["1024+"]
+        labels = CHAIN_LABELS
         return {
             "reallocs_linked": reallocs,
             "in_place": in_place,

@@ -23,11 +23,14 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from pymtrace.trace.analysis import (
+    CHAIN_LABELS,
     LIFETIME_BOUNDS,
     LIVE_BUCKETS,
     MMAP_THRESHOLD,
     SIZE_CLASS_BOUNDS,
     THREAD_BUCKETS,
+    lifetime_label,
+    size_class_label,
 )
 
 # a part written by `pymtrace collect`: its stream (one recording) and its first row's offset
@@ -285,31 +288,6 @@ def _hex(v: Any) -> str | None:
     return None if v is None else f"{int(v):#x}"
 
 
-def size_class_label(k: int) -> str:
-    """Class K of SIZE_CLASS_BOUNDS: "0", "(0, 16]", ..., "(16 MiB, 32 MiB]", "> 32 MiB"."""
-
-    def name(n: int) -> str:
-        for unit, shift in (("MiB", 20), ("KiB", 10)):
-            if n >= 1 << shift and n % (1 << shift) == 0:
-                return f"{n >> shift} {unit}"
-        return str(n)
-
-    if k == 0:
-        return "0"
-    if k == len(SIZE_CLASS_BOUNDS):
-        return f"> {name(SIZE_CLASS_BOUNDS[-1])}"
-    return f"({name(SIZE_CLASS_BOUNDS[k - 1])}, {name(SIZE_CLASS_BOUNDS[k])}]"
-
-
-def lifetime_label(k: int) -> str:
-    names = ["1 us", "10 us", "100 us", "1 ms", "10 ms", "100 ms", "1 s", "10 s", "100 s"]
-    if k == 0:
-        return "< 1 us"
-    if k == len(names):
-        return ">= 100 s"
-    return f"{names[k - 1]} - {names[k]}"
-
-
 class Report:
     """The report's numbers computed by ENGINE over its view `trace_rows` (trace_rows_sql):
     run() returns the dict of analyze --json's sections (files and settings aside)."""
@@ -478,7 +456,7 @@ class Report:
         engine.materialize("chains", chains_sql(f"jump_{rounds}"))
         hist = dict(self._q(CHAIN_HISTOGRAM))
         (count,) = self._one(CHAIN_COUNT)
-        labels = ["1"] + [f"{1 << (i - 1)}-{(1 << i) - 1}" for i in range(2, 11)] + ["1024+"]
+        labels = CHAIN_LABELS
         return {
             "reallocs_linked": reallocs,
             "in_place": in_place,
