@@ -1,8 +1,8 @@
 """`pymtrace heap --format text`: the top stacks as a plain report, like bcc memleak's.
 
 One block per stack (stacks that print the same summed into one), largest first by the
-chosen value: bytes and allocations, then the stack leaf first, one symbolized frame per line with its module (and source line when the
-debug info has it); inlined frames are marked. The run's settings and counters head it.
+chosen value: bytes and allocations, then the stack leaf first, one symbolized frame per line
+with its module (and source line when the debug info has it); inlined frames are marked. The run's settings and counters head it.
 """
 
 from __future__ import annotations
