@@ -21,11 +21,18 @@
  * two copies, the ring holds only the bytes copied). Its block, once returned, goes into
  * hp_live until freed.
  *
- * Nested calls: realloc and the memalign family keep an hp_pending entry (depth) for the whole
- * call, so glibc's internal malloc/free calls (realloc(NULL, n) tail-jumps into malloc,
- * memalign(<= 16) calls malloc) are not sampled again; a sampled malloc/calloc keeps one only
- * until its return. hp_active counts entries, so an unsampled call's return probe and the
- * entry of a call on a thread outside any call need no hash lookup.
+ * Nested calls: realloc and the memalign family keep an hp_pending entry for the whole call,
+ * so glibc's internal malloc/free calls (realloc(NULL, n) tail-jumps into malloc,
+ * posix_memalign(<= 16) calls malloc) are not sampled again; a sampled malloc/calloc keeps one
+ * only until its return. The call's own return is the one whose stack pointer is the entry's
+ * + 8 (the return address popped): a nested call returns deeper, a tail-called one at the
+ * same place (its return probe chained to the caller's: the first run finishes the call).
+ * Counting nested returns instead would not do: a kernel that does not filter return probes
+ * by process (6.1, 6.12; 6.18 does) runs hp_return once per traced process attached to the
+ * function (`heap -p A -p B`) at each return, which would end the call at its nested
+ * malloc's return (posix_memalign's block, written to *memptr later, then lost).
+ * hp_active counts entries, so an unsampled call's return probe and the entry of a call on a
+ * thread outside any call need no hash lookup.
  *
  * Knobs (-D, set by HeapCollector): HP_SAMPLE_MEAN, HP_STACK_PAGES (the stack copy: the partial
  * page holding sp, then whole pages, HP_STACK_PAGES * 4096 bytes at most, stopping at the end
@@ -83,8 +90,9 @@ struct hp_sample {
 
 /* A call between entry and return on one thread (key: pid_tgid). */
 struct hp_pending {
-    u32 depth; /* nested malloc-API calls inside it, + 1 */
+    u64 sp; /* the stack pointer at its entry (+0: pointing at the return address) */
     u32 call;
+    u32 pad;
     u64 sample_id; /* 0: not sampled (or its record was lost) */
     u64 arg_ptr;   /* realloc: the old block; posix_memalign: where the pointer is stored */
     u64 size;
@@ -296,15 +304,11 @@ static __always_inline void hp_gone(struct hp_block *b) {
 static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
     u64 id = bpf_get_current_pid_tgid();
     if (!hp_wanted(id >> 32)) return 0;
-    struct hp_pending *cur = hp_current(id);
-    if (cur) { /* inside this thread's outer call: glibc's own call, not the program's */
-        cur->depth++;
-        return 0;
-    }
+    if (hp_current(id)) return 0; /* inside this thread's outer call: glibc's own call */
     int sampled = hp_sampled((u32)id, size);
     if (!sampled && !outer) return 0;
     struct hp_pending p = {};
-    p.depth = 1;
+    p.sp = PT_REGS_SP(ctx);
     p.call = call;
     p.arg_ptr = arg_ptr;
     p.size = size;
@@ -347,13 +351,14 @@ int hp_pvalloc_entry(struct pt_regs *ctx) {
     return hp_entry(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 1);
 }
 
-/* Every allocating function's return. realloc(NULL, n) tail-jumps into malloc, whose return
- * probe then runs on the same return: the depth makes the last one finish the call. */
+/* Every allocating function's return: the call's own return (not a call nested in it) finishes
+ * it; later runs at the same return (a tail-called function's probe, other processes'
+ * attachments) find no entry. */
 int hp_return(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct hp_pending *cur = hp_current(id);
-    if (!cur) return 0; /* not sampled, or attached while the call was running */
-    if (--cur->depth) return 0;
+    if (!cur) return 0;                           /* not sampled, or attached while the call was running */
+    if (PT_REGS_SP(ctx) != cur->sp + 8) return 0; /* a call nested in it returns */
     struct hp_pending p = *cur;
     if (hp_pending.delete(&id) == 0) hp_add_active(-1);
     u64 rc = PT_REGS_RC(ctx), addr = rc;

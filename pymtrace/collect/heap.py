@@ -350,7 +350,7 @@ class HeapCollector(Collector):
         self._epoll.register(ring.map_fd, select.EPOLLIN)
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"hp_exec")
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exit", fn_name=b"hp_exit")
-        # return probes first: an entry seen without its return would leave a stale depth
+        # return probes first: an entry seen without its return would leave a stale pending call
         for kinds in (("return",), ("entry",)):
             for path, pids in self.libcs.items():
                 for pid in pids:

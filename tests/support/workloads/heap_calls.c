@@ -17,6 +17,7 @@
  *   realloc_leaf: malloc(3000 + i) then realloc to 4000 + i, i < 4, freed; i == 4 leaked
  *   realloc_leaf(NULL): realloc(NULL, 900): a realloc, not a malloc
  *   posix_memalign_leaf: posix_memalign(&p, 64, 6000 + i), i < 3; i == 0 leaked
+ *   posix_memalign_leaf: posix_memalign(&p, 16, 6500), leaked (glibc calls malloc inside)
  *   aligned_alloc_leaf: aligned_alloc(128, 7040 + 128 i), i < 3, freed
  *   memalign_leaf: memalign(32, 800), twice, freed (glibc calls malloc inside)
  *   zero_leaf: malloc(0), twice, freed
@@ -151,6 +152,7 @@ static int calls(int fork_child, const char *self) {
         else
             say("leak %lx\n", (unsigned long)p, 0);
     }
+    say("leak %lx\n", (unsigned long)posix_memalign_leaf(16, 6500), 0);
     for (int i = 0; i < 3; i++) free(aligned_alloc_leaf(128, 7040 + 128 * i));
     for (int i = 0; i < 2; i++) free(memalign_leaf(32, 800));
     for (int i = 0; i < 2; i++) free(zero_leaf());
