@@ -64,9 +64,23 @@ full) or, with --stacks, allocations were left without a stack, unless --allow-d
 _PAGE = mmap.PAGESIZE
 
 
+class _OnePid(argparse.Action):
+    """-p given once: argparse would keep the last of several silently (`record -p A -p B`
+    recording B alone)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option: str | None = None
+    ) -> None:
+        if getattr(namespace, self.dest) is not None:
+            parser.error("-p/--pid is given once: a recording is of one process (run one record per process)")
+        setattr(namespace, self.dest, values)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("-p", "--pid", type=int, help="record the running process PID (all its threads)")
+    target.add_argument(
+        "-p", "--pid", type=int, action=_OnePid, help="record the running process PID (all its threads; one -p)"
+    )
     parser.add_argument(
         "-o", "--output", metavar="FILE", help="output file (default mtrace.out.PID, with .N appended if it exists)"
     )

@@ -214,6 +214,12 @@ def test_cli_unknown_command():
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
+def test_record_refuses_a_second_pid():
+    """`record -p A -p B` records one process: refused, not B alone silently."""
+    out = subprocess.run(PYMTRACE + ["record", "-p", "1", "-p", "2"], capture_output=True, text=True)
+    assert out.returncode == 2 and "one record per process" in out.stderr
+
+
 SIGNAL_PROBE = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job starts
