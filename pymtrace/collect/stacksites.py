@@ -95,7 +95,8 @@ class SiteAggregator:
         self.sample_bytes = sample_bytes
         self.max_stacks = max_stacks
         self.processes: dict[int, _Process] = {}
-        self._pending: dict[int, tuple[int, _Stack, int, int, float]] = {}  # id -> pid, stack, size, ts, w
+        # sample id -> pid, stack, size, ts, weight, complete
+        self._pending: dict[int, tuple[int, _Stack, int, int, float, bool]] = {}
         self._next_ident = 1
         self._lock = threading.Lock()
 
@@ -121,7 +122,7 @@ class SiteAggregator:
             entry.values.count(size, weight, complete)
             proc.samples += 1
             proc.complete_samples += bool(complete)
-            self._pending[sample_id] = (pid, entry, size, ts_ns, weight)
+            self._pending[sample_id] = (pid, entry, size, ts_ns, weight, complete)
 
     def snapshot(
         self,
@@ -129,12 +130,16 @@ class SiteAggregator:
         now_ns: int,
         symbolizer: Symbolizer,
         comms: Callable[[int], str] | None = None,
+        until_ns: int | None = None,
     ) -> dict[int, StackProcess]:
         """{pid: StackProcess}: cumulative values, in-use values of the samples in LIVE_IDS (the
         sampled blocks not freed when they were read, at NOW_NS); samples neither live nor
         younger than LIVE_GRACE_NS are forgotten (freed). LIVE_IDS may be a function: it is
         then called after the samples are taken, so that a sample the reader adds meanwhile
-        is not counted as allocated but not in use (a leak would read as partly freed)."""
+        is not counted as allocated but not in use (a leak would read as partly freed).
+        UNTIL_NS: only the samples taken up to then (CLOCK_MONOTONIC, as top's counters' "time"):
+        the values then cover the calls top's counters read (the later samples count in the next
+        snapshot), however long reading the counters took before."""
         with self._lock:  # a copy of the values; symbolizing below must not stall the reader
             pending = list(self._pending.items())
             copies = []
@@ -148,21 +153,42 @@ class SiteAggregator:
                 copies.append((pid, values, counts))
         live = set(live_ids() if callable(live_ids) else live_ids)
         inuse: dict[int, list[float]] = {}  # id(stack) -> [objects, bytes]
+        later: dict[int, list[float]] = {}  # id(stack) -> [objects, bytes, samples] taken after UNTIL_NS
+        later_procs: dict[int, list[int]] = {}  # pid -> [samples, complete, overflow] taken after it
+        forget_before = now_ns - LIVE_GRACE_NS if until_ns is None else min(now_ns - LIVE_GRACE_NS, until_ns)
         forgotten = []
-        for sample_id, (_, entry, size, ts_ns, weight) in pending:
-            if sample_id in live:
+        for sample_id, (pid, entry, size, ts_ns, weight, complete) in pending:
+            if until_ns is not None and ts_ns > until_ns:
+                acc = later.setdefault(id(entry), [0.0, 0.0, 0])
+                acc[0] += weight
+                acc[1] += weight * size
+                acc[2] += 1
+                counts = later_procs.setdefault(pid, [0, 0, 0])
+                counts[0] += 1
+                counts[1] += bool(complete)
+                counts[2] += entry.ident == 0  # the [other stacks] entry
+            elif sample_id in live:
                 acc = inuse.setdefault(id(entry), [0.0, 0.0])
                 acc[0] += weight
                 acc[1] += weight * size
-            elif ts_ns < now_ns - LIVE_GRACE_NS:
+            elif ts_ns < forget_before:
                 forgotten.append(sample_id)
         with self._lock:
             for sample_id in forgotten:
                 self._pending.pop(sample_id, None)
         out: dict[int, StackProcess] = {}
         for pid, values, (samples, complete_samples, kept, overflow) in copies:
+            late = later_procs.get(pid, (0, 0, 0))
+            samples, complete_samples, overflow = samples - late[0], complete_samples - late[1], overflow - late[2]
             sites: dict[str, StackSite] = {}
             for entry, alloc_objects, alloc_bytes, nsamples, complete in values:
+                if id(entry) in later:
+                    late_objects, late_bytes, late_samples = later[id(entry)]
+                    alloc_objects, alloc_bytes, nsamples = (
+                        alloc_objects - late_objects,
+                        alloc_bytes - late_bytes,
+                        nsamples - int(late_samples),
+                    )
                 if entry.frames is None:  # once per stack (only this thread sets it)
                     entry.frames = _frames(entry.stack, symbolizer)
                 site = sites.get(entry.site)
@@ -286,16 +312,23 @@ class StackSitesCollector:
                 self._error = exc
                 return
 
-    def snapshot(self) -> dict[str, Any]:
-        """{"stacks": {pid: StackProcess}, "lost": {"heap_<counter>": n}}; raises what the
-        reader met (a PymtraceError of the unwinder)."""
+    def snapshot(self, until: float | None = None) -> dict[str, Any]:
+        """{"stacks": {pid: StackProcess}, "lost": {"heap_<counter>": n}}; UNTIL (a
+        time.monotonic() value: top's counters' "time"): the samples taken up to then only
+        (SiteAggregator.snapshot). Raises what the reader met (a PymtraceError of the unwinder)."""
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         collector = self.session.collector
         self._catch_up(collector.written())
         now_ns = time.monotonic_ns()
-        stacks = self.sites.snapshot(lambda: collector.live().keys(), now_ns, self.session.symbolizer, self.comms.get)
+        stacks = self.sites.snapshot(
+            lambda: collector.live().keys(),
+            now_ns,
+            self.session.symbolizer,
+            self.comms.get,
+            until_ns=None if until is None else int(until * 1e9),
+        )
         return {"stacks": stacks, "lost": {f"heap_{k}": v for k, v in collector.drops().items()}}
 
     def _catch_up(self, pos: int) -> None:

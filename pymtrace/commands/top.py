@@ -259,7 +259,9 @@ def _snapshots(collectors: Collectors, stacks: StackSitesCollector | None) -> Ca
         from pymtrace.collect.snapshot import merge
 
         snap = collectors.snapshot()
-        merged = merge([snap, stacks.snapshot()])
+        # the samples up to when the counters' reading began: the same calls (reading takes
+        # seconds in an emulated VM, and the sampler goes on meanwhile)
+        merged = merge([snap, stacks.snapshot(until=snap.get("time"))])
         merged["time"], merged["start"] = snap["time"], snap["start"]  # one interval for every view
         return merged
 

@@ -82,6 +82,30 @@ def test_aggregator_sites_rates_inuse_and_cap():
     assert sym.calls - calls <= 2  # only the site names: frames are kept per stack
 
 
+def test_aggregator_cuts_at_the_counters_time():
+    """until_ns: samples taken after it (while top read its counters) count in the next snapshot,
+    so that the view's rates cover the calls top's counters do."""
+    agg = SiteAggregator(sample_bytes=1, max_stacks=1)
+    sym = FakeSymbolizer()
+    ts = 10**9
+    agg.add_sample(7, 1, DIRECT, 50, ts, True)
+    agg.add_sample(7, 2, DIRECT, 60, ts + 10**6, False)  # after the cut
+    agg.add_sample(7, 3, OTHER, 30, ts + 10**6, True)  # after the cut, over the cap
+    first = agg.snapshot({1, 2, 3}, ts + 2 * 10**9, sym, until_ns=ts + 1000)[7]
+    site = first["sites"]["/opt/app/prog+0x100"]
+    assert (site["alloc_objects"], site["alloc_bytes"], site["samples"]) == (1, 50, 1)
+    assert (site["inuse_objects"], site["inuse_bytes"]) == (1, 50)
+    assert first["sites"][OTHER_SITE]["alloc_bytes"] == 0
+    assert (first["samples"], first["complete_samples"], first["overflow_samples"]) == (1, 1, 0)
+    assert agg.remembered() == 3  # the later ones are not forgotten, though older than the grace
+    second = agg.snapshot({1}, ts + 2 * 10**9, sym, until_ns=ts + 2 * 10**9)[7]
+    site = second["sites"]["/opt/app/prog+0x100"]
+    assert (site["alloc_objects"], site["alloc_bytes"], site["samples"]) == (2, 110, 2)
+    assert (site["inuse_objects"], site["inuse_bytes"]) == (1, 50)
+    assert second["sites"][OTHER_SITE]["alloc_bytes"] == 30
+    assert (second["samples"], second["complete_samples"], second["overflow_samples"]) == (3, 2, 1)
+
+
 def _site(function, alloc_bytes, alloc_objects, inuse_bytes, frames, ident=1):
     stack = {
         "id": ident,
