@@ -20,8 +20,10 @@
  * every process's return program at each return (calls counted at the entry once, bytes at
  * the return N times). With MS_RET_ONCE=1 (set by MallocCollector for that case) each entry
  * of a non-idempotent return program marks its thread in ms_ret, and only the return that
- * finds and deletes the mark counts. ms_outer_return and ms_f_return at depth 1 need no mark:
- * their state is deleted by the first run.
+ * finds and deletes the mark counts. ms_outer_return and ms_f_return need no mark: their state
+ * is deleted by the first run, and ms_f_return tells the outermost call's own return (its
+ * stack pointer above the entry's) from the returns of calls nested in it, which run N times
+ * too (an aligned operator new's posix_memalign under jemalloc would otherwise end the new).
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
  * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
  * out the libc's / the other allocators' / C++ operator new/delete's programs), MS_F_SELECT=1
@@ -452,7 +454,8 @@ static __always_inline void fblock_alloc(struct ms_stats *s, u32 tgid, u64 ptr, 
 }
 
 /* An outermost call's state (depth 1) on this thread; 0 when it runs inside another probed
- * call of this thread (whose depth is raised instead: not counted again). */
+ * call of this thread (whose depth is raised instead: not counted again; its return is told
+ * apart by the stack pointer, ms_f_return). */
 static __always_inline int enter_outermost(struct pt_regs *ctx, u64 id, u32 type, u64 size, u64 arg_ptr,
                                            u32 nofail) {
     u64 sp = PT_REGS_SP(ctx);
@@ -535,10 +538,11 @@ int ms_f_return(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer *op = ms_outer.lookup(&id);
     if (!op || !op->depth) return 0; /* attached while the call was running */
-    if (op->depth > 1) {
-        op->depth--;
-        return 0;
-    }
+    /* A call nested in it returns (its frame lies below the outermost entry's stack pointer);
+     * the outermost call's own return, and a tail-called function's chained to it, pop the
+     * return address above it. Not by counting returns: a kernel that runs every traced
+     * process's return program (see the top) would count each nested return N times. */
+    if (PT_REGS_SP(ctx) <= op->sp) return 0;
     struct ms_outer o = *op;
     if (ms_outer.delete(&id) == 0) add_active(-1);
 #if MS_CXX

@@ -47,14 +47,16 @@ struct ms_stats {
  * While it exists, the malloc/free probes hit by glibc's internal calls are skipped.
  * Other allocators (ms_f_*): every allocating call is an outer call, nested ones (a
  * forwarder such as posix_memalign in mimalloc -> mi_posix_memalign, an internal call of
- * another probed function) only raise depth. */
+ * another probed function) only raise depth; the outermost call ends at the return whose
+ * stack pointer is above sp (ms_f_return), not by counting returns. */
 struct ms_outer {
     __u64 arg_ptr;   /* realloc: old pointer; posix_memalign: the memptr argument */
     __u64 old_chunk; /* realloc: chunk bytes of the old block */
     __u64 requested;
-    __u64 sp;    /* ms_f_*: the stack pointer at the outermost entry */
-    __u32 type;  /* CALL_* */
-    __u32 depth; /* ms_f_*: probed calls in progress on this thread (0 for the glibc programs) */
+    __u64 sp;   /* ms_f_*: the stack pointer at the outermost entry */
+    __u32 type; /* CALL_* */
+    __u32
+        depth; /* ms_f_*: probed calls entered on this thread in the outermost one, + 1 (0 for the glibc programs) */
 };
 
 /* Indexes of the per-CPU array `ms_lost`. */

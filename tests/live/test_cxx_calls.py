@@ -80,6 +80,20 @@ def _expected(result, runtime):
     return calls, frees
 
 
+def _check_counts(p, result, runtime, name):
+    """Process entry P of top's snapshot against the workload's RESULT: each call type exact."""
+    expected, frees = _expected(result, runtime)
+    assert {c: p["calls"][c] for c in CALLS} == expected
+    # operator new's own malloc (and delete's free) not counted again
+    assert p["calls"]["malloc"] == 0 and p["calls"]["free"] == frees
+    assert p["requested_bytes"] == result["requested_bytes"]
+    if name == "glibc":  # the bytes glibc's malloc gave each new, and its free took back
+        assert p["allocated_bytes"] == p["freed_bytes"] > result["requested_bytes"]
+    else:  # no chunk header: each block's requested size, kept per block in BPF
+        assert p["allocated_bytes"] == p["freed_bytes"] == result["requested_bytes"]
+    assert p["failed"] == 0
+
+
 @pytest.mark.parametrize("name", ["glibc", "jemalloc", "tcmalloc", "mimalloc"])
 def test_top_counts_each_new_and_delete_once(cxx_calls, name):
     w, runtime = _start(cxx_calls, name)
@@ -89,18 +103,9 @@ def test_top_counts_each_new_and_delete_once(cxx_calls, name):
         start = time.monotonic()
         w.go()
         result = w.result()
-        expected, frees = _expected(result, runtime)
         docs = top.json_span(start, time.monotonic())
         doc = docs[-1]
-        p = doc["snapshot"]["processes"][str(w.pid)]
-        assert {c: p["calls"][c] for c in CALLS} == expected
-        # operator new's own malloc (and delete's free) not counted again
-        assert p["calls"]["malloc"] == 0 and p["calls"]["free"] == frees
-        assert p["requested_bytes"] == result["requested_bytes"]
-        if name == "glibc":  # the bytes glibc's malloc gave each new, and its free took back
-            assert p["allocated_bytes"] == p["freed_bytes"] > result["requested_bytes"]
-        else:  # no chunk header: each block's requested size, kept per block in BPF
-            assert p["allocated_bytes"] == p["freed_bytes"] == result["requested_bytes"]
+        _check_counts(doc["snapshot"]["processes"][str(w.pid)], result, runtime, name)
         # the rates: in the interval that saw the calls (the last one on a fast machine; an
         # emulated one may take the snapshot that counts them before the test reads the tally)
         rows = [r for d in docs for r in d["views"]["processes"]["rows"] if r["pid"] == w.pid]
@@ -110,6 +115,31 @@ def test_top_counts_each_new_and_delete_once(cxx_calls, name):
     finally:
         top.kill()
         w.kill()
+
+
+@pytest.mark.parametrize("name", ["glibc", "jemalloc", "tcmalloc", "mimalloc"])
+def test_top_counts_two_processes_on_one_runtime_each_exactly(cxx_calls, name):
+    """top -p A -p B: each process's probes are attached for it alone, and a kernel that does
+    not filter return probes by process (6.1, 6.12) runs both processes' return programs at
+    every return, the returns of calls nested in a new (its malloc or posix_memalign) too."""
+    started = [_start(cxx_calls, name) for _ in range(2)]
+    runtime = started[0][1]
+    top = Top("--json", *(a for w, _ in started for a in ("-p", w.pid)), "-i", "0.5", "--no-glibc")
+    try:
+        top.json_doc()
+        start = time.monotonic()
+        for w, _ in started:
+            w.go()
+        results = [w.result() for w, _ in started]
+        doc = top.json_span(start, time.monotonic())[-1]
+        for (w, _), result in zip(started, results):
+            _check_counts(doc["snapshot"]["processes"][str(w.pid)], result, runtime, name)
+        assert top.stop() == 0
+        assert [w.finish() for w, _ in started] == [0, 0]
+    finally:
+        top.kill()
+        for w, _ in started:
+            w.kill()
 
 
 @pytest.mark.parametrize("name", ["glibc", "tcmalloc"])
