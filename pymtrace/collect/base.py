@@ -45,12 +45,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
-from pymtrace.bpf import kfeatures, structs
+from pymtrace.bpf import kfeatures, structs, uprobes
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import stats as bpfstats
 from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
-from pymtrace.target import libc, proc
+from pymtrace.target import elf, libc, proc
 
 if TYPE_CHECKING:
     from pymtrace.target.procevents import ProcEvent, ProcEvents
@@ -160,35 +160,10 @@ def lost_counts(table: Any, names: Mapping[int, str]) -> dict[str, int]:
     return out
 
 
-def detach_parallel(bpf: Any) -> None:
-    """Detach BPF's uprobes concurrently, then everything else (bpfload.detach_all).
-
-    Since kernel 6.x removing a uprobe waits for an RCU grace period; BCC removes them one
-    after the other (~0.1-0.2 s each here, seconds for top's 17 probes on a busy machine).
-    Closing the perf-event fds from threads (BCC's ctypes calls release the GIL) lets the
-    grace periods overlap."""
-    if bpf is None:
-        return
-    try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from bcc import lib
-
-        items = list(bpf.uprobe_fds.items())
-        if len(items) > 1:
-
-            def close(item: tuple[bytes, int]) -> None:
-                ev_name, fd = item
-                lib.bpf_close_perf_event_fd(fd)
-                lib.bpf_detach_uprobe(ev_name)  # removes a tracefs event if BCC made one
-
-            with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
-                list(pool.map(close, items))
-            for ev_name, _ in items:
-                bpf._del_uprobe_fd(ev_name)  # keeps BCC's open-probe count right
-    except (ImportError, AttributeError, KeyError, OSError):
-        pass  # BCC without these internals: its own sequential cleanup below does the work
-    bpfload.detach_all(bpf)
+def uprobe(path: str, address: int, fn_name: str, pid: int = -1, ret: bool = False, what: str = "") -> uprobes.Probe:
+    """A probe for bpf.uprobes.attach at ELF virtual ADDRESS of PATH (its file offset read
+    from PATH's program headers): FN_NAME's uprobe, or uretprobe with RET; PID -1: all."""
+    return uprobes.Probe(path, address, elf.code_offset(path, address), fn_name, pid, ret, what)
 
 
 class Comms:
@@ -368,7 +343,7 @@ class Collector:
             self._events.stop()
             self._events = None
         if self.owns_bpf:
-            detach_parallel(self.bpf)
+            uprobes.detach(self.bpf)
         self.bpf = None
 
     def __enter__(self):
@@ -586,7 +561,7 @@ class Collectors:
                 c.close()
             except Exception as exc:  # one collector's failure must not keep the others attached
                 self.errors.setdefault(name, f"closing: {type(exc).__name__}: {exc}")
-        detach_parallel(self.bpf)
+        uprobes.detach(self.bpf)
         self.bpf = None
 
     def __enter__(self):

@@ -16,10 +16,10 @@ the same rules; system-wide, every mapped non-libc file that defines malloc is p
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Iterable
 
+from pymtrace.bpf import uprobes
 from pymtrace.collect import heapefficiency
 from pymtrace.collect.base import (
     Collector,
@@ -27,6 +27,7 @@ from pymtrace.collect.base import (
     lost_counts,
     lost_names,
     struct_fields,
+    uprobe,
 )
 from pymtrace.collect.snapshot import call_names
 from pymtrace.errors import ProcessGone, PymtraceError
@@ -255,33 +256,21 @@ class MallocCollector(Collector):
                 self.rss_anon_base[pid] = mem[1]
 
     def _attach_libc(self, path: str, pid: int, plan: list) -> None:
-        for function, probes in plan:
-            try:
-                for kind, off, fn_name in probes:
-                    if kind == "entry":
-                        self.bpf.attach_uprobe(
-                            name=os.fsencode(path),
-                            sym=function.encode(),
-                            sym_off=off,
-                            fn_name=fn_name.encode(),
-                            pid=pid,
-                        )
-                    elif off:  # at the moved entry site (allocators.py): one breakpoint for both
-                        self.bpf.attach_uretprobe(
-                            name=os.fsencode(path),
-                            addr=libc.symbol(path, function).address + off,
-                            fn_name=fn_name.encode(),
-                            pid=pid,
-                        )
-                    else:
-                        self.bpf.attach_uretprobe(
-                            name=os.fsencode(path), sym=function.encode(), fn_name=fn_name.encode(), pid=pid
-                        )
-                    self.attached.append((path, function, off, kind, pid))
-            except Exception as exc:
-                if pid != -1 and not proc.exists(pid):
-                    raise ProcessGone(pid) from None
-                raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
+        probes, attached = [], []
+        try:
+            for function, plan_probes in plan:
+                address = libc.symbol(path, function).address
+                for kind, off, fn_name in plan_probes:
+                    # a return probe with an offset: at the moved entry site (allocators.py),
+                    # one breakpoint for both
+                    probes.append(uprobe(path, address + off, fn_name, pid, kind != "entry", function))
+                    attached.append((path, function, off, kind, pid))
+            uprobes.attach(self.bpf, probes)
+        except Exception as exc:  # BCC's attach raises plain Exception; links OSError
+            if pid != -1 and not proc.exists(pid):
+                raise ProcessGone(pid) from None
+            raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
+        self.attached += attached
 
     def _forget_blocks(self, pids: list[int]) -> None:
         """Delete the ms_fblocks entries (other allocators' live blocks) of exited PIDS: a
