@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+import benchutil
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMANDS = ("top", "record", "heap")
 CXX = "#include <unistd.h>\nint main() { int *p = new int[4]; p[0] = 1; pause(); delete[] p; return 0; }\n"
@@ -105,18 +107,15 @@ def main():
         subprocess.run(["g++", "-O0", "-x", "c++", "-o", f"{tmp}/cxx", "-"], input=CXX.encode(), check=True)
         target = subprocess.Popen([f"{tmp}/cxx"])
         try:
-            for r in range(args.rounds):
-                order = list(versions) if r % 2 == 0 else list(reversed(versions))
-                for name in names:
-                    for v in order:
-                        res = run_once(versions[v], name, target.pid, tmp, args.timeout)
-                        if res is not None:
-                            results[(v, name)].append(res)
-                            print(
-                                f"round {r + 1} {name:6} {v:6} ready {res['ready']:5.2f} s  exit {res['exit']:5.2f} s  "
-                                f"total {res['total']:5.2f} s  refused {res['refused']}  load {os.getloadavg()[0]:.1f}",
-                                file=sys.stderr,
-                            )
+            for r, name, v in benchutil.interleaved(args.rounds, versions, names):
+                res = run_once(versions[v], name, target.pid, tmp, args.timeout)
+                if res is not None:
+                    results[(v, name)].append(res)
+                    print(
+                        f"round {r + 1} {name:6} {v:6} ready {res['ready']:5.2f} s  exit {res['exit']:5.2f} s  "
+                        f"total {res['total']:5.2f} s  refused {res['refused']}  load {os.getloadavg()[0]:.1f}",
+                        file=sys.stderr,
+                    )
         finally:
             target.kill()
             target.wait()
@@ -124,40 +123,28 @@ def main():
 
 
 def print_table(results, versions, names, markdown):
-    head = [
-        "command",
-        "version",
-        "ready min / median (s)",
-        "exit min / median (s)",
-        "total min / median (s)",
-        "refused",
-        "runs",
-    ]
     rows = []
     for name in names:
         for v in versions:
             res = results[(v, name)]
-            if not res:
-                rows.append([name, v, "-", "-", "-", "-", "0"])
-                continue
 
             def col(key, res=res):
                 xs = [x[key] for x in res]
-                return f"{min(xs):.2f} / {statistics.median(xs):.2f}"
+                return f"{min(xs):.2f} / {statistics.median(xs):.2f}" if xs else "-"
 
-            refused = [x["refused"] for x in res]
+            refused = [x["refused"] for x in res] or [0]
             rows.append(
-                [name, v, col("ready"), col("exit"), col("total"), f"{min(refused)}-{max(refused)}", str(len(res))]
+                {
+                    "command": name,
+                    "version": v,
+                    "ready min / median (s)": col("ready"),
+                    "exit min / median (s)": col("exit"),
+                    "total min / median (s)": col("total"),
+                    "refused": f"{min(refused)}-{max(refused)}",
+                    "runs": len(res),
+                }
             )
-    if markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-    else:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        for row in [head] + rows:
-            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    benchutil.print_table(rows, markdown)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,9 @@ import select
 import struct
 from typing import Any, Callable, Iterable
 
-from pymtrace.bpf import structs, uprobes
+from pymtrace.bpf import structs
 from pymtrace.bpf.ringbuf import MappedRing
-from pymtrace.collect.base import Collector, lost_counts, lost_names, uprobe
+from pymtrace.collect.base import Collector, attach_plan, lost_counts, lost_names
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import allocators, elf, libc, mallocapi, probesite, proc
 from pymtrace.target.unwind import Location, ProcessImages, RingScanner
@@ -371,21 +371,7 @@ class HeapCollector(Collector):
             self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
 
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
-        probes, attached = [], []
-        try:
-            for function, plan_probes in self.plans[path]:
-                address = elf.symbol(path, function).address
-                for kind, off, fn_name in plan_probes:
-                    if kind in kinds:
-                        # a return probe at the function's entry (off 0 in the plan)
-                        probes.append(uprobe(path, address + off, fn_name, pid, kind != "entry", function))
-                        attached.append((path, function, off, kind, pid))
-            uprobes.attach(self.bpf, probes)
-        except Exception as exc:  # BCC's attach raises plain Exception; links OSError
-            if pid != -1 and not proc.alive(pid):
-                raise ProcessGone(pid) from None
-            raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
-        self.attached += attached
+        self.attached += attach_plan(self.bpf, path, pid, self.plans[path], kinds)
 
     # -- consuming the ring buffer
     def poll(self, timeout_ms: int = 10) -> None:

@@ -19,18 +19,17 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
-from pymtrace.bpf import uprobes
 from pymtrace.collect import heapefficiency
 from pymtrace.collect.base import (
     Collector,
     Evictions,
+    attach_plan,
     lost_counts,
     lost_names,
     struct_fields,
-    uprobe,
 )
 from pymtrace.collect.snapshot import call_names
-from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.errors import PymtraceError
 from pymtrace.target import allocators, libc, mallocapi, probesite, proc
 
 # function -> (entry program, return program or None), from the one malloc-API table
@@ -256,21 +255,7 @@ class MallocCollector(Collector):
                 self.rss_anon_base[pid] = mem[1]
 
     def _attach_libc(self, path: str, pid: int, plan: list) -> None:
-        probes, attached = [], []
-        try:
-            for function, plan_probes in plan:
-                address = libc.symbol(path, function).address
-                for kind, off, fn_name in plan_probes:
-                    # a return probe with an offset: at the moved entry site (allocators.py),
-                    # one breakpoint for both
-                    probes.append(uprobe(path, address + off, fn_name, pid, kind != "entry", function))
-                    attached.append((path, function, off, kind, pid))
-            uprobes.attach(self.bpf, probes)
-        except Exception as exc:  # BCC's attach raises plain Exception; links OSError
-            if pid != -1 and not proc.exists(pid):
-                raise ProcessGone(pid) from None
-            raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
-        self.attached += attached
+        self.attached += attach_plan(self.bpf, path, pid, plan)
 
     def _forget_blocks(self, pids: list[int]) -> None:
         """Delete the ms_fblocks entries (other allocators' live blocks) of exited PIDS: a
