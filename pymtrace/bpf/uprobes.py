@@ -147,7 +147,12 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
         groups.setdefault((p.path, max(p.pid, 0), p.fn_name, p.ret), []).append(p)
     links = _links.setdefault(bpf, [])
     for (path, pid, fn_name, ret), group in groups.items():
-        fn = bpf.load_func(fn_name.encode(), bpf.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+        try:
+            fn = bpf.load_func(fn_name.encode(), bpf.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+        except TypeError:  # a BCC whose load_func takes no attach type: its own way
+            for p in group:
+                _attach_bcc(bpf, p)
+            continue
         kernel_path = _kernel_path(path, pid)
         try:
             links.append(_link_create(fn.fd, kernel_path, [p.offset for p in group], pid, ret))
