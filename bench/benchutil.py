@@ -80,6 +80,16 @@ def private_preload_storm(tmp, library):
     return storm, pid, path
 
 
+def interleaved(rounds, versions, names):
+    """(round, name, version) in the order an interleaved benchmark runs them: every command
+    NAME and version once per round, the versions' order alternating between rounds."""
+    for r in range(rounds):
+        order = list(versions) if r % 2 == 0 else list(reversed(versions))
+        for name in names:
+            for v in order:
+                yield r, name, v
+
+
 def print_table(rows, markdown=False):
     """ROWS (dicts with the same keys) as a markdown table, or as indented JSON."""
     if markdown:

@@ -222,6 +222,7 @@ def uprobes_of(pid):
         for e in bpftool_perf_list()
         if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")
     ]
+    probes += uprobe_links(pid)
     for line in bpfload.own_uprobe_events(pid):
         m = re.search(r" (\S+):0x([0-9a-fA-F]+)", line)
         probes.append(
@@ -234,6 +235,75 @@ def uprobes_of(pid):
             }
         )
     return probes
+
+
+def uprobe_links(pid):
+    """The uprobes of the BPF uprobe_multi links process PID holds (pymtrace.bpf.uprobes), one
+    dict per offset as uprobes_of's (source "link", kind "uprobe_multi"/"uretprobe_multi"),
+    read from /proc/PID/fdinfo (where the kernel lists no offsets: one dict, offset None)."""
+    out = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:bpf_link":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        info = dict(line.split(":", 1) for line in lines if ":" in line)
+        kind = info.get("link_type", "").strip()
+        if kind not in ("uprobe_multi", "uretprobe_multi"):
+            continue
+        base = {"source": "link", "kind": kind, "file": info.get("path", "").strip() or None, "line": None}
+        base["prog_id"] = int(info["prog_id"]) if "prog_id" in info else None
+        offsets = [
+            int(parts[1], 16)
+            for parts in (line.split() for line in lines)
+            if len(parts) == 3 and parts[1].startswith("0x")
+        ]
+        if not offsets and "link_id" in info:  # kernels before 6.14 list no offsets in fdinfo
+            base["file"], offsets = _uprobe_multi_info(int(info["link_id"]))
+        out += [dict(base, offset=o) for o in offsets] or [dict(base, offset=None)]
+    return out
+
+
+def _uprobe_multi_info(link_id):
+    """(path, [offsets]) of uprobe_multi link LINK_ID from the kernel's bpf_link_info (6.8+;
+    (None, []) where it cannot tell): BPF_LINK_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD."""
+    import ctypes
+
+    from pymtrace.bpf import stats
+
+    attr = (ctypes.c_uint8 * 128)()
+    ctypes.c_uint32.from_buffer(attr, 0).value = link_id
+    try:
+        fd = stats.call(30, attr)  # BPF_LINK_GET_FD_BY_ID
+    except OSError:
+        return None, []
+    try:
+        path = ctypes.create_string_buffer(4096)
+        offsets = (ctypes.c_uint64 * 4096)()
+        info = (ctypes.c_uint8 * 256)()
+        for off, value in ((16, ctypes.addressof(path)), (24, ctypes.addressof(offsets))):
+            ctypes.c_uint64.from_buffer(info, off).value = value  # uprobe_multi.path, .offsets
+        ctypes.c_uint32.from_buffer(info, 48).value = len(path)  # .path_size
+        ctypes.c_uint32.from_buffer(info, 52).value = len(offsets)  # .count
+        attr = (ctypes.c_uint8 * 128)()
+        ctypes.c_uint32.from_buffer(attr, 0).value = fd
+        ctypes.c_uint32.from_buffer(attr, 4).value = len(info)
+        ctypes.c_uint64.from_buffer(attr, 8).value = ctypes.addressof(info)
+        try:
+            stats.call(15, attr)  # BPF_OBJ_GET_INFO_BY_FD
+        except OSError:
+            return None, []
+        count = ctypes.c_uint32.from_buffer(info, 52).value
+        return path.value.decode(errors="replace") or None, list(offsets[: min(count, len(offsets))])
+    finally:
+        os.close(fd)
 
 
 def bpf_prog_exists(prog_id):

@@ -45,7 +45,8 @@ _libc.syscall.restype = ctypes.c_long
 _NR = _SYS_BPF.get(platform.machine())
 
 
-def _bpf(cmd: int, attr: ctypes.Array) -> int:
+def call(cmd: int, attr: ctypes.Array) -> int:
+    """The bpf(2) system call CMD with ATTR (a ctypes buffer): its result, or OSError."""
     if _NR is None:
         raise OSError(38, "bpf syscall number unknown for this architecture")
     ret = _libc.syscall(ctypes.c_long(_NR), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
@@ -113,7 +114,7 @@ def obj_name(fd: int, kind: str) -> str | None:
     ctypes.c_uint32.from_buffer(attr, 4).value = ctypes.sizeof(info)
     ctypes.c_uint64.from_buffer(attr, 8).value = ctypes.addressof(info)
     try:
-        _bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
+        call(BPF_OBJ_GET_INFO_BY_FD, attr)
     except OSError:
         return None
     off = 64 if kind == "prog" else 24
@@ -155,7 +156,7 @@ def count_entries_batch(fd: int, key_size: int, value_size: int, percpu: bool, b
         ctypes.c_uint32.from_buffer(attr, 32).value = batch
         ctypes.c_uint32.from_buffer(attr, 36).value = fd
         try:
-            _bpf(BPF_MAP_LOOKUP_BATCH, attr)
+            call(BPF_MAP_LOOKUP_BATCH, attr)
         except OSError as exc:
             if exc.errno == 2:  # ENOENT: the last (partial) batch
                 return total + ctypes.c_uint32.from_buffer(attr, 32).value
@@ -176,7 +177,7 @@ def count_entries(fd: int, key_size: int, limit: int) -> int:
     n = 0
     while n <= limit:
         try:
-            _bpf(BPF_MAP_GET_NEXT_KEY, attr)
+            call(BPF_MAP_GET_NEXT_KEY, attr)
         except OSError:
             break  # ENOENT: no more keys
         n += 1
@@ -196,7 +197,7 @@ class BpfStats:
         attr = (ctypes.c_uint8 * 8)()
         ctypes.c_uint32.from_buffer(attr, 0).value = BPF_STATS_RUN_TIME
         try:
-            self._stats_fd = _bpf(BPF_ENABLE_STATS, attr)
+            self._stats_fd = call(BPF_ENABLE_STATS, attr)
             self.enabled_by = "BPF_ENABLE_STATS"
             return True
         except OSError:

@@ -45,12 +45,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
-from pymtrace.bpf import kfeatures, structs
+from pymtrace.bpf import kfeatures, structs, uprobes
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import stats as bpfstats
 from pymtrace.collect import snapshot as snapshot_model
 from pymtrace.errors import NotRootError, ProcessGone, PymtraceError
-from pymtrace.target import libc, proc
+from pymtrace.target import elf, libc, proc
 
 if TYPE_CHECKING:
     from pymtrace.target.procevents import ProcEvent, ProcEvents
@@ -160,35 +160,31 @@ def lost_counts(table: Any, names: Mapping[int, str]) -> dict[str, int]:
     return out
 
 
-def detach_parallel(bpf: Any) -> None:
-    """Detach BPF's uprobes concurrently, then everything else (bpfload.detach_all).
+def uprobe(path: str, address: int, fn_name: str, pid: int = -1, ret: bool = False, what: str = "") -> uprobes.Probe:
+    """A probe for bpf.uprobes.attach at ELF virtual ADDRESS of PATH (its file offset read
+    from PATH's program headers): FN_NAME's uprobe, or uretprobe with RET; PID -1: all."""
+    return uprobes.Probe(path, address, elf.code_offset(path, address), fn_name, pid, ret, what)
 
-    Since kernel 6.x removing a uprobe waits for an RCU grace period; BCC removes them one
-    after the other (~0.1-0.2 s each here, seconds for top's 17 probes on a busy machine).
-    Closing the perf-event fds from threads (BCC's ctypes calls release the GIL) lets the
-    grace periods overlap."""
-    if bpf is None:
-        return
+
+def attach_plan(bpf: Any, path: str, pid: int, plan: Sequence, kinds: Collection[str] = ("entry", "return")) -> list:
+    """Attach the probes of KINDS in PLAN, [(function, [(kind, offset from the function's
+    symbol, BCC program)])], in PATH for PID (-1: every process) through bpf.uprobes.
+    Returns [(path, function, offset, kind, pid)] attached; raises ProcessGone when PID
+    went away meanwhile, else PymtraceError naming the file and the cause."""
+    probes, attached = [], []
     try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from bcc import lib
-
-        items = list(bpf.uprobe_fds.items())
-        if len(items) > 1:
-
-            def close(item: tuple[bytes, int]) -> None:
-                ev_name, fd = item
-                lib.bpf_close_perf_event_fd(fd)
-                lib.bpf_detach_uprobe(ev_name)  # removes a tracefs event if BCC made one
-
-            with ThreadPoolExecutor(max_workers=min(32, len(items))) as pool:
-                list(pool.map(close, items))
-            for ev_name, _ in items:
-                bpf._del_uprobe_fd(ev_name)  # keeps BCC's open-probe count right
-    except (ImportError, AttributeError, KeyError, OSError):
-        pass  # BCC without these internals: its own sequential cleanup below does the work
-    bpfload.detach_all(bpf)
+        for function, plan_probes in plan:
+            address = elf.symbol(path, function).address
+            for kind, off, fn_name in plan_probes:
+                if kind in kinds:  # a return probe with an offset: at a moved entry site, one breakpoint for both
+                    probes.append(uprobe(path, address + off, fn_name, pid, kind != "entry", function))
+                    attached.append((path, function, off, kind, pid))
+        uprobes.attach(bpf, probes)
+    except Exception as exc:  # BCC's attach raises plain Exception, a link OSError, ELF reading PymtraceError
+        if pid != -1 and not proc.alive(pid):
+            raise ProcessGone(pid) from None
+        raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
+    return attached
 
 
 class Comms:
@@ -368,7 +364,7 @@ class Collector:
             self._events.stop()
             self._events = None
         if self.owns_bpf:
-            detach_parallel(self.bpf)
+            uprobes.detach(self.bpf)
         self.bpf = None
 
     def __enter__(self):
@@ -586,7 +582,7 @@ class Collectors:
                 c.close()
             except Exception as exc:  # one collector's failure must not keep the others attached
                 self.errors.setdefault(name, f"closing: {type(exc).__name__}: {exc}")
-        detach_parallel(self.bpf)
+        uprobes.detach(self.bpf)
         self.bpf = None
 
     def __enter__(self):

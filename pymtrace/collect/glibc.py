@@ -18,8 +18,9 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.bpf import uprobes
 from pymtrace.collect import usdt
-from pymtrace.collect.base import Collector
+from pymtrace.collect.base import Collector, uprobe
 from pymtrace.errors import PymtraceError
 from pymtrace.target import libc, proc
 
@@ -230,13 +231,16 @@ class GlibcCollector(Collector):
         sites_by_libc = {}
         for s in self.sites:
             sites_by_libc.setdefault(s.libc, []).append(s)
-        try:
-            for path, pids in with_probes:
-                for s in sites_by_libc.get(path, []):
-                    for pid in pids if pids is not None else [-1]:
-                        self.bpf.attach_uprobe(name=path, addr=s.probe.address, fn_name=s.fn, pid=pid)
-        except Exception as exc:  # BCC raises bare Exception for a failed attach
-            raise PymtraceError(f"cannot attach uprobe to a malloc probe of {path}: {exc}") from None
+        for path, pids in with_probes:
+            probes = [
+                uprobe(path, s.probe.address, s.fn, pid, what=s.probe.name)
+                for s in sites_by_libc.get(path, [])
+                for pid in (pids if pids is not None else [-1])
+            ]
+            try:
+                uprobes.attach(self.bpf, probes)
+            except Exception as exc:  # BCC raises bare Exception for a failed attach; links OSError
+                raise PymtraceError(f"cannot attach uprobe to a malloc probe of {path}: {exc}") from None
 
     def close(self) -> None:
         if self.bpf is not None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable
 
 from pymtrace.bpf import structs
 from pymtrace.bpf.ringbuf import MappedRing
-from pymtrace.collect.base import Collector, lost_counts, lost_names
+from pymtrace.collect.base import Collector, attach_plan, lost_counts, lost_names
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import allocators, elf, libc, mallocapi, probesite, proc
 from pymtrace.target.unwind import Location, ProcessImages, RingScanner
@@ -371,23 +371,7 @@ class HeapCollector(Collector):
             self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
 
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
-        name = os.fsencode(path)
-        for function, probes in self.plans[path]:
-            for kind, off, fn_name in probes:
-                if kind not in kinds:
-                    continue
-                try:
-                    if kind == "entry":
-                        self.bpf.attach_uprobe(
-                            name=name, sym=function.encode(), sym_off=off, fn_name=fn_name.encode(), pid=pid
-                        )
-                    else:
-                        self.bpf.attach_uretprobe(name=name, sym=function.encode(), fn_name=fn_name.encode(), pid=pid)
-                except Exception as exc:  # BCC raises plain Exception when an attach fails
-                    if pid != -1 and not proc.alive(pid):
-                        raise ProcessGone(pid) from None
-                    raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
-                self.attached.append((path, function, off, kind, pid))
+        self.attached += attach_plan(self.bpf, path, pid, self.plans[path], kinds)
 
     # -- consuming the ring buffer
     def poll(self, timeout_ms: int = 10) -> None:

@@ -16,7 +16,6 @@ the same rules; system-wide, every mapped non-libc file that defines malloc is p
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Iterable
 
@@ -24,12 +23,13 @@ from pymtrace.collect import heapefficiency
 from pymtrace.collect.base import (
     Collector,
     Evictions,
+    attach_plan,
     lost_counts,
     lost_names,
     struct_fields,
 )
 from pymtrace.collect.snapshot import call_names
-from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.errors import PymtraceError
 from pymtrace.target import allocators, libc, mallocapi, probesite, proc
 
 # function -> (entry program, return program or None), from the one malloc-API table
@@ -255,33 +255,7 @@ class MallocCollector(Collector):
                 self.rss_anon_base[pid] = mem[1]
 
     def _attach_libc(self, path: str, pid: int, plan: list) -> None:
-        for function, probes in plan:
-            try:
-                for kind, off, fn_name in probes:
-                    if kind == "entry":
-                        self.bpf.attach_uprobe(
-                            name=os.fsencode(path),
-                            sym=function.encode(),
-                            sym_off=off,
-                            fn_name=fn_name.encode(),
-                            pid=pid,
-                        )
-                    elif off:  # at the moved entry site (allocators.py): one breakpoint for both
-                        self.bpf.attach_uretprobe(
-                            name=os.fsencode(path),
-                            addr=libc.symbol(path, function).address + off,
-                            fn_name=fn_name.encode(),
-                            pid=pid,
-                        )
-                    else:
-                        self.bpf.attach_uretprobe(
-                            name=os.fsencode(path), sym=function.encode(), fn_name=fn_name.encode(), pid=pid
-                        )
-                    self.attached.append((path, function, off, kind, pid))
-            except Exception as exc:
-                if pid != -1 and not proc.exists(pid):
-                    raise ProcessGone(pid) from None
-                raise PymtraceError(f"cannot attach uprobe to {function} in {path}: {exc}") from None
+        self.attached += attach_plan(self.bpf, path, pid, plan)
 
     def _forget_blocks(self, pids: list[int]) -> None:
         """Delete the ms_fblocks entries (other allocators' live blocks) of exited PIDS: a

@@ -294,6 +294,17 @@ def check_tracefs(sim: Collection[str], is_root: bool) -> Check:
     return Check("tracefs", name, OK, f"{TRACEFS} was not mounted: mounted it now")
 
 
+def uprobe_links() -> str:
+    """How pymtrace attaches uprobes here (pymtrace.bpf.uprobes), in words."""
+    if os.geteuid() != 0:
+        return "uprobe_multi links: not checked (needs root)"
+    from pymtrace.bpf import uprobes
+
+    if uprobes.multi_links():
+        return "uprobe_multi links (fast detach)"
+    return "no uprobe_multi links filtering by process: one perf event per probe (~0.1 s each to detach)"
+
+
 def check_uprobes(sim: Collection[str]) -> Check:
     name = "uprobes"
     path = "/sys/bus/event_source/devices/uprobe"
@@ -302,7 +313,8 @@ def check_uprobes(sim: Collection[str]) -> Check:
         return Check("uprobes", name, MISSING, f"(simulated) {path} missing", fix)
     if os.path.exists(os.path.join(path, "type")):
         with open(os.path.join(path, "type")) as f:
-            return Check("uprobes", name, OK, f"uprobe PMU (perf type {f.read().strip()})")
+            pmu = f"uprobe PMU (perf type {f.read().strip()})"
+        return Check("uprobes", name, OK, f"{pmu}; {uprobe_links()}")
     return Check("uprobes", name, MISSING, f"{path} missing", fix)
 
 

@@ -105,6 +105,18 @@ def file_offset(path: str, address: int) -> tuple[int, int]:
     raise PymtraceError(f"{path}: address {address:#x} is not in a loaded segment")
 
 
+def code_offset(path: str, address: int) -> int:
+    """The file offset of ELF virtual ADDRESS of PATH as BCC computes it for a uprobe (the
+    executable PT_LOAD segment holding it), from the cached program headers; file_offset's
+    pyelftools read where those are not at hand (32-bit or big-endian files)."""
+    headers = program_headers(path)
+    if headers is not None:
+        for seg in headers.segments:
+            if seg.type == 1 and seg.flags & 1 and seg.vaddr <= address < seg.vaddr + seg.memsz:  # PT_LOAD, PF_X
+                return seg.offset + address - seg.vaddr
+    return file_offset(path, address)[0]
+
+
 def read_code(path: str, address: int, length: int) -> bytes:
     """LENGTH bytes of code at ELF virtual ADDRESS of PATH."""
     offset, left = file_offset(path, address)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
-from pymtrace.bpf import structs
+from pymtrace.bpf import structs, uprobes
 from pymtrace.bpf.ringbuf import RingReader
 from pymtrace.collect import base as collect
 from pymtrace.errors import ProcessGone, PymtraceError
@@ -537,12 +537,12 @@ def attach(bpf: Any, libs: list[tuple[str, bool]], pid: int, note_bases: bool = 
             plan.append((path, func, sym.address, entry, offsets, function.returns and not outer))
     if not any(p == libs[0][0] for p, *_ in plan):
         raise PymtraceError(f"{libs[0][0]}: no malloc/free symbols to probe (not a libc?)")
-    for path, _func, addr, _entry, _offsets, has_ret in plan:
-        if has_ret:
-            bpf.attach_uretprobe(name=path, addr=addr, fn_name="leave", pid=pid)
-    for path, _func, addr, entry, offsets, _has_ret in plan:
-        for off in offsets:
-            bpf.attach_uprobe(name=path, addr=addr + off, fn_name=entry, pid=pid)
+    probes = [
+        collect.uprobe(path, addr, "leave", pid, True, func) for path, func, addr, _, _, has_ret in plan if has_ret
+    ]
+    for path, func, addr, entry, offsets, _has_ret in plan:
+        probes += [collect.uprobe(path, addr + off, entry, pid, False, func) for off in offsets]
+    uprobes.attach(bpf, probes)
     return [(p, f, o) for p, f, _, _, o, _ in plan]
 
 
@@ -551,17 +551,16 @@ def attach_foreign(bpf: Any, path: str, family: str, pid: int) -> list[tuple[str
     PATH: top's placement (allocators.probe_plan), record's programs (enter_f_*, `leave`),
     return probes first. Returns [(path, function, entry offsets)]."""
     plan = allocators.probe_plan(path, family)
+    returns, entries = [], []
     for function, probes in plan:
         address = elf.symbol(path, function).address
         for p in probes:
             if p.kind == "return":
-                bpf.attach_uretprobe(name=path, addr=address + p.offset, fn_name="leave", pid=pid)
-    for function, probes in plan:
-        address = elf.symbol(path, function).address
-        for p in probes:
-            if p.kind == "entry":
+                returns.append(collect.uprobe(path, address + p.offset, "leave", pid, True, function))
+            elif p.kind == "entry":
                 entry = "enter_f_" + p.program.removeprefix("ms_f_")
-                bpf.attach_uprobe(name=path, addr=address + p.offset, fn_name=entry, pid=pid)
+                entries.append(collect.uprobe(path, address + p.offset, entry, pid, False, function))
+    uprobes.attach(bpf, returns + entries)
     return [(path, f, tuple(p.offset for p in probes if p.kind == "entry")) for f, probes in plan]
 
 
@@ -1201,4 +1200,4 @@ class Recorder:
                 self.reader.close()
             except (BufferError, OSError, ValueError):  # a view still exported: the process exit frees it
                 pass
-        collect.detach_parallel(self.bpf)
+        uprobes.detach(self.bpf)

@@ -16,6 +16,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.bpf import uprobes
 from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, HeapCollector, HeapSample
 from pymtrace.errors import ProcessGone, PymtraceError
 
@@ -90,7 +91,8 @@ class Run:
             for proc in self.procs:
                 proc.kill()
                 proc.wait()
-        assert bpfload.own_perf_event_fds() == []  # no uprobe left attached
+        assert bpfload.own_perf_event_fds() == []  # no uprobe left attached: perf events,
+        assert uprobes.own_links() == []  # uprobe_multi links (and raw tracepoints)
         assert bpfload.own_uprobe_events() == []
         return self
 

@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 
-from conftest import PYMTRACE, ProbeWatch, bpftool_perf_list
+from conftest import PYMTRACE, ProbeWatch, bpftool_perf_list, uprobe_links
 
 
 class Lines:
@@ -197,11 +197,15 @@ def _probed_by_others(top_pid, pid, function, offset):
     path = libc.process_libc(pid)
     ident = os.stat(path)
     off = _file_offset(path, libc.symbol(path, function).address + offset)
-    for e in bpftool_perf_list():
-        if e.get("pid") == top_pid or e.get("fd_type") not in ("uprobe", "uretprobe") or e.get("offset") != off:
+    others = [e for e in bpftool_perf_list() if e.get("pid") != top_pid and e.get("fd_type") in ("uprobe", "uretprobe")]
+    for other in os.listdir("/proc"):  # uprobe_multi links (pymtrace.bpf.uprobes) held by others
+        if other.isdigit() and int(other) != top_pid:
+            others += [{"offset": u["offset"], "filename": u["file"]} for u in uprobe_links(int(other))]
+    for e in others:
+        if e.get("offset") != off:
             continue
         try:
-            st = os.stat(e.get("filename", ""))
+            st = os.stat(e.get("filename") or "")
         except OSError:
             continue
         if (st.st_dev, st.st_ino) == (ident.st_dev, ident.st_ino):

@@ -1,0 +1,241 @@
+"""Attaching BPF programs to uprobes and uretprobes, and detaching them fast.
+
+Every collector attaches through attach(bpf, probes) and detaches through detach(bpf).
+Where the kernel has BPF uprobe_multi links (Linux 6.6+, with per-process PID filtering:
+see multi_links()), one link per (file, PID, program, entry/return) carries all its
+offsets, created with bpf(2) BPF_LINK_CREATE (attach type BPF_TRACE_UPROBE_MULTI); the
+programs are loaded with that expected attach type. Elsewhere (Debian 12's 6.1) BCC
+attaches one perf event per probe, as before.
+
+Why: closing a uprobe perf event waits for an RCU grace period while perf holds its
+global event_mutex, so the closes run one after the other (~85 ms each on 6.18: 5 s for
+top's ~58 probes with a C++ process running), whatever thread closes them. Releasing a
+uprobe_multi link takes neither that mutex nor a grace period per offset (one per link),
+and the links are closed from threads so that their grace periods overlap.
+
+The link's PID filter also means its return program runs only in that process, which a
+perf uretprobe filtered by PID did not guarantee on older kernels (see MS_RET_ONCE in
+bpf/malloc_stats.bpf.c, kept for the fallback).
+
+No library does this for Python: Debian 12's libbpf (1.1) predates uprobe_multi (1.3),
+and BCC 0.26 has no uprobe_multi attach; the bpf(2) calls are a few fixed structs.
+For TESTS ONLY, PYMTRACE_FAKE_NO_UPROBE_MULTI=1 makes multi_links() False (BCC's perf
+events, the path of kernels without uprobe_multi).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import typing
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+from pymtrace.bpf import load as bpfload
+from pymtrace.bpf import stats
+
+FAKE_NO_MULTI_ENV = "PYMTRACE_FAKE_NO_UPROBE_MULTI"
+
+BPF_PROG_LOAD = 5
+BPF_LINK_CREATE = 28
+BPF_PROG_TYPE_KPROBE = 2
+BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type
+BPF_F_UPROBE_MULTI_RETURN = 1
+_ATTR_SIZE = 128  # covers every field used; the kernel wants the tail it does not know zero
+
+
+class Probe(typing.NamedTuple):
+    """One uprobe (RET False) or uretprobe (RET True) of BCC program FN_NAME.
+
+    path: the file as this process sees it (with a PID, opened as /proc/PID/root/PATH, as
+    BCC does); address: the ELF virtual address (BCC's `addr`); offset: the same place as
+    a file offset (what the kernel wants); pid: the process (a thread group), -1 for all;
+    what: the function, for errors."""
+
+    path: str
+    address: int
+    offset: int
+    fn_name: str
+    pid: int = -1
+    ret: bool = False
+    what: str = ""
+
+
+# BCC module -> [link fd]: the links attach() made for it, closed by detach()
+_links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _attr() -> ctypes.Array:
+    return (ctypes.c_uint8 * _ATTR_SIZE)()
+
+
+def _put(attr: ctypes.Array, offset: int, ctype: type, value: int) -> None:
+    ctype.from_buffer(attr, offset).value = value
+
+
+def _link_create(prog_fd: int, path: bytes, offsets: typing.Sequence[int], pid: int, ret: bool) -> int:
+    """BPF_LINK_CREATE of a uprobe_multi link: its fd, or OSError."""
+    c_path = ctypes.create_string_buffer(path)
+    c_offsets = (ctypes.c_uint64 * len(offsets))(*offsets)
+    attr = _attr()
+    _put(attr, 0, ctypes.c_uint32, prog_fd)  # link_create.prog_fd
+    _put(attr, 8, ctypes.c_uint32, BPF_TRACE_UPROBE_MULTI)  # attach_type
+    _put(attr, 16, ctypes.c_uint64, ctypes.addressof(c_path))  # uprobe_multi.path
+    _put(attr, 24, ctypes.c_uint64, ctypes.addressof(c_offsets))  # .offsets (ref_ctr_offsets, cookies: none)
+    _put(attr, 48, ctypes.c_uint32, len(offsets))  # .cnt
+    _put(attr, 52, ctypes.c_uint32, BPF_F_UPROBE_MULTI_RETURN if ret else 0)  # .flags
+    _put(attr, 56, ctypes.c_uint32, pid & 0xFFFFFFFF)  # .pid (0: every process)
+    return stats.call(BPF_LINK_CREATE, attr)
+
+
+@functools.lru_cache(maxsize=1)
+def multi_links() -> bool:
+    """Whether this kernel has uprobe_multi links that filter by process: asked of the
+    kernel itself with a two-instruction program, as libbpf does (probe_uprobe_multi_link).
+    A link on "/" (not a regular file) fails with EBADF where the link type exists; the
+    first kernels with it filtered by thread, not process, and those accept an invalid PID
+    where fixed ones refuse it with EINVAL. ~0.1 ms."""
+    if os.environ.get(FAKE_NO_MULTI_ENV):
+        return False
+    insns = (ctypes.c_uint64 * 2)(0xB7, 0x95)  # r0 = 0; exit
+    license_ = ctypes.create_string_buffer(b"GPL")
+    attr = _attr()
+    _put(attr, 0, ctypes.c_uint32, BPF_PROG_TYPE_KPROBE)
+    _put(attr, 4, ctypes.c_uint32, 2)  # insn_cnt
+    _put(attr, 8, ctypes.c_uint64, ctypes.addressof(insns))
+    _put(attr, 16, ctypes.c_uint64, ctypes.addressof(license_))
+    _put(attr, 68, ctypes.c_uint32, BPF_TRACE_UPROBE_MULTI)  # expected_attach_type
+    try:
+        prog = stats.call(BPF_PROG_LOAD, attr)
+    except OSError:
+        return False
+    try:
+        for pid, wanted in ((0, errno.EBADF), (-1, errno.EINVAL)):
+            try:
+                os.close(_link_create(prog, b"/", [0], pid, False))
+                return False  # a link on "/": not the kernel code this test knows
+            except OSError as exc:
+                if exc.errno != wanted:
+                    return False
+        return True
+    finally:
+        os.close(prog)
+
+
+def _kernel_path(path: str, pid: int) -> bytes:
+    """The path the kernel opens: the process's own view of PATH with a PID (BCC's rule)."""
+    if pid > 0 and not path.startswith("/proc"):
+        path = f"/proc/{pid}/root{path}"
+    return os.fsencode(path)
+
+
+def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
+    """Attach PROBES to the BCC module BPF. With uprobe_multi links: one link per (file, PID,
+    program, entry/return), created in the order of their first probe (so a caller that lists
+    return probes first gets them attached first); else one BCC perf event per probe, in order.
+    Raises OSError (links) or BCC's Exception (perf events), naming the functions.
+    A program is loaded on first use, for one of the two ways only."""
+    probes = list(probes)
+    if not multi_links():
+        for p in probes:
+            _attach_bcc(bpf, p)
+        return
+    groups: dict[tuple, list[Probe]] = {}
+    for p in probes:
+        groups.setdefault((p.path, max(p.pid, 0), p.fn_name, p.ret), []).append(p)
+    links = _links.setdefault(bpf, [])
+    for (path, pid, fn_name, ret), group in groups.items():
+        try:
+            fn = bpf.load_func(fn_name.encode(), bpf.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+        except TypeError:  # a BCC whose load_func takes no attach type: its own way
+            for p in group:
+                _attach_bcc(bpf, p)
+            continue
+        kernel_path = _kernel_path(path, pid)
+        try:
+            links.append(_link_create(fn.fd, kernel_path, [p.offset for p in group], pid, ret))
+            continue
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise _link_error(exc, group) from None
+        # EINVAL: most likely a uprobe some BCC tool holds at one of these places with the
+        # stray ref_ctr_offset BCC 0.26's Python binding passes (bcc issue #5236); the kernel
+        # refuses a second registration with another one. Those places go through BCC too.
+        for p in group:
+            try:
+                links.append(_link_create(fn.fd, kernel_path, [p.offset], pid, ret))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise _link_error(exc, [p]) from None
+                _attach_bcc(bpf, p)
+
+
+def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
+    """P through BCC's perf-event uprobe (PMU "uprobe", one file descriptor)."""
+    if p.ret:
+        bpf.attach_uretprobe(name=os.fsencode(p.path), addr=p.address, fn_name=p.fn_name.encode(), pid=p.pid)
+    else:
+        bpf.attach_uprobe(name=os.fsencode(p.path), addr=p.address, fn_name=p.fn_name.encode(), pid=p.pid)
+
+
+def _link_error(exc: OSError, group: list[Probe]) -> OSError:
+    where = ", ".join(sorted({p.what or f"{p.address:#x}" for p in group}))
+    kind = "uretprobe" if group[0].ret else "uprobe"
+    return OSError(exc.errno, f"{kind} link of {group[0].fn_name} at {where}: {exc.strerror}")
+
+
+def own_links() -> list[dict[str, str]]:
+    """The fdinfo ({key: value}: link_type, prog_id, ...) of each BPF link this process holds."""
+    out = []
+    for fd, target in stats.own_anon_fds().items():
+        if target == "anon_inode:bpf_link":
+            info = stats.fdinfo(fd)
+            if info is not None:
+                out.append(info)
+    return out
+
+
+def _close_bcc(item: tuple[bytes, int]) -> None:
+    from bcc import lib
+
+    ev_name, fd = item
+    lib.bpf_close_perf_event_fd(fd)
+    lib.bpf_detach_uprobe(ev_name)  # removes a tracefs event if BCC made one
+
+
+def detach(bpf: typing.Any) -> None:
+    """Detach every uprobe of BPF concurrently (links, and BCC's perf events), then everything
+    else (bpfload.detach_all); safe to call twice.
+
+    Closing from threads (os.close and BCC's ctypes calls release the GIL) lets the links'
+    RCU grace periods overlap. BCC's perf events still end one after the other in the kernel
+    (event_mutex, module docstring), but a tracefs event BCC made is removed in parallel."""
+    if bpf is None:
+        return
+    links = _links.pop(bpf, [])
+    try:
+        items = list(bpf.uprobe_fds.items())
+    except AttributeError:  # not a BCC module as we know it: its own cleanup does the work
+        items = []
+    jobs = [(os.close, fd) for fd in links] + [(_close_bcc, item) for item in items]
+
+    def run(job: tuple[typing.Callable, typing.Any]) -> None:
+        try:
+            job[0](job[1])
+        except (ImportError, AttributeError, OSError):
+            pass  # BCC without these internals: its own sequential cleanup below does the rest
+
+    if len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
+            list(pool.map(run, jobs))
+        for ev_name, _ in items:
+            try:
+                bpf._del_uprobe_fd(ev_name)  # keeps BCC's open-probe count right
+            except (AttributeError, KeyError):
+                break
+    else:
+        for job in jobs[: len(links)]:
+            run(job)
+    bpfload.detach_all(bpf)
