@@ -27,10 +27,11 @@
  * only until its return. The call's own return is the one whose stack pointer is the entry's
  * + 8 (the return address popped): a nested call returns deeper, a tail-called one at the
  * same place (its return probe chained to the caller's: the first run finishes the call).
- * Counting nested returns instead would not do: a kernel that does not filter return probes
- * by process (6.1, 6.12; 6.18 does) runs hp_return once per traced process attached to the
- * function (`heap -p A -p B`) at each return, which would end the call at its nested
- * malloc's return (posix_memalign's block, written to *memptr later, then lost).
+ * Counting nested returns instead would not do: a kernel that does not filter perf-event
+ * return probes by process (6.1, 6.12; 6.18 does; uprobe_multi links do) runs hp_return once
+ * per traced process attached to the function (`heap -p A -p B`) at each return, which would
+ * end the call at its nested malloc's return (posix_memalign's block, written to *memptr
+ * later, then lost).
  * hp_active counts entries, so an unsampled call's return probe and the entry of a call on a
  * thread outside any call need no hash lookup.
  *
