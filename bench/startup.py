@@ -40,6 +40,8 @@ import tempfile
 import time
 import urllib.request
 
+import benchutil
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMANDS = ("top", "top-p", "top-always", "record", "exporter")
 SERIAL = itertools.count()
@@ -156,19 +158,16 @@ def main():
     results = {(v, n): [] for v in versions for n in names}
     try:
         with tempfile.TemporaryDirectory(prefix="pymtrace-startup-") as tmp:
-            for r in range(args.rounds):
-                order = list(versions) if r % 2 == 0 else list(reversed(versions))
-                for name in names:
-                    for v in order:
-                        res = run_once(versions[v], name, target.pid, tmp, args.timeout)
-                        if res is not None:
-                            results[(v, name)].append(res)
-                            print(
-                                f"round {r + 1} {name:10} {v:6} {res[0]:6.2f} s  cpu {res[1]:5.2f} s  "
-                                f"compile cpu {res[3] if res[3] is not None else float('nan'):5.2f} s  "
-                                f"load {res[2]:.1f}",
-                                file=sys.stderr,
-                            )
+            for r, name, v in benchutil.interleaved(args.rounds, versions, names):
+                res = run_once(versions[v], name, target.pid, tmp, args.timeout)
+                if res is not None:
+                    results[(v, name)].append(res)
+                    print(
+                        f"round {r + 1} {name:10} {v:6} {res[0]:6.2f} s  cpu {res[1]:5.2f} s  "
+                        f"compile cpu {res[3] if res[3] is not None else float('nan'):5.2f} s  "
+                        f"load {res[2]:.1f}",
+                        file=sys.stderr,
+                    )
     finally:
         target.kill()
         target.wait()

@@ -173,11 +173,35 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
 
 
 def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
-    """P through BCC's perf-event uprobe (PMU "uprobe", one file descriptor)."""
-    if p.ret:
-        bpf.attach_uretprobe(name=os.fsencode(p.path), addr=p.address, fn_name=p.fn_name.encode(), pid=p.pid)
-    else:
-        bpf.attach_uprobe(name=os.fsencode(p.path), addr=p.address, fn_name=p.fn_name.encode(), pid=p.pid)
+    """P through BCC's perf-event uprobe (PMU "uprobe", one file descriptor), registered with
+    ref_ctr_offset 0: BCC 0.26's own attach_uprobe leaves that argument out (bcc issue #5236)
+    and the stray value it passes would then refuse every link at this place, ours included,
+    for as long as the kernel keeps the uprobe. Same steps as BCC's attach_u(ret)probe; a
+    BCC without these internals, or a place already held with BCC's stray value, attaches
+    BCC's own way."""
+    import ctypes as ct
+
+    from bcc import lib
+
+    name, fn_name = os.fsencode(p.path), p.fn_name.encode()
+    try:
+        path, addr = bpf._check_path_symbol(name, b"", p.address, p.pid, 0)
+        fn = bpf.load_func(fn_name, bpf.KPROBE)
+        ev_name = bpf._get_uprobe_evname(b"r" if p.ret else b"p", path, addr, p.pid)
+        add_fd = bpf._add_uprobe_fd
+    except AttributeError:
+        attach_bcc = bpf.attach_uretprobe if p.ret else bpf.attach_uprobe
+        attach_bcc(name=name, addr=p.address, fn_name=fn_name, pid=p.pid)
+        return
+    # the 7th argument is beyond BCC's argtypes: passed with its exact C type
+    fd = lib.bpf_attach_uprobe(fn.fd, int(p.ret), ev_name, path, addr, p.pid, ct.c_uint32(0))
+    if fd >= 0:
+        add_fd(ev_name, fd)
+        return
+    # refused (EINVAL): most likely a BCC 0.26 tool holds this place with its stray value,
+    # which BCC's own call passes again: attach as it does (its error if that fails too)
+    attach_bcc = bpf.attach_uretprobe if p.ret else bpf.attach_uprobe
+    attach_bcc(name=name, addr=p.address, fn_name=fn_name, pid=p.pid)
 
 
 def _link_error(exc: OSError, group: list[Probe]) -> OSError:

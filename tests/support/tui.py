@@ -75,7 +75,7 @@ def rows(screen, header_word):
         if words and words[0].rstrip("v^") == header_word:
             out = []
             for row in lines[i + 1 :]:
-                if not row.strip() or row.lstrip().startswith("1-5/Tab"):
+                if not row.strip() or re.match(r"\d-\d/Tab view", row.lstrip()):  # the key line
                     break
                 out.append(row.split())
             return out
