@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import typing
 
 _SYS_BPF = {
     "x86_64": 321,
@@ -50,6 +51,15 @@ def call(cmd: int, attr: ctypes.Array) -> int:
     if _NR is None:
         raise OSError(38, "bpf syscall number unknown for this architecture")
     ret = _libc.syscall(ctypes.c_long(_NR), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def libc_syscall(nr: int, *args: typing.Any) -> int:
+    """System call NR with ARGS (ints, or ctypes pointers): its result, or OSError."""
+    ret = _libc.syscall(ctypes.c_long(nr), *(ctypes.c_long(a) if isinstance(a, int) else a for a in args))
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

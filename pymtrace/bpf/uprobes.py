@@ -173,35 +173,78 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
 
 
 def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
-    """P through BCC's perf-event uprobe (PMU "uprobe", one file descriptor), registered with
-    ref_ctr_offset 0: BCC 0.26's own attach_uprobe leaves that argument out (bcc issue #5236)
-    and the stray value it passes would then refuse every link at this place, ours included,
-    for as long as the kernel keeps the uprobe. Same steps as BCC's attach_u(ret)probe; a
-    BCC without these internals, or a place already held with BCC's stray value, attaches
-    BCC's own way."""
-    import ctypes as ct
-
-    from bcc import lib
-
+    """P through a perf-event uprobe (PMU "uprobe", one file descriptor), kept in BCC's
+    table so that BCC's cleanup and detach() close it. Opened here with ref_ctr_offset 0:
+    BCC 0.26's attach_uprobe leaves that argument out (bcc issue #5236), and the stray value
+    it passes would then refuse every link at this place, ours included, for as long as the
+    kernel keeps the uprobe. A place already held with that stray value refuses ours
+    (EINVAL): there, and with a BCC without these internals, BCC attaches its own way."""
     name, fn_name = os.fsencode(p.path), p.fn_name.encode()
     try:
-        path, addr = bpf._check_path_symbol(name, b"", p.address, p.pid, 0)
         fn = bpf.load_func(fn_name, bpf.KPROBE)
-        ev_name = bpf._get_uprobe_evname(b"r" if p.ret else b"p", path, addr, p.pid)
+        ev_name = bpf._get_uprobe_evname(b"r" if p.ret else b"p", name, p.address, p.pid)
         add_fd = bpf._add_uprobe_fd
+        fd = _perf_uprobe(fn.fd, _kernel_path(p.path, p.pid), p.offset, p.pid, p.ret)
     except AttributeError:
+        fd = None
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            kind = "uretprobe" if p.ret else "uprobe"
+            raise OSError(exc.errno, f"{kind} at {p.what or hex(p.address)}: {exc.strerror}") from None
+        fd = None
+    if fd is None:
         attach_bcc = bpf.attach_uretprobe if p.ret else bpf.attach_uprobe
         attach_bcc(name=name, addr=p.address, fn_name=fn_name, pid=p.pid)
         return
-    # the 7th argument is beyond BCC's argtypes: passed with its exact C type
-    fd = lib.bpf_attach_uprobe(fn.fd, int(p.ret), ev_name, path, addr, p.pid, ct.c_uint32(0))
-    if fd >= 0:
-        add_fd(ev_name, fd)
-        return
-    # refused (EINVAL): most likely a BCC 0.26 tool holds this place with its stray value,
-    # which BCC's own call passes again: attach as it does (its error if that fails too)
-    attach_bcc = bpf.attach_uretprobe if p.ret else bpf.attach_uprobe
-    attach_bcc(name=name, addr=p.address, fn_name=fn_name, pid=p.pid)
+    add_fd(ev_name, fd)
+
+
+PERF_FLAG_FD_CLOEXEC = 8
+PERF_EVENT_IOC_ENABLE = 0x2400
+PERF_EVENT_IOC_SET_BPF = 0x40042408
+_SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
+
+
+@functools.lru_cache(maxsize=1)
+def _uprobe_pmu() -> tuple[int, int]:
+    """(PMU type, config bit that makes a uretprobe) of the kernel's uprobe PMU (sysfs)."""
+    base = "/sys/bus/event_source/devices/uprobe"
+    with open(f"{base}/type") as f:
+        pmu_type = int(f.read())
+    with open(f"{base}/format/retprobe") as f:
+        bit = int(f.read().strip().split(":")[1])  # "config:0"
+    return pmu_type, bit
+
+
+def _perf_uprobe(prog_fd: int, path: bytes, offset: int, pid: int, ret: bool) -> int:
+    """A perf-event uprobe at file OFFSET of PATH (PID: that process only, -1 all) running
+    PROG_FD, enabled: its fd (what libbcc's bpf_attach_uprobe does, with ref_ctr_offset 0
+    in config bits 32-63). OSError on failure; nothing printed."""
+    import fcntl
+
+    nr = _SYS_PERF_EVENT_OPEN.get(os.uname().machine)
+    if nr is None:
+        raise AttributeError("perf_event_open: system call number unknown here")  # BCC's way
+    pmu_type, ret_bit = _uprobe_pmu()
+    c_path = ctypes.create_string_buffer(path)
+    attr = _attr()  # struct perf_event_attr, PERF_ATTR_SIZE_VER5 and more: zeros
+    _put(attr, 0, ctypes.c_uint32, pmu_type)
+    _put(attr, 4, ctypes.c_uint32, _ATTR_SIZE)
+    _put(attr, 8, ctypes.c_uint64, (1 << ret_bit) if ret else 0)  # config; ref_ctr_offset 0
+    _put(attr, 16, ctypes.c_uint64, 1)  # sample_period
+    _put(attr, 48, ctypes.c_uint32, 1)  # wakeup_events
+    _put(attr, 56, ctypes.c_uint64, ctypes.addressof(c_path))  # config1: uprobe_path
+    _put(attr, 64, ctypes.c_uint64, offset)  # config2: probe_offset
+    fd = stats.libc_syscall(
+        nr, ctypes.byref(attr), pid if pid > 0 else -1, 0 if pid <= 0 else -1, -1, PERF_FLAG_FD_CLOEXEC
+    )
+    try:
+        fcntl.ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
+        fcntl.ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _link_error(exc: OSError, group: list[Probe]) -> OSError:

@@ -111,3 +111,45 @@ def test_top_counts_exactly_and_detaches_both_ways(cxx_calls, monkeypatch, way):
     finally:
         top.kill()
         w.kill()
+
+
+@pytest.mark.parametrize("way", ["links", "perf events"])
+def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_path, monkeypatch, way):  # noqa: F811
+    """BCC 0.26's attach_uprobe registers its uprobes with a stray ref_ctr_offset (bcc issue
+    #5236), and the kernel refuses ours at the same place (EINVAL): that place is attached
+    BCC's way, counts stay exact, and nothing is printed (libbcc's own attempt would print
+    "cannot attach uprobe, Invalid argument"). The BCC tool here is this test, on a private
+    copy of libstdc++ (a new inode: the stray uprobe cannot outlive the test elsewhere)."""
+    import shutil
+
+    import bcc
+
+    if way == "perf events":
+        monkeypatch.setenv(uprobes.FAKE_NO_MULTI_ENV, "1")
+    elif not uprobes.multi_links():
+        pytest.skip("this kernel has no uprobe_multi links that filter by process (< 6.6 or unfixed)")
+    runtime = str(tmp_path / "libstdc++.so.6")
+    shutil.copy(STDCXX, runtime)
+    w = Workload(["env", f"LD_LIBRARY_PATH={tmp_path}", cxx_calls])
+    tool = bcc.BPF(text="int on_new(void *ctx) { return 0; }")
+    top = None
+    try:
+        tool.attach_uprobe(name=runtime.encode(), sym=b"_Znwm", fn_name=b"on_new", pid=w.pid)
+        top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc")
+        top.json_doc()
+        top.probes_attached(3)
+        start = time.monotonic()
+        w.go()
+        result = w.result()
+        expected, frees = _expected(result, runtime)
+        p = top.json_span(start, time.monotonic())[-1]["snapshot"]["processes"][str(w.pid)]
+        assert {c: p["calls"][c] for c in CALLS} == expected
+        assert p["calls"]["free"] == frees
+        assert top.stop() == 0
+        assert "cannot attach" not in top.stderr()
+        assert w.finish() == 0
+    finally:
+        if top is not None:
+            top.kill()
+        tool.cleanup()
+        w.kill()
