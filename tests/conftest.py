@@ -266,14 +266,18 @@ def uprobe_links(pid):
             if len(parts) == 3 and parts[1].startswith("0x")
         ]
         if not offsets and "link_id" in info:  # kernels before 6.14 list no offsets in fdinfo
-            base["file"], offsets = _uprobe_multi_info(int(info["link_id"]))
+            # (nor "uretprobe_multi" as the link type: the link's flags say it)
+            base["file"], offsets, ret = _uprobe_multi_info(int(info["link_id"]))
+            if ret:
+                base["kind"] = "uretprobe_multi"
         out += [dict(base, offset=o) for o in offsets] or [dict(base, offset=None)]
     return out
 
 
 def _uprobe_multi_info(link_id):
-    """(path, [offsets]) of uprobe_multi link LINK_ID from the kernel's bpf_link_info (6.8+;
-    (None, []) where it cannot tell): BPF_LINK_GET_FD_BY_ID, BPF_OBJ_GET_INFO_BY_FD."""
+    """(path, [offsets], return probes?) of uprobe_multi link LINK_ID from the kernel's
+    bpf_link_info (6.8+; (None, [], False) where it cannot tell): BPF_LINK_GET_FD_BY_ID,
+    BPF_OBJ_GET_INFO_BY_FD."""
     import ctypes
 
     from pymtrace.bpf import stats
@@ -283,7 +287,7 @@ def _uprobe_multi_info(link_id):
     try:
         fd = stats.call(30, attr)  # BPF_LINK_GET_FD_BY_ID
     except OSError:
-        return None, []
+        return None, [], False
     try:
         path = ctypes.create_string_buffer(4096)
         offsets = (ctypes.c_uint64 * 4096)()
@@ -299,9 +303,10 @@ def _uprobe_multi_info(link_id):
         try:
             stats.call(15, attr)  # BPF_OBJ_GET_INFO_BY_FD
         except OSError:
-            return None, []
+            return None, [], False
         count = ctypes.c_uint32.from_buffer(info, 52).value
-        return path.value.decode(errors="replace") or None, list(offsets[: min(count, len(offsets))])
+        ret = bool(ctypes.c_uint32.from_buffer(info, 56).value & 1)  # .flags: BPF_F_UPROBE_MULTI_RETURN
+        return path.value.decode(errors="replace") or None, list(offsets[: min(count, len(offsets))]), ret
     finally:
         os.close(fd)
 
