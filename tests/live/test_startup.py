@@ -40,6 +40,23 @@ if bcc is not None and hasattr(bcc, "BPF"):
         return _attach(self, *args, **kw)
 
     bcc.BPF.__init__, bcc.BPF.attach_uprobe = _counting_init, _counting_attach
+
+    # pymtrace attaches through pymtrace.bpf.uprobes (uprobe_multi links, or perf events it
+    # opens itself): that call is an attach too, whichever way it goes
+    try:
+        from pymtrace.bpf import uprobes as _uprobes
+    except ImportError:
+        _uprobes = None
+    if _uprobes is not None and hasattr(_uprobes, "attach"):
+        _attach_probes = _uprobes.attach
+
+        def _counting_attach_probes(bpf, probes):
+            probes = list(probes)
+            if probes:
+                print("bcc-test: uprobe", file=sys.stderr, flush=True)
+            return _attach_probes(bpf, probes)
+
+        _uprobes.attach = _counting_attach_probes
 '''
 
 
