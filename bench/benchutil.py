@@ -90,6 +90,20 @@ def interleaved(rounds, versions, names):
                 yield r, name, v
 
 
+def run_interleaved(rounds, versions, names, run, describe):
+    """{(version, name): [result]} of RUN(version, name) over interleaved rounds (None: no
+    result); DESCRIBE(result) is the rest of each round's progress line on stderr."""
+    import sys
+
+    results = {(v, n): [] for v in versions for n in names}
+    for r, name, v in interleaved(rounds, versions, names):
+        res = run(v, name)
+        if res is not None:
+            results[(v, name)].append(res)
+            print(f"round {r + 1} {name:10} {v:6} {describe(res)}", file=sys.stderr)
+    return results
+
+
 def print_table(rows, markdown=False):
     """ROWS (dicts with the same keys) as a markdown table, or as indented JSON."""
     if markdown:

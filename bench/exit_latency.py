@@ -127,20 +127,20 @@ def main():
     if args.before:
         versions = {"before": pathlib.Path(args.before).resolve(), "after": ROOT}
     names = args.commands.split(",")
-    results = {(v, n): [] for v in versions for n in names}
     with tempfile.TemporaryDirectory(prefix="pymtrace-exit-") as tmp:
         subprocess.run(["g++", "-O0", "-x", "c++", "-o", f"{tmp}/cxx", "-"], input=CXX.encode(), check=True)
         target = subprocess.Popen([f"{tmp}/cxx"])
         try:
-            for r, name, v in benchutil.interleaved(args.rounds, versions, names):
-                res = run_once(versions[v], name, target.pid, tmp, args.timeout)
-                if res is not None:
-                    results[(v, name)].append(res)
-                    print(
-                        f"round {r + 1} {name:6} {v:6} ready {res['ready']:5.2f} s  exit {res['exit']:5.2f} s  "
-                        f"total {res['total']:5.2f} s  refused {res['refused']}  load {os.getloadavg()[0]:.1f}",
-                        file=sys.stderr,
-                    )
+            results = benchutil.run_interleaved(
+                args.rounds,
+                versions,
+                names,
+                lambda v, name: run_once(versions[v], name, target.pid, tmp, args.timeout),
+                lambda res: (
+                    f"ready {res['ready']:5.2f} s  exit {res['exit']:5.2f} s  total {res['total']:5.2f} s  "
+                    f"refused {res['refused']}  load {os.getloadavg()[0]:.1f}"
+                ),
+            )
         finally:
             target.kill()
             target.wait()

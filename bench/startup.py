@@ -155,19 +155,18 @@ def main():
 
     others = libc.distinct_allocators()
     print(f"other allocators mapped at the start: {sorted(others) or 'none'}", file=sys.stderr)
-    results = {(v, n): [] for v in versions for n in names}
     try:
         with tempfile.TemporaryDirectory(prefix="pymtrace-startup-") as tmp:
-            for r, name, v in benchutil.interleaved(args.rounds, versions, names):
-                res = run_once(versions[v], name, target.pid, tmp, args.timeout)
-                if res is not None:
-                    results[(v, name)].append(res)
-                    print(
-                        f"round {r + 1} {name:10} {v:6} {res[0]:6.2f} s  cpu {res[1]:5.2f} s  "
-                        f"compile cpu {res[3] if res[3] is not None else float('nan'):5.2f} s  "
-                        f"load {res[2]:.1f}",
-                        file=sys.stderr,
-                    )
+            results = benchutil.run_interleaved(
+                args.rounds,
+                versions,
+                names,
+                lambda v, name: run_once(versions[v], name, target.pid, tmp, args.timeout),
+                lambda res: (
+                    f"{res[0]:6.2f} s  cpu {res[1]:5.2f} s  "
+                    f"compile cpu {res[3] if res[3] is not None else float('nan'):5.2f} s  load {res[2]:.1f}"
+                ),
+            )
     finally:
         target.kill()
         target.wait()
