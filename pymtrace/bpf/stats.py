@@ -50,11 +50,7 @@ def call(cmd: int, attr: ctypes.Array) -> int:
     """The bpf(2) system call CMD with ATTR (a ctypes buffer): its result, or OSError."""
     if _NR is None:
         raise OSError(38, "bpf syscall number unknown for this architecture")
-    ret = _libc.syscall(ctypes.c_long(_NR), ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return ret
+    return libc_syscall(_NR, ctypes.c_int(cmd), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
 
 
 def libc_syscall(nr: int, *args: typing.Any) -> int:
