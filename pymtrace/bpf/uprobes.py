@@ -162,14 +162,15 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
                 raise _link_error(exc, group) from None
         # EINVAL: most likely a uprobe some BCC tool holds at one of these places with the
         # stray ref_ctr_offset BCC 0.26's Python binding passes (bcc issue #5236); the kernel
-        # refuses a second registration with another one. Those places go through BCC too.
+        # refuses a second registration with another one. Those places are attached BCC's own
+        # way (with that value: a perf event of ours would be refused the same way).
         for p in group:
             try:
                 links.append(_link_create(fn.fd, kernel_path, [p.offset], pid, ret))
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise _link_error(exc, [p]) from None
-                _attach_bcc(bpf, p)
+                _attach_bcc_way(bpf, p)
 
 
 def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
@@ -193,10 +194,15 @@ def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
             raise OSError(exc.errno, f"{kind} at {p.what or hex(p.address)}: {exc.strerror}") from None
         fd = None
     if fd is None:
-        attach_bcc = bpf.attach_uretprobe if p.ret else bpf.attach_uprobe
-        attach_bcc(name=name, addr=p.address, fn_name=fn_name, pid=p.pid)
+        _attach_bcc_way(bpf, p)
         return
     add_fd(ev_name, fd)
+
+
+def _attach_bcc_way(bpf: typing.Any, p: Probe) -> None:
+    """P through BCC's own attach_u(ret)probe (its stray ref_ctr_offset included)."""
+    attach = bpf.attach_uretprobe if p.ret else bpf.attach_uprobe
+    attach(name=os.fsencode(p.path), addr=p.address, fn_name=p.fn_name.encode(), pid=p.pid)
 
 
 PERF_FLAG_FD_CLOEXEC = 8
