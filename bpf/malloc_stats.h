@@ -55,8 +55,8 @@ struct ms_outer {
     __u64 requested;
     __u64 sp;   /* ms_f_*: the stack pointer at the outermost entry */
     __u32 type; /* CALL_* */
-    __u32
-        depth; /* ms_f_*: probed calls entered on this thread in the outermost one, + 1 (0 for the glibc programs) */
+    /* ms_f_*: probed calls entered on this thread in the outermost one, + 1 (0: glibc's) */
+    __u32 depth;
 };
 
 /* Indexes of the per-CPU array `ms_lost`. */
