@@ -116,7 +116,9 @@ def load_parts(parts: typing.Sequence[Part], what: str | None = None) -> typing.
     bcc = import_bcc()
     ensure_tracefs()
     directory = bpf_dir()
-    cflags = [f"-I{directory}", "-Wno-macro-redefined", "-Wno-unused-function"]
+    # -g0: no debug info, so no BTF of the programs (nothing here needs it: no spin locks,
+    # kfuncs or BTF-typed maps); measured 0.05-0.12 s less compile CPU for top's module.
+    cflags = [f"-I{directory}", "-Wno-macro-redefined", "-Wno-unused-function", "-g0"]
     defines, texts = {}, [MODULE_PRELUDE]
     for part in parts:
         for name, value in part.defines.items():

@@ -281,6 +281,7 @@ def _run_batch(
     # one interval between the snapshots' times (when their reading began), whatever the
     # reading costs (seconds in an emulated VM)
     next_at = (cur.get("time") or time.monotonic()) + args.interval
+    reporter.warm_up()  # inside the first interval, not after it
     while not args.iterations or reporter.iteration < args.iterations:
         time.sleep(max(0.0, next_at - time.monotonic()))
         next_at += args.interval

@@ -21,6 +21,12 @@ class Reporter:
         self.pids = pids
         self.iteration = 0
 
+    def warm_up(self) -> None:
+        """Import what report() needs (tabulate: ~40 ms, most of it importlib.metadata), so
+        that top calls it while waiting for its first report rather than after."""
+        if not self.args.json:
+            import tabulate  # noqa: F401
+
     def report(self, prev: Optional[views.Snap], cur: views.Snap) -> None:
         self.iteration += 1
         tables = {}
