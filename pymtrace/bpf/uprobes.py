@@ -135,9 +135,38 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
     """Attach PROBES to the BCC module BPF. With uprobe_multi links: one link per (file, PID,
     program, entry/return), created in the order of their first probe (so a caller that lists
     return probes first gets them attached first); else one BCC perf event per probe, in order.
-    Raises OSError (links) or BCC's Exception (perf events), naming the functions.
-    A program is loaded on first use, for one of the two ways only."""
+    Raises OSError (links) or BCC's Exception (perf events), naming the functions, after
+    detaching what this call attached: all of PROBES or none (a caller can leave a file out
+    and go on without half of its functions counted). A program is loaded on first use, for
+    one of the two ways only."""
     probes = list(probes)
+    links = _links.setdefault(bpf, [])
+    links_before = len(links)
+    events_before = set(getattr(bpf, "uprobe_fds", {}))
+    try:
+        _attach(bpf, probes, links)
+    except BaseException:
+        _undo(bpf, links, links_before, events_before)
+        raise
+
+
+def _undo(bpf: typing.Any, links: list[int], links_before: int, events_before: set) -> None:
+    """Close the links after the first LINKS_BEFORE and BCC's perf events not in EVENTS_BEFORE."""
+    for fd in links[links_before:]:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    del links[links_before:]
+    for ev_name, fd in [(k, v) for k, v in getattr(bpf, "uprobe_fds", {}).items() if k not in events_before]:
+        try:
+            _close_bcc((ev_name, fd))
+            bpf._del_uprobe_fd(ev_name)
+        except (ImportError, AttributeError, KeyError, OSError):
+            pass
+
+
+def _attach(bpf: typing.Any, probes: list[Probe], links: list[int]) -> None:
     if not multi_links():
         for p in probes:
             _attach_bcc(bpf, p)
@@ -145,7 +174,6 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
     groups: dict[tuple, list[Probe]] = {}
     for p in probes:
         groups.setdefault((p.path, max(p.pid, 0), p.fn_name, p.ret), []).append(p)
-    links = _links.setdefault(bpf, [])
     for (path, pid, fn_name, ret), group in groups.items():
         try:
             fn = bpf.load_func(fn_name.encode(), bpf.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
@@ -170,7 +198,7 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise _link_error(exc, [p]) from None
-                _attach_bcc_way(bpf, p)
+                _attach_bcc_way(bpf, p, refused=True)
 
 
 def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
@@ -192,17 +220,30 @@ def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
         if exc.errno != errno.EINVAL:
             kind = "uretprobe" if p.ret else "uprobe"
             raise OSError(exc.errno, f"{kind} at {p.what or hex(p.address)}: {exc.strerror}") from None
-        fd = None
+        _attach_bcc_way(bpf, p, refused=True)
+        return
     if fd is None:
         _attach_bcc_way(bpf, p)
         return
     add_fd(ev_name, fd)
 
 
-def _attach_bcc_way(bpf: typing.Any, p: Probe) -> None:
-    """P through BCC's own attach_u(ret)probe (its stray ref_ctr_offset included)."""
+def _attach_bcc_way(bpf: typing.Any, p: Probe, refused: bool = False) -> None:
+    """P through BCC's own attach_u(ret)probe (its stray ref_ctr_offset included). REFUSED:
+    the kernel refused our registration at this place (EINVAL); if BCC's is refused too,
+    another tool holds the place with a reference counter of its own: said so."""
     attach = bpf.attach_uretprobe if p.ret else bpf.attach_uprobe
-    attach(name=os.fsencode(p.path), addr=p.address, fn_name=p.fn_name.encode(), pid=p.pid)
+    try:
+        attach(name=os.fsencode(p.path), addr=p.address, fn_name=p.fn_name.encode(), pid=p.pid)
+    except Exception:  # BCC raises plain Exception ("Failed to attach BPF to uprobe")
+        if not refused:
+            raise
+        kind = "uretprobe" if p.ret else "uprobe"
+        raise OSError(
+            errno.EINVAL,
+            f"{kind} at {p.what or hex(p.address)} refused by the kernel (Invalid argument): another "
+            "tool holds a uprobe there with a reference counter of its own",
+        ) from None
 
 
 PERF_FLAG_FD_CLOEXEC = 8

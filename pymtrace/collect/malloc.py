@@ -29,7 +29,7 @@ from pymtrace.collect.base import (
     struct_fields,
 )
 from pymtrace.collect.snapshot import call_names
-from pymtrace.errors import PymtraceError
+from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.target import allocators, libc, mallocapi, probesite, proc
 
 # function -> (entry program, return program or None), from the one malloc-API table
@@ -241,12 +241,24 @@ class MallocCollector(Collector):
 
     def _attach(self) -> None:
         self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
-        for path, pids in self.libcs.items():
-            for pid in pids:
-                self._attach_libc(path, pid, self.plans[path])
-        for path, pids in self.cxx.items():
-            for pid in pids:
-                self._attach_libc(path, pid, self.cxx_plans[path])
+        for table, plans in ((self.libcs, self.plans), (self.cxx, self.cxx_plans)):
+            for path, pids in list(table.items()):
+                for pid in pids:
+                    try:
+                        self._attach_libc(path, pid, plans[path])
+                    except ProcessGone:
+                        raise
+                    except PymtraceError as exc:
+                        if self.pids is not None:  # -p: the process asked for is not traced
+                            raise
+                        # System-wide: a file the kernel refuses (e.g. a place another tool
+                        # holds with its own reference counter) leaves only its processes
+                        # untraced, said in the note; none of its probes stays (uprobes.attach)
+                        self.skipped.append((path, set(self._users.get(path, ())), str(exc)))
+                        del table[path]
+                        break
+        if not self.libcs:
+            raise PymtraceError("could not attach to any libc: " + libc.skipped_note(self.skipped))
         # live bytes count from now: their RSS counterpart is the growth of RssAnon from now
         # (a process absent here starts after attach: from 0); ~17 us a process
         for pid in [int(p) for p in self.pids] if self.pids is not None else libc.pids():
