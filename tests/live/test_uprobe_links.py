@@ -113,16 +113,11 @@ def test_top_counts_exactly_and_detaches_both_ways(cxx_calls, monkeypatch, way):
         w.kill()
 
 
-@pytest.mark.parametrize("way", ["links", "perf events"])
-def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_path, monkeypatch, way):  # noqa: F811
-    """BCC 0.26's attach_uprobe registers its uprobes with a stray ref_ctr_offset (bcc issue
-    #5236), and the kernel refuses ours at the same place (EINVAL): that place is attached
-    BCC's way, counts stay exact, and nothing is printed (libbcc's own attempt would print
-    "cannot attach uprobe, Invalid argument"). The BCC tool here is this test, on a private
-    copy of libstdc++ (a new inode: the stray uprobe cannot outlive the test elsewhere)."""
+def _on_private_runtime(way, tmp_path, monkeypatch, program):
+    """(path, Workload): the C++ workload PROGRAM on a private copy of libstdc++ (a new inode: a
+    uprobe held there cannot outlive the test elsewhere), pymtrace attaching WAY (links, or
+    perf events through the test hook)."""
     import shutil
-
-    import bcc
 
     if way == "perf events":
         monkeypatch.setenv(uprobes.FAKE_NO_MULTI_ENV, "1")
@@ -130,7 +125,19 @@ def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_pa
         pytest.skip("this kernel has no uprobe_multi links that filter by process (< 6.6 or unfixed)")
     runtime = str(tmp_path / "libstdc++.so.6")
     shutil.copy(STDCXX, runtime)
-    w = Workload(["env", f"LD_LIBRARY_PATH={tmp_path}", cxx_calls])
+    return runtime, Workload(["env", f"LD_LIBRARY_PATH={tmp_path}", program])
+
+
+@pytest.mark.parametrize("way", ["links", "perf events"])
+def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_path, monkeypatch, way):  # noqa: F811
+    """BCC 0.26's attach_uprobe registers its uprobes with a stray ref_ctr_offset (bcc issue
+    #5236), and the kernel refuses ours at the same place (EINVAL): that place is attached
+    BCC's way, counts stay exact, and nothing is printed (libbcc's own attempt would print
+    "cannot attach uprobe, Invalid argument"). The BCC tool here is this test, on a private
+    copy of libstdc++ (a new inode: the stray uprobe cannot outlive the test elsewhere)."""
+    import bcc
+
+    runtime, w = _on_private_runtime(way, tmp_path, monkeypatch, cxx_calls)
     tool = bcc.BPF(text="int on_new(void *ctx) { return 0; }")
     top = None
     try:
@@ -183,15 +190,8 @@ def test_system_wide_top_leaves_out_a_file_the_kernel_refuses(cxx_calls, tmp_pat
     keeps none of the probes it had attached in that file before the refusal, and counts the
     rest: the same process's malloc calls, through the libc."""
     import re
-    import shutil
 
-    if way == "perf events":
-        monkeypatch.setenv(uprobes.FAKE_NO_MULTI_ENV, "1")
-    elif not uprobes.multi_links():
-        pytest.skip("this kernel has no uprobe_multi links that filter by process (< 6.6 or unfixed)")
-    runtime = str(tmp_path / "libstdc++.so.6")
-    shutil.copy(STDCXX, runtime)
-    w = Workload(["env", f"LD_LIBRARY_PATH={tmp_path}", cxx_calls])
+    runtime, w = _on_private_runtime(way, tmp_path, monkeypatch, cxx_calls)
     held = _hold_uprobe(runtime, "_Znwm", w.pid, 0x10)
     top = None
     try:
