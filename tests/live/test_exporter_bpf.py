@@ -71,8 +71,10 @@ int main(int argc, char **argv)
 
 CHURN_C = r"""
 /* 1000 short-lived processes in waves: per wave, fork N children; each takes the name
- * churn<i>, does 3 mallocs and 3 frees, then blocks until the wave ends. The parent says
- * "wave" and waits for a line on stdin (the test scrapes meanwhile), then ends the wave. */
+ * churn<i>, does 3 mallocs and 3 frees, says so on a pipe, then blocks until the wave
+ * ends. Once every child of the wave has made its calls (on an emulated CPU that can take
+ * seconds after the forks), the parent says "wave" and waits for a line on stdin (the test
+ * scrapes meanwhile), then ends the wave. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,23 +88,31 @@ int main(int argc, char **argv)
     int waves = atoi(argv[1]), per = atoi(argv[2]);
     prctl(PR_SET_NAME, "pmx-churner");   /* the parent is not one of the 1000 */
     for (int w = 0; w < waves; w++) {
-        int fds[2];
-        if (pipe(fds)) return 1;
+        int fds[2], done[2];
+        if (pipe(fds) || pipe(done)) return 1;
         for (int i = 0; i < per; i++) {
             pid_t pid = fork();
             if (pid == 0) {
                 char name[16], c;
                 close(fds[1]);
+                close(done[0]);
                 snprintf(name, sizeof name, "churn%d", w * per + i);
                 prctl(PR_SET_NAME, name);
                 void *a = malloc(10), *b = malloc(20), *d = malloc(30);
                 free(a); free(b); free(d);
+                if (write(done[1], "d", 1) != 1) _exit(4);
                 while (read(fds[0], &c, 1) > 0) ;   /* until the parent closes the pipe */
                 _exit(0);
             }
             if (pid < 0) return 1;
         }
         close(fds[0]);
+        close(done[1]);
+        for (int i = 0; i < per; i++) {   /* every child of the wave has made its calls */
+            char c;
+            if (read(done[0], &c, 1) != 1) return 5;
+        }
+        close(done[0]);
         if (write(1, "wave\n", 5) != 5) return 2;
         char line[8];
         if (!fgets(line, sizeof line, stdin)) return 3;
