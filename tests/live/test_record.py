@@ -11,6 +11,7 @@ import time
 
 import pytest
 from conftest import PYMTRACE, ROOT, ProbeWatch, run_pymtrace, script_background, sigint_ignored
+from support import machine
 from support.recording import ground_truth, text_range
 from support.top import alive
 
@@ -447,7 +448,9 @@ def test_record_duration_bounds_the_stop_on_a_busy_allocator(cbuild, tmp_path):
         target.wait()
     rest = "".join(lines[-1:]) + rest
     assert rec.returncode == 0, "".join(lines) + rest
-    assert took < 2 + 3, f"record took {took:.1f} s to stop recording after a 2 s --duration"
+    # the drain after the stop (bounded by what was committed) runs at the machine's speed
+    bound = 2 + 3 * machine.slowness()
+    assert took < bound, f"record took {took:.1f} s to stop recording after a 2 s --duration (bound {bound:.1f} s)"
     assert detached < 20, f"record took {detached:.1f} s to detach"
     assert recording.startswith("pymtrace: recording process")
     entries = int(re.search(r"^pymtrace: (\d+) entries recorded in ", rest, re.M).group(1))
