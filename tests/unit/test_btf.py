@@ -4,6 +4,8 @@ import os
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pymtrace.bpf import kfeatures
 from pymtrace.bpf.btf import MAGIC, Btf
@@ -121,3 +123,25 @@ def test_this_kernels_link_info_members():
     btf = Btf.read()
     assert btf.has_member_path("bpf_link_info", ["kprobe_multi", "addrs"])
     assert kfeatures.tracepoint_misses_counted() == btf.has_member_path("bpf_link_info", ["kprobe_multi", "missed"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(cut=st.integers(0, 400), flips=st.lists(st.tuples(st.integers(0, 399), st.integers(0, 255)), max_size=8))
+def test_a_corrupt_blob_is_refused_or_answers_no_question_wrongly(cut, flips):
+    """Truncated or bit-flipped blobs: the constructor refuses them (ValueError or
+    struct.error, which read() turns into None) or every question returns an answer of its
+    type (None / False when the records do not hold one), never raises, never hangs."""
+    raw = bytearray(blob(alloc=True))
+    for index, value in flips:
+        if index < len(raw):
+            raw[index] = value
+    data = bytes(raw[: len(raw) - cut] if cut < len(raw) else raw)
+    try:
+        btf = Btf(data)
+    except (ValueError, struct.error):
+        return
+    offsets = btf.member_offsets("kmem_cache", ["name", "size"])
+    assert offsets is None or (isinstance(offsets, dict) and set(offsets) == {"name", "size"})
+    arg = btf.tracepoint_arg("kmem_cache_free", "kmem_cache")
+    assert arg is None or isinstance(arg, int)
+    assert btf.has_member_path("kmem_cache", ["name"]) in (True, False)
