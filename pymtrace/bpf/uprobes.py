@@ -263,12 +263,10 @@ def _uprobe_pmu() -> tuple[int, int]:
     return pmu_type, bit
 
 
-def _perf_uprobe(prog_fd: int, path: bytes, offset: int, pid: int, ret: bool) -> int:
-    """A perf-event uprobe at file OFFSET of PATH (PID: that process only, -1 all) running
-    PROG_FD, enabled: its fd (what libbcc's bpf_attach_uprobe does, with ref_ctr_offset 0
-    in config bits 32-63). OSError on failure; nothing printed."""
-    import fcntl
-
+def perf_uprobe_event(path: bytes, offset: int, pid: int, ret: bool, ref_ctr_offset: int = 0) -> int:
+    """A perf-event uprobe at file OFFSET of PATH (PID: that process only, -1 all), with
+    REF_CTR_OFFSET in config bits 32-63 (what libbcc's bpf_attach_uprobe opens), not yet
+    running a program: its fd. OSError on failure; nothing printed."""
     nr = _SYS_PERF_EVENT_OPEN.get(os.uname().machine)
     if nr is None:
         raise AttributeError("perf_event_open: system call number unknown here")  # BCC's way
@@ -277,14 +275,21 @@ def _perf_uprobe(prog_fd: int, path: bytes, offset: int, pid: int, ret: bool) ->
     attr = _attr()  # struct perf_event_attr, PERF_ATTR_SIZE_VER5 and more: zeros
     _put(attr, 0, ctypes.c_uint32, pmu_type)
     _put(attr, 4, ctypes.c_uint32, _ATTR_SIZE)
-    _put(attr, 8, ctypes.c_uint64, (1 << ret_bit) if ret else 0)  # config; ref_ctr_offset 0
+    _put(attr, 8, ctypes.c_uint64, (ref_ctr_offset << 32) | ((1 << ret_bit) if ret else 0))  # config
     _put(attr, 16, ctypes.c_uint64, 1)  # sample_period
     _put(attr, 48, ctypes.c_uint32, 1)  # wakeup_events
     _put(attr, 56, ctypes.c_uint64, ctypes.addressof(c_path))  # config1: uprobe_path
     _put(attr, 64, ctypes.c_uint64, offset)  # config2: probe_offset
-    fd = stats.libc_syscall(
+    return stats.libc_syscall(
         nr, ctypes.byref(attr), pid if pid > 0 else -1, 0 if pid <= 0 else -1, -1, PERF_FLAG_FD_CLOEXEC
     )
+
+
+def _perf_uprobe(prog_fd: int, path: bytes, offset: int, pid: int, ret: bool) -> int:
+    """perf_uprobe_event() with ref_ctr_offset 0, running PROG_FD, enabled: its fd."""
+    import fcntl
+
+    fd = perf_uprobe_event(path, offset, pid, ret)
     try:
         fcntl.ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
         fcntl.ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)

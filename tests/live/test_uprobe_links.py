@@ -168,17 +168,8 @@ def _hold_uprobe(path, function, pid, ref_ctr_offset):
     way), no BPF program. Its fd (close it to release the place)."""
     from pymtrace.target import elf
 
-    pmu_type, _ = uprobes._uprobe_pmu()
-    c_path = ctypes.create_string_buffer(os.fsencode(path))
-    attr = uprobes._attr()
-    uprobes._put(attr, 0, ctypes.c_uint32, pmu_type)
-    uprobes._put(attr, 4, ctypes.c_uint32, uprobes._ATTR_SIZE)
-    uprobes._put(attr, 8, ctypes.c_uint64, ref_ctr_offset << 32)  # config: bits 32-63
-    uprobes._put(attr, 16, ctypes.c_uint64, 1)
-    uprobes._put(attr, 56, ctypes.c_uint64, ctypes.addressof(c_path))
-    uprobes._put(attr, 64, ctypes.c_uint64, elf.code_offset(path, elf.symbol(path, function).address))
-    nr = uprobes._SYS_PERF_EVENT_OPEN[os.uname().machine]
-    return stats.libc_syscall(nr, ctypes.byref(attr), pid, -1, -1, uprobes.PERF_FLAG_FD_CLOEXEC)
+    offset = elf.code_offset(path, elf.symbol(path, function).address)
+    return uprobes.perf_uprobe_event(os.fsencode(path), offset, pid, False, ref_ctr_offset)
 
 
 @pytest.mark.parametrize("way", ["links", "perf events"])
