@@ -50,6 +50,14 @@ def _perf_uprobes(pid):
     return [e for e in bpftool_perf_list() if e.get("pid") == pid and e.get("fd_type") in ("uprobe", "uretprobe")]
 
 
+def _run(w, top):
+    """Let workload W make its calls: (its own tally, top's row of it for those calls)."""
+    start = time.monotonic()
+    w.go()
+    result = w.result()
+    return result, top.json_span(start, time.monotonic())[-1]["snapshot"]["processes"][str(w.pid)]
+
+
 @pytest.mark.parametrize("way", ["links", "perf events"])
 def test_top_counts_exactly_and_detaches_both_ways(cxx_calls, monkeypatch, way):  # noqa: F811
     if way == "links":
@@ -93,11 +101,8 @@ def test_top_counts_exactly_and_detaches_both_ways(cxx_calls, monkeypatch, way):
                     assert other.stop() == 0
                 finally:
                     other.kill()
-        start = time.monotonic()
-        w.go()
-        result = w.result()
+        result, p = _run(w, top)
         expected, frees = _expected(result, STDCXX)
-        p = top.json_span(start, time.monotonic())[-1]["snapshot"]["processes"][str(w.pid)]
         assert {c: p["calls"][c] for c in CALLS} == expected
         assert p["calls"]["malloc"] == 0 and p["calls"]["free"] == frees
         assert p["requested_bytes"] == result["requested_bytes"]
@@ -145,11 +150,8 @@ def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_pa
         top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc")
         top.json_doc()
         top.probes_attached(3)
-        start = time.monotonic()
-        w.go()
-        result = w.result()
+        result, p = _run(w, top)
         expected, frees = _expected(result, runtime)
-        p = top.json_span(start, time.monotonic())[-1]["snapshot"]["processes"][str(w.pid)]
         assert {c: p["calls"][c] for c in CALLS} == expected
         assert p["calls"]["free"] == frees
         assert top.stop() == 0
@@ -193,10 +195,7 @@ def test_system_wide_top_leaves_out_a_file_the_kernel_refuses(cxx_calls, tmp_pat
         ]
         assert ours, "top attached nothing"
         assert not [f for f in ours if f and os.path.realpath(f) == os.path.realpath(runtime)], ours
-        start = time.monotonic()
-        w.go()
-        result = w.result()
-        p = top.json_span(start, time.monotonic())[-1]["snapshot"]["processes"][str(w.pid)]
+        result, p = _run(w, top)
         assert result["calls"]["new"] > 0
         assert p["calls"]["new"] == 0  # the left-out file's operator new: not counted
         assert p["calls"]["malloc"] >= result["calls"]["new"]  # its malloc calls inside: through the libc
