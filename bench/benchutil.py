@@ -90,6 +90,13 @@ def interleaved(rounds, versions, names):
                 yield r, name, v
 
 
+def versions(root, before=None):
+    """{version: checkout} to compare: this tree as "after", and BEFORE (a path) if given."""
+    import pathlib
+
+    return {"before": pathlib.Path(before).resolve(), "after": root} if before else {"after": root}
+
+
 def run_interleaved(rounds, versions, names, run, describe):
     """{(version, name): [result]} of RUN(version, name) over interleaved rounds (None: no
     result); DESCRIBE(result) is the rest of each round's progress line on stderr."""

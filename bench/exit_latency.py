@@ -123,9 +123,7 @@ def main():
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the exit-latency benchmark needs root (it runs pymtrace's BPF commands)")
-    versions = {"after": ROOT}
-    if args.before:
-        versions = {"before": pathlib.Path(args.before).resolve(), "after": ROOT}
+    versions = benchutil.versions(ROOT, args.before)
     names = args.commands.split(",")
     with tempfile.TemporaryDirectory(prefix="pymtrace-exit-") as tmp:
         subprocess.run(["g++", "-O0", "-x", "c++", "-o", f"{tmp}/cxx", "-"], input=CXX.encode(), check=True)

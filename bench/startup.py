@@ -145,9 +145,7 @@ def main():
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("the start-up benchmark needs root (it runs pymtrace's BPF commands)")
-    versions = {"after": ROOT}
-    if args.before:
-        versions = {"before": pathlib.Path(args.before).resolve(), "after": ROOT}
+    versions = benchutil.versions(ROOT, args.before)
     names = args.commands.split(",")
     target = subprocess.Popen(["sleep", "100000"])  # record -p's target: any process with a libc
     sys.path.insert(0, str(ROOT))
