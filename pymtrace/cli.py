@@ -26,6 +26,7 @@ COMMANDS = {
     "collect": ("pymtrace.commands.collect", "receive `record --to` streams into a partitioned Parquet dataset"),
     "dump": ("pymtrace.commands.dump", "decode a recorded trace (like upstream trace_dump) with per-type statistics"),
     "convert": ("pymtrace.commands.convert", "convert a trace between mtrace-bin, mtrace-text and parquet"),
+    "repair": ("pymtrace.commands.repair", "make a Parquet recording readable again after its recorder was killed"),
     "analyze": ("pymtrace.commands.analyze", "analyze recorded traces with SQL (DuckDB): report, JSON, HTML plots"),
     "workload": ("pymtrace.commands.workload", "convert a trace into a .wl replay workload"),
     "replay": ("pymtrace.commands.replay", "replay a workload against allocators and tunables and compare them"),

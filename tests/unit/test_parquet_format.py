@@ -2,6 +2,7 @@
 every row group (pyarrow and DuckDB), disk full, and corrupt files as one-line errors."""
 
 import collections
+import copy
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from conftest import run_pymtrace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pymtrace.errors import CorruptFile
+from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.trace.formats import load_records
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import parquet as P
@@ -306,3 +307,125 @@ def test_vectorized_bin_reader_matches_iter_records(records, flips, cut):
         return [r for recs in arrays for r in P.iter_records_of(recs)]
 
     assert _outcome(vectorized, raw) == _outcome(lambda s: list(B.iter_records(s, "t", chunk_records=5)), raw)
+
+
+class _Killed(Exception):
+    pass
+
+
+def _kill_after(m, budget):
+    """Make the writer's file writes stop for good after BUDGET more bytes (a SIGKILL there:
+    the bytes before it are in the file, nothing after); an ftruncate counts as one byte."""
+    left = [budget]
+    real_pwritev, real_ftruncate = os.pwritev, os.ftruncate
+
+    def pwritev(fd, views, offset):
+        if left[0] <= 0:
+            raise _Killed
+        done = real_pwritev(fd, [memoryview(views[0]).cast("B")[: left[0]]], offset)
+        left[0] -= done
+        return done
+
+    def ftruncate(fd, size):
+        if left[0] <= 0:
+            raise _Killed
+        left[0] -= 1
+        return real_ftruncate(fd, size)
+
+    m.setattr(P.os, "pwritev", pwritev)
+    m.setattr(P.os, "ftruncate", ftruncate)
+
+
+@pytest.mark.parametrize("groups", [1, 12])  # the old footer within a page; over 2 pages
+def test_writer_killed_at_any_byte_of_a_row_group_leaves_a_readable_or_repairable_file(tmp_path, monkeypatch, groups):
+    """Kill the writer after any number of the bytes one row group's write makes: the file
+    reads, with the rows before it or with all; or, killed while the old footer is copied to
+    the new end, `pymtrace repair` cuts it back to exactly the rows before it."""
+    recs = storm(groups * 7 + 5)
+    path = tmp_path / "k.parquet"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    w0 = P.Writer(fd, P.file_metadata(pid=1), row_group_rows=7)
+    w0.write_records(recs)  # GROUPS row groups written, 5 rows buffered
+    os.close(fd)
+    before, before_bytes = w0.rows, path.read_bytes()
+    old = len(w0.footer)
+    # kill points: the first bytes, around the end of the footer copy, and strides through
+    # it and then through the data and new footer until the write completes
+    budgets = (
+        set(range(64)) | set(range(old - 2, old + 3)) | set(range(0, old, 211)) | set(range(old, old + 10**6, 997))
+    )
+    cli_checked = False
+    for budget in sorted(budgets):
+        path.unlink()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.pwrite(fd, before_bytes, 0)
+        w = copy.copy(w0)
+        w.fd, w.row_groups, w.pending = fd, list(w0.row_groups), w0.pending.copy()
+        killed = False
+        with monkeypatch.context() as m:
+            _kill_after(m, budget)
+            try:
+                w.close()
+            except _Killed:
+                killed = True
+        os.close(fd)
+        try:
+            rows = pq.read_table(path).num_rows
+        except Exception:
+            assert killed and budget < old, budget  # only while the old footer is being copied
+            assert P.complete_end(str(path))[1] == before
+            if not cli_checked:  # the user's way, once
+                cli_checked = True
+                dump = run_pymtrace("dump", "--stats", path)
+                assert dump.returncode == 2 and dump.stderr.count("\n") == 1
+                assert f"pymtrace repair {path}` keeps the {before} rows" in dump.stderr
+                fixed = run_pymtrace("repair", path)
+                assert fixed.returncode == 0 and f"{before} rows kept" in fixed.stdout, fixed.stderr
+                again = run_pymtrace("repair", path)
+                assert again.returncode == 1 and "nothing to repair" in again.stderr
+            else:
+                assert P.repair(str(path))[0] == before
+            rows = pq.read_table(path).num_rows
+            assert rows == before and path.read_bytes() == before_bytes
+        assert rows == (before if killed else len(recs)), budget  # the new rows: after the truncate
+        back = numpy.concatenate(list(P.iter_arrays(str(path)))) if rows else recs[:0]
+        assert back.tobytes() == recs[:rows].tobytes()
+        if not killed:
+            break
+    else:
+        pytest.fail("the write never completed within the budgets tried")
+    assert cli_checked
+
+
+def test_repair_refuses_a_complete_file_and_a_foreign_one(tmp_path):
+    good = tmp_path / "good.parquet"
+    good.write_bytes(real_file(tmp_path))
+    with pytest.raises(PymtraceError, match="nothing to repair"):
+        P.repair(str(good))
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"PAR1" + bytes(5000) + b"PAR1PAR1 partial")
+    p = run_pymtrace("repair", junk)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "no complete pymtrace Parquet footer" in p.stderr
+    assert junk.read_bytes().endswith(b"partial")  # untouched
+    link = tmp_path / "link.parquet"
+    link.symlink_to(junk)
+    p = run_pymtrace("repair", link)
+    assert p.returncode == 1 and "cannot open" in p.stderr and p.stderr.count("\n") == 1
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_complete_end_of_corrupted_bytes_is_a_footer_or_none(tmp_path_factory, good_file, data):
+    """Whatever the bytes, complete_end answers None or an end whose file reads (no exception)."""
+    buf = bytearray(good_file)
+    buf += data.draw(st.binary(max_size=300))
+    for _ in range(data.draw(st.integers(0, 6))):
+        pos = data.draw(st.integers(0, len(buf) - 1))
+        buf[pos] = data.draw(st.integers(0, 255))
+    path = tmp_path_factory.mktemp("c") / "x.parquet"
+    path.write_bytes(bytes(buf))
+    kept = P.complete_end(str(path))
+    if kept is not None:
+        cut = path.with_name("cut.parquet")
+        cut.write_bytes(bytes(buf[: kept[0]]))
+        assert pq.ParquetFile(cut).metadata.num_rows == kept[1]

@@ -7,9 +7,10 @@ once: a record's fields become the columns of the same name (`pad[0]` is `time_n
 pymtrace's recordings) the `path` column, so mtrace-bin -> parquet -> mtrace-bin gives the
 same bytes. `stack` is reserved for call stacks (null until stacks are recorded).
 
-Writer appends one row group at a time and leaves the file a complete Parquet file after
-each (footer rewritten behind the new row group in one write), so a recorder killed with
-SIGKILL leaves a file that pyarrow, DuckDB or Spark read up to its last row group.
+Writer appends one row group at a time and the file stays a complete Parquet file while it
+does (Writer._commit), so a recorder killed with SIGKILL leaves a file that pyarrow, DuckDB or
+Spark read up to its last row group; the one exception, a kill while the previous footer is
+being copied to the new end, leaves a file that repair() truncates back to it.
 All row processing is vectorized (numpy, pyarrow): no Python work per record.
 """
 
@@ -81,6 +82,7 @@ ROW_GROUP_ROWS = 1 << 18  # rows buffered before a row group is written (16 MiB 
 # more per row, measured: 65,536 rows ~25% more)
 WRITE_BATCH_ROWS = 1 << 16  # rows pyarrow encodes at a time (its default 1024: ~8% more CPU, measured)
 MAX_ROW_GROUP_ROWS = 1 << 21  # row groups grow up to this as the footer grows (see Writer)
+_PAGE = 4096  # a write within one page is all or nothing (the page cache copies a folio at a time)
 FLUSH_INTERVAL_S = 2.0  # a recording also writes a row group at least this often (see Writer),
 MAX_FLUSH_INTERVAL_S = 10.0  # or, after 100 s, every 2% of its age up to this
 
@@ -219,12 +221,12 @@ class Writer:
     when maybe_flush() finds the oldest buffered row FLUSH_INTERVAL_S old (or 2% of the
     writer's age, up to MAX_FLUSH_INTERVAL_S: fewer row groups, a smaller footer, for a long
     recording; a recording calls it on every poll) and at close().
-    After each row group the file is a complete Parquet file: the row group and a new footer
-    listing every row group so far go out in one pwrite(2) over the previous footer. The
-    footer grows by ~0.8 KB a row group, so once it has grown by 64 KiB row groups grow too
-    (2 rows per footer byte, up to MAX_ROW_GROUP_ROWS): rewriting it stays a small part of
-    the writing. A failed write (disk full) restores the previous footer, so the file keeps
-    every earlier row group, and raises OSError.
+    Each row group and a new footer listing every row group so far replace the previous
+    footer, in three steps that keep the file a complete Parquet file (_commit). The footer
+    grows by ~0.8 KB a row group, so once it has grown by 64 KiB row groups grow too (2 rows
+    per footer byte, up to MAX_ROW_GROUP_ROWS): rewriting it stays a small part of the
+    writing. A failed write (disk full) restores the previous footer, so the file keeps every
+    earlier row group, and raises OSError.
     """
 
     def __init__(
@@ -341,20 +343,14 @@ class Writer:
         rg = thrift.field(fields, 4)[2][1][0]
         _shift_row_group(rg, self.data_end - len(MAGIC), len(self.row_groups))
         data = seg[len(MAGIC) : footer_at]  # a memoryview: no copy
-        old_footer = self.footer
         self.row_groups.append(bytes(thrift.write_struct(rg)))
         self.rows += n
         footer = self._footer()
         try:
-            self._pwrite([data, footer], self.data_end)
+            self._commit(data, footer)
         except OSError:
             self.row_groups.pop()
             self.rows -= n
-            try:  # put the previous footer back: the file stays what it was
-                os.ftruncate(self.fd, self.data_end)
-                self._pwrite([old_footer], self.data_end)
-            except OSError:
-                pass
             raise
         self.data_end += len(data)
         self.footer = footer
@@ -373,9 +369,36 @@ class Writer:
             empty, len(empty) - 8 - struct.unpack_from("<I", empty, len(empty) - 8)[0]
         )
         footer = self._footer()
-        self._pwrite([footer], self.data_end)
-        os.ftruncate(self.fd, self.data_end + len(footer))
+        self._commit(b"", footer)
         self.footer = footer
+
+    def _commit(self, data: bytes | memoryview, footer: bytes) -> None:
+        """Replace the footer at data_end with DATA (row group bytes) and FOOTER, the file a
+        complete Parquet file at every moment a kill can find it in, but one:
+        1. the current footer again, at (or past) where the new file will end: while this
+           write is under way the file ends in a part of it (repair() cuts the file back to
+           the footer it copies, which is still in place); a footer of at most a page is
+           placed within one page, which the kernel writes whole or not at all;
+        2. DATA and FOOTER over the current footer: the copy ends the file meanwhile;
+        3. truncate the file after FOOTER (atomic).
+        A write over the footer in place (one step) would leave, if killed half way, no footer
+        at all. OSError: the file is put back as it was (disk full) and the error raised."""
+        old = self.footer
+        end = self.data_end + len(data) + len(footer)
+        at = max(end, self.data_end + len(old))
+        if len(old) <= _PAGE and at // _PAGE != (at + len(old) - 1) // _PAGE:
+            at = (at // _PAGE + 1) * _PAGE
+        try:
+            self._pwrite([old], at)
+            self._pwrite([data, footer], self.data_end)
+            os.ftruncate(self.fd, end)
+        except OSError:
+            try:  # the copy at the end keeps the file complete until the truncate
+                self._pwrite([old], self.data_end)
+                os.ftruncate(self.fd, self.data_end + len(old))
+            except OSError:
+                pass
+            raise
 
     def _pwrite(self, parts: list, offset: int) -> None:
         """Write PARTS (bytes-like) at OFFSET, all of them (pwritev can write less)."""
@@ -445,11 +468,98 @@ def open_file(path: str) -> pyarrow.parquet.ParquetFile:
         pf = pyarrow.parquet.ParquetFile(path)
         names = pf.schema_arrow.names
     except _ARROW_ERRORS as exc:
+        kept = complete_end(path)
+        if kept is not None:
+            raise CorruptFile(
+                f"{path}: the recorder was killed while it wrote a row group; "
+                f"`pymtrace repair {path}` keeps the {kept[1]} rows written before it"
+            ) from None
         raise CorruptFile(f"{path}: not a readable Parquet file (truncated or corrupt): {_first_line(exc)}") from None
     missing = [c for c in COLUMNS if c not in names and c not in ("path", "stack")]
     if missing:
         raise CorruptFile(f"{path}: not a pymtrace Parquet trace: no column " + ", ".join(missing))
     return pf
+
+
+REPAIR_SCAN_BYTES = 1 << 30  # how far back from the end repair looks: past a row group and two footers
+REPAIR_CANDIDATES = 256  # "PAR1"s tried (each a footer parse): bounded on a hostile file
+
+
+def complete_end(path: str) -> tuple[int, int] | None:
+    """For a file that does not end in a footer: (size, rows) of the file cut back to the last
+    complete pymtrace footer within its last REPAIR_SCAN_BYTES, whose row groups all lie
+    before it (what a writer killed in _commit's first step leaves); None if there is none."""
+    try:
+        size = os.stat(path).st_size
+        if size < 12:
+            return None
+        buf = pyarrow.memory_map(path).read_buffer(size)
+    except (OSError, ValueError, pyarrow.ArrowException):
+        return None
+    view = memoryview(buf)
+    floor = max(8, size - REPAIR_SCAN_BYTES)
+    hi, tried = size - 4, 0  # candidates start below hi: a "PAR1" ending the file would read
+    while hi > floor and tried < REPAIR_CANDIDATES:
+        lo = max(floor, hi - (8 << 20))
+        chunk = bytes(view[lo : hi + 3])  # 8 MiB at a time, backwards
+        end = len(chunk)
+        while tried < REPAIR_CANDIDATES:
+            q = chunk.rfind(MAGIC, 0, end)
+            if q < 0:
+                break
+            tried += 1
+            rows = _footer_ends_at(buf, lo + q + 4)
+            if rows is not None:
+                return lo + q + 4, rows
+            end = q + 3
+        hi = lo
+    return None
+
+
+def _footer_ends_at(buf: pyarrow.Buffer, end: int) -> int | None:
+    """Rows of the pymtrace Parquet file BUF[:END] if it is one whose row groups lie before its footer."""
+    footer_at = end - 8 - struct.unpack_from("<I", buf, end - 8)[0]
+    if footer_at < len(MAGIC) or bytes(memoryview(buf)[:4]) != MAGIC:
+        return None
+    try:
+        md = pyarrow.parquet.ParquetFile(pyarrow.BufferReader(buf.slice(0, end))).metadata
+        if any(c not in md.schema.names for c in COLUMNS if c not in ("path", "stack")):
+            return None
+        for i in range(md.num_row_groups):
+            rg = md.row_group(i)
+            for j in range(rg.num_columns):
+                col = rg.column(j)
+                first = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+                if first < len(MAGIC) or first + col.total_compressed_size > footer_at:
+                    return None
+        return md.num_rows
+    except _ARROW_ERRORS:
+        return None
+
+
+def repair(path: str) -> tuple[int, int]:
+    """Cut a file a killed recorder left back to its last complete footer: (rows kept, bytes
+    cut). PymtraceError if the file reads as it is, or has no such footer."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PymtraceError(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        try:
+            pyarrow.parquet.ParquetFile(path)  # reads the footer
+            complete = True
+        except _ARROW_ERRORS:
+            complete = False
+        if complete:
+            raise PymtraceError(f"{path}: a complete Parquet file; nothing to repair")
+        kept = complete_end(path)
+        if kept is None:
+            raise CorruptFile(f"{path}: no complete pymtrace Parquet footer to cut back to (not a pymtrace recording?)")
+        size = os.fstat(fd).st_size
+        os.ftruncate(fd, kept[0])
+        return kept[1], size - kept[0]
+    finally:
+        os.close(fd)
 
 
 def _first_line(exc: BaseException) -> str:
