@@ -169,9 +169,10 @@ main() {
         demo) exec pymtrace top --demo ;;
         # PYTHONFAULTHANDLER: a crash of a pymtrace process a test starts (a rare SIGSEGV
         # was seen once in 66 runs of `top --always-on --batch -n 1`) leaves its Python stack.
+        # --durations: every run (CI, the VMs) lists its slowest tests, to keep them lean.
         test) shift
               [ $# -gt 0 ] || set -- tests
-              cd "$here" && PYTHONFAULTHANDLER=1 exec "$venv/bin/python" -m pytest -ra "$@" ;;
+              cd "$here" && PYTHONFAULTHANDLER=1 exec "$venv/bin/python" -m pytest -ra --durations=25 "$@" ;;
     esac
 }
 
