@@ -22,6 +22,7 @@
 #   PYMTRACE_VM_NICE     niceness of libvirtd and so of QEMU (default 10)
 #   PYMTRACE_VM_KEEP=1   do not destroy the VM (debugging; the namespace stays too)
 #   PYMTRACE_VM_TIMEOUT  limit in seconds for install.sh --test inside (default 14400)
+#   PYMTRACE_VM_PARALLEL 0 runs several local boxes one after the other (default 1: at once)
 # The guest's serial console goes to BOX-TIME.console.log next to the log.
 #   PYMTRACE_SHARED      host directory synced to /shared (default ../../shared)
 #   PYMTRACE_VM_TESTS    pytest arguments instead of the whole suite, e.g. a smoke run:
@@ -120,12 +121,17 @@ inside() {
     export VAGRANT_DOTFILE_PATH=$state/dot-vagrant VAGRANT_CHECKPOINT_DISABLE=1
     export "PYMTRACE_BOX_${name^^}=$box_name"
     cd "$here" || return 1
+    # One change to Vagrant's box store at a time: runs of other boxes share it.
+    local store_lock
+    exec {store_lock}>"$cache/.box-store.lock"
+    flock "$store_lock"
     if ! vagrant box list 2>/dev/null | grep -q "^$box_name "; then
         t=$(now)
         vagrant box add --name "$box_name" "$box_file" || return 1
         echo "box_add $(( $(now) - t ))" >>"$timings"
         remove_stale_boxes "$name" "$box_name"
     fi
+    exec {store_lock}>&-
     t=$(now)
     # Time-stamped: the log then shows how long the boot took ("Starting domain" to
     # "Machine booted and ready").
@@ -181,12 +187,37 @@ open_by_a_process() {
     return 1
 }
 
+# NAME -> removes what a killed run of this box left: its network namespace, its daemons and
+# its state directory. Called holding the box's lock with its disk unused, so no run of this
+# box is alive (a kept VM's namespace and state go too once its VM is gone).
+remove_killed_runs() {
+    local name=$1 ns state pidfile pid
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^pymtrace-vm-[0-9]+-$name\$"); do
+        log "$name: removing the namespace left by an earlier run: $ns"
+        ip netns delete "$ns" || true
+    done
+    for state in "$cache"/run."$name".*; do
+        [ -d "$state" ] || continue
+        for pidfile in "$state/libvirtd.pid" "$state/virtlogd.pid"; do
+            pid=$(cat "$pidfile" 2>/dev/null) || continue
+            case $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) in
+                *libvirtd*|*virtlogd*) kill "$pid" 2>/dev/null || true ;;
+            esac
+        done
+        log "$name: removing the state left by an earlier run: $state"
+        rm -rf "$state"
+    done
+}
+
+# NAME -> the path of its box (built, or the cached one), on stdout.
+build_box() { "$here/build-box.sh" "$1"; }
+
 # NAME LOG -> runs one local box; exit status 0 = suite passed.
 run_local_box() {
     local name=$1 logfile=$2 box_file key ns state rc
     local t0
     t0=$(now)
-    box_file=$("$here/build-box.sh" "$name" 2>>"$logfile") || { log "$name: building the box failed"; return 1; }
+    box_file=$(build_box "$name" 2>>"$logfile") || { log "$name: building the box failed"; return 1; }
     echo "box_ready $(( $(now) - t0 ))" >>"$timings"
     key=$(basename "$box_file" .box)
     key=${key#"$name"-}
@@ -208,7 +239,8 @@ run_local_box() {
         log "$name: removing the disk left by an earlier run: $disk"
         rm -f "$disk"
     fi
-    state=$(mktemp -d "$cache/run.XXXXXX")
+    remove_killed_runs "$name"
+    state=$(mktemp -d "$cache/run.$name.XXXXXX")
     ns=pymtrace-vm-$$-$name
     ip netns add "$ns" || { rm -rf "$state"; return 1; }
     ip netns exec "$ns" unshare --mount --propagation private \
@@ -259,26 +291,53 @@ main() {
         log "warning: no $PYMTRACE_SHARED/glibc-sdt: the tests that need a glibc with malloc probes fail in the VM"
     fi
 
-    local lines=() failed=0 logfile result start summary
+    # Local boxes run at once (PYMTRACE_VM_PARALLEL, default 1 when there are several): on a
+    # 2-core machine a guest running the suite keeps about one core busy (the suite is
+    # mostly sequential), so two guests side by side take little longer than one, and
+    # `all` fits in about the time of one box. Their boxes are built first, one after the
+    # other (build-box.sh installs host packages with apt, which allows one at a time).
+    local parallel=${PYMTRACE_VM_PARALLEL:-1} results failed=0
+    [ ${#boxes[@]} -gt 1 ] || parallel=0
+    for b in "${boxes[@]}"; do is_local_box "$b" || parallel=0; done
+    results=$(mktemp -d)
+    if [ "$parallel" = 1 ]; then
+        for b in "${boxes[@]}"; do
+            log "$b: building or reusing its box (log in $logdir/$b-$stamp.log)"
+            build_box "$b" >/dev/null 2>>"$logdir/$b-$stamp.log" || true
+        done
+        for b in "${boxes[@]}"; do
+            run_box "$b" "$logdir/$b-$stamp.log" >"$results/$b" &
+        done
+        wait
+    else
+        for b in "${boxes[@]}"; do run_box "$b" "$logdir/$b-$stamp.log" >"$results/$b"; done
+    fi
     for b in "${boxes[@]}"; do
-        logfile=$logdir/$b-$stamp.log
-        timings=$(mktemp)
-        start=$(now)
-        log "$b: log in $logfile"
-        result=PASS
-        if is_local_box "$b"; then
-            run_local_box "$b" "$logfile" || result=FAIL
-        else
-            run_network_box "$b" "$logfile" || result=FAIL
-        fi
-        [ $result = PASS ] || failed=1
-        summary=$(grep -E '^=+ .*[0-9]+ (passed|failed|error)' "$logfile" | tail -n1 | tr -d '=' | sed 's/^ *//; s/ *$//')
-        lines+=("$(printf '%-9s %s %5ds  %s' "$b" "$result" $(( $(now) - start )) "${summary:-(no pytest summary)}")")
-        log "$b: $result; box ready $(timing box_ready)s, box add $(timing box_add)s, vagrant up $(timing vagrant_up)s, suite $(timing suite)s"
-        rm -f "$timings"
+        cat "$results/$b"
+        grep -q "^$b  *PASS " "$results/$b" || failed=1
     done
-    printf '%s\n' "${lines[@]}"
+    rm -rf "$results"
     exit $failed
 }
 
-main "$@"
+# BOX LOG -> runs one box; prints its PASS/FAIL line on stdout, its timings on stderr.
+run_box() {
+    local b=$1 logfile=$2 result=PASS start summary
+    timings=$(mktemp)
+    start=$(now)
+    log "$b: log in $logfile"
+    if is_local_box "$b"; then
+        run_local_box "$b" "$logfile" || result=FAIL
+    else
+        run_network_box "$b" "$logfile" || result=FAIL
+    fi
+    summary=$(grep -E '^=+ .*[0-9]+ (passed|failed|error)' "$logfile" | tail -n1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+    printf '%-9s %s %5ds  %s\n' "$b" "$result" $(( $(now) - start )) "${summary:-(no pytest summary)}"
+    log "$b: $result; box ready $(timing box_ready)s, box add $(timing box_add)s, vagrant up $(timing vagrant_up)s, suite $(timing suite)s"
+    rm -f "$timings"
+}
+
+# Sourcing the file (tests) defines the functions without running anything.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    main "$@"
+fi

@@ -4,6 +4,7 @@ install.sh defines its functions without running anything when sourced, so each
 supported /etc/os-release is fed to the real shell function.
 """
 
+import os
 import shutil
 import subprocess
 
@@ -161,3 +162,53 @@ def test_vagrantfile_defines_three_boxes_provisioned_by_installer():
         assert box in out.stdout
     text = (ROOT / "vagrant" / "Vagrantfile").read_text()
     assert "./install.sh" in text and "libvirt" in text and "virtualbox" in text
+
+
+def _run_tests_sh(tmp_path, *args, env=None):
+    """vagrant/run-tests.sh's main with its VM steps replaced: building a box and running
+    one (run_local_box) append to an events file; debian13's suite "fails"."""
+    script = f"""
+        source "{ROOT}/vagrant/run-tests.sh"
+        id() {{ echo 0; }}
+        build_box() {{ echo "build $1" >>"$EVENTS"; echo "/cache/$1.box"; }}
+        run_local_box() {{
+            echo "start $1" >>"$EVENTS"; sleep 1; echo "end $1" >>"$EVENTS"
+            echo "=== 3 passed in 1.00s ===" >>"$2"
+            [ "$1" = debian12 ]
+        }}
+        main "$@"
+    """
+    events = tmp_path / "events"
+    env = dict(os.environ, EVENTS=str(events), PYMTRACE_VM_LOGS=str(tmp_path / "logs"), **(env or {}))
+    out = subprocess.run(
+        ["bash", "-c", script, "run-tests.sh", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    return out, events.read_text().split("\n")[:-1]
+
+
+def test_vm_runner_runs_the_local_boxes_at_once_and_prints_a_line_each(tmp_path):
+    out, events = _run_tests_sh(tmp_path, "all")
+    assert out.returncode == 1, out.stderr  # debian13 failed
+    lines = out.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [["debian12", "PASS"], ["debian13", "FAIL"]]
+    assert all(line.endswith("3 passed in 1.00s") for line in lines)
+    # both boxes built (one after the other) before either VM starts, then both VMs at once
+    assert events[:2] == ["build debian12", "build debian13"]
+    assert sorted(events[2:4]) == ["start debian12", "start debian13"]
+    assert sorted(events[4:]) == ["end debian12", "end debian13"]
+
+
+def test_vm_runner_one_box_after_the_other_when_asked(tmp_path):
+    out, events = _run_tests_sh(tmp_path, "debian12", "debian13", env={"PYMTRACE_VM_PARALLEL": "0"})
+    assert out.returncode == 1
+    assert [line.split()[1] for line in out.stdout.splitlines()] == ["PASS", "FAIL"]
+    assert events == ["start debian12", "end debian12", "start debian13", "end debian13"]
+    (tmp_path / "one").mkdir()
+    out, events = _run_tests_sh(tmp_path / "one", "debian12")
+    assert out.returncode == 0 and out.stdout.split()[:2] == ["debian12", "PASS"]
+    assert events == ["start debian12", "end debian12"]
+
+
+def test_vm_runner_refuses_an_unknown_box(tmp_path):
+    out = subprocess.run([str(ROOT / "vagrant" / "run-tests.sh"), "debian99"], capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown box debian99" in out.stderr
