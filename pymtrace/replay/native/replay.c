@@ -1163,7 +1163,8 @@ static void find_memory_limit(void) {
     if (f && fgets(line, sizeof line, f) && strstr(line, "[always]")) {
         FILE *h = fopen("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", "r");
         unsigned long long n = 0;
-        thp_size = h && fscanf(h, "%llu", &n) == 1 && n >= page_size && !(n & (n - 1)) ? n : (uint64_t)2 << 20;
+        thp_size =
+            h && fscanf(h, "%llu", &n) == 1 && n >= page_size && !(n & (n - 1)) ? n : (uint64_t)2 << 20;
         if (h) fclose(h);
     }
     if (f) fclose(f);
