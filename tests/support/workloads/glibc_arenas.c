@@ -58,6 +58,15 @@ static void *reuser(void *arg) {
     return 0;
 }
 
+/* The decimal number BUF starts with. Not atoi(): with _GNU_SOURCE, glibc 2.38+ headers bind
+   it to __isoc23_strtol, which the probe-carrying glibc 2.36 this runs on (../shared/glibc-sdt)
+   lacks, so built on Debian 13 the program would not start there. */
+static long leading_number(const char *buf) {
+    long v = 0;
+    while (*buf >= '0' && *buf <= '9') v = v * 10 + (*buf++ - '0');
+    return v;
+}
+
 static int pipefd[2];
 static pthread_barrier_t go_holder, go_waiters;
 static volatile long holder_tid, waiter_tid[64], waiter_released[64];
@@ -72,7 +81,7 @@ static void wait_in_syscall(long tid, int nr) {
         if (fd >= 0) close(fd);
         if (n > 0) {
             buf[n] = 0;
-            if (atoi(buf) == nr) return;
+            if (leading_number(buf) == nr) return;
         }
         usleep(10000);
     }
@@ -99,7 +108,7 @@ static void *waiter(void *arg) {
 
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "new";
-    nthreads = argc > 2 ? atoi(argv[2]) : 3;
+    nthreads = argc > 2 ? (int)leading_number(argv[2]) : 3;
     pthread_t th[64];
     mallopt(M_MMAP_THRESHOLD, 1024 * 1024); /* 100000-byte blocks stay in the heaps */
     if (strcmp(mode, "new") == 0) {
