@@ -118,10 +118,14 @@ def test_member_paths_of_a_known_blob(tmp_path):
 
 @pytest.mark.skipif(not os.path.exists("/sys/kernel/btf/vmlinux"), reason="this kernel has no BTF")
 def test_this_kernels_link_info_members():
-    """bpf_link_info's kprobe_multi record (Linux 5.18+) has addrs on every such kernel; `missed`
-    tells tracepoint_misses_counted()."""
+    """Member paths through bpf_link_info's anonymous union: raw_tracepoint.tp_name on every
+    kernel pymtrace supports (5.8+); the kprobe_multi record, where there is one (6.6+: not
+    Debian 12's 6.1), always with addrs; its `missed` tells tracepoint_misses_counted()."""
     btf = Btf.read()
-    assert btf.has_member_path("bpf_link_info", ["kprobe_multi", "addrs"])
+    assert btf.has_member_path("bpf_link_info", ["raw_tracepoint", "tp_name"])
+    assert not btf.has_member_path("bpf_link_info", ["raw_tracepoint", "no_such_member"])
+    if btf.has_member_path("bpf_link_info", ["kprobe_multi"]):
+        assert btf.has_member_path("bpf_link_info", ["kprobe_multi", "addrs"])
     assert kfeatures.tracepoint_misses_counted() == btf.has_member_path("bpf_link_info", ["kprobe_multi", "missed"])
 
 
