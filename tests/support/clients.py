@@ -8,6 +8,8 @@ import subprocess
 
 from conftest import missing_or_fail
 
+from support.machine import slowness
+
 
 def go_pprof(path, *args):
     if shutil.which("go") is None:
@@ -51,7 +53,8 @@ def chromium(tmp_path, *args):
         f"--user-data-dir={profile_dir}",
         "--virtual-time-budget=5000",
     ]
-    proc = subprocess.run([exe, *flags, *args], capture_output=True, timeout=120, check=False)
+    # Software rendering: a screenshot took over 120 s in the emulated Debian VMs (seconds here)
+    proc = subprocess.run([exe, *flags, *args], capture_output=True, timeout=120 * slowness(), check=False)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
     return proc.stdout
 
