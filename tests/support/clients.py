@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 
+import pytest
 from conftest import missing_or_fail
 
 from support.machine import slowness
@@ -55,6 +56,11 @@ def chromium(tmp_path, *args):
     ]
     # Software rendering: a screenshot took over 120 s in the emulated Debian VMs (seconds here)
     proc = subprocess.run([exe, *flags, *args], capture_output=True, timeout=120 * slowness(), check=False)
+    if proc.returncode != 0 and b"GPU process isn't usable" in proc.stderr and slowness() > 1:
+        # In the Debian VMs (QEMU's TCG emulator) Chromium's GPU process, which rasterizes
+        # even with --disable-gpu, dies at start (SIGSEGV) whatever the GL/ANGLE/SwiftShader
+        # flags: nothing to render with there. Anywhere else the same failure fails the test.
+        pytest.skip("Chromium's GPU process crashes on this emulated CPU (QEMU TCG): cannot rasterize here")
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
     return proc.stdout
 
