@@ -238,6 +238,7 @@ except KeyboardInterrupt:
     print("interrupted")
 os.kill(os.getpid(), signal.SIGTERM)  # a second stop signal: ignored
 print("second ignored")
+sys.stdout.flush()  # before the child writes to the same pipe (else its line can come first)
 # a launched command gets the SIGINT disposition pymtrace inherited, not pymtrace's handler
 l = launch.Launched(["/bin/sh", "-c", "grep SigIgn /proc/$$/status"])
 l.wait()
