@@ -146,20 +146,27 @@ def test_shellcheck_clean():
     assert out.returncode == 0, out.stdout
 
 
-def test_vagrantfile_valid():
+def vagrant_validate():
+    """`vagrant validate` without a provider's checks: a machine with Vagrant but no usable
+    provider (the test VMs themselves: no vagrant-libvirt there) validates too, and it names
+    every machine the Vagrantfile defines."""
     if shutil.which("vagrant") is None:
         pytest.skip("vagrant not installed (./install.sh installs it)")
-    out = subprocess.run(["vagrant", "validate"], cwd=ROOT / "vagrant", capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["vagrant", "validate", "--ignore-provider"], cwd=ROOT / "vagrant", capture_output=True, text=True, timeout=300
+    )
+
+
+def test_vagrantfile_valid():
+    out = vagrant_validate()
     assert out.returncode == 0, out.stdout + out.stderr
     assert "validated successfully" in out.stdout
 
 
 def test_vagrantfile_defines_three_boxes_provisioned_by_installer():
-    if shutil.which("vagrant") is None:
-        pytest.skip("vagrant not installed (./install.sh installs it)")
-    out = subprocess.run(["vagrant", "status"], cwd=ROOT / "vagrant", capture_output=True, text=True, timeout=300)
+    out = vagrant_validate()
     for box in ("debian12", "debian13", "fedora", "ubuntu"):
-        assert box in out.stdout
+        assert f"==> {box}: " in out.stdout, out.stdout
     text = (ROOT / "vagrant" / "Vagrantfile").read_text()
     assert "./install.sh" in text and "libvirt" in text and "virtualbox" in text
 
