@@ -657,7 +657,8 @@ static inline uint64_t footprint(uint64_t size, uint64_t align) {
     if (thp_size && size + align + page_size >= thp_size) {
         /* huge-page ranges SIZE bytes can touch (1 byte: 1; thp_size bytes: 2), + the header's */
         uint64_t ranges = (size ? (size + thp_size - 2) / thp_size + 1 : 0) + 1;
-        if (ranges * thp_size + 7 * page_size > f) f = ranges * thp_size + 7 * page_size;
+        uint64_t huge = ranges * thp_size + 7 * page_size; /* + the page-table pages above */
+        if (huge > f) f = huge;
     }
     return f;
 }
