@@ -21,7 +21,6 @@ from pymtrace.target import libc, proc
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HEAP_MAX_SIZE = 64 * 1024 * 1024  # glibc 64-bit: 2 * DEFAULT_MMAP_THRESHOLD_MAX
 MAP_STACK = 0x20000
-MAP_NORESERVE = 0x4000
 RETRIES = {
     "memory_malloc_retry": "malloc",
     "memory_realloc_retry": "realloc",
@@ -157,8 +156,10 @@ class Report:
                 kind = "file:" + (self.fds.get(ev.fd) or "")
             elif flags & MAP_STACK:
                 kind = "thread stacks"
-            elif prot == 0 and flags & MAP_NORESERVE and length in (HEAP_MAX_SIZE, 2 * HEAP_MAX_SIZE):
-                kind = "arena heap"  # glibc's new_heap() reservation (known without probes too)
+            elif prot == 0 and length in (HEAP_MAX_SIZE, 2 * HEAP_MAX_SIZE):
+                # glibc's new_heap() reservation, known without probes too: PROT_NONE, one or
+                # two HEAP_MAX_SIZE; MAP_NORESERVE up to 2.36 at least, not in Debian 13's 2.41
+                kind = "arena heap"
             else:
                 kind = "anon"
             self.mmaps.set(addr, addr + length, (kind, prot))

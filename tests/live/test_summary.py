@@ -161,7 +161,8 @@ def test_run_on_libc_without_probes_reports_faults(cbuild):
     assert doc["probes"] == 0 and "has no USDT probes" in doc["reason"] and "glibc" not in doc
     reg = doc["faults"]["regions"]
     assert 256 <= reg["[heap]"] <= 256 + 16 and 1024 <= reg["mmapped chunks"] <= 1024 + 64
-    # no heap probes here: arena heaps are recognised by glibc's PROT_NONE/MAP_NORESERVE reservation
+    # no heap probes here: arena heaps are recognised by glibc's PROT_NONE 64/128 MiB reservation
+    # (MAP_NORESERVE in Debian 12's glibc 2.36, not in 13's 2.41)
     assert 256 <= reg["arena heaps"] <= 256 + 16
 
 
