@@ -27,6 +27,7 @@
 #   PYMTRACE_SHARED      host directory synced to /shared (default ../../shared)
 #   PYMTRACE_VM_TESTS    pytest arguments instead of the whole suite, e.g. a smoke run:
 #                        "tests/live/test_doctor_bpf.py tests/live/test_top_slab.py"
+# Ctrl-C, TERM or HUP stops every box's run (VM destroyed, namespace removed); exit 128+N.
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -36,6 +37,30 @@ LOCAL_BOXES=(debian12 debian13)
 log() { printf 'run-tests: %s\n' "$*" >&2; }
 die() { printf 'run-tests: error: %s\n' "$*" >&2; exit 2; }
 now() { date +%s; }
+
+# PID -> waits for that child to end, through the traps signals run meanwhile (a trapped
+# signal makes `wait` return early); its exit status, or 128+N if a signal cut the wait.
+wait_child() {
+    local rc
+    while :; do
+        wait "$1"; rc=$?
+        kill -0 "$1" 2>/dev/null || return $rc
+    done
+}
+
+# CMD... -> runs the program CMD in a process group of its own and waits for it, so that
+# the TERM or HUP trap of run_box can pass the signal to that whole group (bash runs a trap
+# only once its foreground command ends: CMD runs in the background). There the box's run
+# ends its current step, and its EXIT trap stops the guest and the daemons.
+group_pid=
+run_group() {
+    local rc
+    setsid "$@" &
+    group_pid=$!
+    wait_child "$group_pid"; rc=$?
+    group_pid=
+    return $rc
+}
 
 is_local_box() {
     case $1 in debian12|debian13) return 0 ;; *) return 1 ;; esac
@@ -115,6 +140,10 @@ inside() {
     private_libvirt "$state"
     # shellcheck disable=SC2064
     trap "stop_daemons '$state'" EXIT
+    # A TERM or HUP (run_group's whole process group gets it: the vagrant step under way ends
+    # too) skips the rest and destroys the VM.
+    interrupted=0
+    trap 'interrupted=1' TERM HUP
     start_daemons "$state" || return 1
     ensure_pool "$cache/pool" || return 1
     export VAGRANT_HOME=$cache/vagrant.d VAGRANT_DEFAULT_PROVIDER=libvirt
@@ -135,9 +164,9 @@ inside() {
     t=$(now)
     # Time-stamped: the log then shows how long the boot took ("Starting domain" to
     # "Machine booted and ready").
-    vagrant up "$name" --provider libvirt --no-provision 2>&1 | stamp_lines || rc=1
+    [ "$interrupted" = 0 ] && vagrant up "$name" --provider libvirt --no-provision 2>&1 | stamp_lines || rc=1
     echo "vagrant_up $(( $(now) - t ))" >>"$timings"
-    if [ $rc = 0 ]; then
+    if [ $rc = 0 ] && [ "$interrupted" = 0 ]; then
         # shellcheck disable=SC2016  # expanded in the guest
         vagrant ssh "$name" -c 'echo "guest: $(uname -r), up $(cut -d" " -f1 /proc/uptime)s"; systemd-analyze 2>/dev/null | head -n1' || true
         t=$(now)
@@ -148,6 +177,7 @@ inside() {
             -- -o ServerAliveInterval=60 -o ServerAliveCountMax=10 || rc=1
         echo "suite $(( $(now) - t ))" >>"$timings"
     fi
+    [ "$interrupted" = 0 ] || { log "interrupted"; rc=1; }
     if [ "${PYMTRACE_VM_KEEP:-0}" = 1 ]; then
         log "PYMTRACE_VM_KEEP=1: leaving the VM running"
         trap - EXIT
@@ -243,11 +273,14 @@ run_local_box() {
     state=$(mktemp -d "$cache/run.$name.XXXXXX")
     ns=pymtrace-vm-$$-$name
     ip netns add "$ns" || { rm -rf "$state"; return 1; }
-    ip netns exec "$ns" unshare --mount --propagation private \
-        env PYMTRACE_VM_CACHE="$cache" PYMTRACE_VM_CONSOLE_LOG="${logfile%.log}.console.log" \
-        "$here/run-tests.sh" --inside "$name" "$box_file" \
-        "pymtrace/$name-$key" "$state" "$timings" >>"$logfile" 2>&1
-    rc=$?
+    rc=1
+    if [ "$interrupted" = 0 ]; then
+        run_group ip netns exec "$ns" unshare --mount --propagation private \
+            env PYMTRACE_VM_CACHE="$cache" PYMTRACE_VM_CONSOLE_LOG="${logfile%.log}.console.log" \
+            "$here/run-tests.sh" --inside "$name" "$box_file" \
+            "pymtrace/$name-$key" "$state" "$timings" >>"$logfile" 2>&1
+        rc=$?
+    fi
     if [ "${PYMTRACE_VM_KEEP:-0}" != 1 ]; then
         ip netns delete "$ns"
         rm -rf "$state"
@@ -261,8 +294,10 @@ run_local_box() {
 # NAME LOG -> a public box with the host's own Vagrant setup (needs network).
 run_network_box() {
     local name=$1 logfile=$2
-    (cd "$here" && vagrant up "$name" --provision && vagrant rsync "$name" &&
-        vagrant ssh "$name" -c 'cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test') >>"$logfile" 2>&1
+    # shellcheck disable=SC2016  # expanded by that bash
+    run_group bash -c 'cd "$1" && vagrant up "$2" --provision && vagrant rsync "$2" &&
+        vagrant ssh "$2" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test"' \
+        run-network-box "$here" "$name" >>"$logfile" 2>&1
 }
 
 timing() { awk -v k="$1" '$1 == k {print $2}' "$timings" | tail -n1; }
@@ -296,26 +331,48 @@ main() {
     # mostly sequential), so two guests side by side take little longer than one, and
     # `all` fits in about the time of one box. Their boxes are built first, one after the
     # other (build-box.sh installs host packages with apt, which allows one at a time).
-    local parallel=${PYMTRACE_VM_PARALLEL:-1} results failed=0 pids=() pid
+    local parallel=${PYMTRACE_VM_PARALLEL:-1} results failed=0 pid
     [ ${#boxes[@]} -gt 1 ] || parallel=0
     for b in "${boxes[@]}"; do is_local_box "$b" || parallel=0; done
     results=$(mktemp -d)
+    # Ctrl-C, TERM or HUP: every box's run stops its guest, daemons and namespace, prints
+    # its FAIL line, and the script exits 128+N. Each run is a background subshell (see
+    # run_group) that gets TERM from here; a box build under way finishes first (minutes).
+    pids=() signal=0
+    trap 'on_signal 2' INT
+    trap 'on_signal 15' TERM
+    trap 'on_signal 1' HUP
     if [ "$parallel" = 1 ]; then
         for b in "${boxes[@]}"; do
+            [ "$signal" = 0 ] || break
             log "$b: building or reusing its box (log in $logdir/$b-$stamp.log)"
             build_box "$b" >/dev/null 2>>"$logdir/$b-$stamp.log" || true
         done
         for b in "${boxes[@]}"; do
+            [ "$signal" = 0 ] || break
             run_box "$b" "$logdir/$b-$stamp.log" >"$results/$b" &
             pids+=($!)
         done
-        for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+        for pid in "${pids[@]}"; do wait_child "$pid" || failed=1; done
     else
-        for b in "${boxes[@]}"; do run_box "$b" "$logdir/$b-$stamp.log" >"$results/$b" || failed=1; done
+        for b in "${boxes[@]}"; do
+            [ "$signal" = 0 ] || break
+            run_box "$b" "$logdir/$b-$stamp.log" >"$results/$b" &
+            pids=("$!")
+            wait_child "${pids[0]}" || failed=1
+        done
     fi
-    for b in "${boxes[@]}"; do cat "$results/$b"; done
+    for b in "${boxes[@]}"; do cat "$results/$b" 2>/dev/null; done
     rm -rf "$results"
+    [ "$signal" = 0 ] || exit $(( 128 + signal ))
     exit $failed
+}
+
+# N -> the script got signal N: pass TERM to the boxes' runs under way.
+on_signal() {
+    signal=$1
+    log "signal $1: stopping the runs (guests destroyed, namespaces removed)"
+    [ ${#pids[@]} = 0 ] || kill -TERM "${pids[@]}" 2>/dev/null
 }
 
 # BOX LOG -> runs one box; prints its PASS/FAIL line on stdout, its timings on stderr;
@@ -325,12 +382,16 @@ run_box() {
     timings=$(mktemp)
     start=$(now)
     log "$b: log in $logfile"
+    # This runs in a subshell of main's: main passes its signals on as TERM.
+    interrupted=0
+    trap 'interrupted=1; [ -z "$group_pid" ] || kill -TERM -- "-$group_pid" 2>/dev/null' TERM HUP
     if is_local_box "$b"; then
         run_local_box "$b" "$logfile" || result=FAIL
     else
         run_network_box "$b" "$logfile" || result=FAIL
     fi
     summary=$(grep -E '^=+ .*[0-9]+ (passed|failed|error)' "$logfile" | tail -n1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+    [ "$interrupted" = 0 ] || { result=FAIL summary="interrupted${summary:+; $summary}"; }
     printf '%-9s %s %5ds  %s\n' "$b" "$result" $(( $(now) - start )) "${summary:-(no pytest summary)}"
     log "$b: $result; box ready $(timing box_ready)s, box add $(timing box_add)s, vagrant up $(timing vagrant_up)s, suite $(timing suite)s"
     rm -f "$timings"

@@ -7,6 +7,7 @@ supported /etc/os-release is fed to the real shell function.
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 from conftest import ROOT
@@ -214,6 +215,96 @@ def test_vm_runner_one_box_after_the_other_when_asked(tmp_path):
     out, events = _run_tests_sh(tmp_path / "one", "debian12")
     assert out.returncode == 0 and out.stdout.split()[:2] == ["debian12", "PASS"]
     assert events == ["start debian12", "end debian12"]
+
+
+FAKE_IP = r"""#!/bin/bash
+# ip for run_local_box: netns add/delete logged; netns exec runs a stand-in for the box's run
+# (run-tests.sh --inside), which on TERM does what that run's EXIT trap does and exits.
+case "$1 $2" in
+    "netns add"|"netns delete") echo "ip $2 ${3##*-}" >>"$EVENTS" ;;
+    "netns list") ;;
+    "netns exec")
+        for a; do [ "${prev:-}" = --inside ] && name=$a; prev=$a; done
+        trap 'echo "guest stopped $name" >>"$EVENTS"; exit 143' TERM
+        echo "suite started $name" >>"$EVENTS"
+        sleep 121.7 & wait $!
+        echo "suite ended $name" >>"$EVENTS" ;;
+esac
+"""
+
+
+def _interrupted_run(tmp_path, *args, env=None):
+    """run-tests.sh's main with run_local_box's real steps (lock, state, namespace, process
+    group) but a fake `ip` whose netns exec stands in for the guest's suite; TERM once every
+    started run is in its suite. -> (exit status, stdout, events, cache dir, stderr)."""
+
+    bindir, cache, events = tmp_path / "bin", tmp_path / "cache", tmp_path / "events"
+    bindir.mkdir()
+    cache.mkdir()
+    (bindir / "ip").write_text(FAKE_IP)
+    (bindir / "ip").chmod(0o755)
+    events.touch()
+    script = f"""
+        source "{ROOT}/vagrant/run-tests.sh"
+        id() {{ echo 0; }}
+        build_box() {{ echo "build $1" >>"$EVENTS"; echo "/cache/$1-0123.box"; }}
+        ensure_libvirt_user() {{ :; }}
+        main "$@"
+    """
+    env = dict(
+        os.environ,
+        PATH=f"{bindir}:{os.environ['PATH']}",
+        EVENTS=str(events),
+        PYMTRACE_VM_CACHE=str(cache),
+        PYMTRACE_VM_LOGS=str(tmp_path / "logs"),
+        **(env or {}),
+    )
+    main = subprocess.Popen(
+        ["bash", "-c", script, "run-tests.sh", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    started = [f"suite started {b}" for b in args if b != "all"] or ["suite started debian12", "suite started debian13"]
+    deadline = time.monotonic() + 30
+    while not all(s in events.read_text() for s in started[: 1 if env.get("PYMTRACE_VM_PARALLEL") == "0" else 2]):
+        if main.poll() is not None or time.monotonic() > deadline:
+            main.kill()
+            pytest.fail(f"the runs did not start: {events.read_text()} {main.stderr.read()}")
+        time.sleep(0.1)
+    try:
+        t0 = time.monotonic()
+        main.terminate()
+        out, err = main.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10, "the runs took too long to stop"
+    finally:
+        main.kill()
+        left = subprocess.run(["pkill", "-e", "-f", "sleep 121.7"], capture_output=True, text=True).stdout
+    assert not left, f"processes of the stopped runs were left: {left}"
+    return main.returncode, out, events.read_text().splitlines(), cache, err
+
+
+def test_vm_runner_stops_every_box_on_sigterm(tmp_path):
+    """TERM to run-tests.sh (a `kill`, a closed SSH session's HUP alike): each box's run gets
+    it in its own process group, stops its guest, its namespace and state go, each box
+    prints FAIL "interrupted", and the script exits 143. Before, the runs went on alone."""
+    rc, out, events, cache, err = _interrupted_run(tmp_path, "all")
+    assert rc == 143, err
+    lines = out.splitlines()
+    assert [line.split()[:2] for line in lines] == [["debian12", "FAIL"], ["debian13", "FAIL"]], out
+    assert all(line.endswith("interrupted") for line in lines), out
+    for b in ("debian12", "debian13"):
+        assert f"guest stopped {b}" in events and f"ip delete {b}" in events, events
+        assert f"suite ended {b}" not in events
+    assert not list(cache.glob("run.*")), "a run's state directory was left"
+
+
+def test_vm_runner_one_after_the_other_stops_before_the_next_box(tmp_path):
+    rc, out, events, _, err = _interrupted_run(tmp_path, "debian12", "debian13", env={"PYMTRACE_VM_PARALLEL": "0"})
+    assert rc == 143, err
+    assert out.split()[:2] == ["debian12", "FAIL"] and len(out.splitlines()) == 1, out
+    assert "guest stopped debian12" in events and not any("debian13" in e for e in events), events
 
 
 def test_vm_runner_refuses_an_unknown_box(tmp_path):
