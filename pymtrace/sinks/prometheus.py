@@ -232,15 +232,16 @@ class Aggregator:
         for st in self.pids.values():
             if st.alive and st.label is not None and not st.expired:
                 self.admitted[st.label] = now
-        # drop labels gone longer than the grace period
+        # drop labels gone longer than the grace period (undone below for a label that new
+        # processes want in this same update: it never left a scrape, so it must not restart)
+        expiring = {}  # label -> (its retired totals, its exited processes)
         for label, seen in list(self.admitted.items()):
             if now - seen > self.grace:
                 del self.admitted[label]
-                self.retired.pop(label, None)
-                self.dropped_total += 1
-                for st in self.pids.values():
-                    if st.label == label and not st.alive:
-                        st.expired = True
+                gone = [st for st in self.pids.values() if st.label == label and not st.alive]
+                for st in gone:
+                    st.expired = True
+                expiring[label] = (self.retired.pop(label, {}), gone)
         for label in [lb for lb in self.retired if lb not in self.admitted]:
             del self.retired[label]
 
@@ -269,6 +270,15 @@ class Aggregator:
         for st in self.pids.values():
             if st.alive and st.label is not None and not st.expired:
                 self.admitted[st.label] = now
+        for label, (totals, gone) in expiring.items():
+            if label not in self.admitted:
+                self.dropped_total += 1
+                continue
+            acc = self.retired.setdefault(label, {})
+            for k, v in totals.items():
+                acc[k] = acc.get(k, 0) + v
+            for st in gone:
+                st.expired = False
 
     def series(self) -> Dict[str, dict]:
         """{label: {"counters": {...}, "gauges": {...}, "glibc": {...}}} for admitted labels."""

@@ -327,16 +327,23 @@ def test_churn_of_1000_processes_keeps_series_and_maps_bounded(tmp_path):
     the series of the gone processes disappear."""
     binary = compile_c(tmp_path, "churn", CHURN_C)
     ex = Exporter("--per-call", "--max-series", "20", "--grace", "3", "--comm", r"^churn\d+$")
-    totals = {}  # label -> [finished segments, current value]: a label dropped and re-created restarts at 0
+    # label -> [finished segments, current value], as a Prometheus client sees a counter: a
+    # series absent from a scrape ended; one that went down was reset
+    totals = {}
 
     def observe():
         m = parse_metrics(ex.scrape())
+        present = set()
         for (n, lb), v in m.items():
             if n == "pymtrace_malloc_calls_total" and dict(lb)["call"] == "malloc":
+                present.add(dict(lb)["comm"])
                 seg = totals.setdefault(dict(lb)["comm"], [0, 0])
                 if v < seg[1]:
                     seg[0] += seg[1]
                 seg[1] = v
+        for label, seg in totals.items():
+            if label not in present:
+                seg[0], seg[1] = seg[0] + seg[1], 0
         return m
 
     try:

@@ -126,6 +126,34 @@ def test_label_by_pid_is_capped_with_other_and_other_never_decreases():
     assert "10" not in s and "7" in s
 
 
+def test_a_label_expiring_as_new_processes_want_it_goes_on_without_restarting():
+    """A wave of short-lived processes in "other" (or under one comm) exits; the next wave
+    comes when the grace period has just passed. The label expires and is wanted again in
+    the same update: it was never absent from a scrape, so it must not restart at 0 (a
+    scraper sees 240 then 240 and cannot tell a reset; the churn test's 840 of 3,000 in the
+    Debian VMs). A label absent from an update longer than the grace period does restart."""
+    for max_series, label in ((1, "other"), (5, "job")):
+        alive = set()  # changed in place below
+        agg = prometheus.Aggregator(max_series=max_series, grace=3, alive=alive.__contains__)
+        seen, base = [], 100
+        for wave in range(3):
+            pids = range(base + wave * 10, base + wave * 10 + 4)
+            alive |= set(pids)
+            procs = {p: proc_entry(p, "job", malloc=3) for p in pids}
+            if label == "other":
+                procs[1] = proc_entry(1, "big", malloc=1000)  # takes the one own series
+                alive.add(1)
+            agg.update(procs, now=wave * 5.0)
+            seen.append(agg.series()[label]["counters"][("calls", "malloc")])
+            alive -= set(pids)
+            agg.update({p: dict(e, exited=True) for p, e in procs.items()}, now=wave * 5.0 + 0.5)
+        assert seen == [12, 24, 36], (label, seen)
+        assert agg.dropped_total == 0
+        # gone for longer than the grace period, with no process wanting it: dropped
+        agg.update({}, now=30.0)
+        assert agg.series() == {} and agg.dropped_total == (2 if label == "other" else 1)  # "big" too
+
+
 def test_comm_and_pid_filters():
     agg = prometheus.Aggregator(comm="^ngi", alive=lambda pid: True)
     agg.update({1: proc_entry(1, "nginx", malloc=1), 2: proc_entry(2, "bash", malloc=1)}, now=0)
