@@ -6,6 +6,7 @@ import sys
 import pytest
 from conftest import ROOT, ProbeWatch
 from support import heapchains
+from support.machine import slowness
 from support.tui import Tmux, assert_clean_shell, comms, rows
 
 
@@ -102,7 +103,10 @@ def test_real_top_stacks_view_selects_a_site_and_shows_its_stack(tmux, tmp_path,
     """`top --stacks -p PID` opens on view 5 with the workload's call sites; Enter on the
     selected (hottest) row shows its stack down to malloc; q leaves no probe behind."""
     t = tmux
-    target = subprocess.Popen([heapchains.build(build_dir), "-l", "20", "3000"], stdout=subprocess.PIPE)
+    # 3,000 rounds of 20 ms: a minute here; where the CPU is emulated top takes about that
+    # long to start, so the workload runs slowness() times longer (it is killed at the end)
+    rounds = int(3000 * slowness())
+    target = subprocess.Popen([heapchains.build(build_dir), "-l", "20", str(rounds)], stdout=subprocess.PIPE)
     pidfile = tmp_path / "top.pid"
     try:
         assert target.stdout.readline() == b"ready\n"

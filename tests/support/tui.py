@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from support.machine import slowness
+
 
 class Tmux:
     def __init__(self, tmp_path, width=170, height=40):
@@ -46,7 +48,10 @@ class Tmux:
         return self.run("display-message", "-p", "-t", "t", "#{alternate_on}").strip() == "1"
 
     def wait_for(self, pred, what, timeout=20, fail_on=None):
-        deadline = time.monotonic() + timeout
+        """The screen once PRED holds, within TIMEOUT seconds on a real machine (times
+        slowness() where the CPU is emulated: `top --stacks` took ~80 s to its first screen
+        in a Debian VM running its suite, where the bound was 120 s)."""
+        deadline = time.monotonic() + timeout * slowness()
         s = ""
         while time.monotonic() < deadline:
             s = self.screen()
