@@ -232,17 +232,13 @@ class Aggregator:
         for st in self.pids.values():
             if st.alive and st.label is not None and not st.expired:
                 self.admitted[st.label] = now
-        # drop labels gone longer than the grace period (undone below for a label that new
-        # processes want in this same update: it never left a scrape, so it must not restart)
-        expiring = {}  # label -> (its retired totals, its exited processes)
-        for label, seen in list(self.admitted.items()):
-            if now - seen > self.grace:
-                del self.admitted[label]
-                gone = [st for st in self.pids.values() if st.label == label and not st.alive]
-                for st in gone:
-                    st.expired = True
-                expiring[label] = (self.retired.pop(label, {}), gone)
-        for label in [lb for lb in self.retired if lb not in self.admitted]:
+        # labels gone longer than the grace period give up their places now; they are dropped
+        # below unless new processes take them in this same update (then the series never
+        # left a scrape, so it goes on from its totals: a restart at 0 could not be seen)
+        expiring = [label for label, seen in self.admitted.items() if now - seen > self.grace]
+        for label in expiring:
+            del self.admitted[label]
+        for label in [lb for lb in self.retired if lb not in self.admitted and lb not in expiring]:
             del self.retired[label]
 
         # give each live process its label: its own if admitted or there is room, else "other"
@@ -270,15 +266,14 @@ class Aggregator:
         for st in self.pids.values():
             if st.alive and st.label is not None and not st.expired:
                 self.admitted[st.label] = now
-        for label, (totals, gone) in expiring.items():
-            if label not in self.admitted:
-                self.dropped_total += 1
+        for label in expiring:
+            if label in self.admitted:
                 continue
-            acc = self.retired.setdefault(label, {})
-            for k, v in totals.items():
-                acc[k] = acc.get(k, 0) + v
-            for st in gone:
-                st.expired = False
+            self.retired.pop(label, None)
+            self.dropped_total += 1
+            for st in self.pids.values():
+                if st.label == label and not st.alive:
+                    st.expired = True
 
     def series(self) -> Dict[str, dict]:
         """{label: {"counters": {...}, "gauges": {...}, "glibc": {...}}} for admitted labels."""
