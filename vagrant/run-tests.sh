@@ -230,7 +230,9 @@ remove_killed_runs() {
         [ -d "$state" ] || continue
         for pidfile in "$state/libvirtd.pid" "$state/virtlogd.pid"; do
             pid=$(cat "$pidfile" 2>/dev/null) || continue
-            case $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) in
+            # 2>/dev/null first: redirections apply left to right, and a vanished pid's
+            # cmdline must not print an error.
+            case $(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") in
                 *libvirtd*|*virtlogd*) kill "$pid" 2>/dev/null || true ;;
             esac
         done

@@ -307,6 +307,41 @@ def test_vm_runner_one_after_the_other_stops_before_the_next_box(tmp_path):
     assert "guest stopped debian12" in events and not any("debian13" in e for e in events), events
 
 
+def test_vm_runner_removes_what_a_killed_run_left_without_errors(tmp_path):
+    """A run killed outright (SIGKILL, a machine stopped) leaves its namespace and its state
+    with the pid files of daemons that are gone: the next run removes both and says so, and a
+    vanished pid prints no error (it did: "/proc/N/cmdline: No such file or directory")."""
+    bindir, cache, events = tmp_path / "bin", tmp_path / "cache", tmp_path / "events"
+    bindir.mkdir()
+    (bindir / "ip").write_text(
+        '#!/bin/bash\ncase "$1 $2" in\n'
+        '"netns list") echo "pymtrace-vm-123-debian12 (id: 0)"; echo "pymtrace-vm-9-debian13" ;;\n'
+        '"netns delete") echo "ip delete $3" >>"$EVENTS" ;;\nesac\n'
+    )
+    (bindir / "ip").chmod(0o755)
+    state = cache / "run.debian12.AbCdEf"
+    state.mkdir(parents=True)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (state / "libvirtd.pid").write_text(f"{gone.pid}\n")
+    (state / "virtlogd.pid").write_text("not a pid\n")
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", EVENTS=str(events), PYMTRACE_VM_CACHE=str(cache))
+    out = subprocess.run(
+        ["bash", "-c", f'source "{ROOT}/vagrant/run-tests.sh"; remove_killed_runs debian12'],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert events.read_text().splitlines() == ["ip delete pymtrace-vm-123-debian12"]  # not debian13's
+    assert not state.exists()
+    assert out.stderr.splitlines() == [
+        "run-tests: debian12: removing the namespace left by an earlier run: pymtrace-vm-123-debian12",
+        f"run-tests: debian12: removing the state left by an earlier run: {state}",
+    ]
+
+
 def test_vm_runner_refuses_an_unknown_box(tmp_path):
     out = subprocess.run([str(ROOT / "vagrant" / "run-tests.sh"), "debian99"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown box debian99" in out.stderr
