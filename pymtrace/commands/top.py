@@ -47,7 +47,7 @@ HELP = """Live view of memory-allocation activity, per process and system-wide:
                above it, with what to try (malloc_trim, M_ARENA_MAX, replay)
 Keys in the full-screen view: 1-6/Tab view, </> sort column, r reverse, p pause, q quit;
 view 5: Up/Down select a call site, Enter shows its stacks; view 6: Up/Down select a process
-(its heap-efficiency line shows below)."""
+(its heap-efficiency line shows below); the selection follows its row when the rows re-sort."""
 
 EPILOG = """examples:
   sudo pymtrace top                         every process, full screen

@@ -11,7 +11,9 @@ watched process is gone).
 
 Keys: 1-6 view (Tab / Shift-Tab cycle), Left/Right or < > sort column, r reverse order,
 p or space pause, Up/Down/PgUp/PgDn/Home scroll, q quit. In view 5 (call stacks) Up/Down
-select a row and Enter shows (or hides) its full stacks, root to leaf.
+select a row and Enter shows (or hides) its full stacks, root to leaf; in view 6 (heap
+efficiency) Up/Down select a process, whose sentence shows below. The selection follows its
+call site or process when the rows re-sort (as in htop), not its position.
 
 The terminal is restored on every way out: q, Ctrl-C, SIGTERM (turned into
 KeyboardInterrupt) and exceptions (curses.wrapper restores the terminal before the
@@ -53,7 +55,8 @@ class State:
         self.cur = None
         self.scroll = 0
         self.quit = False
-        self.selected = 0  # the stacks or heap view's selected row
+        self.selected = 0  # the stacks or heap view's selected row: its position on the screen
+        self.selected_key = None  # ... and what it is (views.row_key), which select() follows
         self.detail = False  # the stacks view shows the selected row's stacks
 
     def push(self, snapshot: Optional[Snapshot]) -> None:
@@ -89,7 +92,9 @@ class State:
             self.detail = not self.detail
             self.scroll = 0
         elif self.view in (STACKS_VIEW, HEAP_VIEW) and not self.detail and ch in (curses.KEY_DOWN, curses.KEY_UP):
+            # a position on the screen drawn last, which select() turns into that row's key
             self.selected = max(0, self.selected + (1 if ch == curses.KEY_DOWN else -1))
+            self.selected_key = None
         elif ch == curses.KEY_DOWN:
             self.scroll += 1
         elif ch == curses.KEY_UP:
@@ -106,11 +111,26 @@ class State:
             return False
         return True
 
+    def select(self, table: views.Table) -> int:
+        """The selected row's index in TABLE (-1: no rows): the row with the selected key when
+        it is still there (the rows re-sort as rates change), else the one at the selected
+        position; remembers both."""
+        if not table.rows:
+            return -1
+        keys = [views.row_key(table, r) for r in table.rows]
+        if self.selected_key in keys:
+            self.selected = keys.index(self.selected_key)
+        else:
+            self.selected = min(self.selected, len(keys) - 1)
+        self.selected_key = keys[self.selected]
+        return self.selected
+
     def _set_view(self, i: int) -> None:
         if i != self.view:
             self.view = i
             self.scroll = 0
             self.detail = False
+            self.selected, self.selected_key = 0, None
 
     def _move_sort(self, step: int) -> None:
         t = self.table()
@@ -174,7 +194,7 @@ def draw(scr: curses.window, state: State, table: views.Table) -> None:
     selecting = state.view in (STACKS_VIEW, HEAP_VIEW)
     notes = list(table.notes)
     if selecting and lines:
-        state.selected = min(state.selected, len(lines) - 1)
+        state.select(table)
         if stacks and state.detail:
             lines = views.detail_lines(table, table.rows[state.selected], most=10)
         if state.view == HEAP_VIEW:  # the selected process's line first, then the view's own notes

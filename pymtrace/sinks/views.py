@@ -12,7 +12,8 @@ by its region/thread rows, sorted as a unit) and plain-sentence notes. Formattin
 humans is separate (`format_rows`, `text_table`), so JSON output keeps raw numbers. A row
 may carry one value after its columns, its *detail* (`row_detail`: the stacks view's full
 stacks; the heap view's sentence), which sorting and filtering keep with the row and `to_json`
-writes under "stacks" / "line".
+writes under "stacks" / "line", and after it the row's *key* (`row_key`: what it is across
+snapshots, so a selection can follow it when the rows re-sort).
 """
 
 import dataclasses
@@ -494,7 +495,7 @@ def stacks_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = Non
             detail = [_stack_detail(st, old_by_id.get(st.get("id")), dt) for st in site["stacks"]]
             detail.sort(key=lambda d: (d["alloc_bytes_per_s"], d["alloc_bytes"]), reverse=True)
             row = [pid, comm, site["function"], site["module"], bytes_rate, calls_rate]
-            rows.append(row + [site["inuse_bytes"], site["alloc_bytes"], len(detail), detail])
+            rows.append(row + [site["inuse_bytes"], site["alloc_bytes"], len(detail), detail, (pid, key)])
             tot["sites"] += 1
             tot["alloc_bytes_per_s"] += bytes_rate
             tot["allocs_per_s"] += calls_rate
@@ -560,6 +561,7 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
                 arena,
                 flag,
                 heapefficiency.describe(pid, comm, p, g or None),  # detail: the full screen's selected row
+                pid,  # key
             ]
         )
         if a["heap_flag"]:
@@ -577,6 +579,13 @@ def row_detail(table: Table, row: list) -> Any:
     """The detail a row carries after its columns (the stacks view: its stacks; the heap
     view: its sentence), or None."""
     return row[len(table.columns)] if len(row) > len(table.columns) else None
+
+
+def row_key(table: Table, row: list) -> Hashable:
+    """What ROW is across snapshots: the key it carries after its detail (the stacks view: (PID,
+    site key); the heap view: its PID), else its first value."""
+    n = len(table.columns)
+    return row[n + 1] if len(row) > n + 1 else row[0]
 
 
 def frame_text(frame: Mapping) -> str:

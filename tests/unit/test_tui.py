@@ -310,6 +310,52 @@ def test_state_keys_without_terminal():
     assert st.quit
 
 
+def _sites_snapshot(t, alloc_bytes):
+    """A snapshot at time T whose PID 101 has the call sites ALLOC_BYTES names (function ->
+    cumulative bytes), each with one stack; the sites' keys are stable across snapshots."""
+    snap = {"time": t, "processes": {}, "stacks": fake_stacks(1.0)}
+    sites = snap["stacks"][101]["sites"]
+    by_name = {site["function"]: key for key, site in sites.items()}
+    for name in set(by_name) - set(alloc_bytes):
+        del sites[by_name[name]]
+    for name, b in alloc_bytes.items():
+        sites[by_name[name]]["alloc_bytes"] = sites[by_name[name]]["stacks"][0]["alloc_bytes"] = b
+    return snap
+
+
+def test_selection_follows_its_site_when_the_rows_re_sort():
+    """Like htop: the selected call site stays selected (and its stacks shown) when another
+    site overtakes it; it went by position, so Enter after a re-sort showed another site."""
+    import curses
+
+    from pymtrace.sinks import tui
+
+    st = tui.State(interval=1.0, view=tui.STACKS_VIEW)
+    st.push(_sites_snapshot(0.0, {"hot_site": 0, "cold_site": 0}))
+    st.push(_sites_snapshot(1.0, {"hot_site": 8000, "cold_site": 300}))
+    t = st.table()
+    assert [r[2] for r in t.rows] == ["hot_site", "cold_site"] and st.select(t) == 0
+    st.key(curses.KEY_DOWN)
+    assert st.select(st.table()) == 1 and st.selected_key == (101, "/prog+0x1")
+    st.push(_sites_snapshot(2.0, {"hot_site": 8100, "cold_site": 90000}))  # cold overtakes hot
+    t = st.table()
+    assert [r[2] for r in t.rows] == ["cold_site", "hot_site"]
+    assert t.rows[st.select(t)][2] == "cold_site"
+    st.key(ord("\n"))
+    assert tui.views.detail_lines(t, t.rows[st.select(t)])[0].startswith("cold_site in prog (PID 101)")
+    st.key(ord("\n"))
+    st.key(ord("r"))  # another order: still the same site
+    t = st.table()
+    assert [r[2] for r in t.rows] == ["hot_site", "cold_site"] and st.select(t) == 1
+    st.key(curses.KEY_UP)  # Up from it: the row above it on the screen
+    assert t.rows[st.select(st.table())][2] == "hot_site"
+    st.push(_sites_snapshot(3.0, {"cold_site": 90000}))  # its site is gone: the row at its place
+    t = st.table()
+    assert st.select(t) == 0 and st.selected_key == (101, "/prog+0x1")
+    st.key(ord("6"))  # another view starts at its first row
+    assert st.selected == 0 and st.selected_key is None
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
     raise SystemExit(main())
