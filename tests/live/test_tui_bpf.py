@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT, ProbeWatch
 from support import heapchains
 from support.machine import slowness
-from support.tui import Tmux, assert_clean_shell, comms, rows
+from support.tui import Tmux, assert_clean_shell, comms, rows, selected_row
 
 
 @pytest.fixture
@@ -123,14 +123,12 @@ def test_real_top_stacks_view_selects_a_site_and_shows_its_stack(tmux, tmp_path,
         )
         watch = ProbeWatch(int(pidfile.read_text()))
         watch.wait_attached(3)
-        # paused first: the rows re-sort as the rates change, and the selection is by
-        # position (in both Debian VMs Enter once came right after a re-sort: another site)
-        t.send("p")
-        s = t.wait_for(lambda s: "PAUSED" in s, "the paused view")
-        hottest = rows(s, "PID")[0][2]
+        # the selection follows its site when the rows re-sort (rates change), so the row
+        # drawn selected is the one Enter shows, wherever it has moved
+        selected = selected_row(t, "PID")[2]
         t.send("Enter")
         s = t.wait_for(lambda s: "stack 1:" in s and "malloc" in s, "the selected site's stack")
-        assert f"{hottest} (heap_chains" in s or f"{hottest} (libheapchain.so" in s
+        assert f"{selected} (heap_chains" in s or f"{selected} (libheapchain.so" in s
         t.send("Enter")
         t.wait_for(lambda s: "CALL SITE" in s, "back to the rows")
         t.send("q")

@@ -87,6 +87,21 @@ def rows(screen, header_word):
     raise AssertionError(f"no header with {header_word!r} on screen:\n{screen}")
 
 
+def selected_row(t, header_word):
+    """The fields of the row drawn highlighted (standout or reverse: the selection) under the
+    header with HEADER_WORD, from the screen with its attributes (capture-pane -e); None
+    when no row is."""
+    raw = t.run("capture-pane", "-p", "-e", "-t", "t").splitlines()
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in raw]
+    table = rows("\n".join(plain), header_word)
+    start = next(i for i, line in enumerate(plain) if line.split() and line.split()[0].rstrip("v^") == header_word)
+    for line, fields in zip(raw[start + 1 :], table):
+        lead = re.match(r"(?:\x1b\[[0-9;]*m)*", line).group(0)
+        if re.search(r"\x1b\[(?:[0-9;]*;)?[37]m", lead):
+            return fields
+    return None
+
+
 def comms(screen):
     return [r[1] for r in rows(screen, "PID") if r and r[0].isdigit()]
 

@@ -16,7 +16,7 @@ import pytest
 
 if __name__ == "__main__":  # run as the UI entry point: tests/ on the path for support
     sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from support.tui import Tmux, assert_clean_shell, rows, wait_order  # noqa: E402
+from support.tui import Tmux, assert_clean_shell, rows, selected_row, wait_order  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -193,7 +193,9 @@ def test_fake_source_views_sort_pause_quit(tmux):
     t.send("Tab")
     s = t.wait_for(lambda s: "[5 call stacks]" in s and "CALL SITE" in s, "stacks view")
     assert [r[2] for r in rows(s, "PID")] == ["hot_site", "cold_site"]
+    assert selected_row(t, "PID")[2] == "hot_site"
     t.send("Down")
+    t.wait_for(lambda s: (selected_row(t, "PID") or [""] * 3)[2] == "cold_site", "the next site selected")
     t.send("Enter")
     s = t.wait_for(lambda s: "stack 1:" in s, "the selected site's stack")
     body = s[s.index("cold_site in prog") :]
