@@ -84,7 +84,7 @@ def test_demo_dies_with_its_parent(cache):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone; ESRCH: read while it exits
             break
         if state == "Z":  # exited, waiting for init to reap it
             break

@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import pytest
+from conftest import missing_or_fail
 
 from pymtrace.target import libc
 from pymtrace.target.launch import Launched
@@ -89,7 +90,7 @@ def test_a_command_whose_loader_fails_is_reported(tmp_path):
         subprocess.run(["gcc", "-shared", "-fPIC", "-o", tmp_path / "libgone.so", tmp_path / "l.c"], check=True)
         subprocess.run(["gcc", "-o", tmp_path / "m", tmp_path / "m.c", "-L", tmp_path, "-lgone"], check=True)
     except FileNotFoundError:
-        pytest.skip("no gcc")
+        missing_or_fail("gcc is not installed")
     os.unlink(tmp_path / "libgone.so")
     launched = Launched([str(tmp_path / "m")], stderr=subprocess.DEVNULL)
     with pytest.raises(PymtraceError, match="exited before its libraries were loaded"):
