@@ -159,6 +159,8 @@ inside() {
         vagrant box add --name "$box_name" "$box_file" || return 1
         echo "box_add $(( $(now) - t ))" >>"$timings"
         remove_stale_boxes "$name" "$box_name"
+    else
+        echo "box_add 0" >>"$timings"  # added by an earlier run
     fi
     exec {store_lock}>&-
     t=$(now)

@@ -18,7 +18,7 @@ def _jemalloc():
     for line in out.splitlines():
         if line.strip().startswith("libjemalloc.so.2 ") and "x86-64" in line:
             return line.split("=>")[-1].strip()
-    pytest.skip("libjemalloc2 is not installed")
+    missing_or_fail("libjemalloc2 is not installed")
 
 
 def test_stopped_with_its_libraries_mapped_before_any_initializer():
@@ -58,7 +58,7 @@ def test_a_static_program_needs_no_stop(tmp_path):
     try:
         subprocess.run(["gcc", "-static", "-o", exe, src], check=True)
     except (FileNotFoundError, subprocess.CalledProcessError):
-        pytest.skip("no static gcc")
+        missing_or_fail("gcc cannot link statically (libc6-dev's libc.a)")
     launched = Launched([str(exe)])
     assert launched.run_until_loaded() == "exec"
     launched.resume()
