@@ -72,19 +72,25 @@ class Tmux:
         subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True)
 
 
-def rows(screen, header_word):
-    """The table rows (lists of fields) under the header line that contains HEADER_WORD."""
-    lines = screen.splitlines()
+def _header_index(lines, header_word):
+    """The index of the table's header line (its first word HEADER_WORD, maybe with the sort
+    mark v/^) among LINES."""
     for i, line in enumerate(lines):
         words = line.split()
         if words and words[0].rstrip("v^") == header_word:
-            out = []
-            for row in lines[i + 1 :]:
-                if not row.strip() or re.match(r"\d-\d/Tab view", row.lstrip()):  # the key line
-                    break
-                out.append(row.split())
-            return out
-    raise AssertionError(f"no header with {header_word!r} on screen:\n{screen}")
+            return i
+    raise AssertionError(f"no header with {header_word!r} on screen:\n" + "\n".join(lines))
+
+
+def rows(screen, header_word):
+    """The table rows (lists of fields) under the header line that contains HEADER_WORD."""
+    lines = screen.splitlines()
+    out = []
+    for row in lines[_header_index(lines, header_word) + 1 :]:
+        if not row.strip() or re.match(r"\d-\d/Tab view", row.lstrip()):  # the key line
+            break
+        out.append(row.split())
+    return out
 
 
 def selected_row(t, header_word):
@@ -94,8 +100,7 @@ def selected_row(t, header_word):
     raw = t.run("capture-pane", "-p", "-e", "-t", "t").splitlines()
     plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in raw]
     table = rows("\n".join(plain), header_word)
-    start = next(i for i, line in enumerate(plain) if line.split() and line.split()[0].rstrip("v^") == header_word)
-    for line, fields in zip(raw[start + 1 :], table):
+    for line, fields in zip(raw[_header_index(plain, header_word) + 1 :], table):
         lead = re.match(r"(?:\x1b\[[0-9;]*m)*", line).group(0)
         if re.search(r"\x1b\[(?:[0-9;]*;)?[37]m", lead):
             return fields
