@@ -141,9 +141,10 @@ inside() {
     # shellcheck disable=SC2064
     trap "stop_daemons '$state'" EXIT
     # A TERM or HUP (run_group's whole process group gets it: the vagrant step under way ends
-    # too) skips the rest and destroys the VM.
-    interrupted=0
-    trap 'interrupted=1' TERM HUP
+    # too) skips the rest and destroys the VM. The suite's step runs under `timeout`, which
+    # puts itself in a process group of its own: the trap passes the signal on to it.
+    interrupted=0 suite_pid=
+    trap 'interrupted=1; [ -z "$suite_pid" ] || kill -TERM "$suite_pid" 2>/dev/null' TERM HUP
     start_daemons "$state" || return 1
     ensure_pool "$cache/pool" || return 1
     export VAGRANT_HOME=$cache/vagrant.d VAGRANT_DEFAULT_PROVIDER=libvirt
@@ -173,10 +174,16 @@ inside() {
         vagrant ssh "$name" -c 'echo "guest: $(uname -r), up $(cut -d" " -f1 /proc/uptime)s"; systemd-analyze 2>/dev/null | head -n1' || true
         t=$(now)
         # A guest that stops answering (a debian13 guest hung once, its kernel spinning)
-        # ends the run: SSH keepalives, and an overall limit.
+        # ends the run: SSH keepalives, and an overall limit. In the background, so that a
+        # TERM's trap runs at once rather than when the suite ends (bash runs a trap only
+        # once its foreground command is done).
         timeout --kill-after=60 "${PYMTRACE_VM_TIMEOUT:-14400}" \
             vagrant ssh "$name" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" \
-            -- -o ServerAliveInterval=60 -o ServerAliveCountMax=10 || rc=1
+            -- -o ServerAliveInterval=60 -o ServerAliveCountMax=10 &
+        suite_pid=$!
+        [ "$interrupted" = 0 ] || kill -TERM "$suite_pid" 2>/dev/null  # a TERM before $! was known
+        wait_child "$suite_pid" || rc=1
+        suite_pid=
         echo "suite $(( $(now) - t ))" >>"$timings"
     fi
     [ "$interrupted" = 0 ] || { log "interrupted"; rc=1; }

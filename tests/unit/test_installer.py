@@ -6,6 +6,7 @@ supported /etc/os-release is fed to the real shell function.
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -305,6 +306,67 @@ def test_vm_runner_one_after_the_other_stops_before_the_next_box(tmp_path):
     assert rc == 143, err
     assert out.split()[:2] == ["debian12", "FAIL"] and len(out.splitlines()) == 1, out
     assert "guest stopped debian12" in events and not any("debian13" in e for e in events), events
+
+
+FAKE_VAGRANT = r"""#!/bin/bash
+# vagrant for inside(): the box is in the store, up returns at once, the suite's ssh sleeps
+case "$1" in
+    box) echo "pymtrace/debian12-0123 (libvirt, 0)" ;;
+    up) echo "up $2" >>"$EVENTS" ;;
+    ssh) case "$*" in *install.sh*) echo "suite started" >>"$EVENTS"; exec sleep 121.8 ;; esac ;;
+    destroy) echo "destroyed $3" >>"$EVENTS" ;;
+esac
+"""
+
+
+def test_vm_runner_stops_the_guest_suite_at_once_on_sigterm(tmp_path):
+    """The box's run inside its namespace (run-tests.sh --inside), with fake daemons and a
+    fake vagrant whose suite sleeps: TERM to its process group, as run_box sends it, ends the
+    suite's step at once, destroys the VM and stops the daemons. Before, `timeout` (in a
+    process group of its own) kept the suite running to its end, up to an hour and more."""
+    bindir, cache, events, state = tmp_path / "bin", tmp_path / "cache", tmp_path / "events", tmp_path / "state"
+    for d in (bindir, cache, state):
+        d.mkdir()
+    (bindir / "vagrant").write_text(FAKE_VAGRANT)
+    (bindir / "vagrant").chmod(0o755)
+    events.touch()
+    script = f"""
+        source "{ROOT}/vagrant/run-tests.sh"
+        private_libvirt() {{ :; }}
+        start_daemons() {{ :; }}
+        ensure_pool() {{ :; }}
+        stop_daemons() {{ echo "daemons stopped" >>"$EVENTS"; }}
+        inside debian12 /cache/debian12-0123.box pymtrace/debian12-0123 "{state}" "{tmp_path}/timings"
+    """
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", EVENTS=str(events), PYMTRACE_VM_CACHE=str(cache))
+    run = subprocess.Popen(
+        ["bash", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while "suite started" not in events.read_text():
+            assert run.poll() is None and time.monotonic() < deadline, f"the suite did not start: {run.stderr.read()}"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        os.killpg(run.pid, signal.SIGTERM)
+        try:
+            _, err = run.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run went on with its suite after TERM")
+        assert time.monotonic() - t0 < 10, "the run took too long to stop"
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        left = subprocess.run(["pkill", "-e", "-f", "sleep 121.8"], capture_output=True, text=True).stdout
+    assert not left, f"the suite's step was left running: {left}"
+    assert run.returncode == 1, err
+    assert events.read_text().splitlines() == ["up debian12", "suite started", "destroyed debian12", "daemons stopped"]
+    assert "run-tests: interrupted" in err
 
 
 def test_vm_runner_removes_what_a_killed_run_left_without_errors(tmp_path):
