@@ -7,6 +7,7 @@ Slow on the shared 2-core test machine: ~50 s to start the JVM and Spark, then t
 queries (one session, local[1], small data)."""
 
 import json
+import os
 import shutil
 import time
 
@@ -14,6 +15,7 @@ import numpy
 import pytest
 from conftest import missing_or_fail, run_pymtrace
 from support.collect import CollectorProcess
+from support.machine import slowness
 
 from pymtrace.trace import collector as C
 from pymtrace.trace import netproto, netsink, report_sql
@@ -120,19 +122,29 @@ def spark():
     except ImportError:
         missing_or_fail("pyspark is not installed (pip install -e .[test])")
     t0 = time.monotonic()
-    session = (
-        SparkSession.builder.master("local[1]")
-        .appName("pymtrace-collect-test")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.adaptive.enabled", "false")  # tiny data: no re-planning stages
-        .config("spark.sql.shuffle.partitions", "1")
-        .config("spark.driver.memory", "512m")
-        # Spark's vectorized Parquet reader cannot read unsigned 64-bit columns stored with
-        # DELTA_BINARY_PACKED/BYTE_STREAM_SPLIT (time_ns, size): UNSUPPORTED_CALL readUnsignedLongs
-        .config("spark.sql.parquet.enableVectorizedReader", "false")
-        .getOrCreate()
-    )
+    # In the emulated Debian VMs the JVM crashed in two debian12 runs out of the last three
+    # (SIGILL, then SIGSEGV, each in code C1 had just compiled): QEMU's multi-threaded TCG and
+    # the JIT's cross-modified code. On one vCPU the emulator sees every write to code before
+    # running it: the JVM (spark-submit, started from this thread) inherits this thread's CPUs.
+    cpus = os.sched_getaffinity(0)
+    if slowness() > 1:
+        os.sched_setaffinity(0, {min(cpus)})
+    try:
+        session = (
+            SparkSession.builder.master("local[1]")
+            .appName("pymtrace-collect-test")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.adaptive.enabled", "false")  # tiny data: no re-planning stages
+            .config("spark.sql.shuffle.partitions", "1")
+            .config("spark.driver.memory", "512m")
+            # Spark's vectorized Parquet reader cannot read unsigned 64-bit columns stored with
+            # DELTA_BINARY_PACKED/BYTE_STREAM_SPLIT (time_ns, size): UNSUPPORTED_CALL readUnsignedLongs
+            .config("spark.sql.parquet.enableVectorizedReader", "false")
+            .getOrCreate()
+        )
+    finally:
+        os.sched_setaffinity(0, cpus)
     session.sparkContext.setLogLevel("ERROR")
     print(f"spark session started in {time.monotonic() - t0:.1f} s")
     yield session
