@@ -234,16 +234,23 @@ esac
 """
 
 
+def _fake_bin(tmp_path, **tools):
+    """TMP_PATH/bin with each TOOL=script as an executable: put first on PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, text in tools.items():
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    return bindir
+
+
 def _interrupted_run(tmp_path, *args, env=None):
     """run-tests.sh's main with run_local_box's real steps (lock, state, namespace, process
     group) but a fake `ip` whose netns exec stands in for the guest's suite; TERM once every
     started run is in its suite. -> (exit status, stdout, events, cache dir, stderr)."""
 
-    bindir, cache, events = tmp_path / "bin", tmp_path / "cache", tmp_path / "events"
-    bindir.mkdir()
+    bindir, cache, events = _fake_bin(tmp_path, ip=FAKE_IP), tmp_path / "cache", tmp_path / "events"
     cache.mkdir()
-    (bindir / "ip").write_text(FAKE_IP)
-    (bindir / "ip").chmod(0o755)
     events.touch()
     script = f"""
         source "{ROOT}/vagrant/run-tests.sh"
@@ -324,11 +331,14 @@ def test_vm_runner_stops_the_guest_suite_at_once_on_sigterm(tmp_path):
     fake vagrant whose suite sleeps: TERM to its process group, as run_box sends it, ends the
     suite's step at once, destroys the VM and stops the daemons. Before, `timeout` (in a
     process group of its own) kept the suite running to its end, up to an hour and more."""
-    bindir, cache, events, state = tmp_path / "bin", tmp_path / "cache", tmp_path / "events", tmp_path / "state"
-    for d in (bindir, cache, state):
-        d.mkdir()
-    (bindir / "vagrant").write_text(FAKE_VAGRANT)
-    (bindir / "vagrant").chmod(0o755)
+    bindir, cache, events, state = (
+        _fake_bin(tmp_path, vagrant=FAKE_VAGRANT),
+        tmp_path / "cache",
+        tmp_path / "events",
+        tmp_path / "state",
+    )
+    cache.mkdir()
+    state.mkdir()
     events.touch()
     script = f"""
         source "{ROOT}/vagrant/run-tests.sh"
