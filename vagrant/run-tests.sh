@@ -23,6 +23,8 @@
 #   PYMTRACE_VM_KEEP=1   do not destroy the VM (debugging; the namespace stays too)
 #   PYMTRACE_VM_TIMEOUT  limit in seconds for install.sh --test inside (default 14400)
 #   PYMTRACE_VM_PARALLEL 0 runs several local boxes one after the other (default 1: at once)
+#   PYMTRACE_VM_CPUS     vCPUs per VM (default 1: multi-threaded TCG crashes guests now and then)
+#   PYMTRACE_VM_MEMORY   MB per VM (default 4096)
 # The guest's serial console goes to BOX-TIME.console.log next to the log.
 #   PYMTRACE_SHARED      host directory synced to /shared (default ../../shared)
 #   PYMTRACE_VM_TESTS    pytest arguments instead of the whole suite, e.g. a smoke run:

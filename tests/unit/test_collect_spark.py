@@ -126,6 +126,7 @@ def spark():
     # (SIGILL, then SIGSEGV, each in code C1 had just compiled): QEMU's multi-threaded TCG and
     # the JIT's cross-modified code. On one vCPU the emulator sees every write to code before
     # running it: the JVM (spark-submit, started from this thread) inherits this thread's CPUs.
+    # (The VMs now have one vCPU by default; this still matters with PYMTRACE_VM_CPUS=2.)
     cpus = os.sched_getaffinity(0)
     if slowness() > 1:
         os.sched_setaffinity(0, {min(cpus)})
