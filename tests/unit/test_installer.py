@@ -331,12 +331,8 @@ def test_vm_runner_stops_the_guest_suite_at_once_on_sigterm(tmp_path):
     fake vagrant whose suite sleeps: TERM to its process group, as run_box sends it, ends the
     suite's step at once, destroys the VM and stops the daemons. Before, `timeout` (in a
     process group of its own) kept the suite running to its end, up to an hour and more."""
-    bindir, cache, events, state = (
-        _fake_bin(tmp_path, vagrant=FAKE_VAGRANT),
-        tmp_path / "cache",
-        tmp_path / "events",
-        tmp_path / "state",
-    )
+    bindir = _fake_bin(tmp_path, vagrant=FAKE_VAGRANT)
+    cache, events, state = tmp_path / "cache", tmp_path / "events", tmp_path / "state"
     cache.mkdir()
     state.mkdir()
     events.touch()
