@@ -9,7 +9,7 @@ libc copy; the others LD_PRELOADed copies: bench/benchutil.py), so uprobes other
 on the system's files cannot slow it down. malloc_stats is compiled once; in each round
 every (allocator, mode) runs once, the order rotating from round to round: `untraced` (no
 probes) and `top` (malloc_stats' uprobes exactly as top attaches them for that allocator:
-pymtrace.collect.malloc.probe_plan for glibc, pymtrace.target.allocators.probe_plan for the
+pymtrace.sources.malloc.probe_plan for glibc, pymtrace.tracee.allocators.probe_plan for the
 others). The time is the storm's CPU time (/proc/PID/schedstat: on-CPU nanoseconds, the
 uprobe traps included, since the kernel runs them in the storm's context) per pair, not
 wall time. Prints a markdown table: min and median CPU ns per pair, and top / untraced.
@@ -29,8 +29,8 @@ sys.path.insert(0, str(HERE.parent))
 from benchutil import private_libc_storm, private_preload_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.collect import malloc as collect  # noqa: E402
-from pymtrace.target import allocators, libc  # noqa: E402
+from pymtrace.sources import malloc as collect  # noqa: E402
+from pymtrace.tracee import allocators, libc  # noqa: E402
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 PRELOADS = {

@@ -39,7 +39,7 @@ def private_libc_storm(tmp):
     import pathlib
     import shutil
 
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     tmp = pathlib.Path(tmp)
     exe = build_c(tmp, "storm", pathlib.Path(__file__).resolve().parent / "storm.c")
@@ -64,7 +64,7 @@ def private_preload_storm(tmp, library):
     import pathlib
     import shutil
 
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     tmp = pathlib.Path(tmp)
     exe = build_c(tmp, "storm", pathlib.Path(__file__).resolve().parent / "storm.c")

@@ -112,7 +112,7 @@ def compaction_rows(tmp):
     import numpy
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-    from pymtrace.trace.collector import Stream, compact
+    from pymtrace.net.collector import Stream, compact
     from pymtrace.trace.formats import mtrace_bin
     from pymtrace.trace.formats import parquet as P
 

@@ -133,7 +133,7 @@ class Storm:
     exporter had uprobes on the copy (bpftool perf list) is discarded and repeated."""
 
     def __init__(self, argv, tmp, pairs, size):
-        from pymtrace.target import libc
+        from pymtrace.tracee import libc
 
         self.pairs, self.size = pairs, size
         self.libc = os.path.join(tmp, "libc.so.6")

@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 from benchutil import build_c  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.target import libc  # noqa: E402
+from pymtrace.tracee import libc  # noqa: E402
 
 PY = sys.executable
 MEMLEAK = "/usr/sbin/memleak-bpfcc"

@@ -8,9 +8,9 @@ copy of its libc (as bench/overhead.py: other tracers' system-wide probes cannot
 
   untraced    no probes
   top         top's malloc_stats programs on top's uprobe sites (collect.malloc.probe_plan)
-  heap        HeapCollector at the default sampling (512 KiB): the same traps, plus the
+  heap        HeapSource at the default sampling (512 KiB): the same traps, plus the
               sampler; one call in ~8000 (64-byte blocks) copies 32 KiB of stack
-  heap-every  HeapCollector at sample_bytes=1: every call copies the stack into the ring
+  heap-every  HeapSource at sample_bytes=1: every call copies the stack into the ring
               (a thread consumes it, as the command will)
   top+heap    top's and heap's (default sampling) probes together: `top --stacks -p PID`
               (one trap at a shared site runs both programs)
@@ -20,7 +20,7 @@ copy of its libc (as bench/overhead.py: other tracers' system-wide probes cannot
               reserved and the stack copied into it once (heap-every: into a per-CPU slot,
               then ringbuf_output of the bytes copied, two copies)
 
-Each collector is compiled and attached once; between measurements only its uprobes are
+Each source is compiled and attached once; between measurements only its uprobes are
 attached/detached. The cost is the storm process's CPU time (utime + stime from
 /proc/PID/stat, which includes the probes' kernel time), divided by the pairs. Prints a
 markdown table: min and median CPU ns per pair, and paired ratios to top.
@@ -41,8 +41,8 @@ sys.path.insert(0, str(HERE.parent))
 from benchutil import private_libc_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.collect import malloc as collect  # noqa: E402
-from pymtrace.collect.heap import HeapCollector  # noqa: E402
+from pymtrace.sources import malloc as collect  # noqa: E402
+from pymtrace.sources.heap import HeapSource  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -93,8 +93,8 @@ class Both:
 
 
 def heap_mode(path, pid, sample_bytes, **options):
-    """A HeapCollector on the private libc (not named libc.so.6: set by hand), probes detached."""
-    c = HeapCollector({pid}, sample_bytes=sample_bytes, **options)  # records read and dropped
+    """A HeapSource on the private libc (not named libc.so.6: set by hand), probes detached."""
+    c = HeapSource({pid}, sample_bytes=sample_bytes, **options)  # records read and dropped
     c.libcs, c.prepared = {path: [pid]}, True
     c.plan()
     c.attach()
@@ -129,16 +129,16 @@ def main():
         "heap-every-reserve": reserve_probes,
         "top+heap": Both(top, heap_probes),
     }
-    collectors = {"heap": heap, "heap-every": every, "heap-every-reserve": reserve}
+    sources = {"heap": heap, "heap-every": every, "heap-every-reserve": reserve}
     if args.small_stack_bytes:
         name = f"heap-every-{args.small_stack_bytes}"
-        collectors[name], modes[name] = heap_mode(path, pid, 1, stack_bytes=args.small_stack_bytes)
+        sources[name], modes[name] = heap_mode(path, pid, 1, stack_bytes=args.small_stack_bytes)
     results = {n: [] for n in modes}
     stop = threading.Event()
 
     def consume():
         while not stop.is_set():
-            for c in collectors.values():
+            for c in sources.values():
                 c.poll(1)
 
     consumer = threading.Thread(target=consume, daemon=True)
@@ -173,10 +173,10 @@ def main():
     finally:
         stop.set()
         consumer.join()
-        drops = {name: c.drops() for name, c in collectors.items()}
+        drops = {name: c.drops() for name, c in sources.items()}
         storm.stdin.close()
         storm.wait()
-        for c in collectors.values():
+        for c in sources.values():
             c.close()
         bpfload.detach_all(top_bpf)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,7 @@ a measurement that was disturbed.
 
 --allocator LIBRARY (e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2) runs the storm with a
 private copy of that allocator LD_PRELOADed instead, and floor/top use top's probes for it
-(pymtrace.target.allocators: every allocating call an outer call with a return probe).
+(pymtrace.tracee.allocators: every allocating call an outer call with a return probe).
 """
 
 import argparse
@@ -46,9 +46,9 @@ sys.path.insert(0, str(HERE.parent))
 from benchutil import build_c, private_libc_storm, private_preload_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.collect import malloc as collect  # noqa: E402
-from pymtrace.collect.faults import FaultCollector  # noqa: E402
-from pymtrace.target import allocators, libc  # noqa: E402
+from pymtrace.sources import malloc as collect  # noqa: E402
+from pymtrace.sources.faults import FaultSource  # noqa: E402
+from pymtrace.tracee import allocators, libc  # noqa: E402
 
 MEMLEAK = r"""
 #include <uapi/linux/ptrace.h>
@@ -93,7 +93,7 @@ class Attachments:
         for kind, path, fn, off, prog in self.uprobes:
             if kind == "entry":
                 self.bpf.attach_uprobe(name=path, sym=fn, sym_off=off, fn_name=prog, pid=pid)
-            elif off:  # on the moved entry site, as MallocCollector attaches it
+            elif off:  # on the moved entry site, as MallocSource attaches it
                 self.bpf.attach_uretprobe(name=path, addr=libc.symbol(path, fn).address + off, fn_name=prog, pid=pid)
             else:
                 self.bpf.attach_uretprobe(name=path, sym=fn, fn_name=prog, pid=pid)
@@ -112,11 +112,11 @@ class Attachments:
             self.bpf.detach_tracepoint(tp)
 
 
-FAMILY = None  # --allocator: the pymtrace.target.allocators family probed instead of glibc
+FAMILY = None  # --allocator: the pymtrace.tracee.allocators family probed instead of glibc
 
 
 def top_uprobes(path):
-    """top's uprobe sites, exactly as MallocCollector attaches them (collect.probe_plan, or
+    """top's uprobe sites, exactly as MallocSource attaches them (collect.probe_plan, or
     allocators.probe_plan for --allocator)."""
     if FAMILY is not None:
         return [
@@ -138,9 +138,9 @@ FAULT_TPS = (("exceptions", "page_fault_user"), ("exceptions", "page_fault_kerne
 
 
 def fault_collector(pid):
-    """top's page-fault collector for PID, exactly as top runs it (with its region reader
+    """top's page-fault source for PID, exactly as top runs it (with its region reader
     thread consuming the pf_new ring buffer), tracepoints left for Attachments to switch."""
-    c = FaultCollector(pids=[pid], track_exits=False)
+    c = FaultSource(pids=[pid], track_exits=False)
     c.attach()
     COLLECTORS.append(c)
     return c.bpf
@@ -217,7 +217,7 @@ def main():
         type=int,
         default=200000,
         help="also measure a page-fault storm on fresh addresses (every granule new) "
-        "of this many pages per measurement (untraced, top's fault collector); 0: skip",
+        "of this many pages per measurement (untraced, top's fault source); 0: skip",
     )
     ap.add_argument(
         "--modes",
@@ -241,7 +241,7 @@ def main():
     if args.fresh_fault_pages:
         # storm.c's fresh-address fault storm: each 64 KiB granule is new, so the faults program
         # creates a pf_regions key and sends a pf_new record every 16 faults, and
-        # FaultCollector's reader re-reads /proc/PID/maps for each new chunk (the worst case
+        # FaultSource's reader re-reads /proc/PID/maps for each new chunk (the worst case
         # for region attribution); the "N 0" storm reuses its addresses after the first chunk
         fresh_exe = build_c(tmp, "fresh", HERE / "storm.c", flags=["-O2"])
         fresh = subprocess.Popen([fresh_exe, "fresh"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -149,7 +149,7 @@ def main():
     names = args.commands.split(",")
     target = subprocess.Popen(["sleep", "100000"])  # record -p's target: any process with a libc
     sys.path.insert(0, str(ROOT))
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     others = libc.distinct_allocators()
     print(f"other allocators mapped at the start: {sorted(others) or 'none'}", file=sys.stderr)

@@ -20,7 +20,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from pymtrace.target import unwind  # noqa: E402
+from pymtrace.tracee import unwind  # noqa: E402
 
 WORKLOADS = ROOT / "tests" / "support" / "workloads"
 FLAGS = ["-O2", "-fomit-frame-pointer", "-fno-builtin", "-I", str(WORKLOADS)]

@@ -67,7 +67,7 @@ def _main(argv: Sequence[str] | None) -> int:
     # SIGINT stops every command like Ctrl-C, even when a non-interactive shell started
     # pymtrace in the background (`pymtrace record ... & kill -INT $!`): such a shell starts
     # the job with SIGINT ignored, and Python keeps an ignored SIGINT ignored. A command
-    # launched by pymtrace gets back the disposition pymtrace inherited (pymtrace.target.launch, pymtrace.stopping).
+    # launched by pymtrace gets back the disposition pymtrace inherited (pymtrace.tracee.launch, pymtrace.stopping).
     # SIGTERM does the same, so every command's cleanup path (flush, detach) runs for both.
     stopping.install()
     parser = build_parser()

@@ -32,3 +32,8 @@ class BadQuery(PymtraceError):
     """A user's SQL query that DuckDB rejected (analyze --sql)."""
 
     exit_code = 2
+
+
+class WriteFailed(PymtraceError):
+    """Writing a trace failed (disk full, quota, I/O error): recording stops, the file keeps
+    every complete record written before the failure."""

@@ -71,7 +71,7 @@ def _sdt_libc_dir():
     Found by inspecting ELF notes, never by distro name: the system libc if it carries the
     malloc probes (Fedora, Ubuntu, ...), else ../shared/glibc-sdt, else $PYMTRACE_SDT_LIBC_DIR.
     """
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     candidates = [os.environ.get("PYMTRACE_SDT_LIBC_DIR"), str(ROOT.parent / "shared" / "glibc-sdt")]
     system = libc.system_libc()
@@ -89,7 +89,7 @@ def sdt_libc():
     d = _sdt_libc_dir()
     if d is None:
         missing_or_fail("no glibc with malloc USDT probes (system libc has none, ../shared/glibc-sdt absent)")
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     if d == "system":
         return [], libc.system_libc()

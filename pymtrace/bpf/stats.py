@@ -4,7 +4,7 @@ Used by the exporter's self-metrics: per-program run count and run time (kernel 
 stats), and how full each map is. Everything is read from file descriptors this process
 holds (`/proc/self/fd` -> `anon_inode:bpf-prog` / `anon_inode:bpf-map`) through their
 `/proc/self/fdinfo` entries and the bpf(2) syscall, so it covers whatever programs the
-collectors loaded without knowing their internals, and needs neither bpftool nor BCC.
+sources loaded without knowing their internals, and needs neither bpftool nor BCC.
 
 Run-time statistics cost a little on every program run, so the kernel keeps them off by
 default. `enable()` turns them on with BPF_ENABLE_STATS, which holds them on only while the
@@ -278,7 +278,7 @@ class BpfStats:
                 if entries is None:
                     entries = count_entries(fd, key_size, min(count_limit, max_entries))
                 name = self._name(fd, kind, ident)
-                if name in maps:  # two maps of one name (two collectors): keep both apart
+                if name in maps:  # two maps of one name (two sources): keep both apart
                     name = f"{name}#{ident[1:]}"
                 maps[name] = (entries, max_entries, HASH_MAP_TYPES[mtype])
         return {"progs": progs, "maps": maps}

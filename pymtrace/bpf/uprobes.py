@@ -1,6 +1,6 @@
 """Attaching BPF programs to uprobes and uretprobes, and detaching them fast.
 
-Every collector attaches through attach(bpf, probes) and detaches through detach(bpf).
+Every source attaches through attach(bpf, probes) and detaches through detach(bpf).
 Where the kernel has BPF uprobe_multi links (Linux 6.6+, with per-process PID filtering:
 see multi_links()), one link per (file, PID, program, entry/return) carries all its
 offsets, created with bpf(2) BPF_LINK_CREATE (attach type BPF_TRACE_UPROBE_MULTI); the

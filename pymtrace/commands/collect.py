@@ -1,6 +1,6 @@
 """`pymtrace collect`: receive `record --to` streams and write a Hive-partitioned Parquet dataset.
 
-The arguments, help and security checks; the server itself is pymtrace.trace.collector.
+The arguments, help and security checks; the server itself is pymtrace.net.collector.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import sys
 
 from pymtrace.errors import PymtraceError
-from pymtrace.trace import netproto
+from pymtrace.net import protocol
 
 HELP = (
     "Receive recordings streamed by `pymtrace record --to HOST:PORT` from many hosts and write "
@@ -71,7 +71,7 @@ def _read_token(path: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pymtrace.trace.collector import Collector, compact
+    from pymtrace.net.collector import Collector, compact
 
     if args.compact:
         if args.listen or args.dir:
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.listen or not args.dir:
         raise PymtraceError("--listen ADDR:PORT and --dir DIR are required (or --compact DIR)")
-    host, port = netproto.parse_address(args.listen, "--listen")
+    host, port = protocol.parse_address(args.listen, "--listen")
     ssl_context, check_password = None, None
     if args.web_config:
         from pymtrace.sinks import webconfig
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         if web.auth_required:
             check_password = web.check_password
     token = _read_token(args.token_file) if args.token_file else None
-    loopback = netproto.is_loopback(host)
+    loopback = protocol.is_loopback(host)
     if not loopback and ssl_context is None:
         raise PymtraceError(
             f"--listen {args.listen}: plain TCP is allowed only on loopback; "

@@ -4,9 +4,9 @@ import argparse
 import os
 
 from pymtrace.errors import PymtraceError
-from pymtrace.target import libc
 from pymtrace.trace.files import atomic_output
 from pymtrace.trace.formats import detect_format, load_records, mtrace_bin, mtrace_text
+from pymtrace.tracee import libc
 
 HELP = (
     "Convert a malloc trace between mtrace-bin (dj/malloc records), mtrace-text (glibc MALLOC_TRACE log) "

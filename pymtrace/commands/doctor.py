@@ -437,7 +437,7 @@ def check_smoke(sim: Collection[str], prerequisites_ok: bool, tracepoints_ok: Co
     import mmap
 
     from pymtrace.bpf import load as bpfload
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     bcc = bpfload.import_bcc()
     started = time.monotonic()
@@ -500,7 +500,7 @@ def check_smoke(sim: Collection[str], prerequisites_ok: bool, tracepoints_ok: Co
 
 
 def check_libcs(sim: Collection[str]) -> list[Check]:
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     if "libc" in sim:
         return [Check("libc", "libc in use", INFO, "(simulated) no libc found", "", False)]

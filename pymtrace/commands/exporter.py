@@ -1,6 +1,6 @@
 """`pymtrace exporter`: serve the live malloc/slab/fault/glibc metrics to Prometheus.
 
-The exporter runs the same collectors as `pymtrace top` (pymtrace.collect.base.Collectors); pymtrace.sinks.prometheus reads their BPF maps at scrape time and
+The exporter runs the same collectors as `pymtrace top` (pymtrace.sources.base.Sources); pymtrace.sinks.prometheus reads their BPF maps at scrape time and
 turns them into monotonic per-label series, pymtrace.sinks.http serves them. This module
 holds the arguments, the help text and the orchestration.
 """
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 from pymtrace import __version__
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.http import INDEX, make_server
-from pymtrace.sinks.prometheus import Aggregator, ExporterCollector
-from pymtrace.target import proc
+from pymtrace.sinks.prometheus import Aggregator, ExporterMetrics
+from pymtrace.tracee import proc
 
 if TYPE_CHECKING:
-    from pymtrace.collect.base import Collectors
+    from pymtrace.sources.base import Sources
 
 DEFAULT_PORT = 19733
 HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same BPF
@@ -165,19 +165,19 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ProcessGone(pid)
 
 
-def build_sources(args: argparse.Namespace) -> list[Collectors]:
-    """The same collectors as `pymtrace top` (pymtrace.collect.base.Collectors), attached for the
+def build_sources(args: argparse.Namespace) -> list[Sources]:
+    """The same collectors as `pymtrace top` (pymtrace.sources.base.Sources), attached for the
     exporter's mode: always-on (default) = slab + faults + glibc USDT, nothing on the
     malloc path; per-call = the same plus the per-call malloc uprobes."""
-    from pymtrace.collect import base as collect
+    from pymtrace.sources import base
 
-    bundle = collect.Collectors(pids=args.pid or None, malloc=args.per_call, slab=True, faults=True, glibc=True)
-    faults = bundle.collectors.get("faults")
+    bundle = base.Sources(pids=args.pid or None, malloc=args.per_call, slab=True, faults=True, glibc=True)
+    faults = bundle.sources.get("faults")
     if faults is not None and hasattr(faults, "regions"):
         faults.regions = False  # per-region faults are top's view 3; the exporter has no use for them
     if args.max_processes:  # capacity of the per-process maps, read by attach()
         for name in ("malloc", "faults"):
-            c = bundle.collectors.get(name)
+            c = bundle.sources.get(name)
             if c is not None and hasattr(c, "max_procs"):
                 c.max_procs = args.max_processes
     bundle.attach()
@@ -186,7 +186,7 @@ def build_sources(args: argparse.Namespace) -> list[Collectors]:
     return [bundle]
 
 
-def _close(src: Collectors) -> None:
+def _close(src: Sources) -> None:
     try:
         src.close()
     except Exception as exc:  # detaching is BCC's (it raises bare Exception); the others still close
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         agg = Aggregator(
             label_by=args.label_by, max_series=args.max_series, grace=args.grace, pids=args.pid or None, comm=args.comm
         )
-        registry.register(ExporterCollector(sources, agg, stats, label_by=args.label_by, mode=mode))
+        registry.register(ExporterMetrics(sources, agg, stats, label_by=args.label_by, mode=mode))
         server.registry = registry
         host, port = server.server_address[:2]
         scheme = "https" if web and web.ssl_context else "http"

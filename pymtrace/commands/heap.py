@@ -1,6 +1,6 @@
 """`pymtrace heap`: sampled allocation call stacks of processes, written as one heap profile.
 
-Arguments, help and orchestration; the sampling is pymtrace.collect.heapsession (BPF:
+Arguments, help and orchestration; the sampling is pymtrace.sources.heapsession (BPF:
 collect.heap, unwinding: target.unwind, model: collect.heapprofile), the formats are
 pymtrace.sinks.{pprof,folded,flamegraph,heap_text}.
 """
@@ -13,17 +13,17 @@ import sys
 import time
 
 from pymtrace.bpf import load as bpfload
-from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, check_settings
-from pymtrace.collect.heapprofile import DEFAULT_VALUE, VALUE_TYPES
-from pymtrace.collect.heapsession import HeapSession
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.flamegraph import write_html
 from pymtrace.sinks.folded import write_folded
 from pymtrace.sinks.heap_text import write_text
 from pymtrace.sinks.pprof import write_pprof
-from pymtrace.target import libc, proc
-from pymtrace.target.launch import Launched
+from pymtrace.sources.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, check_settings
+from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES
+from pymtrace.sources.heapsession import HeapSession
 from pymtrace.trace.files import atomic_output, check_new
+from pymtrace.tracee import libc, proc
+from pymtrace.tracee.launch import Launched
 from pymtrace.units import parse_bytes
 
 HELP = """Sample the allocations of processes with their complete call stacks (no frame pointers

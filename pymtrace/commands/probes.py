@@ -8,10 +8,10 @@ import time
 
 from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
-from pymtrace.collect import glibc, usdt
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.probe_lines import TEXT_HEADER, hit_line, probe_listing
-from pymtrace.target import launch, libc, proc
+from pymtrace.sources import glibc, usdt
+from pymtrace.tracee import launch, libc, proc
 
 HELP = """Stream every hit of glibc's malloc USDT probes (provider libc, memory_*), one line
 each: time, PID, TID, command, probe name and its decoded arguments, e.g.
@@ -99,32 +99,31 @@ def run(args: argparse.Namespace) -> int:
         if not usdt.match_probe(ev.probe, patterns):
             return
         count[0] += 1
-        out.write(hit_line(ev, collector.wall_offset, args.json))
+        out.write(hit_line(ev, source.wall_offset, args.json))
 
     if args.cmd:
         launched = launch.Launched(args.cmd)
         path = usdt.launched_probe_file(launched)
-        collector = glibc.GlibcCollector(pids=[launched.pid], libcs={launched.pid: path}, on_event=on_event)
+        source = glibc.GlibcSource(pids=[launched.pid], libcs={launched.pid: path}, on_event=on_event)
     elif args.pid:
-        collector = glibc.GlibcCollector(pids=args.pid, on_event=on_event)
+        source = glibc.GlibcSource(pids=args.pid, on_event=on_event)
     else:
-        collector = glibc.GlibcCollector(pids=None, libcs=args.libc, on_event=on_event)
+        source = glibc.GlibcSource(pids=None, libcs=args.libc, on_event=on_event)
     try:
         try:
-            collector.attach()
+            source.attach()
         except BaseException:
             if launched is not None:
                 launched.kill()
             raise
-        if not collector.sites:
+        if not source.sites:
             if launched is not None:
                 launched.kill()
             reasons = (
-                "; ".join(usdt.libc_status(i["libc"])["reason"] for i in collector.libc_info)
-                or "no process maps a libc"
+                "; ".join(usdt.libc_status(i["libc"])["reason"] for i in source.libc_info) or "no process maps a libc"
             )
             raise PymtraceError(f"no malloc USDT probes to trace: {reasons}")
-        for w in collector.warnings:
+        for w in source.warnings:
             print(f"pymtrace: warning: {w}", file=sys.stderr)
         if launched is not None:
             launched.resume()
@@ -132,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
         reported_lost = 0
         try:
             print(
-                f"pymtrace: tracing {len(collector.sites)} malloc probe sites in "
-                f"{sum(1 for i in collector.libc_info if i['attached'])} libc(s)"
+                f"pymtrace: tracing {len(source.sites)} malloc probe sites in "
+                f"{sum(1 for i in source.libc_info if i['attached'])} libc(s)"
                 + (f" for PID {', '.join(map(str, args.pid))}" if args.pid else "")
                 + "; Ctrl-C to stop",
                 file=sys.stderr,
@@ -143,9 +142,9 @@ def run(args: argparse.Namespace) -> int:
                 out.write(TEXT_HEADER)
                 out.flush()
             while True:
-                collector.poll()
+                source.poll()
                 out.flush()
-                lost = collector.lost()
+                lost = source.lost()
                 if lost > reported_lost:
                     print(f"pymtrace: {lost - reported_lost} events lost (ring buffer full)", file=sys.stderr)
                     reported_lost = lost
@@ -158,14 +157,14 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.05)
         except KeyboardInterrupt:
             pass
-        collector.poll()
+        source.poll()
         out.flush()
-        lost = collector.lost()
+        lost = source.lost()
         if lost > reported_lost:
             print(f"pymtrace: {lost - reported_lost} events lost (ring buffer full)", file=sys.stderr)
         print(f"pymtrace probes: {count[0]} events shown, {lost} lost", file=sys.stderr)
     finally:
-        collector.close()
+        source.close()
         if launched is not None and launched.proc.poll() is None:
             if stopping.stopping():  # SIGINT/SIGTERM: the command ends too, as with Ctrl-C
                 launched.stop()

@@ -1,6 +1,6 @@
 """`pymtrace record`: every malloc-API call of a process into an mtrace-format file.
 
-The arguments and help; the recording itself is pymtrace.trace.recorder.
+The arguments and help; the recording itself is pymtrace.recorder.recorder.
 """
 
 import argparse
@@ -8,8 +8,8 @@ import mmap
 import sys
 
 from pymtrace.errors import PymtraceError
-from pymtrace.trace import netproto
-from pymtrace.trace.recorder import Recorder
+from pymtrace.net import protocol
+from pymtrace.recorder.recorder import Recorder
 from pymtrace.units import parse_bytes
 
 HELP = (
@@ -147,14 +147,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch and record CMD")
 
 
-def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], netproto.ClientConfig, int, float]:
+def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], protocol.ClientConfig, int, float]:
     """--to, --web-config, --spool-memory, --send-timeout checked: (address, config, spool
     memory bytes, send timeout).
     Plain TCP only to loopback, and said so."""
-    address = netproto.parse_address(args.to, "--to")
-    config = netproto.load_client_config(args.web_config)
+    address = protocol.parse_address(args.to, "--to")
+    config = protocol.load_client_config(args.web_config)
     if config.ssl_context is None:
-        if not netproto.is_loopback(address[0]):
+        if not protocol.is_loopback(address[0]):
             raise PymtraceError(
                 f"--to {args.to}: plain TCP is allowed only to loopback; give --web-config with tls_config"
             )

@@ -1,19 +1,19 @@
 """`pymtrace run -- CMD`: run a command and report glibc allocator internals at its exit.
 
 The command is traced through glibc's malloc USDT probes plus its user page faults,
-mmap/munmap and brk (pymtrace.collect.glibc_report.Tracer); the report is rendered by
-pymtrace.sinks.glibc_report (same report as `pymtrace summary`).
+mmap/munmap and brk (pymtrace.sources.glibc_report.Tracer); the report is rendered by
+pymtrace.sinks.run_report (same report as `pymtrace summary`).
 """
 
 import argparse
 import time
 
 from pymtrace.bpf import load as bpfload
-from pymtrace.collect import usdt
-from pymtrace.collect.glibc_report import Tracer
-from pymtrace.sinks.glibc_report import add_report_arguments, emit
-from pymtrace.target import launch
-from pymtrace.target.proc import exit_status
+from pymtrace.sinks.run_report import add_report_arguments, emit
+from pymtrace.sources import usdt
+from pymtrace.sources.glibc_report import Tracer
+from pymtrace.tracee import launch
+from pymtrace.tracee.proc import exit_status
 
 HELP = """Run a command and report glibc's allocator internals when it exits: arena lock
 waits per thread, arenas and the threads that used them, heaps and their sizes, total
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         launched.kill()
         if tracer is not None:
-            tracer.collector.close()
+            tracer.source.close()
         raise
     tracer.sample()  # the executable, the loader and the stack, mapped by exec
     launched.resume()

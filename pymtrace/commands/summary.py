@@ -1,8 +1,8 @@
 """`pymtrace summary -p PID`: attach to a process and report glibc allocator internals on Ctrl-C.
 
 The process is traced through glibc's malloc USDT probes plus its user page faults,
-mmap/munmap and brk (pymtrace.collect.glibc_report.Tracer); the report is rendered by
-pymtrace.sinks.glibc_report (same report as `pymtrace run`).
+mmap/munmap and brk (pymtrace.sources.glibc_report.Tracer); the report is rendered by
+pymtrace.sinks.run_report (same report as `pymtrace run`).
 """
 
 import argparse
@@ -10,10 +10,10 @@ import sys
 import time
 
 from pymtrace.bpf import load as bpfload
-from pymtrace.collect import usdt
-from pymtrace.collect.glibc_report import Tracer
-from pymtrace.sinks.glibc_report import add_report_arguments, emit
-from pymtrace.target.proc import alive
+from pymtrace.sinks.run_report import add_report_arguments, emit
+from pymtrace.sources import usdt
+from pymtrace.sources.glibc_report import Tracer
+from pymtrace.tracee.proc import alive
 
 HELP = """Attach to a running process and, on Ctrl-C (or when it exits), report glibc's
 allocator internals seen meanwhile: arena lock waits per thread, arenas and their
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tracer.attach()
     except BaseException:
-        tracer.collector.close()
+        tracer.source.close()
         raise
     deadline = None if args.duration is None else time.monotonic() + args.duration
     try:

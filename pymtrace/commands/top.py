@@ -2,8 +2,8 @@
 
 Full-screen by default (pymtrace.sinks.tui); --batch prints plain tables every interval like
 `top -b`; --json prints one JSON document per interval. The data comes from
-pymtrace.collect (BPF programs in bpf/malloc_stats, slab, faults) and, when available,
-pymtrace.collect.glibc.GlibcCollector (view 4).
+pymtrace.sources (BPF programs in bpf/malloc_stats, slab, faults) and, when available,
+pymtrace.sources.glibc.GlibcSource (view 4).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Callable
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import Reporter
-from pymtrace.target import proc
+from pymtrace.tracee import proc
 from pymtrace.units import parse_bytes
 
 if TYPE_CHECKING:
-    from pymtrace.collect.base import Collectors
-    from pymtrace.collect.snapshot import Snapshot
-    from pymtrace.collect.stacksites import StackSitesCollector
+    from pymtrace.sources.base import Sources
+    from pymtrace.sources.snapshot import Snapshot
+    from pymtrace.sources.stacksites import StackSitesSource
 
 DEFAULT_SAMPLE_BYTES = 524288  # = collect.heap.DEFAULT_SAMPLE_BYTES (not imported: plain top's start-up)
 
@@ -148,7 +148,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _start_demo():
     """Start the bundled demo workload; returns (pid, stop callable)."""
     try:
-        from pymtrace.target import demo
+        from pymtrace.tracee import demo
     except ImportError:
         raise PymtraceError("the demo workload (pymtrace/demo) is not installed") from None
     child = demo.start_demo()
@@ -179,13 +179,13 @@ VIEW_SOURCES = {
     "slab": ("slab",),
     "faults": ("faults",),
     "glibc": ("glibc",),
-    "stacks": (),  # the heap sampler: a collector of its own (collect.stacksites)
+    "stacks": (),  # the heap sampler: a source of its own (sources.stacksites)
     "heap": ("malloc", "glibc"),  # live bytes and RSS; glibc's arena totals where it has probes
 }
 
 
 def _sources(args: argparse.Namespace) -> set[str]:
-    """The collectors the views shown need (none other is compiled or attached); the full
+    """The bundle the views shown need (none other is compiled or attached); the full
     screen can switch to any view: all of them."""
     if not (args.batch or args.json) or not args.view:
         return {"malloc", "slab", "faults", "glibc"}
@@ -193,13 +193,13 @@ def _sources(args: argparse.Namespace) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pymtrace.collect.base import Collectors
+    from pymtrace.sources.base import Sources
 
     # argument errors first: they need neither root nor seconds of compiling
     stacks_on = _stacks_wanted(args)
     sample_bytes = parse_bytes(args.stack_sample_bytes, "--stack-sample-bytes")
     if stacks_on:  # the sampler's module costs ~0.1 s to import: plain top does without it
-        from pymtrace.collect import heap
+        from pymtrace.sources import heap
 
         heap.check_settings(sample_bytes, sample_option="--stack-sample-bytes")
     if stacks_on and not (args.pids or args.demo):
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         tui.require_terminal()  # before seconds of BPF compiling, not after
     pids = list(args.pids or [])
     stop_demo = None
-    collectors = None
+    bundle = None
     stacks = None
     try:
         if args.demo:
@@ -222,43 +222,43 @@ def run(args: argparse.Namespace) -> int:
             pids.append(pid)
         if stacks_on:
             # compiled and attached first, before top's own uprobes (its compile is not trapped)
-            from pymtrace.collect.stacksites import StackSitesCollector
+            from pymtrace.sources.stacksites import StackSitesSource
 
-            stacks = StackSitesCollector(pids, sample_bytes=sample_bytes).attach()
+            stacks = StackSitesSource(pids, sample_bytes=sample_bytes).attach()
         need = _sources(args)
-        collectors = Collectors(
+        bundle = Sources(
             pids=pids or None,
             malloc=not args.always_on and "malloc" in need,
             slab="slab" in need,
             faults="faults" in need,
             glibc=not args.no_glibc and "glibc" in need,
         )
-        collectors.attach()
-        pids = collectors.pids or []
-        source = _snapshots(collectors, stacks)
+        bundle.attach()
+        pids = bundle.pids or []
+        source = _snapshots(bundle, stacks)
         if args.batch or args.json:
-            return _run_batch(args, collectors, pids, source)
-        return _run_tui(args, collectors, pids, source)
+            return _run_batch(args, bundle, pids, source)
+        return _run_tui(args, bundle, pids, source)
     except KeyboardInterrupt:
         return 0
     finally:
-        if collectors is not None:
-            collectors.close()
+        if bundle is not None:
+            bundle.close()
         if stacks is not None:
             stacks.close()
         if stop_demo is not None:
             stop_demo()
 
 
-def _snapshots(collectors: Collectors, stacks: StackSitesCollector | None) -> Callable[[], Snapshot]:
+def _snapshots(bundle: Sources, stacks: StackSitesSource | None) -> Callable[[], Snapshot]:
     """The function taking one snapshot: the bundle's, with the call sites when sampled."""
     if stacks is None:
-        return collectors.snapshot
+        return bundle.snapshot
 
     def snapshot() -> Snapshot:
-        from pymtrace.collect.snapshot import merge
+        from pymtrace.sources.snapshot import merge
 
-        snap = collectors.snapshot()
+        snap = bundle.snapshot()
         # the samples up to when the counters' reading began: the same calls (reading takes
         # seconds in an emulated VM, and the sampler goes on meanwhile)
         merged = merge([snap, stacks.snapshot(until=snap.get("time"))])
@@ -268,12 +268,10 @@ def _snapshots(collectors: Collectors, stacks: StackSitesCollector | None) -> Ca
     return snapshot
 
 
-def _run_batch(
-    args: argparse.Namespace, collectors: Collectors, pids: list[int], source: Callable[[], Snapshot]
-) -> int:
-    have_glibc = "glibc" in collectors.collectors
+def _run_batch(args: argparse.Namespace, bundle: Sources, pids: list[int], source: Callable[[], Snapshot]) -> int:
+    have_glibc = "glibc" in bundle.sources
     reporter = Reporter(args, _views_wanted(args, have_glibc), pids)
-    for note in collectors.notes:
+    for note in bundle.notes:
         print(f"pymtrace: note: {note}", file=sys.stderr, flush=True)
     # every report covers one interval after attach, the first included: rates from a
     # baseline taken now, never from the time spent compiling and attaching
@@ -297,12 +295,12 @@ def _run_batch(
 
 
 def _run_tui(
-    args: argparse.Namespace, collectors: Collectors, pids: list[int], source_snapshot: Callable[[], Snapshot]
+    args: argparse.Namespace, bundle: Sources, pids: list[int], source_snapshot: Callable[[], Snapshot]
 ) -> int:
     from pymtrace.sinks import tui
 
     state = {"gone": False}
-    notes = list(collectors.notes)
+    notes = list(bundle.notes)
 
     def source():
         if state["gone"]:

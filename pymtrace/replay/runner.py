@@ -18,9 +18,9 @@ import statistics
 import subprocess
 from collections.abc import Iterable
 
+from pymtrace import nativebuild
 from pymtrace.bpf import structs
 from pymtrace.errors import CorruptFile, PymtraceError
-from pymtrace.target import nativebuild
 
 NATIVE_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "replay.c")
 NATIVE_HEADER = os.path.join(os.path.dirname(NATIVE_SRC), "wl.h")  # the contract, read by both sides

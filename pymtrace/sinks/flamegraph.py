@@ -15,7 +15,7 @@ import json
 from importlib import resources
 from typing import Any, BinaryIO
 
-from pymtrace.collect.heapprofile import (
+from pymtrace.sources.heapprofile import (
     DEFAULT_VALUE,
     VALUE_TYPES,
     VALUE_UNITS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import BinaryIO
 
-from pymtrace.collect.heapprofile import DEFAULT_VALUE, FrameSource, HeapProfile, frames_root_first
+from pymtrace.sources.heapprofile import DEFAULT_VALUE, FrameSource, HeapProfile, frames_root_first
 
 # ';' separates frames and a newline ends the line: neither may appear inside a name
 # (control characters are replaced too, so a line is always one printable line).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
-from pymtrace.collect.heapprofile import DEFAULT_VALUE, VALUE_TYPES, FrameSource, HeapProfile
+from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES, FrameSource, HeapProfile
 
 _SPACE_OF = {"alloc_objects": "alloc_space", "alloc_space": "alloc_space"}
 _OBJECTS_OF = {"alloc_objects": "alloc_objects", "alloc_space": "alloc_objects"}

@@ -16,9 +16,9 @@ from __future__ import annotations
 import gzip
 from typing import BinaryIO
 
-from pymtrace.collect.heapprofile import DEFAULT_VALUE, VALUE_TYPES, VALUE_UNITS, FrameSource, HeapProfile
 from pymtrace.sinks import profile_pb2
-from pymtrace.target.unwind import Location, Module
+from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES, VALUE_UNITS, FrameSource, HeapProfile
+from pymtrace.tracee.unwind import Location, Module
 
 # Each mapping gets its own synthetic address range: we know file-relative pcs only, and
 # pprof wants disjoint [memory_start, memory_limit) ranges with address = start + offset.

@@ -5,9 +5,9 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 
-from pymtrace.collect import usdt
-from pymtrace.collect.glibc import ProbeHit
-from pymtrace.target import libc
+from pymtrace.sources import usdt
+from pymtrace.sources.glibc import ProbeHit
+from pymtrace.tracee import libc
 
 TEXT_HEADER = f"{'TIME':<15} {'PID':>7} {'TID':>7} {'COMM':<15} PROBE ARGS\n"
 

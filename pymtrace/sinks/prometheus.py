@@ -1,9 +1,9 @@
 """The exporter's metrics: per-label aggregation and the Prometheus metric families.
 
-The collectors' snapshots (pymtrace.collect) are cumulative per PID; Aggregator turns them
+The sources' snapshots (pymtrace.sources) are cumulative per PID; Aggregator turns them
 into per-`comm` (or cgroup, or capped per-PID) series that stay monotonic while processes
 come and go, and drops the series of processes gone for longer than a grace period.
-ExporterCollector, a prometheus-client custom collector, reads the sources at every scrape
+ExporterMetrics, a prometheus-client custom collector, reads the sources at every scrape
 and yields the families declared as data in METRICS (name, type, help, labels, where the
 samples come from), in that order. pymtrace.sinks.http serves the registry.
 """
@@ -32,15 +32,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pymtrace import __version__
-from pymtrace.collect import snapshot as snapshot_model
-from pymtrace.target import proc
+from pymtrace.sources import snapshot as snapshot_model
+from pymtrace.tracee import proc
 
 if TYPE_CHECKING:
     from pymtrace.bpf.stats import BpfStats
 
 PROC_COUNTERS = ("requested_bytes", "allocated_bytes", "freed_bytes", "failed", "faults_user", "faults_kernel")
 # process gauges, summed over a label's live processes; heap_flag (bool, None when it cannot
-# be judged: pymtrace.collect.heapefficiency) sums to the number of flagged processes
+# be judged: pymtrace.sources.heapefficiency) sums to the number of flagged processes
 PROC_GAUGES = ("live_bytes", "rss_bytes", "rss_anon_bytes", "heap_flag")
 # glibc (USDT) values per process: gauges (state now) and counters (cumulative)
 GLIBC_GAUGES = {
@@ -209,7 +209,7 @@ class Aggregator:
                         self._retire(st, down)
                         for k in down:
                             st.base[k] = 0
-                    # one collector may drop an exited process a snapshot before another
+                    # one source may drop an exited process a snapshot before another
                     # does: what it stopped reporting keeps its last value
                     counters = {**st.last, **counters}
             if st is None:
@@ -224,7 +224,7 @@ class Aggregator:
             st.gauges = {k: int(entry[k]) for k in PROC_GAUGES if entry.get(k) is not None}
             st.glibc = {k: g[k] for k in GLIBC_GAUGES if isinstance(g.get(k), (int, float))}
             st.alive = not entry.get("exited") and self.alive(pid)
-        # processes no longer in the collectors' maps: their work stays with their label
+        # processes no longer in the sources' maps: their work stays with their label
         for pid in [p for p in self.pids if p not in present]:
             self._retire(self.pids.pop(pid))
 
@@ -299,8 +299,8 @@ def _activity(st: _Pid) -> Union[int, float]:
 
 
 def _prune_glibc(src: object) -> None:
-    """The glibc collector keeps exited processes until told: drop them once read."""
-    inner = getattr(src, "collectors", None)
+    """The glibc source keeps exited processes until told: drop them once read."""
+    inner = getattr(src, "sources", None)
     g = inner.get("glibc") if isinstance(inner, dict) else None
     if g is not None and hasattr(g, "prune"):
         try:
@@ -313,10 +313,10 @@ def _prune_glibc(src: object) -> None:
 
 
 def merge_sources(sources: Iterable) -> dict:
-    """One merged snapshot of every source (sources are collect.Collectors bundles,
-    single collectors, or test fakes: all produce pymtrace.collect.snapshot's schema), by
+    """One merged snapshot of every source (sources are sources.base.Sources bundles,
+    single sources, or test fakes: all produce pymtrace.sources.snapshot's schema), by
     snapshot.merge (the rule top uses too), plus the exporter's extras: the glibc
-    collector's map-full losses as lost causes (its ring-buffer losses are already there, as
+    source's map-full losses as lost causes (its ring-buffer losses are already there, as
     "glibc_events"), and processes only the glibc probes saw."""
     parts = []
     for src in sources:
@@ -343,7 +343,7 @@ def merge_sources(sources: Iterable) -> dict:
 
 
 def size_bucket_le(i: int) -> float:
-    """Upper bound (bytes) of BPF log2 size bucket I as pymtrace.collect.malloc fills them:
+    """Upper bound (bytes) of BPF log2 size bucket I as pymtrace.sources.malloc fills them:
     bucket 0 holds size 0, bucket i sizes in [2**(i-1), 2**i - 1]; sizes are integers, so
     `le` = 2**i - 1 is exact (0, 1, 3, 7, ..., 1023, ...)."""
     return float(2**i - 1) if i > 0 else 0.0
@@ -356,7 +356,7 @@ def _fmt_le(v: float) -> str:
 class Scrape(NamedTuple):
     """What one scrape read: the input of the sample functions of METRICS."""
 
-    collector: "ExporterCollector"
+    metrics: "ExporterMetrics"
     snap: dict  # the merged snapshot (merge_sources)
     series: List[Tuple[str, dict]]  # Aggregator.series() as (label, series), sorted by label
     bpf: Optional[dict]  # BpfStats.read(), or None without BPF statistics
@@ -422,7 +422,7 @@ def _size_histogram(scrape: Scrape) -> Samples:
             buckets, acc = [], 0
             for i in range(max(sizes) + 1):  # every bucket up to the largest seen
                 acc += sizes.get(i, 0)
-                buckets.append((_fmt_le(scrape.collector.bucket_le(i)), acc))
+                buckets.append((_fmt_le(scrape.metrics.bucket_le(i)), acc))
             buckets.append(("+Inf", acc))
             yield [label], (buckets, c.get("requested_bytes", 0))
 
@@ -431,7 +431,7 @@ def _allocators(scrape: Scrape) -> Samples:
     """(label, allocator): 1 for processes whose malloc calls are counted (glibc, jemalloc,
     tcmalloc, mimalloc, an executable's own malloc), 0 for an allocator that is not (a
     static binary: its calls are not seen)."""
-    pids = scrape.collector.agg.pids
+    pids = scrape.metrics.agg.pids
     seen = {}
     for pid, p in (scrape.snap.get("processes") or {}).items():
         st = pids.get(int(pid))
@@ -461,7 +461,7 @@ def _lost(scrape: Scrape) -> Samples:
 
 def _collectors_up(scrape: Scrape) -> Samples:
     errors = scrape.snap.get("errors") or {}
-    for name in sorted(set(scrape.collector.collector_names) | set(errors)):
+    for name in sorted(set(scrape.metrics.source_names) | set(errors)):
         yield [name], 0 if name in errors else 1
 
 
@@ -492,7 +492,7 @@ def _value(of: Callable[[Scrape], object]) -> Callable[[Scrape], Samples]:
 
 def _scrape_duration(scrape: Scrape) -> float:
     """The scrape's duration so far (read last: it covers building every other family)."""
-    c = scrape.collector
+    c = scrape.metrics
     c.last_duration = time.perf_counter() - scrape.started
     c.scrapes += 1
     return c.last_duration
@@ -655,7 +655,7 @@ METRICS: Tuple[Metric, ...] = (
         "gauge",
         "1 when the kernel's BPF run-time statistics are on",
         (),
-        _value(lambda sc: 1 if sc.collector.bpfstats.enabled() else 0),
+        _value(lambda sc: 1 if sc.metrics.bpfstats.enabled() else 0),
         when=_has_bpf,
     ),
     Metric(
@@ -663,7 +663,7 @@ METRICS: Tuple[Metric, ...] = (
         "gauge",
         "processes the exporter currently tracks",
         (),
-        _value(lambda sc: len(sc.collector.agg.pids)),
+        _value(lambda sc: len(sc.metrics.agg.pids)),
     ),
     Metric(
         "pymtrace_exporter_series_labels",
@@ -677,12 +677,12 @@ METRICS: Tuple[Metric, ...] = (
         "counter",
         "label values dropped after their processes were gone for the grace period",
         (),
-        _value(lambda sc: sc.collector.agg.dropped_total),
+        _value(lambda sc: sc.metrics.agg.dropped_total),
     ),
     Metric(
         "pymtrace_exporter_collect_success",
         "gauge",
-        "1 when this scrape read every collector",
+        "1 when this scrape read every source",
         (),
         _value(lambda sc: 1 if sc.ok else 0),
     ),
@@ -691,7 +691,7 @@ METRICS: Tuple[Metric, ...] = (
         "gauge",
         "pymtrace version and mode",
         ("version", "mode", "label_by"),
-        lambda sc: [([__version__, sc.collector.mode, sc.collector.label], 1)],
+        lambda sc: [([__version__, sc.metrics.mode, sc.metrics.label], 1)],
     ),
     Metric(
         "pymtrace_exporter_scrape_duration_seconds",
@@ -724,8 +724,8 @@ def families(metrics: Iterable[Metric], scrape: Scrape, label_name: str) -> Iter
             yield fam
 
 
-class ExporterCollector:
-    """prometheus-client custom collector: reads the collectors' maps at every scrape."""
+class ExporterMetrics:
+    """prometheus-client custom collector: reads the sources' maps at every scrape."""
 
     def __init__(
         self,
@@ -745,10 +745,10 @@ class ExporterCollector:
         self.bucket_le = bucket_le
         self._now = now
         self.lock = threading.Lock()
-        self.collector_names = []
+        self.source_names = []
         for src in self.sources:
-            inner = getattr(src, "collectors", None)
-            self.collector_names += (
+            inner = getattr(src, "sources", None)
+            self.source_names += (
                 list(inner) if isinstance(inner, dict) else [getattr(src, "name", None) or type(src).__name__]
             )
         self.last_duration = 0.0

@@ -30,9 +30,9 @@ import time
 from types import FrameType
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
-from pymtrace.collect.snapshot import Snapshot
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks import views
+from pymtrace.sources.snapshot import Snapshot
 
 HELP = "1-6/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
 HELP_STACKS = "1-6/Tab view  </> sort  r reverse  p pause  Up/Down select  Enter stacks  q quit"

@@ -1,9 +1,9 @@
 """The five views of `pymtrace top`, as pure functions of two snapshots.
 
-A snapshot is the model of pymtrace.collect.snapshot (its docstring and TypedDicts are the
+A snapshot is the model of pymtrace.sources.snapshot (its docstring and TypedDicts are the
 schema): cumulative counters since attach. PIDs may be ints or strings (a snapshot that
-went through JSON has string keys). Keys of collectors that are not running are absent, so
-a view works with whichever collectors are running: it reads the keys the schema marks as
+went through JSON has string keys). Keys of sources that are not running are absent, so
+a view works with whichever sources are running: it reads the keys the schema marks as
 optional with their neutral value (0, {}, None) and the rest as they are.
 
 `build(view, prev, cur)` returns a Table: column definitions, rows of RAW values (numbers
@@ -21,9 +21,9 @@ import math
 import os
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple, Union
 
-from pymtrace.collect import heapefficiency
-from pymtrace.collect.snapshot import ALLOC_CALLS, CALLS, DELETE_CALLS, FREE_CALLS, NEW_CALLS, Snapshot
 from pymtrace.sinks.text import format_cell, human_bytes, human_count
+from pymtrace.sources import heapefficiency
+from pymtrace.sources.snapshot import ALLOC_CALLS, CALLS, DELETE_CALLS, FREE_CALLS, NEW_CALLS, Snapshot
 
 VIEWS = ("processes", "slab", "faults", "glibc", "stacks", "heap")
 TITLES = {
@@ -34,7 +34,7 @@ TITLES = {
     "stacks": "call stacks",
     "heap": "heap efficiency",
 }
-# The snapshot's "calls" names (ALLOC_CALLS, ...) come from pymtrace.collect.snapshot, which
+# The snapshot's "calls" names (ALLOC_CALLS, ...) come from pymtrace.sources.snapshot, which
 # reads them from the BPF headers; the MEMALIGN/s column sums this family.
 MEMALIGN_FAMILY = ("memalign", "posix_memalign", "valloc", "pvalloc")
 
@@ -78,7 +78,7 @@ def _by_pid(mapping: Optional[Mapping]) -> Dict[int, Any]:
 
 
 def _call(p: Mapping, name: str) -> int:
-    """Calls of NAME in process entry P; 0 without per-call data (no malloc collector)."""
+    """Calls of NAME in process entry P; 0 without per-call data (no malloc source)."""
     return p.get("calls", {}).get(name, 0)
 
 
@@ -195,9 +195,9 @@ SLAB_COLUMNS = [
 ]
 
 
-def _unavailable(cur: Snap, collector: str) -> List[str]:
+def _unavailable(cur: Snap, source: str) -> List[str]:
     """The note saying why COLLECTOR's data is missing (it could not run on this kernel)."""
-    why = (cur.get("errors") or {}).get(collector)
+    why = (cur.get("errors") or {}).get(source)
     return [f"Not available: {why}"] if why else []
 
 
@@ -256,7 +256,7 @@ def faults_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = Non
     """One row per process (region "(all)": user + kernel faults) followed by its regions.
 
     Region rows count user-mode faults by the mapping they hit: a file's path, [heap],
-    [stack], or anonymous mmap, as the fault collector labels them.
+    [stack], or anonymous mmap, as the fault source labels them.
     """
     dt = interval_of(prev, cur, interval)
     procs = _by_pid(cur.get("processes"))
@@ -420,7 +420,7 @@ def glibc_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None
 
 
 def _probeless_libcs(cur: Snap) -> List[Mapping]:
-    """The libcs the glibc collector looked at, when none of them had probes to attach."""
+    """The libcs the glibc source looked at, when none of them had probes to attach."""
     libcs = cur.get("glibc_collector", {}).get("libcs", [])
     return [] if any(i["attached"] for i in libcs) else libcs
 
@@ -686,7 +686,7 @@ _BLOCK_BYTES = ("allocated_bytes", "freed_bytes", "live_bytes")
 
 def totals_rows(snap: Snap, pids: Optional[List[int]] = None) -> List[list]:
     """Exact cumulative counters per process (the `totals` view): [[values]], sorted by PID;
-    a counter of a collector that is not running is 0."""
+    a counter of a source that is not running is 0."""
     rows = []
     for pid, p in sorted(_by_pid(snap.get("processes")).items()):
         if pids and pid not in pids:

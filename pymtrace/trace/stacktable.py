@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from pymtrace.errors import CorruptFile, PymtraceError
-from pymtrace.target.unwind import Frame, Location
+from pymtrace.tracee.unwind import Frame, Location
 
 FORMAT = "pymtrace-stacks"
 VERSION = 1

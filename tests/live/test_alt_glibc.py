@@ -1,6 +1,6 @@
 """Optional: exact counts under a second glibc, the workload run through that glibc's loader.
 
-Every probe site is decoded from the libc a process maps (pymtrace/target/probesite.py), so
+Every probe site is decoded from the libc a process maps (pymtrace/tracee/probesite.py), so
 another glibc release means other offsets (glibc 2.41's free(NULL) `ret` is at free+0x188,
 2.36's at +0xc8) and other code shapes (2.41's memalign and aligned_alloc are separate
 functions). These tests run tests/support/workloads/top_calls.c with the other glibc's
@@ -25,8 +25,8 @@ import pytest
 from conftest import PYMTRACE
 from support.top import Lines, Top, Workload
 
-from pymtrace.target import libc
 from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.tracee import libc
 
 pytestmark = pytest.mark.bpf
 

@@ -192,7 +192,7 @@ def test_collector_disk_full_one_line_each_side_then_delivered(tmp_path, capsys)
     records directly (no BPF needed for this part)."""
     import numpy
 
-    from pymtrace.trace import netproto, netsink
+    from pymtrace.net import protocol, sender
 
     ds = tmp_path / "ds"
     ds.mkdir()
@@ -206,7 +206,7 @@ def test_collector_disk_full_one_line_each_side_then_delivered(tmp_path, capsys)
         recs["ptr2"] = numpy.random.default_rng(1).integers(0, 1 << 60, n, dtype=numpy.uint64)  # incompressible
         recs["time_ns"] = numpy.arange(n)
         meta = P.file_metadata(pid=77, host="h", start_time="2026-11-24T00:00:00Z")
-        out = netsink.NetOutput(("127.0.0.1", c.port), netproto.ClientConfig(), 77, meta)
+        out = sender.NetOutput(("127.0.0.1", c.port), protocol.ClientConfig(), 77, meta)
         out.write(recs.tobytes(), n)
         time.sleep(9)  # a part is due after 5 s; then a few retries
         assert out.spool.acked == 0

@@ -12,8 +12,8 @@ from conftest import WORKLOADS, missing_or_fail
 from support.allocators import LIBS, library, record_workload
 from support.top import Top, Workload
 
-from pymtrace.target import allocators, elf
 from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.tracee import allocators, elf
 
 pytestmark = pytest.mark.bpf
 

@@ -437,7 +437,7 @@ def test_default_mode_has_faults_and_slab_but_no_per_call_series(tmp_path):
 
 def _malloc_path(libc_path):
     """{function: (first, end) file offsets} of the malloc-API entry points in LIBC_PATH."""
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     out = {}
     for name in ("malloc", "free", "calloc", "realloc"):
@@ -463,7 +463,7 @@ def _on_malloc_path(probes, libc_path, ranges):
 def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tmp_path):
     """An exporter runs always: by default (and with the old --always-on, now a no-op alias)
     it must not trap the malloc calls of every process; --per-call is the opt-in that does."""
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     binary = compile_c(tmp_path, "pmx_known", WORKLOAD_C)
     w = Workload([binary, "pmx-mode"])

@@ -1,4 +1,4 @@
-"""HeapCollector (bpf/heap.bpf.c) on a real process making known calls (workloads/heap_calls.c,
+"""HeapSource (bpf/heap.bpf.c) on a real process making known calls (workloads/heap_calls.c,
 built -O2 -fomit-frame-pointer): exact samples and live blocks at sample_bytes=1, the stack
 copy holding the callers' return addresses, exec/fork/exit records, and the Poisson sampler's
 estimates at the default mean within a stated bound."""
@@ -17,8 +17,8 @@ from elftools.elf.elffile import ELFFile
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import uprobes
-from pymtrace.collect.heap import DEFAULT_SAMPLE_BYTES, HeapCollector, HeapSample
 from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.sources.heap import DEFAULT_SAMPLE_BYTES, HeapSample, HeapSource
 
 FLAGS = ("-O2", "-fomit-frame-pointer")
 STACK_WORDS = 256  # return addresses of the chain looked for in the first 2 KiB above sp
@@ -40,7 +40,7 @@ def function_at(funcs, vaddr):
 
 
 class Run:
-    """heap_calls ARGS traced by a HeapCollector; samples keep the first STACK_WORDS words.
+    """heap_calls ARGS traced by a HeapSource; samples keep the first STACK_WORDS words.
     COPIES processes of it traced by the one collector: copy(i) is the run as seen by the i-th
     (pid, base, output), the first by default."""
 
@@ -55,7 +55,7 @@ class Run:
         self.proc = self.procs[0]
         self.pid, self.base = self.proc.pid, self.bases[self.proc.pid]
         self.samples, self.words, self.execs, self.forks, self.exits = [], {}, [], [], []
-        self.collector = HeapCollector(
+        self.collector = HeapSource(
             set(self.bases),
             on_sample=self._sample,
             on_exec=self.execs.append,
@@ -218,10 +218,10 @@ def test_errors_are_one_line():
     gone = subprocess.Popen(["true"])
     gone.wait()
     with pytest.raises(ProcessGone):
-        HeapCollector({gone.pid})
+        HeapSource({gone.pid})
     with pytest.raises(PymtraceError, match="stack bytes"):
-        HeapCollector({1}, stack_bytes=1000)
-    c = HeapCollector({2})  # kthreadd: maps nothing
+        HeapSource({1}, stack_bytes=1000)
+    c = HeapSource({2})  # kthreadd: maps nothing
     with pytest.raises(PymtraceError, match="maps no libc"):
         c.attach()
 
@@ -231,10 +231,10 @@ def test_not_root_is_one_error(tmp_path):
     """Run as an unprivileged user: attach() raises NotRootError (the CLI prints its one line)."""
     code = (
         "import os\n"
-        "from pymtrace.collect.heap import HeapCollector\n"
+        "from pymtrace.sources.heap import HeapSource\n"
         "from pymtrace.errors import NotRootError\n"
         "try:\n"
-        "    HeapCollector({os.getpid()}).attach()\n"
+        "    HeapSource({os.getpid()}).attach()\n"
         "except NotRootError as exc:\n"
         "    print('ERR', exc)\n"
     )

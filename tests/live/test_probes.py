@@ -152,7 +152,7 @@ def test_probes_attach_to_running_pid(sdt_libc, cbuild):
 
 @pytest.mark.bpf
 def test_probes_says_when_libc_has_no_probes(cbuild):
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     system = libc.system_libc()
     if libc.malloc_probes(system):

@@ -126,7 +126,7 @@ def test_uprobed_libc_is_flagged(tmp_path):
     """While a system-wide uprobe sits on libc's malloc (as `pymtrace top`/`exporter` place
     them), glibc times include the traps: the row says so."""
     from pymtrace.bpf import load as bpfload
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     bpfload.ensure_tracefs()
     path = os.path.realpath(libc.system_libc())

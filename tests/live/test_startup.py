@@ -81,7 +81,7 @@ def compiled_functions(proc):
 
 
 # malloc_stats's programs, exactly (bpf/malloc_stats.bpf.c): the libc's (MS_GLIBC), the other
-# allocators' (MS_FOREIGN: pymtrace.target.allocators' tables; of those only the argument
+# allocators' (MS_FOREIGN: pymtrace.tracee.allocators' tables; of those only the argument
 # layouts the probed files use), C++'s (MS_CXX), and the exec probe they all need.
 GLIBC_PROGRAMS = {
     "ms_malloc_entry", "ms_malloc_return", "ms_calloc_entry", "ms_calloc_return", "ms_free_entry",
@@ -107,9 +107,9 @@ RECORD_GLIBC = {
 
 
 def attached_programs(path, family):
-    """The programs pymtrace.target.allocators' probe plan attaches in PATH (ground truth
+    """The programs pymtrace.tracee.allocators' probe plan attaches in PATH (ground truth
     for the exact sets above: the plan's own decoding, not the pre-compile selection)."""
-    from pymtrace.target import allocators
+    from pymtrace.tracee import allocators
 
     return {p.program for _, probes in allocators.probe_plan(path, family) for p in probes}
 
@@ -262,7 +262,7 @@ def test_system_wide_top_compiles_other_allocators_programs_when_one_is_mapped(t
     other allocators' only the layouts some mapped file uses. (Without one they are not,
     which a shared machine cannot promise for a system-wide test: the -p test above shows
     it; other users' allocator files mapped now are added to the expected set.)"""
-    from pymtrace.target import allocators, libc
+    from pymtrace.tracee import allocators, libc
 
     work = _foreign_workload(cbuild)
     try:

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from conftest import PYMTRACE, run_pymtrace, workload_facts
 
-from pymtrace.target import libc
+from pymtrace.tracee import libc
 
 
 def _run_json(*argv, env=None):

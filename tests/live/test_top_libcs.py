@@ -28,7 +28,7 @@ def planted(cbuild):
     """Two processes of user nobody, each mapping a bad libc.so.6 of its own (not ELF;
     a truncated copy of the real libc), plus one ordinary process allocating at a known
     rate. Yields (bad paths, the ordinary process's PID)."""
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     exe = cbuild("map_as_libc")
     steady = cbuild("top_steady")
@@ -94,7 +94,7 @@ def test_top_system_wide_skips_planted_libcs(planted):
     rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] == [str(pid)]]
     assert rows and rows[0][1] == "pmt-steady", r.stdout
     assert float(rows[0][2].rstrip("k")) > 0  # its MALLOC/s: the good libc is traced
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     if not libc.malloc_probes(libc.system_libc()):  # item 18: view 4 says why it is empty
         glibc = r.stdout[r.stdout.index("== glibc internals") :]

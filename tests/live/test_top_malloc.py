@@ -10,7 +10,7 @@ from conftest import ProbeWatch
 from support.schema import problems
 from support.top import Top, Workload, alive, assert_probes_gone, assert_probes_installed
 
-from pymtrace.collect.snapshot import CALLS, DELETE_CALLS, NEW_CALLS
+from pymtrace.sources.snapshot import CALLS, DELETE_CALLS, NEW_CALLS
 
 
 def _expected_ok(expected):
@@ -47,7 +47,7 @@ def test_json_counts_every_call_once_exactly(cbuild):
         assert rows[0]["malloc"] == expected["calls"]["malloc"]
         assert rows[0]["live_bytes"] == p["live_bytes"]
         assert all(r["pid"] == w.pid for r in doc["views"]["processes"]["rows"])
-        assert problems(doc["snapshot"], json_keys=True) == []  # pymtrace.collect.snapshot's schema
+        assert problems(doc["snapshot"], json_keys=True) == []  # pymtrace.sources.snapshot's schema
         # Ctrl-C: clean exit, no uprobes of ours left, the workload unharmed
         assert top.stop(signal.SIGINT) == 0
         assert_probes_gone(top, w.pid)
@@ -198,7 +198,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
     exactly, and glibc's USDT view sees that libc's probes."""
     prefix, libc_path = sdt_libc
     w = Workload(prefix + [cbuild("top_calls")])
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     assert libc.process_libc(w.pid) == libc_path
     top = Top("--json", "-p", w.pid, "-i", "0.5", "--view", "totals", "--view", "glibc")
@@ -213,7 +213,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
         assert p["requested_bytes"] == expected["requested_bytes"]
         assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
         snap = doc["snapshot"]
-        assert "glibc" in snap, snap.get("errors")  # pymtrace.collect.glibc's collector ran alongside
+        assert "glibc" in snap, snap.get("errors")  # pymtrace.sources.glibc's collector ran alongside
         assert snap["glibc"][str(w.pid)]["probes"] > 0
         assert problems(snap, json_keys=True) == []  # malloc + faults + glibc: the schema holds
         assert top.stop() == 0
@@ -226,17 +226,17 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
 
 @pytest.mark.bpf
 def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
-    """MallocCollector and FaultCollector used directly (the exporter's way) with room for
+    """MallocSource and FaultSource used directly (the exporter's way) with room for
     two processes, tracing four that run one after the other: the per-process maps never
     hold more than two entries, each new process is recorded exactly (the least recently
     used one is evicted, nothing is dropped: no lost events), and the evictions are counted."""
-    from pymtrace.collect.faults import FaultCollector
-    from pymtrace.collect.malloc import MallocCollector
+    from pymtrace.sources.faults import FaultSource
+    from pymtrace.sources.malloc import MallocSource
 
     ws = [Workload([cbuild("top_calls")]) for _ in range(4)]
     pids = [w.pid for w in ws]
-    c = MallocCollector(pids=pids, max_procs=2)
-    f = FaultCollector(pids=pids, max_procs=2)
+    c = MallocSource(pids=pids, max_procs=2)
+    f = FaultSource(pids=pids, max_procs=2)
     watch = ProbeWatch(os.getpid())
     try:
         c.attach()

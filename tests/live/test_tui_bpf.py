@@ -83,7 +83,7 @@ def test_real_top_on_real_workloads(tmux, tmp_path):
         s = t.wait_for(lambda s: "[3 page faults]" in s and "REGION" in s and "(all)" in s, "faults view")
         t.send("4")
         s = t.wait_for(lambda s: "[4 glibc internals]" in s, "glibc view")
-        from pymtrace.target import libc
+        from pymtrace.tracee import libc
 
         if not libc.malloc_probes(libc.system_libc()):
             t.wait_for(lambda s: "no malloc USDT probes" in s, "glibc view says the probes are missing")

@@ -168,7 +168,7 @@ def _hold_uprobe(path, function, pid, ref_ctr_offset):
     """What another tool's uprobe looks like to the kernel: a perf-event uprobe at FUNCTION of
     PATH for PID, registered with reference counter offset REF_CTR_OFFSET (a USDT semaphore's
     way), no BPF program. Its fd (close it to release the place)."""
-    from pymtrace.target import elf
+    from pymtrace.tracee import elf
 
     offset = elf.code_offset(path, elf.symbol(path, function).address)
     return uprobes.perf_uprobe_event(os.fsencode(path), offset, pid, False, ref_ctr_offset)

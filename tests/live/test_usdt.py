@@ -1,4 +1,4 @@
-"""pymtrace.collect.glibc.GlibcCollector on real BPF (argument decoding: tests/unit/test_usdt_decoding.py)."""
+"""pymtrace.sources.glibc.GlibcSource on real BPF (argument decoding: tests/unit/test_usdt_decoding.py)."""
 
 import json
 import os
@@ -9,8 +9,8 @@ import time
 import pytest
 from conftest import ProbeWatch, workload_facts
 
-from pymtrace.collect import glibc
-from pymtrace.target import launch, libc
+from pymtrace.sources import glibc
+from pymtrace.tracee import launch, libc
 
 # ------------------------------------------------------------------ unit: argument specs
 
@@ -23,7 +23,7 @@ def _launch_traced(prefix, argv, env=None, watch=None):
     WATCH (a ProbeWatch of this process) records the uprobes held while attached."""
     events = []
     L = launch.Launched(prefix + argv, env=env, stdout=subprocess.PIPE)
-    c = glibc.GlibcCollector(pids=[L.pid], libcs={L.pid: L.libc_path()}, on_event=events.append)
+    c = glibc.GlibcSource(pids=[L.pid], libcs={L.pid: L.libc_path()}, on_event=events.append)
     try:
         c.attach()
         if watch:
@@ -162,7 +162,7 @@ def test_collector_system_wide_two_libcs(sdt_libc, cbuild, tmp_path):
         shutil.copy2(os.path.join(os.path.dirname(path), name), copy / name)
     prefix2 = [str(copy / "ld-linux-x86-64.so.2"), "--library-path", str(copy)]
     events = []
-    c = glibc.GlibcCollector(pids=None, libcs=[path, str(copy / "libc.so.6")], on_event=events.append)
+    c = glibc.GlibcSource(pids=None, libcs=[path, str(copy / "libc.so.6")], on_event=events.append)
     try:
         c.attach()
         attached = {i["libc"] for i in c.libc_info if i["attached"]}
@@ -201,7 +201,7 @@ def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
     deadline = time.monotonic() + 10  # until its loader has mapped libc (a fresh exec has not)
     while libc.process_libc(plain.pid) is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    c = glibc.GlibcCollector(pids=[work.pid, plain.pid])
+    c = glibc.GlibcSource(pids=[work.pid, plain.pid])
     watch = ProbeWatch(os.getpid())
     try:
         assert work.stdout.readline().startswith("ready")
@@ -249,7 +249,7 @@ def test_collector_counts_every_lost_event(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     events = []
     L = launch.Launched(prefix + [cbuild("glibc_arenas"), "new", "3"], stdout=subprocess.DEVNULL)
-    c = glibc.GlibcCollector(pids=[L.pid], libcs={L.pid: L.libc_path()}, on_event=events.append, ringbuf_pages=1)
+    c = glibc.GlibcSource(pids=[L.pid], libcs={L.pid: L.libc_path()}, on_event=events.append, ringbuf_pages=1)
     try:
         c.attach()
         L.resume()

@@ -55,7 +55,7 @@ class ServedExporter:
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.agg = aggregator or prometheus.Aggregator(label_by=label_by, alive=lambda pid: True)
-        self.collector = prometheus.ExporterCollector(sources, self.agg, None, label_by=label_by)
+        self.collector = prometheus.ExporterMetrics(sources, self.agg, None, label_by=label_by)
         self.registry.register(self.collector)
         self.server = make_server(
             ("127.0.0.1", 0),

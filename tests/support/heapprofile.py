@@ -14,8 +14,8 @@ Stacks (leaf first), sample_bytes 1 (every call sampled: all values exact):
 The run ends at 100 s; drops: ring_full 3.
 """
 
-from pymtrace.collect.heapprofile import HeapProfile
-from pymtrace.target.unwind import Frame, Module
+from pymtrace.sources.heapprofile import HeapProfile
+from pymtrace.tracee.unwind import Frame, Module
 
 EXE = Module("/usr/local/bin/chain", "aa11bb22cc33dd44ee55ff6600112233")
 LIB = Module("/usr/local/lib/libchain.so", "0123456789abcdef0123456789abcdef01234567")

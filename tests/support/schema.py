@@ -1,10 +1,10 @@
-"""A small checker of a value against the snapshot's TypedDicts (pymtrace.collect.snapshot),
+"""A small checker of a value against the snapshot's TypedDicts (pymtrace.sources.snapshot),
 read through typing.get_type_hints: required and optional keys, no undeclared key, and the
 types inside (TypedDict, Dict, List, Optional/Union, Any, int, float, str, bool)."""
 
 import typing
 
-from pymtrace.collect import snapshot
+from pymtrace.sources import snapshot
 
 
 def _is_typeddict(tp):

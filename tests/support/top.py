@@ -155,7 +155,7 @@ def _file_offset(path, vaddr):
 def probe_site_bytes(pid, function, offset=0):
     """(byte in PID's memory, byte in the file) at FUNCTION+OFFSET of PID's libc.
     While a uprobe is installed there the process sees 0xcc (int3)."""
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     path = libc.process_libc(pid)
     off = _file_offset(path, libc.symbol(path, function).address + offset)
@@ -173,7 +173,7 @@ def probe_site_bytes(pid, function, offset=0):
 
 
 def _sites(pid):
-    from pymtrace.target import libc, probesite
+    from pymtrace.tracee import libc, probesite
 
     path = libc.process_libc(pid)
     free = probesite.sites(path, "free")
@@ -192,7 +192,7 @@ def assert_probes_installed(top, pid):
 def _probed_by_others(top_pid, pid, function, offset):
     """Whether another process (other tests, system-wide tracers on this shared machine)
     holds a uprobe at FUNCTION+OFFSET of PID's libc file: then the int3 stays, rightly."""
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     path = libc.process_libc(pid)
     ident = os.stat(path)

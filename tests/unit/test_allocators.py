@@ -1,4 +1,4 @@
-"""pymtrace.target.allocators: probe plans for Debian's jemalloc, tcmalloc and mimalloc and
+"""pymtrace.tracee.allocators: probe plans for Debian's jemalloc, tcmalloc and mimalloc and
 for a malloc defined in an executable, decoded from the real files (no root needed)."""
 
 import subprocess
@@ -6,7 +6,7 @@ import subprocess
 import pytest
 from support.allocators import LIBS, library
 
-from pymtrace.target import allocators, libc
+from pymtrace.tracee import allocators, libc
 
 
 def _plan(path, family):
@@ -18,7 +18,7 @@ def test_every_allocating_function_has_a_return_probe_and_each_address_is_probed
     path = library(LIBS[family])
     plan = _plan(path, family)
     assert "malloc" in plan and "free" in plan and "calloc" in plan and "realloc" in plan
-    from pymtrace.target import elf
+    from pymtrace.tracee import elf
 
     syms = elf.symbols(path)
     addresses = [syms[f].address for f in plan]

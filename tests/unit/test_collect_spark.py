@@ -17,8 +17,9 @@ from conftest import missing_or_fail, run_pymtrace
 from support.collect import CollectorProcess
 from support.machine import slowness
 
-from pymtrace.trace import collector as C
-from pymtrace.trace import netproto, netsink, report_sql
+from pymtrace.net import collector as C
+from pymtrace.net import protocol, sender
+from pymtrace.trace import report_sql
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import parquet as P
 
@@ -97,7 +98,7 @@ def dataset(tmp_path_factory):
     c = CollectorProcess(root)
     try:
         meta = P.file_metadata(pid=301, host="h1", start_time="2026-11-24T10:00:00Z")
-        out = netsink.NetOutput(("127.0.0.1", c.port), netproto.ClientConfig(), 301, meta, quiet=True)
+        out = sender.NetOutput(("127.0.0.1", c.port), protocol.ClientConfig(), 301, meta, quiet=True)
         recs = workload(3000, 1)
         out.write(recs.tobytes(), len(recs))
         out.close()

@@ -169,8 +169,8 @@ def test_call_names_shown_are_the_ones_the_collector_emits():
     """top and the views list the snapshot's call names once (snapshot.CALLS); they are exactly
     the names collect.call_names() reads from the BPF headers (no aligned_alloc: glibc's
     aligned_alloc is memalign and counted there)."""
-    from pymtrace.collect import snapshot
     from pymtrace.sinks import views
+    from pymtrace.sources import snapshot
 
     emitted = snapshot.call_names()
     assert len(set(snapshot.CALLS)) == len(snapshot.CALLS)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from pymtrace.bpf import structs
 from pymtrace.errors import PymtraceError
-from pymtrace.target import libc, probesite
-from pymtrace.target.launch import predict_libc
+from pymtrace.tracee import libc, probesite
+from pymtrace.tracee.launch import predict_libc
 
 # --- structs: ctypes built from the C headers -------------------------------------------
 
@@ -62,7 +62,7 @@ def test_bpf_sources_call_user_reads_by_the_cheap_name():
     import re
 
     from pymtrace.bpf import load
-    from pymtrace.collect import usdt
+    from pymtrace.sources import usdt
 
     call = re.compile(r"(?<![\w])bpf_probe_read_user(_str)?\s*\(")
     for src in sorted((ROOT / "bpf").glob("*.bpf.c")):
@@ -224,7 +224,7 @@ SIGNAL_PROBE = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job starts
 from pymtrace import cli, stopping
-from pymtrace.target import launch
+from pymtrace.tracee import launch
 try:
     cli.main(["--version"])
 except SystemExit:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pymtrace.errors import PymtraceError
-from pymtrace.target import demo
+from pymtrace.tracee import demo
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_build_once_and_run_with_visible_activity(cache):
     assert demo.build_demo() == path and os.stat(path).st_mtime_ns == mtime  # cached, not rebuilt
     proc = demo.start_demo()
     try:
-        from pymtrace.target import libc
+        from pymtrace.tracee import libc
 
         assert libc.process_libc(proc.pid)  # ready to be traced when start_demo returns
         with open(f"/proc/{proc.pid}/comm") as f:
@@ -73,7 +73,7 @@ def test_missing_compiler_is_a_clear_error(cache, monkeypatch):
 
 
 def test_demo_dies_with_its_parent(cache):
-    code = "import sys, time; from pymtrace.target import demo; p = demo.start_demo(); print(p.pid, flush=True); time.sleep(60)"
+    code = "import sys, time; from pymtrace.tracee import demo; p = demo.start_demo(); print(p.pid, flush=True); time.sleep(60)"
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     pid = int(parent.stdout.readline())
     assert os.path.exists(f"/proc/{pid}")

@@ -74,7 +74,7 @@ def test_libc_with_probes_in_a_running_process_is_listed(sdt_libc):
         real = os.path.realpath(libc_path)
         row = [c for c in libcs if os.path.realpath(c["detail"].split(":")[0]) == real]
         assert row, libcs
-        from pymtrace.target import libc
+        from pymtrace.tracee import libc
 
         n = len(libc.malloc_probes(libc_path))
         assert n > 0 and f"{n} malloc USDT probes" in row[0]["detail"]

@@ -1,4 +1,4 @@
-"""pymtrace.target.elf: the direct readers agree with pyelftools, and refuse hostile files."""
+"""pymtrace.tracee.elf: the direct readers agree with pyelftools, and refuse hostile files."""
 
 import os
 import pathlib
@@ -8,7 +8,7 @@ import sys
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from pymtrace.target import elf, libc, mallocapi
+from pymtrace.tracee import elf, libc, mallocapi
 
 # libc (.symtab stripped: .dynsym only), the interpreter (symtab present), the Python binary
 SYMBOL_FILES = [libc.system_libc(), os.path.realpath(sys.executable)] + [
@@ -63,12 +63,12 @@ def test_dynamic_symbols():
 
 
 def test_malloc_api_table_is_what_collect_attaches():
-    """collect's MALLOC_PROBES is the table of pymtrace.target.mallocapi, spelled in BPF
+    """collect's MALLOC_PROBES is the table of pymtrace.tracee.mallocapi, spelled in BPF
     program names (to be derived from it when collect is reshaped)."""
     import importlib
 
     # collect is being split into modules (issue 11): wherever MALLOC_PROBES lives now
-    mods = [importlib.import_module(f"pymtrace.collect.{m}") for m in ("malloc", "collectors") if _has(m)]
+    mods = [importlib.import_module(f"pymtrace.sources.{m}") for m in ("malloc", "collectors") if _has(m)]
     attached = next(m.MALLOC_PROBES for m in mods if hasattr(m, "MALLOC_PROBES"))
     derived = tuple(
         (f.name, f"ms_{f.call}_entry", ("ms_outer_return" if f.outer else f"ms_{f.call}_return") if f.returns else None)
@@ -80,7 +80,7 @@ def test_malloc_api_table_is_what_collect_attaches():
 def _has(module):
     import importlib.util
 
-    return importlib.util.find_spec(f"pymtrace.collect.{module}") is not None
+    return importlib.util.find_spec(f"pymtrace.sources.{module}") is not None
 
 
 @pytest.mark.parametrize("path", SYMBOL_FILES, ids=os.path.basename)

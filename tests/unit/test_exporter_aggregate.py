@@ -7,7 +7,7 @@ import os
 from support.exporter import proc_entry
 
 from pymtrace.sinks import prometheus
-from pymtrace.target import proc
+from pymtrace.tracee import proc
 
 
 def test_series_keyed_by_comm_sum_processes_and_stay_monotonic_when_they_exit():

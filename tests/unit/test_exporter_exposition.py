@@ -44,7 +44,7 @@ def test_exposition_names_types_histogram_and_glibc():
     from prometheus_client import CollectorRegistry, generate_latest
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(prometheus.ExporterCollector([src], prometheus.Aggregator(alive=lambda p: True)))
+    reg.register(prometheus.ExporterMetrics([src], prometheus.Aggregator(alive=lambda p: True)))
     text = generate_latest(reg).decode()
     m = parse_metrics(text)
     assert sample(m, "pymtrace_malloc_calls_total", comm="app", call="malloc") == 3
@@ -169,7 +169,7 @@ def _exposed_names():
             return True
 
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(prometheus.ExporterCollector([src], prometheus.Aggregator(alive=lambda p: True), Stats()))
+    reg.register(prometheus.ExporterMetrics([src], prometheus.Aggregator(alive=lambda p: True), Stats()))
     return metric_names(generate_latest(reg).decode())
 
 

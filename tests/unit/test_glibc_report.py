@@ -3,8 +3,8 @@ AddressMap, the help text (the CLI on real BPF: tests/live/test_summary.py)."""
 
 from conftest import run_pymtrace
 
-from pymtrace.collect.glibc_report import Report
-from pymtrace.sinks.glibc_report import render_text
+from pymtrace.sinks.run_report import render_text
+from pymtrace.sources.glibc_report import Report
 
 
 class Ev:
@@ -98,7 +98,7 @@ def test_run_help_has_examples_and_overhead():
 
 
 def test_address_map_replaces_overlaps():
-    from pymtrace.collect.glibc_report import AddressMap
+    from pymtrace.sources.glibc_report import AddressMap
 
     m = AddressMap()
     m.set(0x1000, 0x5000, "a")

@@ -35,13 +35,13 @@ from support.heapprofile import (
     build_profile,
 )
 
-from pymtrace.collect.heapprofile import VALUE_TYPES, HeapProfile, sample_weight
 from pymtrace.sinks import profile_pb2
 from pymtrace.sinks.flamegraph import render_html, write_html
 from pymtrace.sinks.folded import folded_lines, folded_name, write_folded
 from pymtrace.sinks.heap_text import render_text
 from pymtrace.sinks.pprof import write_pprof
-from pymtrace.target.unwind import Frame, Module
+from pymtrace.sources.heapprofile import VALUE_TYPES, HeapProfile, sample_weight
+from pymtrace.tracee.unwind import Frame, Module
 
 
 def written(writer, profile, *args, **kw):

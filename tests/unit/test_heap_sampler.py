@@ -1,5 +1,5 @@
 """The heap collector's user-space halves without BPF: the log2 table its exponential draw
-uses (and that draw's arithmetic, pymtrace.collect.heap.draw_bytes), and the ring-record
+uses (and that draw's arithmetic, pymtrace.sources.heap.draw_bytes), and the ring-record
 decoder (bpf/heap.h's hp_event, built by pymtrace.bpf.structs)."""
 
 import ctypes
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pymtrace.bpf import structs
-from pymtrace.collect.heap import HeapCollector, draw_bytes, log2_table, probe_plan
 from pymtrace.errors import PymtraceError
+from pymtrace.sources.heap import HeapSource, draw_bytes, log2_table, probe_plan
 
 TABLE = log2_table()
 
@@ -61,7 +61,7 @@ def _record(data):
 
 def test_sample_record_decoded_in_place():
     got = []
-    c = HeapCollector({os.getpid()}, sample_bytes=1, on_sample=got.append)
+    c = HeapSource({os.getpid()}, sample_bytes=1, on_sample=got.append)
     consts = structs.header("heap").consts
     stack = bytes(range(256)) * 4
     ev = _event(type=consts["HP_REC_SAMPLE"], pid=7, tid=8, call=consts["CALL_POSIX_MEMALIGN"], size=4096, ts=99, id=5)
@@ -77,7 +77,7 @@ def test_sample_record_decoded_in_place():
 
 def test_truncated_stack_length_is_clamped_to_the_record():
     got = []
-    c = HeapCollector({os.getpid()}, sample_bytes=1, on_sample=got.append)
+    c = HeapSource({os.getpid()}, sample_bytes=1, on_sample=got.append)
     ev = _event(type=structs.header("heap").consts["HP_REC_SAMPLE"], call=1, stack_len=4096)
     buf, address, size = _record(bytes(ev) + b"\1" * 16)
     c._record(address, size)
@@ -86,7 +86,7 @@ def test_truncated_stack_length_is_clamped_to_the_record():
 
 def test_a_thread_clone_is_not_a_fork():
     forks = []
-    c = HeapCollector({os.getpid()}, follow_forks=True, on_fork=lambda p, ch: forks.append((p, ch)))
+    c = HeapSource({os.getpid()}, follow_forks=True, on_fork=lambda p, ch: forks.append((p, ch)))
     started, stop = threading.Event(), threading.Event()
     tids = []
 
@@ -113,8 +113,8 @@ def test_a_thread_clone_is_not_a_fork():
 def test_probe_plan_allocating_functions_at_entry_and_free_where_top_probes_it():
     """The copied stack must hold the caller's return address, which an allocating function's
     uretprobe replaces once +0 has run: those entries stay at +0; free goes where top's does."""
-    from pymtrace.collect import malloc
-    from pymtrace.target import libc, mallocapi
+    from pymtrace.sources import malloc
+    from pymtrace.tracee import libc, mallocapi
 
     path = libc.system_libc()
     plan = dict(probe_plan(path))

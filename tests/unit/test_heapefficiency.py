@@ -1,11 +1,11 @@
-"""Heap efficiency without BPF: the flag's rule (pymtrace.collect.heapefficiency), the view
+"""Heap efficiency without BPF: the flag's rule (pymtrace.sources.heapefficiency), the view
 built from a snapshot, and the RSS source against the kernel's /proc/PID/status."""
 
 import os
 
-from pymtrace.collect import heapefficiency
 from pymtrace.sinks import views
-from pymtrace.target import proc
+from pymtrace.sources import heapefficiency
+from pymtrace.tracee import proc
 
 MiB = 1 << 20
 

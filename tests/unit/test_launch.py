@@ -9,8 +9,8 @@ import time
 import pytest
 from conftest import missing_or_fail
 
-from pymtrace.target import libc
-from pymtrace.target.launch import Launched
+from pymtrace.tracee import libc
+from pymtrace.tracee.launch import Launched
 
 
 def _jemalloc():

@@ -5,7 +5,7 @@ tests/live/test_top_libcs.py (same subject; a distinct name, as pytest imports t
 
 def test_libc_problem_names_what_is_wrong(tmp_path):
     """The check distinct_libcs applies to every file named like a libc."""
-    from pymtrace.target import libc
+    from pymtrace.tracee import libc
 
     real = open(libc.system_libc(), "rb").read()
     assert libc.libc_problem(libc.system_libc()) is None

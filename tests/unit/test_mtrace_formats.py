@@ -117,7 +117,7 @@ def test_text_errors():
 
 
 def test_caller_resolver():
-    from pymtrace.target.libc import parse_maps_text
+    from pymtrace.tracee.libc import parse_maps_text
 
     maps = parse_maps_text(
         "555555554000-555555555000 r--p 00000000 fe:00 1 /usr/bin/prog\n"

@@ -10,8 +10,8 @@ def test_probes_help_has_examples_and_overhead():
 
 
 def test_probe_globs_and_exit_status():
-    from pymtrace.collect import usdt
-    from pymtrace.target.proc import exit_status
+    from pymtrace.sources import usdt
+    from pymtrace.tracee.proc import exit_status
 
     assert usdt.match_probe("memory_sbrk_more", ["sbrk_*"])
     assert usdt.match_probe("memory_sbrk_more", ["memory_sbrk_more"])
@@ -21,8 +21,8 @@ def test_probe_globs_and_exit_status():
 
 
 def test_probes_list_shows_sites_and_specs(sdt_libc):
-    from pymtrace.collect import usdt
-    from pymtrace.target import libc
+    from pymtrace.sources import usdt
+    from pymtrace.tracee import libc
 
     _, path = sdt_libc
     proc = run_pymtrace("probes", "--list", "--libc", path)

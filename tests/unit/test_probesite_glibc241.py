@@ -9,7 +9,7 @@ programs count once as realloc (bpf/malloc_stats.bpf.c, outer calls).
 
 import capstone
 
-from pymtrace.target import probesite
+from pymtrace.tracee import probesite
 
 # __libc_free at 0xa2fc0, its whole symbol (0x204 bytes): `test %rdi,%rdi; je +0x188`
 # (free(NULL): a lone `ret`), then `push %r15` at +9.

@@ -9,10 +9,10 @@ import pytest
 
 from pymtrace.bpf import ringbuf
 from pymtrace.commands import record
-from pymtrace.errors import PymtraceError
-from pymtrace.target import probesite
-from pymtrace.trace import recorder
+from pymtrace.errors import PymtraceError, WriteFailed
+from pymtrace.recorder import recorder
 from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.tracee import probesite
 
 PAGE = mmap.PAGESIZE
 SIZE = 4 * PAGE
@@ -111,7 +111,7 @@ def test_parse_size():
 
 
 def test_tcache_shutdown_sites_found_in_system_libc():
-    from pymtrace.target import elf, libc
+    from pymtrace.tracee import elf, libc
 
     path = libc.system_libc()
     sites = probesite.tcache_shutdown_returns(path)
@@ -163,8 +163,8 @@ def test_text_output_streams_the_lines_glibc_writes(tmp_path):
     writes for the same records (callers resolved through the process's maps)."""
     import io
 
-    from pymtrace.target import libc
     from pymtrace.trace.formats import mtrace_text as T
+    from pymtrace.tracee import libc
 
     path = tmp_path / "t.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -206,7 +206,7 @@ def test_failed_write_keeps_whole_records_only(tmp_path, monkeypatch, fmt):
         return k
 
     monkeypatch.setattr(recorder.os, "write", full)
-    with pytest.raises(recorder.WriteFailed, match=r"^cannot write .*: No space left on device$"):
+    with pytest.raises(WriteFailed, match=r"^cannot write .*: No space left on device$"):
         out.write(_records_bytes(EVERY_KIND[3:]), len(EVERY_KIND) - 3)
     monkeypatch.undo()
     data = path.read_bytes()

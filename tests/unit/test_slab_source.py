@@ -1,4 +1,4 @@
-"""Slab collector without BPF: the cache source read from the tracepoint format files, and a
+"""Slab source without BPF: the cache source read from the tracepoint format files, and a
 program this kernel rejects leaving the others compiled (on real BPF: tests/live/test_top_slab.py)."""
 
 import pytest
@@ -27,7 +27,7 @@ def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
     """One compile for all: when it fails, each program is tried alone, the one that fails is
     dropped with its reason in errors[...] and the rest are compiled together."""
     from pymtrace.bpf import load as bpfload
-    from pymtrace.collect import base as collect
+    from pymtrace.sources import base
 
     loads = []
 
@@ -40,21 +40,21 @@ def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
 
     monkeypatch.setattr(bpfload, "load_parts", load_parts)
     monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
-    cs = collect.Collectors(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
-    bpf = cs._compile([c.part() for c in cs.collectors.values()])
+    cs = base.Sources(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    bpf = cs._compile([c.part() for c in cs.sources.values()])
     assert bpf is not None
-    assert list(cs.collectors) == ["faults"]
+    assert list(cs.sources) == ["faults"]
     assert "data_loc_name" in cs.errors["slab"]
     assert loads[0] == ["faults", "slab"] and loads[-1] == ["faults"]
 
 
 def test_raw_tracepoints_this_kernel_rejects_fall_back_to_the_tracepoint_fields(tmp_path, monkeypatch):
-    """BTF offers the raw tracepoint programs, the kernel rejects them: the slab collector is
+    """BTF offers the raw tracepoint programs, the kernel rejects them: the slab source is
     kept, compiled the way the tracepoints' fields allow, and its view says why."""
     from test_btf import blob
 
     from pymtrace.bpf import load as bpfload
-    from pymtrace.collect import base as collect
+    from pymtrace.sources import base
 
     fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME)
     (tmp_path / "btf").write_bytes(blob(alloc=True))
@@ -70,15 +70,15 @@ def test_raw_tracepoints_this_kernel_rejects_fall_back_to_the_tracepoint_fields(
 
     monkeypatch.setattr(bpfload, "load_parts", load_parts)
     monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
-    cs = collect.Collectors(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
-    cs.collectors["slab"].prepare()
-    assert cs._compile([c.part() for c in cs.collectors.values()]) is not None
-    slab = cs.collectors["slab"]
-    assert list(cs.collectors) == ["faults", "slab"] and "slab" not in cs.errors
+    cs = base.Sources(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    cs.sources["slab"].prepare()
+    assert cs._compile([c.part() for c in cs.sources.values()]) is not None
+    slab = cs.sources["slab"]
+    assert list(cs.sources) == ["faults", "slab"] and "slab" not in cs.errors
     assert slab.source.source == kfeatures.SLAB_BY_SIZE and "raw tracepoint rejected" in slab.raw_rejected
     assert loads[-1] == [("faults", 0), ("slab", 0)]
     # alone, too (a bundle of one)
-    cs = collect.Collectors(malloc=False, slab=True, faults=False, glibc=False, track_exits=False)
-    cs.collectors["slab"].prepare()
-    assert cs._compile([cs.collectors["slab"].part()]) is not None
-    assert cs.collectors["slab"].source.source == kfeatures.SLAB_BY_SIZE
+    cs = base.Sources(malloc=False, slab=True, faults=False, glibc=False, track_exits=False)
+    cs.sources["slab"].prepare()
+    assert cs._compile([cs.sources["slab"].part()]) is not None
+    assert cs.sources["slab"].source.source == kfeatures.SLAB_BY_SIZE

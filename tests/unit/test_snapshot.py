@@ -1,4 +1,4 @@
-"""pymtrace.collect.snapshot: the one merge (top's Collectors and the exporter both use it)
+"""pymtrace.sources.snapshot: the one merge (top's Sources and the exporter both use it)
 and the schema, checked against the snapshots the merge and `top --json` produce."""
 
 import argparse
@@ -10,8 +10,8 @@ import time
 
 from support.schema import problems
 
-from pymtrace.collect import snapshot
-from pymtrace.collect.base import Collectors
+from pymtrace.sources import snapshot
+from pymtrace.sources.base import Sources
 
 
 def malloc_entry(pid, comm, malloc=0, exited=False):
@@ -132,7 +132,7 @@ def test_merge_of_one_bundles_collectors():
     assert parts == before  # parts are not modified
     assert list(snap)[:4] == ["time", "start", "processes", "lost"]
     assert snap["time"] == 10.4 and snap["start"] == 1.4  # both the earliest
-    # one entry per process, with every collector's keys; exited when any part says so
+    # one entry per process, with every source's keys; exited when any part says so
     p7 = snap["processes"][7]
     assert p7["calls"]["malloc"] == 5 and p7["faults_user"] == 4 and p7["exited"] is True
     assert snap["processes"][8]["exited"] is False and "faults_user" not in snap["processes"][8]
@@ -161,7 +161,7 @@ def test_merge_sums_lost_counts_of_independent_sources_and_unites_errors():
 def test_collectors_snapshot_is_the_merge_and_fits_the_schema():
     class Fake:
         def __init__(self, part=None, fail=None, contained=False):
-            # contained: its failures are recorded in errors, not raised (GlibcCollector's rule)
+            # contained: its failures are recorded in errors, not raised (GlibcSource's rule)
             self.part, self.fail, self.contained = part, fail, contained
 
         def snapshot(self):
@@ -169,17 +169,17 @@ def test_collectors_snapshot_is_the_merge_and_fits_the_schema():
                 raise self.fail
             return copy.deepcopy(self.part)
 
-    bundle = Collectors(malloc=False, slab=False, faults=False, glibc=False)
+    bundle = Sources(malloc=False, slab=False, faults=False, glibc=False)
     bundle.start = 1.0
-    bundle.collectors = {"faults": Fake(fault_part()), "slab": Fake(slab_part()), "glibc": Fake(glibc_part(9, "nine"))}
+    bundle.sources = {"faults": Fake(fault_part()), "slab": Fake(slab_part()), "glibc": Fake(glibc_part(9, "nine"))}
     before = time.monotonic()
     snap = bundle.snapshot()
     # the bundle's attach; when reading began (not after: the first parts were read then)
     assert snap["start"] == 1.0 and before <= snap["time"] <= time.monotonic()
     assert snap["lost"] == {"fault_full": 1, "slab_full": 0, "glibc_events": 0}
     assert problems(snap) == []
-    # a failing glibc collector is reported, the rest goes on
-    bundle.collectors["glibc"] = Fake(fail=RuntimeError("boom"), contained=True)
+    # a failing glibc source is reported, the rest goes on
+    bundle.sources["glibc"] = Fake(fail=RuntimeError("boom"), contained=True)
     snap = bundle.snapshot()
     assert snap["errors"] == {"glibc": "RuntimeError: boom"} and "glibc" not in snap
     assert list(snap)[-1] == "errors"
@@ -232,10 +232,10 @@ def test_exporter_merges_its_sources_with_the_same_rule():
     b = snapshot.merge([fault_part(), slab_part()])
     b["lost"]["malloc_full"] = 3  # a second source's own counter of the same cause
     b["errors"] = {"faults": "no tracepoint"}
-    col = exporter.ExporterCollector([Source(a), Source(b)], exporter.Aggregator(alive=lambda p: True))
+    col = exporter.ExporterMetrics([Source(a), Source(b)], exporter.Aggregator(alive=lambda p: True))
     snap = col.snapshot()
     assert snap["lost"]["malloc_full"] == 5  # summed, as top does
-    # the glibc ring buffer's losses once, under the collector's own cause name
+    # the glibc ring buffer's losses once, under the source's own cause name
     assert snap["lost"]["glibc_events"] == 4 and "glibc_ringbuf" not in snap["lost"]
     assert snap["lost"]["glibc_threads_full"] == 2
     assert snap["processes"][9]["faults_kernel"] == 1  # in one source only

@@ -5,10 +5,10 @@ import json
 
 from support.schema import problems
 
-from pymtrace.collect.snapshot import StackProcess
-from pymtrace.collect.stacksites import OTHER_SITE, SiteAggregator, call_site
 from pymtrace.sinks import views
-from pymtrace.target.unwind import Frame, Module
+from pymtrace.sources.snapshot import StackProcess
+from pymtrace.sources.stacksites import OTHER_SITE, SiteAggregator, call_site
+from pymtrace.tracee.unwind import Frame, Module
 
 LIBC = Module("/usr/lib/x86_64-linux-gnu/libc.so.6", "aa")
 STDCXX = Module("/usr/lib/x86_64-linux-gnu/libstdc++.so.6", "bb")

@@ -9,9 +9,9 @@ import pytest
 from conftest import run_pymtrace
 
 from pymtrace.errors import CorruptFile
-from pymtrace.target.unwind import Frame, Module
 from pymtrace.trace import stacktable
 from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.tracee.unwind import Frame, Module
 
 EXE = Module("/usr/bin/prog", "ab12")
 LIBC = Module("/usr/lib/libc.so.6", "cd34")

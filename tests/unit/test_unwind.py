@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pymtrace import nativebuild
 from pymtrace.errors import MissingLibrary, ProcessGone
-from pymtrace.target import nativebuild, unwind
+from pymtrace.tracee import unwind
 from tests.conftest import WORKLOADS, missing_or_fail
 
 FLAGS = ["-O2", "-fomit-frame-pointer", "-fno-builtin", "-I", str(WORKLOADS)]

@@ -1,13 +1,13 @@
-"""pymtrace.collect.usdt: USDT argument decoding, generated code, libc status and memory reads (no BPF)."""
+"""pymtrace.sources.usdt: USDT argument decoding, generated code, libc status and memory reads (no BPF)."""
 
 import os
 import subprocess
 
 import pytest
 
-from pymtrace.collect import usdt
-from pymtrace.target import libc
-from pymtrace.target.libc import Symbol, UsdtProbe
+from pymtrace.sources import usdt
+from pymtrace.tracee import libc
+from pymtrace.tracee.libc import Symbol, UsdtProbe
 
 TRICKY = {
     "memory_mallopt_mxfast",

@@ -115,7 +115,7 @@ STACKS_MARK = 1
 
 
 # The MAGIC record's size3 (0 upstream): the allocator family the calls were recorded from
-# (pymtrace.target.allocators.FAMILIES; 0: glibc or not known), so replay can suggest it.
+# (pymtrace.tracee.allocators.FAMILIES; 0: glibc or not known), so replay can suggest it.
 ALLOCATOR_CODES = {"glibc": 0, "jemalloc": 1, "tcmalloc": 2, "mimalloc": 3, "generic": 4}
 
 

@@ -28,7 +28,7 @@ from pymtrace.errors import CorruptFile
 from pymtrace.trace.formats import mtrace_bin as B
 
 if TYPE_CHECKING:
-    from pymtrace.target.libc import Mapping
+    from pymtrace.tracee.libc import Mapping
 
 
 def _hex(n: int) -> str:

@@ -1,0 +1,1 @@
+"""`record --to` and `pymtrace collect`: the wire protocol, the recorder's sender, the collector server."""

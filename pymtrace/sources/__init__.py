@@ -1,0 +1,1 @@
+"""Live BPF sources: programs attached to processes and the kernel, read into snapshots."""

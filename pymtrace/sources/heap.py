@@ -1,0 +1,502 @@
+"""HeapSource: sampled malloc-API calls with a copy of the user stack and the registers at
+entry, and the sampled blocks still live, for `pymtrace heap` (bpf/heap.bpf.c, docs/heap.md).
+
+    c = HeapSource({pid}, sample_bytes=524288, on_sample=handle)
+    c.attach()
+    while running:
+        c.poll(10)          # calls on_sample(HeapSample) for each sample (and on_exec/fork/exit)
+    c.drain()
+    in_use = c.live()       # {sample_id: block address} of sampled blocks not freed
+    lost = c.drops()        # {counter: n}: everything a bounded map or the ring could not take
+    c.close()
+
+Sampling is Poisson by bytes per thread (docs/design/heap-stacks.md section 6): on average one
+sample per SAMPLE_BYTES allocated, a block of at least SAMPLE_BYTES always; SAMPLE_BYTES 1
+samples every call. The exponential draw runs in BPF from a log2 table user space fills
+(log2_table); draw_bytes is the same arithmetic in Python, for tests.
+
+A sample's stack bytes are read in place from the ring buffer: HeapSample.stack is their
+address, valid only during the on_sample callback (copy them with ctypes.string_at if needed).
+
+The ring buffer is read in batches by native code (target.unwind.RingScanner), not one Python
+callback per record. Given IMAGES (target.unwind.ProcessImages) and ON_STACK, a sample whose
+stack the process image's unwind cache already knows goes to on_stack(pid, sample_id, stack,
+size, ts_ns) with no unwinding and no HeapSample; the others to on_sample(HeapSample).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+import os
+import select
+import struct
+from typing import Any, Callable, Iterable
+
+from pymtrace.bpf import structs
+from pymtrace.bpf.ringbuf import MappedRing
+from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.sources.base import Source, attach_plan, lost_counts, lost_names
+from pymtrace.tracee import allocators, elf, libc, mallocapi, probesite, proc
+from pymtrace.tracee.unwind import Location, ProcessImages, RingScanner
+
+PROGRAM = "heap"
+DEFAULT_SAMPLE_BYTES = 524288
+DEFAULT_STACK_BYTES = 32768
+LG_FRACTION_BITS = 20  # hp_lg's fixed point: log2 values * 2^20
+RING_RECORDS = 4096  # --sample-bytes 1: sample records the ring holds at least (~20-40 ms of a storm)
+_FORK_MEMORY = 4096
+# a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
+_ROW = struct.Struct("<QIi4I3Q")
+# StackSink(pid, sample_id, stack leaf first, size, ts_ns): a sample whose stack the unwind cache knew
+StackSink = Callable[
+    [int, int, "tuple[Location, ...]", int, int], None
+]  # fork records of children gone before they were looked at, kept for their exit
+
+
+@dataclasses.dataclass
+class HeapSample:
+    """One sampled allocation call (HEAP-API.md section B)."""
+
+    pid: int
+    tid: int
+    call: str  # "malloc", "calloc", "realloc", "memalign" (aligned_alloc too), "posix_memalign", ...
+    size: int  # bytes requested (calloc: n * m)
+    ts_ns: int  # CLOCK_MONOTONIC at entry
+    sample_id: int  # unique in a run (the key of live())
+    regs: tuple[int, ...]  # ip, sp, bp, bx, r12, r13, r14, r15 at the probed (entry) instruction
+    stack: int  # address of the stack bytes copied from sp upward; valid during the callback only
+    stack_len: int
+
+
+def check_settings(
+    sample_bytes: int,
+    stack_bytes: int = DEFAULT_STACK_BYTES,
+    sample_option: str = "sample bytes",
+    stack_option: str = "stack bytes",
+) -> None:
+    """The sampler's settings the BPF program can take, else a PymtraceError naming the options
+    (commands check them before root, a compile or a launch; HeapSource again)."""
+    if not 1 <= sample_bytes < 1 << 32:  # the BPF draw's fixed point needs mean < 2^32
+        raise PymtraceError(f"{sample_option} must be from 1 to {(1 << 32) - 1}, not {sample_bytes}")
+    header = structs.header(PROGRAM)
+    page, max_pages = header.consts["HP_PAGE"], header.consts["HP_MAX_PAGES"]
+    if stack_bytes % page or not page <= stack_bytes <= max_pages * page:
+        raise PymtraceError(f"{stack_option} must be a multiple of {page} from {page} to {max_pages * page}")
+
+
+def log2_table(bits: int = 10) -> list[int]:
+    """hp_lg: round(2^20 * log2(1 + j / 2^BITS)) for j = 0 .. 2^BITS (the BPF draw's table)."""
+    n = 1 << bits
+    return [round((1 << LG_FRACTION_BITS) * math.log2(1 + j / n)) for j in range(n + 1)]
+
+
+def draw_bytes(x: int, mean: int, table: list[int]) -> int:
+    """The BPF program's Exp(MEAN) draw (hp_draw) for the random 32-bit X, in Python: about
+    -MEAN * ln(U) with U = (X | 1) / 2^32. Kept identical to the C for tests of the table."""
+    x = (x | 1) & 0xFFFFFFFF
+    k = x.bit_length() - 1
+    m = (x << (31 - k)) & 0x7FFFFFFF
+    j, rem = (m >> 21) & 1023, (m >> 9) & 4095
+    lgf = table[j] + ((table[j + 1] - table[j]) * rem >> 12)
+    neg = (32 << LG_FRACTION_BITS) - ((k << LG_FRACTION_BITS) + lgf)
+    a = mean * 45426
+    return ((a >> 16) * neg >> LG_FRACTION_BITS) + ((a & 0xFFFF) * neg >> 36) + 1
+
+
+# glibc's argument layout of each call type (pymtrace.tracee.allocators' names): another
+# allocator's function with the same layout is sampled by the same hp_<call>_entry program
+_GLIBC_LAYOUTS = {
+    "malloc": "s1",
+    "calloc": "n1s2",
+    "realloc": "p1s2",
+    "free": "p1",
+    "memalign": "s2",
+    "posix_memalign": "p1s3",
+    "valloc": "s1",
+    "pvalloc": "s1",
+}
+
+
+def probe_plan(path: str, family: str = "glibc") -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """heap's uprobes on the libc at PATH: [(function, [(kind, offset, bpf_function), ...])].
+
+    free goes where pymtrace.tracee.probesite finds an emulated instruction, as in top. The
+    allocating functions are probed at +0: their return probe replaces the return address
+    at [sp] as soon as +0 has run, and the copied stack must hold the real one for the
+    unwinder (on glibc 2.36 this costs posix_memalign, valloc and pvalloc a single-step:
+    rare calls). Functions sharing an address (memalign and aligned_alloc) are probed once.
+    Raises PymtraceError if PATH has no malloc/free to probe.
+
+    FAMILY other than glibc (jemalloc, ...: pymtrace.tracee.allocators): the functions of
+    allocators.probe_plan (one per address, forwarders left out) whose arguments are laid
+    out as glibc's (mallocx, rallocx, sdallocx, dallocx too; not xallocx or mimalloc's
+    (size, alignment) functions, which no sampler program reads), the same way."""
+    if family != "glibc":
+        table = {f.name: f for f in allocators.FAMILIES[family]}
+        plan = []
+        for function, probes in allocators.probe_plan(path, family):
+            f = table[function]
+            if _GLIBC_LAYOUTS.get(f.call) != f.layout:
+                continue
+            if f.call == "free":
+                entries = [("entry", p.offset, "hp_free_entry") for p in probes if p.kind == "entry"]
+            else:
+                entries = [("entry", 0, f"hp_{f.call}_entry"), ("return", 0, "hp_return")]
+            plan.append((function, entries))
+        return plan
+    syms = elf.symbols(path)
+    plan, done = [], set()
+    for f in mallocapi.FUNCTIONS:
+        sym = syms.get(f.name)
+        if sym is None or sym.address in done:
+            continue
+        done.add(sym.address)
+        if f.returns:
+            probes = [("entry", 0, f"hp_{f.call}_entry"), ("return", 0, "hp_return")]
+        else:
+            sites = probesite.sites(path, f.name)
+            probes = [("entry", off, f"hp_{f.call}_entry") for off in (sites.offset, *sites.side_paths)]
+        plan.append((f.name, probes))
+    if not {"malloc", "free"} <= {name for name, _ in plan}:
+        raise PymtraceError(f"{path}: no malloc/free symbols to probe (not a libc with the malloc API?)")
+    return plan
+
+
+def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page: int, header: int) -> int:
+    """Ring-buffer pages (a power of two): 16 MiB at a sampling rate; 64 MiB with every call
+    sampled, and with RESERVE (each record takes the largest size) room for RING_RECORDS."""
+    if sample_bytes != 1:
+        return 4096
+    if not reserve:
+        return 16384
+    pages = max(16384, -(-RING_RECORDS * (stack_bytes + header + 8) // page))
+    return 1 << (pages - 1).bit_length()
+
+
+def possible_cpus() -> int:
+    """Number of CPU ids the kernel may use (the per-CPU scratch slots)."""
+    try:
+        with open("/sys/devices/system/cpu/possible") as f:
+            return max(int(part.split("-")[-1]) for part in f.read().strip().split(",")) + 1
+    except (OSError, ValueError):
+        return os.cpu_count() or 1
+
+
+def _is_thread(pid: int) -> bool | None:
+    """Whether task PID is a thread of another process (None: it is gone)."""
+    try:
+        return proc.tgid(pid) != pid
+    except ProcessGone:
+        return None
+
+
+class HeapSource(Source):
+    """Sampled allocation calls (stack copy + registers) of a set of processes, and the sampled
+    blocks still live. Callbacks: on_sample(HeapSample), on_exec(pid), on_fork(parent, child),
+    on_exit(pid), on_stack (module docstring), on_free(sample_id); they run inside
+    poll()/drain()."""
+
+    program = PROGRAM
+    what = "sampling allocation call stacks"
+    required = True
+
+    def __init__(
+        self,
+        pids: Iterable[int],
+        sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+        stack_bytes: int = DEFAULT_STACK_BYTES,
+        follow_forks: bool = False,
+        on_sample: Callable[[HeapSample], None] | None = None,
+        on_exec: Callable[[int], None] | None = None,
+        on_fork: Callable[[int, int], None] | None = None,
+        on_exit: Callable[[int], None] | None = None,
+        ring_pages: int | None = None,
+        max_live: int = 262144,
+        max_pending: int = 16384,
+        max_threads: int = 16384,
+        max_targets: int = 4096,
+        libc_path: str | None = None,
+        reserve: bool = False,
+        images: ProcessImages | None = None,
+        on_stack: StackSink | None = None,
+        on_free: Callable[[int], None] | None = None,
+    ) -> None:
+        pids = set(pids)
+        if not pids:
+            raise PymtraceError("heap needs at least one process to trace")
+        super().__init__(pids, track_exits=False)  # exits come as ring records
+        check_settings(sample_bytes, stack_bytes)
+        header = structs.header(PROGRAM)
+        page = header.consts["HP_PAGE"]
+        if ring_pages is None:
+            ring_pages = default_ring_pages(
+                sample_bytes, stack_bytes, reserve, page, ctypes.sizeof(header.structs["hp_event"])
+            )
+        if ring_pages & (ring_pages - 1):
+            raise PymtraceError(f"ring buffer pages must be a power of two, not {ring_pages}")
+        self.sample_bytes = sample_bytes
+        self.stack_bytes = stack_bytes
+        self.follow_forks = follow_forks
+        self.on_sample = on_sample
+        self.on_exec = on_exec
+        self.on_fork = on_fork
+        self.on_exit = on_exit
+        self.ring_pages = ring_pages
+        self.libc_path = libc_path  # a launched command's libc, not mapped yet (launch.predict_libc)
+        self.reserve = reserve  # one stack copy straight into a largest-size ring record (slower: bpf)
+        self.limits = {
+            "HP_MAX_LIVE": max_live,
+            "HP_MAX_PENDING": max_pending,
+            "HP_MAX_THREADS": max_threads,
+            "HP_MAX_TARGETS": max_targets,
+        }
+        self.libcs = {}  # libc path -> [pid, ...] (or [-1]: every process, filtered in BPF)
+        self.families = {}  # path -> another allocator's family (allocators.FAMILIES); glibc if absent
+        self.plans = {}
+        self.attached = []  # (path, function, offset, kind, pid)
+        self.calls = {v: k[len("CALL_") :].lower() for k, v in header.consts.items() if k.startswith("CALL_")}
+        self.event_type = header.structs["hp_event"]
+        self.event_size = ctypes.sizeof(self.event_type)
+        self.kinds = {header.consts[f"HP_REC_{k}"]: k.lower() for k in ("SAMPLE", "EXEC", "FORK", "EXIT", "FREE")}
+        self.images = images
+        self.on_stack = on_stack
+        self.on_free = on_free  # on_free(sample_id): that sample's block was freed (or realloc'd away)
+        self.ring: MappedRing | None = None
+        self.scanner: RingScanner | None = None
+        self._epoll: Any = None
+        self._sample_type = header.consts["HP_REC_SAMPLE"]
+        self._free_type = header.consts["HP_REC_FREE"]
+        self._unresolved_forks = {}  # child -> parent: gone before we could tell thread from process
+
+    # -- lifecycle (sources.base.Source)
+    def _defines(self) -> dict[str, Any]:
+        return {
+            "HP_SAMPLE_MEAN": self.sample_bytes,
+            "HP_STACK_PAGES": self.stack_bytes // structs.header(PROGRAM).consts["HP_PAGE"],
+            "HP_RB_PAGES": self.ring_pages,
+            "HP_MAX_CPUS": possible_cpus(),
+            "HP_FOLLOW": int(self.follow_forks),
+            "HP_RESERVE": int(self.reserve),
+            **self.limits,
+        }
+
+    def prepare(self) -> None:
+        targets = {}
+        self.families = {}
+        for pid in self.pids:
+            path, family = self._allocator_of(pid)
+            targets.setdefault(path, []).append(pid)
+            if family != "glibc":
+                self.families[path] = family
+        # following forks: children are probed by system-wide uprobes filtered in BPF (a uprobe
+        # bound to one process is not inherited); otherwise each process alone
+        self.libcs = {path: [-1] for path in targets} if self.follow_forks else targets
+        super().prepare()
+
+    def _allocator_of(self, pid: int) -> tuple[str, str]:
+        """(the file whose malloc PID calls, its family): libc.allocator's answer (jemalloc,
+        ...), else its libc (or the libc_path given). Raises ProcessGone, or PymtraceError
+        when it maps no libc (static binary) or its maps are unreadable."""
+        found = None if self.libc_path else libc.allocator(pid)
+        if found is not None and found.family not in (None, "glibc"):  # jemalloc, ...
+            return found.path, found.family
+        path = self.libc_path or libc.process_libc(pid)
+        if path is None:
+            raise PymtraceError(f"process {pid} maps no libc (static binary?): cannot trace its malloc calls")
+        return path, "glibc"
+
+    def probe_program(self, pid: int) -> None:
+        """PID (traced) stopped after an exec, its new program's objects mapped but nothing
+        run (target.launch's on_exec): probe the file its malloc calls now resolve to, unless
+        it is probed already (`heap -- env LD_PRELOAD=libjemalloc.so.2 PROG`). Raises
+        PymtraceError when that program's malloc cannot be probed."""
+        path, family = self._allocator_of(pid)
+        if path in self.libcs:
+            return
+        if family != "glibc":
+            self.families[path] = family
+        self.plans[path] = probe_plan(path, family)
+        who = -1 if self.follow_forks else pid
+        self.libcs[path] = [who]
+        for kinds in (("return",), ("entry",)):
+            self._attach_libc(path, who, kinds)
+
+    def plan(self) -> None:
+        self.plans = {path: probe_plan(path, self.families.get(path, "glibc")) for path in self.libcs}
+
+    def _attach(self) -> None:
+        table = self.bpf[b"hp_lg"]
+        for j, v in enumerate(log2_table(structs.header(PROGRAM).consts["HP_LG_BITS"])):
+            table[ctypes.c_int(j)] = ctypes.c_uint32(v)
+        targets = self.bpf[b"hp_targets"]
+        for pid in self.pids:
+            targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+            self._set_top(pid)
+        ring = self.bpf[b"hp_events"]
+        self.ring = MappedRing(ring.map_fd, self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"])
+        ev = self.event_type
+        self.scanner = RingScanner(
+            self.ring.data_addr,
+            self.ring.mask,
+            self._sample_type,
+            self._free_type,
+            ev.regs.offset,
+            ev.stack_len.offset,
+            self.event_size,
+        )
+        self._epoll = select.epoll()
+        self._epoll.register(ring.map_fd, select.EPOLLIN)
+        self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"hp_exec")
+        self.bpf.attach_tracepoint(tp=b"sched:sched_process_exit", fn_name=b"hp_exit")
+        # return probes first: an entry seen without its return would leave a stale pending call
+        for kinds in (("return",), ("entry",)):
+            for path, pids in self.libcs.items():
+                for pid in pids:
+                    self._attach_libc(path, pid, kinds)
+        for pid in self.pids:  # gone while we attached: its probes would wait for nothing
+            if not proc.alive(pid):
+                raise ProcessGone(pid)
+
+    def _set_top(self, pid: int) -> None:
+        """Tell BPF PID's stack top, so its main thread's copies stop there (bpf: hp_tops)."""
+        if self.bpf is None:  # not attached
+            return
+        try:
+            top = proc.start_stack(pid)
+        except ProcessGone:
+            return
+        if top:
+            self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
+
+    def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
+        self.attached += attach_plan(self.bpf, path, pid, self.plans[path], kinds)
+
+    # -- consuming the ring buffer
+    def poll(self, timeout_ms: int = 10) -> None:
+        """Wait up to TIMEOUT_MS for records (samples do not wake us: they are taken in batches
+        here), then hand every record written so far to the callbacks."""
+        self._epoll.poll(timeout_ms / 1000)
+        self.drain()
+
+    def drain(self) -> None:
+        """Hand every record written before this call to the callbacks.
+
+        Only up to the producer position read on entry: a traced process that allocates
+        faster than we unwind (an emulated VM: every call sampled) would otherwise keep the
+        loop going forever, and the reader thread with it (top --stacks never stopped)."""
+        ring, scanner = self.ring, self.scanner
+        images = self.images.images if self.images is not None else {}
+        on_stack = self.on_stack if self.images is not None else None
+        sample, free, base = self._sample_type, self._free_type, ring.data_addr
+        on_free = self.on_free
+        _, limit = ring.positions()
+        while True:
+            cons = ring.positions()[0]
+            if cons >= limit:
+                return
+            rows, after = scanner.scan(cons, limit, images)
+            if after == cons:
+                return  # the first record is still being written
+            for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
+                if kind == free:
+                    if on_free is not None:
+                        on_free(sample_id)
+                elif kind == sample and result >= 0 and on_stack is not None:
+                    on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts)
+                else:
+                    self._record(base + off, length)
+            ring.advance(after)
+
+    def written(self) -> int:
+        """The ring's producer position: every record reserved so far lies below it."""
+        return self.ring.positions()[1]
+
+    def handed_over(self, pos: int) -> bool:
+        """Whether every record below POS (a position written() returned) has been handed to
+        the callbacks."""
+        return self.ring.positions()[0] >= pos
+
+    def _record(self, data: int, size: int) -> None:
+        ev = self.event_type.from_address(data)
+        kind = self.kinds.get(ev.type)
+        if kind == "sample":
+            if self.on_sample is not None:
+                stack_len = min(ev.stack_len, size - self.event_size)
+                self.on_sample(self.decode_sample(ev, data + self.event_size, stack_len))
+        elif kind == "exec":
+            self._set_top(ev.pid)
+            self._forget_live(ev.pid, ev.id)
+            if self.on_exec is not None:
+                self.on_exec(ev.pid)
+        elif kind == "fork":
+            self._fork(ev.pid, ev.other)
+        elif kind == "exit":
+            parent = self._unresolved_forks.pop(ev.pid, None)
+            if parent is not None and self.on_fork is not None:
+                self.on_fork(parent, ev.pid)
+            try:
+                del self.bpf[b"hp_targets"][ctypes.c_uint32(ev.pid)]  # its pid may be reused
+            except KeyError:
+                pass
+            if self.on_exit is not None:
+                self.on_exit(ev.pid)
+
+    def decode_sample(self, ev: Any, stack: int, stack_len: int) -> HeapSample:
+        """A HeapSample from a ring record's header EV (an hp_event) and its stack bytes."""
+        return HeapSample(
+            pid=ev.pid,
+            tid=ev.tid,
+            call=self.calls.get(ev.call, f"call{ev.call}"),
+            size=ev.size,
+            ts_ns=ev.ts,
+            sample_id=ev.id,
+            regs=tuple(ev.regs),
+            stack=stack,
+            stack_len=stack_len,
+        )
+
+    def _fork(self, parent: int, child: int) -> None:
+        """A clone in a followed process: a new process (reported) or a thread (not)."""
+        thread = _is_thread(child)
+        if thread is None:  # gone already: a process's exit record will tell
+            if len(self._unresolved_forks) >= _FORK_MEMORY:
+                self._unresolved_forks.pop(next(iter(self._unresolved_forks)))
+            self._unresolved_forks[child] = parent
+        elif not thread:
+            self._set_top(child)
+            if self.on_fork is not None:
+                self.on_fork(parent, child)
+
+    def _forget_live(self, pid: int, last_id: int) -> None:
+        """PID exec'd: the blocks of its old image sampled up to LAST_ID are gone with it."""
+        table = self.bpf[b"hp_live"]
+        for key, value in list(table.items()):
+            if key.pid == pid and value.value <= last_id:
+                try:
+                    del table[key]
+                except KeyError:
+                    pass
+
+    # -- results
+    def live(self) -> dict[int, int]:
+        """{sample_id: block address} of the sampled blocks not freed (so far)."""
+        return {int(v.value): int(k.addr) for k, v in self.bpf[b"hp_live"].items()}
+
+    def drops(self) -> dict[str, int]:
+        """{counter: n} of everything dropped (bpf/heap.h HP_LOST_*), zeros included."""
+        return lost_counts(self.bpf[b"hp_lost"], lost_names(PROGRAM, "HP"))
+
+    def close(self) -> None:
+        if self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        super().close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The source's counters in the snapshot shape (lost counts only)."""
+        return {"lost": {f"heap_{k}": v for k, v in self.drops().items()}}

@@ -1,0 +1,202 @@
+"""The heap profile of `pymtrace heap`: sampled allocations aggregated per call stack.
+
+Each sample is one allocation the BPF side chose by Poisson sampling over bytes (on average
+one per `sample_bytes` allocated, a block of at least `sample_bytes` always). A sample stands
+for 1/p allocations of its size, p = 1 - exp(-size/sample_bytes), the estimator of tcmalloc
+and heapprofd: unbiased, and exact (weight 1) when every call is sampled (sample_bytes 1).
+
+Four values per stack, the pprof heap profile's sample types:
+  alloc_objects, alloc_space   every sampled allocation (weighted count, weighted bytes);
+  inuse_objects, inuse_space   those whose sample id is still live at finish (allocated and
+                               not freed at the end), with --older S only those allocated at
+                               least S seconds before the end.
+Stacks are interned by content (the tuple of Locations is the dict key): two different
+stacks never merge, and no stack is dropped here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pymtrace.tracee.unwind import Frame, Location
+
+VALUE_TYPES = ("alloc_objects", "alloc_space", "inuse_objects", "inuse_space")
+VALUE_UNITS = {"alloc_objects": "count", "alloc_space": "bytes", "inuse_objects": "count", "inuse_space": "bytes"}
+DEFAULT_VALUE = "inuse_space"
+
+
+class FrameSource(Protocol):
+    """What the writers need from a symbolizer (target.unwind.Symbolizer is one)."""
+
+    def frames(self, loc: Location) -> list[Frame]:  # innermost first
+        ...
+
+
+def sample_weight(size: int, sample_bytes: int) -> float:
+    """How many allocations of SIZE one sample stands for: 1/p, p = -expm1(-size/mean);
+    1 when every call is sampled (mean <= 1) or the block is always sampled (size >= mean)."""
+    if sample_bytes <= 1 or size >= sample_bytes:
+        return 1.0
+    if size <= 0:
+        # malloc(0) samples never come from byte sampling, except with every call sampled
+        return 1.0
+    return 1.0 / -math.expm1(-size / sample_bytes)
+
+
+@dataclass
+class StackValues:
+    """One distinct stack (leaf first) and its four weighted values."""
+
+    stack: tuple[Location, ...]
+    alloc_objects: float = 0.0
+    alloc_space: float = 0.0
+    inuse_objects: float = 0.0
+    inuse_space: float = 0.0
+    samples: int = 0  # raw samples behind the estimates
+    complete: bool = False  # the unwinder reached the outermost frame
+
+    def count(self, size: int, weight: float, complete: bool) -> None:
+        """Add one sample of SIZE bytes standing for WEIGHT allocations (sample_weight)."""
+        self.alloc_objects += weight
+        self.alloc_space += weight * size
+        self.samples += 1
+        self.complete = self.complete or complete
+
+    def value(self, name: str) -> float:
+        """The value called NAME (one of VALUE_TYPES)."""
+        if name not in VALUE_TYPES:
+            raise ValueError(f"unknown value {name!r}; choose one of {', '.join(VALUE_TYPES)}")
+        return getattr(self, name)
+
+    def values(self) -> tuple[int, int, int, int]:
+        """The four values rounded to integers, in VALUE_TYPES order (pprof's int64)."""
+        return (
+            round(self.alloc_objects),
+            round(self.alloc_space),
+            round(self.inuse_objects),
+            round(self.inuse_space),
+        )
+
+
+class HeapProfile:
+    """Samples aggregated per stack.
+
+    META describes the run for the writers' titles and comments; keys used: "command" (str),
+    "pids" (list of int), "exe" (path of the main executable: pprof's first mapping),
+    "time_ns" (wall clock at the start, ns since the epoch), "duration_ns".
+    Counters: samples (added), complete_samples (the unwinder reached the outermost frame),
+    drops (name -> count: what the source lost; every writer reports them).
+    """
+
+    def __init__(self, sample_bytes: int, meta: dict[str, Any] | None = None) -> None:
+        self.sample_bytes = sample_bytes
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.samples = 0
+        self.complete_samples = 0
+        self.drops: dict[str, int] = {}
+        self.older_s: float | None = None
+        self.finished = False
+        self._stacks: dict[tuple[Location, ...], StackValues] = {}
+        # sample id -> (stack, size, ts_ns, weight), kept until finish: whether a sample is
+        # still in use is known only at the end (about 210 bytes of Python objects each)
+        self._pending: dict[int, tuple[StackValues, int, int, float]] = {}
+
+    def add(self, sample_id: int, stack: tuple[Location, ...], size: int, ts_ns: int, complete: bool) -> None:
+        """Count one sample: SIZE bytes allocated at TS_NS through STACK (leaf first)."""
+        if self.finished:
+            raise RuntimeError("HeapProfile.add after finish")
+        entry = self._stacks.get(stack)
+        if entry is None:
+            entry = self._stacks[stack] = StackValues(tuple(stack), complete=complete)
+        weight = sample_weight(size, self.sample_bytes)
+        entry.count(size, weight, complete)
+        self.samples += 1
+        self.complete_samples += bool(complete)
+        # kept until finish: whether it is still in use is known only at the end
+        self._pending[sample_id] = (entry, size, ts_ns, weight)
+
+    def freed(self, sample_id: int) -> None:
+        """Forget a sample whose block was freed before the end (the source tells each free
+        of a sampled block: HeapSource's on_free). It bounds memory by the blocks still
+        allocated; a sample not forgotten is kept until finish (about 210 bytes), where the
+        live ids decide."""
+        self._pending.pop(sample_id, None)
+
+    def finish(
+        self,
+        live_ids: set[int],
+        end_ns: int,
+        older_s: float | None = None,
+        drops: Mapping[str, int] | None = None,
+    ) -> None:
+        """Settle the in-use values: the samples in LIVE_IDS (allocated and not freed at
+        END_NS), with OLDER_S only those allocated at least OLDER_S seconds before END_NS.
+        DROPS (name -> count) are the source's losses, reported by every writer."""
+        if self.finished:
+            raise RuntimeError("HeapProfile.finish called twice")
+        cutoff = end_ns if older_s is None else end_ns - round(older_s * 1e9)
+        for sample_id in live_ids:
+            sample = self._pending.get(sample_id)
+            if sample is None:
+                continue  # an allocation whose sample never reached the profile (dropped)
+            entry, size, ts_ns, weight = sample
+            if ts_ns > cutoff:
+                continue
+            entry.inuse_objects += weight
+            entry.inuse_space += weight * size
+        self._pending.clear()
+        self.older_s = older_s
+        if drops:
+            for name, count in drops.items():
+                self.drops[name] = self.drops.get(name, 0) + count
+        self.finished = True
+
+    def stacks(self) -> Iterator[StackValues]:
+        """Every distinct stack, in the order first seen."""
+        return iter(self._stacks.values())
+
+    def __len__(self) -> int:
+        return len(self._stacks)
+
+    def totals(self) -> dict[str, float]:
+        """Each value summed over all stacks."""
+        return {name: sum(s.value(name) for s in self._stacks.values()) for name in VALUE_TYPES}
+
+    def dropped(self) -> int:
+        """All drops together (non-zero means the profile is missing samples)."""
+        return sum(self.drops.values())
+
+    def summary_lines(self) -> list[str]:
+        """The run's settings and counters as short lines, for every output format."""
+        lines = []
+        if self.meta.get("command"):
+            lines.append(f"command: {self.meta['command']}")
+        if self.meta.get("pids"):
+            lines.append("pids: " + " ".join(str(p) for p in self.meta["pids"]))
+        exact = " (every call)" if self.sample_bytes <= 1 else ""
+        lines.append(f"sample bytes: {self.sample_bytes}{exact}")
+        if self.older_s is not None:
+            lines.append(f"in use: only blocks older than {self.older_s:g} s")
+        lines.append(f"samples: {self.samples}, complete root-to-leaf: {self.complete_samples}")
+        drops = ", ".join(f"{name} {count}" for name, count in sorted(self.drops.items()) if count)
+        lines.append(f"drops: {drops or 'none'}")
+        return lines
+
+    def title(self) -> str:
+        """A one-line name of the run: the command, else the PIDs."""
+        if self.meta.get("command"):
+            return f"pymtrace heap: {self.meta['command']}"
+        if self.meta.get("pids"):
+            return "pymtrace heap: pid " + ", ".join(str(p) for p in self.meta["pids"])
+        return "pymtrace heap"
+
+
+def frames_root_first(stack: Sequence[Location], symbolizer: FrameSource) -> list[Frame]:
+    """STACK (leaf first, several frames per inlined pc) as frames from the root to the leaf."""
+    frames: list[Frame] = []
+    for loc in reversed(stack):
+        frames.extend(reversed(symbolizer.frames(loc)))
+    return frames
