@@ -5,7 +5,8 @@ import os
 
 from pymtrace.errors import PymtraceError
 from pymtrace.trace.files import atomic_output
-from pymtrace.trace.formats import detect_format, load_records, mtrace_bin, mtrace_text
+from pymtrace.trace.formats import mtrace_bin, mtrace_text
+from pymtrace.trace.formats.autodetect import detect_format, load_records
 from pymtrace.tracee import libc
 
 HELP = (

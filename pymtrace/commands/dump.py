@@ -6,7 +6,7 @@ import sys
 
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.trace import stacktable
-from pymtrace.trace.formats import load_records, recorded_allocator
+from pymtrace.trace.formats.autodetect import load_records, recorded_allocator
 from pymtrace.trace.tracestats import Stats, path_flags, write_json
 
 _ALLOCATOR_TEXT = {"generic": "the program's own malloc"}

@@ -1,6 +1,6 @@
 """`pymtrace exporter`: serve the live malloc/slab/fault/glibc metrics to Prometheus.
 
-The exporter runs the same collectors as `pymtrace top` (pymtrace.sources.base.Sources); pymtrace.sinks.prometheus reads their BPF maps at scrape time and
+The exporter runs the same collectors as `pymtrace top` (pymtrace.sources.bundle.Sources); pymtrace.sinks.prometheus reads their BPF maps at scrape time and
 turns them into monotonic per-label series, pymtrace.sinks.http serves them. This module
 holds the arguments, the help text and the orchestration.
 """
@@ -20,7 +20,7 @@ from pymtrace.sinks.prometheus import Aggregator, ExporterMetrics
 from pymtrace.tracee import proc
 
 if TYPE_CHECKING:
-    from pymtrace.sources.base import Sources
+    from pymtrace.sources.bundle import Sources
 
 DEFAULT_PORT = 19733
 HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same BPF
@@ -166,12 +166,12 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def build_sources(args: argparse.Namespace) -> list[Sources]:
-    """The same collectors as `pymtrace top` (pymtrace.sources.base.Sources), attached for the
+    """The same collectors as `pymtrace top` (pymtrace.sources.bundle.Sources), attached for the
     exporter's mode: always-on (default) = slab + faults + glibc USDT, nothing on the
     malloc path; per-call = the same plus the per-call malloc uprobes."""
-    from pymtrace.sources import base
+    from pymtrace.sources import bundle
 
-    bundle = base.Sources(pids=args.pid or None, malloc=args.per_call, slab=True, faults=True, glibc=True)
+    bundle = bundle.Sources(pids=args.pid or None, malloc=args.per_call, slab=True, faults=True, glibc=True)
     faults = bundle.sources.get("faults")
     if faults is not None and hasattr(faults, "regions"):
         faults.regions = False  # per-region faults are top's view 3; the exporter has no use for them

@@ -18,7 +18,7 @@ import tempfile
 from pymtrace.errors import PymtraceError
 from pymtrace.replay import report, runner
 from pymtrace.trace.files import check_new
-from pymtrace.trace.formats import recorded_allocator
+from pymtrace.trace.formats.autodetect import recorded_allocator
 
 HELP = (
     "Replay a .wl workload (or a binary trace, converted on the fly) against allocators and tunables and compare them."

@@ -20,7 +20,7 @@ from pymtrace.tracee import proc
 from pymtrace.units import parse_bytes
 
 if TYPE_CHECKING:
-    from pymtrace.sources.base import Sources
+    from pymtrace.sources.bundle import Sources
     from pymtrace.sources.snapshot import Snapshot
     from pymtrace.sources.stacksites import StackSitesSource
 
@@ -193,7 +193,7 @@ def _sources(args: argparse.Namespace) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pymtrace.sources.base import Sources
+    from pymtrace.sources.bundle import Sources
 
     # argument errors first: they need neither root nor seconds of compiling
     stacks_on = _stacks_wanted(args)

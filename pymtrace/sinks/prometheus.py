@@ -313,7 +313,7 @@ def _prune_glibc(src: object) -> None:
 
 
 def merge_sources(sources: Iterable) -> dict:
-    """One merged snapshot of every source (sources are sources.base.Sources bundles,
+    """One merged snapshot of every source (sources are sources.bundle.Sources bundles,
     single sources, or test fakes: all produce pymtrace.sources.snapshot's schema), by
     snapshot.merge (the rule top uses too), plus the exporter's extras: the glibc
     source's map-full losses as lost causes (its ring-buffer losses are already there, as

@@ -115,7 +115,7 @@ class GlibcSource(Source):
     stream=True: also deliver every event to on_event(ProbeHit) from poll().
     faults=True: also emit page faults / mmap / munmap / brk of the traced pids
     (see add_fault_pid; pymtrace run/summary).
-    In pymtrace.sources.base.Sources it is contained: its failures are reported, not raised.
+    In pymtrace.sources.bundle.Sources it is contained: its failures are reported, not raised.
     """
 
     program = "glibc_usdt"

@@ -27,7 +27,8 @@ import duckdb
 import pyarrow.compute
 
 from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
-from pymtrace.trace.formats import detect_format, parquet, recorded_allocator
+from pymtrace.trace.formats import parquet
+from pymtrace.trace.formats.autodetect import detect_format, recorded_allocator
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's M_MMAP_THRESHOLD default (it grows dynamically up to 32 MiB)
 DEFAULT_MEMORY_LIMIT = "1GB"

@@ -4,7 +4,8 @@ import collections
 import json
 from typing import TextIO
 
-from pymtrace.trace.formats import load_records, mtrace_bin
+from pymtrace.trace.formats import mtrace_bin
+from pymtrace.trace.formats.autodetect import load_records
 
 
 class Stats:

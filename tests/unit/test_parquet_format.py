@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pymtrace.errors import CorruptFile, PymtraceError
-from pymtrace.trace.formats import load_records
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import parquet as P
+from pymtrace.trace.formats.autodetect import load_records
 
 U64 = st.integers(0, (1 << 64) - 1)
 RECORD = st.builds(

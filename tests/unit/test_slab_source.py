@@ -27,7 +27,7 @@ def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
     """One compile for all: when it fails, each program is tried alone, the one that fails is
     dropped with its reason in errors[...] and the rest are compiled together."""
     from pymtrace.bpf import load as bpfload
-    from pymtrace.sources import base
+    from pymtrace.sources import bundle
 
     loads = []
 
@@ -40,7 +40,7 @@ def test_a_program_this_kernel_rejects_leaves_the_others_running(monkeypatch):
 
     monkeypatch.setattr(bpfload, "load_parts", load_parts)
     monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
-    cs = base.Sources(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    cs = bundle.Sources(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
     bpf = cs._compile([c.part() for c in cs.sources.values()])
     assert bpf is not None
     assert list(cs.sources) == ["faults"]
@@ -54,7 +54,7 @@ def test_raw_tracepoints_this_kernel_rejects_fall_back_to_the_tracepoint_fields(
     from test_btf import blob
 
     from pymtrace.bpf import load as bpfload
-    from pymtrace.sources import base
+    from pymtrace.sources import bundle
 
     fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME)
     (tmp_path / "btf").write_bytes(blob(alloc=True))
@@ -70,7 +70,7 @@ def test_raw_tracepoints_this_kernel_rejects_fall_back_to_the_tracepoint_fields(
 
     monkeypatch.setattr(bpfload, "load_parts", load_parts)
     monkeypatch.setattr(bpfload, "detach_all", lambda bpf: None)
-    cs = base.Sources(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
+    cs = bundle.Sources(malloc=False, slab=True, faults=True, glibc=False, track_exits=False)
     cs.sources["slab"].prepare()
     assert cs._compile([c.part() for c in cs.sources.values()]) is not None
     slab = cs.sources["slab"]
@@ -78,7 +78,7 @@ def test_raw_tracepoints_this_kernel_rejects_fall_back_to_the_tracepoint_fields(
     assert slab.source.source == kfeatures.SLAB_BY_SIZE and "raw tracepoint rejected" in slab.raw_rejected
     assert loads[-1] == [("faults", 0), ("slab", 0)]
     # alone, too (a bundle of one)
-    cs = base.Sources(malloc=False, slab=True, faults=False, glibc=False, track_exits=False)
+    cs = bundle.Sources(malloc=False, slab=True, faults=False, glibc=False, track_exits=False)
     cs.sources["slab"].prepare()
     assert cs._compile([cs.sources["slab"].part()]) is not None
     assert cs.sources["slab"].source.source == kfeatures.SLAB_BY_SIZE

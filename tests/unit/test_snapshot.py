@@ -11,7 +11,7 @@ import time
 from support.schema import problems
 
 from pymtrace.sources import snapshot
-from pymtrace.sources.base import Sources
+from pymtrace.sources.bundle import Sources
 
 
 def malloc_entry(pid, comm, malloc=0, exited=False):

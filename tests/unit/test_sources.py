@@ -1,15 +1,15 @@
-"""pymtrace.sources.base.Sources without BPF: every source runs through the same
+"""pymtrace.sources.bundle.Sources without BPF: every source runs through the same
 lifecycle, and the bundle treats them by their declared policy (required, contained)."""
 
 import pytest
 
 from pymtrace.errors import PymtraceError
-from pymtrace.sources import base
+from pymtrace.sources import base, bundle
 from pymtrace.sources.glibc import GlibcSource
 
 
 def test_every_collector_is_a_collector():
-    cs = base.Sources(malloc=True, slab=True, faults=True, glibc=True, track_exits=False)
+    cs = bundle.Sources(malloc=True, slab=True, faults=True, glibc=True, track_exits=False)
     assert list(cs.sources) == ["malloc", "faults", "slab", "glibc"]
     assert all(isinstance(c, base.Source) for c in cs.sources.values())
     assert [n for n, c in cs.sources.items() if c.required] == ["malloc"]
@@ -24,7 +24,7 @@ def test_a_contained_collector_failure_is_reported_not_raised(monkeypatch, failu
         raise failure
 
     monkeypatch.setattr(GlibcSource, "prepare", prepare)
-    cs = base.Sources(malloc=False, slab=False, faults=False, glibc=True, track_exits=False)
+    cs = bundle.Sources(malloc=False, slab=False, faults=False, glibc=True, track_exits=False)
     with cs:
         snap = cs.snapshot()
     assert "glibc" not in cs.sources
@@ -39,7 +39,7 @@ def test_a_collector_with_nothing_to_compile_stays_and_reports(monkeypatch):
         base.Source.prepare(self)  # no sites found, no faults wanted
 
     monkeypatch.setattr(GlibcSource, "prepare", prepare)
-    cs = base.Sources(malloc=False, slab=False, faults=False, glibc=True, track_exits=False)
+    cs = bundle.Sources(malloc=False, slab=False, faults=False, glibc=True, track_exits=False)
     with cs:
         assert cs.bpf is None and cs.sources["glibc"].part() is None
         assert "glibc" in cs.sources and not cs.errors

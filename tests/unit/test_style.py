@@ -83,11 +83,59 @@ def test_clang_format():
 
 
 def test_dependency_rule():
-    """commands -> sinks/trace/replay -> collect -> target/bpf -> errors; no command imports
-    another (the contracts are in pyproject.toml)."""
+    """The layers of pyproject.toml's contracts hold (each imports only those below it, the
+    packages of one layer are independent), no command imports another, and no sibling modules
+    or packages import each other in a cycle."""
     out = run([tool("lint-imports"), "--no-cache"])
     assert out.returncode == 0, out.stdout[-4000:]
     assert "BROKEN" not in out.stdout
+
+
+def import_cycles(edges):
+    """The strongly connected components of more than one module in EDGES {module: imported}."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_import_cycles_finder():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_between_modules():
+    """No module imports itself back through others, counting what Python imports implicitly:
+    importing pymtrace.a.b runs pymtrace.a's __init__ first, so a package's __init__ that imports
+    its own modules is in a cycle with every one of them that imports from the package."""
+    import grimp  # import-linter's graph library, installed with it
+
+    graph = grimp.build_graph("pymtrace", cache_dir=None)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    for module in graph.modules:
+        if "." in module:  # every module's parent package runs before it
+            edges[module].add(module.rsplit(".", 1)[0])
+    assert import_cycles(edges) == []
 
 
 def test_no_module_imports_another_modules_private_name():
