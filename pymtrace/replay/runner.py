@@ -266,12 +266,7 @@ def prepare_workload(path: str, tmpdir: str) -> tuple[str, dict | None]:
     from pymtrace.trace.formats import mtrace_bin
 
     try:
-        with open(path, "rb") as f:
-            head = f.read(mtrace_bin.RECORD_SIZE)
-    except OSError as exc:
-        raise PymtraceError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        mtrace_bin.detect_byteorder(head)
+        mtrace_bin.detect_byteorder(mtrace_bin.read_first(path))
     except CorruptFile:
         return path, None
     from pymtrace.trace import workload

@@ -34,11 +34,7 @@ def recorded_allocator(path: str) -> str | None:
         return name if name and name != "glibc" else None
     if fmt != "mtrace-bin":
         return None
-    try:
-        with open(path, "rb") as f:
-            first = f.read(mtrace_bin.RECORD_SIZE)
-    except OSError as exc:
-        raise PymtraceError(f"cannot read {path}: {exc.strerror}") from None
+    first = mtrace_bin.read_first(path)
     try:
         return mtrace_bin.allocator_of(first, mtrace_bin.detect_byteorder(first))
     except PymtraceError:  # not a trace (a .wl workload): says nothing

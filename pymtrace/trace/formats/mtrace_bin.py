@@ -22,7 +22,7 @@ import struct
 from typing import IO, TYPE_CHECKING, Iterator, Union
 
 from pymtrace.bpf import structs
-from pymtrace.errors import CorruptFile
+from pymtrace.errors import CorruptFile, PymtraceError
 
 if TYPE_CHECKING:
     import numpy
@@ -138,6 +138,16 @@ def allocator_of(first: bytes, byteorder: str = "<") -> str | None:
 def has_stacks(first: bytes, byteorder: str = "<") -> bool:
     """Whether the MAGIC record FIRST marks a trace whose type words carry stack ids."""
     return len(first) >= RECORD_SIZE and _STRUCT[byteorder].unpack_from(first)[5] == STACKS_MARK
+
+
+def read_first(path: str) -> bytes:
+    """The first RECORD_SIZE bytes of the file PATH (fewer if it is shorter); PymtraceError if it
+    cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(RECORD_SIZE)
+    except OSError as exc:
+        raise PymtraceError(f"cannot read {path}: {exc.strerror}") from None
 
 
 def detect_byteorder(first: bytes) -> str:
