@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """CPU time of one BCC compile per module variant (not a test): what each command's module
-costs with and without the programs it may leave out (issue 10, item 16).
+costs with and without the programs it may leave out.
 
 Each measurement is a fresh process (BCC caches nothing across processes) compiling one
 module with pymtrace.bpf.load.load_parts and reporting the compiling thread's CPU time,

@@ -4,7 +4,7 @@
 The time is in detaching uprobes: a uprobe perf event's close waits for an RCU grace period
 inside perf's global event_mutex, one after the other (~85 ms each on 6.18), while a BPF
 uprobe_multi link's close does not take that mutex (pymtrace/bpf/uprobes.py). A C++
-process (libstdc++ mapped: operator new/delete probed too) runs throughout, as the issue saw.
+process (libstdc++ mapped: operator new/delete probed too) runs throughout.
 
   top      top --batch -n 1 -i 0.5 (system-wide): first report after start, then from the
            report to the process's exit, and the total

@@ -7,7 +7,7 @@ Modes, in interleaved rounds (the order rotating) against ONE storm process on a
 copy of its libc (as bench/overhead.py: other tracers' system-wide probes cannot hit it):
 
   untraced    no probes
-  top         top's malloc_stats programs on top's uprobe sites (collect.malloc.probe_plan)
+  top         top's malloc_stats programs on top's uprobe sites (sources.malloc.probe_plan)
   heap        HeapSource at the default sampling (512 KiB): the same traps, plus the
               sampler; one call in ~8000 (64-byte blocks) copies 32 KiB of stack
   heap-every  HeapSource at sample_bytes=1: every call copies the stack into the ring

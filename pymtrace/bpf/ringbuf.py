@@ -151,7 +151,7 @@ class RingReader:
 
 class MappedRing:
     """A BPF ring buffer's pages mapped for a consumer that walks variable-length records itself
-    (pymtrace heap: target.unwind.RingScanner): the addresses and the two positions, no copies.
+    (pymtrace heap: tracee.unwind.RingScanner): the addresses and the two positions, no copies.
 
     data_addr: the data pages, mapped twice in a row as the kernel does (a record that wraps is
     contiguous); size: their length (a power of two). The consumer position is written only by

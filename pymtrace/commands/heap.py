@@ -1,7 +1,7 @@
 """`pymtrace heap`: sampled allocation call stacks of processes, written as one heap profile.
 
 Arguments, help and orchestration; the sampling is pymtrace.sources.heapsession (BPF:
-collect.heap, unwinding: target.unwind, model: collect.heapprofile), the formats are
+sources.heap, unwinding: tracee.unwind, model: sources.heapprofile), the formats are
 pymtrace.sinks.{pprof,folded,flamegraph,heap_text}.
 """
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pymtrace.sources.snapshot import Snapshot
     from pymtrace.sources.stacksites import StackSitesSource
 
-DEFAULT_SAMPLE_BYTES = 524288  # = collect.heap.DEFAULT_SAMPLE_BYTES (not imported: plain top's start-up)
+DEFAULT_SAMPLE_BYTES = 524288  # = sources.heap.DEFAULT_SAMPLE_BYTES (not imported: plain top's start-up)
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested

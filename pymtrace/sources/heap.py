@@ -18,8 +18,8 @@ samples every call. The exponential draw runs in BPF from a log2 table user spac
 A sample's stack bytes are read in place from the ring buffer: HeapSample.stack is their
 address, valid only during the on_sample callback (copy them with ctypes.string_at if needed).
 
-The ring buffer is read in batches by native code (target.unwind.RingScanner), not one Python
-callback per record. Given IMAGES (target.unwind.ProcessImages) and ON_STACK, a sample whose
+The ring buffer is read in batches by native code (tracee.unwind.RingScanner), not one Python
+callback per record. Given IMAGES (tracee.unwind.ProcessImages) and ON_STACK, a sample whose
 stack the process image's unwind cache already knows goes to on_stack(pid, sample_id, stack,
 size, ts_ns) with no unwinding and no HeapSample; the others to on_sample(HeapSample).
 """
@@ -309,7 +309,7 @@ class HeapSource(Source):
 
     def probe_program(self, pid: int) -> None:
         """PID (traced) stopped after an exec, its new program's objects mapped but nothing
-        run (target.launch's on_exec): probe the file its malloc calls now resolve to, unless
+        run (tracee.launch's on_exec): probe the file its malloc calls now resolve to, unless
         it is probed already (`heap -- env LD_PRELOAD=libjemalloc.so.2 PROG`). Raises
         PymtraceError when that program's malloc cannot be probed."""
         path, family = self._allocator_of(pid)

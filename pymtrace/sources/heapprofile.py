@@ -29,7 +29,7 @@ DEFAULT_VALUE = "inuse_space"
 
 
 class FrameSource(Protocol):
-    """What the writers need from a symbolizer (target.unwind.Symbolizer is one)."""
+    """What the writers need from a symbolizer (tracee.unwind.Symbolizer is one)."""
 
     def frames(self, loc: Location) -> list[Frame]:  # innermost first
         ...

@@ -1,5 +1,5 @@
 """One `pymtrace heap` run below the command: samples from HeapSource (BPF) unwound by each
-process's ProcessImage (target.unwind) into a HeapProfile (collect.heapprofile).
+process's ProcessImage (tracee.unwind) into a HeapProfile (sources.heapprofile).
 
     session = HeapSession(pids, sample_bytes=..., meta={...})
     session.attach()                 # images of the running processes, then the probes
@@ -74,7 +74,7 @@ class HeapSession:
         self.source.attach()
 
     def probe_program(self, pid: int) -> None:
-        """A launched command after an exec, its objects mapped (target.launch's on_exec):
+        """A launched command after an exec, its objects mapped (tracee.launch's on_exec):
         its new program's allocator probed too (HeapSource.probe_program); raises
         PymtraceError when it cannot be."""
         self.source.probe_program(pid)
@@ -124,7 +124,7 @@ class HeapSession:
 
     def at_exit(self, pid: int) -> None:
         """PID is exiting but its mappings are still there (a launched command held at its
-        exit, target.launch): capture every file it mapped since its image was read."""
+        exit, tracee.launch): capture every file it mapped since its image was read."""
         self.processes.at_exit(pid)
 
     def _exec(self, pid: int) -> None:

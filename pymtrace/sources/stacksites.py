@@ -1,5 +1,5 @@
 """The hottest allocation call sites of a few processes, live, for `pymtrace top --stacks`
-(view 5): the heap sampler (collect.heap.HeapSource through collect.heapsession.HeapSession)
+(view 5): the heap sampler (sources.heap.HeapSource through sources.heapsession.HeapSession)
 aggregated per stack and per call site, as cumulative snapshot values.
 
     c = StackSitesSource([pid], sample_bytes=524288)
@@ -15,7 +15,7 @@ cumulative values are unbiased estimates and their differences over an interval 
 
 Bounded work: at most MAX_STACKS distinct stacks per process are kept (later new stacks are
 counted under one OTHER_SITE row, and said so); a stack is symbolized once, when a snapshot
-first shows it (target.unwind.Symbolizer caches each location); only the samples of blocks
+first shows it (tracee.unwind.Symbolizer caches each location); only the samples of blocks
 still live are remembered (the BPF table of live sampled blocks bounds them).
 """
 

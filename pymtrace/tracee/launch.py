@@ -4,7 +4,7 @@ The child asks to be ptraced and execs; the kernel stops it right after execve, 
 the dynamic loader or any user code has run. run_until_loaded() then lets the loader map
 every object the program needs (DT_NEEDED, LD_PRELOAD) and stops it before any of their
 initializers run (the loader's debugger rendezvous, see there), so the caller can see where
-its malloc resolves (target.libc.allocator, as for a running process) and attach there.
+its malloc resolves (tracee.libc.allocator, as for a running process) and attach there.
 resume() detaches ptrace, or (hold_exit, on_exec) stays the tracer: then service() handles
 its stops, and each exec is stopped at the same point again.
 """
@@ -100,7 +100,7 @@ class Launched:
         """Let the command (stopped at exec) run until its dynamic loader has mapped every
         object its program needs (LD_PRELOAD, DT_NEEDED, their dependencies), and stop it
         there, before any initializer of theirs or of the program has run: its malloc calls
-        can then be resolved like a running process's (target.libc.allocator). The stop is
+        can then be resolved like a running process's (tracee.libc.allocator). The stop is
         the loader's debugger rendezvous (<link.h>'s r_debug protocol, where gdb stops too):
         the loader calls _dl_debug_state after each change of its object list, with r_state
         RT_CONSISTENT once the list is complete; a temporary int3 there, the original byte and

@@ -531,7 +531,7 @@ class ProcessImages:
 
     def at_exit(self, pid: int) -> None:
         """PID is exiting but its mappings are still there (a launched command held at its exit,
-        target.launch): capture every file it mapped since its image was read."""
+        tracee.launch): capture every file it mapped since its image was read."""
         image = self.images.get(pid)
         if image is None:
             self.capture(pid)

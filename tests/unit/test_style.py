@@ -48,8 +48,7 @@ def tracked(*patterns):
                 and not any(part.endswith(".egg-info") for part in f.relative_to(ROOT).parts)
             }
         )
-    # docs/design/heap-proto is a measured prototype kept as it ran, not project code
-    return [f for f in files if not f.startswith("docs/design/")]
+    return files
 
 
 def run(cmd):
