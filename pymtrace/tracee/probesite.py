@@ -4,8 +4,11 @@ The kernel emulates a `push reg` or a 1-byte `nop` at a probe site (~0.7 us a hi
 single-steps most other instructions out of line (~5 us; 13 us measured here for glibc
 2.36's `free`, which starts with `test %rdi,%rdi; je`). So we decode the function's
 first instructions (capstone) and move the probe forward over instructions that neither
-change the argument registers nor the stack -- `test`/`cmp` and conditional branches --
-to the first emulated instruction. Every path that branched away before that point is
+change the argument registers nor the stack nor memory -- `endbr64` (CET's marker, which
+libstdc++'s operator new/delete start with), `test`/`cmp`, a write of a scratch register
+(rax, r10, r11: neither argument nor callee-saved) and conditional branches -- to the first
+emulated instruction (also an unconditional `jmp` reached without a branch, which the kernel
+emulates: operator delete's tail jump to free). Every path that branched away before that point is
 covered by one more probe at the branch target, placed only if the target is reached by
 that branch alone (checked by decoding the whole function). If any of that cannot be
 proven, the probe stays at +0: correct first, cheap second.
@@ -22,8 +25,10 @@ from typing import Any
 from pymtrace.errors import PymtraceError
 from pymtrace.tracee import elf
 
-_EMULATED = {"push", "nop"}  # 1-byte nop only (size check below)
-_HARMLESS = {"test", "cmp"}  # read registers/memory, write only flags
+_HARMLESS = {"test", "cmp", "endbr64"}  # read registers/memory, write only flags (endbr64: nothing)
+# registers a function may clobber before its first instruction that matters here: not an
+# argument (rdi, rsi, rdx, rcx, r8, r9), not the stack, not callee-saved
+_SCRATCH = {"rax", "eax", "ax", "al", "r10", "r10d", "r11", "r11d", "rflags"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +66,22 @@ def _is_emulated(insn: Any) -> bool:
 
     if insn.mnemonic == "push" and insn.operands and insn.operands[0].type == X.X86_OP_REG:
         return True
+    if insn.mnemonic == "jmp" and insn.operands and insn.operands[0].type == X.X86_OP_IMM:
+        return True  # a relative jmp: the kernel emulates branches (tail-jumping forwarders)
     return insn.mnemonic == "nop" and insn.size == 1
+
+
+def _writes_scratch_only(insn: Any) -> bool:
+    """Whether INSN only writes scratch registers, from registers or an immediate (no memory
+    operand, not a branch): the arguments, the stack and memory are as at the function's entry."""
+    from capstone import x86_const as X
+
+    if insn.group(X.X86_GRP_JUMP) or insn.group(X.X86_GRP_CALL) or insn.group(X.X86_GRP_RET):
+        return False
+    if any(op.type == X.X86_OP_MEM for op in insn.operands):
+        return False
+    _, written = insn.regs_access()
+    return bool(written) and all(insn.reg_name(r) in _SCRATCH for r in written)
 
 
 def choose(code: bytes, start: int, size: int, function: str = "?") -> Sites:
@@ -75,8 +95,12 @@ def choose(code: bytes, start: int, size: int, function: str = "?") -> Sites:
     side = []
     for insn in insns[:8]:
         if _is_emulated(insn):
+            if insn.mnemonic == "jmp" and side:
+                # a tail jump after an early-exit branch (glibc's memalign): two sites, and the
+                # return probe stays at +0: no fewer traps than one at +0
+                return Sites(function, 0, (), f"+0: cannot move past `{insn.mnemonic} {insn.op_str}`")
             break
-        if insn.mnemonic in _HARMLESS:
+        if insn.mnemonic in _HARMLESS or _writes_scratch_only(insn):
             continue
         target = _branch_target(insn)
         if target is not None and insn.mnemonic not in ("jmp", "call") and start <= target < start + size:

@@ -112,6 +112,44 @@ def test_unknown_first_instruction_stays_at_zero():
     assert s.offset == 0
 
 
+ENDBR64 = b"\xf3\x0f\x1e\xfa"
+MOV_1_EAX = b"\xb8\x01\x00\x00\x00"
+MOV_1_EDI = b"\xbf\x01\x00\x00\x00"
+SUB_8_RSP = b"\x48\x83\xec\x08"
+
+
+def jmp_rel32(from_next, target):
+    return b"\xe9" + (target - from_next).to_bytes(4, "little", signed=True)
+
+
+def test_operator_new_shape_moves_past_endbr64_and_a_scratch_register_write():
+    # libstdc++'s operator new(size_t): endbr64; test rdi,rdi; mov $1,%eax; push rbx; ...
+    body = ENDBR64 + TEST_RDI + MOV_1_EAX + PUSH_RBP + MOV_RBX_RDI + RET
+    s = probesite.choose(body, 0, len(body))
+    assert s.offset == 12 and s.side_paths == ()
+
+
+def test_operator_delete_shape_moves_to_its_tail_jump():
+    # operator delete(void*): endbr64; jmp free@plt (the kernel emulates a relative jmp)
+    body = ENDBR64 + jmp_rel32(9, 0x1000)
+    s = probesite.choose(body, 0, len(body))
+    assert s.offset == 4 and "jmp" in s.reason
+
+
+def test_an_argument_or_stack_write_keeps_the_probe_at_zero():
+    for first in (MOV_1_EDI, SUB_8_RSP, MOV_RBX_RDI):  # edi: an argument; rsp; rbx: callee-saved
+        body = ENDBR64 + first + PUSH_RBP + RET
+        assert probesite.choose(body, 0, len(body)).offset == 0, first.hex()
+
+
+def test_a_tail_jump_after_an_early_exit_branch_keeps_the_probe_at_zero():
+    # glibc's memalign: cmp; je SLOW; jmp FAST: two sites where +0 is one, with the return there
+    slow = 3 + 6 + 5
+    body = TEST_RDI + je_rel32(9, slow) + jmp_rel32(14, 0x1000) + SUB_8_RSP + RET
+    s = probesite.choose(body, 0, len(body))
+    assert s.offset == 0 and "jmp" in s.reason
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=0, max_size=64))
 def test_choose_never_crashes_and_stays_in_bounds(code):
