@@ -24,8 +24,7 @@
  * is deleted by the first run, and ms_f_return tells the outermost call's own return (its
  * stack pointer above the entry's) from the returns of calls nested in it, which run N times
  * too (an aligned operator new's posix_memalign under jemalloc would otherwise end the new).
- * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
- * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
+ * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
  * out the libc's / the other allocators' / C++ operator new/delete's programs), MS_F_SELECT=1
  * (of the ms_f_* entry programs only those whose MS_WANT_<program> is 1).
  */
@@ -202,9 +201,6 @@ static __always_inline void add_active(s64 n) {
 /* ---- malloc, calloc ------------------------------------------------------------ */
 
 int ms_malloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     expect_return(MS_RET_MALLOC); /* also inside an outer call: operator new's bytes */
     if (inside_outer()) return 0;
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
@@ -234,9 +230,6 @@ static __always_inline struct ms_outer *inside_cxx(void) {
 }
 
 int ms_malloc_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     if (!first_return(MS_RET_MALLOC)) return 0;
     struct ms_outer *cxx = inside_cxx();
     if (cxx) { /* glibc's malloc inside operator new: the new's block and its bytes */
@@ -251,9 +244,6 @@ int ms_malloc_return(struct pt_regs *ctx) {
 }
 
 int ms_calloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     expect_return(MS_RET_CALLOC);
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
     if (s) count_call(s, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx));
@@ -261,9 +251,6 @@ int ms_calloc_entry(struct pt_regs *ctx) {
 }
 
 int ms_calloc_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     if (!first_return(MS_RET_CALLOC)) return 0;
     return alloc_return(ctx);
 }
@@ -274,9 +261,6 @@ int ms_calloc_return(struct pt_regs *ctx) {
  * at each early-exit branch target before it (free(NULL)'s `ret`); both see the argument
  * register unchanged. */
 int ms_free_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     struct ms_outer *cxx = inside_cxx();
     if (cxx) { /* glibc's free inside operator delete: the bytes it releases */
         u64 ptr = PT_REGS_PARM1(ctx);
@@ -325,46 +309,28 @@ static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, 
 }
 
 int ms_realloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
 }
 
 int ms_memalign_entry(struct pt_regs *ctx) /* memalign(align, size), aligned_alloc */
 {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_MEMALIGN, PT_REGS_PARM2(ctx), 0);
 }
 
 int ms_posix_memalign_entry(struct pt_regs *ctx) /* posix_memalign(&p, align, size) */
 {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx));
 }
 
 int ms_valloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_VALLOC, PT_REGS_PARM1(ctx), 0);
 }
 
 int ms_pvalloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0);
 }
 
 int ms_outer_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer *op = ms_outer.lookup(&id);
     if (!op) return 0; /* attached while the call was running */
@@ -532,9 +498,6 @@ static __always_inline int cxx_return(struct pt_regs *ctx, u64 id, struct ms_out
 #endif /* MS_CXX */
 
 int ms_f_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer *op = ms_outer.lookup(&id);
     if (!op || !op->depth) return 0; /* attached while the call was running */
@@ -582,9 +545,6 @@ int ms_f_return(struct pt_regs *ctx) {
 /* A free-type function that calls no other probed function: entry only, skipped inside an
  * allocating call (realloc(p, 0), an internal free). */
 int ms_f_free_p1(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     u64 id = bpf_get_current_pid_tgid();
     int zero = 0;
     s64 *active = ms_active.lookup(&zero);
@@ -608,17 +568,10 @@ int ms_f_free_p1(struct pt_regs *ctx) {
  * s1/s2 size in argument 1/2, n1s2 count * size, p1s2 pointer and size, p1s3
  * posix_memalign's (memptr, alignment, size), x xallocx (resizes in place: never fails),
  * nest a free-type function that calls another probed one (with a return probe). */
-#if MS_EMPTY
-#define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
-    int name(struct pt_regs *ctx) {                                                                          \
-        return 0;                                                                                            \
-    }
-#else
 #define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
     int name(struct pt_regs *ctx) {                                                                          \
         return foreign_entry(ctx, type, size, ptr, nofail);                                                  \
     }
-#endif
 #if MS_WANT(ms_f_malloc_s1)
 MS_F_ENTRY(ms_f_malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
 #endif
@@ -661,17 +614,10 @@ MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
 #if MS_CXX
 /* C++ operator new/delete (allocators.CXX; entry + ms_f_return): ms_f_<call>_<layout> too.
  * MS_F_SELECT applies to them too: tcmalloc's and mimalloc's leave some to their free. */
-#if MS_EMPTY
-#define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
-    int name(struct pt_regs *ctx) {                                                                          \
-        return 0;                                                                                            \
-    }
-#else
 #define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
     int name(struct pt_regs *ctx) {                                                                          \
         return cxx_entry(ctx, type, size, ptr);                                                              \
     }
-#endif
 #if MS_WANT(ms_f_new_s1)
 MS_CXX_ENTRY(ms_f_new_s1, CALL_NEW, PT_REGS_PARM1(ctx), 0)
 #endif
@@ -705,9 +651,6 @@ MS_CXX_ENTRY(ms_f_delete_aligned_p1, CALL_DELETE_ALIGNED, 0, PT_REGS_PARM1(ctx))
  * and argument struct are named after the tracepoint, and bpf/faults.bpf.c, compiled in the
  * same module by pymtrace top, has its own exec probe. The record is not read. */
 int ms_exec(void *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     struct ms_stats *s = ms_stats.lookup(&tgid);
     if (s) set_comm(s);

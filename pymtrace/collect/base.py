@@ -19,8 +19,7 @@ Every collector takes pids=None|[...] and track_exits=True (start its own cn_pro
 drop the state of exited processes; the bundle passes False and feeds them exits itself via
 exited(tgid)). Attributes read by attach(), settable before it: MallocCollector.max_procs,
 FaultCollector.max_procs / .max_granules / .regions (False: no per-region map, no
-"fault_regions"), SlabCollector.max_caches; MallocCollector(empty=True) attaches programs
-that do nothing (the benchmark's floor). Collectors(...).collectors is {"malloc", "faults",
+"fault_regions"), SlabCollector.max_caches. Collectors(...).collectors is {"malloc", "faults",
 "slab", "glibc"} -> collector, for such settings. Snapshots are CUMULATIVE since attach, plus gauges; consumers compute rates from
 two snapshots (pymtrace.sinks.views does). PIDs are int keys here; they become strings after
 json.dumps. The snapshot's schema, typed, and the merge of the collectors' snapshots into
