@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchutil import private_libc_storm, private_preload_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.sources import malloc as collect  # noqa: E402
+from pymtrace.sources import malloc  # noqa: E402
 from pymtrace.tracee import allocators, libc  # noqa: E402
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
@@ -49,7 +49,7 @@ def cpu_ns(pid):
 def uprobes(name, path):
     """top's uprobes for the allocator NAME in PATH: [(kind, function, offset, program)]."""
     if name == "glibc":
-        return [(kind, fn, off, prog) for fn, probes in collect.probe_plan(path) for kind, off, prog in probes]
+        return [(kind, fn, off, prog) for fn, probes in malloc.probe_plan(path) for kind, off, prog in probes]
     return [(p.kind, fn, p.offset, p.program) for fn, probes in allocators.probe_plan(path, name) for p in probes]
 
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchutil import private_libc_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.sources import malloc as collect  # noqa: E402
+from pymtrace.sources import malloc  # noqa: E402
 from pymtrace.sources.heap import HeapSource  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -117,7 +117,7 @@ def main():
     storm, pid, path = private_libc_storm(tmp)
 
     top_bpf = bpfload.load("malloc_stats")
-    top = Probes(top_bpf, collect.probe_plan(path), path, pid)
+    top = Probes(top_bpf, malloc.probe_plan(path), path, pid)
     heap, heap_probes = heap_mode(path, pid, 524288)
     every, every_probes = heap_mode(path, pid, 1)
     reserve, reserve_probes = heap_mode(path, pid, 1, reserve=True)

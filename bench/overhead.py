@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchutil import build_c, private_libc_storm, private_preload_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
-from pymtrace.sources import malloc as collect  # noqa: E402
+from pymtrace.sources import malloc  # noqa: E402
 from pymtrace.sources.faults import FaultSource  # noqa: E402
 from pymtrace.tracee import allocators, libc  # noqa: E402
 
@@ -116,7 +116,7 @@ FAMILY = None  # --allocator: the pymtrace.tracee.allocators family probed inste
 
 
 def top_uprobes(path):
-    """top's uprobe sites, exactly as MallocSource attaches them (collect.probe_plan, or
+    """top's uprobe sites, exactly as MallocSource attaches them (malloc.probe_plan, or
     allocators.probe_plan for --allocator)."""
     if FAMILY is not None:
         return [
@@ -124,9 +124,14 @@ def top_uprobes(path):
             for function, probes in allocators.probe_plan(path, FAMILY)
             for p in probes
         ]
-    return [
-        (kind, path, function, off, fn) for function, probes in collect.probe_plan(path) for kind, off, fn in probes
-    ]
+    return [(kind, path, function, off, fn) for function, probes in malloc.probe_plan(path) for kind, off, fn in probes]
+
+
+def floor_program(uprobes):
+    """The floor's BPF source: for each program UPROBES attach, one of the same name that returns
+    at once (what the uprobes cost without top's work)."""
+    programs = [f"int {name}(struct pt_regs *ctx) {{ return 0; }}\n" for name in sorted({p for *_, p in uprobes})]
+    return "#include <uapi/linux/ptrace.h>\n" + "".join(programs)
 
 
 def tracepoints(bpf, names):
@@ -137,7 +142,7 @@ SLAB_TPS = (("kmem", "kmem_cache_alloc"), ("kmem", "kmem_cache_free"))
 FAULT_TPS = (("exceptions", "page_fault_user"), ("exceptions", "page_fault_kernel"))
 
 
-def fault_collector(pid):
+def fault_source(pid):
     """top's page-fault source for PID, exactly as top runs it (with its region reader
     thread consuming the pf_new ring buffer), tracepoints left for Attachments to switch."""
     c = FaultSource(pids=[pid], track_exits=False)
@@ -152,18 +157,19 @@ COLLECTORS = []
 def build_modes(path, pid):
     import bcc
 
-    floor = bpfload.load("malloc_stats", defines={"MS_EMPTY": 1})
+    uprobes = top_uprobes(path)
+    floor = bcc.BPF(text=floor_program(uprobes))
     ms = bpfload.load("malloc_stats")
-    faults = fault_collector(pid)
+    faults = fault_source(pid)
     slab = bpfload.load("slab")
-    faults2 = fault_collector(pid)
+    faults2 = fault_source(pid)
     slab2 = bpfload.load("slab")
     memleak = bcc.BPF(text=MEMLEAK)
     return {
         "untraced": [],
-        "floor": [Attachments(floor, top_uprobes(path))],
+        "floor": [Attachments(floor, uprobes)],
         "top": [
-            Attachments(ms, top_uprobes(path)),
+            Attachments(ms, uprobes),
             Attachments(faults, (), tracepoints(faults, FAULT_TPS)),
             Attachments(slab, (), tracepoints(slab, SLAB_TPS)),
         ],
@@ -246,7 +252,7 @@ def main():
         fresh_exe = build_c(tmp, "fresh", HERE / "storm.c", flags=["-O2"])
         fresh = subprocess.Popen([fresh_exe, "fresh"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         fresh_pid = int(fresh.stdout.readline().split()[1])
-        fc = fault_collector(fresh_pid)
+        fc = fault_source(fresh_pid)
         fresh_modes = {"untraced": [], "top": [Attachments(fc, (), tracepoints(fc, FAULT_TPS))]}
 
     def measure_fresh(name):

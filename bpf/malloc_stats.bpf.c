@@ -24,8 +24,7 @@
  * is deleted by the first run, and ms_f_return tells the outermost call's own return (its
  * stack pointer above the entry's) from the returns of calls nested in it, which run N times
  * too (an aligned operator new's posix_memalign under jemalloc would otherwise end the new).
- * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_EMPTY=1 (every program returns at once:
- * the benchmark's floor on the same attach points), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
+ * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
  * out the libc's / the other allocators' / C++ operator new/delete's programs), MS_F_SELECT=1
  * (of the ms_f_* entry programs only those whose MS_WANT_<program> is 1).
  */
@@ -202,9 +201,6 @@ static __always_inline void add_active(s64 n) {
 /* ---- malloc, calloc ------------------------------------------------------------ */
 
 int ms_malloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     expect_return(MS_RET_MALLOC); /* also inside an outer call: operator new's bytes */
     if (inside_outer()) return 0;
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
@@ -234,9 +230,6 @@ static __always_inline struct ms_outer *inside_cxx(void) {
 }
 
 int ms_malloc_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     if (!first_return(MS_RET_MALLOC)) return 0;
     struct ms_outer *cxx = inside_cxx();
     if (cxx) { /* glibc's malloc inside operator new: the new's block and its bytes */
@@ -251,9 +244,6 @@ int ms_malloc_return(struct pt_regs *ctx) {
 }
 
 int ms_calloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     expect_return(MS_RET_CALLOC);
     struct ms_stats *s = stats_for(bpf_get_current_pid_tgid() >> 32);
     if (s) count_call(s, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx));
@@ -261,9 +251,6 @@ int ms_calloc_entry(struct pt_regs *ctx) {
 }
 
 int ms_calloc_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     if (!first_return(MS_RET_CALLOC)) return 0;
     return alloc_return(ctx);
 }
@@ -274,9 +261,6 @@ int ms_calloc_return(struct pt_regs *ctx) {
  * at each early-exit branch target before it (free(NULL)'s `ret`); both see the argument
  * register unchanged. */
 int ms_free_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     struct ms_outer *cxx = inside_cxx();
     if (cxx) { /* glibc's free inside operator delete: the bytes it releases */
         u64 ptr = PT_REGS_PARM1(ctx);
@@ -325,46 +309,28 @@ static __always_inline int outer_entry(struct pt_regs *ctx, u32 type, u64 size, 
 }
 
 int ms_realloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx));
 }
 
 int ms_memalign_entry(struct pt_regs *ctx) /* memalign(align, size), aligned_alloc */
 {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_MEMALIGN, PT_REGS_PARM2(ctx), 0);
 }
 
 int ms_posix_memalign_entry(struct pt_regs *ctx) /* posix_memalign(&p, align, size) */
 {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx));
 }
 
 int ms_valloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_VALLOC, PT_REGS_PARM1(ctx), 0);
 }
 
 int ms_pvalloc_entry(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     return outer_entry(ctx, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0);
 }
 
 int ms_outer_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer *op = ms_outer.lookup(&id);
     if (!op) return 0; /* attached while the call was running */
@@ -419,12 +385,13 @@ int ms_outer_return(struct pt_regs *ctx) {
 /* ---- other allocators: jemalloc, tcmalloc, mimalloc, a malloc in the executable --------
  *
  * Attached by MallocCollector to the functions of pymtrace/target/allocators.py's tables,
- * one program per (call type, argument layout). No chunk header is read (their blocks have
- * none): each block allocated since attach is kept in ms_fblocks with its requested size,
- * so allocated/freed/live bytes are requested bytes (foreign_calls says so to user space). Every allocating call
- * is an outer call with a return probe: whatever it calls inside (another probed function,
- * a forwarder's tail jump, an internal free) is not counted again. A state whose frame is
- * gone (its return never seen: stack pointer now above it) is stale and replaced. */
+ * one program per (call type, argument layout) of allocators.h. No chunk header is read
+ * (their blocks have none): each block allocated since attach is kept in ms_fblocks with its
+ * requested size, so allocated/freed/live bytes are requested bytes (foreign_calls says so
+ * to user space). Every allocating call is an outer call with a return probe: whatever it
+ * calls inside (another probed function, a forwarder's tail jump, an internal free) is not
+ * counted again. A state whose frame is gone (its return never seen: stack pointer now above
+ * it) is stale and replaced. */
 
 static __always_inline struct ms_outer *foreign_outer(u64 id, u64 sp) {
     struct ms_outer *op = ms_outer.lookup(&id);
@@ -532,9 +499,6 @@ static __always_inline int cxx_return(struct pt_regs *ctx, u64 id, struct ms_out
 #endif /* MS_CXX */
 
 int ms_f_return(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     u64 id = bpf_get_current_pid_tgid();
     struct ms_outer *op = ms_outer.lookup(&id);
     if (!op || !op->depth) return 0; /* attached while the call was running */
@@ -577,14 +541,9 @@ int ms_f_return(struct pt_regs *ctx) {
     return 0;
 }
 
-#if MS_FOREIGN
-#if MS_WANT(ms_f_free_p1)
-/* A free-type function that calls no other probed function: entry only, skipped inside an
- * allocating call (realloc(p, 0), an internal free). */
-int ms_f_free_p1(struct pt_regs *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
+/* A free-type function that calls no other probed function (AL_LEAF): entry only, skipped inside
+ * an allocating call (realloc(p, 0), an internal free). */
+static __always_inline int foreign_free_leaf(struct pt_regs *ctx, u64 ptr) {
     u64 id = bpf_get_current_pid_tgid();
     int zero = 0;
     s64 *active = ms_active.lookup(&zero);
@@ -595,108 +554,28 @@ int ms_f_free_p1(struct pt_regs *ctx) {
     if (!s) return 0;
     s->foreign_calls++;
     s->calls[CALL_FREE]++;
-    u64 ptr = PT_REGS_PARM1(ctx);
     if (!ptr)
         s->calls[MS_FREE_NULL]++;
     else
         fblock_free(s, id >> 32, ptr);
     return 0;
 }
-#endif
 
-/* The entry programs, named ms_f_<call>_<layout> (allocators.py's ApiFunction.program):
- * s1/s2 size in argument 1/2, n1s2 count * size, p1s2 pointer and size, p1s3
- * posix_memalign's (memptr, alignment, size), x xallocx (resizes in place: never fails),
- * nest a free-type function that calls another probed one (with a return probe). */
-#if MS_EMPTY
-#define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
-    int name(struct pt_regs *ctx) {                                                                          \
-        return 0;                                                                                            \
+/* The entry programs ms_f_<call>_<layout> (allocators.py's ApiFunction.program), of the argument
+ * layouts in allocators.h: the other allocators' with MS_FOREIGN, C++ operator new/delete's with
+ * MS_CXX (MS_F_SELECT applies to both: tcmalloc's and mimalloc's delete is their free). */
+#define AL_WANT(name)     (MS_FOREIGN && MS_WANT(ms_f_##name))
+#define AL_CXX_WANT(name) (MS_CXX && MS_WANT(ms_f_##name))
+#define AL_ENTRY(name, type, size, ptr, align, flags)                                                        \
+    int ms_f_##name(struct pt_regs *ctx) {                                                                   \
+        if ((flags)&AL_LEAF) return foreign_free_leaf(ctx, ptr);                                             \
+        return foreign_entry(ctx, type, size, ptr, (flags)&AL_NOFAIL);                                       \
     }
-#else
-#define MS_F_ENTRY(name, type, size, ptr, nofail)                                                            \
-    int name(struct pt_regs *ctx) {                                                                          \
-        return foreign_entry(ctx, type, size, ptr, nofail);                                                  \
-    }
-#endif
-#if MS_WANT(ms_f_malloc_s1)
-MS_F_ENTRY(ms_f_malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_malloc_n1s2)
-MS_F_ENTRY(ms_f_malloc_n1s2, CALL_MALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_calloc_n1s2)
-MS_F_ENTRY(ms_f_calloc_n1s2, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_calloc_s1)
-MS_F_ENTRY(ms_f_calloc_s1, CALL_CALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_realloc_p1s2)
-MS_F_ENTRY(ms_f_realloc_p1s2, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
-#endif
-#if MS_WANT(ms_f_realloc_x)
-MS_F_ENTRY(ms_f_realloc_x, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 1)
-#endif
-#if MS_WANT(ms_f_memalign_s1)
-MS_F_ENTRY(ms_f_memalign_s1, CALL_MEMALIGN, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_memalign_s2)
-MS_F_ENTRY(ms_f_memalign_s2, CALL_MEMALIGN, PT_REGS_PARM2(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_posix_memalign_p1s3)
-MS_F_ENTRY(ms_f_posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM3(ctx), PT_REGS_PARM1(ctx), 0)
-#endif
-#if MS_WANT(ms_f_valloc_s1)
-MS_F_ENTRY(ms_f_valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_pvalloc_s1)
-MS_F_ENTRY(ms_f_pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if MS_WANT(ms_f_free_nest)
-MS_F_ENTRY(ms_f_free_nest, CALL_FREE, 0, PT_REGS_PARM1(ctx), 0)
-#endif
-
-#endif /* MS_FOREIGN */
-
-#if MS_CXX
-/* C++ operator new/delete (allocators.CXX; entry + ms_f_return): ms_f_<call>_<layout> too.
- * MS_F_SELECT applies to them too: tcmalloc's and mimalloc's leave some to their free. */
-#if MS_EMPTY
-#define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
-    int name(struct pt_regs *ctx) {                                                                          \
-        return 0;                                                                                            \
-    }
-#else
-#define MS_CXX_ENTRY(name, type, size, ptr)                                                                  \
-    int name(struct pt_regs *ctx) {                                                                          \
+#define AL_CXX_ENTRY(name, type, as_type, size, ptr, align)                                                  \
+    int ms_f_##name(struct pt_regs *ctx) {                                                                   \
         return cxx_entry(ctx, type, size, ptr);                                                              \
     }
-#endif
-#if MS_WANT(ms_f_new_s1)
-MS_CXX_ENTRY(ms_f_new_s1, CALL_NEW, PT_REGS_PARM1(ctx), 0)
-#endif
-#if MS_WANT(ms_f_new_array_s1)
-MS_CXX_ENTRY(ms_f_new_array_s1, CALL_NEW_ARRAY, PT_REGS_PARM1(ctx), 0)
-#endif
-#if MS_WANT(ms_f_new_nothrow_s1)
-MS_CXX_ENTRY(ms_f_new_nothrow_s1, CALL_NEW_NOTHROW, PT_REGS_PARM1(ctx), 0)
-#endif
-#if MS_WANT(ms_f_new_aligned_s1)
-MS_CXX_ENTRY(ms_f_new_aligned_s1, CALL_NEW_ALIGNED, PT_REGS_PARM1(ctx), 0)
-#endif
-#if MS_WANT(ms_f_delete_p1)
-MS_CXX_ENTRY(ms_f_delete_p1, CALL_DELETE, 0, PT_REGS_PARM1(ctx))
-#endif
-#if MS_WANT(ms_f_delete_array_p1)
-MS_CXX_ENTRY(ms_f_delete_array_p1, CALL_DELETE_ARRAY, 0, PT_REGS_PARM1(ctx))
-#endif
-#if MS_WANT(ms_f_delete_sized_p1)
-MS_CXX_ENTRY(ms_f_delete_sized_p1, CALL_DELETE_SIZED, 0, PT_REGS_PARM1(ctx))
-#endif
-#if MS_WANT(ms_f_delete_aligned_p1)
-MS_CXX_ENTRY(ms_f_delete_aligned_p1, CALL_DELETE_ALIGNED, 0, PT_REGS_PARM1(ctx))
-#endif
-#endif /* MS_CXX */
+#include "allocators.h"
 #endif /* MS_FOREIGN || MS_CXX */
 
 /* ---- exec: the process has a new name ------------------------------------------ */
@@ -705,9 +584,6 @@ MS_CXX_ENTRY(ms_f_delete_aligned_p1, CALL_DELETE_ALIGNED, 0, PT_REGS_PARM1(ctx))
  * and argument struct are named after the tracepoint, and bpf/faults.bpf.c, compiled in the
  * same module by pymtrace top, has its own exec probe. The record is not read. */
 int ms_exec(void *ctx) {
-#if MS_EMPTY
-    return 0;
-#endif
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     struct ms_stats *s = ms_stats.lookup(&tgid);
     if (s) set_comm(s);

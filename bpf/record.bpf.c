@@ -377,54 +377,15 @@ int enter_free(struct pt_regs *ctx) {
 
 /* ---- other allocators (jemalloc, tcmalloc, mimalloc, a malloc in the executable) -------
  * Attached by the recorder to the functions of pymtrace/target/allocators.py's probe plan:
- * entry program enter_f_<call>_<layout> for its ms_f_<call>_<layout> (the same argument
- * layouts), `leave` at every return probe. Compiled with GLIBC_CHUNKS=0: their blocks have
+ * entry program enter_f_<call>_<layout> for its ms_f_<call>_<layout> (the argument layouts of
+ * allocators.h), `leave` at every return probe. Compiled with GLIBC_CHUNKS=0: their blocks have
  * no glibc chunk header, so size2/size3 stay 0 (alignments and the page size are kept).
  * Every allocating function is an outer call: what it calls inside is not recorded again. */
-#define ENTER_F(name, TYPE, A0, A1, A2)                                                                      \
-    int enter_f_##name(struct pt_regs *ctx) {                                                                \
-        return enter(ctx, TYPE, A0, A1, A2);                                                                 \
-    }
-#if WANT(enter_f_malloc_s1)
-ENTER_F(malloc_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if WANT(enter_f_malloc_n1s2)
-ENTER_F(malloc_n1s2, CALL_MALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
-#endif
-#if WANT(enter_f_calloc_n1s2)
-ENTER_F(calloc_n1s2, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0)
-#endif
-#if WANT(enter_f_calloc_s1)
-ENTER_F(calloc_s1, CALL_CALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if WANT(enter_f_realloc_p1s2)
-ENTER_F(realloc_p1s2, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
-#endif
-/* xallocx(p, size, extra, flags) resizes in place and returns a size: recorded as realloc(p) -> p */
-#if WANT(enter_f_realloc_x)
-ENTER_F(realloc_x, CALL_REALLOC, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 1)
-#endif
-/* (size, alignment): mi_malloc_aligned, mi_zalloc_aligned */
-#if WANT(enter_f_memalign_s1)
-ENTER_F(memalign_s1, CALL_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
-#endif
-#if WANT(enter_f_memalign_s2)
-ENTER_F(memalign_s2, CALL_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), 0)
-#endif
-#if WANT(enter_f_posix_memalign_p1s3)
-ENTER_F(posix_memalign_p1s3, CALL_POSIX_MEMALIGN, PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), PT_REGS_PARM3(ctx))
-#endif
-#if WANT(enter_f_valloc_s1)
-ENTER_F(valloc_s1, CALL_VALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if WANT(enter_f_pvalloc_s1)
-ENTER_F(pvalloc_s1, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
 
 /* A free-type function: recorded at entry unless nested in another recorded call. NEST: it
  * calls another probed function and has a return probe, so its depth is kept like an
  * allocating call's (`leave` records nothing for CALL_FREE). */
-static __always_inline int enter_foreign_free(struct pt_regs *ctx, int nest) {
+static __always_inline int enter_foreign_free(struct pt_regs *ctx, u64 p, int nest) {
     u64 id = bpf_get_current_pid_tgid();
     if (!wanted(id >> 32)) return 0;
     struct stash *s = stash.lookup(&id);
@@ -432,7 +393,6 @@ static __always_inline int enter_foreign_free(struct pt_regs *ctx, int nest) {
         if (nest) s->depth++;
         return 0;
     }
-    u64 p = PT_REGS_PARM1(ctx);
     struct record_event *e = reserve();
     if (e) fill(e, id, CALL_FREE, p, 0, 0, chunk_size(p), 0, caller_of(ctx), bpf_ktime_get_ns());
     if (nest) {
@@ -444,52 +404,37 @@ static __always_inline int enter_foreign_free(struct pt_regs *ctx, int nest) {
     }
     return 0;
 }
-#if WANT(enter_f_free_p1)
-int enter_f_free_p1(struct pt_regs *ctx) {
-    return enter_foreign_free(ctx, 0);
-}
-#endif
-#if WANT(enter_f_free_nest)
-int enter_f_free_nest(struct pt_regs *ctx) {
-    return enter_foreign_free(ctx, 1);
-}
-#endif
 
-/* C++ operator new/delete (allocators.CXX, entry + `leave`), mapped onto dj/malloc's codes
- * (docs/formats.md): every new -> malloc (size), an aligned new -> memalign (alignment, size),
- * every delete -> free. The malloc/free they make inside is nested: not recorded again. */
-#if WANT(enter_f_new_s1)
-ENTER_F(new_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if WANT(enter_f_new_array_s1)
-ENTER_F(new_array_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if WANT(enter_f_new_nothrow_s1)
-ENTER_F(new_nothrow_s1, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 0)
-#endif
-#if WANT(enter_f_new_aligned_s1)
-ENTER_F(new_aligned_s1, CALL_MEMALIGN, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 0)
-#endif
-#if WANT(enter_f_delete_p1)
-int enter_f_delete_p1(struct pt_regs *ctx) {
-    return enter_foreign_free(ctx, 1);
+/* An entry of allocators.h, with the arguments `enter` keeps for TYPE (as `leave` reads them):
+ * realloc (ptr, size, NOFAIL: in place), memalign (alignment, size), posix_memalign (memptr,
+ * alignment, size), the others (size); a free as enter_foreign_free. */
+static __always_inline int enter_foreign(struct pt_regs *ctx, u32 type, u64 size, u64 ptr, u64 align,
+                                         u32 nofail, int nest) {
+    switch (type) {
+    case CALL_FREE:
+        return enter_foreign_free(ctx, ptr, nest);
+    case CALL_REALLOC: /* xallocx (AL_NOFAIL): recorded as realloc(p) -> p */
+        return enter(ctx, type, ptr, size, nofail);
+    case CALL_MEMALIGN:
+        return enter(ctx, type, align, size, 0);
+    case CALL_POSIX_MEMALIGN:
+        return enter(ctx, type, ptr, align, size);
+    default:
+        return enter(ctx, type, size, 0, 0);
+    }
 }
-#endif
-#if WANT(enter_f_delete_array_p1)
-int enter_f_delete_array_p1(struct pt_regs *ctx) {
-    return enter_foreign_free(ctx, 1);
-}
-#endif
-#if WANT(enter_f_delete_sized_p1)
-int enter_f_delete_sized_p1(struct pt_regs *ctx) {
-    return enter_foreign_free(ctx, 1);
-}
-#endif
-#if WANT(enter_f_delete_aligned_p1)
-int enter_f_delete_aligned_p1(struct pt_regs *ctx) {
-    return enter_foreign_free(ctx, 1);
-}
-#endif
+
+/* C++ operator new/delete (allocators.CXX, entry + `leave`) are recorded as dj/malloc's calls
+ * (docs/formats.md): every new as malloc (size), an aligned new as memalign (alignment, size),
+ * every delete as free. The malloc/free they make inside is nested: not recorded again. */
+#define AL_WANT(name)     WANT(enter_f_##name)
+#define AL_CXX_WANT(name) WANT(enter_f_##name)
+#define AL_ENTRY(name, type, size, ptr, align, flags)                                                        \
+    int enter_f_##name(struct pt_regs *ctx) {                                                                \
+        return enter_foreign(ctx, type, size, ptr, align, (flags)&AL_NOFAIL, !((flags)&AL_LEAF));            \
+    }
+#define AL_CXX_ENTRY(name, type, as_type, size, ptr, align) AL_ENTRY(name, as_type, size, ptr, align, 0)
+#include "allocators.h"
 
 int leave(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();

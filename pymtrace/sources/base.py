@@ -19,8 +19,7 @@ Every source takes pids=None|[...] and track_exits=True (start its own cn_proc w
 drop the state of exited processes; the bundle passes False and feeds them exits itself via
 exited(tgid)). Attributes read by attach(), settable before it: MallocSource.max_procs,
 FaultSource.max_procs / .max_granules / .regions (False: no per-region map, no
-"fault_regions"), SlabSource.max_caches; MallocSource(empty=True) attaches programs
-that do nothing (the benchmark's floor). Sources(...).sources is {"malloc", "faults",
+"fault_regions"), SlabSource.max_caches. Sources(...).sources is {"malloc", "faults",
 "slab", "glibc"} -> source, for such settings. Snapshots are CUMULATIVE since attach, plus gauges; consumers compute rates from
 two snapshots (pymtrace.sinks.views does). PIDs are int keys here; they become strings after
 json.dumps. The snapshot's schema, typed, and the merge of the sources' snapshots into

@@ -105,18 +105,9 @@ def draw_bytes(x: int, mean: int, table: list[int]) -> int:
     return ((a >> 16) * neg >> LG_FRACTION_BITS) + ((a & 0xFFFF) * neg >> 36) + 1
 
 
-# glibc's argument layout of each call type (pymtrace.tracee.allocators' names): another
-# allocator's function with the same layout is sampled by the same hp_<call>_entry program
-_GLIBC_LAYOUTS = {
-    "malloc": "s1",
-    "calloc": "n1s2",
-    "realloc": "p1s2",
-    "free": "p1",
-    "memalign": "s2",
-    "posix_memalign": "p1s3",
-    "valloc": "s1",
-    "pvalloc": "s1",
-}
+# glibc's argument layout of each call type (the standard names' in pymtrace.tracee.allocators):
+# another allocator's function with the same layout is sampled by the same hp_<call>_entry program
+_GLIBC_LAYOUTS = {f.call: f.layout for f in allocators.STANDARD}
 
 
 def probe_plan(path: str, family: str = "glibc") -> list[tuple[str, list[tuple[str, int, str]]]]:

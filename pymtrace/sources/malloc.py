@@ -81,11 +81,9 @@ class MallocSource(Source):
         pids: Iterable[int | str] | None = None,
         track_exits: bool = True,
         max_procs: int = 8192,
-        empty: bool = False,
     ) -> None:
         super().__init__(pids, track_exits)
         self.max_procs = max_procs
-        self.empty = empty  # benchmark floor: same probes, programs that do nothing
         self.attached = []  # (path, function, offset, kind, pid)
         self.libcs = {}  # libc (or other allocator's file) path -> [pids] (or [-1] for every process)
         self.families = {}  # path -> "glibc" or a pymtrace.tracee.allocators.FAMILIES key
@@ -160,7 +158,6 @@ class MallocSource(Source):
         families = set(self.families.values())
         return {
             "MS_MAX_PROCS": self.max_procs,
-            "MS_EMPTY": int(self.empty),
             "MS_GLIBC": int("glibc" in families),
             "MS_FOREIGN": int(bool(families - {"glibc"})),
             "MS_CXX": int(bool(self.cxx)),

@@ -3,8 +3,9 @@
 glibc's functions and their programs are in pymtrace.tracee.mallocapi. Here: jemalloc,
 tcmalloc, mimalloc, and any other object (a library, or the executable itself) that defines
 `malloc` (the "generic" family: the C standard names only). Each function is counted as
-one of top's call types; `layout` says where its size and pointer arguments are and, with
-the call type, names its BPF entry program in bpf/malloc_stats.bpf.c (ms_f_<call>_<layout>).
+one of top's call types; `layout` says where its size and pointer arguments are. The pair
+names its BPF entry program, defined once for every program that probes these functions in
+bpf/allocators.h (<call>_<layout>: top's ms_f_<call>_<layout>, record's enter_f_<call>_<layout>).
 
 Double counting is ruled out by construction, not by knowing each allocator's internals:
 names at one address are probed once (jemalloc's je_malloc/malloc, tcmalloc's
@@ -29,12 +30,11 @@ from pymtrace.tracee import elf, probesite
 class ApiFunction:
     name: str  # the symbol
     call: str  # the call type it is counted as (top's columns, the exporter's call label)
-    layout: str  # s1/s2: size in argument 1/2; n1s2: count * size; p1s2: (ptr, size);
-    #               p1s3: posix_memalign's; x: xallocx (never fails); p1: free's pointer
+    layout: str  # where its arguments are: bpf/allocators.h says what each layout reads
 
     @property
     def program(self) -> str:
-        """The BPF entry program (bpf/malloc_stats.bpf.c)."""
+        """top's BPF entry program (bpf/malloc_stats.bpf.c, of bpf/allocators.h's entries)."""
         return f"ms_f_{self.call}_{self.layout}"
 
 
@@ -305,7 +305,7 @@ def _key(path: str) -> tuple[int, int, int]:
 
 
 def programs(path: str, family: str) -> frozenset[str]:
-    """The BPF programs (bpf/malloc_stats.bpf.c's ms_f_*) probe_plan(PATH, FAMILY) attaches,
+    """The BPF programs (top's ms_f_*) probe_plan(PATH, FAMILY) attaches,
     known before the probe sites are decoded: a command compiles exactly these. Raises as
     probe_plan does."""
     chosen = _choose(path, family, _key(path))

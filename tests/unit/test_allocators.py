@@ -107,3 +107,41 @@ def test_programs_of_a_free_calling_another_probed_function(tmp_path):
     subprocess.run(["gcc", "-O1", "-o", str(exe), str(src)], check=True)
     attached = {p.program for _, probes in allocators.probe_plan(str(exe), "generic") for p in probes}
     assert allocators.programs(str(exe), "generic") == attached == {"ms_f_malloc_s1", "ms_f_free_nest", "ms_f_return"}
+
+
+def _entries_of_bpf_allocators_h():
+    """{name: (macro, CALL_* type)} of bpf/allocators.h's entry programs; each entry's #if guard
+    names the entry it guards, with the want macro of its list."""
+    import re
+
+    from pymtrace.bpf.load import bpf_dir
+
+    text = (bpf_dir() / "allocators.h").read_text()
+    found = re.findall(r"^#if (AL_\w*WANT)\((\w+)\).*\n(AL_\w*ENTRY)\((\w+), (CALL_\w+),", text, re.M)
+    assert len(found) == len(re.findall(r"^AL_\w*ENTRY\(", text, re.M))  # every entry under its guard
+    for want, guarded, macro, name, _ in found:
+        assert (guarded, want) == (name, macro.replace("ENTRY", "WANT")), name
+    entries = {name: (macro, call) for _, _, macro, name, call in found}
+    assert len(entries) == len(found)  # each defined once
+    return entries
+
+
+def test_the_tables_name_exactly_the_entry_programs_of_bpf_allocators_h():
+    """Every (call, layout) of the tables is an entry of bpf/allocators.h counted as its call
+    type (free-type functions: free_p1 or free_nest, chosen per file), C++'s in the C++ list,
+    and every entry there is used by a table."""
+    from pymtrace.bpf import structs
+
+    entries = _entries_of_bpf_allocators_h()
+    c_tables = {f for table in allocators.FAMILIES.values() for f in table}
+    used = {f"{f.call}_{f.layout}" for f in c_tables if f.call != "free"} | {"free_p1", "free_nest"}
+    assert {f.layout for f in c_tables if f.call == "free"} == {"p1"}
+    cxx = {f"{f.call}_{f.layout}" for f in allocators.CXX}
+    assert {n for n, (macro, _) in entries.items() if macro == "AL_ENTRY"} == used
+    assert {n for n, (macro, _) in entries.items() if macro == "AL_CXX_ENTRY"} == cxx
+    for f in c_tables | set(allocators.CXX):
+        name = f"{f.call}_{f.layout}" if f.call != "free" else "free_p1"
+        assert entries[name][1] == "CALL_" + f.call.upper(), f.name
+    assert allocators.CXX_PROGRAMS == {"ms_f_" + n for n in cxx} | {"ms_f_return"}
+    consts = structs.header("malloc_stats").consts
+    assert all(call in consts for _, call in entries.values())
