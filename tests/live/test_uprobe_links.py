@@ -166,11 +166,12 @@ def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_pa
 
 def _hold_uprobe(path, function, pid, ref_ctr_offset):
     """What another tool's uprobe looks like to the kernel: a perf-event uprobe at FUNCTION of
-    PATH for PID, registered with reference counter offset REF_CTR_OFFSET (a USDT semaphore's
-    way), no BPF program. Its fd (close it to release the place)."""
-    from pymtrace.tracee import elf
+    PATH for PID, at the site pymtrace probes it (probesite), registered with reference counter
+    offset REF_CTR_OFFSET (a USDT semaphore's way), no BPF program. Its fd (close it to release
+    the place)."""
+    from pymtrace.tracee import elf, probesite
 
-    offset = elf.code_offset(path, elf.symbol(path, function).address)
+    offset = elf.code_offset(path, probesite.entry_site(path, function))
     return uprobes.perf_uprobe_event(os.fsencode(path), offset, pid, False, ref_ctr_offset)
 
 
