@@ -318,5 +318,4 @@ def _run_tui(
         view = args.view[0]
         if view == "totals":
             view = "processes"
-    args.view = view
-    return tui.run(source, args)
+    return tui.run(source, interval=args.interval, view=view)

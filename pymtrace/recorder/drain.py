@@ -34,8 +34,8 @@ class DrainPacer:
 
     Every drain has a fixed cost besides its per-record work: a wakeup into caches other
     processes have taken, the Python calls of a drain, numpy and pyarrow calls per batch. A real
-    program's calls arrive at a few 100k a second, so a drain every 10 ms took batches of ~2,500
-    records and the fixed cost was ~40 ns a record. The pacer waits until about BATCH records
+    program's calls arrive at a few 100k a second, so a drain every 10 ms would take batches of ~2,500
+    records and the fixed cost would be ~40 ns a record. The pacer waits until about BATCH records
     are expected (from the rate of the last interval, falling at most by half a drain), at
     least MIN_WAIT_S and at most MAX_WAIT_S (the latency of a recording's end and of its row
     groups), and never longer than a quarter of the ring buffer takes to fill at BURST_RATE,
@@ -255,7 +255,7 @@ class Drainer:
         interrupted (a stop signal) and failure (a failed write: recording stopped)."""
         if options.poll_interval_ms is not None:
             fixed = max(options.poll_interval_ms, 0.5) / 1000.0
-        else:  # --stacks: its stack events fill their ring ~100 times faster: the old 10 ms
+        else:  # --stacks: its stack events fill their ring ~100 times faster: every 10 ms
             fixed = STACKS_POLL_INTERVAL_S if options.stacks else None
         pacer = DrainPacer(self.reader.max_batch, fixed)
         pidfd = os.pidfd_open(self.target)

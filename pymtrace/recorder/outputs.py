@@ -65,7 +65,7 @@ class Output:
         self.path = path
         self.allocator = allocator or "glibc"
         self.stacks = stacks
-        self.stack_table: stacktable.TableWriter | None = None  # record --stacks: set by the recorder
+        self.stack_table: stacktable.TableWriter | None = None  # record --stacks: set by Outputs
         self.fmt = fmt
         self.tgid = tgid
         self.fd = fd
@@ -299,9 +299,6 @@ class Outputs:
     def family(self) -> str:
         """The allocator family recorded ("glibc", or a tracee.allocators.FAMILIES key)."""
         return self.allocator.family if self.allocator is not None else "glibc"
-
-    def __len__(self) -> int:
-        return len(self.by_pid)
 
     def pids(self) -> set[int]:
         return set(self.by_pid)
