@@ -46,6 +46,7 @@ class Recorder:
         self.watched: drain.Watched | None = None
 
     def run(self) -> int:
+        """The recording, start to end (see record); whatever fails, the probes come off."""
         options = self.options
         bpfload.require_root("pymtrace record")
         plan = self.plan
