@@ -1,6 +1,7 @@
 """`pymtrace record`: every malloc-API call of a process into an mtrace-format file.
 
-The arguments and help; the recording itself is pymtrace.recorder.recorder.
+The arguments and help, turned into the recorder's typed options (RecordOptions); the
+recording itself is pymtrace.recorder.
 """
 
 import argparse
@@ -9,7 +10,8 @@ import sys
 
 from pymtrace.errors import PymtraceError
 from pymtrace.net import protocol
-from pymtrace.recorder.recorder import Recorder
+from pymtrace.recorder.options import NetworkTarget, RecordOptions
+from pymtrace.recorder.recorder import record
 from pymtrace.units import parse_bytes
 
 HELP = (
@@ -147,10 +149,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch and record CMD")
 
 
-def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], protocol.ClientConfig, int, float]:
-    """--to, --web-config, --spool-memory, --send-timeout checked: (address, config, spool
-    memory bytes, send timeout).
-    Plain TCP only to loopback, and said so."""
+def network_target(args: argparse.Namespace) -> NetworkTarget:
+    """--to, --web-config, --spool-memory, --send-timeout checked. Plain TCP only to
+    loopback, and said so."""
     address = protocol.parse_address(args.to, "--to")
     config = protocol.load_client_config(args.web_config)
     if config.ssl_context is None:
@@ -160,7 +161,7 @@ def network_target(args: argparse.Namespace) -> tuple[tuple[str, int], protocol.
             )
         if not args.quiet and not args.json:
             print(f"pymtrace: sending to {args.to} over plain TCP (loopback only, no TLS)", file=sys.stderr)
-    return address, config, parse_bytes(args.spool_memory, "--spool-memory"), args.send_timeout
+    return NetworkTarget(address, config, parse_bytes(args.spool_memory, "--spool-memory"), args.send_timeout)
 
 
 def parse_size(text: str) -> int:
@@ -173,15 +174,39 @@ def parse_size(text: str) -> int:
     return pages
 
 
-def run(args: argparse.Namespace) -> int:
+def options(args: argparse.Namespace) -> RecordOptions:
+    """record's arguments checked and turned into the recorder's options."""
+    network = None
     if args.to is not None:
         if args.output or args.format not in (None, "mtrace-bin"):
             raise PymtraceError("--to streams raw records to the collector: no -o or --format with it")
         if args.stacks:  # the protocol carries records, not yet a stack table
             raise PymtraceError("--stacks cannot be combined with --to (the collector takes no stack table yet)")
-        args.network = network_target(args)
+        network = network_target(args)
     elif args.web_config:
         raise PymtraceError("--web-config is for --to")
-    if args.format is None:
-        args.format = "parquet" if (args.output or "").endswith(".parquet") else "mtrace-bin"
-    return Recorder(args, parse_size(args.buffer_size)).run()
+    fmt = args.format
+    if fmt is None:
+        fmt = "parquet" if (args.output or "").endswith(".parquet") else "mtrace-bin"
+    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+    return RecordOptions(
+        pages=parse_size(args.buffer_size),
+        pid=args.pid,
+        cmd=tuple(cmd),
+        output=args.output,
+        force=args.force,
+        format=fmt,
+        network=network,
+        poll_interval_ms=args.poll_interval,
+        duration_s=args.duration,
+        allow_drops=args.allow_drops,
+        follow_forks=args.follow_forks,
+        stacks=args.stacks,
+        libc=args.libc,
+        json=args.json,
+        quiet=args.quiet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    return record(options(args))

@@ -9,7 +9,8 @@ import argparse
 import time
 
 from pymtrace.bpf import load as bpfload
-from pymtrace.sinks.run_report import add_report_arguments, emit
+from pymtrace.commands import add_report_arguments
+from pymtrace.sinks.run_report import ReportOptions, emit
 from pymtrace.sources import usdt
 from pymtrace.sources.glibc_report import Tracer
 from pymtrace.tracee import launch
@@ -73,5 +74,5 @@ def run(args: argparse.Namespace) -> int:
     code = launched.proc.wait()
     doc = tracer.finish(command=args.cmd, exit_code=code)
     doc["interrupted"] = interrupted
-    emit(doc, args)
+    emit(doc, ReportOptions(json=args.json, output=args.output))
     return exit_status(code)

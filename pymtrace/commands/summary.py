@@ -10,7 +10,8 @@ import sys
 import time
 
 from pymtrace.bpf import load as bpfload
-from pymtrace.sinks.run_report import add_report_arguments, emit
+from pymtrace.commands import add_report_arguments
+from pymtrace.sinks.run_report import ReportOptions, emit
 from pymtrace.sources import usdt
 from pymtrace.sources.glibc_report import Tracer
 from pymtrace.tracee.proc import alive
@@ -64,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     doc = tracer.finish()
-    emit(doc, args)
+    emit(doc, ReportOptions(json=args.json, output=args.output))
     return 0

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
-from pymtrace.sinks.batch import Reporter
+from pymtrace.sinks.batch import BatchOptions, Reporter
 from pymtrace.tracee import proc
 from pymtrace.units import parse_bytes
 
@@ -270,7 +270,8 @@ def _snapshots(bundle: Sources, stacks: StackSitesSource | None) -> Callable[[],
 
 def _run_batch(args: argparse.Namespace, bundle: Sources, pids: list[int], source: Callable[[], Snapshot]) -> int:
     have_glibc = "glibc" in bundle.sources
-    reporter = Reporter(args, _views_wanted(args, have_glibc), pids)
+    options = BatchOptions(interval=args.interval, json=args.json, limit=args.limit)
+    reporter = Reporter(options, _views_wanted(args, have_glibc), pids)
     for note in bundle.notes:
         print(f"pymtrace: note: {note}", file=sys.stderr, flush=True)
     # every report covers one interval after attach, the first included: rates from a
@@ -317,5 +318,4 @@ def _run_tui(
         view = args.view[0]
         if view == "totals":
             view = "processes"
-    args.view = view
-    return tui.run(source, args)
+    return tui.run(source, interval=args.interval, view=view)

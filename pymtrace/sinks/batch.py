@@ -1,22 +1,32 @@
 """`pymtrace top --batch` and `--json`: one report per interval on stdout, from two snapshots
 (plain tables like `top -b`, or one JSON document holding the views and the raw snapshot)."""
 
-import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import List, Optional
 
 from pymtrace.sinks import views
 
 
-class Reporter:
-    """Formats one interval for --batch or --json. ARGS: top's arguments (interval, json,
-    limit); WANTED: the view names to print (views.VIEWS and "totals"); PIDS: the watched
-    processes (their rows only in per-process views), or empty for every process."""
+@dataclass(frozen=True)
+class BatchOptions:
+    """How top reports without its full screen: every INTERVAL seconds, as one JSON document
+    (JSON) or as plain tables of at most LIMIT rows (0: all)."""
 
-    def __init__(self, args: argparse.Namespace, wanted: List[str], pids: List[int]):
-        self.args = args
+    interval: float
+    json: bool = False
+    limit: int = 0
+
+
+class Reporter:
+    """Formats one interval for --batch or --json as OPTIONS say; WANTED: the view names to
+    print (views.VIEWS and "totals"); PIDS: the watched processes (their rows only in
+    per-process views), or empty for every process."""
+
+    def __init__(self, options: BatchOptions, wanted: List[str], pids: List[int]):
+        self.options = options
         self.wanted = wanted
         self.pids = pids
         self.iteration = 0
@@ -24,7 +34,7 @@ class Reporter:
     def warm_up(self) -> None:
         """Import what report() needs (tabulate: ~40 ms, most of it importlib.metadata), so
         that top calls it while waiting for its first report rather than after."""
-        if not self.args.json:
+        if not self.options.json:
             import tabulate  # noqa: F401
 
     def report(self, prev: Optional[views.Snap], cur: views.Snap) -> None:
@@ -33,16 +43,16 @@ class Reporter:
         for name in self.wanted:
             if name == "totals":
                 continue
-            table = views.build(name, prev, cur, interval=self.args.interval)
+            table = views.build(name, prev, cur, interval=self.options.interval)
             if self.pids:
                 self._filter(table)
             tables[name] = table
-        if self.args.json:
+        if self.options.json:
             doc = {
                 "iteration": self.iteration,
                 "time": cur.get("time"),
                 "wall_time": time.time(),
-                "interval": tables[next(iter(tables))].interval if tables else self.args.interval,
+                "interval": tables[next(iter(tables))].interval if tables else self.options.interval,
                 "pids": self.pids,
                 "views": {name: views.to_json(t) for name, t in tables.items()},
                 "snapshot": cur,
@@ -60,7 +70,7 @@ class Reporter:
 
             out = [
                 f"pymtrace top - {time.strftime('%H:%M:%S')}  iteration {self.iteration}"
-                f"  interval {self.args.interval:g}s"
+                f"  interval {self.options.interval:g}s"
                 + (f"  pids {','.join(map(str, self.pids))}" if self.pids else "  all processes")
             ]
             for name in self.wanted:
@@ -69,7 +79,7 @@ class Reporter:
                     out.append("== since attach (exact counts, bytes)")
                     out.append(
                         tabulate(
-                            rows[: self.args.limit or None],
+                            rows[: self.options.limit or None],
                             headers=[t for _, t in views.TOTAL_COLUMNS],
                             tablefmt="simple",
                             disable_numparse=True,
@@ -79,11 +89,11 @@ class Reporter:
                     )
                     continue
                 table = tables[name]
-                if self.args.limit:
-                    table.rows = table.rows[: self.args.limit]
+                if self.options.limit:
+                    table.rows = table.rows[: self.options.limit]
                     if table.groups:
-                        table.groups = table.groups[: self.args.limit]
-                        table.leaders = table.leaders[: self.args.limit]
+                        table.groups = table.groups[: self.options.limit]
+                        table.leaders = table.leaders[: self.options.limit]
                 out.append(views.text_table(table))
             errors = cur.get("errors")
             if errors:

@@ -3,9 +3,9 @@ pymtrace.sources.glibc_report): text tables or JSON, to stdout or a file."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 from pymtrace.sinks.text import Number, human_bytes
 
@@ -173,18 +173,20 @@ def render_text(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    """The report options run and summary share."""
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    parser.add_argument("--no-faults", action="store_true", help="do not trace page faults (no fault table)")
-    parser.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE")
+@dataclass(frozen=True)
+class ReportOptions:
+    """Where the report goes: as one JSON document (JSON) or text tables, into the file
+    OUTPUT or on stdout (None)."""
+
+    json: bool = False
+    output: str | None = None
 
 
-def emit(doc: dict, args: argparse.Namespace) -> None:
-    """Write the report DOC as ARGS ask (--json, -o FILE)."""
-    text = json.dumps(doc, indent=1, default=str) + "\n" if args.json else render_text(doc)
-    if args.output:
-        with open(args.output, "w") as f:
+def emit(doc: dict, options: ReportOptions) -> None:
+    """Write the report DOC as OPTIONS say."""
+    text = json.dumps(doc, indent=1, default=str) + "\n" if options.json else render_text(doc)
+    if options.output:
+        with open(options.output, "w") as f:
             f.write(text)
     else:
         sys.stdout.write(text)

@@ -1,10 +1,10 @@
 """The full-screen (curses) display of `pymtrace top`.
 
-    run(source, args) -> exit code
+    run(source, interval, view) -> exit code
 
 SOURCE is a callable returning the current snapshot (cumulative counters since attach, the
 dict views.py documents). It should return at once; this module calls it every
-args.interval seconds (default 1), computes the rates from the snapshot before (using the
+INTERVAL seconds (default 1), computes the rates from the snapshot before (using the
 snapshots' "time" fields) and draws the chosen view. SOURCE may return None (nothing new:
 the last snapshot stays) or raise StopIteration (end: the UI exits with 0, e.g. when every
 watched process is gone).
@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence, Union
 
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks import views
@@ -278,13 +278,13 @@ def _loop(scr: curses.window, source: Callable[[], Optional[Snapshot]], state: S
     return 0
 
 
-def run(source: Callable[[], Optional[Snapshot]], args: Any = None) -> int:
-    """Show the live view until q, Ctrl-C or SIGTERM; returns the exit code (0).
-
-    args: a namespace with optional `interval` (seconds, default 1) and `view` (1-6 or a name).
-    """
-    interval = getattr(args, "interval", None) or 1.0
-    view = getattr(args, "view", None) or 1
+def run(
+    source: Callable[[], Optional[Snapshot]], interval: Optional[float] = None, view: Union[int, str, None] = None
+) -> int:
+    """Show the live view until q, Ctrl-C or SIGTERM; returns the exit code (0). INTERVAL:
+    seconds between refreshes (default 1); VIEW: the first view (1-6 or a name, default 1)."""
+    interval = interval or 1.0
+    view = view or 1
     require_terminal()
     state = State(interval=interval, view=views.VIEWS.index(views.view_name(view)))
     previous = signal.getsignal(signal.SIGTERM)

@@ -242,7 +242,7 @@ def test_follow_forks_outputs_wait_their_send_timeouts_at_once(tmp_path, monkeyp
     """record --follow-forks has one NetOutput per process: with the collector away, their ends
     wait one --send-timeout in all (close_outputs begins them together), not one each."""
     from pymtrace.errors import WriteFailed
-    from pymtrace.recorder.recorder import close_outputs
+    from pymtrace.recorder.outputs import close_outputs
 
     monkeypatch.chdir(tmp_path)  # what is never acknowledged is kept in ./mtrace.out.PID
     with socket.socket() as s:  # a port nobody listens on: connection refused

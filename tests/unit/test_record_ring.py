@@ -10,7 +10,7 @@ import pytest
 from pymtrace.bpf import ringbuf
 from pymtrace.commands import record
 from pymtrace.errors import PymtraceError, WriteFailed
-from pymtrace.recorder import recorder
+from pymtrace.recorder import drain, outputs
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.tracee import probesite
 
@@ -168,7 +168,7 @@ def test_text_output_streams_the_lines_glibc_writes(tmp_path):
 
     path = tmp_path / "t.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    out = recorder.Output(str(path), fd, "mtrace-text", 999999999)
+    out = outputs.Output(str(path), fd, "mtrace-text", 999999999)
     maps = [libc.Mapping(0x400000, 0x402000, "r-xp", 0, 1, "/usr/bin/prog")]
     out.resolver.add_maps(maps)
     out.write(_records_bytes(EVERY_KIND[:7]), 7)
@@ -190,7 +190,7 @@ def test_failed_write_keeps_whole_records_only(tmp_path, monkeypatch, fmt):
 
     path = tmp_path / "t"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    out = recorder.Output(str(path), fd, fmt, 999999999)
+    out = outputs.Output(str(path), fd, fmt, 999999999)
     out.write(_records_bytes(EVERY_KIND[:3]), 3)
     whole = path.read_bytes()
     real_write = os.write
@@ -205,7 +205,7 @@ def test_failed_write_keeps_whole_records_only(tmp_path, monkeypatch, fmt):
         budget[0] -= k
         return k
 
-    monkeypatch.setattr(recorder.os, "write", full)
+    monkeypatch.setattr(outputs.os, "write", full)
     with pytest.raises(WriteFailed, match=r"^cannot write .*: No space left on device$"):
         out.write(_records_bytes(EVERY_KIND[3:]), len(EVERY_KIND) - 3)
     monkeypatch.undo()
@@ -228,19 +228,18 @@ def test_final_drain_ends_although_draining_makes_records(ring):
     """A traced process whose every drained batch makes it produce more records (pymtrace
     itself, a reader of the trace): the last drain takes what was reserved when stopping
     began, and ends."""
-    rec_ = recorder.Recorder.__new__(recorder.Recorder)
-    rec_.reader, rec_.last_poll, rec_.max_gap, rec_.consumer_cpu, rec_.polls = ring, None, 0.0, 0.0, 0
     got = []
 
-    def dispatch(data, n):
-        got.extend(r.size for r in decode(data[0]))
-        assert len(got) < 1000, "the drain chases its own records"
-        ring.produce(rec(len(got) + 100), 7)  # the drain's own write makes a new record
+    class Writer:
+        def write(self, data, n):
+            got.extend(r.size for r in decode(data))
+            assert len(got) < 1000, "the drain chases its own records"
+            ring.produce(rec(len(got) + 100), 7)  # the drain's own write makes a new record
 
-    rec_._dispatch = dispatch
+    drainer = drain.Drainer(ring, lambda tgid: Writer(), target=7)
     for i in range(10):
         ring.produce(rec(i), 7)
-    assert rec_._drain(final=True) == 10
+    assert drainer.drain(final=True) == 10
     assert got == list(range(10))
 
 
@@ -249,37 +248,35 @@ def test_direct_drain_copies_in_chunks_across_wraparound(monkeypatch):
     time, all of them, in order, across the ring's end; a busy sample stops the drain. (numpy:
     a declared dependency, which read_words needs; no memoryview variant.)"""
     ring = FakeRing()
-    monkeypatch.setattr(recorder, "DIRECT_CHUNK", 16)
+    monkeypatch.setattr(drain, "DIRECT_CHUNK", 16)
     got = []
 
     class Columns:
         def write_words(self, words):
             got.extend(int(w) for w in words[:, 2])  # ptr2
 
-    rec_ = recorder.Recorder.__new__(recorder.Recorder)
-    rec_.reader, rec_.target = ring, 7
-    rec_.output_for = lambda tgid: Columns()
+    drainer = drain.Drainer(ring, lambda tgid: Columns(), target=7, direct=True)
     for round_ in range(5):  # 5 x 150 samples through a ring of ~204
         for i in range(150):
             ring.produce(rec(round_ * 150 + i), 7)
-        assert rec_._drain_words(ring.producer()) == 150
+        assert drainer.drain_words(ring.producer()) == 150
     assert got == [rec(i).ptr2 for i in range(750)]
     offs = [ring.produce(rec(750 + i), 7) for i in range(40)]
     ring.set_flags(offs[20], 1 << 31)  # still being written
-    assert rec_._drain_words(ring.producer()) == 20
+    assert drainer.drain_words(ring.producer()) == 20
     ring.set_flags(offs[20], 0)
-    assert rec_._drain_words(ring.producer()) == 20
+    assert drainer.drain_words(ring.producer()) == 20
     assert got == [rec(i).ptr2 for i in range(790)]
 
 
 def test_drain_pacer_waits_for_a_large_batch_within_bounds():
-    pacer = recorder.DrainPacer(ring_records=419_430)  # 32 MiB of 80-byte samples
+    pacer = drain.DrainPacer(ring_records=419_430)  # 32 MiB of 80-byte samples
     assert pacer.batch == 1 << 16 and pacer.max_wait == 0.1
     assert pacer.wait(0, 10.0) == 0.1  # nothing seen yet: the longest wait
     assert pacer.wait(250_000, 11.0) == 0.1  # 250k/s: the batch in 0.26 s, capped
     assert pacer.wait(2_000_000, 12.0) == pytest.approx(65_536 / 2e6)  # a burst: sooner
     assert pacer.wait(0, 12.1) == pytest.approx(65_536 / 1e6)  # quiet again: the rate halves a drain
     assert pacer.wait(0, 12.2) == 0.1  # 500k/s: 0.13 s, capped
-    small = recorder.DrainPacer(ring_records=3276)  # 256 KiB: a quarter of it fills in 0.8 ms at 1M/s
-    assert small.batch == 819 and small.wait(0, 1.0) == recorder.DrainPacer.MIN_WAIT_S
-    assert recorder.DrainPacer(419_430, fixed=0.05).wait(10**6, 1.0) == 0.05  # --poll-interval 50
+    small = drain.DrainPacer(ring_records=3276)  # 256 KiB: a quarter of it fills in 0.8 ms at 1M/s
+    assert small.batch == 819 and small.wait(0, 1.0) == drain.DrainPacer.MIN_WAIT_S
+    assert drain.DrainPacer(419_430, fixed=0.05).wait(10**6, 1.0) == 0.05  # --poll-interval 50

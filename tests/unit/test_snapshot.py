@@ -1,7 +1,6 @@
 """pymtrace.sources.snapshot: the one merge (top's Sources and the exporter both use it)
 and the schema, checked against the snapshots the merge and `top --json` produce."""
 
-import argparse
 import copy
 import io
 import json
@@ -188,17 +187,18 @@ def test_collectors_snapshot_is_the_merge_and_fits_the_schema():
 
 def test_top_json_snapshot_fits_the_schema(monkeypatch):
     """What `top --json` prints (pymtrace.sinks.batch.Reporter), read back from JSON."""
-    from pymtrace.sinks.batch import Reporter
+    from pymtrace.sinks.batch import BatchOptions, Reporter
 
     prev = snapshot.merge([malloc_part(), fault_part(), slab_part(), glibc_part(7, "seven")])
     cur = copy.deepcopy(prev)
     cur["time"] += 1.0
     cur["processes"][7]["calls"]["malloc"] += 10
     cur["notes"] = ["a note"]
-    args = argparse.Namespace(interval=1.0, json=True, limit=0)
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
-    Reporter(args, ["processes", "totals", "slab", "faults", "glibc"], []).report(prev, cur)
+    Reporter(BatchOptions(interval=1.0, json=True), ["processes", "totals", "slab", "faults", "glibc"], []).report(
+        prev, cur
+    )
     doc = json.loads(out.getvalue())
     assert problems(doc["snapshot"], json_keys=True) == []
     assert doc["views"]["totals"]["rows"][0]["malloc"] == 15

@@ -134,7 +134,7 @@ def main():
             f.write(str(os.getpid()))
     from pymtrace.sinks import tui
 
-    return tui.run(FakeSource(args.fail_after), args)
+    return tui.run(FakeSource(args.fail_after), interval=args.interval)
 
 
 @pytest.fixture

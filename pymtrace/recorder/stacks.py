@@ -1,0 +1,154 @@
+"""record --stacks: each allocation's stack event unwound as it is drained, and the records
+labelled with the ids of their stacks in the per-process stack tables."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Callable
+
+from pymtrace.bpf import structs
+from pymtrace.errors import PymtraceError, WriteFailed
+from pymtrace.recorder.outputs import Output, table_path_of
+from pymtrace.trace.formats import mtrace_bin
+from pymtrace.tracee import elf, mallocapi
+
+_ALLOC_TYPES = (
+    mtrace_bin.MALLOC,
+    mtrace_bin.CALLOC,
+    mtrace_bin.REALLOC,
+    mtrace_bin.MEMALIGN,
+    mtrace_bin.VALLOC,
+    mtrace_bin.PVALLOC,
+    mtrace_bin.POSIX_MEMALIGN,
+)
+_MAX_PENDING = 1 << 16  # unmatched stacks (their record was lost) kept before pruning
+
+
+class StackUnwinder:
+    """record --stacks: unwinds each allocation's stack event (ring buffer `stacks`) with its
+    process's ProcessImage as it is drained, and labels the records with stack ids.
+
+    BPF copies the registers and stack at the allocating function's return: ip is then the
+    return address in its caller and the callee-saved registers hold the caller's values, so
+    the unwind starts in the caller; the allocating function itself is added as the leaf
+    (libc's symbol), and the caller's pc becomes return address - 1 like every other caller."""
+
+    def __init__(self, libc_path: str) -> None:
+        from pymtrace.tracee.unwind import ProcessImages
+
+        self.leaf_files: list[tuple[str, dict[int, int]]] = []  # (real path, {call: pc}), preferred first
+        self.processes = ProcessImages()
+        self.symbolizer = self.processes.symbolizer
+        self.pending: dict[tuple[int, int], tuple[int, tuple, bool]] = {}
+        self.missing = 0  # allocation records written with stack id 0
+        self.incomplete = 0  # stacks whose unwind did not reach the outermost frame
+        self.cpu = 0.0  # CPU time spent taking and unwinding the stack events (the recorder adds it)
+        self.event = structs.header("record").structs["stack_event"]
+        self.event_size = ctypes.sizeof(self.event)
+        self.add_leaf_file(libc_path)
+        self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): (Module, {call: pc})
+
+    def add_leaf_file(self, path: str) -> None:
+        """Name the allocating functions of PATH (the allocator a program calls: glibc, or one
+        a `record -- CMD` exec'd into) as the leaf of a stack in a process that maps it;
+        the file added last is preferred."""
+        leaf_pc: dict[int, int] = {}
+        for function in mallocapi.FUNCTIONS:
+            code = getattr(mtrace_bin, function.call.upper(), None)
+            if code in _ALLOC_TYPES and code not in leaf_pc:
+                try:
+                    leaf_pc[code] = elf.symbol(path, function.name).address
+                except PymtraceError:
+                    pass
+        real = os.path.realpath(path)
+        self.leaf_files = [(real, leaf_pc)] + [f for f in self.leaf_files if f[0] != real]
+        self.libc_module = {}
+
+    def capture(self, pid: int) -> None:
+        """Read PID's image now (a running process, before the probes go on)."""
+        self.processes.capture(pid, required=True)
+
+    def at_exit(self, pid: int) -> None:
+        """A held command at its exit: read the files it mapped since (target.launch)."""
+        self.processes.at_exit(pid)
+
+    def _libc(self, pid: int, image: Any) -> Any:
+        """(the allocator's Module in IMAGE, its {call: leaf pc}), or None."""
+        key = (id(image), len(image.modules))
+        found = self.libc_module.get(key)
+        if found is None:
+            reals = {os.path.realpath(m.path): m for m in image.modules}
+            found = next(((reals[real], pcs) for real, pcs in self.leaf_files if real in reals), False)
+            self.libc_module[key] = found
+        return found or None
+
+    def on_event(self, _ctx: Any, data: int, size: int) -> int:
+        """BCC's ring buffer callback: unwind one stack event now (its bytes live only here)."""
+        from pymtrace.tracee.unwind import UNKNOWN
+
+        ev = ctypes.cast(data, ctypes.POINTER(self.event)).contents
+        tgid, tid, call, ts = int(ev.tgid), int(ev.tid), int(ev.call), int(ev.ts)
+        regs = list(ev.regs)
+        length = min(int(ev.stack_len), size - self.event_size)
+        unwound = self.processes.unwind(tgid, tid, regs, data + self.event_size, length)
+        if unwound is None:  # gone before its maps could be read
+            stack, complete = ((UNKNOWN, regs[0]),), False
+        else:
+            image = self.processes.images[tgid]
+            stack, complete = unwound
+            if stack:  # the unwind began at the return address: the call is before it
+                stack = ((stack[0][0], stack[0][1] - 1),) + tuple(stack[1:])
+            leaf = self._libc(tgid, image)
+            if leaf is not None and call in leaf[1]:
+                stack = ((leaf[0], leaf[1][call]),) + tuple(stack)
+        if not complete:
+            self.incomplete += 1
+        if len(self.pending) >= _MAX_PENDING:
+            self._prune(ts)
+        self.pending[(tid, ts)] = (tgid, stack, complete)
+        return 0
+
+    def _prune(self, now_ns: int) -> None:
+        """Drop stacks older than 10 s whose record never came (the record itself was lost), and
+        the older half if that is not enough: memory stays bounded."""
+        kept = {k: v for k, v in self.pending.items() if now_ns - k[1] < 10_000_000_000}
+        if len(kept) >= _MAX_PENDING // 2:
+            kept = dict(sorted(kept.items(), key=lambda kv: kv[0][1])[len(kept) // 2 :])
+        self.pending = kept
+
+    def label(
+        self, recs: bytes | bytearray, n: int, tg: Any, target: int, output_for: Callable[[int], Output]
+    ) -> bytearray:
+        """RECS (N records; TG: their processes, or None: all TARGET's) with each allocation's
+        stack id in bits 8-31 of its type word; the new stacks are written to the tables first."""
+        import numpy
+
+        buf = bytearray(recs)
+        words = numpy.frombuffer(buf, dtype="<u4").reshape(n, mtrace_bin.RECORD_SIZE // 4)
+        ts = numpy.frombuffer(buf, dtype="<u8").reshape(n, mtrace_bin.RECORD_SIZE // 8)[:, 6]
+        allocs = numpy.nonzero(numpy.isin(words[:, 1] & 0xFF, _ALLOC_TYPES))[0]
+        threads = words[allocs, 0].tolist()
+        stamps = ts[allocs].tolist()
+        tgids = [target] * len(allocs) if tg is None else [int(tg[i]) for i in allocs.tolist()]
+        ids = []
+        touched = set()
+        pending = self.pending
+        for thread, stamp, tgid in zip(threads, stamps, tgids):
+            entry = pending.pop((thread, stamp), None)
+            out = output_for(tgid)
+            if entry is None or out.stack_table is None:
+                self.missing += 1
+                ids.append(0)
+                continue
+            ids.append(out.stack_table.intern(entry[1], entry[2]))
+            touched.add(out)
+        if len(allocs):
+            words[allocs, 1] |= numpy.array(ids, dtype="<u4") << 8
+        for out in touched:  # the stacks before the records that name them
+            try:
+                out.stack_table.flush()
+            except OSError as exc:
+                out.failed = exc
+                raise WriteFailed(f"cannot write {table_path_of(out.path)}: {exc.strerror or exc}") from None
+        return buf
