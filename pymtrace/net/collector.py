@@ -92,8 +92,17 @@ def _check_private(fd: int, where: str) -> None:
 
 def open_root(path: str) -> int:
     """The dataset root PATH (created 0700 if missing) as a directory descriptor; PymtraceError
-    when another user can write it. Everything below it is opened from this descriptor."""
+    when another user can write it, or could have made PATH a symlink (in a directory such as
+    /tmp). Everything below it is opened from this descriptor."""
     try:
+        if os.path.islink(path):
+            parent = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                problem = _not_private(parent, path)
+            finally:
+                os.close(parent)
+            if problem and os.lstat(path).st_uid != os.geteuid():
+                raise PymtraceError(f"{path}: a symbolic link another user made; give the directory it points to")
         os.makedirs(path, mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -671,10 +680,7 @@ class Collector:
         try:
             stream = self._stream(fields)
         except (OSError, PymtraceError) as exc:
-            msg = exc.strerror if isinstance(exc, OSError) else str(exc)
-            self._refuse(
-                conn, proto.R_DISK, f"collector cannot open the stream: {msg}", f"{client}: cannot open stream: {msg}"
-            )
+            self._cannot_open(conn, client, exc)
             return
         conn.settimeout(IDLE_TIMEOUT_S)
         me = object()
@@ -688,8 +694,7 @@ class Collector:
             try:
                 stream.open(self.root_fd)
             except (OSError, PymtraceError) as exc:
-                msg = exc.strerror if isinstance(exc, OSError) else str(exc)
-                self._refuse(conn, proto.R_DISK, f"collector cannot open the stream: {msg}", f"{client}: {msg}")
+                self._cannot_open(conn, client, exc)
                 return
             conn.sendall(proto.json_frame(proto.WELCOME, {"version": proto.VERSION, "acked": stream.acked}))
             self._receive(conn, stream, client, me)
@@ -703,6 +708,12 @@ class Collector:
                 self._release(stream)
                 stream.close()
                 stream.lock.release()
+
+    def _cannot_open(self, conn: socket.socket, client: str, exc: OSError | PymtraceError) -> None:
+        msg = exc.strerror if isinstance(exc, OSError) else str(exc)
+        self._refuse(
+            conn, proto.R_DISK, f"collector cannot open the stream: {msg}", f"{client}: cannot open stream: {msg}"
+        )
 
     def _read_hello(self, conn: socket.socket, deadline: float) -> tuple[int, dict] | None:
         head = _recv_deadline(conn, proto.HEADER.size, deadline)

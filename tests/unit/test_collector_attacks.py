@@ -258,6 +258,17 @@ def shared_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def test_dir_a_symlink_another_user_planted_is_refused(shared_tmp):
+    """--dir names a symlink that another user made where anyone can create names (/tmp)."""
+    needs_root()
+    (shared_tmp / "private").mkdir(mode=0o700)
+    shared_tmp.chmod(0o1777)
+    as_nobody(os.symlink, str(shared_tmp / "private"), str(shared_tmp / "planted"))
+    proc = run_pymtrace("collect", "--listen", "127.0.0.1:0", "--dir", shared_tmp / "planted", timeout=30)
+    assert proc.returncode == 1 and "symbolic link another user made" in proc.stderr, proc.stderr
+    assert os.listdir(shared_tmp / "private") == []
+
+
 def test_symlinks_planted_by_another_user_are_not_followed(shared_tmp):
     """Another user, while --dir was writable, planted host=evil -> ELSEWHERE and a host=mine
     directory of their own holding date=... -> ELSEWHERE; the directory was made private
