@@ -8,7 +8,6 @@ metrics): one thread per connection, TLS and basic auth from a web config
 
 from __future__ import annotations
 
-import collections
 import gzip
 import io
 import os
@@ -18,12 +17,13 @@ import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 
 from prometheus_client.exposition import choose_encoder
 
 from pymtrace import __version__
 from pymtrace.errors import PymtraceError
+from pymtrace.net.admission import Admission, Conn
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -38,18 +38,6 @@ INDEX = """<!DOCTYPE html>
 <p>pymtrace {version}</p>
 </body></html>
 """
-
-
-class _Conn:
-    """One open connection: its descriptor (to shut it down from another thread), client
-    address, when it began waiting for its current request, and whether that request is
-    still unauthenticated (evictable)."""
-
-    __slots__ = ("fd", "ip", "since", "pending", "evicted")
-
-    def __init__(self, fd: int, ip: str) -> None:
-        self.fd, self.ip, self.since = fd, ip, time.monotonic()
-        self.pending, self.evicted = True, False
 
 
 class MetricsServer(ThreadingHTTPServer):
@@ -69,7 +57,6 @@ class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
-    known_max, known_ttl = 1024, 600.0  # addresses that scraped successfully, remembered
 
     def __init__(
         self,
@@ -89,83 +76,26 @@ class MetricsServer(ThreadingHTTPServer):
         self.conn_timeout = timeout
         self.request_timeout = request_timeout
         self.index_html = index_html
-        self.max_connections = max_connections
-        self.max_per_client = max_per_client
-        self.conns = set()
-        self.known = collections.OrderedDict()  # client address -> last successful request
-        self.lock = threading.Lock()
-        self.rejected = self.evicted = 0
+        self.admission = Admission(self.address_family, max_connections, max_per_client)
         self._render_lock = threading.Lock()
         self._rendered = {}  # content type -> [collection start, body, gzipped body]
         super().__init__(address, MetricsHandler)
 
-    # -- admission
+    # -- admission (pymtrace.net.admission)
 
-    def _victim(self, conns: List[_Conn], now: float) -> Optional[_Conn]:
-        """The connection to evict among CONNS: the oldest still waiting, preferring
-        addresses that never scraped successfully; None when all are busy."""
-        waiting = [c for c in conns if c.pending]
-        strangers = [c for c in waiting if not self.is_known(c.ip, now)]
-        return min(strangers or waiting, key=lambda c: c.since, default=None)
-
-    def _evict(self, conn: _Conn) -> None:
-        conn.evicted = True
-        self.evicted += 1
-        try:  # shutdown() on a duplicate of the descriptor wakes the thread blocked on it
-            with socket.fromfd(conn.fd, self.address_family, socket.SOCK_STREAM) as dup:
-                dup.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-    def _admit(self, request: socket.socket, ip: str) -> Optional[_Conn]:
-        now = time.monotonic()
-        with self.lock:
-            live = [c for c in self.conns if not c.evicted]
-            if len(self.conns) >= 2 * self.max_connections:  # evicted ones not yet gone
-                return None
-            for group, cap in (([c for c in live if c.ip == ip], self.max_per_client), (live, self.max_connections)):
-                if len(group) >= cap:
-                    victim = self._victim(group, now)
-                    if victim is None:
-                        return None
-                    self._evict(victim)
-                    live.remove(victim)
-            conn = _Conn(request.fileno(), ip)
-            self.conns.add(conn)
-            return conn
+    @property
+    def evicted(self) -> int:
+        return self.admission.evicted
 
     def open_connections(self) -> int:
-        """Connections counted against the caps (evicted ones are on their way out)."""
-        with self.lock:
-            return sum(1 for c in self.conns if not c.evicted)
+        return self.admission.open_connections()
 
-    def forget(self, conn: _Conn) -> None:
-        """Called by the connection's thread before it closes the socket (the descriptor
-        must not be shut down once it may belong to another connection)."""
-        with self.lock:
-            self.conns.discard(conn)
-
-    def set_pending(self, conn: _Conn, pending: bool) -> None:
-        with self.lock:
-            conn.pending = pending
-            if pending:
-                conn.since = time.monotonic()
-
-    def is_known(self, ip: str, now: Optional[float] = None) -> bool:
-        seen = self.known.get(ip)
-        return seen is not None and (now or time.monotonic()) - seen < self.known_ttl
-
-    def mark_known(self, ip: str) -> None:
-        with self.lock:
-            self.known[ip] = time.monotonic()
-            self.known.move_to_end(ip)
-            while len(self.known) > self.known_max:
-                self.known.popitem(last=False)
+    def forget(self, conn: Conn) -> None:
+        self.admission.forget(conn)
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:
-        conn = self._admit(request, client_address[0])
+        conn = self.admission.admit(request, client_address[0])
         if conn is None:
-            self.rejected += 1
             self.shutdown_request(request)
             return
         t = threading.Thread(target=self._serve, args=(request, client_address, conn), daemon=True)
@@ -175,7 +105,7 @@ class MetricsServer(ThreadingHTTPServer):
             self.forget(conn)
             self.shutdown_request(request)
 
-    def _serve(self, request: socket.socket, client_address: tuple, conn: _Conn) -> None:
+    def _serve(self, request: socket.socket, client_address: tuple, conn: Conn) -> None:
         try:
             self.finish_request(request, client_address, conn)
         except (OSError, ValueError):  # reset, broken pipe, TLS error, a socket closed by eviction
@@ -184,7 +114,7 @@ class MetricsServer(ThreadingHTTPServer):
             self.forget(conn)
             self.shutdown_request(request)
 
-    def finish_request(self, request: socket.socket, client_address: tuple, conn: Optional[_Conn] = None) -> None:
+    def finish_request(self, request: socket.socket, client_address: tuple, conn: Optional[Conn] = None) -> None:
         # the handshake counts towards the first request's deadline
         request.settimeout(max(0.001, min(self.conn_timeout, self.request_timeout)))
         ctx = self.web.ssl_context if self.web else None
@@ -261,7 +191,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"  # answer garbage with a real status line, not HTTP/0.9
 
     def __init__(
-        self, request: socket.socket, client_address: tuple, server: MetricsServer, conn: Optional[_Conn] = None
+        self, request: socket.socket, client_address: tuple, server: MetricsServer, conn: Optional[Conn] = None
     ) -> None:
         self.conn = conn
         self.deadline = (conn.since if conn else time.monotonic()) + server.request_timeout
@@ -277,7 +207,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
         if self.deadline is None:  # keep-alive: the next request has its own deadline
             self.deadline = time.monotonic() + self.server.request_timeout
             if self.conn:
-                self.server.set_pending(self.conn, True)
+                self.server.admission.set_pending(self.conn, True)
         try:
             super().handle_one_request()
         finally:
@@ -325,7 +255,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
                 self._send(401, "Unauthorized\n", extra={"WWW-Authenticate": 'Basic realm="pymtrace"'})
                 return False
         if self.conn:  # authenticated: no longer evictable
-            self.server.set_pending(self.conn, False)
+            self.server.admission.set_pending(self.conn, False)
         return True
 
     def do_GET(self) -> None:
@@ -342,7 +272,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
                 self._send(500, f"collecting metrics failed: {exc}\n")
                 return
             self._send(200, body, ctype, {"Content-Encoding": "gzip"} if gzipped else None)
-            self.server.mark_known(self.client_address[0])
+            self.server.admission.mark_known(self.client_address[0])
         elif path == "/":
             self._send(200, self.server.index_html, "text/html; charset=utf-8")
         else:
