@@ -196,7 +196,7 @@ def test_collector_disk_full_one_line_each_side_then_delivered(tmp_path, capsys)
 
     ds = tmp_path / "ds"
     ds.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(ds)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(ds)], check=True)
     c = None
     try:
         c = CollectorProcess(ds)
