@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Benchmark of the two engines that compute analyze's report (not a test; no root needed).
+"""Benchmark of the two ways analyze's report can pair events and sum live bytes on DuckDB (not
+a test; no root needed): the measurement that chose analyze's engine (trace/report_sql.py).
 
-`analyze`: `pymtrace analyze --json` (trace/analysis.py's TraceSet: DuckDB sorts, numpy pairs);
-`sql`: trace/report_sql.py's Report on DuckDB (the SQL Spark also runs: window functions pair).
-Both run in a child process over the same synthetic Parquet trace (tests/support/synthetic.py,
+`analyze`: `pymtrace analyze --json` (TraceSet: DuckDB sorts, numpy pairs the sorted stream);
+`windows`: the same report with the steps Spark runs (SparkEngine's pair, live and percentiles:
+window functions, percentile_disc) on TraceSet's DuckDB. Both run in a child process over the same synthetic Parquet trace (tests/support/synthetic.py,
 --events rows) with the same DuckDB memory limit, threads and spill directory. Reported per run:
 wall time, CPU time (user + system of the child and its DuckDB threads), the child's peak RSS
 (wait4), and whether the numbers equal the trace's ground truth. Interleaved rounds.
@@ -25,20 +26,19 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from benchutil import print_table  # noqa: E402
 
-ENGINES = ("analyze", "sql")
+ENGINES = ("analyze", "windows")
 
 
-def sql_child(directory, memory_limit, threads, temp_dir):
-    """The `sql` engine, in this (child) process: Report over DuckDB configured like analyze's."""
-    from pymtrace.trace import report_sql
+def windows_child(directory, memory_limit, threads, temp_dir):
+    """The `windows` engine, in this (child) process: TraceSet with Spark's steps."""
+    from pymtrace.trace.analysis import TraceSet
+    from pymtrace.trace.report_sql import SparkEngine
 
-    engine = report_sql.DuckDBEngine(directory)
-    engine.con.execute(f"SET memory_limit = '{memory_limit}'")
-    engine.con.execute(f"SET temp_directory = '{temp_dir}'")
-    engine.con.execute("SET preserve_insertion_order = false")
-    if threads:
-        engine.con.execute(f"SET threads = {int(threads)}")
-    json.dump(report_sql.Report(engine).run(), sys.stdout)
+    class Windows(TraceSet):
+        pair, live, percentiles = SparkEngine.pair, SparkEngine.live, SparkEngine.percentiles
+
+    with Windows([directory], memory_limit=memory_limit, threads=threads or None, temp_dir=temp_dir) as ts:
+        json.dump(ts.report().to_json(), sys.stdout)
 
 
 def run_engine(engine, directory, memory_limit, threads, tmp):
@@ -91,7 +91,7 @@ def main():
     args = ap.parse_args()
     if args.child:
         directory, limit, threads, spill = args.child
-        return sql_child(directory, limit, int(threads), spill)
+        return windows_child(directory, limit, int(threads), spill)
     from support import synthetic
 
     tmp = tempfile.mkdtemp(prefix="analyze-engines.", dir=args.temp_dir)
