@@ -4,10 +4,11 @@ a test; no root needed): the measurement that chose analyze's engine (trace/repo
 
 `analyze`: `pymtrace analyze --json` (TraceSet: DuckDB sorts, numpy pairs the sorted stream);
 `windows`: the same report with the steps Spark runs (SparkEngine's pair, live and percentiles:
-window functions, percentile_disc) on TraceSet's DuckDB. Both run in a child process over the same synthetic Parquet trace (tests/support/synthetic.py,
---events rows) with the same DuckDB memory limit, threads and spill directory. Reported per run:
-wall time, CPU time (user + system of the child and its DuckDB threads), the child's peak RSS
-(wait4), and whether the numbers equal the trace's ground truth. Interleaved rounds.
+window functions, percentile_disc) on TraceSet's DuckDB. Both run in a child process over the
+same synthetic Parquet trace (tests/support/synthetic.py, --events rows) with the same DuckDB
+memory limit, threads and spill directory. Reported per run: wall time, CPU time (user +
+system of the child and its DuckDB threads) and peak RSS of the child (/usr/bin/time), and
+whether the numbers equal the trace's ground truth. Interleaved rounds.
 Usage: bench/analyze_engines.py [--events N] [--memory-limit SIZE ...] [--threads N] [--rounds R]
 """
 
@@ -66,18 +67,6 @@ def run_engine(engine, directory, memory_limit, threads, tmp):
         return (json.load(f), *cost, "")
 
 
-def exact(rep, truth):
-    return (
-        rep is not None
-        and {n: c["count"] for n, c in rep["calls"].items()} == truth["counts"]
-        and rep["live"]["peak_bytes"] == truth["peak_live_bytes"]
-        and rep["live"]["final_bytes"] == truth["final_live_bytes"]
-        and rep["lifetimes"]["cross_thread_frees"] == truth["cross_thread_frees"]
-        and rep["lifetimes"]["min_ns"] == truth["lifetime_min_ns"]
-        and rep["never_freed"]["count"] == truth["never_freed"]
-    )
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=5_000_000, help="rows of the synthetic trace (default 5M)")
@@ -118,7 +107,7 @@ def main():
                         "wall s": round(wall, 1),
                         "CPU s": round(cpu, 1),
                         "peak RSS MB": round(rss),
-                        "exact": exact(rep, truth),
+                        "exact": synthetic.agrees(rep, truth),
                         "error": err[:120],
                     }
                     print(json.dumps(row), file=sys.stderr)

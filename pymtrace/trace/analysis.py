@@ -3,11 +3,11 @@
 
 TraceSet gathers the inputs (Parquet files as they are; mtrace-bin and mtrace-text converted to
 private temporary Parquet files) in a private directory (mkdtemp, 0700) that also holds
-DuckDB's spill directory, all removed at close. DuckDB runs under a
-memory limit and spills to that directory, so traces larger than RAM are analyzed in bounded
-memory. report() returns the typed report (trace/report.py: what --json prints and the text
-and HTML reports draw); query() runs a user's SQL over a view `calls` on a connection that can read the traces and nothing
-else and write no file.
+DuckDB's spill directory, all removed at close. DuckDB runs under a memory limit and spills to
+that directory, so traces larger than RAM are analyzed in bounded memory. report() returns the
+typed report (trace/report.py: what --json prints and the text and HTML reports draw); query()
+runs a user's SQL over a view `calls` on a connection that can read the traces and nothing else
+and write no file.
 
 Pairing (report_sql.EVENTS splits the calls into events): the events of one address in one
 file, in time order (time_ns, then row, then the release before the allocation), pair each

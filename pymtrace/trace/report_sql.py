@@ -144,10 +144,6 @@ LIFETIMES = f"""
            avg({LIFE}) FILTER (WHERE prev_alloc),
            count(*) FILTER (WHERE prev_alloc IS NULL OR NOT prev_alloc)
     FROM ev WHERE NOT alloc"""
-LIFETIME_PERCENTILES = f"""
-    SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY {LIFE}), percentile_disc(0.9) WITHIN GROUP (ORDER BY {LIFE}),
-           percentile_disc(0.99) WITHIN GROUP (ORDER BY {LIFE})
-    FROM ({PAIRED_RELEASES}) p"""
 LIFETIME_HISTOGRAM = f"""
     SELECT {case_bucket(LIFE, LIFETIME_BOUNDS, False)} AS k, count(*) FROM ({PAIRED_RELEASES}) p GROUP BY 1"""
 OVER_LIVE = "SELECT count(*) FROM ev WHERE alloc AND next_alloc"
@@ -527,6 +523,11 @@ LIVE_POINTS = """
       FROM live_run) p
     WHERE back = 1 ORDER BY b"""
 LIVE_RANGE = "SELECT count(*), min(t), max(t) FROM ev"
+# exact, where analyze's DuckDB gives approximate ones (a t-digest: it keeps no sort of every lifetime)
+LIFETIME_PERCENTILES = f"""
+    SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY {LIFE}), percentile_disc(0.9) WITHIN GROUP (ORDER BY {LIFE}),
+           percentile_disc(0.99) WITHIN GROUP (ORDER BY {LIFE})
+    FROM ({PAIRED_RELEASES}) p"""
 
 
 class SparkEngine:
