@@ -401,16 +401,17 @@ class _Builder:
         """Realloc growth chains: a block followed through the reallocs that moved or resized it."""
         engine = self.engine
         engine.materialize("links", LINKS)
-        engine.materialize("jump_0", JUMP_START)
-        rounds = 0
+        # each round's table made from the previous one, in two tables by turns: two at a time
+        previous, current = "jump_b", "jump_a"
+        engine.materialize(current, JUMP_START)
         while True:
-            rounds += 1
-            engine.materialize(f"jump_{rounds}", jump_round_sql(f"jump_{rounds - 1}"))
-            (more,) = self._one(f"SELECT count(*) FROM jump_{rounds} WHERE moved_on")
+            previous, current = current, previous
+            engine.materialize(current, jump_round_sql(previous))
+            (more,) = self._one(f"SELECT count(*) FROM {current} WHERE moved_on")
             if not more:
                 break
         reallocs, in_place, moved, released, grew, shrank = self._one(LINK_STATS)
-        engine.materialize("chains", chains_sql(f"jump_{rounds}"))
+        engine.materialize("chains", chains_sql(current))
         hist = dict(self._q(CHAIN_HISTOGRAM))
         (count,) = self._one(CHAIN_COUNT)
         return R.ReallocChains(
