@@ -62,7 +62,7 @@ def run_engine(engine, directory, memory_limit, threads, tmp):
     cost = float(wall), float(user) + float(system), int(rss_kb) / 1024
     if proc.returncode != 0:
         lines = proc.stderr.decode().strip().splitlines() or [f"exit status {proc.returncode}"]
-        return (None, *cost, next((x for x in lines if "Error" in x), lines[-1]))
+        return (None, *cost, lines[-1])
     with open(out) as f:
         return (json.load(f), *cost, "")
 

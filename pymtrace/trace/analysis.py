@@ -383,7 +383,7 @@ class TraceSet:
         beyond the memory limit — and streams them in batches; numpy takes each event's previous
         and next event at the same address, and the batches go back into `ev` through a second
         cursor. (DuckDB's window operator, report_sql.PAIRED_EVENTS as Spark runs it, needs a
-        memory limit growing with the trace and 2.5-3.5x the CPU: bench/analyze_engines.py.)"""
+        memory limit growing with the trace and 1.5-1.9x the CPU: bench/analyze_engines.py.)"""
         import numpy
         import pyarrow
         import pyarrow.parquet

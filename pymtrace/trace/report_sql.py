@@ -8,8 +8,8 @@ their own way, for their own limits:
 - pairing (`pair`): each event with its neighbours at the same address. DuckDB sorts (an
   external sort, in partitions) and numpy pairs the sorted stream, in memory that does not
   grow with the trace; Spark runs window functions (`lag`/`lead` over the address), which it
-  distributes (bench/analyze_engines.py: DuckDB's window operator needed a memory limit growing
-  with the trace and 2.5-3.5x the CPU);
+  distributes (bench/analyze_engines.py: DuckDB's window operator needs a memory limit growing
+  with the trace and 1.5-1.9x the CPU);
 - the live-bytes curve (`live`): a running sum in time order, streamed the same way (DuckDB) or
   summed per time bucket by windows (Spark);
 - the lifetime percentiles (`percentiles`): DuckDB's approx_quantile (a t-digest), Spark's
