@@ -32,7 +32,8 @@ of the trace's uncompressed size. OVERHEAD: no BPF, no root.
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from pymtrace.trace.analysis import DEFAULT_MEMORY_LIMIT, MMAP_THRESHOLD
+    from pymtrace.trace.analysis import DEFAULT_MEMORY_LIMIT
+    from pymtrace.trace.report_sql import MMAP_THRESHOLD
 
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files, globs or directories of *.parquet")
     parser.add_argument("--html", metavar="FILE", help="write the report with plots as one self-contained HTML file")
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         with atomic_output(args.html, args.force, "w", encoding="utf-8") as out:
             write_html(rep, out, title="pymtrace analyze: " + ", ".join(args.traces))
     if args.json:
-        json.dump(rep, sys.stdout, indent=1)
+        json.dump(rep.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         from pymtrace.sinks.analysis_text import write_text

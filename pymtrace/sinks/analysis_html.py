@@ -1,11 +1,14 @@
-"""`pymtrace analyze --html`: the analysis report (trace.analysis's dict) as one self-contained
+"""`pymtrace analyze --html`: the analysis report (trace/report.py) as one self-contained
 HTML file. Plots are hand-written inline SVG: no script, no network, nothing to install (the
 numbers are exact in the tables; the plots are for looking at)."""
 
 from __future__ import annotations
 
 import html
-from typing import IO, Sequence
+from typing import IO, TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from pymtrace.trace.report import Report
 
 WIDTH, HEIGHT = 760, 240
 PAD_L, PAD_B, PAD_T = 70, 60, 10
@@ -152,11 +155,11 @@ h2 { margin-top: 1.5em; border-bottom: 1px solid #ccc; }
 """
 
 
-def write_html(rep: dict, out: IO[str], title: str = "pymtrace analyze") -> None:
+def write_html(rep: Report, out: IO[str], title: str = "pymtrace analyze") -> None:
     """Write the report REP (trace.analysis.TraceSet.report()) to OUT as one HTML page."""
-    tot = rep["totals"]
-    life = rep["lifetimes"]
-    live = rep["live"]
+    tot = rep.totals
+    life = rep.lifetimes
+    live = rep.live
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'\">",
@@ -164,23 +167,20 @@ def write_html(rep: dict, out: IO[str], title: str = "pymtrace analyze") -> None
         f"<h1>{_e(title)}</h1>",
         "<p>"
         + ", ".join(
-            _e(f["path"])
-            + f" ({_e(f['format'])}"
-            + (f", recorded from {_e(f['allocator'])}" if f.get("allocator") else "")
-            + ")"
-            for f in rep["files"]
+            _e(f.path) + f" ({_e(f.format)}" + (f", recorded from {_e(f.allocator)}" if f.allocator else "") + ")"
+            for f in rep.files
         )
         + "</p>",
         _table(
             ["events", "threads", "requested bytes", "peak live bytes", "never freed", "span"],
             [
                 [
-                    _num(tot["events"]),
-                    _num(tot["threads"]),
-                    _num(tot["requested_bytes"]),
-                    _num(live["peak_bytes"]),
-                    _num(rep["never_freed"]["count"]),
-                    _duration(tot["span_ns"]),
+                    _num(tot.events),
+                    _num(tot.threads),
+                    _num(tot.requested_bytes),
+                    _num(live.peak_bytes),
+                    _num(rep.never_freed.count),
+                    _duration(tot.span_ns),
                 ]
             ],
             "big totals",
@@ -188,83 +188,79 @@ def write_html(rep: dict, out: IO[str], title: str = "pymtrace analyze") -> None
         "<h2>Call mix</h2>",
         _table(
             ["call", "count", "failed", "requested bytes"],
-            [[n, _num(c["count"]), _num(c["failed"]), _num(c["requested_bytes"])] for n, c in rep["calls"].items()],
+            [[n, _num(c.count), _num(c.failed), _num(c.requested_bytes)] for n, c in rep.calls.items()],
             "calls",
         ),
     ]
-    sizes = rep["sizes"]
-    hist = [h for h in sizes["histogram"]]
-    while len(hist) > 1 and not hist[-1]["count"]:
+    sizes = rep.sizes
+    hist = [h for h in sizes.histogram]
+    while len(hist) > 1 and not hist[-1].count:
         hist.pop()
-    mm = sizes["mmap_threshold"]
+    mm = sizes.mmap_threshold
     parts += [
         "<h2>Request sizes</h2>",
-        bar_chart("request sizes", [h["class"] for h in hist], [h["count"] for h in hist], "requests"),
-        f"<p>glibc's mmap threshold ({_num(mm['threshold'])} bytes by default): "
-        f"{_num(mm['below']['count'])} requests below ({_num(mm['below']['requested_bytes'])} bytes), "
-        f"{_num(mm['at_or_above']['count'])} at or above ({_num(mm['at_or_above']['requested_bytes'])} bytes); "
-        f"{_num(mm['half_to_threshold'])} within half of it below, {_num(mm['threshold_to_double'])} up to twice it.</p>",
+        bar_chart("request sizes", [h.label for h in hist], [h.count for h in hist], "requests"),
+        f"<p>glibc's mmap threshold ({_num(mm.threshold)} bytes by default): "
+        f"{_num(mm.below.count)} requests below ({_num(mm.below.requested_bytes)} bytes), "
+        f"{_num(mm.at_or_above.count)} at or above ({_num(mm.at_or_above.requested_bytes)} bytes); "
+        f"{_num(mm.half_to_threshold)} within half of it below, {_num(mm.threshold_to_double)} up to twice it.</p>",
         "<h2>Lifetimes</h2>",
     ]
-    if life["histogram"]:
+    if life.histogram:
         parts.append(
-            bar_chart(
-                "lifetimes", [h["class"] for h in life["histogram"]], [h["count"] for h in life["histogram"]], "blocks"
-            )
+            bar_chart("lifetimes", [h.label for h in life.histogram], [h.count for h in life.histogram], "blocks")
         )
     parts.append(
         _table(
             ["freed", "cross-thread frees", "min", "median", "p90", "p99", "max"],
             [
                 [
-                    _num(life["freed"]),
-                    _num(life["cross_thread_frees"]),
-                    _duration(life["min_ns"]),
-                    _duration(life["p50_ns"]),
-                    _duration(life["p90_ns"]),
-                    _duration(life["p99_ns"]),
-                    _duration(life["max_ns"]),
+                    _num(life.freed),
+                    _num(life.cross_thread_frees),
+                    _duration(life.min_ns),
+                    _duration(life.p50_ns),
+                    _duration(life.p90_ns),
+                    _duration(life.p99_ns),
+                    _duration(life.max_ns),
                 ]
             ],
             "lifetimes",
         )
     )
-    unit = "ns" if live["unit"] == "ns" else "calls"
+    unit = "ns" if live.unit == "ns" else "calls"
     parts += [
         "<h2>Live requested bytes (ideal RSS)</h2>",
-        f"<p>peak {_num(live['peak_bytes'])} bytes at {_e(_human(live['peak_at'] or 0))} {unit}; "
-        f"{_num(live['final_bytes'])} bytes live at the end.</p>",
-        line_chart(
-            "live bytes", [p["at"] for p in live["points"]], [p["max_bytes"] for p in live["points"]], unit, "bytes"
-        ),
+        f"<p>peak {_num(live.peak_bytes)} bytes at {_e(_human(live.peak_at or 0))} {unit}; "
+        f"{_num(live.final_bytes)} bytes live at the end.</p>",
+        line_chart("live bytes", [p.at for p in live.points], [p.max_bytes for p in live.points], unit, "bytes"),
         "<h2>Threads</h2>",
         heat_rows(
             "per-thread timeline",
-            [(f"{t['file']}:{t['thread']}", t["calls"]) for t in rep["threads"]["timeline"]["threads"]],
+            [(f"{t.file}:{t.thread}", t.calls) for t in rep.threads.timeline.threads],
         ),
         _table(
             ["file:thread", "calls", "allocations", "frees", "requested bytes", "cross-thread frees"],
             [
                 [
-                    f"{t['file']}:{t['thread']}",
-                    _num(t["calls"]),
-                    _num(t["allocations"]),
-                    _num(t["frees"]),
-                    _num(t["requested_bytes"]),
-                    _num(t["cross_thread_frees"]),
+                    f"{t.file}:{t.thread}",
+                    _num(t.calls),
+                    _num(t.allocations),
+                    _num(t.frees),
+                    _num(t.requested_bytes),
+                    _num(t.cross_thread_frees),
                 ]
-                for t in rep["threads"]["top"]
+                for t in rep.threads.top
             ],
             "threads",
         ),
         "<h2>Top callers</h2>",
     ]
-    callers = rep["callers"]
+    callers = rep.callers
     parts.append(
         bar_chart(
             "top callers (requested bytes)",
-            [c["caller"] + (f" {c['function']}" if c.get("function") else "") for c in callers],
-            [c["requested_bytes"] for c in callers],
+            [c.caller + (f" {c.function}" if c.function else "") for c in callers],
+            [c.requested_bytes for c in callers],
             "bytes",
         )
     )
@@ -273,54 +269,54 @@ def write_html(rep: dict, out: IO[str], title: str = "pymtrace analyze") -> None
             ["caller", "calls", "allocations", "requested bytes", "never freed", "never freed bytes"],
             [
                 [
-                    c["caller"] + (f" {c['function']}" if c.get("function") else ""),
-                    _num(c["calls"]),
-                    _num(c["allocations"]),
-                    _num(c["requested_bytes"]),
-                    _num(c["never_freed"]),
-                    _num(c["never_freed_bytes"]),
+                    c.caller + (f" {c.function}" if c.function else ""),
+                    _num(c.calls),
+                    _num(c.allocations),
+                    _num(c.requested_bytes),
+                    _num(c.never_freed),
+                    _num(c.never_freed_bytes),
                 ]
                 for c in callers
             ],
             "callers",
         )
     )
-    if rep["stacks"]["recorded"]:
+    if rep.stacks.recorded:
         parts.append("<h2>Top stacks</h2>")
         parts.append(
             _table(
                 ["stack (innermost first)", "calls", "requested bytes"],
-                [[" ".join(s["stack"]), _num(s["calls"]), _num(s["requested_bytes"])] for s in rep["stacks"]["top"]],
+                [[" ".join(s.stack), _num(s.calls), _num(s.requested_bytes)] for s in rep.stacks.top],
                 "stacks",
             )
         )
-    ch = rep["realloc_chains"]
-    nf = rep["never_freed"]
+    ch = rep.realloc_chains
+    nf = rep.never_freed
     parts += [
         "<h2>Realloc chains</h2>",
-        f"<p>{_num(ch['chains'])} chains, {_num(ch['reallocs_linked'])} reallocs ({_num(ch['in_place'])} in place, "
-        f"{_num(ch['moved'])} moved; {_num(ch['grew'])} grew, {_num(ch['shrank'])} shrank).</p>",
+        f"<p>{_num(ch.chains)} chains, {_num(ch.reallocs_linked)} reallocs ({_num(ch.in_place)} in place, "
+        f"{_num(ch.moved)} moved; {_num(ch.grew)} grew, {_num(ch.shrank)} shrank).</p>",
         _table(
             ["thread", "caller", "reallocs", "first size", "final size", "max size", "moves"],
             [
                 [
-                    f"{c['file']}:{c['thread']}",
-                    c["caller"],
-                    _num(c["reallocs"]),
-                    _num(c["first_size"]),
-                    _num(c["final_size"]),
-                    _num(c["max_size"]),
-                    _num(c["moves"]),
+                    f"{c.file}:{c.thread}",
+                    c.caller,
+                    _num(c.reallocs),
+                    _num(c.first_size),
+                    _num(c.final_size),
+                    _num(c.max_size),
+                    _num(c.moves),
                 ]
-                for c in ch["longest"]
+                for c in ch.longest
             ],
             "chains",
         ),
         "<h2>Never freed</h2>",
-        f"<p>{_num(nf['count'])} blocks, {_num(nf['requested_bytes'])} bytes requested.</p>",
+        f"<p>{_num(nf.count)} blocks, {_num(nf.requested_bytes)} bytes requested.</p>",
         _table(
             ["caller", "blocks", "requested bytes"],
-            [[c["caller"], _num(c["count"]), _num(c["requested_bytes"])] for c in nf["by_caller"]],
+            [[c.caller, _num(c.count), _num(c.requested_bytes)] for c in nf.by_caller],
             "never-freed",
         ),
         "</body></html>\n",

@@ -1,18 +1,19 @@
-"""`pymtrace analyze`'s numbers: SQL over one or many traces with DuckDB, embedded (docs/analyze.md).
+"""`pymtrace analyze`'s inputs and DuckDB, embedded: the engine that runs the report's SQL
+(trace/report_sql.py) over one or many traces, and the user's --sql (docs/analyze.md).
 
 TraceSet gathers the inputs (Parquet files as they are; mtrace-bin and mtrace-text converted to
 private temporary Parquet files) in a private directory (mkdtemp, 0700) that also holds
-DuckDB's spill directory, all removed at close. DuckDB runs under a
-memory limit and spills to that directory, so traces larger than RAM are analyzed in bounded
-memory. report() returns one dict (what --json prints and the HTML report draws); query()
-runs a user's SQL over a view `calls` on a connection that can read the traces and nothing
-else and write no file.
+DuckDB's spill directory, all removed at close. DuckDB runs under a memory limit and spills to
+that directory, so traces larger than RAM are analyzed in bounded memory. report() returns the
+typed report (trace/report.py: what --json prints and the text and HTML reports draw); query()
+runs a user's SQL over a view `calls` on a connection that can read the traces and nothing else
+and write no file.
 
-Pairing: every call is split into events, an allocation (of ptr2) and/or a release (of ptr1);
-realloc is both, its release first. Events of one address in one file, in time order (time_ns,
-then row, then the release before the allocation), pair each allocation with the release after
-it. That gives lifetimes, cross-thread frees, never-freed blocks, live requested bytes over time
-and realloc chains.
+Pairing (report_sql.EVENTS splits the calls into events): the events of one address in one
+file, in time order (time_ns, then row, then the release before the allocation), pair each
+allocation with the release after it; DuckDB sorts them and numpy pairs the sorted stream
+(TraceSet.pair), in memory that does not grow with the trace. That gives lifetimes,
+cross-thread frees, never-freed blocks, live requested bytes over time and realloc chains.
 """
 
 from __future__ import annotations
@@ -27,16 +28,13 @@ import duckdb
 import pyarrow.compute
 
 from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
+from pymtrace.trace import report as R
 from pymtrace.trace.formats import parquet
 from pymtrace.trace.formats.autodetect import detect_format, recorded_allocator
+from pymtrace.trace.report_sql import EVENTS, LIVE_BUCKETS, MMAP_THRESHOLD, build_report
 
-MMAP_THRESHOLD = 128 * 1024  # glibc's M_MMAP_THRESHOLD default (it grows dynamically up to 32 MiB)
 DEFAULT_MEMORY_LIMIT = "1GB"
 SORT_BYTES_PER_EVENT = 16  # of the memory limit per DuckDB thread, per event in one sort (TraceSet.sort_events)
-LIVE_BUCKETS = 200  # points of the live-bytes curve
-THREAD_BUCKETS = 60  # columns of the per-thread timeline
-SIZE_CLASS_BOUNDS = [0] + [1 << k for k in range(4, 26)]  # 0, <=16, <=32, ..., <=32 MiB, then > 32 MiB
-LIFETIME_BOUNDS = [10**k for k in range(3, 12)]  # ns: < 1 us, < 10 us, ..., < 100 s, then >= 100 s
 COLUMNS = ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller", "path", "stack")
 _DUCKDB_READ_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.ConversionException)
 
@@ -61,47 +59,6 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
             if os.path.abspath(path) not in (os.path.abspath(p) for p in out):
                 out.append(path)
     return out
-
-
-def size_class_label(k: int) -> str:
-    """Class K of SIZE_CLASS_BOUNDS: "0", "(0, 16]", ..., "(16 MiB, 32 MiB]", "> 32 MiB"."""
-    if k == 0:
-        return "0"
-    if k == len(SIZE_CLASS_BOUNDS):
-        return f"> {_bytes(SIZE_CLASS_BOUNDS[-1])}"
-    return f"({_bytes(SIZE_CLASS_BOUNDS[k - 1])}, {_bytes(SIZE_CLASS_BOUNDS[k])}]"
-
-
-def _bytes(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return str(n)
-
-
-def lifetime_label(k: int) -> str:
-    """Class K of LIFETIME_BOUNDS: "< 1 us", "1 us - 10 us", ..., ">= 100 s"."""
-    names = ["1 us", "10 us", "100 us", "1 ms", "10 ms", "100 ms", "1 s", "10 s", "100 s"]
-    if k == 0:
-        return "< 1 us"
-    if k == len(names):
-        return ">= 100 s"
-    return f"{names[k - 1]} - {names[k]}"
-
-
-# realloc chain lengths: 1, 2-3, 4-7, ..., 512-1023, 1024+ (the report's length_histogram)
-CHAIN_LABELS = ["1"] + [f"{1 << (i - 1)}-{(1 << i) - 1}" for i in range(2, 11)] + ["1024+"]
-
-
-def _case_bucket(expr: str, bounds: Sequence[int], inclusive: bool) -> str:
-    """SQL: the index of the first bound EXPR is <= (inclusive) or < to, else len(bounds)."""
-    op = "<=" if inclusive else "<"
-    whens = " ".join(f"WHEN {expr} {op} {b} THEN {i}" for i, b in enumerate(bounds))
-    return f"CASE {whens} ELSE {len(bounds)} END"
-
-
-def _hex(v: int | None) -> str | None:
-    return None if v is None else f"{v:#x}"
 
 
 def _allocator_of(path: str, fmt: str) -> str | None:
@@ -253,8 +210,8 @@ class TraceSet:
 
     # ---------------------------------------------------------------- the report
 
-    def report(self, top: int = 10, mmap_threshold: int = MMAP_THRESHOLD) -> dict:
-        """Every number of the analysis as one JSON-ready dict (docs/analyze.md lists the keys)."""
+    def report(self, top: int = 10, mmap_threshold: int = MMAP_THRESHOLD) -> R.Report:
+        """Every number of the analysis (docs/analyze.md lists them; to_json() is --json's dict)."""
         # an in-memory database: its tables are evicted to the spill directory beyond the memory
         # limit like any other DuckDB buffer (an on-disk database costs compression and checkpoints)
         self.con = self._connect(":memory:")
@@ -282,16 +239,10 @@ class TraceSet:
         events = os.path.getsize(self.events_file) if self.events_file else 0
         return int(spilled) + events
 
-    def _q(self, sql: str) -> list[tuple]:
-        return self.con.execute(sql).fetchall()
-
     def _one(self, sql: str) -> tuple:
         return self.con.execute(sql).fetchall()[0]
 
-    def _report(self, top: int, mmap_threshold: int) -> dict:
-        con = self.con
-        files_sql = ", ".join("'" + p.replace("'", "''") + "'" for p in self.files)
-        con.execute(f"CREATE TEMP TABLE inputs AS SELECT unnest([{files_sql}]) AS path")
+    def _report(self, top: int, mmap_threshold: int) -> R.Report:
         selects = [
             self._select_list(
                 p,
@@ -302,27 +253,35 @@ class TraceSet:
             )
             for i, p in enumerate(self.files)
         ]
-        con.execute("CREATE VIEW trace_rows AS " + " UNION ALL ".join(selects))
-        rep: dict[str, Any] = {
-            "files": [
-                {"path": p, "format": f, "allocator": _allocator_of(p, f)} for p, f in zip(self.inputs, self.formats)
-            ],
-            "settings": {"memory_limit": self.memory_limit, "mmap_threshold": mmap_threshold, "top": top},
-        }
-        rep.update(self._call_mix())
+        self.con.execute("CREATE VIEW trace_rows AS " + " UNION ALL ".join(selects))
+        rep = build_report(self, top, mmap_threshold)
+        rep.files = [
+            R.InputFile(path=p, format=f, allocator=_allocator_of(p, f)) for p, f in zip(self.inputs, self.formats)
+        ]
+        rep.settings = R.Settings(memory_limit=self.memory_limit, mmap_threshold=mmap_threshold, top=top)
         # the allocators the traces say they were recorded from (None: not said, e.g. a text log)
-        rep["totals"]["allocators"] = sorted({f["allocator"] for f in rep["files"] if f["allocator"]})
-        rep["sizes"] = self._sizes(mmap_threshold)
-        self._pair()
-        rep["lifetimes"] = self._lifetimes()
-        rep["live"] = self._live(rep)
-        rep["never_freed"] = self._never_freed(top)
-        rep["threads"] = self._threads(top, rep)
-        rep["realloc_chains"] = self._chains(top)
-        rep["callers"] = self._callers(top)
-        rep["stacks"] = self._stacks(top)
-        rep["symbols"] = self._symbolize(rep)
+        rep.totals.allocators = sorted({f.allocator for f in rep.files if f.allocator})
+        rep.symbols = self._symbolize(rep, top)
         return rep
+
+    # ---------------------------------------------------------------- report_sql.Engine
+
+    def rows(self, sql: str) -> list[tuple]:
+        return self.con.execute(sql).fetchall()
+
+    def materialize(self, name: str, select: str) -> None:
+        self.con.execute(f"CREATE OR REPLACE TABLE {name} AS {select}")
+
+    def file_count(self) -> int:
+        return len(self.files)
+
+    def percentiles(self) -> tuple:
+        return self._one(
+            """SELECT approx_quantile(t - prev_t, 0.5) FILTER (WHERE prev_alloc),
+                      approx_quantile(t - prev_t, 0.9) FILTER (WHERE prev_alloc),
+                      approx_quantile(t - prev_t, 0.99) FILTER (WHERE prev_alloc)
+               FROM ev WHERE NOT alloc"""
+        )
 
     def _stack_tables(self) -> dict[int, dict]:
         """The stack table (FILE.stacks) of each input recorded with `record --stacks` and
@@ -338,43 +297,43 @@ class TraceSet:
                 tables[i] = stacktable.read_table(table_path)
         return tables
 
-    def _symbolize(self, rep: dict) -> dict:
+    def _symbolize(self, rep: R.Report, top: int) -> R.Symbols:
         """Function, file and line of the callers in REP, from the stack tables: a caller
         address is in the allocating (innermost) frame of the stacks of its calls. A trace
         holds no memory maps of its process, so without a stack table the callers stay
         addresses (docs/analyze.md, "Callers")."""
         tables = self._stack_tables()
         if not tables:
-            return {"source": None, "callers_symbolized": 0}
+            return R.Symbols(source=None, callers_symbolized=0)
         leaf: dict[int, Any] = {}
         for i, table in tables.items():
-            for caller, stack_id in self._q(
+            for caller, stack_id in self.rows(
                 f"""SELECT caller, any_value(stack_id) FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
                     WHERE stack_id > 0 GROUP BY caller"""
             ):
                 stack = table.get(int(stack_id))
                 if stack is not None and stack.frames and caller not in leaf:
                     leaf[caller] = stack.frames[-1]
-        entries = [*rep["callers"], *rep["never_freed"]["by_caller"], *rep["realloc_chains"]["longest"]]
+        entries = [*rep.callers, *rep.never_freed.by_caller, *rep.realloc_chains.longest]
         done = set()
         for entry in entries:
-            frame = leaf.get(int(entry["caller"], 16)) if entry.get("caller") else None
-            entry["function"] = frame.function if frame else None
-            entry["source"] = f"{frame.file}:{frame.line}" if frame and frame.file else None
+            frame = leaf.get(int(entry.caller, 16)) if entry.caller else None
+            entry.function = frame.function if frame else None
+            entry.source = f"{frame.file}:{frame.line}" if frame and frame.file else None
             if frame:
-                done.add(entry["caller"])
-        if not rep["stacks"]["recorded"]:
-            rep["stacks"] = self._table_stacks(tables, int(rep["settings"]["top"]))
-        return {"source": "stack table", "callers_symbolized": len(done)}
+                done.add(entry.caller)
+        if not rep.stacks.recorded:
+            rep.stacks = self._table_stacks(tables, top)
+        return R.Symbols(source="stack table", callers_symbolized=len(done))
 
-    def _table_stacks(self, tables: dict[int, dict], top: int) -> dict:
+    def _table_stacks(self, tables: dict[int, dict], top: int) -> R.Stacks:
         """The top stacks by requested bytes of `record --stacks` recordings (stack ids, the
         frames from the stack tables), innermost frame first like the `stack` column's."""
         rows = []
         for i in tables:
             rows += [
                 (i, *r)
-                for r in self._q(
+                for r in self.rows(
                     f"""SELECT stack_id, count(*), coalesce(sum(size), 0) AS bytes
                         FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
                         WHERE stack_id > 0 GROUP BY stack_id ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
@@ -386,13 +345,13 @@ class TraceSet:
             stack = tables[i].get(int(stack_id))
             frames = reversed(stack.frames) if stack is not None else []
             out.append(
-                {
-                    "file": i,
-                    "stack_id": int(stack_id),
-                    "stack": [f"{f.function}({f.file}:{f.line})" if f.file else f.function for f in frames],
-                    "calls": n,
-                    "requested_bytes": int(nbytes),
-                }
+                R.Stack(
+                    file=i,
+                    stack_id=int(stack_id),
+                    stack=[f"{f.function}({f.file}:{f.line})" if f.file else f.function for f in frames],
+                    calls=n,
+                    requested_bytes=int(nbytes),
+                )
             )
         with_stack = sum(
             self._one(
@@ -400,71 +359,7 @@ class TraceSet:
             )[0]
             for i in tables
         )
-        return {"recorded": True, "source": "stack table", "calls_with_stack": with_stack, "top": out}
-
-    def _call_mix(self) -> dict:
-        rows = self._q(
-            """SELECT type, count(*),
-                 count(*) FILTER (WHERE CASE WHEN type = 'free' THEN false
-                                             WHEN type = 'posix_memalign' THEN ptr1 <> 0
-                                             ELSE ptr2 = 0 AND NOT (type = 'realloc' AND size = 0) END),
-                 sum(size) FILTER (WHERE type <> 'free'),
-                 count(*) FILTER (WHERE type = 'free' AND ptr1 = 0)
-               FROM trace_rows GROUP BY type ORDER BY 2 DESC, 1"""
-        )
-        events, threads, t_first, t_last, untimed = self._one(
-            """SELECT count(*), count(DISTINCT (file, thread)), min(time_ns) FILTER (WHERE time_ns > 0),
-                      max(time_ns), count(*) FILTER (WHERE time_ns = 0) FROM trace_rows"""
-        )
-        self.timed = events > 0 and untimed == 0
-        self.max_events = events + sum(r[1] for r in rows if r[0] == "realloc")  # realloc: 2 events
-        self.t_first = t_first if self.timed else 0
-        return {
-            "totals": {
-                "events": events,
-                "files": len(self.files),
-                "threads": threads,
-                "requested_bytes": int(sum(r[3] or 0 for r in rows)),
-                "span_ns": (t_last - t_first) if self.timed else None,
-                "free_null": int(sum(r[4] for r in rows)),
-            },
-            "calls": {
-                name: {"count": n, "failed": failed, "requested_bytes": int(b or 0)} for name, n, failed, b, _ in rows
-            },
-        }
-
-    def _sizes(self, threshold: int) -> dict:
-        """Request sizes of every allocating call (failed ones too)."""
-        k = _case_bucket("size", SIZE_CLASS_BOUNDS, inclusive=True)
-        counts = dict(
-            self._q(f"SELECT {k} AS k, count(*) FROM trace_rows WHERE type <> 'free' GROUP BY k")  # noqa: S608
-        )
-        histogram = [
-            {
-                "class": size_class_label(i),
-                "max": SIZE_CLASS_BOUNDS[i] if i < len(SIZE_CLASS_BOUNDS) else None,
-                "count": counts.get(i, 0),
-            }
-            for i in range(len(SIZE_CLASS_BOUNDS) + 1)
-        ]
-        half, double = threshold // 2, threshold * 2
-        below, below_b, above, above_b, near_below, near_above = self._one(
-            f"""SELECT count(*) FILTER (WHERE size < {threshold}), coalesce(sum(size) FILTER (WHERE size < {threshold}), 0),
-                       count(*) FILTER (WHERE size >= {threshold}), coalesce(sum(size) FILTER (WHERE size >= {threshold}), 0),
-                       count(*) FILTER (WHERE size >= {half} AND size < {threshold}),
-                       count(*) FILTER (WHERE size >= {threshold} AND size < {double})
-                FROM trace_rows WHERE type <> 'free'"""
-        )
-        return {
-            "histogram": histogram,
-            "mmap_threshold": {
-                "threshold": threshold,
-                "below": {"count": below, "requested_bytes": int(below_b)},
-                "at_or_above": {"count": above, "requested_bytes": int(above_b)},
-                "half_to_threshold": near_below,
-                "threshold_to_double": near_above,
-            },
-        }
+        return R.Stacks(recorded=True, source="stack table", calls_with_stack=with_stack, top=out)
 
     def sort_events(self) -> int:
         """How many events one DuckDB sort may hold under the memory limit (or the sort_events
@@ -481,14 +376,15 @@ class TraceSet:
         """Into how many partitions the events are sorted (see sort_events)."""
         return max(1, -(-self.max_events // self.sort_events()))
 
-    def _pair(self) -> None:
-        """Table `ev`: allocation and release events with their neighbours at the same address.
+    def pair(self, bound: int) -> None:
+        """Table `ev`: the events (report_sql.EVENTS, at most BOUND) with their neighbours at
+        the same address (report_sql.NEIGHBOURS).
 
         DuckDB sorts the events by (file, address, time, row) — an external sort, spilling
         beyond the memory limit — and streams them in batches; numpy takes each event's previous
         and next event at the same address, and the batches go back into `ev` through a second
-        cursor. (DuckDB's window operator, lag/lead over PARTITION BY address, was measured to
-        need memory growing with the trace: out of memory at 40 MB for 4M events.)"""
+        cursor. (DuckDB's window operator, report_sql.PAIRED_EVENTS as Spark runs it, needs a
+        memory limit growing with the trace and 1.5-1.9x the CPU: bench/analyze_engines.py.)"""
         import numpy
         import pyarrow
         import pyarrow.parquet
@@ -498,30 +394,16 @@ class TraceSet:
                  thread INTEGER, size UBIGINT, caller UBIGINT, type VARCHAR, outcome UTINYINT,
                  prev_alloc BOOLEAN, prev_size UBIGINT, prev_t UBIGINT, prev_thread INTEGER, prev_row BIGINT,
                  next_alloc BOOLEAN)"""
+        self.max_events = bound
         parts = self.partitions()
-        event_sql = """SELECT file, ptr2 AS ptr, time_ns AS t, row, row * 2 + 1 AS seq, true AS alloc, thread, size,
-                      caller, type, NULL::UTINYINT AS outcome
-               FROM trace_rows
-               WHERE ptr2 <> 0 AND type <> 'free' AND (type <> 'posix_memalign' OR ptr1 = 0) AND {part2}
-               UNION ALL
-               -- outcome of a realloc: 0 in place, 1 moved, 2 released (realloc(p, 0) returned NULL)
-               SELECT file, ptr1, time_ns, row, row * 2, false, thread, size, caller, type,
-                      CASE WHEN type <> 'realloc' THEN NULL WHEN ptr2 = 0 THEN 2 WHEN ptr2 = ptr1 THEN 0 ELSE 1 END
-               FROM trace_rows
-               WHERE ptr1 <> 0 AND (type = 'free' OR (type = 'realloc' AND (ptr2 <> 0 OR size = 0))) AND {part1}
-               ORDER BY file, ptr, t, seq"""
         batch_rows = 1 << 18
 
         def batches() -> Any:
             """The events of every address partition in turn, each sorted: partitions hold
             different addresses, so their concatenation pairs like one sort would."""
             for k in range(parts):
-                if parts == 1:
-                    sql = event_sql.format(part1="true", part2="true")
-                else:
-                    sql = event_sql.format(
-                        part1=f"hash(file, ptr1) % {parts} = {k}", part2=f"hash(file, ptr2) % {parts} = {k}"
-                    )
+                where = f"WHERE hash(file, ptr) % {parts} = {k} " if parts > 1 else ""
+                sql = f"SELECT * FROM ({EVENTS}) e {where}ORDER BY file, ptr, t, seq"
                 rel = con.sql(sql)
                 yield from (
                     rel.to_arrow_reader(batch_rows)
@@ -585,42 +467,7 @@ class TraceSet:
             con.execute(f"CREATE VIEW ev AS SELECT * FROM read_parquet('{ev_path.replace(chr(39), chr(39) * 2)}')")
         sink.close()
 
-    def _lifetimes(self) -> dict:
-        life = "(t - prev_t)"
-        k = _case_bucket(life, LIFETIME_BOUNDS, inclusive=False)
-        counts = dict(self._q(f"SELECT {k} AS k, count(*) FROM ev WHERE NOT alloc AND prev_alloc GROUP BY k"))
-        paired, cross, mn, mx, mean, p50, p90, p99, unknown = self._one(
-            f"""SELECT count(*) FILTER (WHERE prev_alloc),
-                       count(*) FILTER (WHERE prev_alloc AND thread <> prev_thread),
-                       min({life}) FILTER (WHERE prev_alloc), max({life}) FILTER (WHERE prev_alloc),
-                       avg({life}) FILTER (WHERE prev_alloc),
-                       approx_quantile({life}, 0.5) FILTER (WHERE prev_alloc),
-                       approx_quantile({life}, 0.9) FILTER (WHERE prev_alloc),
-                       approx_quantile({life}, 0.99) FILTER (WHERE prev_alloc),
-                       count(*) FILTER (WHERE prev_alloc IS NULL OR NOT prev_alloc)
-                FROM ev WHERE NOT alloc"""
-        )
-        (over_live,) = self._one("SELECT count(*) FROM ev WHERE alloc AND next_alloc")
-        return {
-            "unit": "ns" if self.timed else None,
-            "freed": paired,
-            "cross_thread_frees": cross,
-            "min_ns": mn if self.timed else None,
-            "max_ns": mx if self.timed else None,
-            "mean_ns": float(mean) if self.timed and mean is not None else None,
-            "p50_ns": p50 if self.timed else None,
-            "p90_ns": p90 if self.timed else None,
-            "p99_ns": p99 if self.timed else None,
-            "histogram": [
-                {"class": lifetime_label(i), "count": counts.get(i, 0)} for i in range(len(LIFETIME_BOUNDS) + 1)
-            ]
-            if self.timed
-            else [],
-            "releases_of_unknown_blocks": unknown,
-            "allocations_over_live_blocks": over_live,
-        }
-
-    def _live(self, rep: dict) -> dict:
+    def live(self, timed: bool) -> R.Live:
         """Live requested bytes (allocated, not yet freed: the ideal RSS) over time, its exact peak.
         DuckDB sorts the events (spilling beyond the memory limit) and streams their byte changes
         in batches; numpy keeps the running sum, the peak and, per bucket of the timeline
@@ -629,19 +476,19 @@ class TraceSet:
 
         (n,) = self._one("SELECT count(*) FROM ev")
         if not n:
-            return {"unit": None, "peak_bytes": 0, "peak_at": None, "final_bytes": 0, "points": []}
-        if self.timed:
+            return R.Live(unit=None, peak_bytes=0, peak_at=None, final_bytes=0, points=[])
+        if timed:
             lo, hi = self._one("SELECT min(t), max(t) FROM ev")
         else:
             lo, hi = 0, n - 1  # untimed: the position in the trace (file after file)
         span = hi - lo + 1
-        reader = self._time_ordered(n)
+        reader = self._time_ordered(n, timed)
         live = peak = 0
         peak_at = None
         done = 0
         buckets: dict[int, list[int]] = {}  # bucket -> [max, end, x of end]
         for batch in reader:
-            if self.timed:
+            if timed:
                 x = batch.column(0).to_numpy().astype(numpy.float64) - lo
             else:
                 x = numpy.arange(done, done + batch.num_rows, dtype=numpy.float64)
@@ -663,22 +510,17 @@ class TraceSet:
                 buckets[bucket] = [max(mx, prev[0]) if prev else mx, end, int(at)]
             live = int(running[-1])
         points = [
-            {"bucket": k, "at": at, "max_bytes": mx, "end_bytes": end} for k, (mx, end, at) in sorted(buckets.items())
+            R.LivePoint(bucket=k, at=at, max_bytes=mx, end_bytes=end) for k, (mx, end, at) in sorted(buckets.items())
         ]
-        return {
-            "unit": "ns" if self.timed else "row",
-            "peak_bytes": peak,
-            "peak_at": peak_at,
-            "final_bytes": live,
-            "points": points,
-        }
+        return R.Live(unit="ns" if timed else "row", peak_bytes=peak, peak_at=peak_at, final_bytes=live, points=points)
 
-    def _time_ordered(self, n: int) -> Any:
-        """Batches of (t, change of live bytes) of the N events in time order (t, file, seq).
+    def _time_ordered(self, n: int, timed: bool) -> Any:
+        """Batches of (t, change of live bytes) of the N events in time order (t, file, seq)
+        (TIMED: whether every event has a time).
         Above sort_events() events the sort is split into time ranges (bounds: approximate
         quantiles of t; every event of one t in one range), sorted one after the other: their
         concatenation is the order one sort would give. A trace without times is one sort."""
-        parts = max(1, -(-n // self.sort_events())) if self.timed else 1
+        parts = max(1, -(-n // self.sort_events())) if timed else 1
         bounds: list = []
         if parts > 1:
             qs = ", ".join(str(i / parts) for i in range(1, parts))
@@ -698,178 +540,6 @@ class TraceSet:
             yield from (
                 rel.to_arrow_reader(1 << 20) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(1 << 20)
             )
-
-    def _never_freed(self, top: int) -> dict:
-        count, total = self._one("SELECT count(*), coalesce(sum(size), 0) FROM ev WHERE alloc AND next_alloc IS NULL")
-        by_caller = self._q(
-            f"""SELECT caller, count(*), sum(size) FROM ev WHERE alloc AND next_alloc IS NULL
-                GROUP BY caller ORDER BY 3 DESC, 2 DESC, 1 LIMIT {int(top)}"""
-        )
-        return {
-            "count": count,
-            "requested_bytes": int(total),
-            "by_caller": [{"caller": _hex(c), "count": n, "requested_bytes": int(s)} for c, n, s in by_caller],
-        }
-
-    def _threads(self, top: int, rep: dict) -> dict:
-        rows = self._q(
-            f"""SELECT file, thread, count(*), count(*) FILTER (WHERE type <> 'free'),
-                       count(*) FILTER (WHERE type = 'free'), coalesce(sum(size) FILTER (WHERE type <> 'free'), 0),
-                       min(time_ns), max(time_ns)
-                FROM trace_rows GROUP BY file, thread ORDER BY 3 DESC, 1, 2 LIMIT {int(top)}"""
-        )
-        cross = dict(
-            ((f, th), n)
-            for f, th, n in self._q(
-                "SELECT file, thread, count(*) FROM ev WHERE NOT alloc AND prev_alloc AND thread <> prev_thread "
-                "GROUP BY file, thread"
-            )
-        )
-        t0 = self.t_first
-        out = [
-            {
-                "file": f,
-                "thread": th,
-                "calls": n,
-                "allocations": na,
-                "frees": nf,
-                "requested_bytes": int(b),
-                "first_ns": (lo - t0) if self.timed else None,
-                "last_ns": (hi - t0) if self.timed else None,
-                "cross_thread_frees": cross.get((f, th), 0),
-            }
-            for f, th, n, na, nf, b, lo, hi in rows
-        ]
-        timeline = []
-        span = rep["totals"]["span_ns"]
-        if self.timed and out:
-            keys = ", ".join(f"({t['file']}, {t['thread']})" for t in out)
-            width = max(1, span + 1)
-            b = f"least({THREAD_BUCKETS - 1}, floor((time_ns - {t0})::DOUBLE / {width} * {THREAD_BUCKETS}))::INTEGER"
-            cells = self._q(
-                f"""SELECT file, thread, {b} AS b, count(*) FROM trace_rows
-                    WHERE (file, thread) IN ({keys}) GROUP BY ALL"""
-            )
-            grid = {(t["file"], t["thread"]): [0] * THREAD_BUCKETS for t in out}
-            for f, th, bucket, n in cells:
-                grid[(f, th)][bucket] = n
-            timeline = [{"file": f, "thread": th, "calls": row} for (f, th), row in grid.items()]
-        return {
-            "count": rep["totals"]["threads"],
-            "top": out,
-            "timeline": {
-                "buckets": THREAD_BUCKETS if timeline else 0,
-                "bucket_ns": (span + 1) / THREAD_BUCKETS if timeline else None,
-                "threads": timeline,
-            },
-        }
-
-    def _chains(self, top: int) -> dict:
-        """Realloc growth chains: a block followed through the reallocs that moved or resized it.
-        Each realloc whose release half paired with an allocation links to it; chains are found
-        by pointer jumping (each round doubles the distance covered: log2(longest) joins)."""
-        con = self.con
-        con.execute(
-            """CREATE TABLE links AS SELECT file, row, prev_row AS parent, size, outcome
-               FROM ev WHERE NOT alloc AND type = 'realloc' AND prev_alloc"""
-        )
-        con.execute("CREATE TABLE jump AS SELECT file, row, parent AS anc, 1 AS dist FROM links")
-        while True:
-            con.execute(
-                """CREATE OR REPLACE TABLE jump2 AS
-                   SELECT a.file, a.row, coalesce(b.anc, a.anc) AS anc, a.dist + coalesce(b.dist, 0) AS dist,
-                          b.row IS NOT NULL AS moved_on
-                   FROM jump a LEFT JOIN jump b ON a.file = b.file AND a.anc = b.row"""
-            )
-            (more,) = self._one("SELECT count(*) FILTER (WHERE moved_on) FROM jump2")
-            con.execute("CREATE OR REPLACE TABLE jump AS SELECT file, row, anc, dist FROM jump2")
-            if not more:
-                break
-        con.execute("DROP TABLE jump2")
-        (reallocs, in_place, moved, released, grew, shrank) = self._one(
-            """SELECT count(*), count(*) FILTER (WHERE l.outcome = 0), count(*) FILTER (WHERE l.outcome = 1),
-                      count(*) FILTER (WHERE l.outcome = 2),
-                      count(*) FILTER (WHERE l.size > e.size), count(*) FILTER (WHERE l.size < e.size)
-               FROM links l JOIN ev e ON e.file = l.file AND e.row = l.parent AND e.alloc"""
-        )
-        con.execute(
-            """CREATE TABLE chains AS
-               SELECT j.file, j.anc AS root, count(*) AS reallocs, arg_max(l.size, j.dist) AS final_size,
-                      max(l.size) AS max_size, count(*) FILTER (WHERE l.outcome = 1) AS moves
-               FROM jump j JOIN links l USING (file, row) GROUP BY j.file, j.anc"""
-        )
-        k = _case_bucket("reallocs", [1 << i for i in range(11)], inclusive=False)
-        hist = dict(self._q(f"SELECT {k} AS k, count(*) FROM chains GROUP BY k"))
-        (count,) = self._one("SELECT count(*) FROM chains")
-        longest = self._q(
-            f"""SELECT c.file, e.thread, e.caller, e.type, c.reallocs, e.size, c.final_size, c.max_size, c.moves
-                FROM chains c JOIN ev e ON e.file = c.file AND e.row = c.root AND e.alloc
-                ORDER BY c.reallocs DESC, c.max_size DESC, c.file, c.root LIMIT {int(top)}"""
-        )
-        labels = CHAIN_LABELS
-        return {
-            "reallocs_linked": reallocs,
-            "in_place": in_place,
-            "moved": moved,
-            "released": released,
-            "grew": grew,
-            "shrank": shrank,
-            "chains": count,
-            "length_histogram": [{"reallocs": labels[i - 1], "chains": hist.get(i, 0)} for i in range(1, 12)],
-            "longest": [
-                {
-                    "file": f,
-                    "thread": th,
-                    "caller": _hex(c),
-                    "first_call": typ,
-                    "reallocs": n,
-                    "first_size": int(s0),
-                    "final_size": int(s1),
-                    "max_size": int(smax),
-                    "moves": mv,
-                }
-                for f, th, c, typ, n, s0, s1, smax, mv in longest
-            ],
-        }
-
-    def _callers(self, top: int) -> list[dict]:
-        rows = self._q(
-            f"""WITH calls_by AS (
-                  SELECT caller, count(*) AS calls, count(*) FILTER (WHERE type <> 'free') AS allocs,
-                         coalesce(sum(size) FILTER (WHERE type <> 'free'), 0) AS bytes,
-                         count(*) FILTER (WHERE type = 'free') AS frees
-                  FROM trace_rows GROUP BY caller ORDER BY bytes DESC, calls DESC, caller LIMIT {int(top)}),
-                leaked AS (SELECT caller, count(*) AS n, sum(size) AS b FROM ev
-                           WHERE alloc AND next_alloc IS NULL GROUP BY caller)
-                SELECT c.caller, c.calls, c.allocs, c.bytes, c.frees, coalesce(l.n, 0), coalesce(l.b, 0)
-                FROM calls_by c LEFT JOIN leaked l USING (caller) ORDER BY c.bytes DESC, c.calls DESC, c.caller"""
-        )
-        return [
-            {
-                "caller": _hex(c),
-                "calls": n,
-                "allocations": na,
-                "requested_bytes": int(b),
-                "frees": nf,
-                "never_freed": int(ln),
-                "never_freed_bytes": int(lb),
-            }
-            for c, n, na, b, nf, ln, lb in rows
-        ]
-
-    def _stacks(self, top: int) -> dict:
-        (with_stack,) = self._one("SELECT count(*) FROM trace_rows WHERE stack IS NOT NULL")
-        if not with_stack:
-            return {"recorded": False, "top": []}
-        rows = self._q(
-            f"""SELECT stack, count(*), coalesce(sum(size) FILTER (WHERE type <> 'free'), 0) AS bytes
-                FROM trace_rows WHERE stack IS NOT NULL GROUP BY stack ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
-        )
-        return {
-            "recorded": True,
-            "calls_with_stack": with_stack,
-            "top": [{"stack": [_hex(a) for a in s], "calls": n, "requested_bytes": int(b)} for s, n, b in rows],
-        }
 
 
 def _first_line(exc: BaseException) -> str:

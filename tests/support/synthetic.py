@@ -131,3 +131,17 @@ def truth(steps, slots=1000, threads=4, chunk=1 << 20):
         "lifetime_min_ns": STEP_NS * slots if steps > slots else None,
         "lifetime_max_ns": STEP_NS * min(2 * slots - 1, steps - 1) if steps > slots else None,
     }
+
+
+def agrees(rep, truth):
+    """Whether the report REP (analyze --json's dict) has the numbers TRUTH (truth()) checks
+    most: the benchmarks' check (tests/unit/test_analysis.py asserts these and more one by one)."""
+    return (
+        rep is not None
+        and {n: c["count"] for n, c in rep["calls"].items()} == truth["counts"]
+        and rep["live"]["peak_bytes"] == truth["peak_live_bytes"]
+        and rep["live"]["final_bytes"] == truth["final_live_bytes"]
+        and rep["lifetimes"]["cross_thread_frees"] == truth["cross_thread_frees"]
+        and rep["lifetimes"]["min_ns"] == truth["lifetime_min_ns"]
+        and rep["never_freed"]["count"] == truth["never_freed"]
+    )

@@ -34,9 +34,9 @@ def synth(tmp_path_factory):
 
 
 def report(*paths, **kw):
-    """The report in process (the CLI's --json prints this dict; checked once through the CLI)."""
+    """The report's dict in process (the CLI's --json prints it; checked once through the CLI)."""
     with TraceSet([str(p) for p in paths], **kw) as ts:
-        return json.loads(json.dumps(ts.report()))
+        return json.loads(json.dumps(ts.report().to_json()))
 
 
 def analyze_json(*args, env=None):
@@ -115,7 +115,7 @@ def test_spills_under_a_low_memory_limit(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     with TraceSet([str(path)], memory_limit="30MB", threads=1, temp_dir=str(tmp)) as ts:
-        rep = ts.report()
+        rep = ts.report().to_json()
         assert ts.spilled_bytes() > 0
     check_against_truth(rep, truth)
     assert os.listdir(tmp) == []
@@ -132,7 +132,7 @@ def test_sorts_in_partitions(tmp_path):
     synthetic.write(str(path), steps, slots, THREADS)
     truth = synthetic.truth(steps, slots, THREADS)
     with TraceSet([str(path)], memory_limit="24MB", threads=1, temp_dir=str(tmp_path), sort_events=1 << 16) as ts:
-        rep = ts.report()
+        rep = ts.report().to_json()
         assert ts.partitions() >= 3
         ts.max_sort_events = None  # the limit's own value: 24 MB (DuckDB says 22.8 MiB) / 16 B
         assert 0.99 * 24e6 / SORT_BYTES_PER_EVENT <= ts.sort_events() <= 24e6 / SORT_BYTES_PER_EVENT
@@ -218,6 +218,8 @@ def test_the_recorded_allocator_is_shown(known, tmp_path):
     from pymtrace.sinks.analysis_html import write_html
     from pymtrace.sinks.analysis_text import write_text
 
+    with TraceSet([str(je)]) as ts:
+        rep = ts.report()
     text, page = io.StringIO(), io.StringIO()
     write_text(rep, text)
     write_html(rep, page)
@@ -299,6 +301,46 @@ def test_text_log_input(known, tmp_path):
     rep = report(text)
     assert rep["files"][0]["format"] == "mtrace-text" and rep["live"]["unit"] == "row"
     assert rep["lifetimes"]["min_ns"] is None  # a text log has no times
+
+
+# ---------------------------------------------------------------- the typed report
+
+
+def test_json_prints_the_report_model(known, tmp_path):
+    """`analyze --json` prints the typed report's to_json(), byte for byte: sections in their
+    order, `class` for the histograms' labels, and a caller's function and source only once a
+    stack table symbolized the report (then null where it knew no frame)."""
+    recs = known_calls()
+    allocating = recs["type"] != B.FREE
+    recs["type"] |= numpy.where(allocating & (recs["caller"] == 0x401200), 1, 0).astype(numpy.uint32) << 8
+    symbolized = tmp_path / "s.parquet"
+    with open(symbolized, "wb") as f:
+        P.write_records(f, iter([recs]), P.file_metadata(), stacks=True)
+    frame = {"function": "grow", "file": "w.c", "line": 17, "module": "/w", "build_id": "ab", "offset": 0x1200}
+    lines = [{"format": "pymtrace-stacks", "version": 1, "trace": "s.parquet", "pid": 1}]
+    lines.append({"id": 1, "complete": True, "frames": [frame]})
+    (tmp_path / "s.parquet.stacks").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for path in (known, symbolized):
+        with TraceSet([str(path)]) as ts:
+            model = ts.report()
+        printed = run_pymtrace("analyze", path, "--json", check=True).stdout
+        assert printed == json.dumps(model.to_json(), indent=1) + "\n"
+        rep = json.loads(printed)
+        assert list(rep) == [
+            "files", "settings", "totals", "calls", "sizes", "lifetimes", "live", "never_freed",
+            "threads", "realloc_chains", "callers", "stacks", "symbols",
+        ]  # fmt: skip
+        assert rep["sizes"]["histogram"][1] == {"class": "(0, 16]", "max": 16, "count": model.sizes.histogram[1].count}
+        assert [h["class"] for h in rep["lifetimes"]["histogram"]][:2] == ["< 1 us", "1 us - 10 us"]
+        callers = {c["caller"]: c for c in rep["callers"]}
+        if path == known:
+            assert "function" not in callers["0x401200"] and "source" not in callers["0x401000"]
+            assert rep["stacks"] == {"recorded": False, "top": []}
+        else:
+            assert callers["0x401200"]["function"] == "grow" and callers["0x401200"]["source"] == "w.c:17"
+            assert callers["0x401000"]["function"] is None and "source" in callers["0x401000"]
+            assert list(rep["stacks"]) == ["recorded", "source", "calls_with_stack", "top"]
+            assert list(rep["stacks"]["top"][0]) == ["file", "stack_id", "stack", "calls", "requested_bytes"]
 
 
 # ---------------------------------------------------------------- --sql

@@ -1,7 +1,7 @@
 """analyze's report on Spark: the dataset `pymtrace collect` writes, reported by `pymtrace analyze
---json` (its own engine), by the report's shared SQL on DuckDB and by the same SQL on Spark (local
-mode): the same numbers, exactly (pymtrace.trace.report_sql). Spark needs a JDK (install.sh:
-openjdk-17).
+--json` (DuckDB) and by the same report's SQL on Spark (local mode, pymtrace.trace.report_sql):
+the same numbers, exactly, but for the lifetime percentiles (approximate in analyze). Spark
+needs a JDK (install.sh: openjdk-17).
 
 Slow on the shared 2-core test machine: ~50 s to start the JVM and Spark, then the report's
 queries (one session, local[1], small data)."""
@@ -155,7 +155,7 @@ def spark():
 
 def without_percentiles(rep):
     """REP without the lifetime percentiles: analyze's are approximate (DuckDB's t-digest),
-    the shared SQL's exact (percentile_disc); everything else is exact in both."""
+    Spark's exact (percentile_disc); everything else is exact in both."""
     rep = json.loads(json.dumps(rep))
     for k in ("p50_ns", "p90_ns", "p99_ns"):
         rep["lifetimes"].pop(k)
@@ -163,42 +163,28 @@ def without_percentiles(rep):
 
 
 @pytest.fixture(scope="module")
-def duckdb_sql_report(dataset):
-    return report_sql.duckdb_report(dataset, top=5)
+def analyzed(dataset):
+    """`pymtrace analyze --json` of the dataset."""
+    return json.loads(run_pymtrace("analyze", dataset, "--json", "--top", "5", check=True).stdout)
 
 
-def test_analyze_and_the_shared_sql_on_duckdb_agree(dataset, duckdb_sql_report):
-    analyzed = json.loads(run_pymtrace("analyze", dataset, "--json", "--top", "5", check=True).stdout)
+def test_analyze_reads_the_dataset_as_its_recordings(analyzed):
     # `symbols` says whether a FILE.stacks table beside the trace named the callers: a file read,
     # not a query (a collect dataset has none: record --stacks --to is refused)
     assert analyzed["symbols"] == {"callers_symbolized": 0, "source": None}
-    want = {k: v for k, v in analyzed.items() if k not in ("files", "settings", "symbols")}
-    # the recorded allocators come from the files' headers too, not from a query
-    assert want["totals"].pop("allocators") == ["glibc"]
-    assert want["totals"]["events"] == 6000 and want["totals"]["files"] == 4
-    assert want["realloc_chains"]["chains"] > 0 and want["lifetimes"]["cross_thread_frees"] > 0
-    got = duckdb_sql_report
+    assert analyzed["totals"]["allocators"] == ["glibc"]
+    assert analyzed["totals"]["events"] == 6000 and analyzed["totals"]["files"] == 4
+    assert analyzed["realloc_chains"]["chains"] > 0 and analyzed["lifetimes"]["cross_thread_frees"] > 0
+
+
+def test_spark_gives_the_report_analyze_gives(dataset, spark, analyzed):
+    t0 = time.monotonic()
+    got = report_sql.spark_report(spark, dataset, top=5).to_json()
+    print(f"report on spark: {time.monotonic() - t0:.1f} s")
+    # files, settings and symbols are what analyze knows of its input files; allocators come
+    # from the files' headers, not from a query
+    want = json.loads(json.dumps({k: v for k, v in analyzed.items() if k not in ("files", "settings", "symbols")}))
+    want["totals"].pop("allocators")
     assert without_percentiles(got) == without_percentiles(want)
     for k in ("p50_ns", "p90_ns", "p99_ns"):  # approximate in analyze
         assert got["lifetimes"][k] == pytest.approx(want["lifetimes"][k], rel=0.2), k
-
-
-def test_spark_gives_the_report_duckdb_gives(dataset, spark, duckdb_sql_report):
-    t0 = time.monotonic()
-    got = report_sql.spark_report(spark, dataset, top=5)
-    print(f"report on spark: {time.monotonic() - t0:.1f} s")
-    assert got == duckdb_sql_report
-
-
-def test_the_runnable_script_prints_the_report(dataset, duckdb_sql_report):
-    """`python3 -m pymtrace.trace.report_sql --engine duckdb DIR` (what spark-submit runs, on DuckDB)."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "pymtrace.trace.report_sql", "--engine", "duckdb", "--top", "5", dataset],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert json.loads(out.stdout) == json.loads(json.dumps(duckdb_sql_report))
