@@ -134,7 +134,8 @@ class Recorder:
             n_stacks = sum(len(t.ids) for t in tables)
             stacks_unsent = drain.stacks_not_copied(plan.bpf)
         t0 = time.thread_time()  # closing writes what is buffered (parquet: the last row group)
-        failure = drainer.failure or outputs.close()
+        closed = outputs.close()  # every output, also after a failed write: each keeps what it has
+        failure = drainer.failure or closed
         drainer.consumer_cpu += time.thread_time() - t0
         summary = {
             "files": [o.summary() for o in outputs.all()],
