@@ -11,8 +11,8 @@ import time
 
 import duckdb
 import pytest
-from conftest import PYMTRACE, run_pymtrace
-from support.collect import CollectorProcess, collectors, type_counts
+from support.cli import PYMTRACE, run_pymtrace
+from support.collect import CollectorProcess, type_counts
 from support.recording import ground_truth, text_range
 
 import pymtrace
@@ -40,12 +40,6 @@ def check_once(directory, summary):
     assert len(got) == f["entries"] == f["acknowledged"]
     assert len(set(got)) == len(got)  # time_ns and the pointers make every record distinct
     assert type_counts(directory, f"where pid = {f['pid']}") == {k: v for k, v in f["counts"].items() if v}
-
-
-@pytest.fixture
-def collector(tmp_path):
-    with collectors(tmp_path / "ds") as make:
-        yield make
 
 
 def test_record_to_collector_exact_calls_and_metadata(collector, cbuild):

@@ -8,8 +8,9 @@ import subprocess
 import time
 
 import pytest
-from conftest import WORKLOADS, missing_or_fail
 from support.allocators import LIBS, library, record_workload
+from support.needs import missing_or_fail
+from support.paths import WORKLOADS
 from support.top import Top, Workload
 
 from pymtrace.trace.formats import mtrace_bin as B

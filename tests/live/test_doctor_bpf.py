@@ -6,8 +6,9 @@ import os
 import subprocess
 
 import pytest
-from conftest import PYMTRACE, ProbeWatch, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.doctor import doctor_json
+from support.uprobes import ProbeWatch
 
 REQUIRED_IDS = {
     "root",

@@ -8,8 +8,9 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, ProbeWatch
+from support.cli import PYMTRACE
 from support.prometheus import Prometheus, free_port, http_get, need_tool, parse_metrics, sample
+from support.uprobes import ProbeWatch
 
 pytestmark = pytest.mark.bpf
 

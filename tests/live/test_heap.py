@@ -9,9 +9,11 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, WORKLOADS, missing_or_fail, run_pymtrace
 from support import heapchains
+from support.cli import PYMTRACE, run_pymtrace
 from support.clients import chromium, go_pprof, traces
+from support.needs import missing_or_fail
+from support.paths import WORKLOADS
 
 from pymtrace.bpf import load as bpfload
 

@@ -8,8 +8,8 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_pymtrace
 from support.allocators import LIBS, library, record_workload
+from support.cli import run_pymtrace
 from support.recording import text_range
 from support.top import Workload
 
@@ -102,7 +102,8 @@ def test_record_cmd_records_cxx_new_and_delete(tmp_path):
     import shutil
     import subprocess
 
-    from conftest import ROOT, missing_or_fail
+    from support.needs import missing_or_fail
+    from support.paths import ROOT
 
     if shutil.which("g++") is None:
         missing_or_fail("g++ is not installed")

@@ -10,7 +10,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, missing_or_fail, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
+from support.needs import missing_or_fail
 from support.prometheus import free_port
 from support.top import Lines, Top
 

@@ -12,7 +12,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 
 SITECUSTOMIZE = '''
 import sys

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.prometheus import free_port, http_get, parse_metrics
 from support.recording import text_range
 

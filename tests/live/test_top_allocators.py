@@ -9,8 +9,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE
 from support.allocators import LIBS, library, start_exporter
+from support.cli import PYMTRACE
 from support.prometheus import free_port, http_get, parse_metrics
 from support.top import Top, Workload
 

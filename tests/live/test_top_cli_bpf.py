@@ -8,7 +8,10 @@ import subprocess
 import tempfile
 
 import pytest
-from conftest import PYMTRACE, ROOT, ProbeWatch, missing_or_fail, run_pymtrace, script_background
+from support.cli import PYMTRACE, run_pymtrace, script_background
+from support.needs import missing_or_fail
+from support.paths import ROOT
+from support.uprobes import ProbeWatch
 
 
 def test_gone_pid_is_one_line_error(bpf_ok):

@@ -10,7 +10,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.prometheus import free_port, http_get, parse_metrics
 
 NOBODY = 65534

@@ -6,9 +6,9 @@ import signal
 import time
 
 import pytest
-from conftest import ProbeWatch
 from support.schema import problems
 from support.top import Top, Workload, alive, assert_probes_gone, assert_probes_installed
+from support.uprobes import ProbeWatch
 
 from pymtrace.sources.snapshot import CALLS, DELETE_CALLS, NEW_CALLS
 
@@ -285,7 +285,7 @@ def test_first_report_covers_one_interval_after_attach(cbuild):
     not over the start-up (BPF compile) time: interval ~= -i, rate = the workload's."""
     import json
 
-    from conftest import run_pymtrace
+    from support.cli import run_pymtrace
 
     rate = 20_000
     proc, pid = _steady(cbuild, rate, "pmt-rate")

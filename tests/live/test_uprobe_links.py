@@ -10,8 +10,8 @@ import os
 import time
 
 import pytest
-from conftest import bpftool_perf_list, uprobe_links
 from support.top import Top, Workload, assert_probes_gone
+from support.uprobes import bpftool_perf_list, uprobe_links
 from test_cxx_calls import CALLS, STDCXX, _expected, cxx_calls  # noqa: F401 (a fixture)
 
 from pymtrace.bpf import stats, uprobes

@@ -7,7 +7,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import ProbeWatch, workload_facts
+from support.cli import workload_facts
+from support.uprobes import ProbeWatch
 
 from pymtrace.sources import glibc
 from pymtrace.tracee import launch, libc

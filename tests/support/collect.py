@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 
-from conftest import PYMTRACE
+from support.cli import PYMTRACE
 
 
 class CollectorProcess:

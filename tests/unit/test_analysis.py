@@ -13,8 +13,8 @@ import numpy
 import pyarrow
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_pymtrace
 from support import synthetic
+from support.cli import run_pymtrace
 from support.clients import chromium, screenshot_colours
 
 from pymtrace.errors import BadQuery

@@ -13,9 +13,10 @@ import time
 
 import numpy
 import pytest
-from conftest import missing_or_fail, run_pymtrace
+from support.cli import run_pymtrace
 from support.collect import CollectorProcess
 from support.machine import slowness
+from support.needs import missing_or_fail
 
 from pymtrace.net import collector as C
 from pymtrace.net import protocol, sender

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from support.paths import ROOT
 
 from pymtrace.bpf import structs
 from pymtrace.replay import runner as replay

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.clients import chromium, go_pprof, screenshot_colours, traces
@@ -34,6 +33,7 @@ from support.heapprofile import (
     FakeSymbolizer,
     build_profile,
 )
+from support.paths import ROOT
 
 from pymtrace.sinks import profile_pb2
 from pymtrace.sinks.flamegraph import render_html, write_html

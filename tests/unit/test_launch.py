@@ -7,7 +7,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import missing_or_fail
+from support.needs import missing_or_fail
 
 from pymtrace.tracee import libc
 from pymtrace.tracee.launch import Launched

@@ -7,7 +7,8 @@ import os
 import subprocess
 
 import pytest
-from conftest import WORKLOADS, run_pymtrace
+from support.cli import run_pymtrace
+from support.paths import WORKLOADS
 from support.replay import SIM_TIMEOUT, SINGLE, A, B, R, lib_for, only_result, replay_json, write_trace
 
 from pymtrace.errors import PymtraceError

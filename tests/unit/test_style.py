@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import missing_or_fail
+from support.needs import missing_or_fail
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(sys.executable).parent

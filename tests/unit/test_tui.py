@@ -12,11 +12,9 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 if __name__ == "__main__":  # run as the UI entry point: tests/ on the path for support
     sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from support.tui import Tmux, assert_clean_shell, rows, selected_row, wait_order  # noqa: E402
+from support.tui import assert_clean_shell, rows, selected_row, wait_order  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -135,13 +133,6 @@ def main():
     from pymtrace.sinks import tui
 
     return tui.run(FakeSource(args.fail_after), args)
-
-
-@pytest.fixture
-def tmux(tmp_path):
-    t = Tmux(tmp_path)
-    yield t
-    t.kill()
 
 
 def start_fake(t, *extra):

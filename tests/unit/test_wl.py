@@ -11,16 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.machine import slowness
-from support.replay import UPSTREAM, one_thread, op, simulator  # UPSTREAM: the reference vector as upstream wrote it
+from support.replay import UPSTREAM, one_thread, op  # UPSTREAM: the reference vector as upstream wrote it
 
 from pymtrace.errors import CorruptFile
 from pymtrace.trace.formats import wl
-
-
-@pytest.fixture(scope="session")
-def sim():
-    return simulator()
-
 
 TIMEOUT = 20
 

@@ -8,9 +8,9 @@ import subprocess
 import tracemalloc
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.cli import PYMTRACE, run_pymtrace
 from support.replay import REFERENCE_RECORDS, UPSTREAM
 
 from pymtrace.errors import CorruptFile
