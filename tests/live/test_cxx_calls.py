@@ -1,4 +1,4 @@
-"""C++ operator new/delete as their own call types (issue 16): tests/support/workloads/
+"""C++ operator new/delete as their own call types: tests/support/workloads/
 cxx_calls.cpp calls every variant a known number of times; `top --json` counts each exactly
 (the malloc/free a new/delete makes inside not counted again) on glibc's libstdc++ and with
 jemalloc or tcmalloc (which define their own operator new) preloaded, and `record -p` maps

@@ -462,7 +462,7 @@ def _on_malloc_path(probes, libc_path, ranges):
 
 
 def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tmp_path):
-    """An exporter runs always: by default (and with the old --always-on, now a no-op alias)
+    """An exporter runs always: by default (and with --always-on, a no-op alias)
     it must not trap the malloc calls of every process; --per-call is the opt-in that does."""
     from pymtrace.tracee import libc
 

@@ -1,4 +1,4 @@
-"""`record -p` and `record -- CMD` on a process whose malloc is not glibc's (issue 16):
+"""`record -p` and `record -- CMD` on a process whose malloc is not glibc's:
 Debian's jemalloc, tcmalloc and mimalloc LD_PRELOADed, and an allocator defined in the
 executable, against tests/support/workloads/top_calls.c's exact tally (-DANY_ALLOCATOR);
 mtrace-bin and Parquet, with the allocator family in the trace's metadata."""

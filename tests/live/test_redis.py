@@ -1,6 +1,6 @@
-"""Debian's redis-server (linked with libjemalloc.so.2) driven by redis-benchmark on 127.0.0.1
-(issue 16): top counts its jemalloc calls at rates consistent with the requests made, and a
-record of it is replayed against glibc and jemalloc (the trace names jemalloc)."""
+"""Debian's redis-server (linked with libjemalloc.so.2) driven by redis-benchmark on 127.0.0.1:
+top counts its jemalloc calls at rates consistent with the requests made, and a record of it
+is replayed against glibc and jemalloc (the trace names jemalloc)."""
 
 import json
 import shutil

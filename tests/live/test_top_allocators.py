@@ -1,5 +1,5 @@
-"""top and the exporter count the malloc API wherever a process's malloc really resolves
-(issue 16): Debian's jemalloc, tcmalloc and mimalloc LD_PRELOADed, and an allocator defined
+"""top and the exporter count the malloc API wherever a process's malloc really resolves:
+Debian's jemalloc, tcmalloc and mimalloc LD_PRELOADed, and an allocator defined
 in the executable itself, against tests/support/workloads/top_calls.c's exact tally (built
 with -DANY_ALLOCATOR: no glibc chunk header read, allocated/freed/live bytes in requested
 bytes, no pvalloc). A process whose allocator

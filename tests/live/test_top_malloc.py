@@ -281,7 +281,7 @@ def _steady(cbuild, rate, name, env=None):
 
 @pytest.mark.bpf
 def test_first_report_covers_one_interval_after_attach(cbuild):
-    """Issue 10 item 6: the first report's rates are over one real interval after attach,
+    """The first report's rates are over one real interval after attach,
     not over the start-up (BPF compile) time: interval ~= -i, rate = the workload's."""
     import json
 

@@ -176,7 +176,7 @@ def _hold_uprobe(path, function, pid, ref_ctr_offset):
 
 @pytest.mark.parametrize("way", ["links", "perf events"])
 def test_system_wide_top_leaves_out_a_file_the_kernel_refuses(cxx_calls, tmp_path, monkeypatch, way):  # noqa: F811
-    """Issue 10 item 4: one file whose attach fails never stops the others. Another tool holds
+    """One file whose attach fails never stops the others. Another tool holds
     a uprobe at operator new of this private copy of libstdc++ with a reference counter offset
     of its own: the kernel refuses any other registration at that place (EINVAL), BCC's way
     included. System-wide top leaves that file out with a note naming it and its process,

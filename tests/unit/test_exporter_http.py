@@ -168,9 +168,9 @@ class SlowClients:
 def test_slowloris_clients_do_not_block_a_concurrent_scrape(served):
     """70 clients trickling their requests a byte at a time (from 5 addresses, 14 each:
     more than the 64 connection slots, under the per-address cap) never time out byte by
-    byte; they used to hold every slot so that every scrape was refused. A request must
-    now arrive whole within the request timeout, and a new connection evicts the oldest
-    one still waiting for its request: every scrape is served within a bound."""
+    byte, yet they do not hold the slots: a request must arrive whole within the request
+    timeout, and a new connection evicts the oldest one still waiting for its request, so
+    every scrape is served within a bound."""
     ex = served([FakeSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})], timeout=3.0, request_timeout=2.0)
     assert timed_get(ex.url + "/metrics")[0] == 200  # the scraper, before the attack
     sources = [f"127.0.0.{2 + i // 14}" for i in range(70)]
@@ -179,7 +179,7 @@ def test_slowloris_clients_do_not_block_a_concurrent_scrape(served):
         deadline = time.monotonic() + 5
         while slow.connects < 70 and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1.0)  # all slots taken by now (before the fix: for good)
+        time.sleep(1.0)  # all slots taken by now: only the deadline and eviction free them
         results = []
         for _ in range(6):
             results.append(timed_get(ex.url + "/metrics"))
@@ -230,10 +230,10 @@ class SlowSource(FakeSource):
 
 
 def test_a_flood_of_valid_requests_does_not_starve_another_scraper(served):
-    """48 clients from one address request /metrics as fast as they can for 3 s (field
-    report: 1,000/s let few scrapes through). Each request used to read the maps on its own,
-    one after the other, so a scrape queued behind all of them; now concurrent requests
-    share one reading, and one address holds at most 16 connections."""
+    """48 clients from one address request /metrics as fast as they can for 3 s (about
+    1,000/s) while another scraper asks too: concurrent requests share one reading of the
+    maps instead of queueing one reading each, and one address holds at most 16
+    connections, so the other scraper is served."""
     src = SlowSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})
     ex = served([src])
     served_flood = [0]

@@ -218,8 +218,8 @@ def test_fake_source_views_sort_pause_quit(tmux):
 
 
 def test_first_screen_waits_for_one_interval(tmux):
-    """No rates until one interval after the first snapshot (issue 10 item 6): the first
-    screen says so, the rows come one interval later."""
+    """No rates until one interval after the first snapshot: the first screen says so, the
+    rows come one interval later."""
     t = tmux
     before = t.stty("before")
     t.type(" ".join([sys.executable, HERE, "-i", "3"]))
