@@ -1,11 +1,15 @@
 """Fixtures and hooks shared by every tier (helpers are in tests/support/).
 
-BPF tests carry `@pytest.mark.bpf` (or use the `bpf_ok` fixture). Without root/BPF/BCC
-they skip with the reason -- except under PYMTRACE_REQUIRE_BPF=1 (CI), where they fail.
+tests/unit needs no root and starts no JVM, server process or browser; tests/integration
+starts them (Spark's JVM, Prometheus, `pymtrace collect`, Chromium, `go tool pprof`): its
+tests carry the `integration` marker. BPF tests (tests/live) carry `@pytest.mark.bpf` (or use
+the `bpf_ok` fixture); without root/BPF/BCC they skip with the reason -- except under
+PYMTRACE_REQUIRE_BPF=1 (CI), where they fail.
 """
 
 import functools
 import os
+import pathlib
 import shutil
 import subprocess
 
@@ -13,12 +17,20 @@ import pytest
 from support.needs import bpf_problem, missing_or_fail, sdt_libc_dir
 from support.paths import WORKLOADS
 
+INTEGRATION = pathlib.Path(__file__).resolve().parent / "integration"
+
 
 @pytest.fixture
 def bpf_ok():
     problem = bpf_problem()
     if problem:
         missing_or_fail(problem)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if INTEGRATION in item.path.resolve().parents:
+            item.add_marker(pytest.mark.integration)
 
 
 def pytest_runtest_setup(item):

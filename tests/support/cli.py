@@ -22,6 +22,15 @@ def run_pymtrace(*args, check=False, timeout=120, **kw):
     return proc
 
 
+def analyze_json(*args, env=None):
+    """`pymtrace analyze --json ARGS`'s report, the command having succeeded."""
+    import json
+
+    proc = run_pymtrace("analyze", "--json", *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 def workload_facts(out):
     """The ground truth a C workload prints, one `KEY VALUE...` line each: {KEY: [[VALUE...], ...]}."""
     facts = {}
