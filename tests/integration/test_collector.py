@@ -14,7 +14,7 @@ import duckdb
 import numpy
 import pyarrow.parquet as pq
 import pytest
-from support.collect import parts, type_counts
+from support.collect import client_config, parts, token_file, type_counts
 
 from pymtrace.net import protocol, sender
 from pymtrace.trace.formats import mtrace_bin
@@ -134,12 +134,8 @@ def test_collector_down_longer_than_the_memory_spool(collector):
 
 
 def test_wrong_token_refused_on_both_sides_and_recorder_keeps_spooling(collector, tmp_path, capsys, monkeypatch):
-    token = tmp_path / "token"
-    token.write_text("correct-horse-battery-staple\n")
-    token.chmod(0o600)
-    c = collector("--token-file", token)
-    bad = tmp_path / "bad.yml"
-    bad.write_text("authorization:\n  credentials: wrong-token-0123456789\n")
+    c = collector("--token-file", token_file(tmp_path, "correct-horse-battery-staple"))
+    bad = client_config(tmp_path / "bad.yml", "wrong-token-0123456789")
     out = open_sender(c.port, config=protocol.load_client_config(str(bad)), close_wait=0.5)
     send(out, 1000)
     time.sleep(0.5)

@@ -94,6 +94,20 @@ def collectors(directory):
             c.close()
 
 
+def token_file(directory, token):
+    """DIRECTORY/token holding TOKEN, private (mode 0600) as `collect --token-file` wants it."""
+    path = directory / "token"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def client_config(path, credentials):
+    """A client configuration (`record --web-config`) at PATH that presents CREDENTIALS."""
+    path.write_text(f"authorization:\n  credentials: {credentials}\n")
+    return path
+
+
 def type_counts(directory, where=""):
     """{type: count} of the dataset under DIRECTORY, read by DuckDB with Hive partitions."""
     import duckdb
