@@ -1,4 +1,4 @@
-"""`pymtrace exporter` for real: BPF collectors, a C workload with known calls, a real
+"""`pymtrace exporter` for real: BPF sources, a C workload with known calls, a real
 Prometheus scraping every second, promtool on a live scrape, churn of 1,000 short-lived
 processes, and glibc internals on the probe-carrying libc."""
 

@@ -213,7 +213,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
         assert p["requested_bytes"] == expected["requested_bytes"]
         assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
         snap = doc["snapshot"]
-        assert "glibc" in snap, snap.get("errors")  # pymtrace.sources.glibc's collector ran alongside
+        assert "glibc" in snap, snap.get("errors")  # the glibc source ran alongside
         assert snap["glibc"][str(w.pid)]["probes"] > 0
         assert problems(snap, json_keys=True) == []  # malloc + faults + glibc: the schema holds
         assert top.stop() == 0
@@ -225,7 +225,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
 
 
 @pytest.mark.bpf
-def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
+def test_source_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
     """MallocSource and FaultSource used directly (the exporter's way) with room for
     two processes, tracing four that run one after the other: the per-process maps never
     hold more than two entries, each new process is recorded exactly (the least recently

@@ -1,4 +1,4 @@
-"""The heap collector's user-space halves without BPF: the log2 table its exponential draw
+"""The heap source's user-space halves without BPF: the log2 table its exponential draw
 uses (and that draw's arithmetic, pymtrace.sources.heap.draw_bytes), and the ring-record
 decoder (bpf/heap.h's hp_event, built by pymtrace.bpf.structs)."""
 

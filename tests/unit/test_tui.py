@@ -59,7 +59,7 @@ def fake_stacks(el):
 
 
 class FakeSource:
-    """Cumulative counters growing at the FAKE rates, like the real collectors' snapshots."""
+    """Cumulative counters growing at the FAKE rates, like the real sources' snapshots."""
 
     def __init__(self, fail_after=None):
         self.t0 = time.monotonic() - 1.0
