@@ -45,7 +45,7 @@ def sdt_libc_dir():
     """A directory with a probe-carrying glibc (+ its loader), or None.
 
     Found by inspecting ELF notes, never by distro name: the system libc if it carries the
-    malloc probes (Fedora, Ubuntu, ...), else ../shared/glibc-sdt, else $PYMTRACE_SDT_LIBC_DIR.
+    malloc probes (Fedora, Ubuntu, ...), else $PYMTRACE_SDT_LIBC_DIR, else ../shared/glibc-sdt.
     """
     from pymtrace.tracee import libc
 
