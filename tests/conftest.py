@@ -122,6 +122,14 @@ def tls_files(tmp_path_factory):
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
 
+@pytest.fixture(scope="module")
+def cxx_calls(tmp_path_factory):
+    """The C++ workload (support.cxxcalls), built once per test module."""
+    from support import cxxcalls
+
+    return cxxcalls.build(tmp_path_factory.mktemp("cxx"))
+
+
 @pytest.fixture
 def tmux(tmp_path):
     """A tmux server of its own (support.tui.Tmux) for a full-screen UI, killed after the test."""

@@ -2,6 +2,7 @@
 program this kernel rejects leaving the others compiled (on real BPF: tests/live/test_top_slab.py)."""
 
 import pytest
+from support.btf import blob
 from support.slab_formats import FORMAT_ALLOC_NO_NAME, FORMAT_FREE_NO_NAME, fake_formats
 
 from pymtrace.bpf import kfeatures
@@ -53,8 +54,6 @@ def test_a_program_this_kernel_rejects_leaves_the_others_running(tmp_path, monke
 def test_raw_tracepoints_this_kernel_rejects_fall_back_to_the_tracepoint_fields(tmp_path, monkeypatch):
     """BTF offers the raw tracepoint programs, the kernel rejects them: the slab source is
     kept, compiled the way the tracepoints' fields allow, and its view says why."""
-    from test_btf import blob
-
     from pymtrace.bpf import load as bpfload
     from pymtrace.sources import bundle
 
