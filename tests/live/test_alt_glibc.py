@@ -22,7 +22,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE
+from support.cli import PYMTRACE
 from support.top import Lines, Top, Workload
 
 from pymtrace.trace.formats import mtrace_bin as B

@@ -5,7 +5,7 @@ live bytes of a workload built to have known values (tests/support/workloads/ana
 import json
 
 import pytest
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 from support.recording import ground_truth, text_range
 
 from pymtrace.trace.formats import mtrace_bin as B

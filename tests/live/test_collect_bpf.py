@@ -11,8 +11,8 @@ import time
 
 import duckdb
 import pytest
-from conftest import PYMTRACE, run_pymtrace
-from support.collect import CollectorProcess, collectors, type_counts
+from support.cli import PYMTRACE, run_pymtrace
+from support.collect import CollectorProcess, client_config, token_file, type_counts
 from support.recording import ground_truth, text_range
 
 import pymtrace
@@ -40,12 +40,6 @@ def check_once(directory, summary):
     assert len(got) == f["entries"] == f["acknowledged"]
     assert len(set(got)) == len(got)  # time_ns and the pointers make every record distinct
     assert type_counts(directory, f"where pid = {f['pid']}") == {k: v for k, v in f["counts"].items() if v}
-
-
-@pytest.fixture
-def collector(tmp_path):
-    with collectors(tmp_path / "ds") as make:
-        yield make
 
 
 def test_record_to_collector_exact_calls_and_metadata(collector, cbuild):
@@ -163,12 +157,8 @@ def test_tls_and_basic_auth(collector, cbuild, tls_files, tmp_path):
 
 def test_wrong_token_refused_the_recording_kept_locally(collector, cbuild, tmp_path):
     prog = cbuild("record_calls", "-no-pie")
-    token = tmp_path / "token"
-    token.write_text("the-right-token-0123456789\n")
-    token.chmod(0o600)
-    c = collector("--token-file", token)
-    cfg = tmp_path / "client.yml"
-    cfg.write_text("authorization:\n  credentials: a-wrong-token-0123456789\n")
+    c = collector("--token-file", token_file(tmp_path, "the-right-token-0123456789"))
+    cfg = client_config(tmp_path / "client.yml", "a-wrong-token-0123456789")
     # run from TMP_PATH (the undelivered records are kept in the current directory), this pymtrace
     here = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(pymtrace.__file__))}
     proc = run_pymtrace(

@@ -1,37 +1,19 @@
-"""C++ operator new/delete as their own call types (issue 16): tests/support/workloads/
+"""C++ operator new/delete as their own call types: tests/support/workloads/
 cxx_calls.cpp calls every variant a known number of times; `top --json` counts each exactly
 (the malloc/free a new/delete makes inside not counted again) on glibc's libstdc++ and with
 jemalloc or tcmalloc (which define their own operator new) preloaded, and `record -p` maps
 them onto dj/malloc's codes (new -> malloc, aligned new -> memalign, delete -> free)."""
 
-import subprocess
 import time
 
 import pytest
-from conftest import WORKLOADS, missing_or_fail
 from support.allocators import LIBS, library, record_workload
+from support.cxxcalls import CALLS, STDCXX, expected_counts
 from support.top import Top, Workload
 
 from pymtrace.trace.formats import mtrace_bin as B
-from pymtrace.tracee import allocators, elf
 
 pytestmark = pytest.mark.bpf
-
-NEW_CALLS = ("new", "new_array", "new_nothrow", "new_aligned")
-CALLS = NEW_CALLS + ("delete", "delete_array", "delete_sized", "delete_aligned")
-STDCXX = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
-
-
-@pytest.fixture(scope="module")
-def cxx_calls(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cxx") / "cxx_calls"
-    try:
-        subprocess.run(
-            ["g++", "-O1", "-std=c++17", "-fsized-deallocation", "-o", out, WORKLOADS / "cxx_calls.cpp"], check=True
-        )
-    except FileNotFoundError:
-        missing_or_fail("g++ is not installed")
-    return str(out)
 
 
 def _start(binary, name):
@@ -41,48 +23,9 @@ def _start(binary, name):
     return Workload(["env", f"LD_PRELOAD={lib}", binary]), lib
 
 
-# the functions cxx_calls.cpp calls, ROUNDS times each, by its tally's call type
-CALLED = {
-    "new": ("_Znwm",),
-    "new_array": ("_Znam",),
-    "new_nothrow": ("_ZnwmRKSt9nothrow_t", "_ZnamRKSt9nothrow_t"),
-    "new_aligned": ("_ZnwmSt11align_val_t", "_ZnamSt11align_val_t"),
-    "delete": ("_ZdlPv",),
-    "delete_array": ("_ZdaPv",),
-    "delete_sized": ("_ZdlPvm", "_ZdaPvm"),
-    "delete_aligned": ("_ZdlPvSt11align_val_t", "_ZdaPvmSt11align_val_t"),
-}
-
-
-def _expected(result, runtime):
-    """The tally as counted where operator new resolves (docs/top.md): one function at two
-    names is counted under the first in allocators.CXX (tcmalloc's and mimalloc's new[] is
-    their new), and a delete that is also the allocator's free-type C function (their
-    delete is free, their sized delete tc_free_sized / mi_free_size) as free. Returns
-    (C++ calls, frees)."""
-    rounds = result["calls"]["new"]
-    syms = elf.symbols(runtime)
-    c_names = {f.name for table in allocators.FAMILIES.values() for f in table}
-    c_addresses = {sym.address for name, sym in syms.items() if name in c_names}
-    first = {}
-    for f in allocators.CXX:
-        if f.name in syms:
-            first.setdefault(syms[f.name].address, f.call)
-    calls, frees = dict.fromkeys(CALLS, 0), 0
-    for names in CALLED.values():
-        for name in names:
-            address = syms[name].address
-            if address in c_addresses:
-                frees += rounds
-            else:
-                calls[first[address]] += rounds
-    assert sum(calls.values()) + frees == sum(result["calls"].values())
-    return calls, frees
-
-
 def _check_counts(p, result, runtime, name):
     """Process entry P of top's snapshot against the workload's RESULT: each call type exact."""
-    expected, frees = _expected(result, runtime)
+    expected, frees = expected_counts(result, runtime)
     assert {c: p["calls"][c] for c in CALLS} == expected
     # operator new's own malloc (and delete's free) not counted again
     assert p["calls"]["malloc"] == 0 and p["calls"]["free"] == frees

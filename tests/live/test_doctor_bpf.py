@@ -6,8 +6,9 @@ import os
 import subprocess
 
 import pytest
-from conftest import PYMTRACE, ProbeWatch, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.doctor import doctor_json
+from support.uprobes import ProbeWatch
 
 REQUIRED_IDS = {
     "root",
@@ -148,7 +149,7 @@ def test_smoke_check_reports_a_uprobe_left_attached(monkeypatch):
 def test_doctor_reports_the_slab_fallback_of_a_kernel_without_cache_names(tmp_path):
     """The kernel's own tracepoint format decides (emulated here: 6.1's kmem_cache_alloc has no
     `name`); doctor names the fallback in use and still passes."""
-    from test_top_slab import FORMAT_ALLOC_NO_NAME
+    from support.slab_formats import FORMAT_ALLOC_NO_NAME
 
     d = tmp_path / "kmem" / "kmem_cache_alloc"
     d.mkdir(parents=True)

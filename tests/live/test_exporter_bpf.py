@@ -1,4 +1,4 @@
-"""`pymtrace exporter` for real: BPF collectors, a C workload with known calls, a real
+"""`pymtrace exporter` for real: BPF sources, a C workload with known calls, a real
 Prometheus scraping every second, promtool on a live scrape, churn of 1,000 short-lived
 processes, and glibc internals on the probe-carrying libc."""
 
@@ -8,8 +8,9 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, ProbeWatch
+from support.cli import PYMTRACE
 from support.prometheus import Prometheus, free_port, http_get, need_tool, parse_metrics, sample
+from support.uprobes import ProbeWatch
 
 pytestmark = pytest.mark.bpf
 
@@ -461,7 +462,7 @@ def _on_malloc_path(probes, libc_path, ranges):
 
 
 def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tmp_path):
-    """An exporter runs always: by default (and with the old --always-on, now a no-op alias)
+    """An exporter runs always: by default (and with --always-on, a no-op alias)
     it must not trap the malloc calls of every process; --per-call is the opt-in that does."""
     from pymtrace.tracee import libc
 

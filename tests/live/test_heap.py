@@ -9,9 +9,12 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, WORKLOADS, missing_or_fail, run_pymtrace
 from support import heapchains
+from support.allocators import LIBS, library
+from support.cli import PYMTRACE, run_pymtrace
 from support.clients import chromium, go_pprof, traces
+from support.needs import missing_or_fail
+from support.paths import WORKLOADS
 
 from pymtrace.bpf import load as bpfload
 
@@ -125,13 +128,15 @@ def test_cxx_new_shows_its_caller_demangled(chains, tmp_path):
     assert value_of(got, rf"{ROOT};shapes::build\(int\);{new};{MALLOC}") == 5 * 48
 
 
-def test_attach_by_pid_leaves_the_process_running(chains, tmp_path):
-    out = tmp_path / "p.txt"
-    target = subprocess.Popen([chains["exe"], "-w", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+def heap_by_pid(exe, out, *args, env=None):
+    """`heap -p PID ARGS --duration 60 -o OUT` on heap_chains (EXE -w 0, its environment ENV)
+    while it makes its calls, stopped with Ctrl-C once they are done: whether the process
+    still ran after heap had ended."""
+    target = subprocess.Popen([exe, "-w", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
         assert target.stdout.readline() == b"ready\n"
         tracer = subprocess.Popen(
-            [*PYMTRACE, "heap", "-p", str(target.pid), "--sample-bytes", "1", "--duration", "60", "-o", str(out)],
+            [*PYMTRACE, "heap", "-p", str(target.pid), *args, "--duration", "60", "-o", str(out)],
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -144,14 +149,19 @@ def test_attach_by_pid_leaves_the_process_running(chains, tmp_path):
         tracer.send_signal(2)  # Ctrl-C: write the profile, the process keeps running
         _, err = tracer.communicate(timeout=60)
         assert tracer.returncode == 0, err
-        assert target.poll() is None
-        text = out.read_text()
-        # text: in use by default, the leaks with their chains
-        assert f"{OLD_LEAKS[1]} bytes in {OLD_LEAKS[0]} allocations from stack" in text
-        assert re.search(r"lib_inner \[libheapchain\.so\]\n\s+lib_outer \[libheapchain\.so\]\n\s+gamma_", text)
+        return target.poll() is None
     finally:
         target.stdin.close()
         target.wait(timeout=30)
+
+
+def test_attach_by_pid_leaves_the_process_running(chains, tmp_path):
+    out = tmp_path / "p.txt"
+    assert heap_by_pid(chains["exe"], out, "--sample-bytes", "1")
+    text = out.read_text()
+    # text: in use by default, the leaks with their chains
+    assert f"{OLD_LEAKS[1]} bytes in {OLD_LEAKS[0]} allocations from stack" in text
+    assert re.search(r"lib_inner \[libheapchain\.so\]\n\s+lib_outer \[libheapchain\.so\]\n\s+gamma_", text)
 
 
 def test_default_sampling_estimates_within_four_sd(chains, tmp_path):
@@ -200,37 +210,11 @@ def test_errors_are_one_line(tmp_path):
 def test_a_jemalloc_process_gives_exact_chains(chains, tmp_path):
     """heap -p on a process whose malloc is jemalloc's (LD_PRELOADed) samples jemalloc's
     functions (target/allocators.py): with --sample-bytes 1 every chain exact in folded."""
-    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    jemalloc = next((line.split()[-1] for line in found.splitlines() if "libjemalloc.so.2 " in line), None)
-    if jemalloc is None:
-        missing_or_fail("libjemalloc2 is not installed")
+    jemalloc = library(LIBS["jemalloc"])
     out = tmp_path / "j.folded"
-    target = subprocess.Popen(
-        [chains["exe"], "-w", "0"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=dict(os.environ, LD_PRELOAD=jemalloc),
+    heap_by_pid(
+        chains["exe"], out, "--sample-bytes", "1", "--value", "alloc_space", env=dict(os.environ, LD_PRELOAD=jemalloc)
     )
-    try:
-        assert target.stdout.readline() == b"ready\n"
-        tracer = subprocess.Popen(
-            [*PYMTRACE, "heap", "-p", str(target.pid), "--sample-bytes", "1", "--value", "alloc_space"]
-            + ["--duration", "60", "-o", str(out)],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        line = tracer.stderr.readline()
-        assert "sampling PID" in line, line
-        target.stdin.write(b"go\n")
-        target.stdin.flush()
-        assert target.stdout.readline() == b"done\n"
-        time.sleep(0.3)
-        tracer.send_signal(2)
-        _, err = tracer.communicate(timeout=60)
-        assert tracer.returncode == 0, err
-    finally:
-        target.stdin.close()
-        target.wait(timeout=30)
     got = folded(out)
     leaf = r"(je_)?malloc"  # jemalloc's own symbol names the leaf
     assert value_of(got, f"{ROOT};alpha;beta;leaf_alloc;{leaf}") == CHAIN_BYTES
@@ -243,10 +227,7 @@ def test_a_command_on_a_preloaded_jemalloc_gives_exact_chains(chains, tmp_path):
     """`heap -- env LD_PRELOAD=libjemalloc.so.2 PROG`: env (on glibc) execs PROG, which is
     stopped once its loader has mapped jemalloc; jemalloc's functions are probed then, and
     with --sample-bytes 1 every chain is exact in folded."""
-    found = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    jemalloc = next((line.split()[-1] for line in found.splitlines() if "libjemalloc.so.2 " in line), None)
-    if jemalloc is None:
-        missing_or_fail("libjemalloc2 is not installed")
+    jemalloc = library(LIBS["jemalloc"])
     out = tmp_path / "je.folded"
     proc = heap(
         out, "--sample-bytes", "1", "--value", "alloc_space", cmd=("env", f"LD_PRELOAD={jemalloc}", chains["exe"], "0")

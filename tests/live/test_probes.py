@@ -7,7 +7,7 @@ import signal
 import subprocess
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace, script_background
+from support.cli import PYMTRACE, run_pymtrace, script_background
 
 
 def _split(stdout):

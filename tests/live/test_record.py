@@ -10,10 +10,12 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, ROOT, ProbeWatch, run_pymtrace, script_background, sigint_ignored
 from support import machine
+from support.cli import PYMTRACE, run_pymtrace, script_background, sigint_ignored
+from support.paths import ROOT
 from support.recording import ground_truth, text_range
 from support.top import alive
+from support.uprobes import ProbeWatch
 
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import mtrace_text as T

@@ -1,4 +1,4 @@
-"""`record -p` and `record -- CMD` on a process whose malloc is not glibc's (issue 16):
+"""`record -p` and `record -- CMD` on a process whose malloc is not glibc's:
 Debian's jemalloc, tcmalloc and mimalloc LD_PRELOADed, and an allocator defined in the
 executable, against tests/support/workloads/top_calls.c's exact tally (-DANY_ALLOCATOR);
 mtrace-bin and Parquet, with the allocator family in the trace's metadata."""
@@ -8,8 +8,8 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_pymtrace
 from support.allocators import LIBS, library, record_workload
+from support.cli import run_pymtrace
 from support.recording import text_range
 from support.top import Workload
 
@@ -102,7 +102,8 @@ def test_record_cmd_records_cxx_new_and_delete(tmp_path):
     import shutil
     import subprocess
 
-    from conftest import ROOT, missing_or_fail
+    from support.needs import missing_or_fail
+    from support.paths import ROOT
 
     if shutil.which("g++") is None:
         missing_or_fail("g++ is not installed")

@@ -11,7 +11,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import PYMTRACE, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.recording import ground_truth, text_range
 
 from pymtrace.trace.formats import mtrace_bin as B

@@ -11,8 +11,8 @@ import stat
 import duckdb
 import pyarrow.parquet
 import pytest
-from conftest import run_pymtrace
 from support import heapchains
+from support.cli import run_pymtrace
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.trace import stacktable

@@ -1,6 +1,6 @@
-"""Debian's redis-server (linked with libjemalloc.so.2) driven by redis-benchmark on 127.0.0.1
-(issue 16): top counts its jemalloc calls at rates consistent with the requests made, and a
-record of it is replayed against glibc and jemalloc (the trace names jemalloc)."""
+"""Debian's redis-server (linked with libjemalloc.so.2) driven by redis-benchmark on 127.0.0.1:
+top counts its jemalloc calls at rates consistent with the requests made, and a record of it
+is replayed against glibc and jemalloc (the trace names jemalloc)."""
 
 import json
 import shutil
@@ -10,7 +10,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, missing_or_fail, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
+from support.needs import missing_or_fail
 from support.prometheus import free_port
 from support.top import Lines, Top
 

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 from support.replay import SIM_TIMEOUT, SINGLE, lib_for, only_result, replay_json, write_trace
 
 from pymtrace.trace.formats import mtrace_bin as mb

@@ -1,10 +1,10 @@
-"""Start-up (issue 10, item 16): a command compiles everything it loads in ONE BCC compile,
+"""Start-up: a command compiles everything it loads in ONE BCC compile,
 before it attaches any uprobe (a compile under pymtrace's own malloc uprobes runs many times
 slower: BCC's clang is one of the processes they trap), and compiles nothing it does not use.
 
 Not timed (bench/startup.py measures the time). The commands run as users run them, with a
 sitecustomize that reports every bcc.BPF() compile (which programs: found by their map
-names) and every uprobe attached, in order; so the old code is measured the same way."""
+names) and every uprobe attached, in order."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 
 SITECUSTOMIZE = '''
 import sys

@@ -7,7 +7,7 @@ import signal
 import subprocess
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace, workload_facts
+from support.cli import PYMTRACE, run_pymtrace, workload_facts
 
 from pymtrace.tracee import libc
 

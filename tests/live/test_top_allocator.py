@@ -1,6 +1,6 @@
-"""Processes whose malloc is not glibc's (issue 10 item 7): the test workload run with
-Debian's libjemalloc.so.2 preloaded. top, the exporter and record count jemalloc's calls
-since issue 16 (exact counts: test_top_allocators.py, test_record_allocators.py) and name
+"""Processes whose malloc is not glibc's: the test workload run with Debian's
+libjemalloc.so.2 preloaded. top, the exporter and record count jemalloc's calls
+(exact counts: test_top_allocators.py, test_record_allocators.py) and name
 the allocator; `record -- CMD` follows the command's exec into it."""
 
 import json
@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.prometheus import free_port, http_get, parse_metrics
 from support.recording import text_range
 
@@ -51,8 +51,8 @@ def _stop(proc):
 
 
 def test_record_pid_records_a_jemalloc_process(cbuild, jemalloc, tmp_path):
-    """record -p on a jemalloc process records its calls (it used to refuse it: issue 16
-    made it probe jemalloc; exact counts: test_record_allocators.py), and leaves it running."""
+    """record -p on a jemalloc process records its calls (it probes jemalloc; exact counts:
+    test_record_allocators.py), and leaves it running."""
     proc, pid = _steady(cbuild, "pmt-jemalloc", preload=jemalloc)
     try:
         out = tmp_path / "trace"
@@ -69,9 +69,9 @@ def test_record_pid_records_a_jemalloc_process(cbuild, jemalloc, tmp_path):
 
 
 def test_record_cmd_records_a_command_on_jemalloc(cbuild, jemalloc, tmp_path):
-    """`record -- env LD_PRELOAD=jemalloc PROG` records PROG's calls (it used to warn that
-    they were not recorded): 2000 malloc+free pairs from its call site, no warning; the same
-    command on glibc's malloc likewise."""
+    """`record -- env LD_PRELOAD=jemalloc PROG` records PROG's calls: 2000 malloc+free pairs
+    from its call site, and no warning that they are not recorded; the same command on glibc's
+    malloc likewise."""
     prog = cbuild("top_steady", "-no-pie")
     lo, hi = text_range(prog)
     for preload in (["env", f"LD_PRELOAD={jemalloc}"], []):

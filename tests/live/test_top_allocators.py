@@ -1,5 +1,5 @@
-"""top and the exporter count the malloc API wherever a process's malloc really resolves
-(issue 16): Debian's jemalloc, tcmalloc and mimalloc LD_PRELOADed, and an allocator defined
+"""top and the exporter count the malloc API wherever a process's malloc really resolves:
+Debian's jemalloc, tcmalloc and mimalloc LD_PRELOADed, and an allocator defined
 in the executable itself, against tests/support/workloads/top_calls.c's exact tally (built
 with -DANY_ALLOCATOR: no glibc chunk header read, allocated/freed/live bytes in requested
 bytes, no pvalloc). A process whose allocator
@@ -9,8 +9,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE
 from support.allocators import LIBS, library, start_exporter
+from support.cli import PYMTRACE
 from support.prometheus import free_port, http_get, parse_metrics
 from support.top import Top, Workload
 

@@ -8,7 +8,10 @@ import subprocess
 import tempfile
 
 import pytest
-from conftest import PYMTRACE, ROOT, ProbeWatch, missing_or_fail, run_pymtrace, script_background
+from support.cli import PYMTRACE, run_pymtrace, script_background
+from support.needs import missing_or_fail
+from support.paths import ROOT
+from support.uprobes import ProbeWatch
 
 
 def test_gone_pid_is_one_line_error(bpf_ok):
@@ -20,8 +23,9 @@ def test_gone_pid_is_one_line_error(bpf_ok):
 
 def test_not_root_is_one_line_error_beside_a_checkout_named_pymtrace():
     """The test VMs' layout: the project synced to /pymtrace and `python -m pymtrace` run from
-    / with an editable install. The checkout shadowed the package (a namespace package from
-    the current directory) and the error was an ImportError traceback (Debian 12 VM)."""
+    / with an editable install, by a user who is not root. The checkout in the current
+    directory must not shadow the package (as a namespace package, which would end in an
+    ImportError traceback): the error is the one line that says top needs root."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run as another user (setpriv)")
     if shutil.which("setpriv") is None:

@@ -1,4 +1,4 @@
-"""Heap efficiency (issue 16): live malloc bytes beside the process's RSS, and the flag for a
+"""Heap efficiency: live malloc bytes beside the process's RSS, and the flag for a
 heap that holds far more than is allocated. tests/support/workloads/heap_frag.c: 100,000
 blocks of 2,000 bytes with every other one freed (100 MB live on ~200 MB of touched heap)
 against a control holding the same 100 MB unfragmented; the RSS is checked against the

@@ -1,5 +1,5 @@
 """System-wide `pymtrace top` and the exporter against libc files planted by an
-unprivileged user (field report, issue 10 item 4): any user can map a file named libc.so.6;
+unprivileged user: any user can map a file named libc.so.6;
 a non-ELF or truncated one must be skipped with a note, never stop the others."""
 
 import os
@@ -10,7 +10,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.prometheus import free_port, http_get, parse_metrics
 
 NOBODY = 65534
@@ -96,7 +96,7 @@ def test_top_system_wide_skips_planted_libcs(planted):
     assert float(rows[0][2].rstrip("k")) > 0  # its MALLOC/s: the good libc is traced
     from pymtrace.tracee import libc
 
-    if not libc.malloc_probes(libc.system_libc()):  # item 18: view 4 says why it is empty
+    if not libc.malloc_probes(libc.system_libc()):  # view 4 says why it is empty
         glibc = r.stdout[r.stdout.index("== glibc internals") :]
         assert "0 processes with probes, 0 without" not in glibc
         assert f"the libc {libc.system_libc()} has no malloc USDT probes" in glibc, glibc

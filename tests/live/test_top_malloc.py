@@ -6,9 +6,9 @@ import signal
 import time
 
 import pytest
-from conftest import ProbeWatch
 from support.schema import problems
 from support.top import Top, Workload, alive, assert_probes_gone, assert_probes_installed
+from support.uprobes import ProbeWatch
 
 from pymtrace.sources.snapshot import CALLS, DELETE_CALLS, NEW_CALLS
 
@@ -213,7 +213,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
         assert p["requested_bytes"] == expected["requested_bytes"]
         assert p["live_bytes"] == expected["allocated_bytes"] - expected["freed_bytes"]
         snap = doc["snapshot"]
-        assert "glibc" in snap, snap.get("errors")  # pymtrace.sources.glibc's collector ran alongside
+        assert "glibc" in snap, snap.get("errors")  # the glibc source ran alongside
         assert snap["glibc"][str(w.pid)]["probes"] > 0
         assert problems(snap, json_keys=True) == []  # malloc + faults + glibc: the schema holds
         assert top.stop() == 0
@@ -225,7 +225,7 @@ def test_process_on_another_libc_is_traced_through_its_own_libc(cbuild, sdt_libc
 
 
 @pytest.mark.bpf
-def test_collector_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
+def test_source_api_lru_maps_stay_bounded_and_evict_the_oldest(cbuild):
     """MallocSource and FaultSource used directly (the exporter's way) with room for
     two processes, tracing four that run one after the other: the per-process maps never
     hold more than two entries, each new process is recorded exactly (the least recently
@@ -281,11 +281,11 @@ def _steady(cbuild, rate, name, env=None):
 
 @pytest.mark.bpf
 def test_first_report_covers_one_interval_after_attach(cbuild):
-    """Issue 10 item 6: the first report's rates are over one real interval after attach,
+    """The first report's rates are over one real interval after attach,
     not over the start-up (BPF compile) time: interval ~= -i, rate = the workload's."""
     import json
 
-    from conftest import run_pymtrace
+    from support.cli import run_pymtrace
 
     rate = 20_000
     proc, pid = _steady(cbuild, rate, "pmt-rate")

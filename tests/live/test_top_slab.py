@@ -105,7 +105,7 @@ def test_kernel_without_cache_names_groups_by_object_size(cbuild, tmp_path, monk
 
 
 @pytest.mark.bpf
-def test_slab_impossible_here_leaves_the_other_collectors_running(tmp_path, monkeypatch):
+def test_slab_impossible_here_leaves_the_other_sources_running(tmp_path, monkeypatch):
     """A kernel on which the slab program cannot work: top still runs (faults), and the slab
     view and the snapshot's errors say why."""
     fake_formats(tmp_path, monkeypatch, kmem_cache_alloc=FORMAT_ALLOC_NO_NAME.replace("bytes_alloc", "other"))

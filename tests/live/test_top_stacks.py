@@ -7,8 +7,8 @@ import json
 import subprocess
 
 import pytest
-from conftest import run_pymtrace
 from support import heapchains
+from support.cli import run_pymtrace
 from support.schema import problems
 
 from pymtrace.bpf import load as bpfload

@@ -4,18 +4,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, ProbeWatch
 from support import heapchains
 from support.machine import slowness
-from support.tui import Tmux, assert_clean_shell, comms, rows, selected_row
-
-
-@pytest.fixture
-def tmux(tmp_path):
-    t = Tmux(tmp_path)
-    yield t
-    t.kill()
-
+from support.paths import ROOT
+from support.tui import assert_clean_shell, comms, rows, selected_row
+from support.uprobes import ProbeWatch
 
 LOW_RATE_WORKLOAD = """
 import time

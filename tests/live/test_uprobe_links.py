@@ -10,9 +10,9 @@ import os
 import time
 
 import pytest
-from conftest import bpftool_perf_list, uprobe_links
+from support.cxxcalls import CALLS, STDCXX, expected_counts
 from support.top import Top, Workload, assert_probes_gone
-from test_cxx_calls import CALLS, STDCXX, _expected, cxx_calls  # noqa: F401 (a fixture)
+from support.uprobes import bpftool_perf_list, uprobe_links
 
 from pymtrace.bpf import stats, uprobes
 
@@ -59,7 +59,7 @@ def _run(w, top):
 
 
 @pytest.mark.parametrize("way", ["links", "perf events"])
-def test_top_counts_exactly_and_detaches_both_ways(cxx_calls, monkeypatch, way):  # noqa: F811
+def test_top_counts_exactly_and_detaches_both_ways(cxx_calls, monkeypatch, way):
     if way == "links":
         if not uprobes.multi_links():
             pytest.skip("this kernel has no uprobe_multi links that filter by process (< 6.6 or unfixed)")
@@ -102,7 +102,7 @@ def test_top_counts_exactly_and_detaches_both_ways(cxx_calls, monkeypatch, way):
                 finally:
                     other.kill()
         result, p = _run(w, top)
-        expected, frees = _expected(result, STDCXX)
+        expected, frees = expected_counts(result, STDCXX)
         assert {c: p["calls"][c] for c in CALLS} == expected
         assert p["calls"]["malloc"] == 0 and p["calls"]["free"] == frees
         assert p["requested_bytes"] == result["requested_bytes"]
@@ -134,7 +134,7 @@ def _on_private_runtime(way, tmp_path, monkeypatch, program):
 
 
 @pytest.mark.parametrize("way", ["links", "perf events"])
-def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_path, monkeypatch, way):  # noqa: F811
+def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_path, monkeypatch, way):
     """BCC 0.26's attach_uprobe registers its uprobes with a stray ref_ctr_offset (bcc issue
     #5236), and the kernel refuses ours at the same place (EINVAL): that place is attached
     BCC's way, counts stay exact, and nothing is printed (libbcc's own attempt would print
@@ -151,7 +151,7 @@ def test_a_place_a_bcc_tool_holds_is_attached_its_way_silently(cxx_calls, tmp_pa
         top.json_doc()
         top.probes_attached(3)
         result, p = _run(w, top)
-        expected, frees = _expected(result, runtime)
+        expected, frees = expected_counts(result, runtime)
         assert {c: p["calls"][c] for c in CALLS} == expected
         assert p["calls"]["free"] == frees
         assert top.stop() == 0
@@ -176,8 +176,8 @@ def _hold_uprobe(path, function, pid, ref_ctr_offset):
 
 
 @pytest.mark.parametrize("way", ["links", "perf events"])
-def test_system_wide_top_leaves_out_a_file_the_kernel_refuses(cxx_calls, tmp_path, monkeypatch, way):  # noqa: F811
-    """Issue 10 item 4: one file whose attach fails never stops the others. Another tool holds
+def test_system_wide_top_leaves_out_a_file_the_kernel_refuses(cxx_calls, tmp_path, monkeypatch, way):
+    """One file whose attach fails never stops the others. Another tool holds
     a uprobe at operator new of this private copy of libstdc++ with a reference counter offset
     of its own: the kernel refuses any other registration at that place (EINVAL), BCC's way
     included. System-wide top leaves that file out with a note naming it and its process,

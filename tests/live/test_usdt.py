@@ -7,7 +7,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import ProbeWatch, workload_facts
+from support.cli import workload_facts
+from support.uprobes import ProbeWatch
 
 from pymtrace.sources import glibc
 from pymtrace.tracee import launch, libc
@@ -15,11 +16,11 @@ from pymtrace.tracee import launch, libc
 # ------------------------------------------------------------------ unit: argument specs
 
 
-# ------------------------------------------------------------------ BPF: the collector
+# ------------------------------------------------------------------ BPF: the source
 
 
 def _launch_traced(prefix, argv, env=None, watch=None):
-    """Launch on the sdt libc stopped at exec, attach a streaming collector, run to the end.
+    """Launch on the sdt libc stopped at exec, attach a streaming source, run to the end.
     WATCH (a ProbeWatch of this process) records the uprobes held while attached."""
     events = []
     L = launch.Launched(prefix + argv, env=env, stdout=subprocess.PIPE)
@@ -39,7 +40,7 @@ def _launch_traced(prefix, argv, env=None, watch=None):
 
 
 @pytest.mark.bpf
-def test_collector_sbrk_chain_and_aggregates_exact(sdt_libc, cbuild):
+def test_source_sbrk_chain_and_aggregates_exact(sdt_libc, cbuild):
     prefix, path = sdt_libc
     watch = ProbeWatch(os.getpid())
     pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_sbrk"), "8", "200000"], watch=watch)
@@ -82,7 +83,7 @@ TUNABLES = {  # tunable: (value, probe, old value in glibc 2.36)
 
 
 @pytest.mark.bpf
-def test_collector_every_malloc_tunable(sdt_libc, cbuild):
+def test_source_every_malloc_tunable(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     env = dict(os.environ)
     env["GLIBC_TUNABLES"] = ":".join(f"glibc.malloc.{k}={v[0]}" for k, v in TUNABLES.items())
@@ -100,7 +101,7 @@ def test_collector_every_malloc_tunable(sdt_libc, cbuild):
 
 
 @pytest.mark.bpf
-def test_collector_arenas_heaps(sdt_libc, cbuild):
+def test_source_arenas_heaps(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_arenas"), "new", "3"])
     f = workload_facts(out)
@@ -134,7 +135,7 @@ def test_collector_arenas_heaps(sdt_libc, cbuild):
 
 
 @pytest.mark.bpf
-def test_collector_arena_lock_waits_per_thread(sdt_libc, cbuild):
+def test_source_arena_lock_waits_per_thread(sdt_libc, cbuild):
     prefix, _ = sdt_libc
     pid, out, events, snap = _launch_traced(prefix, [cbuild("glibc_arenas"), "wait", "2"])
     waiters = {int(t) for _, t in workload_facts(out)["wait_tid"]}
@@ -151,7 +152,7 @@ def test_collector_arena_lock_waits_per_thread(sdt_libc, cbuild):
 
 
 @pytest.mark.bpf
-def test_collector_system_wide_two_libcs(sdt_libc, cbuild, tmp_path):
+def test_source_system_wide_two_libcs(sdt_libc, cbuild, tmp_path):
     """Attach by library path to two different libc files at once (as with containers)."""
     prefix, path = sdt_libc
     if not prefix:
@@ -188,7 +189,7 @@ def test_collector_system_wide_two_libcs(sdt_libc, cbuild, tmp_path):
 
 
 @pytest.mark.bpf
-def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
+def test_source_snapshot_only_for_top(sdt_libc, cbuild):
     """top's use: no stream, snapshots while the process runs; the glibc view renders it;
     a process on a probe-less libc gets a reason; forget() drops an exited process."""
     from pymtrace.sinks import views
@@ -243,7 +244,7 @@ def test_collector_snapshot_only_for_top(sdt_libc, cbuild):
 
 
 @pytest.mark.bpf
-def test_collector_counts_every_lost_event(sdt_libc, cbuild):
+def test_source_counts_every_lost_event(sdt_libc, cbuild):
     """A 1-page ring buffer nobody drains during the run: events received + lost events
     counted in BPF = probe hits counted in the BPF aggregate (nothing vanishes silently)."""
     prefix, _ = sdt_libc

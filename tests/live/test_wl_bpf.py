@@ -6,14 +6,9 @@ import subprocess
 import uuid
 
 import pytest
-from support.replay import one_thread, op, simulator
+from support.replay import one_thread, op
 
 from pymtrace.trace.formats import wl
-
-
-@pytest.fixture(scope="session")
-def sim():
-    return simulator()
 
 
 def _memory_cgroup(limit):

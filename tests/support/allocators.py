@@ -6,8 +6,8 @@ import signal
 import subprocess
 import time
 
-from conftest import PYMTRACE, missing_or_fail
-
+from support.cli import PYMTRACE
+from support.needs import missing_or_fail
 from support.top import Lines
 
 LIBS = {  # "a|b": the first ldconfig knows (Debian 13's libmimalloc3 has soname .so.3)

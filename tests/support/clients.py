@@ -7,9 +7,9 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import missing_or_fail
 
 from support.machine import slowness
+from support.needs import missing_or_fail
 
 
 def go_pprof(path, *args):

@@ -2,14 +2,11 @@
 
 import contextlib
 import os
-import select
 import signal
-import socket
 import subprocess
-import threading
 import time
 
-from conftest import PYMTRACE
+from support.cli import PYMTRACE
 
 
 class CollectorProcess:
@@ -97,6 +94,20 @@ def collectors(directory):
             c.close()
 
 
+def token_file(directory, token):
+    """DIRECTORY/token holding TOKEN, private (mode 0600) as `collect --token-file` wants it."""
+    path = directory / "token"
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def client_config(path, credentials):
+    """A client configuration (`record --web-config`) at PATH that presents CREDENTIALS."""
+    path.write_text(f"authorization:\n  credentials: {credentials}\n")
+    return path
+
+
 def type_counts(directory, where=""):
     """{type: count} of the dataset under DIRECTORY, read by DuckDB with Hive partitions."""
     import duckdb
@@ -114,50 +125,3 @@ def parts(directory):
     for root, _dirs, files in os.walk(directory):
         out += [os.path.relpath(os.path.join(root, f), directory) for f in files if f.endswith(".parquet")]
     return sorted(out)
-
-
-class SlowClients:
-    """Slowloris: clients that each send one more byte of PAYLOAD every PERIOD seconds (well
-    within a server's per-read timeout; from the start again once all of it is sent) and
-    reconnect whenever the server closes them, from the given source addresses; one thread,
-    bounded in time. Counts its connections and the closes by the server."""
-
-    def __init__(self, port, sources, payload, period=0.5, duration=10.0):
-        self.port, self.sources, self.payload = port, sources, payload
-        self.period, self.duration = period, duration
-        self.connects = self.closed_by_server = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        socks = {}  # index -> [socket, bytes sent]
-        end = time.monotonic() + self.duration
-        while not self.stop.is_set() and time.monotonic() < end:
-            for i, src in enumerate(self.sources):
-                entry = socks.get(i)
-                if entry is not None and select.select([entry[0]], [], [], 0)[0]:  # EOF or a reply: closed
-                    entry[0].close()
-                    self.closed_by_server += 1
-                    del socks[i]
-                    entry = None
-                if entry is None:
-                    try:
-                        s = socket.create_connection(("127.0.0.1", self.port), timeout=1, source_address=(src, 0))
-                    except OSError:
-                        continue
-                    self.connects += 1
-                    entry = socks[i] = [s, 0]
-                try:
-                    entry[0].send(self.payload[entry[1] : entry[1] + 1])
-                    entry[1] = (entry[1] + 1) % len(self.payload)
-                except OSError:
-                    entry[0].close()
-                    del socks[i]
-            self.stop.wait(self.period)
-        for s, _ in socks.values():
-            s.close()
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(10)

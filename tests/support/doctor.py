@@ -2,7 +2,7 @@
 
 import json
 
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 
 
 def doctor_json(*args, env=None, **kw):

@@ -1,4 +1,4 @@
-"""In-process exporter harness shared by the exporter tests (no tests here): fake collector
+"""In-process exporter harness shared by the exporter tests (no tests here): fake
 sources, an exporter HTTP(S) server in a thread, TLS files, HTTP helpers. The fixtures that
 use them (`served`, `tls_files`) are in tests/conftest.py."""
 
@@ -18,7 +18,7 @@ EXPORTERS = pathlib.Path(__file__).resolve().parents[2] / "exporters"  # the dep
 
 
 class FakeSource:
-    """Stands in for a collector: snapshot() returns whatever the test put in .snap."""
+    """Stands in for a BPF source: snapshot() returns whatever the test put in .snap."""
 
     name = "fake"
 
@@ -55,8 +55,8 @@ class ServedExporter:
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.agg = aggregator or prometheus.Aggregator(label_by=label_by, alive=lambda pid: True)
-        self.collector = prometheus.ExporterMetrics(sources, self.agg, None, label_by=label_by)
-        self.registry.register(self.collector)
+        self.metrics = prometheus.ExporterMetrics(sources, self.agg, None, label_by=label_by)
+        self.registry.register(self.metrics)
         self.server = make_server(
             ("127.0.0.1", 0),
             self.registry,

@@ -4,7 +4,8 @@ chains, one through a shared library) built -O2 -fomit-frame-pointer, as the hea
 
 import subprocess
 
-from conftest import WORKLOADS, missing_or_fail
+from support.needs import missing_or_fail
+from support.paths import WORKLOADS
 
 NO_FP = ("-O2", "-fomit-frame-pointer")
 # _start, libc's __libc_start_main (exported), its static __libc_start_call_main (a name only

@@ -14,6 +14,8 @@ Stacks (leaf first), sample_bytes 1 (every call sampled: all values exact):
 The run ends at 100 s; drops: ring_full 3.
 """
 
+import io
+
 from pymtrace.sources.heapprofile import HeapProfile
 from pymtrace.tracee.unwind import Frame, Module
 
@@ -122,3 +124,10 @@ def build_profile(older_s=None):
         add("partial", 8, 2, False, complete=False)
     profile.finish(live | {999999}, END_NS, older_s=older_s, drops=DROPS)
     return profile
+
+
+def written(writer, profile, *args, **kw):
+    """The bytes WRITER (a heap profile writer) makes of PROFILE with the fake symbolizer."""
+    out = io.BytesIO()
+    writer(profile, FakeSymbolizer(), out, *args, **kw)
+    return out.getvalue()

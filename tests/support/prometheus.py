@@ -10,6 +10,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from support.needs import missing_or_fail
+
 
 def free_port():
     with socket.socket() as s:
@@ -20,8 +22,6 @@ def free_port():
 def need_tool(name):
     path = shutil.which(name)
     if path is None:
-        from conftest import missing_or_fail
-
         missing_or_fail(f"{name} is not installed (Debian package prometheus)")
     return path
 

@@ -3,11 +3,10 @@ and workloads, the replay's --json report, which allocators this machine has."""
 
 import json
 
-from conftest import run_pymtrace
-
 from pymtrace.errors import PymtraceError
 from pymtrace.trace.formats import mtrace_bin as mb
 from pymtrace.trace.formats import wl
+from support.cli import run_pymtrace
 
 R = mb.Record
 A, B = 2000, 2001

@@ -1,6 +1,6 @@
 """A synthetic malloc trace of any length, generated fast (numpy, in chunks), with its exact
-ground truth computed independently of DuckDB: shared by tests/unit/test_analysis.py and
-bench/analyze_bench.py.
+ground truth computed independently of DuckDB: shared by tests/unit/test_analysis.py,
+tests/integration/test_analysis_html.py and bench/analyze_bench.py.
 
 Step i (0 <= i < steps) frees the block of step i - SLOTS (when i >= SLOTS) and then makes
 allocation i into the same slot (so the same address), so every block lives exactly SLOTS

@@ -9,7 +9,8 @@ import subprocess
 import threading
 import time
 
-from conftest import PYMTRACE, ProbeWatch, bpftool_perf_list, uprobe_links
+from support.cli import PYMTRACE
+from support.uprobes import ProbeWatch, bpftool_perf_list, uprobe_links
 
 
 class Lines:

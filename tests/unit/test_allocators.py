@@ -59,18 +59,25 @@ def test_family_of_an_allocator():
     assert allocators.family_of("its own malloc in app") == "generic"
 
 
-def test_a_malloc_defined_in_the_executable(tmp_path):
+def own_malloc(tmp_path, free):
+    """An executable with a malloc of its own (a bump allocator) and FREE, its free's C
+    definition, calling free(malloc(1)) once."""
     src = tmp_path / "own.c"
     src.write_text(
         "#include <stddef.h>\n"
         "static char a[1 << 20]; static size_t n;\n"
         "__attribute__((noipa)) void *malloc(size_t s) { void *p = a + n; n += (s + 15) & ~15UL; return p; }\n"
-        "__attribute__((noipa)) void free(void *p) { (void)p; }\n"
+        f"{free}\n"
         "int main(void) { free(malloc(1)); return 0; }\n"
     )
     exe = tmp_path / "own"
     subprocess.run(["gcc", "-O1", "-o", str(exe), str(src)], check=True)
-    plan = _plan(str(exe), "generic")
+    return str(exe)
+
+
+def test_a_malloc_defined_in_the_executable(tmp_path):
+    exe = own_malloc(tmp_path, "__attribute__((noipa)) void free(void *p) { (void)p; }")
+    plan = _plan(exe, "generic")
     assert set(plan) == {"malloc", "free"}
     assert [p.program for p in plan["free"]] == ["ms_f_free_p1"]
 
@@ -94,19 +101,11 @@ def test_programs_before_the_compile_are_exactly_those_the_plan_attaches(family)
 def test_programs_of_a_free_calling_another_probed_function(tmp_path):
     """A free-type function that calls another probed one gets the nesting program (and a
     return probe): known before the compile from its code."""
-    src = tmp_path / "own.c"
-    src.write_text(
-        "#include <stddef.h>\n"
-        "static char a[1 << 20]; static size_t n;\n"
-        "__attribute__((noipa)) void *malloc(size_t s) { void *p = a + n; n += (s + 15) & ~15UL; return p; }\n"
-        "void *volatile kept;\n"
-        "__attribute__((noipa)) void free(void *p) { if (!p) kept = malloc(0); }\n"
-        "int main(void) { free(malloc(1)); return 0; }\n"
+    exe = own_malloc(
+        tmp_path, "void *volatile kept;\n__attribute__((noipa)) void free(void *p) { if (!p) kept = malloc(0); }"
     )
-    exe = tmp_path / "own"
-    subprocess.run(["gcc", "-O1", "-o", str(exe), str(src)], check=True)
-    attached = {p.program for _, probes in allocators.probe_plan(str(exe), "generic") for p in probes}
-    assert allocators.programs(str(exe), "generic") == attached == {"ms_f_malloc_s1", "ms_f_free_nest", "ms_f_return"}
+    attached = {p.program for _, probes in allocators.probe_plan(exe, "generic") for p in probes}
+    assert allocators.programs(exe, "generic") == attached == {"ms_f_malloc_s1", "ms_f_free_nest", "ms_f_return"}
 
 
 def _entries_of_bpf_allocators_h():

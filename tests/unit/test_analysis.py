@@ -1,9 +1,8 @@
 """`pymtrace analyze` (no root): exact numbers on synthetic traces whose ground truth is computed
 independently (tests/support/synthetic.py) and on a hand-made trace of known calls, through
 every input format; spilling under a low memory limit; the read-only --sql; corrupt inputs; the
-HTML report rendered in headless Chromium."""
+HTML report as a file (headless Chromium draws it in tests/integration/test_analysis_html.py)."""
 
-import html
 import io
 import json
 import os
@@ -13,9 +12,8 @@ import numpy
 import pyarrow
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_pymtrace
 from support import synthetic
-from support.clients import chromium, screenshot_colours
+from support.cli import analyze_json, run_pymtrace
 
 from pymtrace.errors import BadQuery
 from pymtrace.trace.analysis import SORT_BYTES_PER_EVENT, TraceSet
@@ -37,12 +35,6 @@ def report(*paths, **kw):
     """The report's dict in process (the CLI's --json prints it; checked once through the CLI)."""
     with TraceSet([str(p) for p in paths], **kw) as ts:
         return json.loads(json.dumps(ts.report().to_json()))
-
-
-def analyze_json(*args, env=None):
-    proc = run_pymtrace("analyze", "--json", *args, env=env)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def check_against_truth(rep, truth):
@@ -417,29 +409,3 @@ def test_html_file_is_private_self_contained_and_not_replaced(html_report, synth
     link.symlink_to(out)
     proc = run_pymtrace("analyze", synth[0], "--html", link, "--force", "--json")
     assert proc.returncode == 0 and not link.is_symlink() and out.exists()
-
-
-def test_html_in_chromium_shows_the_json_totals(html_report, tmp_path):
-    out, rep = html_report
-    dom = html.unescape(chromium(tmp_path, "--dump-dom", out.as_uri()).decode())
-    totals = re.search(r'<table class="big totals">(.*?)</table>', dom, re.S).group(1)
-    cells = [c.replace(",", "") for c in re.findall(r"<td>(.*?)</td>", totals)]
-    assert cells[:5] == [
-        str(rep["totals"]["events"]),
-        str(rep["totals"]["threads"]),
-        str(rep["totals"]["requested_bytes"]),
-        str(rep["live"]["peak_bytes"]),
-        str(rep["never_freed"]["count"]),
-    ]
-    for name, c in rep["calls"].items():
-        assert f"<td>{name}</td><td>{c['count']:,}</td>" in dom
-    assert dom.count('class="bar"') >= 10 and 'class="area"' in dom and 'class="cell"' in dom
-
-
-def test_html_screenshot_is_not_blank(html_report, tmp_path):
-    out, _ = html_report
-    colours, total = screenshot_colours(tmp_path, out.as_uri(), "900,1400")
-    assert colours is not None and len(colours) >= 16, "too few colours: blank page?"
-    white = sum(n for n, c in colours if c == (255, 255, 255))
-    bars = sum(n for n, (r, g, b) in colours if b > r + 40)  # the blue bars and timeline cells
-    assert white < total * 0.97 and bars > total * 0.01

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from support.paths import ROOT
 
 from pymtrace.bpf import structs
 from pymtrace.replay import runner as replay
@@ -165,9 +165,9 @@ def test_mtrace_bin_layout_is_record_h_as_gcc_compiles_it(tmp_path):
     )
 
 
-def test_call_names_shown_are_the_ones_the_collector_emits():
+def test_call_names_shown_are_the_ones_the_sources_emit():
     """top and the views list the snapshot's call names once (snapshot.CALLS); they are exactly
-    the names collect.call_names() reads from the BPF headers (no aligned_alloc: glibc's
+    the names snapshot.call_names() reads from the BPF headers (no aligned_alloc: glibc's
     aligned_alloc is memalign and counted there)."""
     from pymtrace.sinks import views
     from pymtrace.sources import snapshot

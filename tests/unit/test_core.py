@@ -6,9 +6,10 @@ import subprocess
 import textwrap
 
 import pytest
-from conftest import PYMTRACE, ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.cli import PYMTRACE
+from support.paths import ROOT
 
 from pymtrace.bpf import structs
 from pymtrace.errors import PymtraceError

@@ -8,8 +8,9 @@ import subprocess
 import time
 
 import pytest
-from conftest import PYMTRACE, ROOT, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.doctor import doctor_json
+from support.paths import ROOT
 
 
 def test_simulated_missing_requirement_is_named_and_fails():

@@ -62,25 +62,16 @@ def test_dynamic_symbols():
         assert not syms.defined("no_such_symbol_here")
 
 
-def test_malloc_api_table_is_what_collect_attaches():
-    """collect's MALLOC_PROBES is the table of pymtrace.tracee.mallocapi, spelled in BPF
-    program names (to be derived from it when collect is reshaped)."""
-    import importlib
+def test_malloc_api_table_is_what_the_malloc_source_attaches():
+    """The malloc source's MALLOC_PROBES is the table of pymtrace.tracee.mallocapi, spelled in
+    BPF program names."""
+    from pymtrace.sources.malloc import MALLOC_PROBES as attached
 
-    # collect is being split into modules (issue 11): wherever MALLOC_PROBES lives now
-    mods = [importlib.import_module(f"pymtrace.sources.{m}") for m in ("malloc", "collectors") if _has(m)]
-    attached = next(m.MALLOC_PROBES for m in mods if hasattr(m, "MALLOC_PROBES"))
     derived = tuple(
         (f.name, f"ms_{f.call}_entry", ("ms_outer_return" if f.outer else f"ms_{f.call}_return") if f.returns else None)
         for f in mallocapi.FUNCTIONS
     )
     assert derived == tuple(attached)
-
-
-def _has(module):
-    import importlib.util
-
-    return importlib.util.find_spec(f"pymtrace.sources.{module}") is not None
 
 
 @pytest.mark.parametrize("path", SYMBOL_FILES, ids=os.path.basename)

@@ -27,7 +27,7 @@ def test_series_keyed_by_comm_sum_processes_and_stay_monotonic_when_they_exit():
     assert s["db"]["counters"][("calls", "malloc")] == 7
     assert not any(lb.isdigit() for lb in s)  # never a PID label by default
 
-    # pid 1 exits and leaves the collector's map: its calls stay counted, its live bytes go
+    # pid 1 exits and leaves the source's map: its calls stay counted, its live bytes go
     alive.discard(1)
     del procs[1]
     procs[2] = proc_entry(2, "web", malloc=6, requested=50, live=8)
@@ -62,12 +62,12 @@ def test_series_keyed_by_comm_sum_processes_and_stay_monotonic_when_they_exit():
     assert "web" not in agg.retired
 
 
-def test_a_process_dropped_by_one_collector_before_another_is_counted_once():
+def test_a_process_dropped_by_one_source_before_another_is_counted_once():
     alive = {1}
     agg = prometheus.Aggregator(alive=lambda pid: pid in alive)
     agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 3}, "faults_user": 5}}, now=0)
     alive.clear()
-    # the fault collector already forgot the exited process, the malloc collector not yet
+    # the fault source already forgot the exited process, the malloc source not yet
     agg.update({1: {"pid": 1, "comm": "x", "calls": {"malloc": 3}, "exited": True}}, now=1)
     c = agg.series()["x"]["counters"]
     assert c[("calls", "malloc")] == 3 and c["faults_user"] == 5
@@ -86,7 +86,7 @@ def test_an_lru_evicted_entry_recreated_keeps_the_counters_monotonic():
     agg.update(
         {1: {"pid": 1, "comm": "x", "calls": {"malloc": 100}, "requested_bytes": 1000, "faults_user": 50}}, now=0
     )
-    # evicted from the malloc map: only the fault collector reports it for a while
+    # evicted from the malloc map: only the fault source reports it for a while
     agg.update({1: {"pid": 1, "comm": "x", "faults_user": 60}}, now=1)
     c = agg.series()["x"]["counters"]
     assert c[("calls", "malloc")] == 100 and c["faults_user"] == 60

@@ -194,7 +194,7 @@ def BAD_WEB_CONFIGS(tls_files):
 
 
 def test_bad_web_configs_are_one_line_errors_from_the_cli(tmp_path, tls_files):
-    from conftest import run_pymtrace
+    from support.cli import run_pymtrace
 
     for i, text in enumerate(BAD_WEB_CONFIGS(tls_files)):
         f = tmp_path / f"bad{i}.yml"

@@ -58,7 +58,7 @@ def test_systemd_unit_and_daemonset(tmp_path):
 
 
 def test_cli_help_and_argument_errors():
-    from conftest import run_pymtrace
+    from support.cli import run_pymtrace
 
     r = run_pymtrace("exporter", "--help")
     assert r.returncode == 0 and "--web-config" in r.stdout and str(exporter.DEFAULT_PORT) in r.stdout

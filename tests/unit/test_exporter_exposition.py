@@ -1,8 +1,8 @@
 """The exporter's exposition (pymtrace.sinks.prometheus): metric names, types and the size
-histogram; promtool on a scrape; a real Prometheus scraping it (over TLS with basic auth);
-every metric the Grafana dashboard and the alert rules use is one the exporter exposes.
+histogram; promtool on a scrape; every metric the Grafana dashboard and the alert rules use
+is one the exporter exposes. A real Prometheus scrapes it in tests/integration/test_exporter_prometheus.py.
 
-The BPF end-to-end tests (real collectors, C workload, churn) are in tests/live/test_exporter_bpf.py.
+The BPF end-to-end tests (real BPF sources, C workload, churn) are in tests/live/test_exporter_bpf.py.
 """
 
 import json
@@ -10,9 +10,9 @@ import re
 import subprocess
 
 from support.exporter import EXPORTERS, FakeSource, proc_entry
-from support.prometheus import Prometheus, http_get, metric_names, need_tool, parse_metrics, sample
+from support.prometheus import http_get, metric_names, need_tool, parse_metrics, sample
 
-from pymtrace.sinks import prometheus, webconfig
+from pymtrace.sinks import prometheus
 
 
 def test_exposition_names_types_histogram_and_glibc():
@@ -105,35 +105,6 @@ def test_promtool_check_metrics_on_a_scrape(served):
     assert status == 200
     r = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
     assert r.returncode == 0, (r.stdout + r.stderr).decode()
-
-
-def test_real_prometheus_scrapes_over_tls_with_basic_auth(served, tls_files, tmp_path):
-    web = webconfig.load(tls_files / "web.yml")
-    src = FakeSource({"processes": {"1": proc_entry(1, "app", malloc=42, requested=4200, live=100)}})
-    ex = served([src], web=web)
-    prom = Prometheus(
-        tmp_path,
-        [
-            {
-                "job_name": "pymtrace",
-                "scheme": "https",
-                "tls_config": {"ca_file": str(tls_files / "cert.pem")},
-                "basic_auth": {"username": "prom", "password": "s3cret"},
-                "static_configs": [{"targets": [f"127.0.0.1:{ex.port}"]}],
-            }
-        ],
-    )
-    try:
-        got = prom.wait_for(lambda: prom.query('pymtrace_malloc_calls_total{call="malloc"}'), what="a TLS scrape")
-        assert list(got.values()) == [42.0]
-        assert {dict(k)["comm"] for k in got} == {"app"}
-        src.snap["processes"]["1"] = proc_entry(1, "app", malloc=50, requested=5000, live=100)
-        prom.wait_for(
-            lambda: list(prom.query('pymtrace_malloc_calls_total{call="malloc"}').values()) == [50.0],
-            what="the new value",
-        )
-    finally:
-        prom.stop()
 
 
 def _exposed_names():

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 from support.exporter import FakeSource, proc_entry, timed_get
 from support.prometheus import http_get
+from support.slowloris import SlowClients
 
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.http import parse_listen
@@ -116,70 +117,24 @@ def test_connection_cap_keeps_memory_bounded_but_scrapes_resume(served):
     assert ex.server.open_connections() == 0
 
 
-class SlowClients:
-    """Slowloris: clients that each send one more byte of a request every PERIOD seconds
-    (well within the server's per-read timeout) and reconnect whenever the server closes
-    them, from the given source addresses; one thread, bounded in count and time."""
-
-    def __init__(self, port, sources, period=0.5, duration=10.0):
-        self.port, self.sources, self.period, self.duration = port, sources, period, duration
-        self.connects = self.closed_by_server = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        import select
-
-        payload = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 2000
-        socks = {}  # index -> [socket, bytes sent]
-        end = time.monotonic() + self.duration
-        while not self.stop.is_set() and time.monotonic() < end:
-            for i, src in enumerate(self.sources):
-                entry = socks.get(i)
-                if entry is not None:
-                    if select.select([entry[0]], [], [], 0)[0]:  # EOF or a reply: closed by the server
-                        entry[0].close()
-                        self.closed_by_server += 1
-                        del socks[i]
-                        entry = None
-                if entry is None:
-                    try:
-                        s = socket.create_connection(("127.0.0.1", self.port), timeout=1, source_address=(src, 0))
-                    except OSError:
-                        continue
-                    self.connects += 1
-                    entry = socks[i] = [s, 0]
-                try:
-                    entry[0].send(payload[entry[1] : entry[1] + 1])
-                    entry[1] += 1
-                except OSError:
-                    entry[0].close()
-                    del socks[i]
-            self.stop.wait(self.period)
-        for s, _ in socks.values():
-            s.close()
-
-    def close(self):
-        self.stop.set()
-        self.thread.join(10)
+SLOW_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: 1\r\n" * 2000
 
 
 def test_slowloris_clients_do_not_block_a_concurrent_scrape(served):
     """70 clients trickling their requests a byte at a time (from 5 addresses, 14 each:
     more than the 64 connection slots, under the per-address cap) never time out byte by
-    byte; they used to hold every slot so that every scrape was refused. A request must
-    now arrive whole within the request timeout, and a new connection evicts the oldest
-    one still waiting for its request: every scrape is served within a bound."""
+    byte, yet they do not hold the slots: a request must arrive whole within the request
+    timeout, and a new connection evicts the oldest one still waiting for its request, so
+    every scrape is served within a bound."""
     ex = served([FakeSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})], timeout=3.0, request_timeout=2.0)
     assert timed_get(ex.url + "/metrics")[0] == 200  # the scraper, before the attack
     sources = [f"127.0.0.{2 + i // 14}" for i in range(70)]
-    slow = SlowClients(ex.port, sources, period=0.5, duration=12)
+    slow = SlowClients(ex.port, sources, SLOW_REQUEST, period=0.5, duration=12)
     try:
         deadline = time.monotonic() + 5
         while slow.connects < 70 and time.monotonic() < deadline:
             time.sleep(0.1)
-        time.sleep(1.0)  # all slots taken by now (before the fix: for good)
+        time.sleep(1.0)  # all slots taken by now: only the deadline and eviction free them
         results = []
         for _ in range(6):
             results.append(timed_get(ex.url + "/metrics"))
@@ -230,10 +185,10 @@ class SlowSource(FakeSource):
 
 
 def test_a_flood_of_valid_requests_does_not_starve_another_scraper(served):
-    """48 clients from one address request /metrics as fast as they can for 3 s (field
-    report: 1,000/s let few scrapes through). Each request used to read the maps on its own,
-    one after the other, so a scrape queued behind all of them; now concurrent requests
-    share one reading, and one address holds at most 16 connections."""
+    """48 clients from one address request /metrics as fast as they can for 3 s (about
+    1,000/s) while another scraper asks too: concurrent requests share one reading of the
+    maps instead of queueing one reading each, and one address holds at most 16
+    connections, so the other scraper is served."""
     src = SlowSource({"processes": {"1": proc_entry(1, "app", malloc=1)}})
     ex = served([src])
     served_flood = [0]

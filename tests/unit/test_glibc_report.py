@@ -1,7 +1,7 @@
 """The end-of-run report of `pymtrace run` / `summary` without BPF: Report from synthetic events,
 AddressMap, the help text (the CLI on real BPF: tests/live/test_summary.py)."""
 
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 
 from pymtrace.sinks.run_report import render_text
 from pymtrace.sources.glibc_report import Report

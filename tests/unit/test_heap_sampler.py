@@ -1,4 +1,4 @@
-"""The heap collector's user-space halves without BPF: the log2 table its exponential draw
+"""The heap source's user-space halves without BPF: the log2 table its exponential draw
 uses (and that draw's arithmetic, pymtrace.sources.heap.draw_bytes), and the ring-record
 decoder (bpf/heap.h's hp_event, built by pymtrace.bpf.structs)."""
 
@@ -36,8 +36,8 @@ def test_draw_is_minus_mean_ln_u(x, mean):
 
 def test_draw_mean_and_small_tail():
     """Over a uniform grid of x the draws average to the mean, and P(draw <= mean / 32768)
-    matches 1 - exp(-1/32768): small blocks get their right sampling probability (without
-    the interpolation this probability was about 2x too high)."""
+    matches 1 - exp(-1/32768): small blocks get their right sampling probability (a draw
+    without the interpolation makes it about 2x too high)."""
     mean, n = 1 << 19, 1 << 20
     step = 2**32 // n
     draws = [draw_bytes(i * step + step // 2, mean, TABLE) for i in range(n)]

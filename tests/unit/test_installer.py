@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import ROOT
+from support.paths import ROOT
 
 OS_RELEASES = {
     "debian12": (

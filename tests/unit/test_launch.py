@@ -7,24 +7,17 @@ import subprocess
 import time
 
 import pytest
-from conftest import missing_or_fail
+from support.allocators import LIBS, library
+from support.needs import missing_or_fail
 
 from pymtrace.tracee import libc
 from pymtrace.tracee.launch import Launched
 
 
-def _jemalloc():
-    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        if line.strip().startswith("libjemalloc.so.2 ") and "x86-64" in line:
-            return line.split("=>")[-1].strip()
-    missing_or_fail("libjemalloc2 is not installed")
-
-
 def test_stopped_with_its_libraries_mapped_before_any_initializer():
     """At the stop every object is mapped (libc and the preload), and nothing of the program
     ran: an LD_PRELOADed library's constructor has not run yet (jemalloc's maps no arena)."""
-    jemalloc = _jemalloc()
+    jemalloc = library(LIBS["jemalloc"])
     launched = Launched(["/bin/true"], env=dict(os.environ, LD_PRELOAD=jemalloc))
     try:
         assert launched.run_until_loaded() == "rendezvous"
@@ -41,7 +34,7 @@ def test_stopped_with_its_libraries_mapped_before_any_initializer():
 
 
 def test_each_exec_stops_with_the_new_programs_objects_mapped():
-    jemalloc = _jemalloc()
+    jemalloc = library(LIBS["jemalloc"])
     seen = []
     launched = Launched(["env", f"LD_PRELOAD={jemalloc}", "/bin/true"], stdout=subprocess.DEVNULL)
     assert launched.run_until_loaded() == "rendezvous"

@@ -1,5 +1,5 @@
-"""The check `pymtrace top` and the exporter apply to every file named like a libc (issue 10
-item 4: any user can map a file named libc.so.6); the system-wide runs are in
+"""The check `pymtrace top` and the exporter apply to every file named like a libc (any user
+can map a file named libc.so.6); the system-wide runs are in
 tests/live/test_top_libcs.py (same subject; a distinct name, as pytest imports test files by basename)."""
 
 

@@ -4,9 +4,9 @@ import io
 import struct
 
 import pytest
-from conftest import run_pymtrace
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.cli import run_pymtrace
 
 from pymtrace.errors import CorruptFile
 from pymtrace.trace.formats import mtrace_bin as B
@@ -295,7 +295,8 @@ def _peak_rss_kib(*args):
     import subprocess
     import sys
 
-    from conftest import PYMTRACE, ROOT
+    from support.cli import PYMTRACE
+    from support.paths import ROOT
 
     code = (
         "import resource, subprocess, sys\n"

@@ -12,9 +12,9 @@ import duckdb
 import numpy
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_pymtrace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.cli import run_pymtrace
 
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.trace.formats import mtrace_bin as B

@@ -1,7 +1,7 @@
 """`pymtrace probes` without BPF: help, probe globs, --list (the stream on real BPF:
 tests/live/test_probes.py)."""
 
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 
 
 def test_probes_help_has_examples_and_overhead():

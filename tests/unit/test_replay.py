@@ -7,7 +7,8 @@ import os
 import subprocess
 
 import pytest
-from conftest import WORKLOADS, run_pymtrace
+from support.cli import run_pymtrace
+from support.paths import WORKLOADS
 from support.replay import SIM_TIMEOUT, SINGLE, A, B, R, lib_for, only_result, replay_json, write_trace
 
 from pymtrace.errors import PymtraceError
@@ -240,7 +241,7 @@ def test_simulator_built_once_into_hash_keyed_cache(tmp_path):
 
 
 def test_simulator_build_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
-    """The build goes to a private directory and is renamed into place: a symlink at the old
+    """The build goes to a private directory and is renamed into place: a symlink at a
     guessable temporary name (EXE.tmpPID) is not followed."""
     from pymtrace.replay import runner as replay
 
@@ -323,9 +324,9 @@ def test_clock_gettime_fallback_is_said(tmp_path):
 
 
 def test_max_rss_excludes_the_workload_file(tmp_path):
-    """Issue 10 item 8: Max RSS (VmHWM) included the mapped .wl: a 154 MB workload showed
-    158-163 MB for every allocator against a real peak of 21-30 MB. A 48 MB workload of
-    ops that allocate little must show a Max RSS far below its size."""
+    """Max RSS (VmHWM) leaves out the mapped .wl (which would otherwise dominate it: a 154 MB
+    workload would show 158-163 MB for every allocator against a real peak of 21-30 MB). A
+    48 MB workload of ops that allocate little shows a Max RSS far below its size."""
     chunk = b"\x00" * 4000 + wl.encode_op(wl.MALLOC, 1, 64) + wl.encode_op(wl.FREE, 1)
     stream = chunk * 12000 + b"\x01"
     path = tmp_path / "big.wl"
@@ -341,7 +342,7 @@ def test_max_rss_excludes_the_workload_file(tmp_path):
 
 
 def test_timeout_covers_validation(tmp_path):
-    """`replay --timeout` did not bound the validation (`--check`) of the workload."""
+    """`replay --timeout` bounds the validation (`--check`) of the workload too."""
     stream = b"\x00" * (1 << 20) + b"\x01"
     path = tmp_path / "w.wl"
     path.write_bytes(wl.build(4, 1, [stream] * 64))

@@ -124,7 +124,7 @@ def slab_part():
     }
 
 
-def test_merge_of_one_bundles_collectors():
+def test_merge_of_one_bundles_sources():
     parts = [malloc_part(), fault_part(), slab_part(), glibc_part(7, "seven", lost=4)]
     before = copy.deepcopy(parts)
     snap = snapshot.merge(parts)
@@ -157,7 +157,7 @@ def test_merge_sums_lost_counts_of_independent_sources_and_unites_errors():
     assert snapshot.merge([]) == {"time": None, "start": None, "processes": {}, "lost": {}}
 
 
-def test_collectors_snapshot_is_the_merge_and_fits_the_schema():
+def test_sources_snapshot_is_the_merge_and_fits_the_schema():
     class Fake:
         def __init__(self, part=None, fail=None, contained=False):
             # contained: its failures are recorded in errors, not raised (GlibcSource's rule)

@@ -8,7 +8,7 @@ from pymtrace.sources import base, bundle
 from pymtrace.sources.glibc import GlibcSource
 
 
-def test_every_collector_is_a_collector():
+def test_every_source_is_a_source():
     cs = bundle.Sources(malloc=True, slab=True, faults=True, glibc=True, track_exits=False)
     assert list(cs.sources) == ["malloc", "faults", "slab", "glibc"]
     assert all(isinstance(c, base.Source) for c in cs.sources.values())
@@ -19,7 +19,7 @@ def test_every_collector_is_a_collector():
 
 
 @pytest.mark.parametrize("failure", [PymtraceError("no libc here"), RuntimeError("a bug")])
-def test_a_contained_collector_failure_is_reported_not_raised(monkeypatch, failure):
+def test_a_contained_source_failure_is_reported_not_raised(monkeypatch, failure):
     def prepare(self):
         raise failure
 
@@ -32,7 +32,7 @@ def test_a_contained_collector_failure_is_reported_not_raised(monkeypatch, failu
     assert snap["errors"] == {"glibc": expected}
 
 
-def test_a_collector_with_nothing_to_compile_stays_and_reports(monkeypatch):
+def test_a_source_with_nothing_to_compile_stays_and_reports(monkeypatch):
     """glibc on a libc without probes: nothing to compile, kept so that view 4 says why."""
 
     def prepare(self):

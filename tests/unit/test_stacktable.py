@@ -6,7 +6,7 @@ import io
 import os
 
 import pytest
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 
 from pymtrace.errors import CorruptFile
 from pymtrace.trace import stacktable

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 
 
 def test_not_root_is_one_line_error():

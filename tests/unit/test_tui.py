@@ -12,11 +12,9 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 if __name__ == "__main__":  # run as the UI entry point: tests/ on the path for support
     sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from support.tui import Tmux, assert_clean_shell, rows, selected_row, wait_order  # noqa: E402
+from support.tui import assert_clean_shell, rows, selected_row, wait_order  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -61,7 +59,7 @@ def fake_stacks(el):
 
 
 class FakeSource:
-    """Cumulative counters growing at the FAKE rates, like the real collectors' snapshots."""
+    """Cumulative counters growing at the FAKE rates, like the real sources' snapshots."""
 
     def __init__(self, fail_after=None):
         self.t0 = time.monotonic() - 1.0
@@ -135,13 +133,6 @@ def main():
     from pymtrace.sinks import tui
 
     return tui.run(FakeSource(args.fail_after), interval=args.interval)
-
-
-@pytest.fixture
-def tmux(tmp_path):
-    t = Tmux(tmp_path)
-    yield t
-    t.kill()
 
 
 def start_fake(t, *extra):
@@ -227,8 +218,8 @@ def test_fake_source_views_sort_pause_quit(tmux):
 
 
 def test_first_screen_waits_for_one_interval(tmux):
-    """No rates until one interval after the first snapshot (issue 10 item 6): the first
-    screen says so, the rows come one interval later."""
+    """No rates until one interval after the first snapshot: the first screen says so, the
+    rows come one interval later."""
     t = tmux
     before = t.stty("before")
     t.type(" ".join([sys.executable, HERE, "-i", "3"]))

@@ -16,11 +16,12 @@ import subprocess
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support.needs import missing_or_fail
+from support.paths import WORKLOADS
 
 from pymtrace import nativebuild
 from pymtrace.errors import MissingLibrary, ProcessGone
 from pymtrace.tracee import unwind
-from tests.conftest import WORKLOADS, missing_or_fail
 
 FLAGS = ["-O2", "-fomit-frame-pointer", "-fno-builtin", "-I", str(WORKLOADS)]
 LIBC_START = ["__libc_start_call_main", "__libc_start_main", "_start"]

@@ -333,7 +333,7 @@ def test_reused_pid_restarts_from_zero():
 
 
 def test_processes_without_per_call_data_are_blank_not_zero():
-    # --always-on: only the fault collector reports processes
+    # --always-on: only the fault source reports processes
     cur = {
         "time": 2.0,
         "start": 1.0,
@@ -398,7 +398,7 @@ def test_process_with_another_allocator_says_so_instead_of_blank():
 
 
 def test_glibc_view_system_wide_on_a_probeless_libc_explains():
-    # system-wide on a libc without USDT probes: the glibc collector attached nothing and
+    # system-wide on a libc without USDT probes: the glibc source attached nothing and
     # lists no process; the view says why, as it does per PID with -p
     libc_path = "/usr/lib/x86_64-linux-gnu/libc.so.6"
     cur = {

@@ -11,16 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.machine import slowness
-from support.replay import UPSTREAM, one_thread, op, simulator  # UPSTREAM: the reference vector as upstream wrote it
+from support.replay import UPSTREAM, one_thread, op  # UPSTREAM: the reference vector as upstream wrote it
 
 from pymtrace.errors import CorruptFile
 from pymtrace.trace.formats import wl
-
-
-@pytest.fixture(scope="session")
-def sim():
-    return simulator()
-
 
 TIMEOUT = 20
 
@@ -158,13 +152,13 @@ def test_racing_threads_on_one_slot_do_not_double_free(sim, asan_sim, tmp_path):
 
 
 def test_racing_threads_never_take_a_block_with_another_size(sim, asan_sim, tmp_path):
-    """Issue 10 item 3: unsynchronised threads reusing one slot with different sizes (this
-    passes validation). put() stored the size and the pointer separately, so take() could
-    return one thread's 16-byte block with another's 8 KiB size and the 0x22 fill overflowed
-    the heap (SIGSEGV; ASan: heap-buffer-overflow in wmem). The race needs an unlucky
-    interleaving: before the fix each run of this file hit it about half the time on a busy
-    2-CPU machine (ASan: the overflow; the plain build: the overwritten block's size leaking
-    into the live bytes), so eight runs miss it rarely."""
+    """Unsynchronised threads reusing one slot with different sizes (this passes validation):
+    a slot's size and pointer are taken together, so take() never returns one thread's 16-byte
+    block with another's 8 KiB size (whose 0x22 fill would overflow the heap: SIGSEGV, or ASan's
+    heap-buffer-overflow in wmem). The race needs an unlucky interleaving; a simulator that
+    tore the pair would be caught about every other run of this file on a busy 2-CPU machine
+    (ASan: the overflow; the plain build: the overwritten block's size leaking into the live
+    bytes), so eight runs miss it rarely."""
     small = (op(wl.MALLOC, 1, 16) + op(wl.FREE, 1)) * 20000 + b"\x01"
     big = (op(wl.MALLOC, 1, 8192) + op(wl.FREE, 1)) * 5000 + b"\x01"
     path = tmp_path / "race.wl"
@@ -172,8 +166,8 @@ def test_racing_threads_never_take_a_block_with_another_size(sim, asan_sim, tmp_
     for _ in range(4):
         # 60 s here; the emulated VMs' CPU (slowness() ~14) overran it once under load
         assert run_asan(asan_sim, path, timeout=60 * slowness()).returncode == 0
-    # every stream ends by freeing the slot, so nothing stays live; an overwrite used to leak
-    # the overwritten block's size into the live bytes
+    # every stream ends by freeing the slot, so nothing stays live; a torn size/pointer pair
+    # would leak the overwritten block's size into the live bytes
     for _ in range(4):
         proc = subprocess.run([sim, "--json", "-", str(path)], capture_output=True, text=True, timeout=60 * slowness())
         assert proc.returncode == 0, proc.stderr
@@ -183,7 +177,7 @@ def test_racing_threads_never_take_a_block_with_another_size(sim, asan_sim, tmp_
 
 def test_overwritten_slot_leaves_the_live_bytes(sim, tmp_path):
     """An allocation into a slot still holding a block frees that block (untimed): its bytes
-    are no longer live (they stayed counted in the ideal RSS and the memory guard)."""
+    leave the live bytes, so neither the ideal RSS nor the memory guard counts them."""
     data = one_thread(op(wl.MALLOC, 1, 1000) + op(wl.MALLOC, 1, 100) + op(wl.FREE, 1) + op(wl.MALLOC, 2, 10))
     proc = run_sim(sim, tmp_path, data, "--json", "-")
     r = json.loads(proc.stdout)
@@ -284,7 +278,7 @@ def test_live_bytes_beyond_available_memory_stop_cleanly(sim, tmp_path):
     assert "bytes of memory available here (" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
-# -- hostile bounds (issue 10 item 15): each finishes fast with one line or a bounded run -----
+# -- hostile bounds: each finishes fast with one line or a bounded run -----------------------
 def streams_at(rel_offsets, body):
     """A workload whose threads start at REL_OFFSETS (relative to BODY, which follows the header)."""
     head = op(wl.ALLOC_PTRS, 4) + op(wl.ALLOC_SYNCS, 2) + op(wl.NTHREADS, len(rel_offsets))

@@ -8,9 +8,9 @@ import subprocess
 import tracemalloc
 
 import pytest
-from conftest import PYMTRACE, run_pymtrace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.cli import PYMTRACE, run_pymtrace
 from support.replay import REFERENCE_RECORDS, UPSTREAM
 
 from pymtrace.errors import CorruptFile
@@ -233,7 +233,7 @@ def test_cli_errors(tmp_path):
 
 
 def test_output_never_written_through_planted_symlinks(tmp_path):
-    """A symlink at the old guessable temporary name (OUTPUT.tmpPID) or at OUTPUT itself is
+    """A symlink at a guessable temporary name (OUTPUT.tmpPID) or at OUTPUT itself is
     never followed; outputs are 0600; an existing output is refused unless --force."""
     src = tmp_path / "t.trace"
     src.write_bytes(trace_bytes(REFERENCE_RECORDS))

@@ -1,4 +1,4 @@
-/* Known malloc-API calls for the heap collector's tests (tests/live/test_heap_collect.py),
+/* Known malloc-API calls for the heap source's tests (tests/live/test_heap_source.py),
  * built -O2 -fomit-frame-pointer: stacks without frame pointers.
  *
  * usage: heap_calls calls [fork]   the calls below; `fork`: then fork + exec `heap_calls child`

@@ -1,4 +1,4 @@
-/* heap_frag: a fragmented heap (issue 16, heap efficiency) and its control.
+/* heap_frag: a fragmented heap (heap efficiency) and its control.
  *
  *   heap_frag frag     100,000 blocks of 2,000 bytes, then every other one freed: 100 MB
  *                      requested and still live, ~200 MB of touched heap pages (no freed

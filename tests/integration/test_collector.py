@@ -14,7 +14,7 @@ import duckdb
 import numpy
 import pyarrow.parquet as pq
 import pytest
-from support.collect import collectors, parts, type_counts
+from support.collect import client_config, parts, token_file, type_counts
 
 from pymtrace.net import protocol, sender
 from pymtrace.trace.formats import mtrace_bin
@@ -53,12 +53,6 @@ def check_exactly_once(directory, n):
         f"from read_parquet('{directory}/**/*.parquet', hive_partitioning=true)"
     ).fetchall()[0]
     assert rows == (n, n, 0, n - 1)
-
-
-@pytest.fixture
-def collector(tmp_path):
-    with collectors(tmp_path / "ds") as make:
-        yield make
 
 
 def test_exact_records_partitions_and_metadata(collector, tmp_path):
@@ -140,12 +134,8 @@ def test_collector_down_longer_than_the_memory_spool(collector):
 
 
 def test_wrong_token_refused_on_both_sides_and_recorder_keeps_spooling(collector, tmp_path, capsys, monkeypatch):
-    token = tmp_path / "token"
-    token.write_text("correct-horse-battery-staple\n")
-    token.chmod(0o600)
-    c = collector("--token-file", token)
-    bad = tmp_path / "bad.yml"
-    bad.write_text("authorization:\n  credentials: wrong-token-0123456789\n")
+    c = collector("--token-file", token_file(tmp_path, "correct-horse-battery-staple"))
+    bad = client_config(tmp_path / "bad.yml", "wrong-token-0123456789")
     out = open_sender(c.port, config=protocol.load_client_config(str(bad)), close_wait=0.5)
     send(out, 1000)
     time.sleep(0.5)
@@ -209,7 +199,7 @@ def test_tls_and_basic_auth(collector, tls_files, tmp_path):
 
 
 def test_plain_tcp_only_on_loopback(tmp_path):
-    from conftest import run_pymtrace
+    from support.cli import run_pymtrace
 
     proc = run_pymtrace("collect", "--listen", "0.0.0.0:0", "--dir", tmp_path)
     assert proc.returncode == 1 and "plain TCP is allowed only on loopback" in proc.stderr
@@ -280,7 +270,7 @@ def test_compaction_killed_at_any_point_leaves_every_record_once(tmp_path):
     import signal
     import subprocess
 
-    from conftest import PYMTRACE
+    from support.cli import PYMTRACE
 
     from pymtrace.net.collector import stream_parts
 

@@ -13,9 +13,10 @@ import time
 
 import numpy
 import pytest
-from conftest import missing_or_fail, run_pymtrace
+from support.cli import run_pymtrace
 from support.collect import CollectorProcess
 from support.machine import slowness
+from support.needs import missing_or_fail
 
 from pymtrace.net import collector as C
 from pymtrace.net import protocol, sender
@@ -123,11 +124,10 @@ def spark():
     except ImportError:
         missing_or_fail("pyspark is not installed (pip install -e .[test])")
     t0 = time.monotonic()
-    # In the emulated Debian VMs the JVM crashed in two debian12 runs out of the last three
-    # (SIGILL, then SIGSEGV, each in code C1 had just compiled): QEMU's multi-threaded TCG and
-    # the JIT's cross-modified code. On one vCPU the emulator sees every write to code before
-    # running it: the JVM (spark-submit, started from this thread) inherits this thread's CPUs.
-    # (The VMs now have one vCPU by default; this still matters with PYMTRACE_VM_CPUS=2.)
+    # In the emulated Debian VMs with more than one vCPU (PYMTRACE_VM_CPUS=2) the JVM can crash
+    # (SIGILL or SIGSEGV in code C1 has just compiled): QEMU's multi-threaded TCG and the JIT's
+    # cross-modified code. On one vCPU the emulator sees every write to code before running
+    # it: the JVM (spark-submit, started from this thread) inherits this thread's CPUs.
     cpus = os.sched_getaffinity(0)
     if slowness() > 1:
         os.sched_setaffinity(0, {min(cpus)})

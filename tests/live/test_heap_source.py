@@ -41,10 +41,10 @@ def function_at(funcs, vaddr):
 
 class Run:
     """heap_calls ARGS traced by a HeapSource; samples keep the first STACK_WORDS words.
-    COPIES processes of it traced by the one collector: copy(i) is the run as seen by the i-th
+    COPIES processes of it traced by the one source: copy(i) is the run as seen by the i-th
     (pid, base, output), the first by default."""
 
-    def __init__(self, exe, args, copies=1, **collector_args):
+    def __init__(self, exe, args, copies=1, **source_args):
         self.exe = exe
         self.procs, self.bases = [], {}
         for _ in range(copies):
@@ -55,13 +55,13 @@ class Run:
         self.proc = self.procs[0]
         self.pid, self.base = self.proc.pid, self.bases[self.proc.pid]
         self.samples, self.words, self.execs, self.forks, self.exits = [], {}, [], [], []
-        self.collector = HeapSource(
+        self.source = HeapSource(
             set(self.bases),
             on_sample=self._sample,
             on_exec=self.execs.append,
             on_fork=lambda parent, child: self.forks.append((parent, child)),
             on_exit=self.exits.append,
-            **collector_args,
+            **source_args,
         )
 
     def _sample(self, s: HeapSample):
@@ -70,7 +70,7 @@ class Run:
         self.samples.append(s)
 
     def run(self, timeout=60):
-        c = self.collector
+        c = self.source
         c.attach()
         try:
             for proc in self.procs:

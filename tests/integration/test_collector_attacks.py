@@ -16,8 +16,10 @@ import uuid
 
 import numpy
 import pytest
-from conftest import PYMTRACE, missing_or_fail, run_pymtrace
-from support.collect import SlowClients, collectors, parts
+from support.cli import PYMTRACE, run_pymtrace
+from support.collect import collectors, parts
+from support.needs import missing_or_fail
+from support.slowloris import SlowClients
 
 import pymtrace
 from pymtrace.net import protocol
