@@ -8,6 +8,7 @@ import time
 from typing import List, Optional
 
 from pymtrace.sinks import views
+from pymtrace.sinks.text import printable
 
 
 class Reporter:
@@ -69,7 +70,7 @@ class Reporter:
                     out.append("== since attach (exact counts, bytes)")
                     out.append(
                         tabulate(
-                            rows[: self.args.limit or None],
+                            views.printable_rows(rows[: self.args.limit or None]),
                             headers=[t for _, t in views.TOTAL_COLUMNS],
                             tablefmt="simple",
                             disable_numparse=True,
@@ -88,7 +89,7 @@ class Reporter:
             errors = cur.get("errors")
             if errors:
                 out.extend(f"note: {k}: {v}" for k, v in sorted(errors.items()))
-            sys.stdout.write("\n\n".join(out) + "\n\n")
+            sys.stdout.write(printable("\n\n".join(out), keep="\n") + "\n\n")  # the errors' names too
         sys.stdout.flush()
 
     def _filter(self, table: views.Table) -> None:
