@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+from conftest import run_pymtrace
 from support.heapprofile import LIBC, FakeSymbolizer
 
 from pymtrace.sinks import tui, views
@@ -24,6 +25,7 @@ HOSTILE = "\x1b[2J\x1b]0;PWN\x07X"
 ESCAPED = "\\x1b[2J\\x1b]0;PWN\\x07X"
 HOSTILE_PATH = "/tmp/\x1b[31mred\x9b1m\u202egnp.so"  # C1 CSI and a bidi override too
 ESCAPED_PATH = "/tmp/\\x1b[31mred\\x9b1m\\u202egnp.so"
+FILE_NAME = "\x1b[2Jgone.out"  # a file that does not exist
 
 
 def unprintable(text):
@@ -212,3 +214,10 @@ def test_run_report_escapes_comm_command_libc_and_files():
     text = run_text(doc)
     assert unprintable(text) == [], text
     assert f"({ESCAPED})" in text and ESCAPED_PATH in text
+
+
+def test_errors_reach_the_terminal_escaped(tmp_path):
+    """Every `pymtrace: error:` line goes through printable (errors name processes' files)."""
+    run = run_pymtrace("dump", tmp_path / FILE_NAME)
+    assert run.returncode != 0 and "pymtrace: error:" in run.stderr, run.stderr
+    assert unprintable(run.stderr) == [] and "\\x1b[2J" in run.stderr, run.stderr
