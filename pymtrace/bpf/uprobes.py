@@ -219,7 +219,7 @@ def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             kind = "uretprobe" if p.ret else "uprobe"
-            raise OSError(exc.errno, f"{kind} at {p.what or hex(p.address)}: {exc.strerror}") from None
+            raise OSError(exc.errno, f"{kind} at {p.what or hex(p.address)}: {_why(exc, [p])}") from None
         _attach_bcc_way(bpf, p, refused=True)
         return
     if fd is None:
@@ -305,15 +305,20 @@ ENOTSUPP = 524  # the kernel's own "not supported" (include/linux/errno.h): no n
 def _link_error(exc: OSError, group: list[Probe]) -> OSError:
     where = ", ".join(sorted({p.what or f"{p.address:#x}" for p in group}))
     kind = "uretprobe" if group[0].ret else "uprobe"
-    why = exc.strerror
-    if exc.errno == ENOTSUPP:  # "Unknown error 524" would tell the user nothing
-        why = (
-            f"the kernel will not put a uprobe on the instruction there{_instructions(group)} (ENOTSUPP: "
-            "x86 uprobes refuse an instruction with a LOCK or segment prefix, and the few others they "
-            "can neither emulate nor single-step); none of the probes in this file is attached, so "
-            "no call is seen entering its functions"
-        )
-    return OSError(exc.errno, f"{kind} link of {group[0].fn_name} at {where}: {why}")
+    return OSError(exc.errno, f"{kind} link of {group[0].fn_name} at {where}: {_why(exc, group)}")
+
+
+def _why(exc: OSError, probes: list[Probe]) -> str:
+    """EXC's reason in words: its strerror, but what ENOTSUPP means ("Unknown error 524"
+    would tell the user nothing), with the instructions at PROBES' places."""
+    if exc.errno != ENOTSUPP:
+        return exc.strerror
+    return (
+        f"the kernel will not put a uprobe on the instruction there{_instructions(probes)} (ENOTSUPP: "
+        "x86 uprobes refuse an instruction with a LOCK or segment prefix, and the few others they "
+        "can neither emulate nor single-step); none of the probes in this file is attached, so "
+        "no call is seen entering its functions"
+    )
 
 
 def _instructions(group: list[Probe]) -> str:

@@ -1,7 +1,8 @@
 """An LD_PRELOAD library defining malloc and free whose first instruction the kernel will not
 probe (`lock add`: x86 uprobes refuse LOCK-prefixed instructions, and the kernel answers
 ENOTSUPP, 524, which has no name in user space): `record` and `top` say so in words, name the
-instruction, and say that none of the file's probes is attached."""
+instruction, and say that none of the file's probes is attached: through uprobe_multi links
+and through perf events (forced with the test hook PYMTRACE_FAKE_NO_UPROBE_MULTI=1)."""
 
 import os
 import re
@@ -9,6 +10,8 @@ import subprocess
 
 import pytest
 from conftest import WORKLOADS, run_pymtrace
+
+from pymtrace.bpf import uprobes
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +28,16 @@ def counter(tmp_path_factory):
     return str(out)
 
 
+@pytest.fixture(params=["links", "perf events"])
+def way(request, monkeypatch):
+    if request.param == "links":
+        if not uprobes.multi_links():
+            pytest.skip("this kernel has no uprobe_multi links that filter by process")
+    else:
+        monkeypatch.setenv(uprobes.FAKE_NO_MULTI_ENV, "1")
+    return request.param
+
+
 def assert_said_in_words(stderr, path):
     assert "Unknown error 524" not in stderr, stderr
     line = next(line for line in stderr.splitlines() if path in line and "524" in line)
@@ -34,7 +47,7 @@ def assert_said_in_words(stderr, path):
 
 
 @pytest.mark.bpf
-def test_record_says_why_the_kernel_refuses_the_probe(counter, tmp_path):
+def test_record_says_why_the_kernel_refuses_the_probe(counter, tmp_path, way):
     run = run_pymtrace(
         "record", "-o", tmp_path / "out.mtrace", "--", "env", f"LD_PRELOAD={counter}", "/bin/true", timeout=240
     )
@@ -43,7 +56,7 @@ def test_record_says_why_the_kernel_refuses_the_probe(counter, tmp_path):
 
 
 @pytest.mark.bpf
-def test_top_says_why_the_kernel_refuses_the_probe(counter):
+def test_top_says_why_the_kernel_refuses_the_probe(counter, way):
     env = dict(os.environ, LD_PRELOAD=counter)
     sleeper = subprocess.Popen(["sleep", "60"], env=env)
     try:
