@@ -25,4 +25,6 @@ void free(void *ptr) {
     next_free(ptr);
 }
 
-unsigned long preload_counter_calls(void) { return mallocs + frees; }
+unsigned long preload_counter_calls(void) {
+    return mallocs + frees;
+}
