@@ -89,7 +89,9 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return module.run(args) or 0
     except PymtraceError as exc:
-        print(f"pymtrace: error: {exc}", file=sys.stderr)
+        from pymtrace.sinks.text import printable  # errors name processes' files and comms
+
+        print(f"pymtrace: error: {printable(exc, keep=chr(10))}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:
         return 0

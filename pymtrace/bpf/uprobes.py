@@ -219,7 +219,7 @@ def _attach_bcc(bpf: typing.Any, p: Probe) -> None:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             kind = "uretprobe" if p.ret else "uprobe"
-            raise OSError(exc.errno, f"{kind} at {p.what or hex(p.address)}: {exc.strerror}") from None
+            raise OSError(exc.errno, f"{kind} at {p.what or hex(p.address)}: {_why(exc, [p])}") from None
         _attach_bcc_way(bpf, p, refused=True)
         return
     if fd is None:
@@ -299,10 +299,45 @@ def _perf_uprobe(prog_fd: int, path: bytes, offset: int, pid: int, ret: bool) ->
     return fd
 
 
+ENOTSUPP = 524  # the kernel's own "not supported" (include/linux/errno.h): no name in user space
+
+
 def _link_error(exc: OSError, group: list[Probe]) -> OSError:
     where = ", ".join(sorted({p.what or f"{p.address:#x}" for p in group}))
     kind = "uretprobe" if group[0].ret else "uprobe"
-    return OSError(exc.errno, f"{kind} link of {group[0].fn_name} at {where}: {exc.strerror}")
+    return OSError(exc.errno, f"{kind} link of {group[0].fn_name} at {where}: {_why(exc, group)}")
+
+
+def _why(exc: OSError, probes: list[Probe]) -> str:
+    """EXC's reason in words: its strerror, but what ENOTSUPP means ("Unknown error 524"
+    would tell the user nothing), with the instructions at PROBES' places."""
+    if exc.errno != ENOTSUPP:
+        return exc.strerror
+    return (
+        f"the kernel will not put a uprobe on the instruction there{_instructions(probes)} (ENOTSUPP: "
+        "x86 uprobes refuse an instruction with a LOCK or segment prefix, and the few others they "
+        "can neither emulate nor single-step); none of the probes in this file is attached, so "
+        "no call is seen entering its functions"
+    )
+
+
+def _instructions(group: list[Probe]) -> str:
+    """', `lock add ...` at malloc': the instructions at GROUP's places, decoded from the
+    file (x86-64), or '' when they cannot be read or decoded."""
+    try:
+        import capstone
+
+        md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+        texts = []
+        for p in sorted(set(group), key=lambda p: p.offset)[:3]:
+            with open(p.path, "rb") as f:
+                f.seek(p.offset)
+                insn = next(md.disasm(f.read(16), p.address), None)
+            if insn is not None:
+                texts.append(f"`{insn.mnemonic} {insn.op_str}`" + (f" at {p.what}" if p.what else ""))
+        return ", " + ", ".join(texts) if texts else ""
+    except (ImportError, OSError):
+        return ""
 
 
 def own_links() -> list[dict[str, str]]:

@@ -18,6 +18,7 @@ from pymtrace.sinks.flamegraph import write_html
 from pymtrace.sinks.folded import write_folded
 from pymtrace.sinks.heap_text import write_text
 from pymtrace.sinks.pprof import write_pprof
+from pymtrace.sinks.text import printable
 from pymtrace.sources.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, check_settings
 from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES
 from pymtrace.sources.heapsession import HeapSession
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             writer(profile, session.symbolizer, out, value=args.value)
     if not args.quiet:
         for line in profile.summary_lines():
-            print(f"pymtrace heap: {line}", file=sys.stderr)
+            print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
         print(f"pymtrace heap: wrote {args.output} ({fmt})", file=sys.stderr)
     if profile.dropped() and not args.allow_drops:
         print("pymtrace heap: samples were lost (see drops above); exit status 3", file=sys.stderr)
@@ -198,7 +199,7 @@ def _probe_program(session: HeapSession, pid: int) -> None:
     try:
         session.probe_program(pid)
     except PymtraceError as exc:
-        print(f"pymtrace heap: warning: {exc}", file=sys.stderr)
+        print(f"pymtrace heap: warning: {printable(exc)}", file=sys.stderr)
 
 
 def _loop(session: HeapSession, pids: list[int], launched: Launched | None, duration: float | None) -> None:

@@ -10,6 +10,7 @@ from pymtrace import stopping
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.probe_lines import TEXT_HEADER, hit_line, probe_listing
+from pymtrace.sinks.text import printable
 from pymtrace.sources import glibc, usdt
 from pymtrace.tracee import launch, libc, proc
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             )
             raise PymtraceError(f"no malloc USDT probes to trace: {reasons}")
         for w in source.warnings:
-            print(f"pymtrace: warning: {w}", file=sys.stderr)
+            print(f"pymtrace: warning: {printable(w)}", file=sys.stderr)  # they name libc paths
         if launched is not None:
             launched.resume()
         deadline = None if args.duration is None else time.monotonic() + args.duration

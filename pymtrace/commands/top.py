@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from pymtrace.bpf import load as bpfload
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import BatchOptions, Reporter
+from pymtrace.sinks.text import printable
 from pymtrace.tracee import proc
 from pymtrace.units import parse_bytes
 
@@ -59,7 +60,8 @@ EPILOG = """examples:
   sudo pymtrace top --stacks -p 1234        view 5: where 1234 allocates, live
 
 live bytes: chunk bytes returned by malloc & co. minus chunk bytes freed, counted since
-pymtrace attached; blocks allocated before that and freed after make it negative.
+pymtrace attached; frees of blocks allocated before that are shown apart (view 6's OLDER
+FREED, a note in view 1), never as negative live bytes.
 
 OVERHEAD: the per-call view puts uprobes on malloc, calloc, realloc, free and the memalign
 family of every traced libc: a malloc+free pair then costs ~2 us instead of ~10 ns
@@ -273,7 +275,7 @@ def _run_batch(args: argparse.Namespace, bundle: Sources, pids: list[int], sourc
     options = BatchOptions(interval=args.interval, json=args.json, limit=args.limit)
     reporter = Reporter(options, _views_wanted(args, have_glibc), pids)
     for note in bundle.notes:
-        print(f"pymtrace: note: {note}", file=sys.stderr, flush=True)
+        print(f"pymtrace: note: {printable(note)}", file=sys.stderr, flush=True)
     # every report covers one interval after attach, the first included: rates from a
     # baseline taken now, never from the time spent compiling and attaching
     cur = source()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from pymtrace.sinks import views
+from pymtrace.sinks.text import printable
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Reporter:
                     out.append("== since attach (exact counts, bytes)")
                     out.append(
                         tabulate(
-                            rows[: self.options.limit or None],
+                            views.printable_rows(rows[: self.options.limit or None]),
                             headers=[t for _, t in views.TOTAL_COLUMNS],
                             tablefmt="simple",
                             disable_numparse=True,
@@ -98,7 +99,7 @@ class Reporter:
             errors = cur.get("errors")
             if errors:
                 out.extend(f"note: {k}: {v}" for k, v in sorted(errors.items()))
-            sys.stdout.write("\n\n".join(out) + "\n\n")
+            sys.stdout.write(printable("\n\n".join(out), keep="\n") + "\n\n")  # the errors' names too
         sys.stdout.flush()
 
     def _filter(self, table: views.Table) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
+from pymtrace.sinks.text import printable
 from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES, FrameSource, HeapProfile
 
 _SPACE_OF = {"alloc_objects": "alloc_space", "alloc_space": "alloc_space"}
@@ -35,7 +36,8 @@ def render_text(profile: HeapProfile, symbolizer: FrameSource, top: int = 10, va
     for values, frames in entries[:top]:
         lines.append(f"\t{round(values[space])} bytes in {round(values[objects])} allocations from stack")
         lines += frames
-    return "\n".join(lines) + "\n"
+    # symbols, paths and the command come from the process: escaped (the layout's tabs kept)
+    return "\n".join(printable(line, keep="\t") for line in lines) + "\n"
 
 
 def _frame_lines(stack: tuple, symbolizer: FrameSource) -> tuple[str, ...]:

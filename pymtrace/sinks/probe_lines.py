@@ -5,6 +5,7 @@ import json
 import time
 from collections.abc import Iterable, Iterator
 
+from pymtrace.sinks.text import printable
 from pymtrace.sources import usdt
 from pymtrace.sources.glibc import ProbeHit
 from pymtrace.tracee import libc
@@ -18,7 +19,7 @@ def hit_line(hit: ProbeHit, wall_offset: float, as_json: bool) -> str:
         return json.dumps(hit.as_dict(wall_offset)) + "\n"
     t = hit.ts / 1e9 + wall_offset
     stamp = time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1e6) % 1000000:06d}"
-    return f"{stamp} {hit.pid:>7} {hit.tid:>7} {hit.comm:<15} {hit.probe} {hit.format_args()}\n"
+    return f"{stamp} {hit.pid:>7} {hit.tid:>7} {printable(hit.comm):<15} {hit.probe} {hit.format_args()}\n"
 
 
 def probe_listing(paths: Iterable[str]) -> Iterator[str]:
@@ -26,9 +27,9 @@ def probe_listing(paths: Iterable[str]) -> Iterator[str]:
     for path in paths:
         st = usdt.libc_status(path)
         if not st["probes"]:
-            yield f"{path}: {st['reason']}"
+            yield printable(f"{path}: {st['reason']}")
             continue
-        yield f"{path}: {st['probes']} malloc probes at {st['sites']} sites"
+        yield printable(f"{path}: {st['probes']} malloc probes at {st['sites']} sites")
         for p in libc.malloc_probes(path):
             names = usdt.arg_names(p.name, len(p.arg_specs))
             spec = " ".join(f"{n}={a}" for n, a in zip(names, p.arg_specs))

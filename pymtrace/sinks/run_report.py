@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from pymtrace.sinks.text import Number, human_bytes
+from pymtrace.sinks.text import Number, human_bytes, printable
 
 
 def _fmt_bytes(n: Number | None) -> str:
@@ -20,17 +20,17 @@ def render_text(doc: dict) -> str:
     from tabulate import tabulate
 
     out = []
-    head = f"pymtrace report for PID {doc['pid']} ({doc.get('comm') or '?'})"
+    head = f"pymtrace report for PID {doc['pid']} ({printable(doc.get('comm') or '?')})"
     if doc.get("command"):
-        head += f": {' '.join(doc['command'])}"
+        head += f": {printable(' '.join(doc['command']))}"
     out.append(head)
     out.append(
-        f"libc: {doc.get('libc') or '?'}; traced {doc.get('duration_s', 0):.2f} s"
+        f"libc: {printable(doc.get('libc') or '?')}; traced {doc.get('duration_s', 0):.2f} s"
         + (f"; exit status {doc['exit_code']}" if doc.get("exit_code") is not None else "")
     )
     if not doc.get("probes"):
         out.append("")
-        out.append(f"glibc allocator internals unavailable: {doc.get('reason')}.")
+        out.append(f"glibc allocator internals unavailable: {printable(doc.get('reason'))}.")
         out.append(
             "Unavailable: arenas, heaps, sbrk, thresholds, retries, tcache scans. "
             "Page faults below still come from the kernel."
@@ -164,12 +164,13 @@ def render_text(doc: dict) -> str:
         out.append(f"Page faults: {f['total']} (~{_fmt_bytes(f['bytes_faulted_in_approx'])} faulted in)")
         out.append(
             tabulate(
-                [[k, v, f"{100.0 * v / total:.1f}%"] for k, v in f["regions"].items() if v],
+                [[printable(k), v, f"{100.0 * v / total:.1f}%"] for k, v in f["regions"].items() if v],
                 headers=["REGION", "FAULTS", "SHARE"],
             )
         )
         if f["files"]:
-            out.append(tabulate([[k, v] for k, v in list(f["files"].items())[:10]], headers=["FILE", "FAULTS"]))
+            files = [[printable(k), v] for k, v in list(f["files"].items())[:10]]
+            out.append(tabulate(files, headers=["FILE", "FAULTS"]))
     return "\n".join(out) + "\n"
 
 

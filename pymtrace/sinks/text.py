@@ -1,5 +1,7 @@
-"""Numbers for humans: byte sizes, counts and rates, table cells. One formatter per kind,
-shared by `pymtrace top` (its views, full screen and --batch) and `pymtrace summary`.
+"""Numbers and names for humans: byte sizes, counts and rates, table cells, and names taken
+from processes made safe for a terminal (`printable`). One formatter per kind, shared by
+`pymtrace top` (its views, full screen and --batch), `heap`'s text report, `probes`, `run`
+and `summary`.
 
 (pymtrace.replay.runner formats its table with its own `_fmt`: exact numbers with
 thousands separators under unit-named columns, not scaled units; and the dependency rule
@@ -9,6 +11,24 @@ keeps replay from importing sinks.)
 from typing import Optional, Union
 
 Number = Union[int, float]
+
+
+def printable(text: object, keep: str = "") -> str:
+    """TEXT with every character a terminal would act on written out as an escape: control
+    characters as \\xNN (ESC -> \\x1b, as `ps` and `htop` refuse to pass them), other
+    unprintable ones (bidi overrides, unassigned code points) as \\uNNNN. KEEP: characters to
+    pass as they are (the newlines of a multi-line report). Every name a process chooses
+    (comm, paths, symbols, cgroup names) goes through it before it reaches a terminal."""
+    text = str(text)
+    if text.isprintable() and not keep:
+        return text  # the common case: nothing to scan twice
+    return "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
 
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -79,5 +99,5 @@ def format_cell(kind: str, value: object) -> str:
     if kind == "ratio":
         return f"{value:.2f}x"
     if kind == "allocator":
-        return f"allocator: {value} (not traced)"
-    return str(value)
+        return f"allocator: {printable(value)} (not traced)"
+    return printable(value)

@@ -32,6 +32,7 @@ from typing import Callable, NoReturn, Optional, Sequence, Union
 
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks import views
+from pymtrace.sinks.text import printable
 from pymtrace.sources.snapshot import Snapshot
 
 HELP = "1-6/Tab view  </> sort  r reverse  p/space pause  Up/Down scroll  q quit"
@@ -238,6 +239,8 @@ def draw(scr: curses.window, state: State, table: views.Table) -> None:
 
 
 def _put(scr: curses.window, y: int, x: int, text: str, width: int, attr: int = 0) -> None:
+    # every line drawn, escaped: curses would pass a name's \n, \b, \t (and C1 codes) on
+    text = printable(text)
     try:
         scr.addnstr(y, x, text, max(0, width - x - (1 if y == scr.getmaxyx()[0] - 1 else 0)), attr)
     except curses.error:  # writing into the bottom-right cell, or a resize race

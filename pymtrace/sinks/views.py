@@ -19,9 +19,9 @@ snapshots, so a selection can follow it when the rows re-sort).
 import dataclasses
 import math
 import os
-from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Tuple, Union
 
-from pymtrace.sinks.text import format_cell, human_bytes, human_count
+from pymtrace.sinks.text import format_cell, human_bytes, human_count, printable
 from pymtrace.sources import heapefficiency
 from pymtrace.sources.snapshot import ALLOC_CALLS, CALLS, DELETE_CALLS, FREE_CALLS, NEW_CALLS, Snapshot
 
@@ -61,6 +61,7 @@ class Table:
     totals: Dict[str, Any] = dataclasses.field(default_factory=dict)
     interval: float = 0.0
     lost: Dict[str, int] = dataclasses.field(default_factory=dict)  # lost-event counters, nonzero only
+    shown: Optional[Callable[[list], list]] = None  # a row's values as shown (and sorted), from its raw ones
 
     def column_index(self, key: str) -> int:
         for i, c in enumerate(self.columns):
@@ -142,6 +143,7 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
     dt = interval_of(prev, cur, interval)
     rows = []
     tot = {"processes": 0, "calls_per_s": 0.0, "requested_bytes_per_s": 0.0, "live_bytes": 0, "faults_per_s": 0.0}
+    tot["older_freed_bytes"] = 0
     old_procs = _by_pid((prev or {}).get("processes"))
     for pid, p in sorted(_by_pid(cur.get("processes")).items()):
         o = old_procs.get(pid, {})
@@ -180,10 +182,61 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
         tot["calls_per_s"] += (n_alloc + n_free) / dt
         tot["requested_bytes_per_s"] += req / dt
         tot["live_bytes"] += p.get("live_bytes") or 0
+        tot["older_freed_bytes"] += max(-(p.get("live_bytes") or 0), 0)
         tot["faults_per_s"] += faults / dt
     # without per-call data (--always-on) the faults are all there is to sort by
     sort = 2 if tot.get("traced") or not rows else FAULTS_COLUMN
-    return Table("processes", TITLES["processes"], PROCESS_COLUMNS, rows, sort=sort, totals=tot, interval=dt)
+    notes = _older_frees_note(rows, PROCESS_COLUMNS)
+    return Table(
+        "processes",
+        TITLES["processes"],
+        PROCESS_COLUMNS,
+        rows,
+        sort=sort,
+        notes=notes,
+        totals=tot,
+        interval=dt,
+        shown=_live_as_shown(PROCESS_COLUMNS),
+    )
+
+
+def _live_as_shown(columns: List[Column]) -> Callable[[list], list]:
+    """The function giving a row of COLUMNS as shown: live bytes never below 0 (what frees of
+    blocks from before attach took off is OLDER FREED, or a note), no ANON/LIVE ratio over
+    fewer than heapefficiency.RATIO_MIN_LIVE_BYTES, WASTED = growth - shown live, never
+    below 0. --json keeps the raw values (to_json)."""
+    at = {c.key: i for i, c in enumerate(columns)}
+
+    def shown(row: list) -> list:
+        live = row[at["live_bytes"]]
+        if not isinstance(live, (int, float)):
+            return row
+        row = list(row)
+        row[at["live_bytes"]] = max(live, 0)
+        if live < heapefficiency.RATIO_MIN_LIVE_BYTES:
+            row[at["rss_anon_per_live"]] = None
+        if "older_freed_bytes" in at:
+            row[at["older_freed_bytes"]] = row[at["older_freed_bytes"]] or None  # blank, not "0 B"
+        if "wasted_bytes" in at and row[at["anon_growth_bytes"]] is not None:
+            row[at["wasted_bytes"]] = max(row[at["anon_growth_bytes"]] - max(live, 0), 0)
+        return row
+
+    return shown
+
+
+def _older_frees_note(rows: List[list], columns: List[Column], most: int = 3) -> List[str]:
+    """The note naming the processes whose frees of blocks from before attach exceed what
+    they allocated since (their LIVE shows 0 B), with how much."""
+    at = {c.key: i for i, c in enumerate(columns)}
+    older = [(r[at["pid"]], r[at["comm"]], -r[at["live_bytes"]]) for r in rows if (r[at["live_bytes"]] or 0) < 0]
+    if not older:
+        return []
+    older.sort(key=lambda o: -o[2])
+    named = "; ".join(f"PID {pid} ({comm}) {human_bytes(n)}" for pid, comm, n in older[:most])
+    more = f"; +{len(older) - most} more" if len(older) > most else ""
+    return [
+        f"Frees of blocks allocated before attach, beyond the bytes allocated since (LIVE shows 0 B): {named}{more}."
+    ]
 
 
 SLAB_COLUMNS = [
@@ -517,6 +570,7 @@ HEAP_COLUMNS = [
     Column("pid", "PID", "int"),
     Column("comm", "COMM", "str", False),
     Column("live_bytes", "LIVE", "bytes"),
+    Column("older_freed_bytes", "OLDER FREED", "bytes"),
     Column("anon_growth_bytes", "ANON GROWTH", "bytes"),
     Column("rss_anon_bytes", "RSS ANON", "bytes"),
     Column("rss_bytes", "RSS", "bytes"),
@@ -527,7 +581,9 @@ HEAP_COLUMNS = [
 ]
 HEAP_NOTE = (
     "LIVE: allocated minus freed bytes since attach (glibc: chunk bytes; other allocators: requested "
-    "bytes, kept per block); ANON GROWTH: RssAnon now minus at attach; WASTED = growth - live; flagged when growth > "
+    "bytes, kept per block), never below 0; OLDER FREED: what frees of blocks allocated before attach "
+    "took below 0; ANON GROWTH: RssAnon now minus at attach; ANON/LIVE only over "
+    f"{heapefficiency.RATIO_MIN_LIVE_BYTES >> 20} MiB live; WASTED = growth - live; flagged when growth > "
     f"{heapefficiency.WASTE_RATIO:g}x live and wasted > {heapefficiency.WASTE_MIN_BYTES >> 20} MiB."
 )
 
@@ -538,7 +594,7 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
     dt = interval_of(prev, cur, interval)
     glibc = _by_pid(cur.get("glibc"))
     rows, notes = [], []
-    tot = {"processes": 0, "flagged": 0, "live_bytes": 0, "rss_anon_bytes": 0, "rss_bytes": 0}
+    tot = {"processes": 0, "flagged": 0, "live_bytes": 0, "older_freed_bytes": 0, "rss_anon_bytes": 0, "rss_bytes": 0}
     for pid, p in sorted(_by_pid(cur.get("processes")).items()):
         if "rss_bytes" not in p:
             continue
@@ -553,6 +609,7 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
                 pid,
                 comm,
                 live,
+                a["older_freed_bytes"],
                 a["anon_growth_bytes"],
                 p["rss_anon_bytes"],
                 p["rss_bytes"],
@@ -569,10 +626,21 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
             tot["flagged"] += 1
         tot["processes"] += 1
         tot["live_bytes"] += live or 0
+        tot["older_freed_bytes"] += a["older_freed_bytes"] or 0
         tot["rss_anon_bytes"] += p["rss_anon_bytes"]
         tot["rss_bytes"] += p["rss_bytes"]
     notes.append(HEAP_NOTE)
-    return Table("heap", TITLES["heap"], HEAP_COLUMNS, rows, sort=7, notes=notes, totals=tot, interval=dt)
+    return Table(
+        "heap",
+        TITLES["heap"],
+        HEAP_COLUMNS,
+        rows,
+        sort=[c.key for c in HEAP_COLUMNS].index("wasted_bytes"),
+        notes=notes,
+        totals=tot,
+        interval=dt,
+        shown=_live_as_shown(HEAP_COLUMNS),
+    )
 
 
 def row_detail(table: Table, row: list) -> Any:
@@ -592,13 +660,13 @@ def frame_text(frame: Mapping) -> str:
     """One frame of a stack for humans: 'function (file:line) [inlined]', or 'function (module)'."""
     where = f"{os.path.basename(frame['file'])}:{frame['line']}" if frame.get("file") else frame.get("module", "")
     text = f"{frame['function']} ({where})" if where else str(frame["function"])
-    return text + (" [inlined]" if frame.get("inlined") else "")
+    return printable(text + (" [inlined]" if frame.get("inlined") else ""))
 
 
 def detail_lines(table: Table, row: list, most: int = 3) -> List[str]:
     """The stacks of a stacks-view ROW as text lines: the MOST hottest, each root to leaf."""
     stacks = row_detail(table, row) or []
-    lines = [f"{row[2]} in {row[3] or '?'} (PID {row[0]}): {len(stacks)} stack(s)"]
+    lines = [printable(f"{row[2]} in {row[3] or '?'} (PID {row[0]}): {len(stacks)} stack(s)")]
     for i, st in enumerate(stacks[:most]):
         complete = "" if st["complete"] else ", incomplete"
         lines.append(
@@ -708,11 +776,16 @@ def totals_rows(snap: Snap, pids: Optional[List[int]] = None) -> List[list]:
     return rows
 
 
+def printable_rows(rows: List[list]) -> List[list]:
+    """ROWS (of totals_rows) with their names escaped for a terminal (text.printable)."""
+    return [[printable(v) if isinstance(v, str) else v for v in row] for row in rows]
+
+
 # --------------------------------------------------------------------------- sorting
 
 
 def _sort_value(table: Table, row: list) -> Tuple[int, Union[int, float, str]]:
-    v = row[table.sort]
+    v = (table.shown(row) if table.shown else row)[table.sort]
     col = table.columns[table.sort]
     if col.numeric:
         return (0, v if isinstance(v, (int, float)) else -math.inf)
@@ -775,6 +848,8 @@ def format_rows(table: Table) -> List[List[str]]:
     out = []
     leaders = table.leaders or [True] * len(table.rows)
     for row, lead in zip(table.rows, leaders):
+        if table.shown:
+            row = table.shown(row)
         cells = [format_cell(c.kind, v) for c, v in zip(table.columns, row)]
         if table.groups and not lead:
             for i, c in enumerate(table.columns):
@@ -804,7 +879,7 @@ def summary(table: Table) -> str:
             text = (
                 f"{t.get('processes', 0)} processes, {human_count(t.get('calls_per_s', 0))} calls/s, "
                 f"{human_bytes(t.get('requested_bytes_per_s', 0))}/s requested, "
-                f"{human_bytes(t.get('live_bytes', 0))} live, {human_count(t.get('faults_per_s', 0))} faults/s"
+                f"{_live_text(t)}, {human_count(t.get('faults_per_s', 0))} faults/s"
             )
         else:
             text = (
@@ -820,7 +895,7 @@ def summary(table: Table) -> str:
         text = f"{t.get('processes', 0)} processes, {human_count(t.get('faults_per_s', 0))} faults/s, {t.get('faults', 0)} since attach"
     elif table.view == "heap":
         text = (
-            f"{t.get('processes', 0)} processes, {human_bytes(t.get('live_bytes', 0))} live, "
+            f"{t.get('processes', 0)} processes, {_live_text(t)}, "
             f"{human_bytes(t.get('rss_anon_bytes', 0))} anon RSS, {human_bytes(t.get('rss_bytes', 0))} RSS, "
             f"{t.get('flagged', 0)} flagged"
         )
@@ -849,6 +924,13 @@ def summary(table: Table) -> str:
     return text
 
 
+def _live_text(totals: Mapping[str, Any]) -> str:
+    """The totals' live bytes as shown (each process's never below 0), and the older frees apart."""
+    older = totals.get("older_freed_bytes", 0)
+    text = f"{human_bytes(totals.get('live_bytes', 0) + older)} live"
+    return text + (f" ({human_bytes(older)} of older blocks freed)" if older else "")
+
+
 def text_table(table: Table, tablefmt: str = "simple") -> str:
     """The table as plain text (tabulate), with the notes below it: for --batch."""
     from tabulate import tabulate
@@ -870,7 +952,7 @@ def text_table(table: Table, tablefmt: str = "simple") -> str:
     if table.view == "stacks":  # the hottest stack of the first call sites, root to leaf
         for row in table.rows[:DETAIL_ROWS]:
             lines.extend(detail_lines(table, row, most=1))
-    lines.extend(table.notes)
+    lines.extend(printable(note) for note in table.notes)
     return "\n".join(line for line in lines if line != "")
 
 

@@ -22,6 +22,10 @@ from typing import Any, Mapping, Optional
 
 WASTE_RATIO = 1.5
 WASTE_MIN_BYTES = 64 << 20
+# Below this many live bytes no ANON/LIVE ratio is shown: RSS moves in 4 KiB pages and a
+# thread's first touch of its stack, arena or tcache costs tens of KiB, so over fewer live
+# bytes the ratio measures that noise (480 live bytes beside 110 KiB of growth: 230x).
+RATIO_MIN_LIVE_BYTES = 1 << 20
 
 ADVICE = (
     "try: malloc_trim(0) in the process (glibc returns the free pages inside its heaps); "
@@ -35,8 +39,10 @@ def assess(entry: Mapping[str, Any]) -> dict[str, Any]:
     """The heap-efficiency fields of a snapshot's process ENTRY (keys of
     pymtrace.sources.snapshot.ProcessStats): anon_growth_bytes (None when the RssAnon at
     attach is unknown), rss_anon_per_live (growth / live bytes; None without live bytes >
-    0), wasted_bytes (growth - live) and heap_flag (bool; None when it cannot be judged:
-    no RSS or no live bytes)."""
+    0), wasted_bytes (growth - live), older_freed_bytes (how far frees of blocks allocated
+    before attach took live bytes below 0) and heap_flag (bool; None when it cannot be
+    judged: no RSS or no live bytes). The flag sets the growth against the live bytes of
+    blocks allocated since attach (at least max(live, 0)): freeing old blocks is no waste."""
     live = entry.get("live_bytes")
     anon = entry.get("rss_anon_bytes")
     base = entry.get("rss_anon_base_bytes")
@@ -45,6 +51,7 @@ def assess(entry: Mapping[str, Any]) -> dict[str, Any]:
         "anon_growth_bytes": growth,
         "rss_anon_per_live": None,
         "wasted_bytes": None,
+        "older_freed_bytes": max(-live, 0) if live is not None else None,
         "heap_flag": None,
     }
     if growth is None or live is None:
@@ -52,7 +59,8 @@ def assess(entry: Mapping[str, Any]) -> dict[str, Any]:
     out["wasted_bytes"] = growth - live
     if live > 0:
         out["rss_anon_per_live"] = growth / live
-    out["heap_flag"] = growth > WASTE_RATIO * max(live, 0) and growth - live > WASTE_MIN_BYTES
+    live = max(live, 0)
+    out["heap_flag"] = growth > WASTE_RATIO * live and growth - live > WASTE_MIN_BYTES
     return out
 
 
@@ -67,11 +75,12 @@ def flag_line(pid: int, comm: str, entry: Mapping[str, Any], glibc: Optional[Map
             f"{glibc.get('arenas', 0)} arenas"
         )
     a = assess(entry)
+    live = max(entry.get("live_bytes") or 0, 0)
     return (
         f"PID {pid} ({comm}): anon RSS grew {_mib(a['anon_growth_bytes'] or 0)} for "
-        f"{_mib(entry.get('live_bytes') or 0)} live ({_ratio(a['rss_anon_per_live'])}): "
-        f"{_mib(a['wasted_bytes'] or 0)} resident but not allocated (fragmentation or free memory "
-        f"the allocator keeps){from_glibc}; {ADVICE}."
+        f"{_mib(live)} live ({_ratio(a['rss_anon_per_live'], live)}){_older(a)}: "
+        f"{_mib((a['anon_growth_bytes'] or 0) - live)} resident but not allocated (fragmentation or "
+        f"free memory the allocator keeps){from_glibc}; {ADVICE}."
     )
 
 
@@ -82,9 +91,12 @@ def describe(pid: int, comm: str, entry: Mapping[str, Any], glibc: Optional[Mapp
         return flag_line(pid, comm, entry, glibc)
     if a["heap_flag"] is None:
         return f"PID {pid} ({comm}): no live bytes to set against its RSS."
+    live = max(entry["live_bytes"], 0)
+    growth = a["anon_growth_bytes"]
+    moved = f"grew {_mib(growth)}" if growth >= 0 else f"shrank {_mib(-growth)}"
     return (
-        f"PID {pid} ({comm}): anon RSS grew {_mib(a['anon_growth_bytes'])} for {_mib(entry['live_bytes'])} "
-        f"live ({_ratio(a['rss_anon_per_live'])}): not flagged (needs > {WASTE_RATIO:g}x and "
+        f"PID {pid} ({comm}): anon RSS {moved} for {_mib(live)} live "
+        f"({_ratio(a['rss_anon_per_live'], live)}){_older(a)}: not flagged (needs > {WASTE_RATIO:g}x and "
         f"> {WASTE_MIN_BYTES >> 20} MiB resident but not allocated)."
     )
 
@@ -93,5 +105,14 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _ratio(r: Optional[float]) -> str:
-    return f"{r:.2f}x" if r is not None else "no live bytes"
+def _ratio(r: Optional[float], live: float) -> str:
+    """The ratio as the sentences say it: none over fewer than RATIO_MIN_LIVE_BYTES live."""
+    if live < RATIO_MIN_LIVE_BYTES or r is None:
+        return f"too few live bytes for a ratio: under {RATIO_MIN_LIVE_BYTES >> 20} MiB"
+    return f"{r:.2f}x"
+
+
+def _older(a: Mapping[str, Any]) -> str:
+    """The frees of blocks from before attach, apart (they are not live bytes gone negative)."""
+    older = a.get("older_freed_bytes")
+    return f"; it also freed {_mib(older)} of blocks allocated before attach" if older else ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable
 
+from pymtrace.bpf import structs
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources import heapefficiency
 from pymtrace.sources.base import (
@@ -28,6 +29,7 @@ from pymtrace.sources.base import (
     lost_counts,
     lost_names,
     struct_fields,
+    sum_percpu,
 )
 from pymtrace.sources.snapshot import call_names
 from pymtrace.tracee import allocators, libc, mallocapi, probesite, proc
@@ -96,6 +98,7 @@ class MallocSource(Source):
         self.call_names = call_names()
         self.evictions = Evictions()
         self.rss_anon_base = {}  # pid -> RssAnon bytes when counting began (heap efficiency)
+        self.counted = set()  # pids that have had an ms_stats entry (an evicted one stays out)
 
     def _targets(self):
         """{path: [pid, ...] or [-1]}, one path per distinct file (dev, inode); self.families
@@ -279,12 +282,30 @@ class MallocSource(Source):
             except KeyError:  # freed meanwhile by the BPF side (a reused PID's free)
                 pass
 
+    def _idle(self, listed: set[int], gone: set[int]) -> list[tuple[int, dict[str, Any], str]]:
+        """-p: the watched processes on a probed file that made no call since attach (no
+        entry in ms_stats yet, LISTED: those with one), with zero counters: the user named
+        them, so each keeps its row and its RSS (a server on its own slab allocator can go
+        long without malloc), and one last row marked exited when it ends (GONE). One whose
+        entry was evicted is not among them: it comes back at its next call, as documented."""
+        if self.pids is None:
+            return []
+        self.counted |= listed
+        zero = None
+        out = []
+        watched = {p for pids in self.libcs.values() for p in pids if p > 0}
+        for pid in sorted(watched - self.counted):
+            if pid in gone or proc.alive(pid):
+                zero = zero or sum_percpu([structs.header(self.program).structs["ms_stats"]()], self.fields)
+                out.append((pid, zero, self.comms.get(pid)))
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         table = self.bpf[b"ms_stats"]
         rows, gone, entries = self._per_process(table)
         procs = {}
-        for pid, s, comm in rows:
+        for pid, s, comm in rows + self._idle({pid for pid, _, _ in rows}, gone):
             calls = s["calls"]
             procs[pid] = p = {
                 "pid": pid,
@@ -310,6 +331,7 @@ class MallocSource(Source):
             self._delete(table, table.Key(pid))
             self.comms.forget(pid)
             self.rss_anon_base.pop(pid, None)
+            self.counted.discard(pid)
         self.evictions.update({pid: sum(p["calls"].values()) for pid, p in procs.items()}, gone)
         lost = lost_counts(
             self.bpf[b"ms_lost"], {i: "malloc_" + n for i, n in lost_names("malloc_stats", "MS").items()}

@@ -42,8 +42,8 @@ faked, so a consumer works with whichever sources are running:
                       (/proc/PID/statm: resident - shared = status's RssAnon),
          "rss_anon_base_bytes": RssAnon when counting began (at attach; 0 for a process
                       started after it): live_bytes is compared with the growth since,
-         "heap_flag": anon growth > 1.5 x live_bytes and > live_bytes + 64 MiB (None: no
-                      live bytes to judge: another allocator than glibc),
+         "heap_flag": anon growth > 1.5 x max(live_bytes, 0) and > max(live_bytes, 0) + 64 MiB
+                      (None: no live bytes to judge: another allocator than glibc),
          # FaultSource:
          "faults_user": faults raised in user mode,
          "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user),
