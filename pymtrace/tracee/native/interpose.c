@@ -41,24 +41,24 @@
 #include "record.h"
 #include "interpose.h"
 
-#define EXPORT   __attribute__((visibility("default")))
-#define TLS      __thread __attribute__((tls_model("initial-exec")))
+#define EXPORT      __attribute__((visibility("default")))
+#define TLS         __thread __attribute__((tls_model("initial-exec")))
 #define LIKELY(x)   __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
-#define CALLER   ((__u64)__builtin_return_address(0))
+#define CALLER      ((__u64)__builtin_return_address(0))
 /* A call forwarded to another allocator than glibc may call the malloc API itself (at its
  * initialisation, say): those inner calls are not the program's. glibc's never do. */
-#define FORWARD(expr)                                                                                         \
-    ({                                                                                                        \
-        __typeof__(expr) r_;                                                                                  \
-        if (LIKELY(glibc_chunks)) {                                                                           \
-            r_ = (expr);                                                                                      \
-        } else {                                                                                              \
-            ts.depth++;                                                                                       \
-            r_ = (expr);                                                                                      \
-            ts.depth--;                                                                                       \
-        }                                                                                                     \
-        r_;                                                                                                   \
+#define FORWARD(expr)                                                                                        \
+    ({                                                                                                       \
+        __typeof__(expr) r_;                                                                                 \
+        if (LIKELY(glibc_chunks)) {                                                                          \
+            r_ = (expr);                                                                                     \
+        } else {                                                                                             \
+            ts.depth++;                                                                                      \
+            r_ = (expr);                                                                                     \
+            ts.depth--;                                                                                      \
+        }                                                                                                    \
+        r_;                                                                                                  \
     })
 
 _Static_assert(sizeof(struct record_event) == RING_EVENT_SIZE, "record_event layout");
@@ -94,9 +94,9 @@ static __u64 page_size = 4096;
 
 /* ---- per-thread state ----------------------------------------------------------------- */
 struct tstate {
-    __s32 tid;      /* cached gettid() (reset in a fork child) */
-    __u32 depth;    /* > 0: inside a forwarded call whose inner calls are not recorded */
-    __u32 writing;  /* > 0: a ring write is under way (a signal handler defers) */
+    __s32 tid;       /* cached gettid() (reset in a fork child) */
+    __u32 depth;     /* > 0: inside a forwarded call whose inner calls are not recorded */
+    __u32 writing;   /* > 0: a ring write is under way (a signal handler defers) */
     __u32 resolving; /* > 0: inside dlsym: allocations come from the arena */
     __u32 dhead, dcount;
     struct record_event deferred[RING_DEFER];
@@ -361,7 +361,8 @@ static inline void ring_put(const struct record_event *e) {
     __atomic_store_n(&ring_seq[pos & ring_mask], pos + 1, __ATOMIC_RELEASE);
 }
 
-static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 size2, __u64 size3, __u64 caller) {
+static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 size2, __u64 size3,
+                        __u64 caller) {
     struct tstate *t = &ts;
     if (UNLIKELY(!t->tid)) t->tid = (__s32)syscall(SYS_gettid);
     struct record_event e;
@@ -570,33 +571,33 @@ static void *cxx_next(void **slot, const char *name) {
     return f;
 }
 
-#define NEW(sym, TYPE, PARAMS, ARGS, SIZE, ALIGN, FALLBACK)                                               \
-    EXPORT void *sym PARAMS {                                                                              \
-        static void *next;                                                                                 \
-        __u64 caller = CALLER;                                                                             \
-        if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(SIZE, ALIGN);                         \
-        void *(*fn) PARAMS = (void *(*)PARAMS)cxx_next(&next, #sym);                                        \
-        void *p;                                                                                           \
-        {                                                                                                  \
-            NESTED;                                                                                        \
-            p = fn ? fn ARGS : FALLBACK;                                                                   \
-        }                                                                                                  \
+#define NEW(sym, TYPE, PARAMS, ARGS, SIZE, ALIGN, FALLBACK)                                                  \
+    EXPORT void *sym PARAMS {                                                                                \
+        static void *next;                                                                                   \
+        __u64 caller = CALLER;                                                                               \
+        if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(SIZE, ALIGN);                           \
+        void *(*fn)PARAMS = (void *(*)PARAMS)cxx_next(&next, #sym);                                          \
+        void *p;                                                                                             \
+        {                                                                                                    \
+            NESTED;                                                                                          \
+            p = fn ? fn ARGS : FALLBACK;                                                                     \
+        }                                                                                                    \
         if (recording()) emit(TYPE, 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller); \
-        return p;                                                                                          \
+        return p;                                                                                            \
     }
 
-#define DELETE(sym, PARAMS, ARGS)                                                                          \
-    EXPORT void sym PARAMS {                                                                               \
-        static void *next;                                                                                 \
-        if (UNLIKELY(in_arena(p))) return;                                                                 \
-        if (UNLIKELY(!real.free) && !resolve()) return;                                                    \
-        void (*fn) PARAMS = (void (*)PARAMS)cxx_next(&next, #sym);                                          \
-        if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);                            \
-        NESTED;                                                                                            \
-        if (fn)                                                                                            \
-            fn ARGS;                                                                                       \
-        else                                                                                               \
-            real.free(p);                                                                                  \
+#define DELETE(sym, PARAMS, ARGS)                                                                            \
+    EXPORT void sym PARAMS {                                                                                 \
+        static void *next;                                                                                   \
+        if (UNLIKELY(in_arena(p))) return;                                                                   \
+        if (UNLIKELY(!real.free) && !resolve()) return;                                                      \
+        void(*fn) PARAMS = (void(*) PARAMS)cxx_next(&next, #sym);                                            \
+        if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);                               \
+        NESTED;                                                                                              \
+        if (fn)                                                                                              \
+            fn ARGS;                                                                                         \
+        else                                                                                                 \
+            real.free(p);                                                                                    \
     }
 
 typedef const void *nothrow_ref; /* const std::nothrow_t & */
@@ -607,10 +608,10 @@ NEW(_ZnwmRKSt9nothrow_t, CALL_MALLOC, (size_t n, nothrow_ref nt), (n, nt), n, 16
 NEW(_ZnamRKSt9nothrow_t, CALL_MALLOC, (size_t n, nothrow_ref nt), (n, nt), n, 16, real.malloc(n))
 NEW(_ZnwmSt11align_val_t, CALL_MEMALIGN, (size_t n, size_t al), (n, al), n, al, real.memalign(al, n))
 NEW(_ZnamSt11align_val_t, CALL_MEMALIGN, (size_t n, size_t al), (n, al), n, al, real.memalign(al, n))
-NEW(_ZnwmSt11align_val_tRKSt9nothrow_t, CALL_MEMALIGN, (size_t n, size_t al, nothrow_ref nt), (n, al, nt), n, al,
-    real.memalign(al, n))
-NEW(_ZnamSt11align_val_tRKSt9nothrow_t, CALL_MEMALIGN, (size_t n, size_t al, nothrow_ref nt), (n, al, nt), n, al,
-    real.memalign(al, n))
+NEW(_ZnwmSt11align_val_tRKSt9nothrow_t, CALL_MEMALIGN, (size_t n, size_t al, nothrow_ref nt), (n, al, nt), n,
+    al, real.memalign(al, n))
+NEW(_ZnamSt11align_val_tRKSt9nothrow_t, CALL_MEMALIGN, (size_t n, size_t al, nothrow_ref nt), (n, al, nt), n,
+    al, real.memalign(al, n))
 
 DELETE(_ZdlPv, (void *p), (p))
 DELETE(_ZdaPv, (void *p), (p))

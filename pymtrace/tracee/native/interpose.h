@@ -41,7 +41,7 @@ struct ring_header {
     __u32 pid;
     __u32 generation;
     __u32 flags;
-    __u32 owner; /* pid of the consumer: a producer waiting on a full ring stops if it is gone */
+    __u32 owner;      /* pid of the consumer: a producer waiting on a full ring stops if it is gone */
     __u64 created_ns; /* CLOCK_MONOTONIC */
     char allocator[RING_PATH_MAX]; /* the object the calls are forwarded to (its malloc) */
     __u64 pad0[26];
