@@ -1,7 +1,7 @@
 /* pymtrace's LD_PRELOAD interposer: every malloc-API call of the process, forwarded to the
  * next definition (glibc, or a preloaded/linked jemalloc, tcmalloc, mimalloc), written as
  * the record `record` writes (bpf/record.h) into a shared-memory ring (interpose.h) that
- * pymtrace drains. Built by pymtrace/tracee/interposer.py (pymtrace.nativebuild).
+ * pymtrace drains. Built by pymtrace/sources/interposer.py (pymtrace.nativebuild).
  *
  * Environment (set by the consumer): PYMTRACE_RING_DIR (the private ring directory; absent:
  * the library only forwards), PYMTRACE_FOLLOW (0: only the first process to register, and

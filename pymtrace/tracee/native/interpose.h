@@ -1,6 +1,6 @@
 /* interpose.h: the ring a preloaded process writes its malloc-API calls into, defined once.
  *
- * interpose.c (the LD_PRELOAD library) includes this file; pymtrace/tracee/interposer.py
+ * interpose.c (the LD_PRELOAD library) includes this file; pymtrace/sources/interposer.py
  * (the consumer) reads it with pymtrace.bpf.structs.parse, which understands only
  * `#define NAME NUMBER` and structs of fixed-width fields (so no expressions, no enums).
  *

@@ -41,7 +41,7 @@ from pymtrace.bpf import structs
 from pymtrace.bpf.load import bpf_dir
 from pymtrace.errors import PymtraceError
 
-NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+NATIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tracee", "native")
 CFLAGS = [
     "-O2",
     "-Wall",
