@@ -261,16 +261,21 @@ class RingSet:
             os.close(fd)
 
     def drain(self) -> list[Batch]:
-        """The records written since the last drain, a batch per process image; a ring whose
-        process ended (or exec'd) is drained to its end and retired."""
+        """The records written since the last drain, a batch per process image, a process's
+        images in exec order; a ring whose process ended or exec'd (a newer ring of its pid
+        exists, or the process maps it no more) is drained to its end and retired."""
         self._scan()
         out = []
         now = time.monotonic()
-        for name, ring in list(self.rings.items()):
-            data = ring.take()
-            if not data and now - ring.checked >= LIVENESS_S:
+        newest = {}
+        for ring in self.rings.values():
+            newest[ring.pid] = max(newest.get(ring.pid, -1), ring.generation)
+        for name, ring in sorted(self.rings.items(), key=lambda item: (item[1].pid, item[1].generation)):
+            replaced = ring.generation < newest[ring.pid]
+            data = b"" if replaced else ring.take()
+            if replaced or (not data and now - ring.checked >= LIVENESS_S):
                 ring.checked = now
-                if not ring.alive():  # no writer can come back: the rest, then retire it
+                if replaced or not ring.alive():  # no writer can come back: the rest, then retire it
                     data = ring.take(final=True)
                     self._retire(name, ring)
             if data:

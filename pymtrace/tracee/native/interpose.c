@@ -373,11 +373,10 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
     e.rec.size = size;
     e.rec.size2 = size2;
     e.rec.size3 = size3;
-    e.rec.pad[0] = now_ns();
     e.rec.pad[1] = caller;
     e.tgid = self_pid;
-    if (UNLIKELY(t->writing)) { /* a signal handler interrupted this thread's ring_put */
-        if (t->dcount < RING_DEFER) {
+    if (UNLIKELY(t->writing)) {       /* a signal handler interrupted this thread's ring_put */
+        if (t->dcount < RING_DEFER) { /* timed when written, after the interrupted record */
             t->deferred[(t->dhead + t->dcount) % RING_DEFER] = e;
             __atomic_signal_fence(__ATOMIC_SEQ_CST);
             t->dcount++;
@@ -387,6 +386,8 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
     }
     t->writing++;
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    /* timed inside the window: a handler's records before it are earlier, deferred ones later */
+    e.rec.pad[0] = now_ns();
     ring_put(&e);
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     t->writing--;
@@ -397,6 +398,7 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
         t->dhead = (t->dhead + 1) % RING_DEFER;
         t->dcount--;
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        d.rec.pad[0] = now_ns();
         ring_put(&d);
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
         t->writing--;

@@ -1,0 +1,393 @@
+"""pymtrace's LD_PRELOAD interposer (pymtrace/tracee/native/interpose.c) and its ring consumer
+(pymtrace.sources.interposer) on real processes, against exact ground truth: the workloads'
+own record of what they called (tests/support/workloads/interpose_calls.c, record_calls.c,
+top_calls.c, cxx_calls.cpp) and the tests' own LD_PRELOAD counter (preload_counter.c).
+Threads, fork (followed and not), exec, vfork+exec, a signal handler that allocates, a
+dlopen'ed library, C++ operator new/delete, jemalloc preloaded behind it; a full ring makes
+threads wait and loses nothing; commands it cannot preload are named with the reason."""
+
+import collections
+import ctypes
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, WORKLOADS, missing_or_fail, run_pymtrace
+from support.allocators import LIBS, library
+from support.interposer import build_counter, counter_counts, run_interposed, truth
+from support.recording import ground_truth, text_range
+
+from pymtrace.sources import interposer as I
+from pymtrace.trace.formats import mtrace_bin as B
+
+TYPES = ("malloc", "calloc", "free", "realloc", "memalign", "valloc", "pvalloc", "posix_memalign")
+
+
+@pytest.fixture(scope="module")
+def calls(cbuild):
+    """interpose_calls, non-PIE: callers inside its text are its own calls."""
+    return cbuild("interpose_calls", "-no-pie", "-ldl")
+
+
+def program_calls(run, lo, hi):
+    """{(pid, type, size): calls} made from [LO, HI) (None: from anywhere); a free counted
+    with the size its block was allocated with, its pointer followed through each process's
+    records in order."""
+    found = collections.Counter()
+    for pid, recs in run.records.items():
+        live = {}
+        for r in recs:
+            kind, ptr1, ptr2, size = int(r["type"]), int(r["ptr1"]), int(r["ptr2"]), int(r["size"])
+            if kind == B.FREE:
+                size = live.pop(ptr1, 0)
+            elif kind == B.REALLOC:
+                live.pop(ptr1, None)
+            if kind != B.FREE and ptr2:
+                live[ptr2] = size
+            if lo is None or lo <= int(r["caller"]) < hi:
+                found[(pid, kind, size)] += 1
+    return found
+
+
+@pytest.mark.parametrize("mode", [["threads", "3"], ["fork"], ["exec"], ["vfork"], ["signal", "300"]])
+def test_every_call_recorded_exactly(calls, mode):
+    run = run_interposed([calls, *mode])
+    assert run.proc.returncode == 0, run.proc.stderr
+    want = truth(run.proc.stdout)
+    assert want
+    lo, hi = text_range(calls)
+    assert program_calls(run, lo, hi) == want
+    assert all(s.done and s.torn == 0 and not s.detached for s in run.stats)
+    assert sum(s.records for s in run.stats) == len(run.all())
+    pids = {pid for pid, _, _ in want}
+    assert set(run.records) == pids  # a ring for every process, its records under its own pid
+    for recs in run.records.values():
+        for tid in set(recs["thread"]):  # each thread's records in its call order
+            ts = recs["ts"][recs["thread"] == tid]
+            assert (ts[1:] >= ts[:-1]).all()
+
+
+def test_exec_registers_a_new_ring(calls):
+    run = run_interposed([calls, "exec"])
+    assert [(s.pid, s.generation) for s in run.stats] == [(run.stats[0].pid, 0), (run.stats[0].pid, 1)]
+    assert [s.records >= n for s, n in zip(run.stats, (30, 80))] == [True, True]
+
+
+def test_signal_handler_records_survive_interrupted_writes(calls):
+    """The handler's malloc/free land between the main thread's free(NULL) writes; some of
+    them interrupt a write (deferred), none is lost."""
+    run = run_interposed([calls, "signal", "2000"])
+    assert run.proc.returncode == 0, run.proc.stderr
+    lo, hi = text_range(calls)
+    assert program_calls(run, lo, hi) == truth(run.proc.stdout)
+    print("deferred:", sum(s.deferred for s in run.stats), "waits:", sum(s.waits for s in run.stats))
+
+
+@pytest.mark.parametrize("mode", ["fork", "vfork"])
+def test_not_following_forks_records_the_parent_alone(calls, mode):
+    run = run_interposed([calls, mode], I.RingOptions(follow=False))
+    assert run.proc.returncode == 0, run.proc.stderr
+    want = truth(run.proc.stdout)
+    parent = min(pid for pid, _, _ in want)
+    assert set(run.records) == {parent}
+    lo, hi = text_range(calls)
+    assert program_calls(run, lo, hi) == {k: n for k, n in want.items() if k[0] == parent}
+
+
+def test_not_following_forks_still_follows_exec(calls):
+    run = run_interposed([calls, "exec"], I.RingOptions(follow=False))
+    lo, hi = text_range(calls)
+    assert program_calls(run, lo, hi) == truth(run.proc.stdout)
+
+
+def test_dlopened_library_calls(calls, build_dir):
+    lib = build_dir / "libinterpose_lib.so"
+    src = WORKLOADS / "interpose_lib.c"
+    subprocess.run(["gcc", "-O1", "-fno-builtin", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    run = run_interposed([calls, "dlopen", str(lib)])
+    assert run.proc.returncode == 0, run.proc.stderr
+    want = truth(run.proc.stdout)
+    got = program_calls(run, None, None)
+    assert {k: got[k] for k in want} == want
+
+
+def test_errno_is_kept(calls):
+    run = run_interposed([calls, "errno"])
+    assert run.proc.returncode == 0 and "ERRNO ok" in run.proc.stdout
+
+
+def test_record_calls_exact_records_with_chunk_sizes(cbuild):
+    """Every field of every call record_calls makes (and prints), glibc chunk sizes included;
+    what else is recorded is libc's own (thread set-up), never attributed to the program."""
+    prog = cbuild("record_calls", "-no-pie")
+    run = run_interposed([prog])
+    assert run.proc.returncode == 0, run.proc.stderr
+    (pid,) = run.records
+    recs = run.records[pid]
+    mine = collections.Counter(
+        tuple(int(r[f]) for f in ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3")) for r in recs
+    )
+    want = collections.Counter(ground_truth(run.proc.stdout))
+    assert not want - mine
+    lo, hi = text_range(prog)
+    extra = mine - want
+    own = [r for r in recs if lo <= r["caller"] < hi]
+    assert len(own) == sum(want.values())
+    assert sum(extra.values()) == len(recs) - len(own)
+    assert (recs["tgid"] == pid).all()
+    assert run.stats[0].glibc_chunks and run.stats[0].allocator.endswith("libc.so.6")
+
+
+def test_counts_equal_an_ld_preload_counter(cbuild, build_dir, tmp_path):
+    """Per call type, per process, over whole runs (start-up and exit included): the tests'
+    own LD_PRELOAD counter, in front of the interposer, saw exactly what it recorded."""
+    counter = build_counter(build_dir)
+    prog = cbuild("interpose_calls", "-no-pie", "-ldl")
+    for mode in (["threads", "2"], ["fork"], ["signal", "200"]):
+        d = tmp_path / mode[0]
+        d.mkdir()
+        env = dict(os.environ, COUNTER_DIR=str(d))
+        run = run_interposed([prog, *mode], env=env, preload_first=counter)
+        assert run.proc.returncode == 0, run.proc.stderr
+        counted = counter_counts(d)
+        assert counted == {pid: run.counts(pid) for pid in run.records}, mode
+
+
+def _cxx(tmp_path):
+    if shutil.which("g++") is None:
+        missing_or_fail("g++ is not installed")
+    prog = tmp_path / "cxx_calls"
+    src = WORKLOADS / "cxx_calls.cpp"
+    subprocess.run(["g++", "-O1", "-std=c++17", "-fsized-deallocation", "-no-pie", "-o", prog, src], check=True)
+    return str(prog)
+
+
+def test_cxx_new_and_delete_every_variant(tmp_path, build_dir):
+    """new, new[], nothrow -> malloc; aligned new -> memalign; every delete -> free; the
+    malloc/free inside (and new[] -> new) not recorded again; the counter agrees."""
+    prog = _cxx(tmp_path)
+    d = tmp_path / "counts"
+    d.mkdir()
+    run = run_interposed(
+        [prog], env=dict(os.environ, COUNTER_DIR=str(d)), input="xx", preload_first=build_counter(build_dir)
+    )
+    assert run.proc.returncode == 0, run.proc.stderr
+    c = json.loads(run.proc.stdout.splitlines()[-1])["calls"]
+    (pid,) = run.records
+    counted = counter_counts(d)
+    assert counted == {pid: run.counts(pid)}
+    # without the counter in front, the callers are the program's own
+    run = run_interposed([prog], input="xx")
+    lo, hi = text_range(prog)
+    (recs,) = run.records.values()
+    own = collections.Counter(int(r["type"]) for r in recs if lo <= r["caller"] < hi)
+    assert own == {
+        B.MALLOC: c["new"] + c["new_array"] + c["new_nothrow"],
+        B.MEMALIGN: c["new_aligned"],
+        B.FREE: sum(c[k] for k in ("delete", "delete_array", "delete_sized", "delete_aligned")),
+    }
+    aligned = recs[(recs["type"] == B.MEMALIGN) & (recs["caller"] >= lo) & (recs["caller"] < hi)]
+    assert (aligned["size2"] == 64).all()  # the alignment, as record writes it
+
+
+def test_jemalloc_preloaded_behind_it(cbuild):
+    """LD_PRELOAD=jemalloc in the command's environment: the interposer comes first and
+    forwards to jemalloc; every call of top_calls recorded, no glibc chunk sizes."""
+    lib = library(LIBS["jemalloc"])
+    prog = cbuild("top_calls", "-DANY_ALLOCATOR", "-no-pie")
+    run = run_interposed([prog], env=dict(os.environ, LD_PRELOAD=lib), input="xx")
+    assert run.proc.returncode == 0, run.proc.stderr
+    tally = json.loads(run.proc.stdout.splitlines()[-1])
+    lo, hi = text_range(prog)
+    (recs,) = run.records.values()
+    own = collections.Counter(int(r["type"]) for r in recs if lo <= r["caller"] < hi)
+    assert {n: own[getattr(B, n.upper())] for n in TYPES} == {n: tally["calls"].get(n, 0) for n in TYPES}
+    (stats,) = run.stats
+    assert "jemalloc" in stats.allocator and not stats.glibc_chunks
+    assert (recs["size3"] == 0).all()
+
+
+def test_a_full_ring_makes_threads_wait_and_loses_nothing(calls):
+    run = run_interposed([calls, "threads", "4"], I.RingOptions(slots=1024), stall=0.3, drain_every=0.01)
+    assert run.proc.returncode == 0, run.proc.stderr
+    lo, hi = text_range(calls)
+    assert program_calls(run, lo, hi) == truth(run.proc.stdout)
+    assert sum(s.waits for s in run.stats) > 0
+
+
+def test_closing_the_consumer_releases_a_waiting_program(calls):
+    """A program blocked on a full ring goes on, untraced, once the consumer closes."""
+    rings = I.RingSet(I.RingOptions(slots=1024))
+    proc = subprocess.Popen([calls, "threads", "2"], env=rings.env(os.environ), stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    assert proc.poll() is None  # blocked: nobody drains
+    rings.drain()  # finds the ring (and makes a little room)
+    assert sum(s.waits for s in rings.stats()) > 0
+    rings.close()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert truth(out)
+
+
+def test_a_vanished_consumer_releases_a_waiting_program(calls):
+    """The consumer's process is gone (PYMTRACE_RING_OWNER names a dead pid): a producer
+    waiting on a full ring stops recording instead of hanging."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    rings = I.RingSet(I.RingOptions(slots=1024))
+    try:
+        env = dict(rings.env(os.environ), PYMTRACE_RING_OWNER=str(dead.pid))
+        proc = subprocess.run([calls, "threads", "2"], env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0
+        rings.drain()
+        assert all(s.detached for s in rings.stats())
+    finally:
+        rings.close()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sh", "-c", "echo out; echo err >&2; exit 3"],
+        ["sh", "-c", "kill -TERM $$"],
+        [sys.executable, "-c", "import json, sys; print(json.dumps([{'a': list(range(9))}] * 3)); sys.exit(7)"],
+    ],
+)
+def test_the_program_computes_the_same(argv):
+    plain = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    run = run_interposed(argv)
+    assert (run.proc.returncode, run.proc.stdout, run.proc.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+    assert run.records  # and it was recorded
+
+
+def test_preloadable_commands():
+    assert I.not_preloadable(["sh"]) is None
+    assert I.not_preloadable([sys.executable]) is None
+    assert "not found" in I.not_preloadable(["no-such-command-here"])
+
+
+def test_script_is_judged_by_its_interpreter(tmp_path):
+    script = tmp_path / "s"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o755)
+    assert I.not_preloadable([str(script)]) is None
+
+
+def test_static_binary_is_not_preloadable(tmp_path):
+    prog = tmp_path / "static"
+    src = WORKLOADS / "interpose_calls.c"
+    r = subprocess.run(["gcc", "-O1", "-static", "-o", prog, src], capture_output=True, text=True)
+    if r.returncode != 0:
+        missing_or_fail(f"no static libc to link with: {r.stderr[-200:]}")
+    why = I.not_preloadable([str(prog), "after"])
+    assert why == f"{prog}: a static binary, no dynamic loader runs to preload a library"
+    run = run_interposed([str(prog), "after"])  # runs as ever, and nothing is recorded
+    assert run.proc.returncode == 0 and truth(run.proc.stdout)
+    assert not run.records and not run.stats
+
+
+def test_executable_defining_malloc_is_not_preloadable(cbuild):
+    prog = cbuild("top_calls_own")
+    assert I.not_preloadable([prog]) == f"{prog}: defines malloc itself, its definition wins over a preloaded one"
+
+
+def test_setuid_to_another_user_is_not_preloadable(calls, tmp_path):
+    prog = tmp_path / "suid"
+    shutil.copy(calls, prog)
+    os.chown(prog, 65534, 65534)
+    prog.chmod(0o4755)
+    assert I.not_preloadable([str(prog)]) == (
+        f"{prog}: setuid/setgid, the dynamic loader ignores LD_PRELOAD for it (secure mode)"
+    )
+
+
+def test_32bit_program_is_not_preloadable(tmp_path):
+    prog = tmp_path / "m32"
+    r = subprocess.run(["gcc", "-m32", "-o", prog, WORKLOADS / "interpose_lib.c", "-shared"], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("gcc cannot build 32-bit code here (no multilib)")
+    assert "not a 64-bit x86-64 program" in I.not_preloadable([str(prog)])
+
+
+def test_ring_files_are_private():
+    rings = I.RingSet()
+    try:
+        st = os.stat(rings.directory)
+        assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.geteuid()
+        proc = subprocess.Popen(["sh", "-c", "read x"], env=rings.env(os.environ), stdin=subprocess.PIPE)
+        ring = os.path.join(rings.directory, f"{proc.pid}.0")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ring):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        st = os.lstat(ring)
+        assert stat.S_ISREG(st.st_mode) and st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+        proc.communicate(b"\n", timeout=30)
+    finally:
+        rings.close()
+    assert not os.path.exists(rings.directory)
+
+
+def test_a_symlink_in_place_of_a_ring_is_not_followed(calls, tmp_path):
+    """A symlink planted where an exec'd image's ring goes: the library neither follows nor
+    replaces it (O_EXCL|O_NOFOLLOW) and takes the next name; the target is untouched."""
+    rings = I.RingSet()
+    try:
+        target = tmp_path / "target"
+        target.write_text("untouched")
+        proc = subprocess.Popen(
+            ["sh", "-c", f"read x; exec {calls} threads 1"],
+            env=rings.env(os.environ),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
+        first = os.path.join(rings.directory, f"{proc.pid}.0")
+        deadline = time.monotonic() + 30
+        while not os.path.exists(first):  # sh registered
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        link = os.path.join(rings.directory, f"{proc.pid}.1")
+        os.symlink(target, link)
+        proc.communicate(b"go\n", timeout=60)
+        assert proc.returncode == 0
+        for _ in rings.finish(timeout=10):
+            pass
+        assert target.read_text() == "untouched" and os.path.islink(link)
+        gens = {s.generation: s.records for s in rings.stats() if s.pid == proc.pid}
+        assert set(gens) == {0, 2} and gens[2] >= 8000
+    finally:
+        rings.close()
+
+
+@pytest.mark.bpf
+def test_same_records_as_the_uprobe_path(cbuild, tmp_path):
+    """`record -- PROG` (uprobes) and the interposer on the same program: as many calls of
+    each type, and the program's own the same, type and requested size. (Chunk sizes depend
+    on where each thread's arena put a block, and libc's per-thread calloc grows with the
+    number of libraries holding thread-local data, the interposer one of them.)"""
+    prog = cbuild("record_calls", "-no-pie")
+    lo, hi = text_range(prog)
+    out = tmp_path / "trace"
+    r = run_pymtrace("record", "-q", "-o", out, "--", prog)
+    assert r.returncode == 0, r.stderr
+    uprobes = list(B.read_file(out))
+    run = run_interposed([prog])
+    (recs,) = run.records.values()
+    assert collections.Counter(rec.type for rec in uprobes) == collections.Counter(int(t) for t in recs["type"])
+    own = collections.Counter((rec.type, rec.size) for rec in uprobes if lo <= rec.caller < hi)
+    mine = collections.Counter((int(r["type"]), int(r["size"])) for r in recs if lo <= r["caller"] < hi)
+    assert mine == own and sum(own.values()) > 300
+
+
+def test_header_matches_the_library():
+    """interpose.h is the one definition: the consumer's view of it is the library's."""
+    h = I.RingHeader
+    assert h.head.offset == 512 and h.tail.offset == 576
+    assert ctypes.sizeof(I.EVENT) == I.EVENT_SIZE
+    assert os.path.isfile(I.library())
+    assert ROOT.joinpath("pymtrace/tracee/native/interpose.h").is_file()
