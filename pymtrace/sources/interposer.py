@@ -3,9 +3,11 @@
     rings = RingSet(RingOptions(follow=True))
     proc = subprocess.Popen(argv, env=rings.env(os.environ))
     while proc.poll() is None:
-        for batch in rings.drain():            # Batch(pid, generation, data, count)
+        batches = rings.drain()                # [Batch(pid, generation, data, count)]
+        for batch in batches:
             sink(batch.data)                   # struct record_event bytes, as BPF's ring gives
-        time.sleep(0.005)
+        if not rings.busy(batches):
+            time.sleep(0.001)
     rings.finish(timeout=5)                    # the last processes' records
     rings.stats()                              # per process image: waits, records, allocator
     rings.close()
@@ -22,6 +24,7 @@ makes the calling thread wait; nothing is dropped. docs/internals.md, "The inter
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import mmap
 import os
@@ -57,7 +60,11 @@ RingHeader = _H.structs["ring_header"]
 EVENT = structs.header("record").structs["record_event"]
 EVENT_SIZE = _H.consts["RING_EVENT_SIZE"]
 _NAME = re.compile(r"^(\d+)\.(\d+)$")
+_WORDS = EVENT_SIZE // 8
+_TS = EVENT.rec.offset // 8 + 6  # rec.pad[0], the time, as a u64 word of a record
+_ARANGE = np.arange(_H.consts["RING_MAX_SLOTS"], dtype=np.uint64)
 LIVENESS_S = 0.05  # how often an idle ring's process is checked for having exited or exec'd
+SCAN_S = 0.002  # how often the directory is listed for new rings (a new process's ring fills in ~4 ms)
 
 
 def library() -> str:
@@ -117,43 +124,44 @@ class Ring:
         self.seq = np.frombuffer(self.map, dtype=np.uint64, count=self.slots, offset=base)
         self.events = base + 8 * self.slots
         self.records = self.torn = 0
+        self.tsc = bool(self.header.flags & _H.consts["RING_F_TSC"])
         self.done = False
         self.checked = time.monotonic()
 
-    def take(self, final: bool = False) -> bytes:
-        """The committed records from tail on, in order (FINAL: the writers are gone, so a
-        slot reserved but never written is skipped, and counted in `torn`)."""
+    def take(self, final: bool = False) -> list[np.ndarray]:
+        """The committed records from tail on, in order, as (n, 9) uint64 copies (FINAL: the
+        writers are gone, so a slot reserved but never written is skipped, and counted in
+        `torn`)."""
         h = self.header
         tail = h.tail
         n = min(h.head - tail, self.slots)
         if n <= 0:
-            return b""
+            return []
         start = tail & self.mask
         parts, taken = [], 0
         for first, count in ((start, min(n, self.slots - start)), (0, n - min(n, self.slots - start))):
             if count == 0:
                 break
-            expect = np.arange(tail + taken + 1, tail + taken + 1 + count, dtype=np.uint64)
-            ok = self.seq[first : first + count] == expect
+            ok = self.seq[first : first + count] - np.uint64(tail + taken + 1) == _ARANGE[:count]
+            rows = np.frombuffer(
+                self.map, dtype=np.uint64, count=count * _WORDS, offset=self.events + first * EVENT_SIZE
+            )
+            rows = rows.reshape(count, _WORDS)
             if final:
                 idx = np.flatnonzero(ok)
                 self.torn += count - len(idx)
-                base = self.events + first * EVENT_SIZE
-                view = np.frombuffer(self.map, dtype=np.uint8, count=count * EVENT_SIZE, offset=base)
-                parts.append(view.reshape(count, EVENT_SIZE)[idx].tobytes())
+                parts.append(rows[idx])
                 taken += count
                 continue
             good = count if ok.all() else int(np.argmin(ok))
             if good:
-                off = self.events + first * EVENT_SIZE
-                parts.append(self.map[off : off + good * EVENT_SIZE])
+                parts.append(rows[:good].copy())
             taken += good
             if good < count:
                 break
         h.tail = tail + taken  # after the copy: the producers may reuse those slots now
-        data = b"".join(parts)
-        self.records += len(data) // EVENT_SIZE
-        return data
+        self.records += sum(len(p) for p in parts)
+        return [p for p in parts if len(p)]
 
     def alive(self) -> bool:
         """Whether the process still maps this ring (gone, a zombie, or exec'd: no)."""
@@ -186,6 +194,48 @@ class Ring:
         self.map.close()
 
 
+class Clock:
+    """Maps time stamp counter values (a ring flagged RING_F_TSC stamps records with them) to
+    CLOCK_MONOTONIC ns: linear between pairs of both read together (clockpair.c), one taken
+    when the consumer starts and one after each drain's copy, so every record lies between
+    two pairs."""
+
+    KEEP = 256
+
+    def __init__(self) -> None:
+        path = nativebuild.build_cached(
+            "clockpair", [os.path.join(NATIVE, "clockpair.c")], ["-O2"], kind="shared", what="clock helper"
+        )
+        self._fn = ctypes.CDLL(path).pymtrace_clock_pair
+        self._fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
+        self._fn.restype = None
+        self._a, self._b = ctypes.c_uint64(), ctypes.c_uint64()
+        self.tsc: list[int] = []
+        self.ns: list[int] = []
+        self.pair()
+
+    def pair(self) -> None:
+        self._fn(ctypes.byref(self._a), ctypes.byref(self._b))
+        self.tsc.append(self._a.value)
+        self.ns.append(self._b.value)
+        if len(self.tsc) > 2 * self.KEEP:  # the first pair and the latest ones
+            del self.tsc[1 : -self.KEEP], self.ns[1 : -self.KEEP]
+
+    def to_ns(self, tsc: np.ndarray) -> np.ndarray:
+        """TSC (uint64 counter values) as CLOCK_MONOTONIC ns (uint64); beyond the pairs, by
+        the rate over all of them."""
+        t0, n0 = self.tsc[0], self.ns[0]
+        t = np.array(self.tsc, dtype=np.int64) - t0
+        n = np.array(self.ns, dtype=np.int64) - n0
+        x = (tsc.astype(np.int64) - t0).astype(np.float64)
+        out = np.interp(x, t, n)
+        if len(t) > 1 and t[-1] > 0:
+            rate = n[-1] / t[-1]
+            out = np.where(x > t[-1], n[-1] + (x - t[-1]) * rate, out)
+            out = np.where(x < 0, x * rate, out)
+        return (np.rint(out).astype(np.int64) + n0).astype(np.uint64)
+
+
 def _ring_dir_parent() -> str:
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK):
@@ -211,6 +261,8 @@ class RingSet:
         self.rings: dict[str, Ring] = {}
         self.finished: list[RingStats] = []
         self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._scanned = 0.0
+        self.clock = Clock()
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:
         """BASE with what a launched command needs to be recorded: the library first in
@@ -263,23 +315,33 @@ class RingSet:
     def drain(self) -> list[Batch]:
         """The records written since the last drain, a batch per process image, a process's
         images in exec order; a ring whose process ended or exec'd (a newer ring of its pid
-        exists, or the process maps it no more) is drained to its end and retired."""
-        self._scan()
-        out = []
+        exists, or the process maps it no more) is drained to its end and retired. Each call
+        costs some microseconds whatever it finds: a caller polling in a loop should sleep a
+        millisecond or so while batches are small (see `busy`)."""
         now = time.monotonic()
+        if now - self._scanned >= SCAN_S:
+            self._scanned = now
+            self._scan()
         newest = {}
         for ring in self.rings.values():
             newest[ring.pid] = max(newest.get(ring.pid, -1), ring.generation)
+        taken = []
         for name, ring in sorted(self.rings.items(), key=lambda item: (item[1].pid, item[1].generation)):
             replaced = ring.generation < newest[ring.pid]
-            data = b"" if replaced else ring.take()
-            if replaced or (not data and now - ring.checked >= LIVENESS_S):
+            parts = [] if replaced else ring.take()
+            if replaced or (not parts and now - ring.checked >= LIVENESS_S):
                 ring.checked = now
                 if replaced or not ring.alive():  # no writer can come back: the rest, then retire it
-                    data = ring.take(final=True)
+                    parts = ring.take(final=True)
                     self._retire(name, ring)
-            if data:
-                out.append(Batch(ring.pid, ring.generation, data, len(data) // EVENT_SIZE))
+            taken.append((ring, parts))
+        self.clock.pair()  # after the copies: every record taken is older
+        out = []
+        for ring, parts in taken:
+            for rows in parts:
+                if ring.tsc:
+                    rows[:, _TS] = self.clock.to_ns(rows[:, _TS])
+                out.append(Batch(ring.pid, ring.generation, rows.tobytes(), len(rows)))
         return out
 
     def _retire(self, name: str, ring: Ring) -> None:
@@ -292,6 +354,11 @@ class RingSet:
         except OSError:
             pass
 
+    def busy(self, batches: list[Batch]) -> bool:
+        """Whether BATCHES (one drain's) filled a ring by a quarter or more: drain again at
+        once, rather than sleep (so the producers do not find it full)."""
+        return any(b.count * 4 >= self.options.slots for b in batches)
+
     def live(self) -> int:
         """Rings whose process image may still write."""
         return len(self.rings)
@@ -300,12 +367,13 @@ class RingSet:
         """Drain until every ring's process image has ended (or TIMEOUT seconds)."""
         deadline = time.monotonic() + timeout
         while True:
+            self._scanned = 0.0  # a process may register at the last moment
             batches = self.drain()
             yield from batches
             if not self.rings or time.monotonic() >= deadline:
                 return
-            if not batches:
-                time.sleep(0.002)
+            if not self.busy(batches):
+                time.sleep(0.001)
 
     def stats(self) -> list[RingStats]:
         """Every ring seen: retired ones, then live ones, each in registration order."""

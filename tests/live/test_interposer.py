@@ -72,6 +72,16 @@ def test_every_call_recorded_exactly(calls, mode):
             assert (ts[1:] >= ts[:-1]).all()
 
 
+def test_times_are_clock_monotonic_ns(calls):
+    """Whether stamped from the time stamp counter (then converted) or clock_gettime, every
+    record's time is CLOCK_MONOTONIC ns within the run."""
+    before = time.monotonic_ns()
+    run = run_interposed([calls, "threads", "2"])
+    after = time.monotonic_ns()
+    ts = run.all()["ts"]
+    assert len(ts) > 16000 and before <= ts.min() and ts.max() <= after
+
+
 def test_exec_registers_a_new_ring(calls):
     run = run_interposed([calls, "exec"])
     assert [(s.pid, s.generation) for s in run.stats] == [(run.stats[0].pid, 0), (run.stats[0].pid, 1)]
@@ -81,7 +91,7 @@ def test_exec_registers_a_new_ring(calls):
 def test_signal_handler_records_survive_interrupted_writes(calls):
     """The handler's malloc/free land between the main thread's free(NULL) writes; some of
     them interrupt a write (deferred), none is lost."""
-    run = run_interposed([calls, "signal", "2000"])
+    run = run_interposed([calls, "signal", "1000"])
     assert run.proc.returncode == 0, run.proc.stderr
     lo, hi = text_range(calls)
     assert program_calls(run, lo, hi) == truth(run.proc.stdout)

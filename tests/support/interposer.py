@@ -56,8 +56,10 @@ def run_interposed(
         time.sleep(stall)
         while proc.poll() is None:
             assert time.monotonic() < deadline, f"{argv} did not finish"
-            batches += rings.drain()
-            time.sleep(drain_every)
+            got = rings.drain()
+            batches += got
+            if not rings.busy(got):
+                time.sleep(drain_every)
         batches += rings.finish(timeout=10)
         out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
         proc.stdout.close()

@@ -30,6 +30,7 @@
 
 /* flags */
 #define RING_F_GLIBC_CHUNKS 1 /* calls go to glibc: size2/size3 are chunk sizes */
+#define RING_F_TSC          2 /* pad[0] holds the time stamp counter, not ns: the consumer converts */
 #define RING_F_DETACHED     1 /* `detached`: stop recording (the consumer stopped or is gone) */
 
 struct ring_header {
