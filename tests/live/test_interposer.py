@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, WORKLOADS, missing_or_fail, run_pymtrace
 from support.allocators import LIBS, library
@@ -401,3 +402,45 @@ def test_header_matches_the_library():
     assert ctypes.sizeof(I.EVENT) == I.EVENT_SIZE
     assert os.path.isfile(I.library())
     assert ROOT.joinpath("pymtrace/tracee/native/interpose.h").is_file()
+
+
+def _stress(cbuild, lib=None):
+    """interpose_stress: 3 waves of 8 threads, 20,000 pairs each, through a 1024-slot ring
+    (wrapping some 900 times, threads waiting on it): each thread's records are exactly its
+    calls, in its order."""
+    prog = cbuild("interpose_stress")
+    run = run_interposed([prog, "3", "8", "20000"], I.RingOptions(slots=1024), lib=lib)
+    assert run.proc.returncode == 0, run.proc.stderr
+    (recs,) = run.records.values()
+    mallocs = recs[(recs["type"] == B.MALLOC) & (recs["size"] >= 1 << 20)]
+    seen = set()
+    for tid in np.unique(mallocs["thread"]):
+        sizes = mallocs["size"][mallocs["thread"] == tid]
+        j = int(sizes[0]) >> 20
+        assert (sizes == (j << 20) + np.arange(1, 20001, dtype=np.uint64)).all()
+        seen.add(j)
+    assert seen == set(range(1, 24))  # thread 0's sizes start below 1 MiB: checked apart
+    frees = recs[recs["type"] == B.FREE]
+    assert len(frees) >= 24 * 20000
+    assert sum(s.waits for s in run.stats) > 0 and all(s.torn == 0 for s in run.stats)
+    return run
+
+
+def test_ring_under_many_racing_threads(cbuild):
+    _stress(cbuild)
+
+
+def test_ring_under_many_racing_threads_with_ubsan(cbuild, build_dir):
+    """The same race with the library built with the undefined-behaviour sanitizer (aborting
+    on the first report: an ASan build cannot interpose malloc, ASan does it itself)."""
+    lib = build_dir / "interpose-ubsan.so"
+    native = ROOT / "pymtrace" / "tracee" / "native"
+    r = subprocess.run(
+        ["gcc", *I.CFLAGS, "-g", "-fsanitize=undefined", "-fno-sanitize-recover=all", "-shared", "-fPIC",
+         "-I", str(ROOT / "bpf"), "-o", str(lib), str(native / "interpose.c"), *I.LIBS],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if r.returncode != 0:
+        missing_or_fail(f"no UBSan runtime: {r.stderr[-300:]}")
+    run = _stress(cbuild, str(lib))
+    assert "runtime error" not in run.proc.stderr

@@ -31,12 +31,13 @@ class Run:
 
 
 def run_interposed(
-    argv, options=None, env=None, input=None, drain_every=0.002, stall=0.0, timeout=120, preload_first=None
+    argv, options=None, env=None, input=None, drain_every=0.002, stall=0.0, timeout=120, preload_first=None, lib=None
 ):
     """Run ARGV under the interposer, draining its rings every DRAIN_EVERY seconds (after
     STALL seconds without draining), until it exits and every ring is retired.
-    PRELOAD_FIRST: a library preloaded in front of the interposer (the counter)."""
-    rings = I.RingSet(options or I.RingOptions())
+    PRELOAD_FIRST: a library preloaded in front of the interposer (the counter); LIB: another
+    build of the interposer."""
+    rings = I.RingSet(options or I.RingOptions(), lib=lib)
     batches = []
     try:
         run_env = rings.env(os.environ if env is None else env)
