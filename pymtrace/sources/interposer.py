@@ -414,10 +414,10 @@ _SYM = struct.Struct("<IBBHQQ")
 def _defines_malloc(path: str) -> bool:
     """Whether PATH itself defines a function `malloc` (.symtab or .dynsym; an undefined
     reference, even one with a PLT address, does not count)."""
-    from pymtrace.tracee.elf import _elffile
+    from elftools.elf.elffile import ELFFile  # ~45 ms to import: once per launched command
 
     with open(path, "rb") as f:
-        elf = _elffile(f)
+        elf = ELFFile(f)
         for name in (".dynsym", ".symtab"):
             section = elf.get_section_by_name(name)
             if section is None:
