@@ -104,7 +104,6 @@ class RingStats:
     records: int  # drained so far
     waits: int  # calls that found the ring full and waited
     wait_ns: int
-    nested: int  # calls made inside another traced call (not recorded: the outer one is)
     deferred: int  # calls of a signal handler that interrupted its thread's write
     torn: int  # slots reserved but never written (the process died mid-write)
     done: bool  # the process image ended and every record was drained
@@ -182,7 +181,6 @@ class Ring:
             self.records,
             h.waits,
             h.wait_ns,
-            h.nested,
             h.deferred,
             self.torn,
             self.done,

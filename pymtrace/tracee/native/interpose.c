@@ -330,11 +330,7 @@ static int ring_ready_slow(void) {
 static inline int recording(void) {
     if (UNLIKELY(__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) != RING_READY) && !ring_ready_slow())
         return 0;
-    if (UNLIKELY(ts.depth)) {
-        __atomic_fetch_add(&ring->nested, 1, __ATOMIC_RELAXED);
-        return 0;
-    }
-    return 1;
+    return LIKELY(!ts.depth);
 }
 
 /* The consumer has not made room for POS yet: spin briefly, then sleep, until it does (or it

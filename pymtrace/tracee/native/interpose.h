@@ -56,9 +56,8 @@ struct ring_header {
     /* offset 640: counters producers add to rarely */
     __u64 waits;    /* calls that found the ring full and waited */
     __u64 wait_ns;  /* their total wait */
-    __u64 nested;   /* calls made inside another traced call (by the allocator): not recorded */
     __u64 deferred; /* calls a signal handler made while its thread was writing: written after */
-    __u64 pad3[4];
+    __u64 pad3[5];
 };
 
 #endif
