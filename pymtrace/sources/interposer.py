@@ -257,6 +257,7 @@ class RingSet:
             tempfile.mkdtemp(prefix="pymtrace-rings-", dir=options.parent or _ring_dir_parent())
         )
         self.rings: dict[str, Ring] = {}
+        self.retired: set[str] = set()
         self.finished: list[RingStats] = []
         self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._scanned = 0.0
@@ -277,7 +278,7 @@ class RingSet:
     def _scan(self) -> None:
         for name in os.listdir(self._dir_fd):
             m = _NAME.match(name)
-            if not m or name in self.rings:
+            if not m or name in self.rings or name in self.retired:
                 continue
             ring = self._open(name, int(m.group(1)), int(m.group(2)))
             if ring is not None:
@@ -343,12 +344,19 @@ class RingSet:
         return out
 
     def _retire(self, name: str, ring: Ring) -> None:
+        """Done with NAME: its memory is given back, its name kept (empty) so the next image of
+        the same pid takes a higher generation (a reused name would read as an older image)."""
         ring.done = True
         self.finished.append(ring.stats())
         del self.rings[name]
+        self.retired.add(name)
         ring.close()
         try:
-            os.unlink(name, dir_fd=self._dir_fd)
+            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+            try:
+                os.ftruncate(fd, 0)
+            finally:
+                os.close(fd)
         except OSError:
             pass
 

@@ -88,6 +88,19 @@ def test_exec_registers_a_new_ring(calls):
     assert [s.records >= n for s, n in zip(run.stats, (30, 80))] == [True, True]
 
 
+def test_each_exec_takes_a_higher_generation():
+    """A process that execs again after its earlier rings were drained and retired: each
+    image a new, higher generation (a retired ring's name is kept), none retired early."""
+    script = 'sleep 0.2; exec sh -c "sleep 0.2; exec sh -c \\"sleep 0.2; exec true\\""'
+    run = run_interposed(["sh", "-c", script])
+    assert run.proc.returncode == 0, run.proc.stderr
+    pid = max(run.stats, key=lambda s: s.generation).pid  # (each sleep is a process of its own)
+    images = [s for s in run.stats if s.pid == pid]
+    assert [s.generation for s in images] == [0, 1, 2, 3]
+    assert all(s.done and s.torn == 0 for s in images)
+    assert all(s.records for s in images[:3])  # the shells allocate (true makes no call)
+
+
 def test_signal_handler_records_survive_interrupted_writes(calls):
     """The handler's malloc/free land between the main thread's free(NULL) writes; some of
     them interrupt a write (deferred), none is lost."""
@@ -155,17 +168,20 @@ def test_record_calls_exact_records_with_chunk_sizes(cbuild):
 
 def test_counts_equal_an_ld_preload_counter(cbuild, build_dir, tmp_path):
     """Per call type, per process, over whole runs (start-up and exit included): the tests'
-    own LD_PRELOAD counter, in front of the interposer, saw exactly what it recorded."""
+    own LD_PRELOAD counter, in front of the interposer, saw exactly what it recorded; on the
+    workload and on a real compile (gcc, which runs cc1 and as)."""
     counter = build_counter(build_dir)
     prog = cbuild("interpose_calls", "-no-pie", "-ldl")
-    for mode in (["threads", "2"], ["fork"], ["signal", "200"]):
-        d = tmp_path / mode[0]
+    compile_c = ["gcc", "-O2", "-c", str(WORKLOADS / "record_calls.c"), "-o", str(tmp_path / "rc.o")]
+    for argv in ([prog, "threads", "2"], [prog, "fork"], [prog, "signal", "200"], compile_c):
+        d = tmp_path / str(len(os.listdir(tmp_path)))
         d.mkdir()
         env = dict(os.environ, COUNTER_DIR=str(d))
-        run = run_interposed([prog, *mode], env=env, preload_first=counter)
+        run = run_interposed(argv, env=env, preload_first=counter)
         assert run.proc.returncode == 0, run.proc.stderr
         counted = counter_counts(d)
-        assert counted == {pid: run.counts(pid) for pid in run.records}, mode
+        assert counted == {pid: run.counts(pid) for pid in run.records}, argv
+        assert len(counted) == (3 if argv is compile_c else 2 if "fork" in argv else 1)  # gcc, cc1, as
 
 
 def _cxx(tmp_path):
