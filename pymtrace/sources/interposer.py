@@ -344,21 +344,21 @@ class RingSet:
         return out
 
     def _retire(self, name: str, ring: Ring) -> None:
-        """Done with NAME: its memory is given back, its name kept (empty) so the next image of
-        the same pid takes a higher generation (a reused name would read as an older image)."""
+        """Done with NAME: its memory is given back, its name kept so the next image of the
+        same pid takes a higher generation (a reused name would read as an older image)."""
         ring.done = True
         self.finished.append(ring.stats())
         del self.rings[name]
         self.retired.add(name)
-        ring.close()
+        # its memory is freed by punching out the slots, not by truncating: a writer this
+        # consumer missed (a child cloned without fork's handlers) would get SIGBUS from a
+        # truncated mapping, from a hole only fresh zero pages; and it stops at `detached`
+        ring.header.detached = _H.consts["RING_F_DETACHED"]
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
-            try:
-                os.ftruncate(fd, 0)
-            finally:
-                os.close(fd)
-        except OSError:
+            ring.map.madvise(mmap.MADV_REMOVE, ring.header.header_size, len(ring.map) - ring.header.header_size)
+        except (OSError, AttributeError):  # not tmpfs (a $TMPDIR ring), or no MADV_REMOVE
             pass
+        ring.close()
 
     def busy(self, batches: list[Batch]) -> bool:
         """Whether BATCHES (one drain's) filled a ring by a quarter or more: drain again at
