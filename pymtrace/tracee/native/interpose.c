@@ -306,6 +306,9 @@ static void ring_open_locked(void) {
 }
 
 static int ring_ready_slow(void) {
+    /* this thread is opening the ring (a signal handler's call, say) or is inside a forwarded
+     * call: not recorded, and never waiting for itself */
+    if (ts.depth) return 0;
     int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
     if (state == RING_UNINIT && !ts.resolving) {
         int expect = RING_UNINIT;
