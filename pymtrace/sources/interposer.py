@@ -417,11 +417,26 @@ _STT_FUNC = 2
 _SYM = struct.Struct("<IBBHQQ")
 
 
-def _defines_malloc(path: str) -> bool:
-    """Whether PATH itself defines a function `malloc` (.symtab or .dynsym; an undefined
-    reference, even one with a PLT address, does not count)."""
+def _unwrapped() -> frozenset[str]:
+    """The allocating and freeing functions of jemalloc's, tcmalloc's and mimalloc's own APIs
+    (mallocx, tc_malloc, mi_malloc, ...): the interposer wraps only the standard ones."""
+    from pymtrace.tracee import allocators
+
+    standard = {f.name for f in allocators.STANDARD}
+    return (
+        frozenset(f.name for family in ("jemalloc", "tcmalloc", "mimalloc") for f in allocators.FAMILIES[family])
+        - standard
+    )
+
+
+def _malloc_symbols(path: str) -> tuple[bool, list[str]]:
+    """(whether PATH itself defines a function `malloc`, the functions of an allocator's own
+    API it imports). Read from .dynsym and .symtab; an undefined `malloc`, even with a PLT
+    address, is no definition."""
     from elftools.elf.elffile import ELFFile  # ~45 ms to import: once per launched command
 
+    unwrapped = _unwrapped()
+    defines, imports = False, set()
     with open(path, "rb") as f:
         elf = ELFFile(f)
         for name in (".dynsym", ".symtab"):
@@ -429,13 +444,14 @@ def _defines_malloc(path: str) -> bool:
             if section is None:
                 continue
             strtab = elf.get_section(section["sh_link"]).data()
-            want = strtab.find(b"\0malloc\0")
-            if want < 0:
-                continue
             for st_name, info, _other, shndx, _value, _size in _SYM.iter_unpack(section.data()):
-                if st_name == want + 1 and shndx != _SHN_UNDEF and info & 0xF == _STT_FUNC:
-                    return True
-    return False
+                end = strtab.find(b"\0", st_name)
+                symbol = strtab[st_name:end].decode("utf-8", "replace").split("@")[0]
+                if symbol == "malloc" and shndx != _SHN_UNDEF and info & 0xF == _STT_FUNC:
+                    defines = True
+                elif shndx == _SHN_UNDEF and symbol in unwrapped:
+                    imports.add(symbol)
+    return defines, sorted(imports)
 
 
 def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
@@ -482,9 +498,11 @@ def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -
     if headers is None or (not loader and not any(s.type == elf.PT_INTERP for s in headers.segments)):
         return f"{path}: a static binary, no dynamic loader runs to preload a library"
     try:
-        own = _defines_malloc(path)
+        own, imports = _malloc_symbols(path)
     except Exception:  # pyelftools raises many types on a malformed file
-        own = False
+        own, imports = False, []
     if own:
         return f"{path}: defines malloc itself, its definition wins over a preloaded one"
+    if imports:
+        return f"{path}: calls an allocator's own API ({', '.join(imports[:3])}), which the interposer does not wrap"
     return None

@@ -322,6 +322,21 @@ def test_executable_defining_malloc_is_not_preloadable(cbuild):
     assert I.not_preloadable([prog]) == f"{prog}: defines malloc itself, its definition wins over a preloaded one"
 
 
+def test_executable_calling_jemallocs_own_api_is_not_preloadable(tmp_path):
+    """mallocx/sdallocx go to jemalloc past the interposer: such a program is left to uprobes."""
+    lib = library(LIBS["jemalloc"])
+    src = tmp_path / "x.c"
+    src.write_text(
+        "#include <stddef.h>\nvoid *mallocx(size_t, int); void sdallocx(void *, size_t, int);\n"
+        "int main(void) { void *p = mallocx(10, 0); sdallocx(p, 10, 0); return 0; }\n"
+    )
+    prog = tmp_path / "x"
+    subprocess.run(["gcc", "-o", prog, src, lib], check=True)
+    assert I.not_preloadable([str(prog)]) == (
+        f"{prog}: calls an allocator's own API (mallocx, sdallocx), which the interposer does not wrap"
+    )
+
+
 def test_setuid_to_another_user_is_not_preloadable(calls, tmp_path):
     prog = tmp_path / "suid"
     shutil.copy(calls, prog)
