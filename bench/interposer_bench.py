@@ -50,9 +50,9 @@ def storm_ns(out):
     raise RuntimeError(f"no result from the storm: {out!r}")
 
 
-def run_interposer(argv, sink_path):
+def run_interposer(argv, sink_path, slots):
     """ARGV under the interposer; returns (its stdout, records, waits, consumer CPU s)."""
-    rings = I.RingSet(I.RingOptions())
+    rings = I.RingSet(I.RingOptions(slots=slots))
     cpu0 = time.process_time()
     records = waits = 0
     try:
@@ -80,6 +80,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=2_000_000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--slots", type=int, default=I.RingOptions().slots, help="records per ring")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     modes = [m for m in MODES if m != "heaptrack" or shutil.which("heaptrack")]
@@ -103,7 +104,7 @@ def main():
                             os.unlink(os.path.join(tmp, name))
                 else:
                     sink = os.path.join(tmp, "records") if mode == "interposer-file" else os.devnull
-                    out, records, waits, cpu = run_interposer(argv, sink)
+                    out, records, waits, cpu = run_interposer(argv, sink, args.slots)
                     extra[mode].append((records, waits, cpu))
                     if sink != os.devnull:
                         os.unlink(sink)
@@ -134,7 +135,7 @@ def main():
             row["waits"] = str(sum(e[1] for e in extra[mode]))
             row["consumer ns/record"] = f"{statistics.median(e[2] / e[0] * 1e9 for e in extra[mode]):.1f}"
         rows.append(row)
-    print(f"storm once {args.pairs}: malloc(64)+free pairs, {args.rounds} interleaved rounds")
+    print(f"storm once {args.pairs}: malloc(64)+free pairs, {args.rounds} interleaved rounds, {args.slots} slots")
     print_table(rows, args.markdown)
 
 

@@ -91,7 +91,7 @@ class RingOptions:
 class Batch(NamedTuple):
     pid: int
     generation: int  # 0, then one more per exec of the process
-    data: bytes  # `count` struct record_event (bpf/record.h), in the process's call order
+    data: memoryview  # `count` struct record_event (bpf/record.h), in the process's call order
     count: int
 
 
@@ -220,18 +220,23 @@ class Clock:
             del self.tsc[1 : -self.KEEP], self.ns[1 : -self.KEEP]
 
     def to_ns(self, tsc: np.ndarray) -> np.ndarray:
-        """TSC (uint64 counter values) as CLOCK_MONOTONIC ns (uint64); beyond the pairs, by
-        the rate over all of them."""
-        t0, n0 = self.tsc[0], self.ns[0]
-        t = np.array(self.tsc, dtype=np.int64) - t0
-        n = np.array(self.ns, dtype=np.int64) - n0
-        x = (tsc.astype(np.int64) - t0).astype(np.float64)
-        out = np.interp(x, t, n)
-        if len(t) > 1 and t[-1] > 0:
-            rate = n[-1] / t[-1]
-            out = np.where(x > t[-1], n[-1] + (x - t[-1]) * rate, out)
-            out = np.where(x < 0, x * rate, out)
-        return (np.rint(out).astype(np.int64) + n0).astype(np.uint64)
+        """TSC (uint64 counter values) as CLOCK_MONOTONIC ns (uint64). Most values lie
+        between the last two pairs (one linear map); the others are interpolated over all the
+        pairs kept, and beyond them extended at the rate over all of them."""
+        t1, n1 = self.tsc[-2], self.ns[-2]
+        t2, n2 = self.tsc[-1], self.ns[-1]
+        x = tsc.view(np.int64) - t1
+        out = x * ((n2 - n1) / max(t2 - t1, 1)) + 0.5
+        older = np.flatnonzero(x < 0)
+        if len(older):
+            t0, n0 = self.tsc[0], self.ns[0]
+            t = np.array(self.tsc, dtype=np.int64) - t0
+            n = np.array(self.ns, dtype=np.int64) - n0
+            y = (tsc[older].view(np.int64) - t0).astype(np.float64)
+            rate = n[-1] / max(t[-1], 1)
+            old = np.where(y < 0, y * rate, np.interp(y, t, n))
+            out[older] = old + (n0 - n1) + 0.5
+        return (out.astype(np.int64) + n1).view(np.uint64)
 
 
 def _ring_dir_parent() -> str:
@@ -340,7 +345,7 @@ class RingSet:
             for rows in parts:
                 if ring.tsc:
                     rows[:, _TS] = self.clock.to_ns(rows[:, _TS])
-                out.append(Batch(ring.pid, ring.generation, rows.tobytes(), len(rows)))
+                out.append(Batch(ring.pid, ring.generation, memoryview(rows).cast("B"), len(rows)))
         return out
 
     def _retire(self, name: str, ring: Ring) -> None:
