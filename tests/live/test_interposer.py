@@ -221,6 +221,24 @@ def test_cxx_new_and_delete_every_variant(tmp_path, build_dir):
     assert (aligned["size2"] == 64).all()  # the alignment, as record writes it
 
 
+def test_throwing_new_unwinds_through_the_wrapper(tmp_path):
+    """bad_alloc thrown from inside the wrapped operator new[] reaches the program's catch, and
+    the thread's calls after it are recorded (the nesting depth was restored on the way out).
+    Nothing is recorded for a new that threw; the exception object it allocated inside is not
+    either, its free (by __cxa_end_catch, a tail call: the program's call site) is."""
+    if shutil.which("g++") is None:
+        missing_or_fail("g++ is not installed")
+    prog = tmp_path / "cxx_throw"
+    subprocess.run(["g++", "-O1", "-no-pie", "-o", prog, WORKLOADS / "cxx_throw.cpp"], check=True)
+    run = run_interposed([str(prog)])
+    assert (run.proc.returncode, run.proc.stdout) == (0, "caught 3\n")
+    lo, hi = text_range(str(prog))
+    (recs,) = run.records.values()
+    own = recs[(recs["caller"] >= lo) & (recs["caller"] < hi)]
+    assert collections.Counter(int(r["size"]) for r in own if r["type"] == B.MALLOC) == {100: 10}
+    assert collections.Counter(int(t) for t in own["type"]) == {B.MALLOC: 10, B.FREE: 13}
+
+
 def test_jemalloc_preloaded_behind_it(cbuild):
     """LD_PRELOAD=jemalloc in the command's environment: the interposer comes first and
     forwards to jemalloc; every call of top_calls recorded, no glibc chunk sizes."""
