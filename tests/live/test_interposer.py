@@ -224,8 +224,8 @@ def test_cxx_new_and_delete_every_variant(tmp_path, build_dir):
 def test_throwing_new_unwinds_through_the_wrapper(tmp_path):
     """bad_alloc thrown from inside the wrapped operator new[] reaches the program's catch, and
     the thread's calls after it are recorded (the nesting depth was restored on the way out).
-    Nothing is recorded for a new that threw; the exception object it allocated inside is not
-    either, its free (by __cxa_end_catch, a tail call: the program's call site) is."""
+    Nothing is recorded for a new that threw, but the exception object the runtime allocated
+    inside it is (its free, by __cxa_end_catch, a tail call, has the program's call site)."""
     if shutil.which("g++") is None:
         missing_or_fail("g++ is not installed")
     prog = tmp_path / "cxx_throw"
@@ -237,6 +237,11 @@ def test_throwing_new_unwinds_through_the_wrapper(tmp_path):
     own = recs[(recs["caller"] >= lo) & (recs["caller"] < hi)]
     assert collections.Counter(int(r["size"]) for r in own if r["type"] == B.MALLOC) == {100: 10}
     assert collections.Counter(int(t) for t in own["type"]) == {B.MALLOC: 10, B.FREE: 13}
+    exception_frees = {int(r["ptr1"]) for r in own if r["type"] == B.FREE} - {
+        int(r["ptr2"]) for r in own if r["type"] == B.MALLOC
+    }
+    allocated = {int(r["ptr2"]) for r in recs if r["type"] == B.MALLOC}
+    assert exception_frees and exception_frees <= allocated  # every block freed was recorded
 
 
 def test_jemalloc_preloaded_behind_it(cbuild):

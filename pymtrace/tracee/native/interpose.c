@@ -100,6 +100,10 @@ struct tstate {
     __u32 resolving; /* > 0: inside dlsym: allocations come from the arena */
     __u32 dhead, dcount;
     struct record_event deferred[RING_DEFER];
+    __u32 capturing, ncaught; /* inside an outermost operator new: its inner mallocs, kept */
+    struct {
+        __u64 ptr, size, caller;
+    } caught[4];
 };
 static TLS struct tstate ts;
 
@@ -452,7 +456,10 @@ __attribute__((constructor)) static void interpose_init(void) {
 EXPORT void *malloc(size_t n) {
     if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(n, 16);
     void *p = FORWARD(real.malloc(n));
-    if (recording()) emit(CALL_MALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+    if (recording())
+        emit(CALL_MALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+    else if (UNLIKELY(ts.capturing) && ts.ncaught < 4)
+        ts.caught[ts.ncaught++] = (typeof(ts.caught[0])){(__u64)p, n, CALLER};
     return p;
 }
 
@@ -566,6 +573,24 @@ EXPORT size_t malloc_usable_size(void *p) {
  * delete -> free. The runtime's own malloc/free (and new[] -> new) inside are nested.
  * Compiled with -fexceptions: a throwing new unwinds through here, the cleanup restoring
  * the depth (nothing is recorded for it). */
+/* An outermost operator new keeps the allocations made inside it: returning, they were its
+ * own block (not recorded again); unwinding (it threw), they are the exception object the
+ * runtime allocated, which outlives the call and is freed after the catch: recorded then. */
+struct new_guard {
+    int outer, done;
+};
+
+static void new_leave(struct new_guard *g) {
+    ts.depth--;
+    if (!g->outer) return;
+    ts.capturing = 0;
+    if (!g->done && recording())
+        for (__u32 i = 0; i < ts.ncaught; i++)
+            emit(CALL_MALLOC, 0, ts.caught[i].ptr, ts.caught[i].size, 0, chunk((void *)ts.caught[i].ptr),
+                 ts.caught[i].caller);
+    ts.ncaught = 0;
+}
+
 static void depth_leave(__u32 *unused) {
     (void)unused;
     ts.depth--;
@@ -599,8 +624,11 @@ static void *cxx_next(void **slot, const char *name) {
         void *(*fn)PARAMS = (void *(*)PARAMS)cxx_next(&next, #sym);                                          \
         void *p;                                                                                             \
         {                                                                                                    \
-            NESTED;                                                                                          \
+            __attribute__((cleanup(new_leave))) struct new_guard g = {!ts.depth, 0};                         \
+            ts.depth++;                                                                                      \
+            if (g.outer) ts.capturing = 1, ts.ncaught = 0;                                                   \
             p = fn ? fn ARGS : FALLBACK;                                                                     \
+            g.done = 1;                                                                                      \
         }                                                                                                    \
         if (recording()) emit(TYPE, 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller); \
         return p;                                                                                            \
