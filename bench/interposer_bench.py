@@ -14,6 +14,11 @@ from round to round (the machine is noisy: only ratios inside one run mean anyth
   interposer-file  the same, the records appended to a file (the bytes `record` would write)
   heaptrack    `heaptrack -o FILE CMD` (LD_PRELOAD too; every call with its stack)
 
+--real: python3 (a json loop), sqlite3 (20,000 INSERTs in one transaction, 2 indexes, 2
+queries), a C++ std::map<std::string, std::vector<int>> program and gcc -O2 -c (gcc, cc1,
+as), each whole run's wall time (start-up included) untraced, under the interposer and under
+heaptrack; min and median seconds, and the slowdown of the minima.
+
 Reported per mode: min and median ns per pair, ns added per call against untraced (pair / 2,
 from the minima and from the medians), and for the interposer the records drained, the
 calls that waited for a full ring, and the consumer's CPU per record.
@@ -76,13 +81,91 @@ def run_interposer(argv, sink_path, slots):
     return out, records, waits, time.process_time() - cpu0
 
 
+CXX_MAP = r"""
+#include <map>
+#include <string>
+#include <vector>
+int main() {
+    std::map<std::string, std::vector<int>> m;
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < 30000; i++) m["key-" + std::to_string(i * 7919 % 100003)].push_back(i);
+        for (int i = 0; i < 15000; i++) m.erase("key-" + std::to_string(i * 7919 % 100003));
+    }
+    return m.size() == 15000 ? 0 : 1;
+}
+"""
+
+
+def real_commands(tmp):
+    sql = os.path.join(tmp, "script.sql")
+    with open(sql, "w") as f:
+        f.write("CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n")
+        f.writelines(f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 20011}', {i * 0.5});\n" for i in range(20000))
+        f.write("COMMIT;\nCREATE INDEX i1 ON t(name);\nCREATE INDEX i2 ON t(v);\n")
+        f.write("SELECT count(*) FROM t WHERE name LIKE 'name-1%';\nSELECT sum(v) FROM t GROUP BY name % 10;\n")
+    cxx_src = os.path.join(tmp, "map.cpp")
+    with open(cxx_src, "w") as f:
+        f.write(CXX_MAP)
+    cxx = os.path.join(tmp, "map")
+    subprocess.run(["g++", "-O2", "-o", cxx, cxx_src], check=True)
+    c_src = ROOT / "tests" / "support" / "workloads" / "record_calls.c"
+    return {
+        "python3 json": [
+            "/usr/bin/python3",
+            "-c",
+            "import json; [json.dumps({'a': list(range(50))}) for _ in range(20000)]",
+        ],
+        "sqlite3 script": ["sqlite3", ":memory:", f".read {sql}"],
+        "C++ map<string, vector<int>>": [cxx],
+        "gcc -O2 -c": ["gcc", "-O2", "-c", str(c_src), "-o", os.path.join(tmp, "out.o")],
+    }
+
+
+def real_programs(args):
+    modes = [m for m in ("untraced", "interposer", "heaptrack") if m != "heaptrack" or shutil.which("heaptrack")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        I.library()
+        for name, argv in real_commands(tmp).items():
+            secs = {m: [] for m in modes}
+            records = []
+            for r in range(args.rounds):
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+                    t0 = time.perf_counter()
+                    if mode == "untraced":
+                        subprocess.run(argv, capture_output=True, check=True, cwd=tmp)
+                    elif mode == "heaptrack":
+                        subprocess.run(
+                            ["heaptrack", "-o", os.path.join(tmp, "ht"), *argv], capture_output=True, cwd=tmp
+                        )
+                        for f in os.listdir(tmp):
+                            if f.startswith("ht."):
+                                os.unlink(os.path.join(tmp, f))
+                    else:
+                        _, n, _, _ = run_interposer(argv, os.devnull, args.slots)
+                        records.append(n)
+                    secs[mode].append(time.perf_counter() - t0)
+            base = min(secs["untraced"])
+            row = {"program": name, "records": f"{min(records)}-{max(records)}"}
+            for mode in modes:
+                row[f"{mode} s (min/median)"] = f"{min(secs[mode]):.3f} / {statistics.median(secs[mode]):.3f}"
+                if mode != "untraced":
+                    row[f"{mode} slowdown"] = f"{min(secs[mode]) / base:.2f}x"
+            rows.append(row)
+    print(f"real programs, whole runs (start-up included), {args.rounds} interleaved rounds")
+    print_table(rows, args.markdown)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=2_000_000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--slots", type=int, default=I.RingOptions().slots, help="records per ring")
+    ap.add_argument("--real", action="store_true", help="real programs instead of the storm (wall time)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
+    if args.real:
+        return real_programs(args)
     modes = [m for m in MODES if m != "heaptrack" or shutil.which("heaptrack")]
     ns = {m: [] for m in modes}
     cpu_ns = {m: [] for m in modes}
