@@ -17,7 +17,7 @@
 The library (pymtrace/tracee/native/interpose.c, built on first use by pymtrace.nativebuild)
 wraps the malloc API and C++ operator new/delete, forwards each call to the next definition
 and writes the record `record` writes (bpf/record.h) into a ring per process image: a file
-PID.GEN in a private directory made here (mkdtemp, 0700), shared memory, laid out as
+PID.STAMP in a private directory made here (mkdtemp, 0700), shared memory, laid out as
 pymtrace/tracee/native/interpose.h says (read from that header, never restated). A full ring
 makes the calling thread wait; nothing is dropped. docs/internals.md, "The interposer".
 """
@@ -65,6 +65,7 @@ _TS = EVENT.rec.offset // 8 + 6  # rec.pad[0], the time, as a u64 word of a reco
 _ARANGE = np.arange(_H.consts["RING_MAX_SLOTS"], dtype=np.uint64)
 LIVENESS_S = 0.05  # how often an idle ring's process is checked for having exited or exec'd
 SCAN_S = 0.002  # how often the directory is listed for new rings (a new process's ring fills in ~4 ms)
+SCAN_SHARE = 20  # ... but never more often than every 20 times what the last listing took
 
 
 def library() -> str:
@@ -90,7 +91,7 @@ class RingOptions:
 
 class Batch(NamedTuple):
     pid: int
-    generation: int  # 0, then one more per exec of the process
+    generation: int  # 0, then one more per later image of the pid (an exec)
     data: memoryview  # `count` struct record_event (bpf/record.h), in the process's call order
     count: int
 
@@ -113,8 +114,9 @@ class RingStats:
 class Ring:
     """One process image's ring, mapped by the consumer."""
 
-    def __init__(self, path: str, pid: int, generation: int, fd: int, size: int) -> None:
-        self.path, self.pid, self.generation = path, pid, generation
+    def __init__(self, path: str, pid: int, stamp: int, fd: int, size: int) -> None:
+        self.path, self.pid, self.stamp = path, pid, stamp
+        self.generation = 0  # set by the RingSet: this pid's images seen before it
         self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.header = RingHeader.from_buffer(self.map)
         self.slots = self.header.slots
@@ -263,9 +265,11 @@ class RingSet:
         )
         self.rings: dict[str, Ring] = {}
         self.retired: set[str] = set()
+        self._generations: dict[int, int] = {}  # pid -> its images seen
         self.finished: list[RingStats] = []
         self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._scanned = 0.0
+        self._scan_every = SCAN_S
         self.clock = Clock()
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:
@@ -281,15 +285,19 @@ class RingSet:
         return env
 
     def _scan(self) -> None:
+        found = []
         for name in os.listdir(self._dir_fd):
             m = _NAME.match(name)
-            if not m or name in self.rings or name in self.retired:
-                continue
-            ring = self._open(name, int(m.group(1)), int(m.group(2)))
+            if m and name not in self.rings and name not in self.retired:
+                found.append((int(m.group(1)), int(m.group(2)), name))
+        for pid, stamp, name in sorted(found):  # a pid's images in the order they were made
+            ring = self._open(name, pid, stamp)
             if ring is not None:
+                ring.generation = self._generations.get(pid, 0)
+                self._generations[pid] = ring.generation + 1
                 self.rings[name] = ring
 
-    def _open(self, name: str, pid: int, generation: int) -> Ring | None:
+    def _open(self, name: str, pid: int, stamp: int) -> Ring | None:
         """NAME's ring once its header is complete (None: not yet, or not one of ours)."""
         try:
             fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
@@ -312,7 +320,7 @@ class RingSet:
                 or st.st_size != size
             ):
                 raise PymtraceError(f"{name}: not a ring of this pymtrace version")
-            return Ring(os.path.join(self.directory, name), pid, generation, fd, size)
+            return Ring(os.path.join(self.directory, name), pid, stamp, fd, size)
         finally:
             os.close(fd)
 
@@ -323,15 +331,18 @@ class RingSet:
         costs some microseconds whatever it finds: a caller polling in a loop should sleep a
         millisecond or so while batches are small (see `busy`)."""
         now = time.monotonic()
-        if now - self._scanned >= SCAN_S:
-            self._scanned = now
+        if now - self._scanned >= self._scan_every:
+            # a retired ring keeps its name: with thousands of processes the listing itself
+            # gets costly, so its share of the consumer's time is bounded
             self._scan()
+            self._scanned = time.monotonic()
+            self._scan_every = max(SCAN_S, (self._scanned - now) * SCAN_SHARE)
         newest = {}
         for ring in self.rings.values():
-            newest[ring.pid] = max(newest.get(ring.pid, -1), ring.generation)
+            newest[ring.pid] = max(newest.get(ring.pid, -1), ring.stamp)
         taken = []
-        for name, ring in sorted(self.rings.items(), key=lambda item: (item[1].pid, item[1].generation)):
-            replaced = ring.generation < newest[ring.pid]
+        for name, ring in sorted(self.rings.items(), key=lambda item: (item[1].pid, item[1].stamp)):
+            replaced = ring.stamp < newest[ring.pid]
             parts = [] if replaced else ring.take()
             if replaced or (not parts and now - ring.checked >= LIVENESS_S):
                 ring.checked = now
@@ -349,21 +360,18 @@ class RingSet:
         return out
 
     def _retire(self, name: str, ring: Ring) -> None:
-        """Done with NAME: its memory is given back, its name kept so the next image of the
-        same pid takes a higher generation (a reused name would read as an older image)."""
+        """Done with NAME: detached (a writer this consumer did not know of, a child cloned
+        without fork's handlers, stops writing) and removed."""
         ring.done = True
         self.finished.append(ring.stats())
         del self.rings[name]
         self.retired.add(name)
-        # its memory is freed by punching out the slots, not by truncating: a writer this
-        # consumer missed (a child cloned without fork's handlers) would get SIGBUS from a
-        # truncated mapping, from a hole only fresh zero pages; and it stops at `detached`
         ring.header.detached = _H.consts["RING_F_DETACHED"]
-        try:
-            ring.map.madvise(mmap.MADV_REMOVE, ring.header.header_size, len(ring.map) - ring.header.header_size)
-        except (OSError, AttributeError):  # not tmpfs (a $TMPDIR ring), or no MADV_REMOVE
-            pass
         ring.close()
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except OSError:
+            pass
 
     def busy(self, batches: list[Batch]) -> bool:
         """Whether BATCHES (one drain's) filled a ring by a quarter or more: drain again at

@@ -15,7 +15,7 @@
  * - a signal handler interrupting its thread's ring write leaves its records in a small
  *   per-thread buffer written right after (a ring write is never nested in itself).
  * - fork: the child unmaps the parent's ring and registers its own (or, not followed,
- *   records nothing). exec: the new image registers again (PID.GEN+1). vfork: the child
+ *   records nothing). exec: the new image registers again (a later PID.STAMP). vfork: the child
  *   runs on the parent's memory and thread state; what it allocates lands in the parent's
  *   heap and is recorded in the parent's ring as the parent thread's, through the same
  *   multi-producer protocol (nothing the parent holds is half-written: vfork is not called
@@ -244,7 +244,7 @@ static int is_root(int dirfd, __u32 pid) {
     return v == pid;
 }
 
-/* Create and map this process image's ring: RING_DIR/PID.GEN with the first GEN free. Only
+/* Create and map this process image's ring: RING_DIR/PID.STAMP, STAMP its creation time. Only
  * system calls (and getenv): a thread waiting for another's open cannot deadlock with it. */
 static void ring_open_locked(void) {
     const char *dir = getenv("PYMTRACE_RING_DIR");
@@ -268,11 +268,11 @@ static void ring_open_locked(void) {
     size_t bytes = RING_HEADER_SIZE + slots * (sizeof(__u64) + sizeof(struct record_event));
     char name[48];
     int fd = -1;
-    __u32 gen;
-    for (gen = 0; gen < 100000; gen++) {
+    __u64 stamp = now_ns(); /* a later image of this pid (exec, a reused pid) sorts after */
+    for (int tries = 0; tries < 1000; tries++, stamp++) {
         char *p = put_number(name, pid);
         *p++ = '.';
-        put_number(p, gen);
+        put_number(p, stamp);
         fd = openat(dirfd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
         if (fd >= 0 || errno != EEXIST) break;
     }
@@ -293,11 +293,10 @@ static void ring_open_locked(void) {
     h->slots = (__u32)slots;
     h->event_size = sizeof(struct record_event);
     h->pid = pid;
-    h->generation = gen;
     use_tsc = clocksource_is_tsc();
     h->flags = (glibc_chunks ? RING_F_GLIBC_CHUNKS : 0) | (use_tsc ? RING_F_TSC : 0);
     h->owner = (__u32)env_number("PYMTRACE_RING_OWNER", 0);
-    h->created_ns = now_ns();
+    h->created_ns = stamp;
     memcpy(h->allocator, allocator_path, sizeof(h->allocator));
     ring_seq = (__u64 *)((char *)map + RING_HEADER_SIZE);
     ring_ev = (struct record_event *)(ring_seq + slots);

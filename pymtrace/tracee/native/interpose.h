@@ -4,8 +4,9 @@
  * (the consumer) reads it with pymtrace.bpf.structs.parse, which understands only
  * `#define NAME NUMBER` and structs of fixed-width fields (so no expressions, no enums).
  *
- * One file per process image, RING_DIR/PID.GEN (GEN: 0, then one more for each exec of the
- * same process, or a reused pid), created by the library with O_CREAT|O_EXCL|O_NOFOLLOW,
+ * One file per process image, RING_DIR/PID.STAMP (STAMP: CLOCK_MONOTONIC ns when it was made,
+ * so the image an exec of the same process makes, or a reused pid's, sorts after), created by
+ * the library with O_CREAT|O_EXCL|O_NOFOLLOW,
  * mode 0600, in the private directory pymtrace made (mkdtemp: 0700). Layout: the header
  * (RING_HEADER_SIZE bytes), then `slots` u64 sequence words, then `slots` struct
  * record_event (bpf/record.h: the BPF ring buffer's very records, 72 bytes each).
@@ -40,10 +41,10 @@ struct ring_header {
     __u32 slots;
     __u32 event_size;
     __u32 pid;
-    __u32 generation;
     __u32 flags;
-    __u32 owner;      /* pid of the consumer: a producer waiting on a full ring stops if it is gone */
-    __u64 created_ns; /* CLOCK_MONOTONIC */
+    __u32 owner; /* pid of the consumer: a producer waiting on a full ring stops if it is gone */
+    __u32 reserved;
+    __u64 created_ns;              /* CLOCK_MONOTONIC: the STAMP of its name */
     char allocator[RING_PATH_MAX]; /* the object the calls are forwarded to (its malloc) */
     __u64 pad0[26];
     /* offset 512, its own cache line: producers' reservations */
