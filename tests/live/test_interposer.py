@@ -231,7 +231,7 @@ def test_throwing_new_unwinds_through_the_wrapper(tmp_path):
     prog = tmp_path / "cxx_throw"
     subprocess.run(["g++", "-O1", "-no-pie", "-o", prog, WORKLOADS / "cxx_throw.cpp"], check=True)
     run = run_interposed([str(prog)])
-    assert (run.proc.returncode, run.proc.stdout) == (0, "caught 3\n")
+    assert (run.proc.returncode, run.proc.stdout) == (0, "caught 3\n"), run.proc.stderr
     lo, hi = text_range(str(prog))
     (recs,) = run.records.values()
     own = recs[(recs["caller"] >= lo) & (recs["caller"] < hi)]

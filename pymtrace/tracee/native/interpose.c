@@ -98,7 +98,7 @@ struct tstate {
     __u32 depth;     /* > 0: inside a forwarded call whose inner calls are not recorded */
     __u32 writing;   /* > 0: a ring write is under way (a signal handler defers) */
     __u32 resolving; /* > 0: inside dlsym: allocations come from the arena */
-    __u32 dhead, dcount;
+    __u32 dcount;
     struct record_event deferred[RING_DEFER];
     __u32 capturing, ncaught; /* inside an outermost operator new: its inner mallocs, kept */
     struct {
@@ -382,6 +382,26 @@ static inline void ring_put(const struct record_event *e) {
     __atomic_store_n(&ring_seq[pos & ring_mask], pos + 1, __ATOMIC_RELEASE);
 }
 
+/* Write the records signal handlers left while this thread was writing, in their order
+ * (called by the outermost write, `writing` held). A handler appends at deferred[dcount] and
+ * then counts it; the count is reset only by a compare-and-swap from the number written, a
+ * single instruction no handler can come between. */
+static void flush_deferred(struct tstate *t) {
+    __u32 done = 0;
+    for (;;) {
+        if (done < __atomic_load_n(&t->dcount, __ATOMIC_RELAXED)) {
+            __atomic_signal_fence(__ATOMIC_SEQ_CST);
+            struct record_event d = t->deferred[done++];
+            d.rec.pad[0] = stamp(); /* timed when written: after the record it interrupted */
+            ring_put(&d);
+            continue;
+        }
+        __u32 expect = done;
+        if (__atomic_compare_exchange_n(&t->dcount, &expect, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return;
+    }
+}
+
 static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 size2, __u64 size3,
                         __u64 caller) {
     struct tstate *t = &ts;
@@ -396,33 +416,38 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
     e.rec.size3 = size3;
     e.rec.pad[1] = caller;
     e.tgid = self_pid;
-    if (UNLIKELY(t->writing)) {       /* a signal handler interrupted this thread's ring_put */
-        if (t->dcount < RING_DEFER) { /* timed when written, after the interrupted record */
-            t->deferred[(t->dhead + t->dcount) % RING_DEFER] = e;
+    if (UNLIKELY(t->writing)) { /* a signal handler interrupted this thread's write */
+        __u32 n = t->dcount;
+        if (n < RING_DEFER) {
+            t->deferred[n] = e;
             __atomic_signal_fence(__ATOMIC_SEQ_CST);
-            t->dcount++;
+            __atomic_fetch_add(&t->dcount, 1, __ATOMIC_RELAXED);
             __atomic_fetch_add(&ring->deferred, 1, __ATOMIC_RELAXED);
             return;
-        } /* else written at once: it can only block if the ring is full */
+        }
+        /* the buffer is full: written at once (it can only block if the ring is full) */
+        t->writing++;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        e.rec.pad[0] = stamp();
+        ring_put(&e);
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        t->writing--;
+        return;
     }
-    t->writing++;
+    t->writing = 1;
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     /* timed inside the window: a handler's records before it are earlier, deferred ones later */
     e.rec.pad[0] = stamp();
     ring_put(&e);
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    t->writing--;
-    while (UNLIKELY(t->dcount) && !t->writing) { /* what handlers left, in their order */
-        t->writing++;
+    for (;;) {
+        if (UNLIKELY(__atomic_load_n(&t->dcount, __ATOMIC_RELAXED))) flush_deferred(t);
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        struct record_event d = t->deferred[t->dhead];
-        t->dhead = (t->dhead + 1) % RING_DEFER;
-        t->dcount--;
+        t->writing = 0;
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        d.rec.pad[0] = stamp();
-        ring_put(&d);
+        /* one that came after the flush but before `writing` fell */
+        if (LIKELY(!__atomic_load_n(&t->dcount, __ATOMIC_RELAXED))) return;
+        t->writing = 1;
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        t->writing--;
     }
 }
 
