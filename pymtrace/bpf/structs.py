@@ -10,7 +10,8 @@ so a field added to a header is seen by Python at once.
     rec.consts["CALL_MALLOC"]                 # 1
 
 The native replay simulator's contract is read the same way from pymtrace/replay/native/wl.h
-(`native_header("wl")`).
+(`native_header("wl")`), the interposer's ring from pymtrace/tracee/native/interpose.h
+(`native_header("interpose", "tracee")`).
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def header(program: str) -> Header:
 
 
 @functools.lru_cache(maxsize=None)
-def native_header(name: str) -> Header:
-    """Parse pymtrace/replay/native/NAME.h (the contract the native simulator shares with Python)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "replay" / "native" / f"{name}.h"
+def native_header(name: str, package: str = "replay") -> Header:
+    """Parse pymtrace/PACKAGE/native/NAME.h (the contract a native helper shares with Python)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / package / "native" / f"{name}.h"
     consts, structs = parse(path.read_text())
     return Header(consts, structs)

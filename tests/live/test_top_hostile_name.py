@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_pymtrace
+from support.cli import run_pymtrace
+from support.paths import ROOT
 from support.tui import Tmux
 
 NAME = "\x1b[2J\x1b]0;PWN\x07X"  # clear the screen, set the window title to PWN, bell

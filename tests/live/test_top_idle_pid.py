@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 
 # 16 MiB touched before attach, then asleep: no malloc call while top watches
 IDLE = """

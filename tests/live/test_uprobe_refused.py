@@ -9,7 +9,8 @@ import re
 import subprocess
 
 import pytest
-from conftest import WORKLOADS, run_pymtrace
+from support.cli import run_pymtrace
+from support.paths import WORKLOADS
 
 from pymtrace.bpf import uprobes
 
@@ -19,7 +20,7 @@ def counter(tmp_path_factory):
     """The preload counter library, built as a user would (-O2: no frame pointer, so malloc
     starts with its `lock add`)."""
     out = tmp_path_factory.mktemp("preload") / "libcounter.so"
-    src = WORKLOADS / "preload_counter.c"
+    src = WORKLOADS / "lock_add_interposer.c"
     subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(out), str(src), "-ldl"], check=True)
     dump = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(out)], capture_output=True, text=True).stdout
     first = re.search(r"<malloc>:\n\s*[0-9a-f]+:\s*(\S+)", dump)

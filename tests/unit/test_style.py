@@ -169,3 +169,14 @@ def _pymtrace_modules(tree):
                 if (ROOT / (full.replace(".", "/") + ".py")).exists() or (ROOT / full.replace(".", "/")).is_dir():
                     names.add(a.asname or a.name)
     return names
+
+
+def test_no_test_imports_conftest():
+    """Helpers live in tests/support; conftest.py holds fixtures and hooks, which pytest
+    provides without an import."""
+    bad = [
+        rel
+        for rel in tracked("tests/*.py", "tests/**/*.py")
+        if re.search(r"^\s*(from conftest import|import conftest)", (ROOT / rel).read_text(), re.M)
+    ]
+    assert bad == []

@@ -8,7 +8,7 @@ import json
 import time
 
 import pytest
-from conftest import run_pymtrace
+from support.cli import run_pymtrace
 from support.heapprofile import LIBC, FakeSymbolizer
 
 from pymtrace.sinks import tui, views

@@ -1,0 +1,699 @@
+/* pymtrace's LD_PRELOAD interposer: every malloc-API call of the process, forwarded to the
+ * next definition (glibc, or a preloaded/linked jemalloc, tcmalloc, mimalloc), written as
+ * the record `record` writes (bpf/record.h) into a shared-memory ring (interpose.h) that
+ * pymtrace drains. Built by pymtrace/sources/interposer.py (pymtrace.nativebuild).
+ *
+ * Environment (set by the consumer): PYMTRACE_RING_DIR (the private ring directory; absent:
+ * the library only forwards), PYMTRACE_FOLLOW (0: only the first process to register, and
+ * its execs, is traced), PYMTRACE_RING_SLOTS, PYMTRACE_RING_OWNER (the consumer's pid).
+ *
+ * What makes it safe where interposers break (docs/internals.md, "The interposer"):
+ * - dlsym bootstrap: while a thread resolves the next definitions, its allocations come
+ *   from a static arena (never freed, never recorded).
+ * - a thread's calls made inside the forwarded allocator (operator new -> malloc, an
+ *   allocator's own internal use) are not recorded again: a per-thread depth.
+ * - a signal handler interrupting its thread's ring write leaves its records in a small
+ *   per-thread buffer written right after (a ring write is never nested in itself).
+ * - fork: the child unmaps the parent's ring and registers its own (or, not followed,
+ *   records nothing). exec: the new image registers again (a later PID.STAMP). vfork: the child
+ *   runs on the parent's memory and thread state; what it allocates lands in the parent's
+ *   heap and is recorded in the parent's ring as the parent thread's, through the same
+ *   multi-producer protocol (nothing the parent holds is half-written: vfork is not called
+ *   from inside a wrapper).
+ * - no file descriptor stays open, errno is kept, nothing is printed.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/types.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "record.h"
+#include "interpose.h"
+
+#define EXPORT      __attribute__((visibility("default")))
+#define TLS         __thread __attribute__((tls_model("initial-exec")))
+#define LIKELY(x)   __builtin_expect(!!(x), 1)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define CALLER      ((__u64)__builtin_return_address(0))
+/* A call forwarded to another allocator than glibc may call the malloc API itself (at its
+ * initialisation, say): those inner calls are not the program's. glibc's never do. */
+#define FORWARD(expr)                                                                                        \
+    ({                                                                                                       \
+        __typeof__(expr) r_;                                                                                 \
+        if (LIKELY(glibc_chunks)) {                                                                          \
+            r_ = (expr);                                                                                     \
+        } else {                                                                                             \
+            ts.depth++;                                                                                      \
+            r_ = (expr);                                                                                     \
+            ts.depth--;                                                                                      \
+        }                                                                                                    \
+        r_;                                                                                                  \
+    })
+
+_Static_assert(sizeof(struct record_event) == RING_EVENT_SIZE, "record_event layout");
+_Static_assert(sizeof(struct ring_header) <= RING_HEADER_SIZE, "ring header size");
+_Static_assert(offsetof(struct ring_header, head) == 512, "head on its own line");
+_Static_assert(offsetof(struct ring_header, tail) == 576, "tail on its own line");
+
+/* ---- the next definitions ------------------------------------------------------------- */
+typedef void *(*malloc_fn)(size_t);
+typedef void *(*calloc_fn)(size_t, size_t);
+typedef void *(*realloc_fn)(void *, size_t);
+typedef void (*free_fn)(void *);
+typedef void *(*memalign_fn)(size_t, size_t);
+typedef int (*posix_memalign_fn)(void **, size_t, size_t);
+typedef size_t (*usable_fn)(void *);
+
+static struct {
+    malloc_fn malloc;
+    calloc_fn calloc;
+    realloc_fn realloc;
+    free_fn free;
+    memalign_fn memalign;
+    memalign_fn aligned_alloc;
+    posix_memalign_fn posix_memalign;
+    malloc_fn valloc;
+    malloc_fn pvalloc;
+    usable_fn usable;
+} real;
+
+static char allocator_path[RING_PATH_MAX];
+static int glibc_chunks;
+static __u64 page_size = 4096;
+
+/* ---- per-thread state ----------------------------------------------------------------- */
+struct tstate {
+    __s32 tid;       /* cached gettid() (reset in a fork child) */
+    __u32 depth;     /* > 0: inside a forwarded call whose inner calls are not recorded */
+    __u32 writing;   /* > 0: a ring write is under way (a signal handler defers) */
+    __u32 resolving; /* > 0: inside dlsym: allocations come from the arena */
+    __u32 dcount;
+    struct record_event deferred[RING_DEFER];
+    __u32 capturing, ncaught; /* inside an outermost operator new: its inner mallocs, kept */
+    struct {
+        __u64 ptr, size, caller;
+    } caught[4];
+};
+static TLS struct tstate ts;
+
+/* ---- the bootstrap arena (dlsym may allocate before malloc is known) -------------------- */
+#define ARENA_SIZE (256 * 1024)
+static char arena[ARENA_SIZE] __attribute__((aligned(64)));
+static size_t arena_used;
+
+static int in_arena(const void *p) {
+    return (const char *)p >= arena && (const char *)p < arena + ARENA_SIZE;
+}
+
+static void *arena_alloc(size_t n, size_t align) {
+    if (align < 16) align = 16;
+    size_t old = __atomic_load_n(&arena_used, __ATOMIC_RELAXED), start, end;
+    do {
+        start = (old + 16 + align - 1) & ~(align - 1); /* 16 bytes before: the block's size */
+        end = start + n;
+        if (end > ARENA_SIZE || end < start) return NULL;
+    } while (!__atomic_compare_exchange_n(&arena_used, &old, end, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *(size_t *)(arena + start - 16) = n;
+    return arena + start;
+}
+
+static size_t arena_size(const void *p) {
+    return *(const size_t *)((const char *)p - 16);
+}
+
+/* Resolve the next definitions. Idempotent and lock-free (dlsym takes the loader's recursive
+ * lock): every thread that finds them missing resolves them itself. */
+static int resolve(void) {
+    if (real.free) return 1;
+    if (ts.resolving) return 0;
+    ts.resolving++;
+    ts.depth++;
+    int saved = errno;
+    real.calloc = (calloc_fn)dlsym(RTLD_NEXT, "calloc");
+    real.realloc = (realloc_fn)dlsym(RTLD_NEXT, "realloc");
+    real.memalign = (memalign_fn)dlsym(RTLD_NEXT, "memalign");
+    real.aligned_alloc = (memalign_fn)dlsym(RTLD_NEXT, "aligned_alloc");
+    real.posix_memalign = (posix_memalign_fn)dlsym(RTLD_NEXT, "posix_memalign");
+    real.valloc = (malloc_fn)dlsym(RTLD_NEXT, "valloc");
+    real.pvalloc = (malloc_fn)dlsym(RTLD_NEXT, "pvalloc");
+    real.usable = (usable_fn)dlsym(RTLD_NEXT, "malloc_usable_size");
+    malloc_fn m = (malloc_fn)dlsym(RTLD_NEXT, "malloc");
+    Dl_info info;
+    if (m && dladdr((void *)m, &info) && info.dli_fname) {
+        size_t n = strlen(info.dli_fname);
+        if (n >= RING_PATH_MAX) n = RING_PATH_MAX - 1;
+        memcpy(allocator_path, info.dli_fname, n);
+        allocator_path[n] = 0;
+        const char *base = strrchr(allocator_path, '/');
+        base = base ? base + 1 : allocator_path;
+        glibc_chunks = strncmp(base, "libc.so", 7) == 0;
+    }
+    long pg = sysconf(_SC_PAGESIZE);
+    if (pg > 0) page_size = (__u64)pg;
+    real.malloc = m;
+    __atomic_store_n(&real.free, (free_fn)dlsym(RTLD_NEXT, "free"), __ATOMIC_RELEASE);
+    errno = saved;
+    ts.depth--;
+    ts.resolving--;
+    return real.free != NULL && real.malloc != NULL;
+}
+
+/* ---- the ring ------------------------------------------------------------------------- */
+enum { RING_UNINIT, RING_OPENING, RING_READY, RING_OFF };
+static int ring_state;
+static struct ring_header *ring;
+static __u64 *ring_seq;
+static struct record_event *ring_ev;
+static __u64 ring_mask;
+static __u32 self_pid;
+static size_t ring_bytes;
+
+static unsigned long env_number(const char *name, unsigned long dflt) {
+    const char *s = getenv(name);
+    if (!s || !*s) return dflt;
+    unsigned long v = 0;
+    for (; *s >= '0' && *s <= '9'; s++) v = v * 10 + (unsigned long)(*s - '0');
+    return *s ? dflt : v;
+}
+
+static char *put_number(char *out, unsigned long v) {
+    char tmp[24];
+    int n = 0;
+    do tmp[n++] = (char)('0' + v % 10), v /= 10;
+    while (v);
+    while (n) *out++ = tmp[--n];
+    *out = 0;
+    return out;
+}
+
+static __u64 now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (__u64)t.tv_sec * 1000000000ull + (__u64)t.tv_nsec;
+}
+
+/* A record's time: the time stamp counter where the kernel keeps time by it (its clocksource
+ * is "tsc": invariant, the same on every CPU), ~20 ns a call cheaper than clock_gettime; the
+ * consumer maps it to CLOCK_MONOTONIC ns (clockpair.c). Else CLOCK_MONOTONIC ns. */
+static int use_tsc;
+
+static int clocksource_is_tsc(void) {
+    char text[16];
+    int fd = open("/sys/devices/system/clocksource/clocksource0/current_clocksource", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, text, sizeof(text));
+    close(fd);
+    return n == 4 && memcmp(text, "tsc\n", 4) == 0;
+}
+
+static inline __u64 stamp(void) {
+    return LIKELY(use_tsc) ? __builtin_ia32_rdtsc() : now_ns();
+}
+
+/* Not following forks: only the first process to register (the launched command) and the
+ * images it execs are traced. "root" holds that process's pid. */
+static int is_root(int dirfd, __u32 pid) {
+    char text[24];
+    int fd = openat(dirfd, "root", O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+        char *end = put_number(text, pid);
+        ssize_t w = write(fd, text, (size_t)(end - text));
+        close(fd);
+        return w == end - text;
+    }
+    if (errno != EEXIST) return 0;
+    fd = openat(dirfd, "root", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    text[n] = 0;
+    unsigned long v = 0;
+    for (char *s = text; *s >= '0' && *s <= '9'; s++) v = v * 10 + (unsigned long)(*s - '0');
+    return v == pid;
+}
+
+/* Create and map this process image's ring: RING_DIR/PID.STAMP, STAMP its creation time. Only
+ * system calls (and getenv): a thread waiting for another's open cannot deadlock with it. */
+static void ring_open_locked(void) {
+    const char *dir = getenv("PYMTRACE_RING_DIR");
+    if (!dir || !*dir || !resolve()) {
+        __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
+        return;
+    }
+    __u32 pid = (__u32)getpid();
+    int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dirfd < 0) {
+        __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
+        return;
+    }
+    if (env_number("PYMTRACE_FOLLOW", 1) == 0 && !is_root(dirfd, pid)) {
+        close(dirfd);
+        __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
+        return;
+    }
+    unsigned long slots = env_number("PYMTRACE_RING_SLOTS", RING_SLOTS);
+    if (slots < RING_MIN_SLOTS || slots > RING_MAX_SLOTS || (slots & (slots - 1))) slots = RING_SLOTS;
+    size_t bytes = RING_HEADER_SIZE + slots * (sizeof(__u64) + sizeof(struct record_event));
+    char name[48];
+    int fd = -1;
+    __u64 stamp = now_ns(); /* a later image of this pid (exec, a reused pid) sorts after */
+    for (int tries = 0; tries < 1000; tries++, stamp++) {
+        char *p = put_number(name, pid);
+        *p++ = '.';
+        put_number(p, stamp);
+        fd = openat(dirfd, name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd >= 0 || errno != EEXIST) break;
+    }
+    close(dirfd);
+    void *map = MAP_FAILED;
+    if (fd >= 0) {
+        if (ftruncate(fd, (off_t)bytes) == 0)
+            map = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+    }
+    if (map == MAP_FAILED) {
+        __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
+        return;
+    }
+    struct ring_header *h = map;
+    h->version = RING_VERSION;
+    h->header_size = RING_HEADER_SIZE;
+    h->slots = (__u32)slots;
+    h->event_size = sizeof(struct record_event);
+    h->pid = pid;
+    use_tsc = clocksource_is_tsc();
+    h->flags = (glibc_chunks ? RING_F_GLIBC_CHUNKS : 0) | (use_tsc ? RING_F_TSC : 0);
+    h->owner = (__u32)env_number("PYMTRACE_RING_OWNER", 0);
+    h->created_ns = stamp;
+    memcpy(h->allocator, allocator_path, sizeof(h->allocator));
+    ring_seq = (__u64 *)((char *)map + RING_HEADER_SIZE);
+    ring_ev = (struct record_event *)(ring_seq + slots);
+    ring_mask = slots - 1;
+    ring_bytes = bytes;
+    self_pid = pid;
+    ring = h;
+    __atomic_store_n(&h->magic, RING_MAGIC, __ATOMIC_RELEASE);
+    __atomic_store_n(&ring_state, RING_READY, __ATOMIC_RELEASE);
+}
+
+static int ring_ready_slow(void) {
+    /* this thread is opening the ring (a signal handler's call, say) or is inside a forwarded
+     * call: not recorded, and never waiting for itself */
+    if (ts.depth) return 0;
+    int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
+    if (state == RING_UNINIT && !ts.resolving) {
+        int expect = RING_UNINIT;
+        if (__atomic_compare_exchange_n(&ring_state, &expect, RING_OPENING, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            int saved = errno;
+            ts.depth++; /* getenv and the system calls never allocate; this is the guarantee */
+            ring_open_locked();
+            ts.depth--;
+            errno = saved;
+        }
+        state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
+    }
+    while (state == RING_OPENING) { /* another thread is opening it: only system calls */
+        __builtin_ia32_pause();
+        state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
+    }
+    return state == RING_READY;
+}
+
+/* Whether this call is recorded (the ring is ready and the call is not nested). */
+static inline int recording(void) {
+    if (UNLIKELY(__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) != RING_READY) && !ring_ready_slow())
+        return 0;
+    return LIKELY(!ts.depth);
+}
+
+/* The consumer has not made room for POS yet: spin briefly, then sleep, until it does (or it
+ * detached, or its process is gone: then recording stops, the program must not hang). */
+static int wait_room(struct ring_header *h, __u64 pos) {
+    int saved = errno;
+    __u64 t0 = now_ns(), checked = t0;
+    __atomic_fetch_add(&h->waits, 1, __ATOMIC_RELAXED);
+    int spins = 0, ok = 1;
+    while (pos - __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE) > ring_mask) {
+        if (__atomic_load_n(&h->detached, __ATOMIC_RELAXED)) {
+            ok = 0;
+            break;
+        }
+        if (spins < 256) {
+            spins++;
+            __builtin_ia32_pause();
+            continue;
+        }
+        struct timespec nap = {0, 20000};
+        nanosleep(&nap, NULL);
+        __u64 now = now_ns();
+        if (h->owner && now - checked > 100000000ull) {
+            checked = now;
+            if (kill((pid_t)h->owner, 0) != 0 && errno == ESRCH) {
+                __atomic_store_n(&h->detached, RING_F_DETACHED, __ATOMIC_RELAXED);
+                ok = 0;
+                break;
+            }
+        }
+    }
+    __atomic_fetch_add(&h->wait_ns, now_ns() - t0, __ATOMIC_RELAXED);
+    errno = saved;
+    return ok;
+}
+
+static inline void ring_put(const struct record_event *e) {
+    struct ring_header *h = ring;
+    if (UNLIKELY(__atomic_load_n(&h->detached, __ATOMIC_RELAXED))) return;
+    __u64 pos = __atomic_fetch_add(&h->head, 1, __ATOMIC_RELAXED);
+    if (UNLIKELY(pos - __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE) > ring_mask) && !wait_room(h, pos)) return;
+    ring_ev[pos & ring_mask] = *e;
+    __atomic_store_n(&ring_seq[pos & ring_mask], pos + 1, __ATOMIC_RELEASE);
+}
+
+/* Write the records signal handlers left while this thread was writing, in their order
+ * (called by the outermost write, `writing` held). A handler appends at deferred[dcount] and
+ * then counts it; the count is reset only by a compare-and-swap from the number written, a
+ * single instruction no handler can come between. */
+static void flush_deferred(struct tstate *t) {
+    __u32 done = 0;
+    for (;;) {
+        if (done < __atomic_load_n(&t->dcount, __ATOMIC_RELAXED)) {
+            __atomic_signal_fence(__ATOMIC_SEQ_CST);
+            struct record_event d = t->deferred[done++];
+            d.rec.pad[0] = stamp(); /* timed when written: after the record it interrupted */
+            ring_put(&d);
+            continue;
+        }
+        __u32 expect = done;
+        if (__atomic_compare_exchange_n(&t->dcount, &expect, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return;
+    }
+}
+
+static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 size2, __u64 size3,
+                        __u64 caller) {
+    struct tstate *t = &ts;
+    if (UNLIKELY(!t->tid)) t->tid = (__s32)syscall(SYS_gettid);
+    struct record_event e;
+    e.rec.thread = t->tid;
+    e.rec.type = type;
+    e.rec.ptr1 = ptr1;
+    e.rec.ptr2 = ptr2;
+    e.rec.size = size;
+    e.rec.size2 = size2;
+    e.rec.size3 = size3;
+    e.rec.pad[1] = caller;
+    e.tgid = self_pid;
+    if (UNLIKELY(t->writing)) { /* a signal handler interrupted this thread's write */
+        __u32 n = t->dcount;
+        if (n < RING_DEFER) {
+            t->deferred[n] = e;
+            __atomic_signal_fence(__ATOMIC_SEQ_CST);
+            __atomic_fetch_add(&t->dcount, 1, __ATOMIC_RELAXED);
+            __atomic_fetch_add(&ring->deferred, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        /* the buffer is full: written at once (it can only block if the ring is full) */
+        t->writing++;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        e.rec.pad[0] = stamp();
+        ring_put(&e);
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        t->writing--;
+        return;
+    }
+    t->writing = 1;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    /* timed inside the window: a handler's records before it are earlier, deferred ones later */
+    e.rec.pad[0] = stamp();
+    ring_put(&e);
+    for (;;) {
+        if (UNLIKELY(__atomic_load_n(&t->dcount, __ATOMIC_RELAXED))) flush_deferred(t);
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        t->writing = 0;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        /* one that came after the flush but before `writing` fell */
+        if (LIKELY(!__atomic_load_n(&t->dcount, __ATOMIC_RELAXED))) return;
+        t->writing = 1;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    }
+}
+
+static inline __u64 chunk(const void *p) {
+    return glibc_chunks && p ? *(const __u64 *)((const char *)p - 8) & ~7ull : 0;
+}
+
+/* ---- fork ------------------------------------------------------------------------------ */
+static void after_fork_child(void) {
+    ts.tid = 0;
+    int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
+    if (state == RING_READY) {
+        munmap(ring, ring_bytes);
+        ring = NULL;
+    }
+    /* followed: the child registers its own ring on its first call (not following: the
+     * root check refuses it); without a ring directory it stays off */
+    __atomic_store_n(&ring_state, state == RING_OFF ? RING_OFF : RING_UNINIT, __ATOMIC_RELEASE);
+}
+
+__attribute__((constructor)) static void interpose_init(void) {
+    resolve();
+    ts.depth++; /* its registration may allocate: the library's own call */
+    pthread_atfork(NULL, NULL, after_fork_child);
+    ts.depth--;
+    if (__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) == RING_UNINIT) ring_ready_slow();
+}
+
+/* ---- the C API ------------------------------------------------------------------------ */
+EXPORT void *malloc(size_t n) {
+    if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(n, 16);
+    void *p = FORWARD(real.malloc(n));
+    if (recording())
+        emit(CALL_MALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+    else if (UNLIKELY(ts.capturing) && ts.ncaught < 4)
+        ts.caught[ts.ncaught++] = (typeof(ts.caught[0])){(__u64)p, n, CALLER};
+    return p;
+}
+
+EXPORT void free(void *p) {
+    if (UNLIKELY(in_arena(p))) return;
+    if (UNLIKELY(!real.free) && !resolve()) return;
+    if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);
+    if (LIKELY(glibc_chunks)) {
+        real.free(p);
+    } else {
+        ts.depth++;
+        real.free(p);
+        ts.depth--;
+    }
+}
+
+EXPORT void *calloc(size_t n, size_t size) {
+    if (UNLIKELY(!real.calloc) && !resolve()) {
+        size_t bytes;
+        return __builtin_mul_overflow(n, size, &bytes) ? NULL : arena_alloc(bytes, 16); /* zeroed */
+    }
+    void *p = FORWARD(real.calloc(n, size));
+    if (recording()) emit(CALL_CALLOC, 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
+    return p;
+}
+
+static void *do_realloc(void *p, size_t n, __u64 caller) {
+    if (UNLIKELY(in_arena(p))) { /* a bootstrap block: moved into a real one */
+        void *q = malloc(n);
+        size_t old = arena_size(p);
+        if (q) memcpy(q, p, old < n ? old : n);
+        return q;
+    }
+    if (UNLIKELY(!real.realloc) && !resolve()) return arena_alloc(n, 16);
+    if (!recording()) return FORWARD(real.realloc(p, n));
+    __u64 old = chunk(p);
+    void *q = FORWARD(real.realloc(p, n));
+    emit(CALL_REALLOC, (__u64)p, (__u64)q, n, old, chunk(q), caller);
+    return q;
+}
+
+EXPORT void *realloc(void *p, size_t n) {
+    return do_realloc(p, n, CALLER);
+}
+
+/* glibc's reallocarray is realloc after an overflow check; done here the same way, so it is
+ * recorded as the realloc it is whatever the next allocator (one that defines reallocarray
+ * itself would otherwise be called past this library) */
+EXPORT void *reallocarray(void *p, size_t n, size_t size) {
+    size_t bytes;
+    if (__builtin_mul_overflow(n, size, &bytes)) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return do_realloc(p, bytes, CALLER);
+}
+
+static void *do_memalign(int aligned_alloc, size_t align, size_t n, __u64 caller) {
+    if (UNLIKELY(!real.memalign) && !resolve()) return arena_alloc(n, align);
+    memalign_fn fn = aligned_alloc && real.aligned_alloc ? real.aligned_alloc : real.memalign;
+    void *p = FORWARD(fn(align, n));
+    if (recording()) emit(CALL_MEMALIGN, 0, (__u64)p, n, align, chunk(p), caller);
+    return p;
+}
+
+EXPORT void *memalign(size_t align, size_t n) {
+    return do_memalign(0, align, n, CALLER);
+}
+
+EXPORT void *aligned_alloc(size_t align, size_t n) {
+    return do_memalign(1, align, n, CALLER);
+}
+
+EXPORT int posix_memalign(void **out, size_t align, size_t n) {
+    if (UNLIKELY(!real.posix_memalign) && !resolve()) {
+        void *p = arena_alloc(n, align);
+        if (!p) return ENOMEM;
+        *out = p;
+        return 0;
+    }
+    int rc = FORWARD(real.posix_memalign(out, align, n));
+    if (recording()) {
+        void *p = rc == 0 ? *out : NULL;
+        emit(CALL_POSIX_MEMALIGN, (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
+    }
+    return rc;
+}
+
+EXPORT void *valloc(size_t n) {
+    if (UNLIKELY(!real.valloc) && !resolve()) return arena_alloc(n, 4096);
+    void *p = FORWARD(real.valloc(n));
+    if (recording()) emit(CALL_VALLOC, 0, (__u64)p, n, page_size, chunk(p), CALLER);
+    return p;
+}
+
+EXPORT void *pvalloc(size_t n) {
+    if (UNLIKELY(!real.pvalloc) && !resolve()) return arena_alloc(n, 4096);
+    void *p = FORWARD(real.pvalloc(n));
+    if (recording()) emit(CALL_PVALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+    return p;
+}
+
+EXPORT size_t malloc_usable_size(void *p) {
+    if (UNLIKELY(in_arena(p))) return arena_size(p);
+    if (UNLIKELY(!real.usable) && !resolve()) return 0;
+    return real.usable(p);
+}
+
+/* ---- C++ operator new/delete (pymtrace.tracee.allocators.CXX) -------------------------
+ * Recorded as `record` maps them: new -> malloc, aligned new -> memalign (alignment, size),
+ * delete -> free. The runtime's own malloc/free (and new[] -> new) inside are nested.
+ * Compiled with -fexceptions: a throwing new unwinds through here, the cleanup restoring
+ * the depth (nothing is recorded for it). */
+/* An outermost operator new keeps the allocations made inside it: returning, they were its
+ * own block (not recorded again); unwinding (it threw), they are the exception object the
+ * runtime allocated, which outlives the call and is freed after the catch: recorded then. */
+struct new_guard {
+    int outer, done;
+};
+
+static void new_leave(struct new_guard *g) {
+    ts.depth--;
+    if (!g->outer) return;
+    ts.capturing = 0;
+    if (!g->done && recording())
+        for (__u32 i = 0; i < ts.ncaught; i++)
+            emit(CALL_MALLOC, 0, ts.caught[i].ptr, ts.caught[i].size, 0, chunk((void *)ts.caught[i].ptr),
+                 ts.caught[i].caller);
+    ts.ncaught = 0;
+}
+
+static void depth_leave(__u32 *unused) {
+    (void)unused;
+    ts.depth--;
+}
+#define NESTED __attribute__((cleanup(depth_leave), unused)) __u32 nest_guard_ = ts.depth++
+
+/* the next definition; a C++ runtime loaded later (dlopen) is looked up then, in the global
+ * scope or, loaded RTLD_LOCAL, by its soname */
+static void *cxx_next(void **slot, const char *name) {
+    void *f = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (LIKELY(f)) return f;
+    ts.depth++; /* the library's own allocations (dlsym's) are not the program's */
+    f = dlsym(RTLD_NEXT, name);
+    if (!f) {
+        void *lib = dlopen("libstdc++.so.6", RTLD_LAZY | RTLD_NOLOAD);
+        if (lib) {
+            f = dlsym(lib, name);
+            dlclose(lib);
+        }
+    }
+    ts.depth--;
+    if (f) __atomic_store_n(slot, f, __ATOMIC_RELEASE);
+    return f;
+}
+
+#define NEW(sym, TYPE, PARAMS, ARGS, SIZE, ALIGN, FALLBACK)                                                  \
+    EXPORT void *sym PARAMS {                                                                                \
+        static void *next;                                                                                   \
+        __u64 caller = CALLER;                                                                               \
+        if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(SIZE, ALIGN);                           \
+        void *(*fn)PARAMS = (void *(*)PARAMS)cxx_next(&next, #sym);                                          \
+        void *p;                                                                                             \
+        {                                                                                                    \
+            __attribute__((cleanup(new_leave))) struct new_guard g = {!ts.depth, 0};                         \
+            ts.depth++;                                                                                      \
+            if (g.outer) ts.capturing = 1, ts.ncaught = 0;                                                   \
+            p = fn ? fn ARGS : FALLBACK;                                                                     \
+            g.done = 1;                                                                                      \
+        }                                                                                                    \
+        if (recording()) emit(TYPE, 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller); \
+        return p;                                                                                            \
+    }
+
+#define DELETE(sym, PARAMS, ARGS)                                                                            \
+    EXPORT void sym PARAMS {                                                                                 \
+        static void *next;                                                                                   \
+        if (UNLIKELY(in_arena(p))) return;                                                                   \
+        if (UNLIKELY(!real.free) && !resolve()) return;                                                      \
+        void(*fn) PARAMS = (void(*) PARAMS)cxx_next(&next, #sym);                                            \
+        if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);                               \
+        NESTED;                                                                                              \
+        if (fn)                                                                                              \
+            fn ARGS;                                                                                         \
+        else                                                                                                 \
+            real.free(p);                                                                                    \
+    }
+
+typedef const void *nothrow_ref; /* const std::nothrow_t & */
+
+NEW(_Znwm, CALL_MALLOC, (size_t n), (n), n, 16, real.malloc(n))
+NEW(_Znam, CALL_MALLOC, (size_t n), (n), n, 16, real.malloc(n))
+NEW(_ZnwmRKSt9nothrow_t, CALL_MALLOC, (size_t n, nothrow_ref nt), (n, nt), n, 16, real.malloc(n))
+NEW(_ZnamRKSt9nothrow_t, CALL_MALLOC, (size_t n, nothrow_ref nt), (n, nt), n, 16, real.malloc(n))
+NEW(_ZnwmSt11align_val_t, CALL_MEMALIGN, (size_t n, size_t al), (n, al), n, al, real.memalign(al, n))
+NEW(_ZnamSt11align_val_t, CALL_MEMALIGN, (size_t n, size_t al), (n, al), n, al, real.memalign(al, n))
+NEW(_ZnwmSt11align_val_tRKSt9nothrow_t, CALL_MEMALIGN, (size_t n, size_t al, nothrow_ref nt), (n, al, nt), n,
+    al, real.memalign(al, n))
+NEW(_ZnamSt11align_val_tRKSt9nothrow_t, CALL_MEMALIGN, (size_t n, size_t al, nothrow_ref nt), (n, al, nt), n,
+    al, real.memalign(al, n))
+
+DELETE(_ZdlPv, (void *p), (p))
+DELETE(_ZdaPv, (void *p), (p))
+DELETE(_ZdlPvRKSt9nothrow_t, (void *p, nothrow_ref nt), (p, nt))
+DELETE(_ZdaPvRKSt9nothrow_t, (void *p, nothrow_ref nt), (p, nt))
+DELETE(_ZdlPvm, (void *p, size_t n), (p, n))
+DELETE(_ZdaPvm, (void *p, size_t n), (p, n))
+DELETE(_ZdlPvSt11align_val_t, (void *p, size_t al), (p, al))
+DELETE(_ZdaPvSt11align_val_t, (void *p, size_t al), (p, al))
+DELETE(_ZdlPvmSt11align_val_t, (void *p, size_t n, size_t al), (p, n, al))
+DELETE(_ZdaPvmSt11align_val_t, (void *p, size_t n, size_t al), (p, n, al))
+DELETE(_ZdlPvSt11align_val_tRKSt9nothrow_t, (void *p, size_t al, nothrow_ref nt), (p, al, nt))
+DELETE(_ZdaPvSt11align_val_tRKSt9nothrow_t, (void *p, size_t al, nothrow_ref nt), (p, al, nt))
