@@ -93,6 +93,9 @@ def _main(argv: Sequence[str] | None) -> int:
         return exc.exit_code
     except BrokenPipeError:
         return 0
+    except MemoryError:  # Python's own allocations (pyarrow's are checked where they are made)
+        print("pymtrace: error: out of memory", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # Commands that trace clean up in their own finally blocks; one that was simply
         # interrupted (a long dump, a conversion) ends quietly, as shells expect.
