@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
+    except MemoryError:  # Python's own allocations, a command's imports too (pyarrow's are checked first)
+        print("pymtrace: error: out of memory", file=sys.stderr)
+        return 1
     finally:
         if argv is None:
             # pymtrace is exiting: BCC's exit handlers (detach, free maps) and Python's run
@@ -93,9 +96,6 @@ def _main(argv: Sequence[str] | None) -> int:
         return exc.exit_code
     except BrokenPipeError:
         return 0
-    except MemoryError:  # Python's own allocations (pyarrow's are checked where they are made)
-        print("pymtrace: error: out of memory", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         # Commands that trace clean up in their own finally blocks; one that was simply
         # interrupted (a long dump, a conversion) ends quietly, as shells expect.

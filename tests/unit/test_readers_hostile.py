@@ -165,20 +165,18 @@ def _needed_address_space(args):
     return hi
 
 
-def test_many_row_groups_under_address_space_limits(many_groups, tmp_path):
-    """Under an address-space limit too small for the file, each reader ends with one line of
-    error and a non-zero exit; never a signal or an abort from a worker thread."""
-    path, raw = many_groups
+def _base(tmp_path):
+    """The address space (MiB) a read of a 10-row file needs: where the limits start."""
     small = tmp_path / "small.parquet"
     pq.write_table(P.table_from_records(many_groups_records(10)), small)
-    base = _needed_address_space(["dump", "--stats", str(small)])
-    commands = {
-        "dump": ["dump", "--stats", str(path)],
-        "convert": ["convert", str(path), str(tmp_path / "out.bin"), "--to", "mtrace-bin", "--force"],
-        "workload": ["workload", str(path), "-o", str(tmp_path / "out.wl"), "--force"],
-    }
+    return _needed_address_space(["dump", "--stats", str(small)])
+
+
+def _sweep(commands, base, check=None):
+    """Run each of COMMANDS ({name: args}) under address-space limits from BASE MiB up: each
+    ends with success (then CHECK(name), if given) or one line of error and a non-zero exit."""
     for name, args in commands.items():
-        for extra in range(0, 400, 25):
+        for extra in range(0, 300, 25):
             limit = (base + extra) << 20
             proc = subprocess.run(
                 PYMTRACE + args, capture_output=True, text=True, preexec_fn=_limited(limit), timeout=300
@@ -188,8 +186,32 @@ def test_many_row_groups_under_address_space_limits(many_groups, tmp_path):
             if proc.returncode:
                 lines = proc.stderr.strip().splitlines()
                 assert len(lines) == 1 and lines[0].startswith("pymtrace: error: "), where
-            elif name == "convert":
-                assert (tmp_path / "out.bin").read_bytes() == raw, where
+            elif check is not None:
+                check(name, where)
+
+
+def test_many_row_groups_under_address_space_limits(many_groups, tmp_path):
+    """Under an address-space limit too small for the file, each reader ends with one line of
+    error and a non-zero exit; never a signal or an abort from a worker thread."""
+    path, raw = many_groups
+    commands = {
+        "dump": ["dump", "--stats", str(path)],
+        "convert": ["convert", str(path), str(tmp_path / "out.bin"), "--to", "mtrace-bin", "--force"],
+        "convert-parquet": ["convert", str(path), str(tmp_path / "out.parquet"), "--to", "parquet", "--force"],
+        "workload": ["workload", str(path), "-o", str(tmp_path / "out.wl"), "--force"],
+    }
+
+    def check(name, where):
+        if name == "convert":
+            assert (tmp_path / "out.bin").read_bytes() == raw, where
+
+    _sweep(commands, _base(tmp_path), check)
+
+
+def test_many_row_groups_analyze_under_address_space_limits(many_groups, tmp_path):
+    """analyze (DuckDB) on the same file, under the same limits."""
+    path, _ = many_groups
+    _sweep({"analyze": ["analyze", "--threads", "1", str(path)]}, _base(tmp_path))
 
 
 def test_rewritten_file_read_afresh(many_groups, tmp_path):
