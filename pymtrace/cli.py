@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
+    except MemoryError:  # Python's own allocations, a command's imports too (pyarrow's are checked first)
+        print("pymtrace: error: out of memory", file=sys.stderr)
+        return 1
     finally:
         if argv is None:
             # pymtrace is exiting: BCC's exit handlers (detach, free maps) and Python's run

@@ -19,7 +19,15 @@ from pymtrace.sinks.folded import write_folded
 from pymtrace.sinks.heap_text import write_text
 from pymtrace.sinks.pprof import write_pprof
 from pymtrace.sinks.text import printable
-from pymtrace.sources.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, check_settings
+from pymtrace.sources.heap import (
+    DEFAULT_SAMPLE_BYTES,
+    DEFAULT_STACK_BYTES,
+    MAX_LIVE,
+    MAX_LIVE_EVERY_CALL,
+    MAX_LIVE_LIMIT,
+    check_settings,
+    ring_pages,
+)
 from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES
 from pymtrace.sources.heapsession import HeapSession
 from pymtrace.trace.files import atomic_output, check_new
@@ -92,6 +100,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"bytes of each sampled thread's stack copied for unwinding (default {DEFAULT_STACK_BYTES})",
     )
     parser.add_argument(
+        "--ring-bytes",
+        metavar="N",
+        help="the ring buffer samples wait in, a power of two (K/M/G suffixes; default 16M, "
+        "64M with --sample-bytes 1); a full ring drops samples",
+    )
+    parser.add_argument(
+        "--max-live",
+        type=int,
+        metavar="N",
+        help=f"sampled blocks remembered until freed (default {MAX_LIVE}, {MAX_LIVE_EVERY_CALL} with "
+        "--sample-bytes 1); beyond it a block's free is not seen",
+    )
+    parser.add_argument(
         "--older", type=float, metavar="S", help="in use: only blocks allocated at least S seconds before the end"
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
@@ -119,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
     sample_bytes = parse_bytes(args.sample_bytes, "--sample-bytes")
     stack_bytes = parse_bytes(args.stack_bytes, "--stack-bytes")
     check_settings(sample_bytes, stack_bytes, "--sample-bytes", "--stack-bytes")  # before launching anything
+    pages = (
+        None if args.ring_bytes is None else ring_pages(parse_bytes(args.ring_bytes, "--ring-bytes"), "--ring-bytes")
+    )
+    if args.max_live is not None and not 1 <= args.max_live <= MAX_LIVE_LIMIT:
+        raise PymtraceError(f"--max-live must be from 1 to {MAX_LIVE_LIMIT}, not {args.max_live}")
     if args.older is not None and args.older < 0:
         raise PymtraceError("--older: must be 0 or more seconds")
     fmt = output_format(args.output, args.format)
@@ -152,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
             stack_bytes=stack_bytes,
             follow_forks=args.follow_forks,
             meta=meta,
+            ring_pages=pages,
+            max_live=args.max_live,
         )
         session.attach()
         if launched is not None:
@@ -188,9 +216,25 @@ def run(args: argparse.Namespace) -> int:
             print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
         print(f"pymtrace heap: wrote {args.output} ({fmt})", file=sys.stderr)
     if profile.dropped() and not args.allow_drops:
-        print("pymtrace heap: samples were lost (see drops above); exit status 3", file=sys.stderr)
+        print(f"pymtrace heap: {lost_line(profile.drops)}; exit status 3", file=sys.stderr)
         return 3
     return 0
+
+
+# what each drop counter (bpf/heap.h HP_LOST_*) means, and the option that avoids it
+_REMEDIES = {
+    "ringbuf": "samples not written, the ring buffer full: a larger --ring-bytes keeps them",
+    "live_full": "sampled blocks whose free went unseen, the live-block map full: a larger --max-live keeps them",
+}
+
+
+def lost_line(drops: dict[str, int]) -> str:
+    """The last line of a run that lost samples (shown with -q too): what, how many, and the
+    option that keeps them."""
+    parts = [
+        f"{name} {n}" + (f" ({_REMEDIES[name]})" if name in _REMEDIES else "") for name, n in sorted(drops.items()) if n
+    ]
+    return "lost: " + ", ".join(parts)
 
 
 def _probe_program(session: HeapSession, pid: int) -> None:

@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy
 
+from pymtrace import jsonread
 from pymtrace.errors import PymtraceError
 from pymtrace.net import protocol as proto
 from pymtrace.net.admission import Admission, Conn
@@ -62,6 +63,7 @@ IDLE_TIMEOUT_S = 120.0  # an authenticated connection that sends nothing at all 
 MEMORY_BUDGET = 128 << 20
 PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT
 HOST_MAX = 255
+STATE_LIMIT = 4096  # a stream's state file is ~60 bytes; anything longer is not one
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _DTYPE = mtrace_bin.record_dtype("<")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -338,7 +340,7 @@ def read_state(dir_fd: int, stream: str) -> dict:
     try:
         fd = os.open(f".stream-{stream}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         with os.fdopen(fd) as f:
-            state = json.load(f)
+            state = jsonread.load(f, STATE_LIMIT)
         return {"acked": int(state["acked"]), "ended": bool(state.get("ended"))}
     except (OSError, ValueError, KeyError, TypeError):
         return {}

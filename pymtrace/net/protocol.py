@@ -24,6 +24,7 @@ import ssl
 import struct
 from typing import Any
 
+from pymtrace import jsonread
 from pymtrace.errors import PymtraceError
 
 MAGIC = b"PMTR"
@@ -88,7 +89,7 @@ def recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[int, bytear
 
 def parse_json(payload: bytes | bytearray) -> dict:
     try:
-        doc = json.loads(payload.decode("utf-8"))
+        doc = jsonread.loads(payload.decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise ProtocolError("malformed JSON in a frame") from None
     if not isinstance(doc, dict):
@@ -171,6 +172,8 @@ def load_client_config(path: str | None) -> ClientConfig:
         raise PymtraceError(f"cannot read web config {path}: {exc.strerror}") from None
     except (yaml.YAMLError, ValueError) as exc:
         raise PymtraceError(f"web config {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise PymtraceError(f"web config {path} is not valid YAML: nested too deep") from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):

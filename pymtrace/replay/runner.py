@@ -11,14 +11,13 @@ pymtrace/replay/native/wl.h. The table and the plot are pymtrace/replay/report.p
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import statistics
 import subprocess
 from collections.abc import Iterable
 
-from pymtrace import nativebuild
+from pymtrace import jsonread, nativebuild
 from pymtrace.bpf import structs
 from pymtrace.errors import CorruptFile, PymtraceError
 
@@ -31,6 +30,7 @@ KNOWN_ALLOCATORS = {
     "tcmalloc": ["libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so"],
     "mimalloc": ["libmimalloc.so.2", "libmimalloc.so.3", "libmimalloc.so"],  # .3: Debian 13
 }
+REPORT_LIMIT = 64 << 20  # the simulator's JSON report: its statistics, never near this
 _WL = structs.native_header("wl")
 CALL_TYPES = list(_WL.names("WL_CALL_").values())  # the simulator's "calls", in its order
 # mallopt() parameters the simulator knows by name: {"M_MMAP_THRESHOLD": -3, ...}
@@ -221,7 +221,7 @@ def run_once(
         return None, f"{meaning}: " + (err.splitlines()[-1] if err else "no message"), proc.stdout
     try:
         with open(json_path) as f:
-            result = json.load(f)
+            result = jsonread.load(f, REPORT_LIMIT)
     except (OSError, ValueError) as exc:
         return None, f"no report from the simulator ({exc})", proc.stdout
     if lib is not None:

@@ -247,6 +247,8 @@ def load(path: str) -> WebConfig:
         raise WebConfigError(f"web config {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     except ValueError as exc:  # not UTF-8 text
         raise WebConfigError(f"web config {path} is not a text file: {exc}") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise WebConfigError(f"web config {path} is not valid YAML: nested too deep") from None
     doc = _expect_mapping(doc, "the file")
     _check_keys(doc, _TOP_KEYS, "the top level")
     base = os.path.dirname(os.path.abspath(path))

@@ -46,6 +46,10 @@ DEFAULT_SAMPLE_BYTES = 524288
 DEFAULT_STACK_BYTES = 32768
 LG_FRACTION_BITS = 20  # hp_lg's fixed point: log2 values * 2^20
 RING_RECORDS = 4096  # --sample-bytes 1: sample records the ring holds at least (~20-40 ms of a storm)
+MAX_LIVE = 262144  # live-block map entries at a sampling rate (~100 bytes of kernel memory each)
+MAX_LIVE_EVERY_CALL = 1 << 20  # with every call sampled (~100 MiB preallocated)
+MAX_LIVE_LIMIT = 1 << 26  # a BPF hash map preallocates its entries: ~6 GiB of kernel memory here
+RING_LIMIT = 1 << 32  # the kernel's largest ring buffer is just below 4 GiB
 _FORK_MEMORY = 4096
 # a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
 _ROW = struct.Struct("<QIi4I3Q")
@@ -166,6 +170,20 @@ def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page:
     return 1 << (pages - 1).bit_length()
 
 
+def ring_pages(size: int, option: str = "ring bytes") -> int:
+    """The ring-buffer pages of a ring of SIZE bytes: a power of two, at least a page, below RING_LIMIT."""
+    page = structs.header(PROGRAM).consts["HP_PAGE"]
+    if size < page or size >= RING_LIMIT or size & (size - 1):
+        raise PymtraceError(f"{option} must be a power of two from {page} to {RING_LIMIT // 2}, not {size}")
+    return size // page
+
+
+def default_max_live(sample_bytes: int) -> int:
+    """Sampled blocks the live map holds: every block with every call sampled (a process with
+    millions of blocks live), else the sampled ones (one per SAMPLE_BYTES of heap in use)."""
+    return MAX_LIVE_EVERY_CALL if sample_bytes == 1 else MAX_LIVE
+
+
 def possible_cpus() -> int:
     """Number of CPU ids the kernel may use (the per-CPU scratch slots)."""
     try:
@@ -204,7 +222,7 @@ class HeapSource(Source):
         on_fork: Callable[[int, int], None] | None = None,
         on_exit: Callable[[int], None] | None = None,
         ring_pages: int | None = None,
-        max_live: int = 262144,
+        max_live: int | None = None,
         max_pending: int = 16384,
         max_threads: int = 16384,
         max_targets: int = 4096,
@@ -238,7 +256,7 @@ class HeapSource(Source):
         self.libc_path = libc_path  # a launched command's libc, not mapped yet (launch.predict_libc)
         self.reserve = reserve  # one stack copy straight into a largest-size ring record (slower: bpf)
         self.limits = {
-            "HP_MAX_LIVE": max_live,
+            "HP_MAX_LIVE": default_max_live(sample_bytes) if max_live is None else max_live,
             "HP_MAX_PENDING": max_pending,
             "HP_MAX_THREADS": max_threads,
             "HP_MAX_TARGETS": max_targets,

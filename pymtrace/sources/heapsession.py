@@ -45,6 +45,8 @@ class HeapSession:
         meta: dict[str, Any] | None = None,
         libc_path: str | None = None,
         sink: SampleSink | None = None,
+        ring_pages: int | None = None,
+        max_live: int | None = None,
     ) -> None:
         self.pids = sorted(set(pids))
         self.profile = HeapProfile(sample_bytes, meta)
@@ -63,6 +65,8 @@ class HeapSession:
             on_free=self.profile.freed if sink is None else None,
             on_fork=self._fork,
             libc_path=libc_path,
+            ring_pages=ring_pages,
+            max_live=max_live,
         )
 
     # -- lifecycle

@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from pymtrace import jsonread
 from pymtrace.errors import CorruptFile, PymtraceError
 from pymtrace.tracee.unwind import Frame, Location
 
@@ -145,7 +146,7 @@ def parse_table(lines: Iterable[bytes], name: str) -> dict[int, Stack]:
         if len(raw) > _MAX_LINE:
             raise CorruptFile(f"{name}: line {number} is longer than {_MAX_LINE} bytes")
         try:
-            obj = json.loads(raw)
+            obj = jsonread.loads(raw)
         except ValueError:
             raise CorruptFile(f"{name}: line {number} is not JSON") from None
         if number == 1:

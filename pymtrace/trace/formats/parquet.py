@@ -16,6 +16,7 @@ All row processing is vectorized (numpy, pyarrow): no Python work per record.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import time
@@ -454,6 +455,70 @@ def write_records(
 
 
 _ARROW_ERRORS = (pyarrow.ArrowException, OSError, ValueError, IndexError, KeyError, OverflowError)
+# Reading runs on the calling thread only (no pre-buffering, no decoding threads): pyarrow
+# reports an allocation that fails there as MemoryError, where one in a worker thread (or the
+# thread's own creation, under an address-space limit) aborts the process.
+READ_OPTIONS = dict(pre_buffer=False)
+BATCH_PARTS = 1024  # batches gathered into one at most: one-row row groups give one-row batches
+# pyarrow reports most failed allocations as MemoryError but aborts the process on some (a
+# C++ std::bad_alloc where nothing catches it), so a read starts only when the address space
+# it needs is free: its footer parsed (measured: 11 to 15 bytes a footer byte) and then row
+# groups decoded one at a time (each a few times its uncompressed size, with the batch).
+FOOTER_MEMORY = 16
+ROW_GROUP_MEMORY = 4
+READ_HEADROOM = 64 << 20
+
+# The footer of the file read last, parsed: (path, dev, inode, size, mtime) -> FileMetaData.
+# pyarrow's parse holds ~10 KB per row group (360 MB for 36,000 row groups), and one command
+# asks a file several questions (format, schema, metadata, rows): parsed once, kept for one file.
+_last_footer: tuple[tuple, pyarrow.parquet.FileMetaData] | None = None
+
+
+def _identity(path: str) -> tuple:
+    st = os.stat(path)
+    return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def footer(path: str) -> pyarrow.parquet.FileMetaData:
+    """The parsed footer of PATH (pyarrow errors and MemoryError pass through)."""
+    global _last_footer
+    key = _identity(path)
+    last = _last_footer
+    if last is not None and last[0] == key:
+        return last[1]
+    _last_footer = None  # not two footers in memory at once
+    _reserve(path, FOOTER_MEMORY * _footer_bytes(path) + READ_HEADROOM)
+    md = pyarrow.parquet.read_metadata(path)
+    if _identity(path) == key:  # unchanged while it was read: the same file next time
+        _last_footer = (key, md)
+    return md
+
+
+def _footer_bytes(path: str) -> int:
+    """The footer length PATH's last 8 bytes give, at most the file's size (0 if it has none)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(-8, os.SEEK_END)
+            return min(size, struct.unpack("<I", f.read(4))[0])
+    except (OSError, struct.error):
+        return 0
+
+
+def _reserve(path: str, size: int) -> None:
+    """out_of_memory unless SIZE bytes of address space can be mapped now."""
+    try:
+        mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).close()
+    except (OSError, MemoryError, OverflowError):
+        raise out_of_memory(path) from None
+
+
+def out_of_memory(path: str) -> PymtraceError:
+    """The one-line error for a read of PATH that ran out of memory."""
+    return PymtraceError(
+        f"{path}: out of memory reading it (its footer, {_footer_bytes(path):,} bytes, takes 11 to 15 "
+        "times that in memory, beside the row group being read)"
+    )
 
 
 def is_parquet(head: bytes) -> bool:
@@ -465,9 +530,13 @@ def open_file(path: str) -> pyarrow.parquet.ParquetFile:
     if not os.path.isfile(path):
         raise PymtraceError(f"cannot read {path}: no such file")
     try:
-        pf = pyarrow.parquet.ParquetFile(path)
+        pf = pyarrow.parquet.ParquetFile(path, metadata=footer(path), **READ_OPTIONS)
         names = pf.schema_arrow.names
+    except MemoryError:
+        raise out_of_memory(path) from None
     except _ARROW_ERRORS as exc:
+        if "bad_alloc" in str(exc):  # the footer's parse ran out of memory
+            raise out_of_memory(path) from None
         kept = complete_end(path)
         if kept is not None:
             raise CorruptFile(
@@ -571,6 +640,8 @@ def read_metadata(path: str) -> dict[str, str]:
     """The file's pymtrace.* key-value metadata, prefix removed."""
     try:
         kv = open_file(path).metadata.metadata or {}
+    except MemoryError:
+        raise out_of_memory(path) from None
     except _ARROW_ERRORS as exc:
         raise CorruptFile(f"{path}: {_first_line(exc)}") from None
     out = {}
@@ -584,13 +655,38 @@ def read_metadata(path: str) -> dict[str, str]:
 def iter_batches(
     path: str, columns: Sequence[str] | None = None, batch_size: int = 1 << 16
 ) -> Iterator[pyarrow.RecordBatch]:
-    """Record batches of the file's rows (all columns, or COLUMNS); CorruptFile on damage."""
+    """Record batches of the file's rows (all columns, or COLUMNS), up to BATCH_SIZE rows each,
+    read one row group at a time; CorruptFile on damage. Small row groups give small batches,
+    gathered (up to BATCH_PARTS of them) into one, so that per-batch work stays small."""
     pf = open_file(path)
+    md = pf.metadata
+    largest = max((md.row_group(i).total_byte_size for i in range(md.num_row_groups)), default=0)
+    _reserve(path, ROW_GROUP_MEMORY * largest + READ_HEADROOM)
+    parts: list[pyarrow.RecordBatch] = []
+    rows = 0
     try:
-        for batch in pf.iter_batches(batch_size=batch_size, columns=list(columns) if columns else None):
-            yield batch
+        for batch in pf.iter_batches(
+            batch_size=batch_size, columns=list(columns) if columns else None, use_threads=False
+        ):
+            parts.append(batch)
+            rows += batch.num_rows
+            if rows >= batch_size or len(parts) >= BATCH_PARTS:
+                yield _joined(parts)
+                parts, rows = [], 0
+        if parts:
+            yield _joined(parts)
+    except MemoryError:
+        raise out_of_memory(path) from None
     except _ARROW_ERRORS as exc:
         raise CorruptFile(f"{path}: corrupt Parquet data: {_first_line(exc)}") from None
+
+
+def _joined(parts: list[pyarrow.RecordBatch]) -> pyarrow.RecordBatch:
+    """PARTS as one batch (each row group's `type` dictionary unified into one)."""
+    if len(parts) == 1:
+        return parts[0]
+    table = pyarrow.Table.from_batches(parts).unify_dictionaries().combine_chunks()
+    return table.to_batches()[0]
 
 
 def iter_arrays(path: str, batch_size: int = 1 << 16) -> Iterator[numpy.ndarray]:
