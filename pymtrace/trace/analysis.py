@@ -36,7 +36,9 @@ from pymtrace.trace.report_sql import EVENTS, LIVE_BUCKETS, MMAP_THRESHOLD, buil
 DEFAULT_MEMORY_LIMIT = "1GB"
 SORT_BYTES_PER_EVENT = 16  # of the memory limit per DuckDB thread, per event in one sort (TraceSet.sort_events)
 COLUMNS = ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller", "path", "stack")
-_DUCKDB_READ_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.ConversionException)
+# DuckDB's errors about the SQL itself (a defect of the report, shown as is); every other error
+# while reading the inputs is a damaged file
+_DUCKDB_OWN_ERRORS = (duckdb.BinderException, duckdb.CatalogException, duckdb.ParserException)
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -216,19 +218,54 @@ class TraceSet:
         # limit like any other DuckDB buffer (an on-disk database costs compression and checkpoints)
         self.con = self._connect(":memory:")
         try:
+            self._check_nulls()
             return self._report(top, mmap_threshold)
         except duckdb.OutOfMemoryException as exc:
             raise PymtraceError(
                 f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
             ) from None
-        except _DUCKDB_READ_ERRORS as exc:
-            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+        except _DUCKDB_OWN_ERRORS:
+            raise  # the report's SQL, not the data
+        except (duckdb.Error, pyarrow.ArrowException) as exc:
+            # damaged pages or a damaged footer that still parsed: DuckDB's Thrift and page
+            # decoders fail in many ways (TProtocolException, "Out of buffer", ...)
+            raise CorruptFile(f"{self._damaged()}: cannot read the trace: {_first_line(exc)}") from None
         except OSError as exc:  # DuckDB's errors inside a streamed result reach pyarrow's reader as OSError
             if "Out of Memory" in str(exc):
                 raise PymtraceError(
                     f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
                 ) from None
-            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+            raise CorruptFile(f"{self._damaged()}: cannot read the trace: {_first_line(exc)}") from None
+
+    def _check_nulls(self) -> None:
+        """CorruptFile for a NULL in a column the report reads: pymtrace writes none (the schema
+        has them required), another tool's file may declare them optional and hold some."""
+        for i, path in enumerate(self.files):
+            schema = parquet.open_file(path).schema_arrow
+            optional = [c for c in COLUMNS if c != "stack" and c in schema.names and schema.field(c).nullable]
+            if not optional:
+                continue
+            counts = self._one(
+                "SELECT "
+                + ", ".join(f"count(*) FILTER (WHERE {c} IS NULL)" for c in optional)
+                + f" FROM read_parquet('{path.replace(chr(39), chr(39) * 2)}')"
+            )
+            for column, n in zip(optional, counts):
+                if n:
+                    raise CorruptFile(f"{self.inputs[i]}: {n} NULL in column {column} (a trace has none)")
+
+    def _damaged(self) -> str:
+        """The input(s) DuckDB cannot read: each file is read whole on its own, the first that
+        fails is named (all of them when none fails alone)."""
+        if len(self.files) == 1:
+            return self.inputs[0]
+        for i, path in enumerate(self.files):
+            try:
+                select = self._select_list(path, f"read_parquet('{path.replace(chr(39), chr(39) * 2)}')", 0, False)
+                self.con.execute(f"SELECT min(COLUMNS(*)) FROM ({select})").fetchall()
+            except (duckdb.Error, pyarrow.ArrowException, OSError):
+                return self.inputs[i]
+        return ", ".join(self.inputs)
 
     def spilled_bytes(self) -> int:
         """Bytes of working data held on disk rather than in memory now (0 before report()):
