@@ -28,6 +28,7 @@ import duckdb
 import pyarrow.compute
 
 from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
+from pymtrace.trace import mappings
 from pymtrace.trace import report as R
 from pymtrace.trace.formats import parquet
 from pymtrace.trace.formats.autodetect import detect_format, recorded_allocator
@@ -335,12 +336,14 @@ class TraceSet:
         return tables
 
     def _symbolize(self, rep: R.Report, top: int) -> R.Symbols:
-        """Function, file and line of the callers in REP, from the stack tables: a caller
-        address is in the allocating (innermost) frame of the stacks of its calls. A trace
-        holds no memory maps of its process, so without a stack table the callers stay
-        addresses (docs/analyze.md, "Callers")."""
+        """Function, file and line of the callers in REP: from the stack tables (a caller
+        address is in the allocating, innermost, frame of the stacks of its calls), else from
+        the executable mappings the traces keep (trace/mappings.py) and the files they name,
+        found on this machine. A trace without either keeps its callers as addresses
+        (docs/analyze.md, "Callers")."""
         tables = self._stack_tables()
-        if not tables:
+        recorded = self._recorded_maps()
+        if not tables and not recorded:
             return R.Symbols(source=None, callers_symbolized=0)
         leaf: dict[int, Any] = {}
         for i, table in tables.items():
@@ -350,18 +353,50 @@ class TraceSet:
             ):
                 stack = table.get(int(stack_id))
                 if stack is not None and stack.frames and caller not in leaf:
-                    leaf[caller] = stack.frames[-1]
+                    f = stack.frames[-1]
+                    leaf[caller] = (f.function, f"{f.file}:{f.line}" if f.file else None)
+        symbolizer = mappings.Symbolizer()
         entries = [*rep.callers, *rep.never_freed.by_caller, *rep.realloc_chains.longest]
         done = set()
         for entry in entries:
-            frame = leaf.get(int(entry.caller, 16)) if entry.caller else None
-            entry.function = frame.function if frame else None
-            entry.source = f"{frame.file}:{frame.line}" if frame and frame.file else None
-            if frame:
+            addr = int(entry.caller, 16) if entry.caller else 0
+            found = leaf.get(addr)
+            if found is None and addr:
+                found = self._place(symbolizer, recorded, addr, getattr(entry, "file", None))
+            entry.function, entry.source = found or (None, None)
+            if found:
                 done.add(entry.caller)
-        if not rep.stacks.recorded:
+        if tables and not rep.stacks.recorded:
             rep.stacks = self._table_stacks(tables, top)
-        return R.Symbols(source="stack table", callers_symbolized=len(done))
+        source = "stack table" if tables and not recorded else "maps" if not tables else "stack table, maps"
+        symbols = R.Symbols(source=source, callers_symbolized=len(done))
+        if recorded:
+            symbols.files_missing = sorted(symbolizer.missing)
+        return symbols
+
+    def _recorded_maps(self) -> dict[int, mappings.Maps]:
+        """The executable mappings each input keeps (file index -> Maps), for those that have them."""
+        out = {}
+        for i, path in enumerate(self.files):
+            meta = parquet.read_metadata(path) if self.formats[i] == "parquet" else None
+            found = mappings.load(self.inputs[i], self.formats[i], meta)
+            if found is not None:
+                out[i] = found
+        return out
+
+    @staticmethod
+    def _place(
+        symbolizer: mappings.Symbolizer, recorded: dict[int, mappings.Maps], addr: int, file: int | None
+    ) -> tuple[str, str | None] | None:
+        """(function, file:line) of caller ADDR from the maps of input FILE (None: of the first
+        input whose maps hold it)."""
+        for i, maps in recorded.items():
+            if file is not None and i != file:
+                continue
+            place = symbolizer.place(maps, i, addr)
+            if place is not None:
+                return place.function, f"{place.file}:{place.line}" if place.file else None
+        return None
 
     def _table_stacks(self, tables: dict[int, dict], top: int) -> R.Stacks:
         """The top stacks by requested bytes of `record --stacks` recordings (stack ids, the
