@@ -6,14 +6,17 @@ command, every second while it records and when a launched command exits (held t
 its mappings go), and keeps each executable file mapping once: path, GNU build ID, file
 offset, start and end. The log is JSON lines, version 1: a header
 `{"format": "pymtrace-maps", "version": 1, "trace": NAME, "pid": PID}`, then one line per
-mapping `{"start": S, "end": E, "offset": O, "path": P, "build_id": B}` and, at an exec,
+mapping `{"start": S, "end": E, "offset": O, "path": P, "build_id": B, "vaddr": V}` (V: the
+file's own virtual address mapped at S, from its program headers; absent if they could not be
+read) and, at an exec,
 `{"exec": N}` (the mappings after it belong to the N-th program the process ran). A Parquet
 trace holds the log in its key-value metadata (`pymtrace.maps`), mtrace-bin and mtrace-text
 in the side file FILE.maps, appended as mappings are learned (the lines of a mapping are
 written before the drain that follows, so the file is complete up to a kill).
 
 Symbolizer (below) names a caller address offline: the mapping holding it gives the file and
-its file-relative address; the file is the one at the recorded path if its build ID matches,
+its file-relative address (V + address - S; a debug file's program headers no longer give the
+file offsets, so V is taken when recording); the file is the one at the recorded path if its build ID matches,
 else the debug file /usr/lib/debug/.build-id/XX/REST.debug; libdwfl (tracee/unwind.py) reads
 the symbols and the line tables (and finds debug files by build ID itself).
 """
@@ -34,6 +37,7 @@ SUFFIX = ".maps"
 METADATA_KEY = "maps"  # under parquet's "pymtrace." prefix
 DEBUG_ROOT = "/usr/lib/debug/.build-id"
 _MAX_LINE = 1 << 16
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def side_path(trace_path: str) -> str:
@@ -49,6 +53,7 @@ class Mapping:
     path: str
     build_id: str  # lowercase hex, "" when unknown
     program: int = 0  # the exec count of the process when it was mapped
+    vaddr: int | None = None  # the file's virtual address mapped at start (None: not recorded)
 
 
 class MapsLog:
@@ -59,7 +64,7 @@ class MapsLog:
         self.pid = pid
         self.program = 0
         self.seen: set[tuple] = set()
-        self.build_ids: dict[tuple, str] = {}  # (dev, inode) -> build id
+        self.files: dict[tuple, tuple] = {}  # (dev, inode) -> (build id, program headers or None)
         self._lines = [_dump({"format": FORMAT, "version": VERSION, "trace": os.path.basename(trace_name), "pid": pid})]
         self._taken = 0
 
@@ -98,31 +103,48 @@ class MapsLog:
             if key in self.seen:
                 continue
             self.seen.add(key)
-            build_id = self.build_ids.get((m.dev, m.inode))
-            if build_id is None:
-                build_id = self.build_ids[(m.dev, m.inode)] = self._build_id(m)
-            self._lines.append(
-                _dump(
-                    {
-                        "start": m.start,
-                        "end": m.end,
-                        "offset": m.offset,
-                        "path": module_path(m.path),
-                        "build_id": build_id,
-                    }
-                )
-            )
+            found = self.files.get((m.dev, m.inode))
+            if found is None:
+                found = self.files[(m.dev, m.inode)] = self._identify(m)
+            build_id, headers = found
+            line = {
+                "start": m.start,
+                "end": m.end,
+                "offset": m.offset,
+                "path": module_path(m.path),
+                "build_id": build_id,
+            }
+            vaddr = _vaddr(headers, m.offset)
+            if vaddr is not None:
+                line["vaddr"] = vaddr
+            self._lines.append(_dump(line))
             new = True
         return new
 
-    def _build_id(self, m: object) -> str:
+    def _identify(self, m: object) -> tuple:
+        """(build ID, program headers) of the file mapping M maps, read through /proc."""
         from pymtrace.tracee import elf
 
         for path in (f"/proc/{self.pid}/map_files/{m.start:x}-{m.end:x}", f"/proc/{self.pid}/root{m.path}"):
-            found = elf.build_id(path)
-            if found:
-                return found
-        return ""
+            headers = elf.program_headers(path)
+            if headers is not None:
+                return elf.build_id(path) or "", headers
+        return "", None
+
+
+def _vaddr(headers: object, offset: int) -> int | None:
+    """The virtual address of file offset OFFSET by the program headers HEADERS (None: in no
+    loaded segment, or no headers). A mapping starts at the page holding its segment's first
+    byte, so its offset can lie before the segment's: the address is linear from there."""
+    if headers is None:
+        return None
+    found = [
+        s
+        for s in headers.segments
+        if s.type == 1 and s.offset - s.offset % PAGE <= offset < s.offset + max(s.filesz, 1)
+    ]
+    found.sort(key=lambda s: not s.flags & 1)  # the executable segment first: only those are kept
+    return found[0].vaddr + offset - found[0].offset if found else None
 
 
 def _dump(obj: dict) -> str:
@@ -170,8 +192,15 @@ def parse(lines: Iterable[str | bytes], name: str) -> Maps:
             if "exec" in obj:
                 program = int(obj["exec"])
                 continue
+            vaddr = obj.get("vaddr")
             m = Mapping(
-                int(obj["start"]), int(obj["end"]), int(obj["offset"]), str(obj["path"]), str(obj["build_id"]), program
+                int(obj["start"]),
+                int(obj["end"]),
+                int(obj["offset"]),
+                str(obj["path"]),
+                str(obj["build_id"]),
+                program,
+                None if vaddr is None else int(vaddr),
             )
         except (KeyError, TypeError, ValueError):
             raise CorruptFile(f"{name}: maps line {number} is not a mapping") from None
@@ -240,16 +269,12 @@ class Symbolizer:
         if local is None:
             self.missing.add(m.path)
             return None
-        headers = elf.program_headers(local)
-        if headers is None:
-            return None
-        at = addr - m.start + m.offset  # offset in the file
-        vaddr = next(
-            (s.vaddr + at - s.offset for s in headers.segments if s.type == 1 and s.offset <= at < s.offset + s.filesz),
-            None,
-        )
-        if vaddr is None:
-            return None
+        if m.vaddr is not None:
+            vaddr = m.vaddr + addr - m.start
+        else:
+            vaddr = _vaddr(elf.program_headers(local), addr - m.start + m.offset)
+            if vaddr is None:
+                return None
         image = self._images.get(m)
         if image is None:
             try:
