@@ -32,7 +32,7 @@ def _human(n: float) -> str:
     for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= div:
             return f"{n / div:.3g}{unit}"
-    return f"{n:.0f}"
+    return f"{n:.3g}"  # a time axis in ms or s can be below 1
 
 
 def _duration(ns: float | None) -> str:
