@@ -146,6 +146,19 @@ def test_mtrace_bin_keeps_them_in_its_side_file(workload, tmp_path):
     assert "function" not in rep["callers"][0] and rep["symbols"] == {"source": None, "callers_symbolized": 0}
 
 
+def test_convert_carries_them_into_every_format(workload, tmp_path):
+    _, log, where = workload
+    trace = tmp_path / "t.bin"
+    write_bin(trace, where, log)
+    run_pymtrace("convert", trace, tmp_path / "t.parquet", "--to", "parquet", check=True)
+    check_names(analyze_json(tmp_path / "t.parquet"), where)
+    run_pymtrace("convert", tmp_path / "t.parquet", tmp_path / "back.bin", "--to", "mtrace-bin", check=True)
+    assert (tmp_path / "back.bin.maps").read_text() == log.text()
+    check_names(analyze_json(tmp_path / "back.bin"), where)
+    run_pymtrace("convert", trace, tmp_path / "t.txt", "--to", "mtrace-text", check=True)
+    assert (tmp_path / "t.txt.maps").read_text() == log.text()
+
+
 def test_a_missing_binary_leaves_addresses_and_a_one_line_note(workload, tmp_path):
     prog, log, where = workload
     text = log.text().replace(str(prog), str(tmp_path / "gone" / "heap_calls"))
