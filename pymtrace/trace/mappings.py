@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import struct
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -128,8 +129,31 @@ class MapsLog:
         for path in (f"/proc/{self.pid}/map_files/{m.start:x}-{m.end:x}", f"/proc/{self.pid}/root{m.path}"):
             headers = elf.program_headers(path)
             if headers is not None:
-                return elf.build_id(path) or "", headers
+                return _note_build_id(path, headers), headers
         return "", None
+
+
+def _note_build_id(path: str, headers: object) -> str:
+    """The GNU build ID in PATH's PT_NOTE segments ("" if none): read from the program
+    headers, as the loader sees it (~50 us a file; walking the section headers took ~6 ms)."""
+    try:
+        with open(path, "rb") as f:
+            for seg in headers.segments:
+                if seg.type != 4 or not 0 < seg.filesz <= 1 << 16:  # PT_NOTE
+                    continue
+                f.seek(seg.offset)
+                data = f.read(seg.filesz)
+                pos = 0
+                while pos + 12 <= len(data):
+                    namesz, descsz, kind = struct.unpack_from("<III", data, pos)
+                    name_end = pos + 12 + namesz
+                    desc = (name_end + 3) & ~3
+                    if kind == 3 and data[pos + 12 : name_end] == b"GNU\0":  # NT_GNU_BUILD_ID
+                        return data[desc : desc + descsz].hex()
+                    pos = (desc + descsz + 3) & ~3
+    except OSError:
+        pass
+    return ""
 
 
 def _vaddr(headers: object, offset: int) -> int | None:
