@@ -5,7 +5,7 @@ import os
 import sys
 
 from pymtrace.errors import CorruptFile, PymtraceError
-from pymtrace.trace import stacktable
+from pymtrace.trace import mappings, stacktable
 from pymtrace.trace.formats.autodetect import load_records, recorded_allocator
 from pymtrace.trace.tracestats import Stats, path_flags, write_json
 
@@ -22,7 +22,9 @@ examples:
   pymtrace dump --stats app.parquet          # a Parquet recording (record --format parquet)
 
 Columns (mtrace-bin, parquet): index, thread id, call, ptr1, ptr2, size, size2, size3, time (ns,
-relative to the first record), caller, path flags (a `record --stacks` trace: stack=ID).
+relative to the first record), caller, path flags (a `record --stacks` trace: stack=ID), and
+for a trace that keeps its executable mappings (record) the caller's function (file:line),
+from the binaries or their debug files on this machine (--json: `function`, `source`).
 ptr1 of posix_memalign is its return code. A recording made with `record --stacks` has its
 stack table FILE.stacks beside it: --stacks prints each allocation's frames under its line
 (leaf first), and the statistics list the top stacks by bytes requested. OVERHEAD: reads the file once (twice with --json, whose statistics come first), in
@@ -57,9 +59,39 @@ def load_table(path: str, required: bool) -> dict[int, stacktable.Stack] | None:
     return stacktable.read_table(table)
 
 
+class CallerNames:
+    """The function and source line of the callers of the trace PATH (format FMT) from the
+    mappings it keeps; names() is falsy for a trace without them."""
+
+    def __init__(self, path: str, fmt: str) -> None:
+        from pymtrace.trace.formats import parquet
+
+        meta = parquet.read_metadata(path) if fmt == "parquet" else None
+        self.maps = mappings.load(path, fmt, meta)
+        self.symbolizer = mappings.Symbolizer()
+
+    def place(self, caller: int) -> mappings.Place | None:
+        return self.symbolizer.place(self.maps, 0, caller) if self.maps is not None else None
+
+    def json(self, r: object) -> dict:
+        place = self.place(r.caller)
+        if place is None:
+            return {"function": None, "source": None} if self.maps is not None else {}
+        return {"function": place.function, "source": f"{place.file}:{place.line}" if place.file else None}
+
+    def note(self) -> None:
+        """One line on stderr naming the recorded files not found here (their callers stay addresses)."""
+        if self.symbolizer.missing:
+            missing = ", ".join(sorted(self.symbolizer.missing))
+            print(
+                f"pymtrace: note: not found on this machine, their callers stay addresses: {missing}", file=sys.stderr
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     fmt, records = load_records(args.file)
     table = load_table(args.file, args.stacks)
+    names = CallerNames(args.file, fmt)
     stats = Stats()
     out = sys.stdout
     t0 = None
@@ -71,10 +103,12 @@ def run(args: argparse.Namespace) -> int:
             if t0 is None and r.ts_ns:
                 t0 = r.ts_ns
             rel = r.ts_ns - t0 if (r.ts_ns and t0 is not None) else 0
+            place = names.place(r.caller)
             out.write(
                 f"{i:8d} {r.thread:7d} {r.type_name:<14} {r.ptr1:#014x} {r.ptr2:#014x} "
                 f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {path_flags(r.path)}"
                 + (f"stack={r.stack}" if r.stack else "")
+                + (f" {place.text()}" if place else "")
                 + "\n"
             )
             if args.stacks and r.stack:
@@ -91,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
                 for t in stats.top_stacks(TOP_STACKS)
             ]
         if args.json:
-            write_json(args.file, fmt, st, out, stats_only=args.stats, limit=args.limit)
+            write_json(args.file, fmt, st, out, stats_only=args.stats, limit=args.limit, more=names.json)
+            names.note()
             return 0
     except CorruptFile as exc:
         raise CorruptFile(str(exc)) from None
@@ -113,4 +148,5 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"{'bytes':>14}{'count':>10}{'stack':>8}  frames (root first)\n")
         for t in st["top_stacks"]:
             out.write(f"{t['bytes']:>14}{t['count']:>10}{t['stack']:>8}  {';'.join(t['frames'])}\n")
+    names.note()
     return 0

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 DIRECT_CHUNK = 8192  # records copied from the ring at a time (640 KiB of samples: the copy stays in the cache)
 STACKS_POLL_INTERVAL_S = 0.01  # record --stacks drains this often (DrainPacer's wait otherwise)
+MAPS_INTERVAL_S = 1.0  # how often the traced processes' maps are read again (libraries dlopen'ed since)
 
 
 class DrainPacer:
@@ -149,6 +150,7 @@ class Drainer:
         self.duration = 0.0
         self.interrupted = False
         self.failure: WriteFailed | None = None
+        self.outputs: Outputs | None = None  # run()'s
 
     def drain(self, final: bool = False) -> int:
         """Copy what the ring holds into the outputs; how many records. FINAL: the last drain,
@@ -261,15 +263,16 @@ class Drainer:
         pidfd = os.pidfd_open(self.target)
         start = time.monotonic()
         deadline = start + options.duration_s if options.duration_s else None
-        at_exit = self.unwinder.at_exit if self.unwinder is not None else None
+        self.outputs = outputs
+        at_exit = self.at_exit
         if watched.launched is not None:
-            # --stacks: held at its exit, so the libraries it loaded are read before they go
-            # held at each exec (its new allocator probed) and, with --stacks, at its exit
-            watched.launched.resume(hold_exit=options.stacks, on_exec=on_exec)
+            # held at each exec (its new allocator probed) and at its exit, so that the
+            # libraries it loaded are read (maps, --stacks' images) before they go
+            watched.launched.resume(hold_exit=True, on_exec=on_exec)
         if options.progress:
             what = " ".join(options.cmd) if options.cmd else f"process {self.target}"
             print(f"pymtrace: recording {what}" + ("" if options.duration_s else "; Ctrl-C to stop"), file=sys.stderr)
-        last_maps = 0.0
+        last_maps = last_kept = 0.0
         try:
             while True:
                 drained = self.drain()
@@ -281,6 +284,9 @@ class Drainer:
                 if options.format == "mtrace-text" and now - last_maps > 0.2:
                     outputs.snapshot_maps()
                     last_maps = now
+                if now - last_kept > MAPS_INTERVAL_S:  # libraries loaded since (dlopen)
+                    outputs.record_maps()
+                    last_kept = now
                 if deadline is not None and now >= deadline:
                     break
                 if not watched.target_alive(pidfd, at_exit) and not watched.children_alive(outputs.pids()):
@@ -304,6 +310,14 @@ class Drainer:
             except WriteFailed as exc:
                 self.failure = exc
         self.duration = time.monotonic() - start
+
+    def at_exit(self, pid: int) -> None:
+        """A held command at its exit, its mappings still there: keep them (and --stacks: read
+        the files it mapped since)."""
+        if self.outputs is not None:
+            self.outputs.record_maps(pid)
+        if self.unwinder is not None:
+            self.unwinder.at_exit(pid)
 
     def close(self) -> None:
         try:

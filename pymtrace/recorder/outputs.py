@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from pymtrace.errors import PymtraceError, WriteFailed
 from pymtrace.recorder.options import RecordOptions
-from pymtrace.trace import stacktable
+from pymtrace.trace import mappings, stacktable
 from pymtrace.trace.files import open_exclusive, open_unique
 from pymtrace.trace.formats import mtrace_bin, mtrace_text
 from pymtrace.tracee import elf, libc, proc
@@ -66,6 +66,8 @@ class Output:
         self.allocator = allocator or "glibc"
         self.stacks = stacks
         self.stack_table: stacktable.TableWriter | None = None  # record --stacks: set by Outputs
+        self.maps = mappings.MapsLog(tgid, path)  # its executable mappings (trace/mappings.py)
+        self.maps_fd: int | None = None  # mtrace-bin, mtrace-text: FILE.maps (set by Outputs)
         self.fmt = fmt
         self.tgid = tgid
         self.fd = fd
@@ -225,6 +227,28 @@ class Output:
             if not self.snapshot_maps() and self.fallback_maps is not None:
                 self.fallback_maps(self)
 
+    def record_maps(self) -> None:
+        """Read the process's maps now and keep its executable mappings not kept yet: in the
+        Parquet metadata (a new footer) or appended to FILE.maps."""
+        if self.failed is not None or not self.maps.snapshot():
+            return
+        try:
+            if self.parquet is not None:
+                self.parquet.update_metadata({"pymtrace." + mappings.METADATA_KEY: self.maps.text()})
+            elif self.maps_fd is not None:
+                data = memoryview(self.maps.take_new().encode())
+                while data:
+                    data = data[os.write(self.maps_fd, data) :]
+        except OSError as exc:
+            self.failed = exc
+            where = self.path if self.parquet is not None else mappings.side_path(self.path)
+            raise WriteFailed(f"cannot write {where}: {exc.strerror or exc}") from None
+
+    def note_exec(self) -> None:
+        """The process exec'd: the mappings read from now on are its new program's."""
+        self.maps.exec()
+        self.record_maps()
+
     def snapshot_maps(self) -> bool:
         """Add the process's current maps to the caller resolver (mtrace-text); whether it could."""
         if self.resolver is not None:
@@ -236,6 +260,12 @@ class Output:
         return False
 
     def close(self) -> None:
+        try:
+            self.record_maps()  # what it loaded since the last read, if it still runs
+        finally:
+            if self.maps_fd is not None:
+                os.close(self.maps_fd)
+                self.maps_fd = None
         if self.stack_table is not None:
             table, self.stack_table = self.stack_table, None
             try:
@@ -329,11 +359,16 @@ class Outputs:
         meta = self._parquet_metadata(tgid) if options.format == "parquet" else None
         if options.stacks and meta is not None:
             meta["pymtrace.stacks"] = os.path.basename(stacktable.table_path(path))
-        table_fd = None
-        if options.stacks:
+        side_fds = {}  # the side files, by suffix
+        for suffix, wanted in ((stacktable.SUFFIX, options.stacks), (mappings.SUFFIX, options.format != "parquet")):
+            if not wanted:
+                continue
             try:
-                table_fd = open_exclusive(stacktable.table_path(path), options.force)
+                side_fds[suffix] = open_exclusive(path + suffix, options.force)
             except PymtraceError:
+                for other in side_fds:
+                    os.close(side_fds[other])
+                    os.unlink(path + other)
                 os.close(fd)
                 os.unlink(path)
                 raise
@@ -347,10 +382,14 @@ class Outputs:
             stacks=options.stacks,
             allocator=self.family,
         )
-        if table_fd is not None:
-            out.stack_table = stacktable.TableWriter(table_fd, path, tgid, self.symbolize)
+        if stacktable.SUFFIX in side_fds:
+            out.stack_table = stacktable.TableWriter(side_fds[stacktable.SUFFIX], path, tgid, self.symbolize)
+        out.maps_fd = side_fds.get(mappings.SUFFIX)
+        if out.maps_fd is not None:
+            os.write(out.maps_fd, out.maps.take_new().encode())  # the header
         self.by_pid[tgid] = out
         out.snapshot_maps()
+        out.record_maps()
         if options.progress:
             print(f"pymtrace: writing to {path}", file=sys.stderr)
         return out
@@ -417,6 +456,18 @@ class Outputs:
         for out in self.by_pid.values():
             out.snapshot_maps()
 
+    def record_maps(self, pid: int | None = None) -> None:
+        """Keep the executable mappings of process PID (None: of every process) learned since."""
+        for tgid, out in list(self.by_pid.items()):
+            if hasattr(out, "record_maps") and pid in (None, tgid):
+                out.record_maps()
+
+    def note_exec(self, pid: int) -> None:
+        """Process PID exec'd (a launched command, held at its exec)."""
+        out = self.by_pid.get(pid)
+        if out is not None and hasattr(out, "note_exec"):
+            out.note_exec()
+
     def close(self) -> WriteFailed | None:
         return close_outputs(list(self.by_pid.values()))
 
@@ -430,6 +481,12 @@ class Outputs:
                 try:
                     os.close(out.stack_table.fd)
                     os.unlink(stacktable.table_path(out.path))
+                except OSError:
+                    pass
+            if getattr(out, "maps_fd", None) is not None:
+                try:
+                    os.close(out.maps_fd)
+                    os.unlink(mappings.side_path(out.path))
                 except OSError:
                     pass
             for fd in (out.fd, getattr(out, "final_fd", None)):

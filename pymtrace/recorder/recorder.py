@@ -112,7 +112,10 @@ class Recorder:
 
     def _probe_program(self, pid: int, at_start: bool = False) -> None:
         """A launched command's program (at start, and after each exec): probed where its
-        calls resolve (ProbePlan.probe_program); after an exec, the trace names its allocator."""
+        calls resolve (ProbePlan.probe_program); after an exec, the trace names its allocator
+        and keeps the new program's mappings."""
+        if not at_start:
+            self.outputs.note_exec(pid)
         found = self.plan.probe_program(pid, at_start)
         if found is None:
             return
@@ -160,7 +163,7 @@ class Recorder:
             summary["error"] = str(failure)
         if plan.launched is not None:
             # a held command's stops must be taken by service() (Popen.poll would swallow one)
-            summary["command_exit_status"] = plan.launched.service(unwinder.at_exit if unwinder is not None else None)
+            summary["command_exit_status"] = plan.launched.service(drainer.at_exit)
         print_summary(summary, self.options)
         return exit_status(summary, self.options)
 

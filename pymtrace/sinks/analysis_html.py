@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 from typing import IO, TYPE_CHECKING, Sequence
 
+from pymtrace.sinks.analysis_text import caller_text
+
 if TYPE_CHECKING:
     from pymtrace.trace.report import Report
 
@@ -30,7 +32,7 @@ def _human(n: float) -> str:
     for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= div:
             return f"{n / div:.3g}{unit}"
-    return f"{n:.0f}"
+    return f"{n:.3g}"  # a time axis in ms or s can be below 1
 
 
 def _duration(ns: float | None) -> str:
@@ -227,12 +229,16 @@ def write_html(rep: Report, out: IO[str], title: str = "pymtrace analyze") -> No
             "lifetimes",
         )
     )
-    unit = "ns" if live.unit == "ns" else "calls"
+    if live.unit == "ns":  # the time axis in ms, or in s for a trace of a second or more
+        div, unit = (1e9, "s") if max((p.at for p in live.points), default=0) >= 1e9 else (1e6, "ms")
+        peak = _duration(live.peak_at or 0)
+    else:
+        div, unit = 1, "calls"
+        peak = f"{_human(live.peak_at or 0)} calls"
     parts += [
         "<h2>Live requested bytes (ideal RSS)</h2>",
-        f"<p>peak {_num(live.peak_bytes)} bytes at {_e(_human(live.peak_at or 0))} {unit}; "
-        f"{_num(live.final_bytes)} bytes live at the end.</p>",
-        line_chart("live bytes", [p.at for p in live.points], [p.max_bytes for p in live.points], unit, "bytes"),
+        f"<p>peak {_num(live.peak_bytes)} bytes at {_e(peak)}; {_num(live.final_bytes)} bytes live at the end.</p>",
+        line_chart("live bytes", [p.at / div for p in live.points], [p.max_bytes for p in live.points], unit, "bytes"),
         "<h2>Threads</h2>",
         heat_rows(
             "per-thread timeline",
@@ -255,11 +261,14 @@ def write_html(rep: Report, out: IO[str], title: str = "pymtrace analyze") -> No
         ),
         "<h2>Top callers</h2>",
     ]
+    if rep.symbols and rep.symbols.files_missing:
+        missing = ", ".join(rep.symbols.files_missing)
+        parts.append(f"<p>Not found on this machine, their callers stay addresses: {_e(missing)}.</p>")
     callers = rep.callers
     parts.append(
         bar_chart(
             "top callers (requested bytes)",
-            [c.caller + (f" {c.function}" if c.function else "") for c in callers],
+            [caller_text(c) for c in callers],
             [c.requested_bytes for c in callers],
             "bytes",
         )
@@ -269,7 +278,7 @@ def write_html(rep: Report, out: IO[str], title: str = "pymtrace analyze") -> No
             ["caller", "calls", "allocations", "requested bytes", "never freed", "never freed bytes"],
             [
                 [
-                    c.caller + (f" {c.function}" if c.function else ""),
+                    caller_text(c),
                     _num(c.calls),
                     _num(c.allocations),
                     _num(c.requested_bytes),
@@ -301,7 +310,7 @@ def write_html(rep: Report, out: IO[str], title: str = "pymtrace analyze") -> No
             [
                 [
                     f"{c.file}:{c.thread}",
-                    c.caller,
+                    caller_text(c),
                     _num(c.reallocs),
                     _num(c.first_size),
                     _num(c.final_size),
@@ -316,7 +325,7 @@ def write_html(rep: Report, out: IO[str], title: str = "pymtrace analyze") -> No
         f"<p>{_num(nf.count)} blocks, {_num(nf.requested_bytes)} bytes requested.</p>",
         _table(
             ["caller", "blocks", "requested bytes"],
-            [[c.caller, _num(c.count), _num(c.requested_bytes)] for c in nf.by_caller],
+            [[caller_text(c), _num(c.count), _num(c.requested_bytes)] for c in nf.by_caller],
             "never-freed",
         ),
         "</body></html>\n",

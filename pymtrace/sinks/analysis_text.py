@@ -47,8 +47,12 @@ def write_text(rep: Report, out: IO[str]) -> None:
             f"releases of blocks not allocated in the trace: {life.releases_of_unknown_blocks}; "
             f"allocations at a live block's address (a free missing): {life.allocations_over_live_blocks}\n"
         )
-    unit = "ns" if live.unit == "ns" else "rows"
-    at = f" at {live.peak_at} {unit} from the start" if live.peak_at is not None else ""
+    if live.peak_at is None:
+        at = ""
+    elif live.unit == "ns":
+        at = f" at {seconds(live.peak_at)} from the start"
+    else:
+        at = f" at {live.peak_at} rows from the start"
     w(f"\nlive requested bytes: peak {live.peak_bytes}{at}, {live.final_bytes} at the end\n")
     th = rep.threads
     w(f"\nthreads: {th.count}\n")
@@ -71,12 +75,16 @@ def write_text(rep: Report, out: IO[str]) -> None:
     )
     if ch.longest:
         rows = [
-            [f"{c.file}:{c.thread}", _where(c), c.reallocs, c.first_size, c.final_size, c.moves] for c in ch.longest
+            [f"{c.file}:{c.thread}", caller_text(c), c.reallocs, c.first_size, c.final_size, c.moves]
+            for c in ch.longest
         ]
         w(tabulate(rows, ["thread", "caller", "reallocs", "first size", "final size", "moves"]) + "\n")
     w("\ntop callers\n")
+    if rep.symbols and rep.symbols.files_missing:
+        w(f"(not found on this machine, their callers stay addresses: {', '.join(rep.symbols.files_missing)})\n")
     rows = [
-        [_where(c), c.calls, c.allocations, c.requested_bytes, c.never_freed, c.never_freed_bytes] for c in rep.callers
+        [caller_text(c), c.calls, c.allocations, c.requested_bytes, c.never_freed, c.never_freed_bytes]
+        for c in rep.callers
     ]
     w(tabulate(rows, ["caller", "calls", "allocations", "requested bytes", "never freed", "bytes"]) + "\n")
     if rep.stacks.recorded:
@@ -86,11 +94,16 @@ def write_text(rep: Report, out: IO[str]) -> None:
     nf = rep.never_freed
     w(f"\nnever freed: {nf.count} blocks, {nf.requested_bytes} bytes requested\n")
     if nf.by_caller:
-        rows = [[_where(c), c.count, c.requested_bytes] for c in nf.by_caller]
+        rows = [[caller_text(c), c.count, c.requested_bytes] for c in nf.by_caller]
         w(tabulate(rows, ["caller", "blocks", "requested bytes"]) + "\n")
 
 
-def _where(entry: Caller | NeverFreedCaller | Chain) -> str:
+def seconds(ns: int) -> str:
+    """A time from the start in ms below a second, else in s."""
+    return f"{ns / 1e6:.3f} ms" if ns < 1e9 else f"{ns / 1e9:.3f} s"
+
+
+def caller_text(entry: Caller | NeverFreedCaller | Chain) -> str:
     """A caller address, with its function and source line when the report has them."""
     if not entry.function:
         return str(entry.caller)

@@ -28,6 +28,7 @@ import duckdb
 import pyarrow.compute
 
 from pymtrace.errors import BadQuery, CorruptFile, PymtraceError
+from pymtrace.trace import mappings
 from pymtrace.trace import report as R
 from pymtrace.trace.formats import parquet
 from pymtrace.trace.formats.autodetect import detect_format, recorded_allocator
@@ -36,7 +37,9 @@ from pymtrace.trace.report_sql import EVENTS, LIVE_BUCKETS, MMAP_THRESHOLD, buil
 DEFAULT_MEMORY_LIMIT = "1GB"
 SORT_BYTES_PER_EVENT = 16  # of the memory limit per DuckDB thread, per event in one sort (TraceSet.sort_events)
 COLUMNS = ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller", "path", "stack")
-_DUCKDB_READ_ERRORS = (duckdb.IOException, duckdb.InvalidInputException, duckdb.ConversionException)
+# DuckDB's errors about the SQL itself (a defect of the report, shown as is); every other error
+# while reading the inputs is a damaged file
+_DUCKDB_OWN_ERRORS = (duckdb.BinderException, duckdb.CatalogException, duckdb.ParserException)
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -216,19 +219,54 @@ class TraceSet:
         # limit like any other DuckDB buffer (an on-disk database costs compression and checkpoints)
         self.con = self._connect(":memory:")
         try:
+            self._check_nulls()
             return self._report(top, mmap_threshold)
         except duckdb.OutOfMemoryException as exc:
             raise PymtraceError(
                 f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
             ) from None
-        except _DUCKDB_READ_ERRORS as exc:
-            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+        except _DUCKDB_OWN_ERRORS:
+            raise  # the report's SQL, not the data
+        except (duckdb.Error, pyarrow.ArrowException) as exc:
+            # damaged pages or a damaged footer that still parsed: DuckDB's Thrift and page
+            # decoders fail in many ways (TProtocolException, "Out of buffer", ...)
+            raise CorruptFile(f"{self._damaged()}: cannot read the trace: {_first_line(exc)}") from None
         except OSError as exc:  # DuckDB's errors inside a streamed result reach pyarrow's reader as OSError
             if "Out of Memory" in str(exc):
                 raise PymtraceError(
                     f"DuckDB ran out of memory ({_first_line(exc)}); raise --memory-limit or lower --threads"
                 ) from None
-            raise CorruptFile(f"cannot read the trace: {_first_line(exc)}") from None
+            raise CorruptFile(f"{self._damaged()}: cannot read the trace: {_first_line(exc)}") from None
+
+    def _check_nulls(self) -> None:
+        """CorruptFile for a NULL in a column the report reads: pymtrace writes none (the schema
+        has them required), another tool's file may declare them optional and hold some."""
+        for i, path in enumerate(self.files):
+            schema = parquet.open_file(path).schema_arrow
+            optional = [c for c in COLUMNS if c != "stack" and c in schema.names and schema.field(c).nullable]
+            if not optional:
+                continue
+            counts = self._one(
+                "SELECT "
+                + ", ".join(f"count(*) FILTER (WHERE {c} IS NULL)" for c in optional)
+                + f" FROM read_parquet('{path.replace(chr(39), chr(39) * 2)}')"
+            )
+            for column, n in zip(optional, counts):
+                if n:
+                    raise CorruptFile(f"{self.inputs[i]}: {n} NULL in column {column} (a trace has none)")
+
+    def _damaged(self) -> str:
+        """The input(s) DuckDB cannot read: each file is read whole on its own, the first that
+        fails is named (all of them when none fails alone)."""
+        if len(self.files) == 1:
+            return self.inputs[0]
+        for i, path in enumerate(self.files):
+            try:
+                select = self._select_list(path, f"read_parquet('{path.replace(chr(39), chr(39) * 2)}')", 0, False)
+                self.con.execute(f"SELECT min(COLUMNS(*)) FROM ({select})").fetchall()
+            except (duckdb.Error, pyarrow.ArrowException, OSError):
+                return self.inputs[i]
+        return ", ".join(self.inputs)
 
     def spilled_bytes(self) -> int:
         """Bytes of working data held on disk rather than in memory now (0 before report()):
@@ -298,12 +336,14 @@ class TraceSet:
         return tables
 
     def _symbolize(self, rep: R.Report, top: int) -> R.Symbols:
-        """Function, file and line of the callers in REP, from the stack tables: a caller
-        address is in the allocating (innermost) frame of the stacks of its calls. A trace
-        holds no memory maps of its process, so without a stack table the callers stay
-        addresses (docs/analyze.md, "Callers")."""
+        """Function, file and line of the callers in REP: from the stack tables (a caller
+        address is in the allocating, innermost, frame of the stacks of its calls), else from
+        the executable mappings the traces keep (trace/mappings.py) and the files they name,
+        found on this machine. A trace without either keeps its callers as addresses
+        (docs/analyze.md, "Callers")."""
         tables = self._stack_tables()
-        if not tables:
+        recorded = self._recorded_maps()
+        if not tables and not recorded:
             return R.Symbols(source=None, callers_symbolized=0)
         leaf: dict[int, Any] = {}
         for i, table in tables.items():
@@ -313,18 +353,50 @@ class TraceSet:
             ):
                 stack = table.get(int(stack_id))
                 if stack is not None and stack.frames and caller not in leaf:
-                    leaf[caller] = stack.frames[-1]
+                    f = stack.frames[-1]
+                    leaf[caller] = (f.function, f"{f.file}:{f.line}" if f.file else None)
+        symbolizer = mappings.Symbolizer()
         entries = [*rep.callers, *rep.never_freed.by_caller, *rep.realloc_chains.longest]
         done = set()
         for entry in entries:
-            frame = leaf.get(int(entry.caller, 16)) if entry.caller else None
-            entry.function = frame.function if frame else None
-            entry.source = f"{frame.file}:{frame.line}" if frame and frame.file else None
-            if frame:
+            addr = int(entry.caller, 16) if entry.caller else 0
+            found = leaf.get(addr)
+            if found is None and addr:
+                found = self._place(symbolizer, recorded, addr, getattr(entry, "file", None))
+            entry.function, entry.source = found or (None, None)
+            if found:
                 done.add(entry.caller)
-        if not rep.stacks.recorded:
+        if tables and not rep.stacks.recorded:
             rep.stacks = self._table_stacks(tables, top)
-        return R.Symbols(source="stack table", callers_symbolized=len(done))
+        source = "stack table" if tables and not recorded else "maps" if not tables else "stack table, maps"
+        symbols = R.Symbols(source=source, callers_symbolized=len(done))
+        if recorded:
+            symbols.files_missing = sorted(symbolizer.missing)
+        return symbols
+
+    def _recorded_maps(self) -> dict[int, mappings.Maps]:
+        """The executable mappings each input keeps (file index -> Maps), for those that have them."""
+        out = {}
+        for i, path in enumerate(self.files):
+            meta = parquet.read_metadata(path) if self.formats[i] == "parquet" else None
+            found = mappings.load(self.inputs[i], self.formats[i], meta)
+            if found is not None:
+                out[i] = found
+        return out
+
+    @staticmethod
+    def _place(
+        symbolizer: mappings.Symbolizer, recorded: dict[int, mappings.Maps], addr: int, file: int | None
+    ) -> tuple[str, str | None] | None:
+        """(function, file:line) of caller ADDR from the maps of input FILE (None: of the first
+        input whose maps hold it)."""
+        for i, maps in recorded.items():
+            if file is not None and i != file:
+                continue
+            place = symbolizer.place(maps, i, addr)
+            if place is not None:
+                return place.function, f"{place.file}:{place.line}" if place.file else None
+        return None
 
     def _table_stacks(self, tables: dict[int, dict], top: int) -> R.Stacks:
         """The top stacks by requested bytes of `record --stacks` recordings (stack ids, the

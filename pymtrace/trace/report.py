@@ -271,8 +271,10 @@ class Stacks:
 
 @dataclass(kw_only=True)
 class Symbols:
-    source: str | None
+    source: str | None  # "stack table", "maps" (the executable mappings a trace keeps), both, or None
     callers_symbolized: int
+    # with maps: the recorded files found nowhere on this machine (their callers stay addresses)
+    files_missing: list[str] = ABSENT
 
 
 @dataclass(kw_only=True)

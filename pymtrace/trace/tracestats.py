@@ -2,7 +2,7 @@
 
 import collections
 import json
-from typing import TextIO
+from typing import Callable, TextIO
 
 from pymtrace.trace.formats import mtrace_bin
 from pymtrace.trace.formats.autodetect import load_records
@@ -96,10 +96,19 @@ def record_json(i: int, r: mtrace_bin.Record) -> dict:
     }
 
 
-def write_json(path: str, fmt: str, st: dict, out: TextIO, stats_only: bool = False, limit: int | None = None) -> None:
+def write_json(
+    path: str,
+    fmt: str,
+    st: dict,
+    out: TextIO,
+    stats_only: bool = False,
+    limit: int | None = None,
+    more: Callable[[mtrace_bin.Record], dict] | None = None,
+) -> None:
     """The JSON document of the trace PATH (format FMT, statistics ST) to OUT, streamed:
     statistics come first, so the records are read again (a second pass over the file)
-    instead of being held in memory. STATS_ONLY: no records; LIMIT: at most that many."""
+    instead of being held in memory. STATS_ONLY: no records; LIMIT: at most that many;
+    MORE: keys added to a record's object (its caller's function and source line)."""
     doc = {"file": path, "format": fmt, "stats": st}
     if stats_only:
         json.dump(doc, out)
@@ -112,5 +121,5 @@ def write_json(path: str, fmt: str, st: dict, out: TextIO, stats_only: bool = Fa
     for i, r in zip(range(n), records):
         if i:
             out.write(", ")
-        out.write(json.dumps(record_json(i, r)))
+        out.write(json.dumps({**record_json(i, r), **more(r)} if more else record_json(i, r)))
     out.write("]}\n")

@@ -395,6 +395,30 @@ class ProcessImage:
             self.close()
 
 
+class RecordedImage(ProcessImage):
+    """One ELF file of a recorded process, mapped as recorded (START, END, OFFSET of PATH),
+    opened from LOCAL on this machine: symbolizes offline (trace/mappings.py), no process."""
+
+    def __init__(self, start: int, end: int, offset: int, path: str, local: str) -> None:
+        self._recorded = MapLine(start, end, "r-xp", offset, "00:01", 1, path)  # libdwfl skips inode 0
+        self._local = local
+        super().__init__(0)
+
+    def refresh(self) -> None:
+        with self._lock:
+            if self.modules:
+                return
+            try:
+                fd = os.open(self._local, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise PymtraceError(f"cannot open {self._local}: {exc.strerror}") from None
+            self._add(self._recorded.path, fd)
+            maps = format_maps([self._recorded]).encode()
+            # reports the module, then fails to attach a process (there is none): the module
+            # is what symbolize() needs
+            self._lib.pmt_report(self._session, 0, maps, len(maps), 0, 0)
+
+
 ROW_HEAD = 40  # bytes of each record a RingScanner row carries (native/unwind.c PMT_ROW_HEAD)
 
 

@@ -756,10 +756,10 @@ def arrays_from_records(records: Iterator[mtrace_bin.Record], chunk: int = 1 << 
         yield numpy.array(rows, dtype)
 
 
-def convert_to_parquet(path: str, fmt: str, out: IO[bytes]) -> int:
+def convert_to_parquet(path: str, fmt: str, out: IO[bytes], extra: Mapping[str, str] | None = None) -> int:
     """Write the trace PATH (in format FMT) to the new file OUT as Parquet; the row count.
     The MAGIC record's thread and the byte order of an mtrace-bin input are kept in the
-    metadata, so converting back gives the same bytes."""
+    metadata, so converting back gives the same bytes. EXTRA: more metadata (pymtrace.* keys)."""
     if fmt == "parquet":
         meta = {META_PREFIX + k: v for k, v in read_metadata(path).items()}
         return write_records(out, iter_arrays(path), meta, stacks=has_stacks(path))
@@ -767,7 +767,7 @@ def convert_to_parquet(path: str, fmt: str, out: IO[bytes]) -> int:
         from pymtrace.trace.formats import mtrace_text
 
         records = mtrace_text.to_records(mtrace_text.read_file(path))
-        return write_records(out, arrays_from_records(records), file_metadata(source_format=fmt))
+        return write_records(out, arrays_from_records(records), {**file_metadata(source_format=fmt), **(extra or {})})
     with open(path, "rb") as f:
         stacks = mtrace_bin.has_stacks(f.read(mtrace_bin.RECORD_SIZE), "<")
         f.seek(0)
@@ -783,4 +783,4 @@ def convert_to_parquet(path: str, fmt: str, out: IO[bytes]) -> int:
             pid=thread or None,
             byteorder="big" if order == ">" else "little",
         )
-        return write_records(out, arrays, meta, stacks=stacks)
+        return write_records(out, arrays, {**meta, **(extra or {})}, stacks=stacks)
