@@ -5,6 +5,7 @@ import os
 import sys
 
 from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.sinks.text import printable
 from pymtrace.trace import mappings, stacktable
 from pymtrace.trace.formats.autodetect import load_records, recorded_allocator
 from pymtrace.trace.tracestats import Stats, path_flags, write_json
@@ -82,7 +83,7 @@ class CallerNames:
     def note(self) -> None:
         """One line on stderr naming the recorded files not found here (their callers stay addresses)."""
         if self.symbolizer.missing:
-            missing = ", ".join(sorted(self.symbolizer.missing))
+            missing = printable(", ".join(sorted(self.symbolizer.missing)))
             print(
                 f"pymtrace: note: not found on this machine, their callers stay addresses: {missing}", file=sys.stderr
             )
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{i:8d} {r.thread:7d} {r.type_name:<14} {r.ptr1:#014x} {r.ptr2:#014x} "
                 f"{r.size:10d} {r.size2:8d} {r.size3:8d} {rel:12d} {r.caller:#014x} {path_flags(r.path)}"
                 + (f"stack={r.stack}" if r.stack else "")
-                + (f" {place.text()}" if place else "")
+                + (f" {printable(place.text())}" if place else "")
                 + "\n"
             )
             if args.stacks and r.stack:
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 if entry is None:
                     raise CorruptFile(f"{args.file}: record {i} names stack {r.stack}, which the stack table lacks")
                 for f in reversed(entry.frames):
-                    out.write(f"           {frame_text(f)}\n")
+                    out.write(f"           {printable(frame_text(f))}\n")
         st = stats.as_dict()
         st["allocator"] = recorded_allocator(args.file)  # recorded from (None: glibc, or not said)
         if table is not None:
@@ -147,6 +148,6 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"\ntop stacks by bytes requested ({len(table)} stacks in {stacktable.table_path(args.file)}):\n")
         out.write(f"{'bytes':>14}{'count':>10}{'stack':>8}  frames (root first)\n")
         for t in st["top_stacks"]:
-            out.write(f"{t['bytes']:>14}{t['count']:>10}{t['stack']:>8}  {';'.join(t['frames'])}\n")
+            out.write(f"{t['bytes']:>14}{t['count']:>10}{t['stack']:>8}  {printable(';'.join(t['frames']))}\n")
     names.note()
     return 0

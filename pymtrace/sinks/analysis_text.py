@@ -6,6 +6,8 @@ from typing import IO, TYPE_CHECKING
 
 from tabulate import tabulate
 
+from pymtrace.sinks.text import printable
+
 if TYPE_CHECKING:
     from pymtrace.trace.report import Caller, Chain, NeverFreedCaller, Report
 
@@ -16,7 +18,7 @@ def write_text(rep: Report, out: IO[str]) -> None:
     w = out.write
     for f in rep.files:
         by = f", recorded from {f.allocator}" if f.allocator else ""
-        w(f"{f.path} ({f.format}{by})\n")
+        w(f"{printable(f.path)} ({f.format}{by})\n")
     span = f", {tot.span_ns / 1e9:.6f} s" if tot.span_ns is not None else ""
     w(f"{tot.events} events, {tot.threads} threads, {tot.requested_bytes} bytes requested{span}\n\n")
     w("call mix\n")
@@ -81,7 +83,8 @@ def write_text(rep: Report, out: IO[str]) -> None:
         w(tabulate(rows, ["thread", "caller", "reallocs", "first size", "final size", "moves"]) + "\n")
     w("\ntop callers\n")
     if rep.symbols and rep.symbols.files_missing:
-        w(f"(not found on this machine, their callers stay addresses: {', '.join(rep.symbols.files_missing)})\n")
+        missing = ", ".join(printable(f) for f in rep.symbols.files_missing)
+        w(f"(not found on this machine, their callers stay addresses: {missing})\n")
     rows = [
         [caller_text(c), c.calls, c.allocations, c.requested_bytes, c.never_freed, c.never_freed_bytes]
         for c in rep.callers
@@ -90,7 +93,7 @@ def write_text(rep: Report, out: IO[str]) -> None:
     if rep.stacks.recorded:
         w("\ntop stacks\n")
         for s in rep.stacks.top:
-            w(f"{s.calls} calls, {s.requested_bytes} bytes: {' '.join(s.stack)}\n")
+            w(f"{s.calls} calls, {s.requested_bytes} bytes: {printable(' '.join(s.stack))}\n")
     nf = rep.never_freed
     w(f"\nnever freed: {nf.count} blocks, {nf.requested_bytes} bytes requested\n")
     if nf.by_caller:
@@ -107,4 +110,5 @@ def caller_text(entry: Caller | NeverFreedCaller | Chain) -> str:
     """A caller address, with its function and source line when the report has them."""
     if not entry.function:
         return str(entry.caller)
-    return f"{entry.caller} {entry.function}" + (f" ({entry.source})" if entry.source else "")
+    text = f"{entry.caller} {entry.function}" + (f" ({entry.source})" if entry.source else "")
+    return printable(text)  # names read from binaries a process mapped

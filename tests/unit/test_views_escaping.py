@@ -221,3 +221,25 @@ def test_errors_reach_the_terminal_escaped(tmp_path):
     run = run_pymtrace("dump", tmp_path / FILE_NAME)
     assert run.returncode != 0 and "pymtrace: error:" in run.stderr, run.stderr
     assert unprintable(run.stderr) == [] and "\\x1b[2J" in run.stderr, run.stderr
+
+
+def test_analyze_text_escapes_names_read_from_binaries():
+    """analyze's callers and stacks name functions and files read from the binaries a process
+    mapped: shown escaped, like every other name from a process."""
+    from pymtrace.sinks.analysis_text import caller_text
+    from pymtrace.trace.report import Caller
+
+    c = Caller(
+        caller="0x401000",
+        calls=3,
+        allocations=3,
+        requested_bytes=300,
+        frees=0,
+        never_freed=3,
+        never_freed_bytes=300,
+        function=HOSTILE,
+        source=HOSTILE_PATH + ":7",
+    )
+    text = caller_text(c)
+    assert unprintable(text) == []
+    assert text == f"0x401000 {ESCAPED} ({ESCAPED_PATH}:7)"
