@@ -383,10 +383,16 @@ static inline void ring_put(const struct record_event *e) {
 }
 
 /* Write the records signal handlers left while this thread was writing, in their order
- * (called by the outermost write, `writing` held). A handler appends at deferred[dcount] and
- * then counts it; the count is reset only by a compare-and-swap from the number written, a
- * single instruction no handler can come between. */
+ * (called with `writing` held). A handler appends at deferred[dcount] and then counts it; the
+ * count is reset only by a compare-and-swap from the number written, a single instruction no
+ * handler can come between. */
 static void flush_deferred(struct tstate *t) {
+    /* signals blocked: a handler that finds the buffer full flushes it itself (emit), so it
+     * must never interrupt a flush that has taken a record but not yet reserved its slot */
+    sigset_t all, old;
+    int saved = errno;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
     __u32 done = 0;
     for (;;) {
         if (done < __atomic_load_n(&t->dcount, __ATOMIC_RELAXED)) {
@@ -397,9 +403,10 @@ static void flush_deferred(struct tstate *t) {
             continue;
         }
         __u32 expect = done;
-        if (__atomic_compare_exchange_n(&t->dcount, &expect, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-            return;
+        if (__atomic_compare_exchange_n(&t->dcount, &expect, 0, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) break;
     }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = saved;
 }
 
 static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 size2, __u64 size3,
@@ -425,9 +432,11 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
             __atomic_fetch_add(&ring->deferred, 1, __ATOMIC_RELAXED);
             return;
         }
-        /* the buffer is full: written at once (it can only block if the ring is full) */
+        /* the buffer is full: written at once, after the records buffered before it (written
+         * first: the thread's order kept; it can only block if the ring is full) */
         t->writing++;
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        flush_deferred(t);
         e.rec.pad[0] = stamp();
         ring_put(&e);
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
@@ -436,6 +445,9 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
     }
     t->writing = 1;
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    /* a handler that came after a write's last flush, before its `writing` fell, finds records
+     * still buffered: older than its own, so written first */
+    if (UNLIKELY(__atomic_load_n(&t->dcount, __ATOMIC_RELAXED))) flush_deferred(t);
     /* timed inside the window: a handler's records before it are earlier, deferred ones later */
     e.rec.pad[0] = stamp();
     ring_put(&e);
