@@ -1,4 +1,5 @@
-"""Errors that end a command with one clear line on stderr and a non-zero exit."""
+"""Errors that end a command with one clear line on stderr and a non-zero exit, and
+printable(): how such a line (or any line) shows a name a process chose."""
 
 
 class PymtraceError(Exception):
@@ -37,3 +38,20 @@ class BadQuery(PymtraceError):
 class WriteFailed(PymtraceError):
     """Writing a trace failed (disk full, quota, I/O error): recording stops, the file keeps
     every complete record written before the failure."""
+
+
+def printable(text: object, keep: str = "") -> str:
+    """TEXT with every character a terminal would act on written out as an escape: control
+    characters as \\xNN (ESC -> \\x1b, as `ps` and `htop` refuse to pass them), other
+    unprintable ones (bidi overrides, unassigned code points) as \\uNNNN. KEEP: characters to
+    pass as they are (the newlines of a multi-line report). Every name a process chooses
+    (comm, paths, symbols, cgroup names) goes through it before it reaches a terminal."""
+    text = str(text)
+    if text.isprintable() and not keep:
+        return text  # the common case: nothing to scan twice
+    return "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"

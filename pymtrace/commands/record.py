@@ -120,6 +120,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--libc", metavar="PATH", help="the libc to probe (default: the one the process maps)")
     parser.add_argument(
+        "--via",
+        choices=("auto", "interposer", "uprobes"),
+        default="auto",
+        help="how -- CMD is recorded: interposer (pymtrace's library preloaded into it: ~20-100 ns a call), "
+        "uprobes (a kernel trap per call: ~1-2.5 us); auto (default): the interposer where it can be "
+        "preloaded, else uprobes, and says why. -p is always recorded through uprobes",
+    )
+    parser.add_argument(
         "--to",
         metavar="HOST:PORT",
         help="stream the recording to `pymtrace collect` at HOST:PORT instead of a file (docs/collect.md)",
@@ -205,6 +213,7 @@ def options(args: argparse.Namespace) -> RecordOptions:
         libc=args.libc,
         json=args.json,
         quiet=args.quiet,
+        via=args.via,
     )
 
 

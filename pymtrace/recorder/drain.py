@@ -72,6 +72,8 @@ class Watched:
     and, with FOLLOW (--follow-forks), its descendants, from the proc connector's fork and
     exit events when it can be read, else from /proc and the processes with an output."""
 
+    KINDS = ("fork", "exit")  # the process events read (on_event)
+
     def __init__(self, target: int, launched: Launched | None, follow: bool) -> None:
         self.target = target
         self.launched = launched
@@ -85,7 +87,7 @@ class Watched:
         try:
             from pymtrace.tracee.procevents import ProcEvents
 
-            self.procevents = ProcEvents(kinds=("fork", "exit")).start()
+            self.procevents = ProcEvents(kinds=self.KINDS).start()
         except (PymtraceError, OSError):
             self.procevents = None  # fall back to scanning /proc for children
 
@@ -106,15 +108,23 @@ class Watched:
         """Whether a descendant of the target runs on (RECORDED: the processes with an output)."""
         if not self.follow:
             return False
-        if self.procevents is not None:
-            for ev in self.procevents.drain():
-                if ev.kind == "fork" and ev.pid == ev.tgid and ev.parent_tgid in self.alive:
-                    self.alive.add(ev.tgid)
-                elif ev.kind == "exit" and ev.pid == ev.tgid:
-                    self.alive.discard(ev.tgid)
+        self.poll()
         self.alive |= recorded
         self.alive = {p for p in self.alive if p != self.target and proc.exists(p)}
         return bool(self.alive)
+
+    def poll(self) -> None:
+        """Read the process events come since."""
+        if self.procevents is not None:
+            for ev in self.procevents.drain():
+                self.on_event(ev)
+
+    def on_event(self, ev: Any) -> None:
+        """A process event (tracee.procevents.ProcEvent) of one of KINDS."""
+        if ev.kind == "fork" and ev.pid == ev.tgid and ev.parent_tgid in self.alive:
+            self.alive.add(ev.tgid)
+        elif ev.kind == "exit" and ev.pid == ev.tgid:
+            self.alive.discard(ev.tgid)
 
     def stop(self) -> None:
         if self.procevents is not None:
@@ -130,14 +140,16 @@ class Drainer:
 
     def __init__(
         self,
-        reader: RingReader,
+        reader: RingReader | None,
         output_for: Callable[[int], Output],
         target: int,
         direct: bool = False,
         unwinder: StackUnwinder | None = None,
         consume_stacks: Callable[[], Any] | None = None,
+        ring_records: int | None = None,
     ) -> None:
         self.reader = reader
+        self.ring_records = ring_records if ring_records is not None else reader.max_batch
         self.output_for = output_for
         self.target = target
         self.direct = direct
@@ -194,7 +206,7 @@ class Drainer:
                         self.dispatch(data, n)
                         if n == DIRECT_CHUNK:
                             continue
-                    if n < self.reader.max_batch // 8 and not final:
+                    if n < self.ring_records // 8 and not final:
                         return total
         finally:
             self.consumer_cpu += time.thread_time() - t0
@@ -259,7 +271,7 @@ class Drainer:
             fixed = max(options.poll_interval_ms, 0.5) / 1000.0
         else:  # --stacks: its stack events fill their ring ~100 times faster: every 10 ms
             fixed = STACKS_POLL_INTERVAL_S if options.stacks else None
-        pacer = DrainPacer(self.reader.max_batch, fixed)
+        pacer = DrainPacer(self.ring_records, fixed)
         pidfd = os.pidfd_open(self.target)
         start = time.monotonic()
         deadline = start + options.duration_s if options.duration_s else None

@@ -8,6 +8,7 @@ from pymtrace.errors import PymtraceError
 from pymtrace.net import protocol
 
 FORMATS = ("mtrace-bin", "mtrace-text", "parquet")
+VIAS = ("auto", "interposer", "uprobes")  # how a launched command is recorded (recorder.inprocess.choose)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class RecordOptions:
     libc: str | None = None  # the libc to probe instead of the one the process maps
     json: bool = False  # the closing summary as JSON on stderr
     quiet: bool = False  # no progress messages
+    via: str = "auto"  # one of VIAS
 
     def __post_init__(self) -> None:
         if self.pid is None and not self.cmd:
@@ -52,6 +54,8 @@ class RecordOptions:
             raise PymtraceError(
                 "--stacks needs --format mtrace-bin or parquet (a text log has no field for a stack id)"
             )
+        if self.via not in VIAS:
+            raise PymtraceError(f"unknown --via {self.via!r}: one of {', '.join(VIAS)}")
         if self.format not in FORMATS:
             raise PymtraceError(f"unknown format {self.format!r}: one of {', '.join(FORMATS)}")
 

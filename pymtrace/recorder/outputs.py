@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from pymtrace.errors import PymtraceError, WriteFailed
+from pymtrace.errors import PymtraceError, WriteFailed, printable
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.trace import mappings, stacktable
 from pymtrace.trace.files import open_exclusive, open_unique
@@ -514,6 +514,18 @@ def print_summary(summary: dict, options: RecordOptions) -> None:
         print(f"pymtrace: {o['entries']} entries recorded in {o['file']}", file=sys.stderr)
         counts = ", ".join(f"{k} {v}" for k, v in o["counts"].items() if v)
         print(f"pymtrace:   {counts or 'no calls'}; {o['bytes_written']} bytes written", file=sys.stderr)
+    for p in summary.get("processes", ()):
+        if p["via"] is None:
+            print(f"pymtrace: process {p['pid']}: not recorded after an exec: {printable(p['why'])}", file=sys.stderr)
+            continue
+        waits = f"{p['waits']} waits for a full ring ({p['wait_s'] * 1000:.1f} ms)" if p["waits"] else "no waits"
+        print(
+            f"pymtrace: process {p['pid']}"
+            + (f" (image {p['image']})" if p["image"] else "")
+            + f": in-process, calls forwarded to {printable(p['allocator'])}; {waits}"
+            + (f"; {p['torn']} records lost (the process died while writing them)" if p["torn"] else ""),
+            file=sys.stderr,
+        )
     lost = summary["lost"]
     print(f"pymtrace: {lost} events lost, {summary['duration_s']:.3f} s", file=sys.stderr)
     if "stacks" in summary:

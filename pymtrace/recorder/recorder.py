@@ -13,13 +13,14 @@ and closing summary (outputs), and with --stacks its stack unwinder (stacks).
 from __future__ import annotations
 
 import ctypes
+import sys
 import time
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import structs
 from pymtrace.bpf.ringbuf import RingReader
-from pymtrace.errors import PymtraceError
-from pymtrace.recorder import drain
+from pymtrace.errors import PymtraceError, printable
+from pymtrace.recorder import drain, inprocess
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.recorder.outputs import PAGE, Outputs, exit_status, print_summary
 from pymtrace.recorder.plan import ProbePlan
@@ -30,7 +31,14 @@ from pymtrace.trace.formats import mtrace_bin
 def record(options: RecordOptions) -> int:
     """Record as OPTIONS say until the process exits, --duration or a stop signal; the exit
     status (0, or outputs.EXIT_LOST). PymtraceError when it cannot record, WriteFailed when
-    a write failed (the files keep every complete record)."""
+    a write failed (the files keep every complete record). A launched command that can
+    preload pymtrace's interposer is recorded in-process (recorder.inprocess), anything
+    else through uprobes (Recorder)."""
+    via, why = inprocess.choose(options)
+    if via == "interposer":
+        return inprocess.record_in_process(options)
+    if why is not None and options.progress:
+        print(f"pymtrace: recording through uprobes: {printable(why)}", file=sys.stderr)
     return Recorder(options).run()
 
 
@@ -141,6 +149,7 @@ class Recorder:
         failure = drainer.failure or closed
         drainer.consumer_cpu += time.thread_time() - t0
         summary = {
+            "via": "uprobes",
             "files": [o.summary() for o in outputs.all()],
             "entries": sum(o.entries for o in outputs.all()),
             "lost": lost,

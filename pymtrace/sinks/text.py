@@ -10,24 +10,9 @@ keeps replay from importing sinks.)
 
 from typing import Optional, Union
 
+from pymtrace.errors import printable  # noqa: F401  (the views' name for it)
+
 Number = Union[int, float]
-
-
-def printable(text: object, keep: str = "") -> str:
-    """TEXT with every character a terminal would act on written out as an escape: control
-    characters as \\xNN (ESC -> \\x1b, as `ps` and `htop` refuse to pass them), other
-    unprintable ones (bidi overrides, unassigned code points) as \\uNNNN. KEEP: characters to
-    pass as they are (the newlines of a multi-line report). Every name a process chooses
-    (comm, paths, symbols, cgroup names) goes through it before it reaches a terminal."""
-    text = str(text)
-    if text.isprintable() and not keep:
-        return text  # the common case: nothing to scan twice
-    return "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
-
-
-def _escape(c: str) -> str:
-    n = ord(c)
-    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

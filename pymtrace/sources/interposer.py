@@ -68,6 +68,15 @@ SCAN_S = 0.002  # how often the directory is listed for new rings (a new process
 SCAN_SHARE = 20  # ... but never more often than every 20 times what the last listing took
 
 
+ENV = "PYMTRACE_RING"  # the one variable the library reads (interpose.c: OWNER:FOLLOW:SLOTS:DIR)
+
+
+def ring_variable(owner: int, follow: bool, slots: int, directory: str) -> str:
+    """ENV's value: the consumer's pid, whether forks are followed, slots per ring, the ring
+    directory."""
+    return f"{owner}:{int(follow)}:{slots}:{directory}"
+
+
 def library() -> str:
     """Path of the interposer, built on first use (a trusted, hash-keyed cache)."""
     bpf = str(bpf_dir())
@@ -278,10 +287,7 @@ class RingSet:
         env = dict(base)
         old = env.get("LD_PRELOAD", "").strip()
         env["LD_PRELOAD"] = self.lib + (":" + old if old else "")
-        env["PYMTRACE_RING_DIR"] = self.directory
-        env["PYMTRACE_FOLLOW"] = "1" if self.options.follow else "0"
-        env["PYMTRACE_RING_SLOTS"] = str(self.options.slots)
-        env["PYMTRACE_RING_OWNER"] = str(os.getpid())
+        env[ENV] = ring_variable(os.getpid(), self.options.follow, self.options.slots, self.directory)
         return env
 
     def _scan(self) -> None:
@@ -350,6 +356,9 @@ class RingSet:
                     parts = ring.take(final=True)
                     self._retire(name, ring)
             taken.append((ring, parts))
+        return self._batches(taken)
+
+    def _batches(self, taken: list[tuple[Ring, list[np.ndarray]]]) -> list[Batch]:
         self.clock.pair()  # after the copies: every record taken is older
         out = []
         for ring, parts in taken:
@@ -358,6 +367,17 @@ class RingSet:
                     rows[:, _TS] = self.clock.to_ns(rows[:, _TS])
                 out.append(Batch(ring.pid, ring.generation, memoryview(rows).cast("B"), len(rows)))
         return out
+
+    def ended(self, pid: int) -> list[Batch]:
+        """PID's images so far are gone (it exec'd: its tracer holds it at the exec): every
+        record of their rings, which are retired."""
+        self._scan()
+        taken = []
+        for name, ring in sorted(self.rings.items(), key=lambda item: item[1].stamp):
+            if ring.pid == pid:
+                taken.append((ring, ring.take(final=True)))
+                self._retire(name, ring)
+        return self._batches(taken)
 
     def _retire(self, name: str, ring: Ring) -> None:
         """Done with NAME: detached (a writer this consumer did not know of, a child cloned

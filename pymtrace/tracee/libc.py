@@ -176,8 +176,9 @@ def malloc_probes(path: str) -> list[UsdtProbe]:
 
 # ---------------------------------------------------------------- whose malloc a process calls
 
-# names of glibc's own objects that export malloc and pass every call on to libc's
-_GLIBC_WRAPPERS = re.compile(r"/(?:libc_malloc_debug\.so[.\d]*|libmemusage\.so)$")
+# names of objects that export malloc and pass every call on to the next definition:
+# glibc's own wrappers, and pymtrace's interposer (pymtrace.nativebuild's name for it)
+_GLIBC_WRAPPERS = re.compile(r"/(?:libc_malloc_debug\.so[.\d]*|libmemusage\.so|pymtrace-interpose-[0-9a-f]{16}\.so)$")
 # a symbol only this allocator exports -> its name
 _SIGNATURES = (
     ("mallocx", "jemalloc"),

@@ -40,6 +40,16 @@ def exe(pid: int) -> str | None:
         return None
 
 
+def environ_names(pid: int) -> set[str]:
+    """The names in the process's environment as it was at its exec (empty: unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return set()
+    return {item.split(b"=", 1)[0].decode(errors="replace") for item in data.split(b"\0") if item}
+
+
 _cgroup_cache = {}
 
 

@@ -286,13 +286,14 @@ def test_closing_the_consumer_releases_a_waiting_program(calls):
 
 
 def test_a_vanished_consumer_releases_a_waiting_program(calls):
-    """The consumer's process is gone (PYMTRACE_RING_OWNER names a dead pid): a producer
+    """The consumer's process is gone (PYMTRACE_RING names a dead pid as its owner): a producer
     waiting on a full ring stops recording instead of hanging."""
     dead = subprocess.Popen(["true"])
     dead.wait()
     rings = I.RingSet(I.RingOptions(slots=1024))
     try:
-        env = dict(rings.env(os.environ), PYMTRACE_RING_OWNER=str(dead.pid))
+        env = dict(rings.env(os.environ))
+        env[I.ENV] = I.ring_variable(dead.pid, True, rings.options.slots, rings.directory)
         proc = subprocess.run([calls, "threads", "2"], env=env, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0
         rings.drain()

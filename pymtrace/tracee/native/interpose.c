@@ -3,9 +3,10 @@
  * the record `record` writes (bpf/record.h) into a shared-memory ring (interpose.h) that
  * pymtrace drains. Built by pymtrace/sources/interposer.py (pymtrace.nativebuild).
  *
- * Environment (set by the consumer): PYMTRACE_RING_DIR (the private ring directory; absent:
- * the library only forwards), PYMTRACE_FOLLOW (0: only the first process to register, and
- * its execs, is traced), PYMTRACE_RING_SLOTS, PYMTRACE_RING_OWNER (the consumer's pid).
+ * Environment (set by the consumer): PYMTRACE_RING=OWNER:FOLLOW:SLOTS:DIR, one variable (a
+ * program that copies its environment allocates for each one): OWNER the consumer's pid,
+ * FOLLOW 0 (only the first process to register, and its execs, is traced) or 1, SLOTS per
+ * ring, DIR the private ring directory (last: it may hold a colon). Absent: only forwards.
  *
  * What makes it safe where interposers break (docs/internals.md, "The interposer"):
  * - dlsym bootstrap: while a thread resolves the next definitions, its allocations come
@@ -179,12 +180,18 @@ static __u64 ring_mask;
 static __u32 self_pid;
 static size_t ring_bytes;
 
-static unsigned long env_number(const char *name, unsigned long dflt) {
-    const char *s = getenv(name);
-    if (!s || !*s) return dflt;
+/* The next colon-ended decimal field of *S (DFLT if it is not one); *S moves past it. */
+static unsigned long env_field(const char **s, unsigned long dflt) {
+    const char *p = *s;
     unsigned long v = 0;
-    for (; *s >= '0' && *s <= '9'; s++) v = v * 10 + (unsigned long)(*s - '0');
-    return *s ? dflt : v;
+    int digits = 0;
+    for (; *p >= '0' && *p <= '9'; p++, digits++) v = v * 10 + (unsigned long)(*p - '0');
+    if (*p != ':') {
+        *s = p;
+        return dflt;
+    }
+    *s = p + 1;
+    return digits ? v : dflt;
 }
 
 static char *put_number(char *out, unsigned long v) {
@@ -247,8 +254,12 @@ static int is_root(int dirfd, __u32 pid) {
 /* Create and map this process image's ring: RING_DIR/PID.STAMP, STAMP its creation time. Only
  * system calls (and getenv): a thread waiting for another's open cannot deadlock with it. */
 static void ring_open_locked(void) {
-    const char *dir = getenv("PYMTRACE_RING_DIR");
-    if (!dir || !*dir || !resolve()) {
+    const char *dir = getenv("PYMTRACE_RING");
+    if (!dir) dir = "";
+    unsigned long owner = env_field(&dir, 0);
+    unsigned long follow = env_field(&dir, 1);
+    unsigned long slots = env_field(&dir, RING_SLOTS);
+    if (*dir != '/' || !resolve()) {
         __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
         return;
     }
@@ -258,12 +269,11 @@ static void ring_open_locked(void) {
         __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
         return;
     }
-    if (env_number("PYMTRACE_FOLLOW", 1) == 0 && !is_root(dirfd, pid)) {
+    if (follow == 0 && !is_root(dirfd, pid)) {
         close(dirfd);
         __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
         return;
     }
-    unsigned long slots = env_number("PYMTRACE_RING_SLOTS", RING_SLOTS);
     if (slots < RING_MIN_SLOTS || slots > RING_MAX_SLOTS || (slots & (slots - 1))) slots = RING_SLOTS;
     size_t bytes = RING_HEADER_SIZE + slots * (sizeof(__u64) + sizeof(struct record_event));
     char name[48];
@@ -295,7 +305,7 @@ static void ring_open_locked(void) {
     h->pid = pid;
     use_tsc = clocksource_is_tsc();
     h->flags = (glibc_chunks ? RING_F_GLIBC_CHUNKS : 0) | (use_tsc ? RING_F_TSC : 0);
-    h->owner = (__u32)env_number("PYMTRACE_RING_OWNER", 0);
+    h->owner = (__u32)owner;
     h->created_ns = stamp;
     memcpy(h->allocator, allocator_path, sizeof(h->allocator));
     ring_seq = (__u64 *)((char *)map + RING_HEADER_SIZE);

@@ -1,0 +1,283 @@
+"""`record -- CMD` in-process: the launched command (and, with --follow-forks, its children)
+preloads pymtrace's interposer (sources.interposer), which writes every malloc-API call into
+a shared-memory ring per process image; the records drained from the rings go into the same
+outputs as the uprobe path's (mtrace-bin, mtrace-text, Parquet, --to). No BPF, no trap: a
+call costs the process tens of nanoseconds, and a full ring makes the calling thread wait
+(counted, reported) rather than lose a record.
+
+choose(options) decides the path: the interposer for a launched command that can preload
+it, uprobes (recorder.Recorder) otherwise, with the reason."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+from pymtrace import stopping
+from pymtrace.errors import PymtraceError, printable
+from pymtrace.recorder import drain
+from pymtrace.recorder.options import RecordOptions
+from pymtrace.recorder.outputs import Output, Outputs, exit_status, print_summary
+from pymtrace.sources import interposer
+from pymtrace.tracee import libc, proc
+
+FINISH_S = 2.0  # after the last watched process ended: how long its rings' last records are awaited
+UNTRACED_CHECK_S = 0.5  # how long after an exec a followed process may take to map the interposer
+
+
+def choose(options: RecordOptions) -> tuple[str, str | None]:
+    """("interposer" | "uprobes", why uprobes were chosen for a launched command, or None).
+    PymtraceError when --via interposer was asked for and cannot be had."""
+    asked = options.via
+    if options.pid is not None:
+        if asked == "interposer":
+            raise PymtraceError("--via interposer records a launched command (-- CMD); -p attaches through uprobes")
+        return "uprobes", None
+    why = None
+    if asked == "uprobes":
+        return "uprobes", None  # asked for: nothing to explain
+    if options.stacks:
+        why = "--stacks copies each allocation's stack in BPF"
+    elif options.libc is not None:
+        why = "--libc names a libc to put uprobes on"
+    else:
+        why = interposer.not_preloadable(options.cmd)
+    if why is not None and asked == "interposer":
+        raise PymtraceError(f"--via interposer: {why}")
+    return ("uprobes", why) if why is not None else ("interposer", None)
+
+
+def record_in_process(options: RecordOptions) -> int:
+    """Record the launched command OPTIONS.cmd through the interposer (see the module)."""
+    return InProcessRecorder(options).run()
+
+
+class RingDrainer(drain.Drainer):
+    """drain.Drainer's loop, fed from the interposer's rings instead of a BPF ring buffer."""
+
+    def __init__(self, rings: interposer.RingSet, output_for: Callable[[int], Output], target: int, fmt: str) -> None:
+        super().__init__(None, output_for, target, ring_records=rings.options.slots)
+        self.rings = rings
+        self.words = fmt == "parquet"  # the columns take the records' words without a copy
+        self.records = 0
+        self.on_poll: Callable[[], None] | None = None  # called after each drain but the last
+
+    def _write(self, batches: list[interposer.Batch]) -> int:
+        n = 0
+        for batch in batches:
+            rows = np.frombuffer(batch.data, dtype=np.uint64).reshape(batch.count, -1)[:, :8]
+            out = self.output_for(batch.pid)
+            if self.words and hasattr(out, "write_words"):
+                out.write_words(rows)
+            else:
+                out.write(np.ascontiguousarray(rows).data.cast("B"), batch.count)
+            n += batch.count
+        self.records += n
+        return n
+
+    def drain(self, final: bool = False) -> int:
+        now = time.monotonic()
+        if self.last_poll is not None:
+            self.max_gap = max(self.max_gap, now - self.last_poll)
+        self.last_poll = now
+        t0 = time.thread_time()
+        total = 0
+        try:
+            with stopping.stop_deferred():  # a batch taken from a ring is written whole
+                # the command ended (not a stop signal, --duration or a failed write): its
+                # processes' last records are awaited, else what is there is taken at once
+                if final and not self.interrupted and self.failure is None and not proc.exists(self.target):
+                    for batch in self.rings.finish(timeout=FINISH_S):
+                        total += self._write([batch])
+                    return total
+                while True:
+                    batches = self.rings.drain()
+                    total += self._write(batches)
+                    if not self.rings.busy(batches):
+                        break
+            if self.on_poll is not None and not final:
+                self.on_poll()
+            return total
+        finally:
+            self.consumer_cpu += time.thread_time() - t0
+            self.polls += 1
+
+    def image_ended(self, pid: int) -> None:
+        """PID exec'd (held at its exec stop): its old image's records, all of them, now."""
+        self._write(self.rings.ended(pid))
+
+    def close(self) -> None:
+        pass  # the rings are closed by their owner
+
+
+class ExecWatched(drain.Watched):
+    """drain.Watched, also keeping the followed processes' execs (take_execs)."""
+
+    KINDS = ("fork", "exec", "exit")
+
+    def __init__(self, target: int, launched: object, follow: bool) -> None:
+        super().__init__(target, launched, follow)
+        self.execs: list[int] = []
+
+    def on_event(self, ev: object) -> None:
+        if ev.kind == "exec" and ev.tgid in self.alive:
+            self.execs.append(ev.tgid)
+        super().on_event(ev)
+
+    def take_execs(self) -> list[int]:
+        execs, self.execs = self.execs, []
+        return execs
+
+
+class InProcessRecorder:
+    """One recording through the interposer: the rings, the launched command, the outputs."""
+
+    def __init__(self, options: RecordOptions) -> None:
+        self.options = options
+        self.rings: interposer.RingSet | None = None
+        self.launched = None
+        self.outputs: Outputs | None = None
+        self.drainer: RingDrainer | None = None
+        self.watched: drain.Watched | None = None
+        self.untraced: dict[int, str] = {}  # pid -> why it runs on without the interposer
+        self._execs: dict[int, float] = {}  # followed pid -> when it exec'd (not yet seen mapped)
+
+    def run(self) -> int:
+        options = self.options
+        try:
+            self.rings = interposer.RingSet(interposer.RingOptions(follow=options.follow_forks))
+            from pymtrace.tracee.launch import Launched
+
+            self.launched = Launched(list(options.cmd), env=self.rings.env(os.environ))
+            target = self.launched.pid
+            self.launched.run_until_loaded()
+            libc_path = libc.process_libc(target) or self.launched.libc_path()
+            found = libc.allocator(target)
+            foreign = found if found is not None and found.family not in (None, "glibc") else None
+            self.outputs = Outputs(options, target, libc_path, foreign)
+            if options.progress:
+                print(
+                    f"pymtrace: process {target} ({printable(proc.comm(target) or options.cmd[0])}): "
+                    "recorded in-process by pymtrace's interposer",
+                    file=sys.stderr,
+                )
+            self.outputs.output_for(target)
+            self.watched = ExecWatched(target, self.launched, options.follow_forks)
+            if options.follow_forks:
+                self.watched.start()
+            self.drainer = RingDrainer(self.rings, self.outputs.output_for, target, options.format)
+            self.drainer.on_poll = self._check_execs
+            self.drainer.run(options, self.outputs, self.watched, self._on_exec)
+            return self._finish()
+        finally:
+            self._cleanup()
+
+    def _check_execs(self) -> None:
+        """Followed processes that exec'd: each must map the interposer soon after (its loader
+        maps preloads first); one that does not runs on unrecorded, and is said to."""
+        self.watched.poll()
+        now = time.monotonic()
+        for pid in self.watched.take_execs():
+            if pid != self.launched.pid:  # the launched command's execs are held (_on_exec)
+                self._execs.setdefault(pid, now)
+        for pid, since in list(self._execs.items()):
+            mapped = self._maps_interposer(pid)
+            if mapped or mapped is None:  # recorded, or gone before it could be told
+                del self._execs[pid]
+            elif now - since >= UNTRACED_CHECK_S:
+                del self._execs[pid]
+                self._untraced(pid, "it exec'd a program that runs without pymtrace's interposer")
+
+    def _on_exec(self, pid: int) -> None:
+        """The launched command exec'd, held with its new objects mapped: its old image's
+        records first, then its new program's mappings and allocator."""
+        self.drainer.image_ended(pid)
+        self.outputs.note_exec(pid)
+        if not self._maps_interposer(pid):
+            self._untraced(pid, "it exec'd a program that runs without pymtrace's interposer")
+            return
+        found = libc.allocator(pid)
+        if found is not None and found.family is not None:
+            self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)
+
+    def _maps_interposer(self, pid: int) -> bool | None:
+        """Whether PID maps the interposer (None: it is gone)."""
+        try:
+            maps = libc.read_maps(pid)
+        except PymtraceError:
+            return None
+        return any(m.path == self.rings.lib for m in maps)
+
+    def _untraced(self, pid: int, why: str) -> None:
+        if pid in self.untraced:
+            return
+        exe = proc.exe(pid)
+        if exe is not None:
+            reason = interposer.not_preloadable([exe])
+            if reason is not None:
+                why = reason
+            elif "LD_PRELOAD" not in proc.environ_names(pid):
+                why = f"{exe} runs with LD_PRELOAD removed from its environment"
+        self.untraced[pid] = why
+        print(
+            f"pymtrace: warning: process {pid} ({printable(proc.comm(pid) or '?')}) is not recorded from here on: "
+            f"{printable(why)}; `record --via uprobes` records it",
+            file=sys.stderr,
+        )
+
+    def _finish(self) -> int:
+        drainer, outputs, rings = self.drainer, self.outputs, self.rings
+        t0 = time.thread_time()
+        closed = outputs.close()
+        failure = drainer.failure or closed
+        drainer.consumer_cpu += time.thread_time() - t0
+        stats = rings.stats()
+        torn = sum(s.torn for s in stats)
+        summary = {
+            "via": "interposer",
+            "files": [o.summary() for o in outputs.all()],
+            "entries": sum(o.entries for o in outputs.all()),
+            "lost": torn,  # slots a process reserved and died before writing
+            "duration_s": round(drainer.duration, 3),
+            "bytes_written": sum(o.bytes_written for o in outputs.all()),
+            "consumer_cpu_s": round(drainer.consumer_cpu, 6),
+            "polls": drainer.polls,
+            "max_poll_gap_s": round(drainer.max_gap, 4),
+            "processes": [
+                {
+                    "pid": s.pid,
+                    "image": s.generation,
+                    "via": "interposer",
+                    "allocator": s.allocator,
+                    "records": s.records,
+                    "waits": s.waits,
+                    "wait_s": round(s.wait_ns / 1e9, 6),
+                    "signal_deferred": s.deferred,
+                    "torn": s.torn,
+                }
+                for s in stats
+            ]
+            + [{"pid": pid, "via": None, "why": why} for pid, why in self.untraced.items()],
+        }
+        if failure is not None:
+            summary["error"] = str(failure)
+        summary["command_exit_status"] = self.launched.service(drainer.at_exit)
+        print_summary(summary, self.options)
+        return exit_status(summary, self.options)
+
+    def _cleanup(self) -> None:
+        if self.watched is not None:
+            self.watched.stop()
+        launched = self.launched
+        if launched is not None and not launched.resumed:
+            launched.kill()  # failed before it could run traced: do not let it run
+        elif launched is not None:
+            launched.release()  # still running (Ctrl-C, --duration): on, unrecorded
+        if self.rings is not None:
+            self.rings.close()  # a process still running finds its ring detached: never blocked
+        if self.outputs is not None and self.drainer is None:
+            self.outputs.discard()  # nothing was recorded
