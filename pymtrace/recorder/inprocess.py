@@ -10,6 +10,7 @@ it, uprobes (recorder.Recorder) otherwise, with the reason."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -18,11 +19,14 @@ from typing import Callable
 import numpy as np
 
 from pymtrace import stopping
+from pymtrace.bpf import structs, uprobes
+from pymtrace.bpf.ringbuf import RingReader
 from pymtrace.errors import PymtraceError, printable
 from pymtrace.recorder import drain
 from pymtrace.recorder.options import RecordOptions
-from pymtrace.recorder.outputs import Output, Outputs, exit_status, print_summary
+from pymtrace.recorder.outputs import PAGE, Output, Outputs, exit_status, print_summary
 from pymtrace.sources import interposer
+from pymtrace.trace.formats import mtrace_bin
 from pymtrace.tracee import libc, proc
 
 FINISH_S = 2.0  # after the last watched process ended: how long its rings' last records are awaited
@@ -65,6 +69,7 @@ class RingDrainer(drain.Drainer):
         self.words = fmt == "parquet"  # the columns take the records' words without a copy
         self.records = 0
         self.on_poll: Callable[[], None] | None = None  # called after each drain but the last
+        self.uprobes: drain.Drainer | None = None  # a program run without the interposer: its BPF ring
 
     def _write(self, batches: list[interposer.Batch]) -> int:
         n = 0
@@ -101,17 +106,25 @@ class RingDrainer(drain.Drainer):
                         break
             if self.on_poll is not None and not final:
                 self.on_poll()
-            return total
+            return total + self.drain_uprobes(final)
         finally:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
+
+    def drain_uprobes(self, final: bool = False) -> int:
+        if self.uprobes is None:
+            return 0
+        n = self.uprobes.drain(final)
+        self.failure = self.failure or self.uprobes.failure
+        return n
 
     def image_ended(self, pid: int) -> None:
         """PID exec'd (held at its exec stop): its old image's records, all of them, now."""
         self._write(self.rings.ended(pid))
 
     def close(self) -> None:
-        pass  # the rings are closed by their owner
+        if self.uprobes is not None:  # the rings are closed by their owner
+            self.uprobes.close()
 
 
 class ExecWatched(drain.Watched):
@@ -143,7 +156,9 @@ class InProcessRecorder:
         self.outputs: Outputs | None = None
         self.drainer: RingDrainer | None = None
         self.watched: drain.Watched | None = None
-        self.untraced: dict[int, str] = {}  # pid -> why it runs on without the interposer
+        self.untraced: dict[int, str] = {}  # pid -> why it runs on unrecorded
+        self.via_uprobes: dict[int, str] = {}  # pid -> why it is recorded through uprobes (after an exec)
+        self.plan = None  # recorder.plan.ProbePlan: uprobes for a program run without the interposer
         self._execs: dict[int, float] = {}  # followed pid -> when it exec'd (not yet seen mapped)
 
     def run(self) -> int:
@@ -190,19 +205,70 @@ class InProcessRecorder:
                 del self._execs[pid]
             elif now - since >= UNTRACED_CHECK_S:
                 del self._execs[pid]
-                self._untraced(pid, "it exec'd a program that runs without pymtrace's interposer")
+                self._untraced(pid, self._why_not_preloaded(pid))
 
     def _on_exec(self, pid: int) -> None:
-        """The launched command exec'd, held with its new objects mapped: its old image's
-        records first, then its new program's mappings and allocator."""
+        """The launched command exec'd, held with its new objects mapped, before any of their
+        initializers ran: its old image's records first, then its new program's mappings and
+        allocator. A program that runs without the interposer (its environment lost
+        LD_PRELOAD, a setuid or static program) is recorded through uprobes from here on,
+        exactly: nothing of it has run yet."""
         self.drainer.image_ended(pid)
+        self.drainer.drain_uprobes()
         self.outputs.note_exec(pid)
-        if not self._maps_interposer(pid):
-            self._untraced(pid, "it exec'd a program that runs without pymtrace's interposer")
+        mapped = self._maps_interposer(pid)
+        if mapped is None:
+            return  # gone meanwhile: its end is seen by the drain loop
+        if self.plan is not None:  # uprobes are on for it: on for this program too, or off
+            self.plan.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(int(not mapped))
+        if mapped:
+            found = libc.allocator(pid)
+            if found is not None and found.family is not None:
+                self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)
             return
-        found = libc.allocator(pid)
-        if found is not None and found.family is not None:
-            self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)
+        why = self._why_not_preloaded(pid)
+        if self.plan is None:
+            try:
+                self._start_uprobes(pid)
+            except PymtraceError as exc:
+                self._untraced(pid, f"{why}, and uprobes cannot record it: {exc}")
+                return
+            self.via_uprobes[pid] = why
+            if self.options.progress:
+                print(f"pymtrace: process {pid}: recorded through uprobes from its exec on: {printable(why)}", file=sys.stderr)
+        found = self.plan.probe_program(pid)
+        if found is not None:
+            foreign = found.family != "glibc"
+            self.outputs.set_allocator(found if foreign else None, found.path)
+
+    def _start_uprobes(self, pid: int) -> None:
+        """record.bpf.c's probes on PID's libc (and, per program, its allocator and C++
+        runtime: ProbePlan.probe_program), its records drained with the rings'."""
+        from pymtrace.recorder.plan import ProbePlan
+
+        plan = ProbePlan(self.options)
+        plan.target, plan.launched = pid, self.launched
+        plan.libc_path = libc.process_libc(pid)
+        if plan.libc_path is None:
+            raise PymtraceError("it maps no shared libc (a static binary)")
+        self.plan = plan
+        plan.load(self.options.pages)
+        plan.attach()
+        plan.enable()
+        sample = ctypes.sizeof(structs.header("record").structs["record_event"])
+        reader = RingReader(plan.bpf["events"].map_fd, self.options.pages * PAGE, sample, mtrace_bin.RECORD_SIZE)
+        self.drainer.uprobes = drain.Drainer(reader, self.outputs.output_for, pid)
+
+    def _why_not_preloaded(self, pid: int) -> str:
+        exe = proc.exe(pid)
+        if exe is None:
+            return "it exec'd a program that runs without pymtrace's interposer"
+        reason = interposer.not_preloadable([exe])
+        if reason is not None:
+            return reason
+        if "LD_PRELOAD" not in proc.environ_names(pid):
+            return f"{exe} runs with LD_PRELOAD removed from its environment"
+        return f"{exe} runs with LD_PRELOAD set without pymtrace's interposer"
 
     def _maps_interposer(self, pid: int) -> bool | None:
         """Whether PID maps the interposer (None: it is gone)."""
@@ -215,13 +281,6 @@ class InProcessRecorder:
     def _untraced(self, pid: int, why: str) -> None:
         if pid in self.untraced:
             return
-        exe = proc.exe(pid)
-        if exe is not None:
-            reason = interposer.not_preloadable([exe])
-            if reason is not None:
-                why = reason
-            elif "LD_PRELOAD" not in proc.environ_names(pid):
-                why = f"{exe} runs with LD_PRELOAD removed from its environment"
         self.untraced[pid] = why
         print(
             f"pymtrace: warning: process {pid} ({printable(proc.comm(pid) or '?')}) is not recorded from here on: "
@@ -237,11 +296,14 @@ class InProcessRecorder:
         drainer.consumer_cpu += time.thread_time() - t0
         stats = rings.stats()
         torn = sum(s.torn for s in stats)
+        lost = torn
+        if self.plan is not None:
+            lost += drain.lost_events(self.plan.bpf) + drainer.uprobes.reader.discarded
         summary = {
             "via": "interposer",
             "files": [o.summary() for o in outputs.all()],
             "entries": sum(o.entries for o in outputs.all()),
-            "lost": torn,  # slots a process reserved and died before writing
+            "lost": lost,  # slots a process reserved and died before writing; uprobes' lost events
             "duration_s": round(drainer.duration, 3),
             "bytes_written": sum(o.bytes_written for o in outputs.all()),
             "consumer_cpu_s": round(drainer.consumer_cpu, 6),
@@ -261,6 +323,7 @@ class InProcessRecorder:
                 }
                 for s in stats
             ]
+            + [{"pid": pid, "via": "uprobes", "why": why} for pid, why in self.via_uprobes.items()]
             + [{"pid": pid, "via": None, "why": why} for pid, why in self.untraced.items()],
         }
         if failure is not None:
@@ -277,6 +340,10 @@ class InProcessRecorder:
             launched.kill()  # failed before it could run traced: do not let it run
         elif launched is not None:
             launched.release()  # still running (Ctrl-C, --duration): on, unrecorded
+        if self.drainer is not None:
+            self.drainer.close()
+        if self.plan is not None:
+            uprobes.detach(self.plan.bpf)
         if self.rings is not None:
             self.rings.close()  # a process still running finds its ring detached: never blocked
         if self.outputs is not None and self.drainer is None:
