@@ -81,13 +81,14 @@ class Watched:
         self.alive: set[int] = set()
         self.procevents: Any = None
 
-    def start(self) -> None:
-        """Start following forks (before the probes go on: no child is missed)."""
+    def start(self, on_event: Callable[[Any], None] | None = None) -> None:
+        """Start following forks (before the probes go on: no child is missed). ON_EVENT: sees
+        each event first, in the events' reader thread (then it must queue it itself)."""
         self.alive = {self.target}
         try:
             from pymtrace.tracee.procevents import ProcEvents
 
-            self.procevents = ProcEvents(kinds=self.KINDS).start()
+            self.procevents = ProcEvents(on_event=on_event, kinds=self.KINDS).start()
         except (PymtraceError, OSError):
             self.procevents = None  # fall back to scanning /proc for children
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import sys
 import time
 from typing import Callable
@@ -30,7 +31,6 @@ from pymtrace.trace.formats import mtrace_bin
 from pymtrace.tracee import libc, proc
 
 FINISH_S = 2.0  # after the last watched process ended: how long its rings' last records are awaited
-UNTRACED_CHECK_S = 0.5  # how long after an exec a followed process may take to map the interposer
 
 
 def choose(options: RecordOptions) -> tuple[str, str | None]:
@@ -78,8 +78,8 @@ class RingDrainer(drain.Drainer):
             out = self.output_for(batch.pid)
             if self.words and hasattr(out, "write_words"):
                 out.write_words(rows)
-            else:
-                out.write(np.ascontiguousarray(rows).data.cast("B"), batch.count)
+            else:  # (one copy: the rows' first 64 bytes are the record)
+                out.write(rows.tobytes(), batch.count)
             n += batch.count
         self.records += n
         return n
@@ -128,22 +128,37 @@ class RingDrainer(drain.Drainer):
 
 
 class ExecWatched(drain.Watched):
-    """drain.Watched, also keeping the followed processes' execs (take_execs)."""
+    """drain.Watched, also telling the followed processes' execs (take_execs): each with its
+    LD_PRELOAD and executable, read as the event comes (a short-lived process is gone by the
+    next drain)."""
 
     KINDS = ("fork", "exec", "exit")
 
     def __init__(self, target: int, launched: object, follow: bool) -> None:
         super().__init__(target, launched, follow)
-        self.execs: list[int] = []
+        self.execs: list[tuple[int, str | None, str | None]] = []  # (pid, LD_PRELOAD, exe)
+        self.tree: set[int] = {target}  # every process followed, also those ended since
+
+    def start(self) -> None:
+        super().start(on_event=self._seen)
+
+    def _seen(self, ev: object) -> None:  # in the events' reader thread
+        if ev.kind == "exec" and ev.pid == ev.tgid:
+            self.execs.append((ev.tgid, proc.environ_value(ev.tgid, "LD_PRELOAD"), proc.exe(ev.tgid)))
+        try:
+            self.procevents.queue.put_nowait(ev)
+        except queue.Full:
+            self.procevents.dropped += 1
 
     def on_event(self, ev: object) -> None:
-        if ev.kind == "exec" and ev.tgid in self.alive:
-            self.execs.append(ev.tgid)
+        if ev.kind == "fork" and ev.pid == ev.tgid and ev.parent_tgid in self.tree:
+            self.tree.add(ev.tgid)
         super().on_event(ev)
 
-    def take_execs(self) -> list[int]:
-        execs, self.execs = self.execs, []
-        return execs
+    def take_execs(self) -> list[tuple[int, str | None, str | None]]:
+        """The execs seen since the last call (after poll()), of processes followed."""
+        execs, self.execs = self.execs, []  # (a list's swap is atomic under the GIL)
+        return [e for e in execs if e[0] in self.tree]
 
 
 class InProcessRecorder:
@@ -159,12 +174,12 @@ class InProcessRecorder:
         self.untraced: dict[int, str] = {}  # pid -> why it runs on unrecorded
         self.via_uprobes: dict[int, str] = {}  # pid -> why it is recorded through uprobes (after an exec)
         self.plan = None  # recorder.plan.ProbePlan: uprobes for a program run without the interposer
-        self._execs: dict[int, float] = {}  # followed pid -> when it exec'd (not yet seen mapped)
 
     def run(self) -> int:
         options = self.options
         try:
-            self.rings = interposer.RingSet(interposer.RingOptions(follow=options.follow_forks))
+            slots = interposer.slots_for(options.pages * PAGE)
+            self.rings = interposer.RingSet(interposer.RingOptions(follow=options.follow_forks, slots=slots))
             from pymtrace.tracee.launch import Launched
 
             self.launched = Launched(list(options.cmd), env=self.rings.env(os.environ))
@@ -192,20 +207,15 @@ class InProcessRecorder:
             self._cleanup()
 
     def _check_execs(self) -> None:
-        """Followed processes that exec'd: each must map the interposer soon after (its loader
-        maps preloads first); one that does not runs on unrecorded, and is said to."""
+        """Followed processes that exec'd a program the interposer cannot be in (their
+        environment lost it, a static or setuid program) run on unrecorded: said so."""
         self.watched.poll()
-        now = time.monotonic()
-        for pid in self.watched.take_execs():
-            if pid != self.launched.pid:  # the launched command's execs are held (_on_exec)
-                self._execs.setdefault(pid, now)
-        for pid, since in list(self._execs.items()):
-            mapped = self._maps_interposer(pid)
-            if mapped or mapped is None:  # recorded, or gone before it could be told
-                del self._execs[pid]
-            elif now - since >= UNTRACED_CHECK_S:
-                del self._execs[pid]
-                self._untraced(pid, self._why_not_preloaded(pid))
+        for pid, preload, exe in self.watched.take_execs():
+            if pid == self.launched.pid or preload is None:
+                continue  # the launched command's execs are held (_on_exec); or gone, unread
+            why = self._why_not_preloaded(pid, preload, exe)
+            if why is not None:
+                self._untraced(pid, why, os.path.basename(exe or "?"))
 
     def _on_exec(self, pid: int) -> None:
         """The launched command exec'd, held with its new objects mapped, before any of their
@@ -226,7 +236,8 @@ class InProcessRecorder:
             if found is not None and found.family is not None:
                 self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)
             return
-        why = self._why_not_preloaded(pid)
+        why = self._why_not_preloaded(pid, proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid))
+        why = why or "its program runs without pymtrace's interposer"
         if self.plan is None:
             try:
                 self._start_uprobes(pid)
@@ -235,7 +246,10 @@ class InProcessRecorder:
                 return
             self.via_uprobes[pid] = why
             if self.options.progress:
-                print(f"pymtrace: process {pid}: recorded through uprobes from its exec on: {printable(why)}", file=sys.stderr)
+                print(
+                    f"pymtrace: process {pid}: recorded through uprobes from its exec on: {printable(why)}",
+                    file=sys.stderr,
+                )
         found = self.plan.probe_program(pid)
         if found is not None:
             foreign = found.family != "glibc"
@@ -259,16 +273,14 @@ class InProcessRecorder:
         reader = RingReader(plan.bpf["events"].map_fd, self.options.pages * PAGE, sample, mtrace_bin.RECORD_SIZE)
         self.drainer.uprobes = drain.Drainer(reader, self.outputs.output_for, pid)
 
-    def _why_not_preloaded(self, pid: int) -> str:
-        exe = proc.exe(pid)
-        if exe is None:
-            return "it exec'd a program that runs without pymtrace's interposer"
-        reason = interposer.not_preloadable([exe])
-        if reason is not None:
-            return reason
-        if "LD_PRELOAD" not in proc.environ_names(pid):
-            return f"{exe} runs with LD_PRELOAD removed from its environment"
-        return f"{exe} runs with LD_PRELOAD set without pymtrace's interposer"
+    def _why_not_preloaded(self, pid: int, preload: str | None, exe: str | None) -> str | None:
+        """Why PID's program (EXE, its LD_PRELOAD PRELOAD) runs without the interposer, or None."""
+        if preload is not None and self.rings.lib not in preload.split(":"):
+            what = "removed from" if not preload else "set without pymtrace's interposer in"
+            return f"{exe or 'its program'} runs with LD_PRELOAD {what} its environment"
+        if exe is not None:
+            return interposer.not_preloadable([exe], env={})
+        return None
 
     def _maps_interposer(self, pid: int) -> bool | None:
         """Whether PID maps the interposer (None: it is gone)."""
@@ -278,12 +290,12 @@ class InProcessRecorder:
             return None
         return any(m.path == self.rings.lib for m in maps)
 
-    def _untraced(self, pid: int, why: str) -> None:
+    def _untraced(self, pid: int, why: str, name: str = "?") -> None:
         if pid in self.untraced:
             return
         self.untraced[pid] = why
         print(
-            f"pymtrace: warning: process {pid} ({printable(proc.comm(pid) or '?')}) is not recorded from here on: "
+            f"pymtrace: warning: process {pid} ({printable(proc.comm(pid) or name)}) is not recorded from here on: "
             f"{printable(why)}; `record --via uprobes` records it",
             file=sys.stderr,
         )

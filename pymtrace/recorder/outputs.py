@@ -519,7 +519,9 @@ def print_summary(summary: dict, options: RecordOptions) -> None:
             print(f"pymtrace: process {p['pid']}: not recorded after an exec: {printable(p['why'])}", file=sys.stderr)
             continue
         if p["via"] == "uprobes":
-            print(f"pymtrace: process {p['pid']}: through uprobes after an exec: {printable(p['why'])}", file=sys.stderr)
+            print(
+                f"pymtrace: process {p['pid']}: through uprobes after an exec: {printable(p['why'])}", file=sys.stderr
+            )
             continue
         waits = f"{p['waits']} waits for a full ring ({p['wait_s'] * 1000:.1f} ms)" if p["waits"] else "no waits"
         print(

@@ -39,14 +39,15 @@ def record(options: RecordOptions) -> int:
         return inprocess.record_in_process(options)
     if why is not None and options.progress:
         print(f"pymtrace: recording through uprobes: {printable(why)}", file=sys.stderr)
-    return Recorder(options).run()
+    return Recorder(options, why).run()
 
 
 class Recorder:
     """One recording: the probe plan, the outputs, the drainer, put together and taken down."""
 
-    def __init__(self, options: RecordOptions) -> None:
+    def __init__(self, options: RecordOptions, why: str | None = None) -> None:
         self.options = options
+        self.why = why  # why a launched command is recorded through uprobes (inprocess.choose)
         self.plan = ProbePlan(options)
         self.unwinder: StackUnwinder | None = None
         self.outputs: Outputs | None = None
@@ -168,6 +169,8 @@ class Recorder:
             summary["stacks_not_copied"] = stacks_unsent  # in BPF: ring full or scratch slot reused
             summary["stacks_incomplete"] = unwinder.incomplete
             summary["unwinder_cpu_s"] = round(unwinder.cpu, 6)
+        if self.why is not None:
+            summary["why"] = self.why
         if failure is not None:
             summary["error"] = str(failure)
         if plan.launched is not None:

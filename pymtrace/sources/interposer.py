@@ -98,6 +98,13 @@ class RingOptions:
     parent: str | None = None  # where the ring directory is made (default: /dev/shm, else $TMPDIR)
 
 
+def slots_for(size: int) -> int:
+    """The slots of a ring of at most SIZE bytes of records (a power of two, within the
+    library's bounds)."""
+    slots = 1 << max(0, (size // (8 + EVENT_SIZE)).bit_length() - 1)
+    return min(max(slots, _H.consts["RING_MIN_SLOTS"]), _H.consts["RING_MAX_SLOTS"])
+
+
 class Batch(NamedTuple):
     pid: int
     generation: int  # 0, then one more per later image of the pid (an exec)
@@ -445,6 +452,7 @@ def records(data: bytes) -> np.ndarray:
 
 
 # -- can this command be preloaded? -----------------------------------------------------------
+_CALLER_LOGGERS = re.compile(r"(?:^|/)(?:libc_malloc_debug\.so[.\d]*|libmemusage\.so)$")
 _SHN_UNDEF = 0
 _STT_FUNC = 2
 _SYM = struct.Struct("<IBBHQQ")
@@ -489,7 +497,8 @@ def _malloc_symbols(path: str) -> tuple[bool, list[str]]:
 
 def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
     """Why the command ARGV cannot be recorded by the interposer (one line), or None. Follows
-    #! scripts to their interpreter; PATH from ENV (default os.environ)."""
+    #! scripts to their interpreter; PATH and LD_PRELOAD from ENV (default os.environ): glibc's
+    caller-logging wrappers preloaded would log the interposer as every call's caller."""
     env = os.environ if env is None else env
     program = argv[0]
     for _ in range(5):  # #! chains
@@ -538,4 +547,10 @@ def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -
         return f"{path}: defines malloc itself, its definition wins over a preloaded one"
     if imports:
         return f"{path}: calls an allocator's own API ({', '.join(imports[:3])}), which the interposer does not wrap"
+    for lib in re.split(r"[ :]", env.get("LD_PRELOAD", "")):
+        if _CALLER_LOGGERS.search(lib):
+            return (
+                f"LD_PRELOAD has glibc's {os.path.basename(lib)}, which logs each call's caller "
+                "(mtrace, memusage): an interposer in front of it would be that caller"
+            )
     return None

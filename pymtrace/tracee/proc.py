@@ -40,14 +40,19 @@ def exe(pid: int) -> str | None:
         return None
 
 
-def environ_names(pid: int) -> set[str]:
-    """The names in the process's environment as it was at its exec (empty: unreadable)."""
+def environ_value(pid: int, name: str) -> str | None:
+    """NAME's value in the process's environment as it was at its exec ("" when it has no
+    such variable), or None when the environment cannot be read (exited, not ours)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             data = f.read()
     except OSError:
-        return set()
-    return {item.split(b"=", 1)[0].decode(errors="replace") for item in data.split(b"\0") if item}
+        return None
+    key = name.encode() + b"="
+    for item in data.split(b"\0"):
+        if item.startswith(key):
+            return item[len(key) :].decode(errors="replace")
+    return ""
 
 
 _cgroup_cache = {}

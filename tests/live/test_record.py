@@ -257,14 +257,28 @@ def test_record_follow_forks(cbuild, tmp_path):
 
 
 def test_record_counts_every_lost_event(cbuild, tmp_path):
-    """A ring buffer far too small: records go missing, every one of them is counted, and
-    record exits 3 (or 0 with --allow-drops)."""
+    """A BPF ring buffer far too small: records go missing, every one of them is counted, and
+    record exits 3 (or 0 with --allow-drops). (The interposer's ring makes the program wait
+    instead: test_record_interposer.py.)"""
     prog = cbuild("record_storm")
     pairs = 100_000
     for extra, code in (([], 3), (["--allow-drops"], 0)):
         out = tmp_path / f"small{code}.trace"
         proc = run_pymtrace(
-            "record", "--json", "--buffer-size", "4K", "--poll-interval", "50", *extra, "-o", out, "--", prog, pairs
+            "record",
+            "--json",
+            "--via",
+            "uprobes",
+            "--buffer-size",
+            "4K",
+            "--poll-interval",
+            "50",
+            *extra,
+            "-o",
+            out,
+            "--",
+            prog,
+            pairs,
         )
         assert proc.returncode == code, proc.stderr
         summary = json.loads(proc.stderr.strip().splitlines()[-1])

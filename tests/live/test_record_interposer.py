@@ -1,0 +1,189 @@
+"""`pymtrace record -- CMD` through pymtrace's interposer (the default for a launched command
+that can preload it) against ground truth: the workloads' own CALL lines, the uprobe path on
+the same program, and the path chosen (and said) per process."""
+
+import collections
+import json
+import os
+
+import pytest
+from support.cli import run_pymtrace
+from support.recording import ground_truth, text_range
+
+from pymtrace.trace.formats import autodetect
+from pymtrace.trace.formats import mtrace_bin as B
+
+pytestmark = pytest.mark.bpf
+
+# both paths see the same environment: the interposer's adds LD_PRELOAD and PYMTRACE_RING,
+# and a program that copies its environment (sh) allocates once per variable
+SAME_ENV = dict(os.environ, LD_PRELOAD="", PYMTRACE_RING="-")
+
+
+def key(r):
+    return (r.thread, r.type, r.ptr1, r.ptr2, r.size, r.size2, r.size3)
+
+
+def summary_of(proc):
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+def type_counts(path):
+    return collections.Counter(r.type_name for r in autodetect.load_records(str(path))[1])
+
+
+@pytest.mark.parametrize("fmt", ["mtrace-bin", "parquet", "mtrace-text"])
+def test_interposer_records_every_call_exactly(cbuild, tmp_path, fmt):
+    """record_calls' own calls (4 threads, free(NULL), realloc(NULL, n), realloc(p, 0), a
+    failed posix_memalign, cross-thread frees) record for record, in each thread's order,
+    with glibc's chunk sizes, in every format; the same counts per call type as uprobes."""
+    prog = cbuild("record_calls", "-no-pie")
+    out = tmp_path / f"in.{fmt}"
+    proc = run_pymtrace("record", "--json", "--format", fmt, "-o", out, "--", prog, env=SAME_ENV)
+    summary = summary_of(proc)
+    assert summary["via"] == "interposer" and summary["lost"] == 0
+    (p,) = summary["processes"]
+    assert p["via"] == "interposer" and p["allocator"].endswith("libc.so.6") and p["torn"] == 0
+    assert p["records"] == summary["entries"]
+    truth = ground_truth(proc.stdout)
+    assert len(truth) > 300
+    if fmt == "mtrace-bin":
+        records = list(B.read_file(out))
+        lo, hi = text_range(prog)
+        own = [r for r in records if lo <= r.caller < hi]
+        assert collections.Counter(map(key, own)) == collections.Counter(truth)
+        by_thread = collections.defaultdict(list)
+        for t in truth:
+            by_thread[t[0]].append(t)
+        for tid, calls in by_thread.items():
+            assert [key(r) for r in own if r.thread == tid] == calls
+        assert all(r.ts_ns and r.caller for r in records)
+        stamps = [r.ts_ns for r in records]
+        assert stamps == sorted(stamps) or len(by_thread) > 1  # one thread's are in order (checked above)
+    ref = tmp_path / f"up.{fmt}"
+    summary2 = summary_of(
+        run_pymtrace("record", "--json", "--via", "uprobes", "--format", fmt, "-o", ref, "--", prog, env=SAME_ENV)
+    )
+    assert summary2["via"] == "uprobes"
+    assert type_counts(out) == type_counts(ref)
+
+
+def test_interposer_full_ring_waits_and_loses_nothing(cbuild, tmp_path):
+    """A ring of 1024 records against a storm of 200,000 calls: the program waits for the
+    consumer (counted), nothing is lost, every call is there."""
+    prog = cbuild("record_storm")
+    pairs = 100_000
+    out = tmp_path / "storm.trace"
+    summary = summary_of(
+        run_pymtrace("record", "--json", "--buffer-size", "64K", "--poll-interval", "50", "-o", out, "--", prog, pairs)
+    )
+    (p,) = summary["processes"]
+    assert p["waits"] > 0 and p["wait_s"] > 0
+    assert summary["lost"] == 0
+    records = list(B.read_file(out))
+    storm = collections.Counter(r.type for r in records if (r.type == B.MALLOC and r.size == 64) or r.type == B.FREE)
+    assert storm[B.MALLOC] >= pairs and storm[B.FREE] >= pairs
+    assert len(records) < 2 * pairs + 50
+
+
+def test_interposer_follows_forks_and_execs_like_uprobes(cbuild, tmp_path):
+    """sh forks two children (one in the background) and execs a third program in its own
+    process: each program's calls in its process's file, and the same counts per call type
+    over the files as through uprobes. (dash starts some children with vfork: what such a
+    child allocates before its exec lands in the parent's heap, and the interposer records it
+    as the parent's, where uprobes name the child: so the sums are compared, not each file.)"""
+    prog = cbuild("record_storm")
+    script = f"{prog} 500 1032; {prog} 700 2048 & wait; exec {prog} 300 3080"
+    totals = {}
+    for via in ("interposer", "uprobes"):
+        out = tmp_path / via
+        summary = summary_of(
+            run_pymtrace(
+                "record",
+                "--json",
+                "--via",
+                via,
+                "--follow-forks",
+                "-o",
+                out,
+                "--",
+                "/bin/sh",
+                "-c",
+                script,
+                env=SAME_ENV,
+            )
+        )
+        assert summary["lost"] == 0 and len(summary["files"]) == 3
+        totals[via] = sum((type_counts(f["file"]) for f in summary["files"]), collections.Counter())
+        storms = set()
+        for f in summary["files"]:
+            sizes = collections.Counter(r.size for r in B.read_file(f["file"]) if r.type == B.MALLOC)
+            storms.add(("main" if f["file"] == str(out) else "child", sizes[1032], sizes[2048], sizes[3080]))
+        # the exec'd program's calls are in sh's own file
+        assert storms == {("child", 500, 0, 0), ("child", 0, 700, 0), ("main", 0, 0, 300)}
+        if via == "interposer":
+            main = summary["files"][0]["pid"]
+            images = {(p["pid"], p["image"]) for p in summary["processes"]}
+            assert (main, 0) in images and (main, 1) in images  # sh, then the program it exec'd
+    assert totals["interposer"] == totals["uprobes"]
+
+
+def test_exec_without_the_interposer_is_recorded_through_uprobes(cbuild, tmp_path):
+    """`env -u LD_PRELOAD PROG`: env runs with the interposer, PROG without; PROG is held at
+    its exec and recorded through uprobes from its first call, exactly, and the output says
+    which path recorded which image and why."""
+    prog = cbuild("record_calls", "-no-pie")
+    out = tmp_path / "env.trace"
+    proc = run_pymtrace("record", "--json", "-o", out, "--", "env", "-u", "LD_PRELOAD", prog)
+    summary = summary_of(proc)
+    vias = {p["via"]: p for p in summary["processes"]}
+    assert set(vias) == {"interposer", "uprobes"}
+    assert "LD_PRELOAD removed" in vias["uprobes"]["why"]
+    assert summary["lost"] == 0
+    truth = ground_truth(proc.stdout)
+    lo, hi = text_range(prog)
+    own = [r for r in B.read_file(out) if lo <= r.caller < hi]
+    assert collections.Counter(map(key, own)) == collections.Counter(truth)
+    text = run_pymtrace("record", "-o", tmp_path / "env2.trace", "--", "env", "-u", "LD_PRELOAD", prog).stderr
+    assert "recorded through uprobes from its exec on" in text and "LD_PRELOAD removed" in text
+
+
+def test_followed_child_without_the_interposer_is_named(cbuild, tmp_path):
+    """A followed child that execs a program without LD_PRELOAD cannot be recorded from the
+    start any more: named, with why, in the lines and the JSON summary."""
+    prog = cbuild("record_storm")
+    out = tmp_path / "kid.trace"
+    script = f"env -u LD_PRELOAD {prog} 100 1032; {prog} 200 2048"
+    proc = run_pymtrace("record", "--json", "--follow-forks", "-o", out, "--", "/bin/sh", "-c", script)
+    summary = summary_of(proc)
+    (gone,) = [p for p in summary["processes"] if p["via"] is None]
+    assert "LD_PRELOAD removed" in gone["why"] and prog in gone["why"]
+    assert f"process {gone['pid']} " in proc.stderr and "is not recorded from here on" in proc.stderr
+    sizes = collections.Counter()
+    for f in summary["files"]:
+        sizes.update(r.size for r in B.read_file(f["file"]) if r.type == B.MALLOC)
+    assert sizes[2048] == 200 and sizes[1032] == 0
+
+
+def test_what_cannot_be_preloaded_goes_through_uprobes_and_says_why(cbuild, tmp_path):
+    """A program defining malloc itself: recorded through uprobes, the reason on stderr;
+    --via interposer refuses it with the same reason in one line; a static binary too."""
+    own = cbuild("top_calls_own")
+    proc = run_pymtrace("record", "-o", tmp_path / "own.trace", "--", own, input="xxxx")
+    assert proc.returncode == 0, proc.stderr
+    assert f"pymtrace: recording through uprobes: {own}: defines malloc itself" in proc.stderr
+    proc = run_pymtrace("record", "--json", "-o", tmp_path / "own2.trace", "--", own, input="xxxx")
+    summary = summary_of(proc)
+    assert summary["via"] == "uprobes" and "defines malloc itself" in summary["why"]
+    refused = run_pymtrace("record", "--via", "interposer", "-o", tmp_path / "x.trace", "--", own)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines() == [
+        f"pymtrace: error: --via interposer: {own}: defines malloc itself, its definition wins over a preloaded one"
+    ]
+    static = cbuild("record_storm", "-static")
+    refused = run_pymtrace("record", "--via", "interposer", "-o", tmp_path / "s.trace", "--", static, "10")
+    assert refused.returncode == 1 and "a static binary" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    stacks = run_pymtrace("record", "--stacks", "-o", tmp_path / "st.trace", "--", static, "10")
+    assert stacks.returncode == 1 and "recording through uprobes: --stacks" in stacks.stderr
