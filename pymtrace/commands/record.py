@@ -22,7 +22,7 @@ EPILOG = """\
 examples:
   pymtrace record -p 1234                    # all threads of 1234 until Ctrl-C or its exit
   pymtrace record -p 1234 --duration 10 -o app.trace
-  pymtrace record -- ./myprog arg1 arg2      # traced before its libraries' initializers run
+  pymtrace record -- ./myprog arg1 arg2      # in-process, from its libraries' initializers on
   pymtrace record -- env LD_PRELOAD=libjemalloc.so.2 ./myprog   # jemalloc's calls, exact
   pymtrace record --format mtrace-text -o log -- ./myprog && mtrace ./myprog log
   pymtrace record -o app.parquet -- ./myprog  # columnar, ~1-6 bytes a call (-o *.parquet: --format parquet)
@@ -38,7 +38,17 @@ A launched command is stopped once its loader has mapped its libraries and prelo
 again after each exec) so its allocator is found before it runs (about 1 ms); pymtrace stays
 its ptrace tracer meanwhile (signals pass through). See docs/record.md.
 
-OVERHEAD: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
+PATHS: -- CMD is recorded in-process: pymtrace preloads its own interposer library, which
+writes each call into shared memory (no root needed; a full ring makes the caller wait,
+never drops). -p, --via uprobes, --stacks, --libc and a command the interposer cannot be
+loaded into (static, setuid, defines malloc itself: said on stderr with why) are recorded
+through uprobes (root). A launched program that execs one running without the interposer
+(env -u LD_PRELOAD, a setuid program) is recorded through uprobes from that exec on.
+
+OVERHEAD in-process: ~15-30 ns of the program's CPU a call, plus waits when pymtrace's
+drain falls behind (a malloc storm: ~80-250 ns a call; real programs 1.2-2.2x untraced,
+where heaptrack is 5-17x: docs/benchmarks.md).
+OVERHEAD through uprobes: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~300x slower
 while recorded (4.8 ns -> ~1.4-1.6 us a call, docs/record.md), ordinary programs far
 less. pymtrace itself needs ~0.1 us of CPU per event (mostly writing 64 bytes per event
@@ -99,7 +109,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--buffer-size",
         default="32M",
         metavar="BYTES",
-        help="BPF ring buffer size (K/M/G suffixes; rounded up to a power of two; default 32M)",
+        help="ring size (K/M/G suffixes; rounded up to a power of two; default 32M): the BPF ring buffer's, "
+        "or in-process each process's ring",
     )
     parser.add_argument(
         "--poll-interval",

@@ -264,6 +264,34 @@ def _ring_dir_parent() -> str:
     return tempfile.gettempdir()
 
 
+_PREFIX = "pymtrace-rings-"  # + the consumer's pid + "-" + mkdtemp's letters
+
+
+def sweep_stale(parent: str) -> int:
+    """Remove the ring directories in PARENT that a consumer of this user left behind when it
+    was killed (SIGKILL: no close()), the rings' memory with them; how many. A directory of
+    a consumer still running, or of another user, is left alone."""
+    removed = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    for name in names:
+        m = re.fullmatch(re.escape(_PREFIX) + r"(\d+)-\w+", name)
+        if m is None:
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.exists(f"/proc/{m.group(1)}"):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
 class RingSet:
     """The ring directory of one traced command and every ring its processes registered."""
 
@@ -275,10 +303,10 @@ class RingSet:
         self.lib = lib or library()
         if any(c in self.lib for c in " :"):
             raise PymtraceError(f"the interposer's path {self.lib} holds a space or colon: LD_PRELOAD cannot name it")
+        parent = options.parent or _ring_dir_parent()
+        sweep_stale(parent)
         # mkdtemp: 0700, a fresh name; the library never follows a symlink inside it
-        self.directory = os.path.realpath(
-            tempfile.mkdtemp(prefix="pymtrace-rings-", dir=options.parent or _ring_dir_parent())
-        )
+        self.directory = os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
         self.rings: dict[str, Ring] = {}
         self.retired: set[str] = set()
         self._generations: dict[int, int] = {}  # pid -> its images seen

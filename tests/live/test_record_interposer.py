@@ -5,9 +5,12 @@ the same program, and the path chosen (and said) per process."""
 import collections
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pytest
-from support.cli import run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 from support.recording import ground_truth, text_range
 
 from pymtrace.trace.formats import autodetect
@@ -187,3 +190,48 @@ def test_what_cannot_be_preloaded_goes_through_uprobes_and_says_why(cbuild, tmp_
     assert "Traceback" not in refused.stderr
     stacks = run_pymtrace("record", "--stacks", "-o", tmp_path / "st.trace", "--", static, "10")
     assert stacks.returncode == 1 and "recording through uprobes: --stacks" in stacks.stderr
+
+
+def test_recorder_killed_the_program_runs_on_and_its_rings_are_swept(cbuild, tmp_path):
+    """pymtrace SIGKILLed mid-recording (no clean-up at all): the program it launched runs
+    on, unblocked, with a ring it cannot fill for ever (its consumer is gone); the next
+    recording removes the ring directory left behind."""
+    prog = cbuild("record_loop")
+    shm = "/dev/shm"
+    before = set(os.listdir(shm))
+    rec = subprocess.Popen(
+        [*PYMTRACE, "record", "-q", "--buffer-size", "64K", "-o", tmp_path / "k.trace", "--", prog],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert rec.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        (left,) = [n for n in set(os.listdir(shm)) - before if n.startswith("pymtrace-rings-")]
+        assert os.listdir(os.path.join(shm, left))  # its ring
+        kids = [int(p) for p in open(f"/proc/{rec.pid}/task/{rec.pid}/children").read().split()]
+        (child,) = kids
+        rec.kill()
+        rec.wait()
+
+        # the program keeps allocating: its CPU time grows, it is not stuck waiting
+        def cpu():
+            with open(f"/proc/{child}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12]), fields[0]
+
+        t0, state0 = cpu()
+        time.sleep(1.0)
+        t1, state1 = cpu()
+        assert t1 > t0 and state1 in "RS"
+        proc = run_pymtrace("record", "-q", "-o", tmp_path / "next.trace", "--", "/bin/true")
+        assert proc.returncode == 0, proc.stderr
+        assert not os.path.exists(os.path.join(shm, left))
+    finally:
+        rec.kill()
+        for pid in kids if "kids" in locals() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
