@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 from pymtrace.errors import PymtraceError, WriteFailed
 from pymtrace.net import protocol as proto
@@ -190,17 +191,19 @@ class NetOutput:
         self.thread.start()
 
     # -- the drain side
-    def write(self, data: bytes | bytearray, n: int) -> None:
-        if isinstance(data, bytearray):
+    def write(self, data: bytes | bytearray | memoryview, n: int, types: Sequence[int] | None = None) -> None:
+        if not isinstance(data, bytes):
             data = bytes(data)  # the reader's buffer may be reused
         try:
             self.spool.append(data, n)
         except SpoolFull as exc:
             self.failed = exc
             raise WriteFailed(str(exc)) from None
-        types = data[4 : n * _RS : _RS]
+        if types is None:
+            kinds = data[4 : n * _RS : _RS]
+            types = [kinds.count(t) for t in range(9)]
         for t in range(1, 9):
-            self.counts[t] += types.count(t)
+            self.counts[t] += types[t]
         self.entries += n
 
     def poll(self) -> None:

@@ -139,6 +139,8 @@ class Drainer:
     UNWINDER (--stacks): labels the records with their stacks, whose events
     CONSUME_STACKS takes from their own ring first."""
 
+    PACER = DrainPacer
+
     def __init__(
         self,
         reader: RingReader | None,
@@ -272,7 +274,7 @@ class Drainer:
             fixed = max(options.poll_interval_ms, 0.5) / 1000.0
         else:  # --stacks: its stack events fill their ring ~100 times faster: every 10 ms
             fixed = STACKS_POLL_INTERVAL_S if options.stacks else None
-        pacer = DrainPacer(self.ring_records, fixed)
+        pacer = self.PACER(self.ring_records, fixed)
         pidfd = os.pidfd_open(self.target)
         start = time.monotonic()
         deadline = start + options.duration_s if options.duration_s else None

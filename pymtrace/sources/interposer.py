@@ -5,7 +5,7 @@
     while proc.poll() is None:
         batches = rings.drain()                # [Batch(pid, generation, data, count)]
         for batch in batches:
-            sink(batch.data)                   # struct record_event bytes, as BPF's ring gives
+            sink(batch.data)                   # 64-byte mtrace records (valid until the next drain)
         if not rings.busy(batches):
             time.sleep(0.001)
     rings.finish(timeout=5)                    # the last processes' records
@@ -57,12 +57,11 @@ LIBS = ["-ldl", "-lpthread"]
 
 _H = structs.native_header("interpose", "tracee")
 RingHeader = _H.structs["ring_header"]
-EVENT = structs.header("record").structs["record_event"]
-EVENT_SIZE = _H.consts["RING_EVENT_SIZE"]
+EVENT_SIZE = _H.consts["RING_EVENT_SIZE"]  # a ring slot's struct record_event (bpf/record.h)
+RECORD_SIZE = ctypes.sizeof(structs.header("record").structs["mtrace_record"])  # what a Batch holds
 _NAME = re.compile(r"^(\d+)\.(\d+)$")
-_WORDS = EVENT_SIZE // 8
-_TS = EVENT.rec.offset // 8 + 6  # rec.pad[0], the time, as a u64 word of a record
-_ARANGE = np.arange(_H.consts["RING_MAX_SLOTS"], dtype=np.uint64)
+_WORDS = RECORD_SIZE // 8
+TAKE_RECORDS = 1 << 16  # records copied out of a ring at a time (4 MiB: the copy stays in the cache)
 LIVENESS_S = 0.05  # how often an idle ring's process is checked for having exited or exec'd
 SCAN_S = 0.002  # how often the directory is listed for new rings (a new process's ring fills in ~4 ms)
 SCAN_SHARE = 20  # ... but never more often than every 20 times what the last listing took
@@ -108,8 +107,9 @@ def slots_for(size: int) -> int:
 class Batch(NamedTuple):
     pid: int
     generation: int  # 0, then one more per later image of the pid (an exec)
-    data: memoryview  # `count` struct record_event (bpf/record.h), in the process's call order
+    data: memoryview  # `count` 64-byte mtrace records (bpf/record.h), in the process's call order
     count: int
+    types: tuple[int, ...]  # the records per call type (index: the dj/malloc type, 0-8)
 
 
 @dataclasses.dataclass
@@ -138,47 +138,33 @@ class Ring:
         self.slots = self.header.slots
         self.mask = self.slots - 1
         base = self.header.header_size
-        self.seq = np.frombuffer(self.map, dtype=np.uint64, count=self.slots, offset=base)
-        self.events = base + 8 * self.slots
+        self._anchor = ctypes.c_char.from_buffer(self.map)  # the mapping's address (an export: closed first)
+        self.seq_address = ctypes.addressof(self._anchor) + base
+        self.events_address = self.seq_address + 8 * self.slots
         self.records = self.torn = 0
         self.tsc = bool(self.header.flags & _H.consts["RING_F_TSC"])
         self.done = False
         self.checked = time.monotonic()
 
-    def take(self, final: bool = False) -> list[np.ndarray]:
-        """The committed records from tail on, in order, as (n, 9) uint64 copies (FINAL: the
-        writers are gone, so a slot reserved but never written is skipped, and counted in
-        `torn`)."""
+    def take(self, out: np.ndarray, types: ctypes.Array, final: bool = False) -> int:
+        """Copy the committed records from tail on into OUT ((n, 8) uint64: as many as fit) as
+        64-byte records, adding to TYPES (9 counts: per call type); how many (FINAL: the writers
+        are gone, so a slot reserved but never written is skipped, and counted in `torn`). Their
+        times are still counter values if `tsc` (Clock.map_times)."""
         h = self.header
         tail = h.tail
-        n = min(h.head - tail, self.slots)
+        n = min(h.head - tail, self.slots, len(out))
         if n <= 0:
-            return []
-        start = tail & self.mask
-        parts, taken = [], 0
-        for first, count in ((start, min(n, self.slots - start)), (0, n - min(n, self.slots - start))):
-            if count == 0:
-                break
-            ok = self.seq[first : first + count] - np.uint64(tail + taken + 1) == _ARANGE[:count]
-            rows = np.frombuffer(
-                self.map, dtype=np.uint64, count=count * _WORDS, offset=self.events + first * EVENT_SIZE
-            )
-            rows = rows.reshape(count, _WORDS)
-            if final:
-                idx = np.flatnonzero(ok)
-                self.torn += count - len(idx)
-                parts.append(rows[idx])
-                taken += count
-                continue
-            good = count if ok.all() else int(np.argmin(ok))
-            if good:
-                parts.append(rows[:good].copy())
-            taken += good
-            if good < count:
-                break
+            return 0
+        written, torn = ctypes.c_uint64(), ctypes.c_uint64()
+        taken = _Native.get().pymtrace_ring_take(
+            self.seq_address, self.events_address, self.slots, tail, n, int(final), out.ctypes.data,
+            ctypes.byref(written), ctypes.byref(torn), types,
+        )  # fmt: skip
         h.tail = tail + taken  # after the copy: the producers may reuse those slots now
-        self.records += sum(len(p) for p in parts)
-        return [p for p in parts if len(p)]
+        self.torn += torn.value
+        self.records += written.value
+        return written.value
 
     def alive(self) -> bool:
         """Whether the process still maps this ring (gone, a zombie, or exec'd: no)."""
@@ -206,55 +192,67 @@ class Ring:
         )
 
     def close(self) -> None:
-        del self.header, self.seq  # the buffer's exports, before the map can close
+        del self.header, self._anchor  # the buffer's exports, before the map can close
         self.map.close()
+
+
+class _Native:
+    """ringtake.c, loaded once: the clock pair and the rings' copy."""
+
+    _lib = None
+
+    @classmethod
+    def get(cls) -> ctypes.CDLL:
+        if cls._lib is None:
+            path = nativebuild.build_cached(
+                "ringtake", [os.path.join(NATIVE, "ringtake.c")], ["-O2"], kind="shared", what="ring reader"
+            )
+            lib = ctypes.CDLL(path)
+            u64, p64 = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)
+            lib.pymtrace_clock_pair.argtypes = [p64, p64]
+            lib.pymtrace_clock_pair.restype = None
+            lib.pymtrace_ring_take.argtypes = [
+                ctypes.c_void_p, ctypes.c_void_p, u64, u64, u64, ctypes.c_int, ctypes.c_void_p, p64, p64, p64,
+            ]  # fmt: skip
+            lib.pymtrace_ring_take.restype = u64
+            lib.pymtrace_map_times.argtypes = [ctypes.c_void_p, u64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+            lib.pymtrace_map_times.restype = None
+            cls._lib = lib
+        return cls._lib
 
 
 class Clock:
     """Maps time stamp counter values (a ring flagged RING_F_TSC stamps records with them) to
-    CLOCK_MONOTONIC ns: linear between pairs of both read together (clockpair.c), one taken
-    when the consumer starts and one after each drain's copy, so every record lies between
-    two pairs."""
+    CLOCK_MONOTONIC ns: linear between pairs of both read together (ringtake.c), one when the
+    consumer starts and one after each drain's copy, so every record lies between two pairs."""
 
-    KEEP = 256
+    KEEP = 256  # pairs kept: the first and the latest ones
 
     def __init__(self) -> None:
-        path = nativebuild.build_cached(
-            "clockpair", [os.path.join(NATIVE, "clockpair.c")], ["-O2"], kind="shared", what="clock helper"
-        )
-        self._fn = ctypes.CDLL(path).pymtrace_clock_pair
-        self._fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)]
-        self._fn.restype = None
+        self._lib = _Native.get()
         self._a, self._b = ctypes.c_uint64(), ctypes.c_uint64()
-        self.tsc: list[int] = []
-        self.ns: list[int] = []
+        self.tsc = np.zeros(2 * self.KEEP + 1, dtype=np.int64)
+        self.ns = np.zeros(2 * self.KEEP + 1, dtype=np.int64)
+        self.count = 0
         self.pair()
 
     def pair(self) -> None:
-        self._fn(ctypes.byref(self._a), ctypes.byref(self._b))
-        self.tsc.append(self._a.value)
-        self.ns.append(self._b.value)
-        if len(self.tsc) > 2 * self.KEEP:  # the first pair and the latest ones
-            del self.tsc[1 : -self.KEEP], self.ns[1 : -self.KEEP]
+        self._lib.pymtrace_clock_pair(ctypes.byref(self._a), ctypes.byref(self._b))
+        if self.count == len(self.tsc):  # the first pair and the latest ones
+            keep = self.KEEP
+            self.tsc[1 : 1 + keep] = self.tsc[self.count - keep : self.count]
+            self.ns[1 : 1 + keep] = self.ns[self.count - keep : self.count]
+            self.count = 1 + keep
+        self.tsc[self.count], self.ns[self.count] = self._a.value, self._b.value
+        self.count += 1
 
-    def to_ns(self, tsc: np.ndarray) -> np.ndarray:
-        """TSC (uint64 counter values) as CLOCK_MONOTONIC ns (uint64). Most values lie
-        between the last two pairs (one linear map); the others are interpolated over all the
-        pairs kept, and beyond them extended at the rate over all of them."""
-        t1, n1 = self.tsc[-2], self.ns[-2]
-        t2, n2 = self.tsc[-1], self.ns[-1]
-        x = tsc.view(np.int64) - t1
-        out = x * ((n2 - n1) / max(t2 - t1, 1)) + 0.5
-        older = np.flatnonzero(x < 0)
-        if len(older):
-            t0, n0 = self.tsc[0], self.ns[0]
-            t = np.array(self.tsc, dtype=np.int64) - t0
-            n = np.array(self.ns, dtype=np.int64) - n0
-            y = (tsc[older].view(np.int64) - t0).astype(np.float64)
-            rate = n[-1] / max(t[-1], 1)
-            old = np.where(y < 0, y * rate, np.interp(y, t, n))
-            out[older] = old + (n0 - n1) + 0.5
-        return (out.astype(np.int64) + n1).view(np.uint64)
+    def map_times(self, records: np.ndarray) -> None:
+        """RECORDS ((n, 8) uint64 rows, the time in word 6): counter values to ns, in place."""
+        if self.count < 2:
+            self.pair()
+        self._lib.pymtrace_map_times(
+            records.ctypes.data, len(records), self.tsc.ctypes.data, self.ns.ctypes.data, self.count
+        )
 
 
 def _ring_dir_parent() -> str:
@@ -315,6 +313,8 @@ class RingSet:
         self._scanned = 0.0
         self._scan_every = SCAN_S
         self.clock = Clock()
+        self._buffer = np.empty((TAKE_RECORDS, _WORDS), dtype=np.uint64)  # drain(): the batches' records
+        self._tsc: list[bool] = []  # per batch of the drain under way: its times are counter values
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:
         """BASE with what a launched command needs to be recorded: the library first in
@@ -367,7 +367,7 @@ class RingSet:
 
     def drain(self) -> list[Batch]:
         """The records written since the last drain, a batch per process image, a process's
-        images in exec order; a ring whose process ended or exec'd (a newer ring of its pid
+        images in exec order, valid until the next drain (one buffer holds them); a ring whose process ended or exec'd (a newer ring of its pid
         exists, or the process maps it no more) is drained to its end and retired. Each call
         costs some microseconds whatever it finds: a caller polling in a loop should sleep a
         millisecond or so while batches are small (see `busy`)."""
@@ -381,38 +381,62 @@ class RingSet:
         newest = {}
         for ring in self.rings.values():
             newest[ring.pid] = max(newest.get(ring.pid, -1), ring.stamp)
-        taken = []
+        out, used = [], 0
         for name, ring in sorted(self.rings.items(), key=lambda item: (item[1].pid, item[1].stamp)):
             replaced = ring.stamp < newest[ring.pid]
-            parts = [] if replaced else ring.take()
-            if replaced or (not parts and now - ring.checked >= LIVENESS_S):
+            types = (ctypes.c_uint64 * 9)()
+            n = 0 if replaced else ring.take(self._room(used), types)
+            final = replaced
+            if not n and not replaced and now - ring.checked >= LIVENESS_S:
                 ring.checked = now
-                if replaced or not ring.alive():  # no writer can come back: the rest, then retire it
-                    parts = ring.take(final=True)
-                    self._retire(name, ring)
-            taken.append((ring, parts))
-        return self._batches(taken)
+                final = not ring.alive()
+            if final:  # no writer can come back: the rest, then retire it
+                while m := ring.take(self._room(used + n), types, final=True):
+                    n += m
+                self._retire(name, ring)
+            if n:
+                out.append(self._batch(ring, used, n, types))
+                used += n
+        return self._timed(out)
 
-    def _batches(self, taken: list[tuple[Ring, list[np.ndarray]]]) -> list[Batch]:
-        self.clock.pair()  # after the copies: every record taken is older
-        out = []
-        for ring, parts in taken:
-            for rows in parts:
-                if ring.tsc:
-                    rows[:, _TS] = self.clock.to_ns(rows[:, _TS])
-                out.append(Batch(ring.pid, ring.generation, memoryview(rows).cast("B"), len(rows)))
-        return out
+    def _timed(self, batches: list[Batch]) -> list[Batch]:
+        """BATCHES with counter times mapped to ns, from a pair read after their copy."""
+        self.clock.pair()
+        for batch, ring_tsc in zip(batches, self._tsc):
+            if ring_tsc:
+                self.clock.map_times(np.frombuffer(batch.data, dtype=np.uint64).reshape(batch.count, _WORDS))
+        self._tsc = []
+        return batches
+
+    def _room(self, used: int) -> np.ndarray:
+        """The drain buffer from record USED on (TAKE_RECORDS at least), grown as needed: the
+        batches of one drain are consecutive parts of it."""
+        if len(self._buffer) - used < TAKE_RECORDS:
+            grown = np.empty((max(2 * len(self._buffer), used + TAKE_RECORDS), _WORDS), dtype=np.uint64)
+            grown[:used] = self._buffer[:used]
+            self._buffer = grown
+        return self._buffer[used : used + TAKE_RECORDS]
+
+    def _batch(self, ring: Ring, start: int, n: int, types: ctypes.Array) -> Batch:
+        self._tsc.append(ring.tsc)
+        data = memoryview(self._buffer[start : start + n]).cast("B")
+        return Batch(ring.pid, ring.generation, data, n, tuple(types))
 
     def ended(self, pid: int) -> list[Batch]:
         """PID's images so far are gone (it exec'd: its tracer holds it at the exec): every
         record of their rings, which are retired."""
         self._scan()
-        taken = []
+        out, used = [], 0
         for name, ring in sorted(self.rings.items(), key=lambda item: item[1].stamp):
             if ring.pid == pid:
-                taken.append((ring, ring.take(final=True)))
+                n, types = 0, (ctypes.c_uint64 * 9)()
+                while m := ring.take(self._room(used + n), types, final=True):
+                    n += m
                 self._retire(name, ring)
-        return self._batches(taken)
+                if n:
+                    out.append(self._batch(ring, used, n, types))
+                    used += n
+        return out
 
     def _retire(self, name: str, ring: Ring) -> None:
         """Done with NAME: detached (a writer this consumer did not know of, a child cloned
@@ -438,7 +462,8 @@ class RingSet:
         return len(self.rings)
 
     def finish(self, timeout: float = 5.0) -> Iterator[Batch]:
-        """Drain until every ring's process image has ended (or TIMEOUT seconds)."""
+        """Drain until every ring's process image has ended (or TIMEOUT seconds); a batch is
+        valid until the next one is asked for (the next drain reuses the buffer)."""
         deadline = time.monotonic() + timeout
         while True:
             self._scanned = 0.0  # a process may register at the last moment
@@ -466,14 +491,14 @@ class RingSet:
 
 
 def records(data: bytes) -> np.ndarray:
-    """DATA (a Batch's) as a structured array of record_event (fields: thread, type, ptr1,
-    ptr2, size, size2, size3, ts, caller, tgid)."""
+    """DATA (a Batch's) as a structured array of mtrace records (fields: thread, type, ptr1,
+    ptr2, size, size2, size3, ts, caller)."""
     dtype = np.dtype(
         {
-            "names": ["thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "ts", "caller", "tgid"],
-            "formats": ["<i4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8"],
-            "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56, 64],
-            "itemsize": EVENT_SIZE,
+            "names": ["thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "ts", "caller"],
+            "formats": ["<i4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8"],
+            "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 56],
+            "itemsize": RECORD_SIZE,
         }
     )
     return np.frombuffer(data, dtype=dtype)

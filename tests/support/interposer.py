@@ -58,10 +58,10 @@ def run_interposed(
         while proc.poll() is None:
             assert time.monotonic() < deadline, f"{argv} did not finish"
             got = rings.drain()
-            batches += got
+            batches += [b._replace(data=bytes(b.data)) for b in got]  # a drain's buffer is reused
             if not rings.busy(got):
                 time.sleep(drain_every)
-        batches += rings.finish(timeout=10)
+        batches += [b._replace(data=bytes(b.data)) for b in rings.finish(timeout=10)]
         out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
         proc.stdout.close()
         proc.stderr.close()
