@@ -36,6 +36,9 @@ class BuildFailed(PymtraceError):
         self.output = output
 
 
+SYSTEM_CACHE = "/var/cache/pymtrace/native"  # root's builds every user may load (build_cached(everyone=True))
+
+
 def cache_dir() -> str:
     """The directory the compiled helpers are cached in (it may not exist yet)."""
     base = os.environ.get("PYMTRACE_CACHE_DIR") or os.path.join(
@@ -67,9 +70,9 @@ def untrusted(path: str, kind: str) -> str | None:
         path, kind = parent, "dir"
 
 
-def _compile(what: str, compiler: str, directory: str, target: str, command: Sequence[str]) -> None:
+def _compile(what: str, compiler: str, directory: str, target: str, command: Sequence[str], mode: int = 0o700) -> None:
     """Run COMPILER COMMAND -o OUT in a private directory inside DIRECTORY, then rename OUT to
-    TARGET (atomic: concurrent builders just race to the same result)."""
+    TARGET with MODE (atomic: concurrent builders just race to the same result)."""
     try:
         work = tempfile.mkdtemp(prefix=".build-", dir=directory)
     except OSError as exc:
@@ -84,7 +87,7 @@ def _compile(what: str, compiler: str, directory: str, target: str, command: Seq
                 f"building the {what} failed ({os.path.basename(compiler)}): {first[0].strip()}", proc.stderr
             )
         try:
-            os.chmod(out, 0o700)
+            os.chmod(out, mode)
             os.replace(out, target)
         except OSError as exc:
             raise BuildFailed(f"cannot install the {what} as {target}: {exc.strerror}") from None
@@ -100,12 +103,15 @@ def build_cached(
     kind: str = "exe",
     what: str | None = None,
     cache_label: str | None = None,
+    everyone: bool = False,
 ) -> str:
     """Path of NAME compiled from SOURCES (C or C++ files; headers listed too, so a change to
     one is a new build, but not compiled) with FLAGS, linked with LIBS, as an executable (kind
     "exe") or a shared library ("shared"), building it if this exact input has not been built
     yet. The compiler is $CC, else gcc. WHAT names the result in errors ("the replay
-    simulator"); CACHE_LABEL in the note printed when the cache is not trusted.
+    simulator"); CACHE_LABEL in the note printed when the cache is not trusted. EVERYONE (a
+    library other users' processes load: the interposer in a child that switched user): built
+    by root into SYSTEM_CACHE, readable (not writable) by all, rather than root's own cache.
 
     Raises BuildFailed (a PymtraceError: one line) when no compiler exists or it fails."""
     if kind not in KINDS:
@@ -125,14 +131,15 @@ def build_cached(
     command = [*flags, *(["-shared", "-fPIC"] if kind == "shared" else []), *compiled, *libs]
     key_text = text + cc.encode() + b"\0" + " ".join([*flags, kind, *libs]).encode()
     filename = f"pymtrace-{name}-{hashlib.sha256(key_text).hexdigest()[:16]}" + (".so" if kind == "shared" else "")
-    cache = os.path.abspath(cache_dir())
+    shared = everyone and os.geteuid() == 0
+    cache = SYSTEM_CACHE if shared else os.path.abspath(cache_dir())
     existing = cache
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     why = untrusted(os.path.realpath(existing), "dir")  # checked before creating anything in it
     if why is None:
         try:
-            os.makedirs(cache, mode=0o700, exist_ok=True)
+            os.makedirs(cache, mode=0o755 if shared else 0o700, exist_ok=True)
             cache = os.path.realpath(cache)
             why = untrusted(cache, "dir")
         except OSError as exc:
@@ -155,5 +162,5 @@ def build_cached(
         cache = tempfile.mkdtemp(prefix=f"pymtrace-{name}-")
         atexit.register(shutil.rmtree, cache, True)
         target = os.path.join(cache, filename)
-    _compile(what, compiler, cache, target, command)
+    _compile(what, compiler, cache, target, command, 0o755 if shared else 0o700)
     return target

@@ -144,7 +144,7 @@ class ExecWatched(drain.Watched):
 
     def __init__(self, target: int, launched: object, follow: bool) -> None:
         super().__init__(target, launched, follow)
-        self.execs: list[tuple[int, str | None, str | None]] = []  # (pid, LD_PRELOAD, exe)
+        self.execs: list[tuple[int, str | None, str | None, int | None]] = []  # (pid, LD_PRELOAD, exe, euid)
         self.tree: set[int] = {target}  # every process followed, also those ended since
 
     def start(self) -> None:
@@ -152,7 +152,8 @@ class ExecWatched(drain.Watched):
 
     def _seen(self, ev: object) -> None:  # in the events' reader thread
         if ev.kind == "exec" and ev.pid == ev.tgid:
-            self.execs.append((ev.tgid, proc.environ_value(ev.tgid, "LD_PRELOAD"), proc.exe(ev.tgid)))
+            pid = ev.tgid
+            self.execs.append((pid, proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid), proc.effective_uid(pid)))
         try:
             self.procevents.queue.put_nowait(ev)
         except queue.Full:
@@ -163,7 +164,7 @@ class ExecWatched(drain.Watched):
             self.tree.add(ev.tgid)
         super().on_event(ev)
 
-    def take_execs(self) -> list[tuple[int, str | None, str | None]]:
+    def take_execs(self) -> list[tuple[int, str | None, str | None, int | None]]:
         """The execs seen since the last call (after poll()), of processes followed."""
         execs, self.execs = self.execs, []  # (a list's swap is atomic under the GIL)
         return [e for e in execs if e[0] in self.tree]
@@ -218,10 +219,10 @@ class InProcessRecorder:
         """Followed processes that exec'd a program the interposer cannot be in (their
         environment lost it, a static or setuid program) run on unrecorded: said so."""
         self.watched.poll()
-        for pid, preload, exe in self.watched.take_execs():
+        for pid, preload, exe, uid in self.watched.take_execs():
             if pid == self.launched.pid or preload is None:
                 continue  # the launched command's execs are held (_on_exec); or gone, unread
-            why = self._why_not_preloaded(pid, preload, exe)
+            why = self._why_not_preloaded(preload, exe, uid)
             if why is not None:
                 self._untraced(pid, why, os.path.basename(exe or "?"))
 
@@ -244,7 +245,7 @@ class InProcessRecorder:
             if found is not None and found.family is not None:
                 self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)
             return
-        why = self._why_not_preloaded(pid, proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid))
+        why = self._why_not_preloaded(proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid), proc.effective_uid(pid))
         why = why or "its program runs without pymtrace's interposer"
         if self.plan is None:
             try:
@@ -281,8 +282,11 @@ class InProcessRecorder:
         reader = RingReader(plan.bpf["events"].map_fd, self.options.pages * PAGE, sample, mtrace_bin.RECORD_SIZE)
         self.drainer.uprobes = drain.Drainer(reader, self.outputs.output_for, pid)
 
-    def _why_not_preloaded(self, pid: int, preload: str | None, exe: str | None) -> str | None:
-        """Why PID's program (EXE, its LD_PRELOAD PRELOAD) runs without the interposer, or None."""
+    def _why_not_preloaded(self, preload: str | None, exe: str | None, uid: int | None) -> str | None:
+        """Why a program (EXE, run with LD_PRELOAD=PRELOAD as user UID) runs without the
+        interposer, or None."""
+        if uid is not None and uid != os.geteuid():
+            return f"{exe or 'its program'} runs as user {uid}: its ring cannot be one of this pymtrace's"
         if preload is not None and self.rings.lib not in preload.split(":"):
             what = "removed from" if not preload else "set without pymtrace's interposer in"
             return f"{exe or 'its program'} runs with LD_PRELOAD {what} its environment"
@@ -310,6 +314,7 @@ class InProcessRecorder:
 
     def _finish(self) -> int:
         drainer, outputs, rings = self.drainer, self.outputs, self.rings
+        self._check_execs()  # those of the last moments
         t0 = time.thread_time()
         closed = outputs.close()
         failure = drainer.failure or closed

@@ -85,8 +85,9 @@ def library() -> str:
         os.path.join(bpf, "record.h"),
         os.path.join(bpf, "common.h"),
     ]
+    # everyone: a child that switches user (su, runuser) still loads it, not an error of the loader's
     return nativebuild.build_cached(
-        "interpose", sources, [*CFLAGS, "-I", bpf], LIBS, kind="shared", what="allocation interposer"
+        "interpose", sources, [*CFLAGS, "-I", bpf], LIBS, kind="shared", what="allocation interposer", everyone=True
     )
 
 

@@ -40,6 +40,18 @@ def exe(pid: int) -> str | None:
         return None
 
 
+def effective_uid(pid: int) -> int | None:
+    """The process's effective user id (/proc/PID/status), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def environ_value(pid: int, name: str) -> str | None:
     """NAME's value in the process's environment as it was at its exec ("" when it has no
     such variable), or None when the environment cannot be read (exited, not ours)."""

@@ -5,14 +5,17 @@ the same program, and the path chosen (and said) per process."""
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 import pytest
 from support.cli import PYMTRACE, run_pymtrace
 from support.recording import ground_truth, text_range
 
+from pymtrace.sources import interposer as I
 from pymtrace.trace.formats import autodetect
 from pymtrace.trace.formats import mtrace_bin as B
 
@@ -235,3 +238,30 @@ def test_recorder_killed_the_program_runs_on_and_its_rings_are_swept(cbuild, tmp
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_child_switching_user_loads_the_library_and_is_named(cbuild, tmp_path):
+    """A followed child that becomes another user (runuser) still loads the interposer (root
+    builds it readable by all: no loader error reaches the program's stderr), but its ring
+    could not be pymtrace's: named, with why."""
+    if shutil.which("runuser") is None:
+        pytest.fail("runuser (util-linux) is not installed")
+    shared = tempfile.mkdtemp()  # a directory the other user can reach (tmp_path's parents are 0700)
+    try:
+        os.chmod(shared, 0o755)
+        prog = os.path.join(shared, "storm")
+        shutil.copy(cbuild("record_storm"), prog)
+        proc = run_pymtrace(
+            "record", "--json", "--follow-forks", "-o", tmp_path / "u.trace", "--",
+            "runuser", "-u", "nobody", "--", prog, "3000000", "1032",
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(shared)
+    summary = summary_of(proc)
+    assert proc.stdout.startswith("pairs 3000000 ")  # it ran, as the other user
+    assert "cannot be preloaded" not in proc.stderr and "ld.so" not in proc.stderr
+    (gone,) = [p for p in summary["processes"] if p["via"] is None]
+    assert "runs as user 65534" in gone["why"]
+    lib = I.library()
+    st = os.stat(lib)
+    assert st.st_uid == 0 and st.st_mode & 0o777 == 0o755 and lib.startswith("/var/cache/pymtrace/")
