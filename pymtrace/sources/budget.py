@@ -22,7 +22,7 @@ is measured, not assumed:
 The first window (FIRST_WINDOW seconds) starts at a random time within a second of attach,
 before any cost is known (its cost is the budget's only overdraft: at most its length in CPU
 time per traced thread). Every later one starts when the credit covers its predicted cost
-(the recent windows' cost per second of window, plus their attach/detach CPU) and the credit
+(the last window's cost per second of window, plus its attach/detach part) and the credit
 earned since the last window reaches a random fraction (0-2x, 1x on average) of it: windows
 fall at random times, never in step with a periodic workload, and use the budget in full on
 average.
@@ -51,6 +51,7 @@ import random
 import statistics
 import threading
 import time
+import typing
 from typing import Any, Iterable
 
 from pymtrace.bpf import stats as bpfstats
@@ -62,7 +63,7 @@ from pymtrace.sources.snapshot import DELETE_CALLS, FREE_CALLS
 from pymtrace.tracee import elf, libc, proc
 
 DEFAULT_WINDOW = 1.0
-FIRST_WINDOW = 0.02  # seconds: the first window, whose cost is unknown until it ends
+FIRST_WINDOW = 0.01  # seconds: the first window, whose cost is unknown until it ends
 MIN_WINDOW, MAX_WINDOW = 0.01, 600.0
 # How far a traced process's trap cost may be from the one calibrated in pymtrace's own
 # process (a Python loop: its caches differ): 0.55-0.73 us a run in C processes measured
@@ -70,8 +71,10 @@ MIN_WINDOW, MAX_WINDOW = 0.01, 600.0
 TRAP_UNCERTAINTY = 0.5
 Z95 = 1.96
 CALIBRATION_PAIRS = 20000
-CALIBRATION_ROUNDS = 3
-RECENT = 8  # windows whose spread widens a process's error
+CALIBRATION_ROUNDS = 5
+RECENT = 4  # windows whose spread is part of a process's error
+PACE_NS = 1_000_000_000  # the traced processes' pace: their CPU time over about this long
+MIN_PACE = 0.001  # below: idle, no pace to scale a window's cost by
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +119,7 @@ def calibrate(pairs: int = CALIBRATION_PAIRS, rounds: int = CALIBRATION_ROUNDS) 
     at the places MallocSource probes (pymtrace.sources.malloc.probe_plan of this process's
     libc) running an empty program, attached the way this kernel attaches them; minus the
     program's own run time; per run; median of ROUNDS. Needs the kernel's BPF statistics on
-    (run_cnt). ~0.2 s."""
+    (run_cnt). ~0.3 s."""
     path = libc.process_libc(os.getpid())
     if path is None:
         raise PymtraceError("cannot calibrate the uprobe trap cost: this Python maps no libc")
@@ -195,31 +198,50 @@ class _CpuMeter:
 @dataclasses.dataclass
 class _Estimate:
     """One process's estimated counters (MallocSource's, as one vector: calls, requested
-    bytes, size buckets), and what they grow by per CPU nanosecond of its own work."""
+    bytes, size buckets), and what they grow by per second."""
 
     est: list[float]
-    cpu_mark: int  # the process's CPU ns up to which est accounts for its calls
-    per_ns: list[float] | None = None  # from the last window; None before the first
+    mark: int  # monotonic ns up to which est accounts for its calls
+    per_s: list[float] | None = None  # from the last windows; None before the first
     error: float | None = None  # relative, 95 %
-    useful_fraction: float = 1.0  # of its CPU in the last window: its own work
+    slowed: float = 1.0  # its calls' pace in a window, as a fraction of per_s (a saturated process)
     windows: int = 0
     sampled_calls: int = 0
-    sampled_ns: int = 0  # its own CPU ns in the windows' measured parts
+    sampled_ns: int = 0  # the windows' measured parts
     base: list[float] | None = None  # est when the current window began
-    pending_ns: int = 0  # CPU ns before its first window, estimated when it ends
+    pending_ns: int = 0  # before its first window, estimated when it ends
     last_window: float | None = None
-    recent: list[float] = dataclasses.field(default_factory=list)  # calls per ns, last windows
+    recent: list = dataclasses.field(default_factory=list)  # its _Sample of the last windows
 
 
-def _with_spread(error: float | None, recent: list[float]) -> float | None:
-    """ERROR (relative, 95 %) of one window's calls per CPU ns with the spread of the RECENT
-    windows' values added: how much the process's calls per CPU-second move between windows
-    (its other work, the machine's load) is part of what a window can be off by."""
-    if error is None or len(recent) < 2:
-        return error
-    mean = statistics.fmean(recent)
-    spread = Z95 * statistics.stdev(recent) / mean if mean > 0 else 0.0
-    return math.sqrt(error**2 + spread**2)
+class _Sample(typing.NamedTuple):
+    """One process in one window's measured part: its counters' growth as it would have been
+    untraced (a saturated process's scaled up by its CPU over its own work), the part's
+    length (ns), the relative uncertainty of that scaling (0 where none was needed), the
+    fraction its calls ran at, its calls counted."""
+
+    counts: list[float]
+    ns: int
+    sigma: float
+    slowed: float
+    calls: int
+
+
+def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
+    """(counters per second, their relative 95 % error) from SAMPLES, a process's last
+    windows: the newest window's (a process that changes pace is followed at its next
+    window); the error from its calls counted (Poisson), its scaling's uncertainty, and the
+    spread of the last windows' rates (how much the process's pace moves between windows
+    is what one window can be off by)."""
+    last = samples[-1]
+    per_s = [x * 1e9 / last.ns for x in last.counts]
+    if not last.calls:
+        return per_s, None
+    error = Z95**2 / last.calls + last.sigma**2
+    rates = [x.calls / x.ns for x in samples]
+    if len(rates) > 1 and statistics.fmean(rates) > 0:
+        error += (Z95 * statistics.stdev(rates) / statistics.fmean(rates)) ** 2
+    return per_s, math.sqrt(error)
 
 
 class _Measured:
@@ -267,8 +289,10 @@ class WindowedMalloc(MallocSource):
         self.bpf_ns = 0  # BPF run time
         self.switch_ns = 0  # attach/detach CPU
         self.errors = []  # attach failures during windows (the first few)
-        self._rate = None  # (trap + BPF) ns per ns of window, recent windows
-        self._switch = None  # attach + detach CPU ns of a window, recent windows
+        self._rate = None  # (trap + BPF) ns per ns of the last window's measured part
+        self._then = (0.0, 0.0)  # the traced CPU pace before it, and in its measured part
+        self._paces = []  # (monotonic ns, traced CPU ns): the last second's readings
+        self._switch = None  # the rest of its cost: traps while attaching/detaching, that CPU
         self._earned_at = 0.0  # useful CPU ns when the last window ended
         self._threshold = 0.0  # credit to earn before the next window (random)
         consts = structs.header(self.program).consts
@@ -315,9 +339,7 @@ class WindowedMalloc(MallocSource):
         self._last_cpu = (self._start_ns, self._cpu(self._candidates()))
         self._seen = self._read_counts()
         for pid in self.pids or ():
-            cpu = proc.cpu_ns(pid)
-            if cpu is not None:
-                self._est[pid] = _Estimate([0.0] * self._width(), cpu)
+            self._est[pid] = _Estimate([0.0] * self._width(), self._start_ns)
         self._thread = threading.Thread(target=self._loop, name="pymtrace-budget", daemon=True)
         self._thread.start()
 
@@ -365,22 +387,39 @@ class WindowedMalloc(MallocSource):
     def _useful_ns(self) -> int:
         """The traced processes' CPU ns since start on their own work (their CPU time minus
         the traps and BPF runs in it)."""
-        return self._meter.update() - self.trap_ns - self.bpf_ns
+        total = self._meter.update()
+        now = time.monotonic_ns()
+        self._paces.append((now, total))
+        while len(self._paces) > 2 and now - self._paces[1][0] >= PACE_NS:
+            self._paces.pop(0)
+        return total - self.trap_ns - self.bpf_ns
+
+    def _pace(self) -> float:
+        """The traced processes' CPU ns per ns over the last second or so (the meter's growth)."""
+        (t0, c0), (t1, c1) = self._paces[0], self._paces[-1]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
 
     def _credit(self, useful: int) -> float:
         return self.budget.max_overhead / 100 * useful - (self.trap_ns + self.bpf_ns + self.switch_ns)
 
     def _predicted(self, length: float) -> float:
-        """The cost (ns) of a window of LENGTH seconds, as the recent windows cost per second
-        of their measured part, plus a window's fixed cost (the traps while its probes are
-        attached and detached, and that CPU); 0 before the first window: it is taken without
-        knowing, short, and the next ones wait until its cost is earned."""
-        if self._rate is None:
-            return 0.0
-        return self._rate * length * 1e9 + self._switch
+        """The cost (ns) of a window of LENGTH seconds, as the last window cost per second of
+        its measured part (scaled by how the traced processes' CPU pace moved since), plus
+        its fixed cost (the traps while its probes are attached and detached, and that CPU);
+        until a window has seen calls, a short one's, its traps taking as much CPU time as
+        the traced processes run."""
+        if self._rate is None:  # as many traps as the CPU they run (a short window)
+            return max(self._pace(), self._then[1]) * length * 1e9 + self._switch
+        # as busy as then, it costs as much; busier, more: as the traced processes' CPU pace
+        # moved since, never above the CPU they run (their pace, or theirs in that window)
+        pace, (then, window_cpu) = self._pace(), self._then
+        cap = max(pace, window_cpu)
+        rate = cap if then < MIN_PACE else min(self._rate * pace / then, cap)
+        return rate * length * 1e9 + self._switch
 
     def _next_length(self) -> float:
-        return min(self.budget.window, FIRST_WINDOW) if self.windows == 0 else self.budget.window
+        """FIRST_WINDOW until a window has seen calls (their cost unknown), then the budget's."""
+        return min(self.budget.window, FIRST_WINDOW) if self._rate is None else self.budget.window
 
     def _loop(self) -> None:
         poll = min(0.25, self.budget.window / 2)
@@ -417,7 +456,7 @@ class WindowedMalloc(MallocSource):
         candidates = self._candidates()
         start_cpu = self._cpu(candidates)
         with self._state:
-            self._begin(start_cpu)
+            self._begin(t0)
             self.in_window = True
         # each process's pace before the window: CPU ns per ns since the last window ended
         t_before, cpu_before = self._last_cpu
@@ -426,6 +465,9 @@ class WindowedMalloc(MallocSource):
             for pid, ns in start_cpu.items()
             if pid in cpu_before and t0 > t_before
         }
+        with self._state:
+            self._useful_ns()
+            pace_before = self._pace()
         runs0 = self._runs()
         began = time.thread_time_ns()
         self._attach_all()
@@ -438,7 +480,7 @@ class WindowedMalloc(MallocSource):
         self._handles = []
         runs1 = self._runs()
         counts = self._read_counts()
-        end_cpu = self._cpu(set(counts) | set(self._est) | set(candidates))
+        end_cpu = self._cpu(candidates)
         t1 = time.monotonic_ns()
         self._last_cpu = (t1, end_cpu)
         with self._state:
@@ -452,110 +494,110 @@ class WindowedMalloc(MallocSource):
             # the measured part's cost per ns, and the rest (traps while attaching and
             # detaching, the switch's CPU) as a window's fixed cost
             inside = m.runs * self.trap.ns_per_run + m.bpf_ns
-            rate = inside / max(m.seconds * 1e9, 1)
             fixed = trap_ns + bpf_ns - inside + attach_ns + detach_ns
-            self._rate = rate if self._rate is None else (self._rate + rate) / 2
-            self._switch = (self._switch + fixed) / 2
-            self._end(counts, end_cpu, self._per_ns(m), t1)
+            # the last window's: a workload's cost moves with it (unknown while none calls)
+            self._rate = inside / max(m.seconds * 1e9, 1) if m.runs else self._rate
+            self._switch = fixed
+            samples = self._samples(m)
+            cpu_in_window = sum(m.cpu1[pid] - m.cpu0[pid] for pid in samples if pid in m.cpu0 and pid in m.cpu1)
+            self._then = (pace_before, cpu_in_window / max(m.seconds * 1e9, 1))
+            self._end(counts, samples, t0, t1)
             self.in_window = False
 
-    def _per_ns(self, m: _Measured) -> dict[int, tuple[list[float], float | None, float, int, int]]:
-        """Per process of the window's measured part M: (counters per CPU ns of its own work,
-        their relative error (95 %), its own work's fraction of its CPU, calls, own ns).
+    def _samples(self, m: _Measured) -> dict[int, _Sample]:
+        """Per process, its _Sample of the window's measured part M.
 
-        Its own work: its CPU time minus its share of the traps and BPF runs (the calibrated
-        model, +-TRAP_UNCERTAINTY of the traps' part, taken as the bound); where what it ran at its pace before the window
-        lies within that range, the pace (a process that is not saturated keeps its pace,
-        the traps adding to its CPU time; one that is, gives the traps part of it, and the
-        model's value and uncertainty stand)."""
+        Its calls' pace in the window is its untraced pace unless it is saturated: a process
+        with CPU to spare (most services) absorbs the traps in more CPU time and keeps its
+        pace; one that does not (a CPU-bound loop) is slowed, its own work in the window its
+        CPU time minus its share of the traps and BPF runs (the calibrated model,
+        +-TRAP_UNCERTAINTY of the traps' part). Saturated: its CPU time in the window rose
+        over its pace before by less than half of that share."""
         deltas, weights = {}, {}
         for pid, c1 in m.counts1.items():
-            if pid not in m.cpu0 or pid not in m.cpu1:
-                continue
             c0 = m.counts0.get(pid)
             d = [b - a for a, b in zip(c0, c1)] if c0 is not None and c0[0] <= c1[0] else list(c1)
             deltas[pid] = d
             weights[pid] = 2 * sum(d[i] for i in self._alloc_idx) + sum(d[i] for i in self._free_idx)
-        for pid in self._est:  # a known process that made no call: 0 per ns, not unknown
-            if pid in m.cpu0 and pid in m.cpu1 and pid not in deltas:
+        for pid in self._est:  # a known process that made no call: 0 a second, not unknown
+            if pid not in deltas and pid in m.cpu1:
                 deltas[pid], weights[pid] = [0] * self._width(), 0
         total = sum(weights.values()) or 1
+        ns = max(int(m.seconds * 1e9), 1)
         out = {}
         for pid, d in deltas.items():
-            cpu = m.cpu1[pid] - m.cpu0[pid]
-            if cpu <= 0:
-                continue
             share = weights[pid] / total
             trap = share * m.runs * self.trap.ns_per_run
-            own = cpu - trap - share * m.bpf_ns  # the BPF run time is the kernel's count: exact
-            sigma = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
-            paced = m.pace.get(pid, math.inf) * m.seconds * 1e9
-            if abs(paced - own) <= sigma:  # kept its pace, within what the model can tell
-                own, sigma = paced, 0.0
-            own = max(own, cpu / 20)  # never below a twentieth of its CPU: the model is not that exact
+            cost = trap + share * m.bpf_ns  # the BPF run time is the kernel's count: exact
+            factor, sigma = 1.0, 0.0
+            if pid in m.cpu0 and pid in m.cpu1 and pid in m.pace and cost > 0:
+                cpu = m.cpu1[pid] - m.cpu0[pid]
+                if cpu - m.pace[pid] * ns < cost / 2:  # saturated: the traps took its own work's time
+                    own = max(cpu - cost, cpu / 20)  # never below a twentieth: the model is not that exact
+                    factor = cpu / own
+                    sigma = (trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns) / own
             calls = sum(d[: self._n_calls]) - (d[self._free_null] if self._free_null is not None else 0)
-            error = math.sqrt(Z95**2 / calls + (sigma / own) ** 2) if calls else None
-            out[pid] = ([x / own for x in d], error, own / cpu, calls, int(own))
+            out[pid] = _Sample([x * factor for x in d], ns, sigma, 1 / factor, calls)
         return out
 
-    def _begin(self, cpu: dict[int, int]) -> None:
-        """A window begins: every estimate brought up to CPU, its value kept as the base."""
-        for pid, e in self._est.items():
-            if pid in cpu:
-                self._grow(e, cpu[pid], 1.0)
+    def _begin(self, now_ns: int) -> None:
+        """A window begins: every estimate brought up to NOW_NS, its value kept as the base."""
+        for e in self._est.values():
+            self._grow(e, now_ns)
             e.base = list(e.est)
 
-    def _grow(self, e: _Estimate, cpu: int, fraction: float) -> None:
-        """E's counters grown to the process's CPU ns CPU (FRACTION of it its own work)."""
-        d = cpu - e.cpu_mark
+    @staticmethod
+    def _grow(e: _Estimate, now_ns: int) -> None:
+        """E's counters grown to NOW_NS at its pace; in a window, from its base at the
+        fraction its calls run at (the window's end sets them, its mark stays at its start)."""
+        d = now_ns - e.mark
         if d <= 0:
             return
-        if e.per_ns is None:
-            e.pending_ns += d
+        if e.per_s is None:
+            if e.base is None:
+                e.pending_ns += d
+                e.mark = now_ns
+        elif e.base is not None:
+            grown = [b + k * d / 1e9 * e.slowed for b, k in zip(e.base, e.per_s)]
+            e.est = [max(a, b) for a, b in zip(e.est, grown)]
         else:
-            e.est = [v + k * d * fraction for v, k in zip(e.est, e.per_ns)]
-        e.cpu_mark = cpu
+            e.est = [v + k * d / 1e9 for v, k in zip(e.est, e.per_s)]
+            e.mark = now_ns
 
-    def _end(self, counts: dict[int, list[int]], cpu: dict[int, int], per_ns: dict, now_ns: int) -> None:
-        """A window ended: each process's counters become the window's exact counts on top of
-        their value at its start (never below what the snapshots showed meanwhile)."""
+    @staticmethod
+    def _learn(e: _Estimate, sample: _Sample, now_ns: int) -> None:
+        """E's pace from its last windows, SAMPLE the newest; before its first window, what
+        it did since it was first known, at the pace found now, goes into its base."""
+        e.recent = (e.recent + [sample])[-RECENT:]
+        first = e.per_s is None
+        e.per_s, e.error = _rate(e.recent)
+        if first and e.pending_ns:
+            e.base = [b + x * e.pending_ns / 1e9 for b, x in zip(e.base, e.per_s)]
+        e.pending_ns = 0
+        e.slowed = sample.slowed
+        e.windows += 1
+        e.sampled_calls += sample.calls
+        e.sampled_ns += sample.ns
+        e.last_window = now_ns / 1e9
+
+    def _end(self, counts: dict[int, list[int]], samples: dict[int, _Sample], start_ns: int, now_ns: int) -> None:
+        """A window that began at START_NS ended at NOW_NS: each process's counters grow over it at the pace found,
+        at the fraction its calls ran at in it (the probes count only part of the window:
+        they are attached and detached within it), never below what the snapshots showed."""
         width = self._width()
-        for pid, c in counts.items():
-            seen = self._seen.get(pid)
-            d = [b - a for a, b in zip(seen, c)] if seen is not None and seen[0] <= c[0] else list(c)
+        for pid, sample in samples.items():
             e = self._est.get(pid)
             if e is None:
-                if pid not in per_ns or pid not in cpu:
+                if not sample.calls:
                     continue
-                e = self._est[pid] = _Estimate([0.0] * width, cpu[pid], base=[0.0] * width)
-            if pid in per_ns:
-                k, error, fraction, calls, own = per_ns[pid]
-                if e.per_ns is None and e.pending_ns:  # before its first window: at the rate found now
-                    e.base = [b + x * e.pending_ns for b, x in zip(e.base, k)]
-                    e.pending_ns = 0
-                e.recent = (e.recent + [sum(k[: self._n_calls])])[-RECENT:]
-                e.per_ns, e.error, e.useful_fraction = k, _with_spread(error, e.recent), fraction
-                e.windows += 1
-                e.sampled_calls += calls
-                e.sampled_ns += own
-                e.last_window = now_ns / 1e9
-            exact = [b + x for b, x in zip(e.base or e.est, d)]
-            e.est = [max(a, b) for a, b in zip(e.est, exact)]
-            if pid in cpu:
-                e.cpu_mark = cpu[pid]
+                e = self._est[pid] = _Estimate([0.0] * width, start_ns, base=[0.0] * width)
+            self._learn(e, sample, now_ns)
+        for e in self._est.values():
+            if e.base is not None and e.per_s is not None:
+                grown = [b + k * (now_ns - e.mark) / 1e9 * e.slowed for b, k in zip(e.base, e.per_s)]
+                e.est = [max(a, b) for a, b in zip(e.est, grown)]
             e.base = None
-        for pid, e in self._est.items():
-            if e.base is not None:  # no entry in ms_stats: nothing counted
-                if pid in per_ns:
-                    k, error, fraction, calls, own = per_ns[pid]
-                    e.per_ns, e.error, e.useful_fraction = k, error, fraction
-                    e.windows += 1
-                    e.sampled_ns += own
-                    e.last_window = now_ns / 1e9
-                    e.pending_ns = 0
-                if pid in cpu:
-                    e.cpu_mark = cpu[pid]
-                e.base = None
+            e.mark = now_ns
         self._seen = counts
 
     # -- snapshots
@@ -588,10 +630,9 @@ class WindowedMalloc(MallocSource):
         now = time.monotonic()
         procs = {}
         with self._state:
-            cpu = self._cpu(list(self._est))
-            for pid, e in self._est.items():
-                if pid in cpu:
-                    self._grow(e, cpu[pid], e.useful_fraction if e.base is not None else 1.0)
+            now_ns = time.monotonic_ns()
+            for e in self._est.values():
+                self._grow(e, now_ns)
             gone = self._take_exited(self._est)
             for pid, e in self._est.items():
                 procs[pid] = self._entry(pid, e, pid in gone, now)
@@ -618,12 +659,12 @@ class WindowedMalloc(MallocSource):
                 "windows": e.windows,
                 "error": e.error,
                 "sampled_calls": e.sampled_calls,
-                "sampled_cpu_seconds": e.sampled_ns / 1e9,
+                "sampled_seconds": e.sampled_ns / 1e9,
                 "last_window_age": now - e.last_window if e.last_window is not None else None,
-                "calls_per_cpu_second": sum(e.per_ns[: self._n_calls]) * 1e9 if e.per_ns is not None else None,
+                "calls_per_second": sum(e.per_s[: self._n_calls]) if e.per_s is not None else None,
             },
         }
-        if e.per_ns is not None:
+        if e.per_s is not None:
             n = self._n_calls
             p["calls"] = {name: int(e.est[i]) for i, name in self.call_names.items()}
             p["requested_bytes"] = int(e.est[n])

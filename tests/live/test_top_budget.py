@@ -1,0 +1,124 @@
+"""`pymtrace top --max-overhead` against real processes (tests/support/workloads/top_budget.c):
+the traced process's own CPU time (/proc/PID/stat) with and without the budget, and the
+estimates against the calls the workload counted itself, step by step."""
+
+import os
+import time
+
+import pytest
+from support.schema import problems
+from support.top import Top, Workload
+
+pytestmark = pytest.mark.bpf
+
+PAIRS, SPIN = 8_000_000, 1000  # ~5 s of CPU here untraced; ~4x that with every call traced
+
+
+def _cpu_seconds(pid):
+    """utime + stime of PID (/proc/PID/stat), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _work(binary, pairs, *top_args):
+    """Run PAIRS of the fixed work once (under `top TOP_ARGS -p PID` if given): (its CPU
+    seconds per pair, the last JSON document top printed, or None)."""
+    w = Workload([binary, "work", str(pairs), str(SPIN)])
+    top = None
+    try:
+        if top_args:
+            top = Top(*top_args, "-p", w.pid)
+            top.json_doc()  # attached
+        w.go()
+        result = w.result(timeout=300)
+        assert result["pairs"] == pairs
+        cpu = _cpu_seconds(w.pid)
+        doc = top.json_after(time.monotonic()) if top else None
+        if top:
+            assert top.stop() == 0
+        assert w.finish() == 0
+        return cpu / pairs, doc
+    finally:
+        if top:
+            top.kill()
+        w.kill()
+
+
+def test_budget_holds_against_the_processes_own_cpu_time(cbuild):
+    """The same work's CPU time (/proc/PID/stat) untraced, under --max-overhead 5, untraced
+    again, and with every call traced: the budget takes away at least 90 % of what tracing
+    every call adds (5 % of it would be the budget exactly; the rest is this machine's
+    run-to-run noise), and what pymtrace measured the windows cost stays under the budget."""
+    binary = cbuild("top_budget")
+    before, _ = _work(binary, PAIRS)
+    budgeted, doc = _work(
+        binary,
+        PAIRS,
+        "--json",
+        "-i",
+        "1",
+        "--no-glibc",
+        "--view",
+        "processes",
+        "--max-overhead",
+        "5",
+        "--window",
+        "0.1",
+    )
+    after, _ = _work(binary, PAIRS)
+    full, _ = _work(binary, PAIRS // 8, "--json", "-i", "1", "--no-glibc", "--view", "processes")
+    untraced = (before + after) / 2
+    budget = doc["snapshot"]["budget"]
+    assert budget["windows"] >= 2, budget  # it did trace
+    assert budget["overhead_pct"] <= 5 * 1.5, budget  # the one short first window is an overdraft
+    assert full > 2 * untraced, (before, after, full)  # tracing every call costs
+    assert budgeted - untraced <= 0.10 * (full - untraced), (before, budgeted, after, full, budget)
+    p = doc["snapshot"]["processes"][str(doc["pids"][0])]
+    assert p["estimated"] is True and "live_bytes" not in p
+    assert problems(doc["snapshot"], json_keys=True) == []
+
+
+STEPS = ((4000, 8), (16000, 8), (8000, 8))  # (mallocs a second, seconds)
+STEP_SPIN = 30000  # ~20 us of work a call: a busy service's, the traps then ~15 % of it
+
+
+def test_estimated_rates_follow_known_steps(cbuild):
+    """A workload that changes its malloc rate in known steps: over each step (its first two
+    seconds left out: the estimates follow a step at the next windows) the estimated rate is
+    within 10 % of the calls the workload made; the views say the numbers are estimates,
+    with an error."""
+    binary = cbuild("top_budget")
+    w = Workload([binary, "steps", str(STEP_SPIN), *(f"{r}:{s}" for r, s in STEPS)])
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc", "--max-overhead", "10", "--window", "0.5")
+    docs = []
+    try:
+        docs.append(top.json_doc())
+        w.go()
+        result = w.result(timeout=120)
+        while docs[-1]["time"] <= result["steps"][-1]["end"]:
+            docs.append(top.json_doc())
+        assert top.stop() == 0
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
+    pid = str(w.pid)
+
+    def estimated_mallocs(doc):
+        return doc["snapshot"]["processes"][pid].get("calls", {}).get("malloc")
+
+    for step in result["steps"]:
+        exact = step["calls"] / (step["end"] - step["start"])
+        # from the first report with estimates (the first window may end seconds into the first step)
+        inside = [d for d in docs if step["start"] + 2 <= d["time"] <= step["end"] and estimated_mallocs(d) is not None]
+        assert inside and inside[-1]["time"] - inside[0]["time"] >= 2, (step, [d["time"] for d in docs])
+        first, last = inside[0], inside[-1]
+        estimate = (estimated_mallocs(last) - estimated_mallocs(first)) / (last["time"] - first["time"])
+        assert abs(estimate - exact) <= 0.10 * exact, (step, estimate, exact)
+    last = docs[-1]
+    assert last["snapshot"]["budget"]["windows"] >= 3
+    view = last["views"]["processes"]
+    assert "estimate_error_pct" in view["columns"] and any("ESTIMATES" in n for n in view["notes"])
+    row = next(r for r in view["rows"] if r["pid"] == w.pid)
+    assert row["estimate_error_pct"] is not None and row["live_bytes"] is None
