@@ -557,8 +557,8 @@ METRICS: Tuple[Metric, ...] = (
     Metric(
         "pymtrace_malloc_calls_estimated",
         "counter",
-        "malloc-API calls by call type, ESTIMATED under the overhead budget: each process's calls per "
-        "CPU-second in the sampling windows times its CPU time",
+        "malloc-API calls by call type, ESTIMATED under the overhead budget: each process's pace in its "
+        "last sampling window, carried on between windows",
         (LABEL, "call"),
         _per_label(_calls("calls_estimated")),
         omit_empty=True,

@@ -161,10 +161,11 @@ def budget_notes(cur: Snap) -> List[str]:
         + f" of the traced processes' CPU time (traps {cost.get('traps', 0):.3f} s at "
         f"{b['trap_ns_per_run']:.0f} ns a run, calibrated at start; BPF {cost.get('bpf', 0):.3f} s, kernel "
         f"statistics; attach/detach {cost.get('attach_detach', 0):.3f} s CPU).",
-        "Call rates, requested bytes and sizes are each process's calls per CPU-second in its windows times "
-        "its CPU time; +-% is their 95% error (counts, the trap cost's calibration, the spread between "
-        "windows). Live bytes need every free: not measured under a budget (RSS in view 6). Without "
-        "--max-overhead every call is counted (exact, at the full per-call cost).",
+        "Call rates, requested bytes and sizes are each process's pace in its last window (every call "
+        "counted there), carried on between windows; +-% is their 95% error (the window's count, the "
+        "spread between windows, the trap cost's calibration where a saturated process was slowed). Live "
+        "bytes need every free: not measured under a budget (RSS in view 6). Without --max-overhead every "
+        "call is counted (exact, at the full per-call cost).",
     ]
     if b.get("errors"):
         lines.append("Window attach errors: " + "; ".join(b["errors"]))

@@ -19,24 +19,30 @@ is measured, not assumed:
           runs in it); -p: each process's CPU clock (clock_getcpuclockid: nanoseconds);
           every process: the host's busy CPU time (/proc/stat) minus pymtrace's own.
 
-The first window (FIRST_WINDOW seconds) starts at a random time within a second of attach,
-before any cost is known (its cost is the budget's only overdraft: at most its length in CPU
-time per traced thread). Every later one starts when the credit covers its predicted cost
-(the last window's cost per second of window, plus its attach/detach part) and the credit
-earned since the last window reaches a random fraction (0-2x, 1x on average) of it: windows
-fall at random times, never in step with a periodic workload, and use the budget in full on
-average.
+Windows start at a random time (the first a random part of a second after attach, or later)
+once the credit (PCT/100 x that CPU time - the cost so far) covers the next window's
+predicted cost and the credit earned since the last window reaches a random fraction (0-2x,
+1x on average) of it: they fall at random times, never in step with a periodic workload.
+Until a window has seen
+calls, windows last FIRST_WINDOW seconds and are priced as if their traps took all the CPU
+time the traced processes run; then Budget.window seconds, priced at the last window's cost
+per second (scaled by how the traced processes' CPU pace moved since) plus its fixed part
+(the traps while attaching and detaching, the attach/detach CPU). A window that costs more
+than predicted is paid back before the next starts: the cost stays under the budget but
+for at most one window's misprediction.
 
-Estimates: in a window every call is counted (MallocSource's exact counters). For each
-process the counters of the window's fully-attached part are divided by the CPU time the
-process spent on its own work meanwhile (its CPU clock minus its share of the traps and BPF
-runs, shared by probe runs: 2 per allocating call, 1 per free): calls, requested bytes and
-sizes per CPU-second. Outside windows each process's estimates grow by those ratios times its
-CPU time (in a window: by what the window counts). So a process that gets busier between
-windows is followed at once; one that changes what it does per CPU-second, at its next
-window. The error (95 %) of a process's estimate: the count's Poisson error in the window
-and the trap cost's uncertainty (TRAP_UNCERTAINTY of its part) over its own work; where
-the traps are most of a window's CPU (a malloc storm), it is wide and said so.
+Estimates: in a window every call is counted (MallocSource's exact counters), in its
+measured part (every probe attached) too: each process's calls, requested bytes and sizes
+per second there. A process with CPU time to spare (most services) absorbs the traps in
+more CPU time and keeps its pace; a saturated one (its CPU time did not rise over its pace
+before the window by half of its share of the traps and BPF runs, shared by probe runs: 2
+per allocating call, 1 per free) is slowed, and its counts are scaled up by its CPU time
+over its own work (its CPU time minus that share, the trap model's uncertainty
+TRAP_UNCERTAINTY counting in its error). Between windows each process's estimates grow at
+the pace its last window found (a step in its pace is followed at its next window). Their
+error (95 %): the window's count (Poisson), the scaling's uncertainty, and the spread of
+its last windows' paces; where the traps are most of a saturated process's CPU time (a
+malloc storm), it is wide and said so.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
 """
@@ -63,7 +69,7 @@ from pymtrace.sources.snapshot import DELETE_CALLS, FREE_CALLS
 from pymtrace.tracee import elf, libc, proc
 
 DEFAULT_WINDOW = 1.0
-FIRST_WINDOW = 0.01  # seconds: the first window, whose cost is unknown until it ends
+FIRST_WINDOW = 0.1  # seconds: the first window, whose cost is unknown until it ends
 MIN_WINDOW, MAX_WINDOW = 0.01, 600.0
 # How far a traced process's trap cost may be from the one calibrated in pymtrace's own
 # process (a Python loop: its caches differ): 0.55-0.73 us a run in C processes measured
@@ -335,6 +341,7 @@ class WindowedMalloc(MallocSource):
         }
         self._prog_fds = [self.bpf.funcs[n.encode()].fd for n in sorted(names) if n.encode() in self.bpf.funcs]
         self._meter = _CpuMeter(self.pids)
+        self._useful_ns()  # the first reading of the traced processes' pace
         self._start_ns = time.monotonic_ns()
         self._last_cpu = (self._start_ns, self._cpu(self._candidates()))
         self._seen = self._read_counts()
@@ -396,6 +403,8 @@ class WindowedMalloc(MallocSource):
 
     def _pace(self) -> float:
         """The traced processes' CPU ns per ns over the last second or so (the meter's growth)."""
+        if len(self._paces) < 2:
+            return 0.0
         (t0, c0), (t1, c1) = self._paces[0], self._paces[-1]
         return (c1 - c0) / (t1 - t0) if t1 > t0 else 0.0
 
@@ -422,6 +431,15 @@ class WindowedMalloc(MallocSource):
         return min(self.budget.window, FIRST_WINDOW) if self._rate is None else self.budget.window
 
     def _loop(self) -> None:
+        try:
+            self._windows()
+        except Exception as exc:  # a bug or a map that cannot be read: said in every view, no more windows
+            self.errors.append(f"the windows stopped: {type(exc).__name__}: {exc}")
+            if self._handles and self.bpf is not None:
+                uprobes.release(self.bpf, self._handles)
+                self._handles = []
+
+    def _windows(self) -> None:
         poll = min(0.25, self.budget.window / 2)
         if self._stop.wait(self._rng.uniform(0, min(1.0, self.budget.window))):
             return

@@ -414,9 +414,9 @@ def test_label_by_pid_is_capped(tmp_path):
         assert ex.stop() == 0
 
 
-def test_default_mode_has_faults_and_slab_but_no_per_call_series(tmp_path):
+def test_always_on_has_faults_and_slab_but_no_malloc_series(tmp_path):
     binary = compile_c(tmp_path, "pmx_known", WORKLOAD_C)
-    ex = Exporter("--comm", "^pmx-ao$")
+    ex = Exporter("--always-on", "--comm", "^pmx-ao$")
     w = None
     try:
         w = Workload([binary, "pmx-ao"])
@@ -425,7 +425,8 @@ def test_default_mode_has_faults_and_slab_but_no_per_call_series(tmp_path):
         ex.scrape()
         m = parse_metrics(ex.scrape())
         assert sample(m, "pymtrace_page_faults_total", comm="pmx-ao", mode="user") >= 2048
-        assert not [k for k in m if k[0] == "pymtrace_malloc_calls_total"]
+        assert not [k for k in m if k[0].startswith("pymtrace_malloc_calls")]
+        assert not [k for k in m if k[0] == "pymtrace_exporter_duty_cycle"]
         assert [k for k in m if k[0] == "pymtrace_slab_allocations_total"]
         info = [dict(lb) for (n, lb) in m if n == "pymtrace_exporter_build_info"]
         assert info and info[0]["mode"] == "always-on"
@@ -461,9 +462,9 @@ def _on_malloc_path(probes, libc_path, ranges):
     return hit
 
 
-def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tmp_path):
-    """An exporter runs always: by default (and with --always-on, a no-op alias)
-    it must not trap the malloc calls of every process; --per-call is the opt-in that does."""
+def test_always_on_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tmp_path):
+    """--always-on must not trap a malloc call; --per-call traps every one (the default,
+    a budget, attaches them in windows: test_default_mode_estimates_malloc_rates_under_its_budget)."""
     from pymtrace.tracee import libc
 
     binary = compile_c(tmp_path, "pmx_known", WORKLOAD_C)
@@ -472,7 +473,7 @@ def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tm
         libc_path = libc.process_libc(w.proc.pid)
         ranges = _malloc_path(libc_path)
         probe_free_libc = not libc.malloc_probes(libc_path)  # no USDT probes to attach either
-        for args, mode in (([], "always-on"), (["--always-on"], "always-on"), (["--per-call"], "per-call")):
+        for args, mode in ((["--always-on"], "always-on"), (["--per-call"], "per-call")):
             ex = Exporter(*args, "-p", str(w.proc.pid))
             try:
                 ours = _uprobes_of(ex)  # while it runs
@@ -491,6 +492,47 @@ def test_default_mode_attaches_no_uprobe_on_the_malloc_path_and_per_call_does(tm
             ex.watch.assert_gone()
     finally:
         w.close()
+
+
+def test_default_mode_estimates_malloc_rates_under_its_budget(cbuild, tmp_path):
+    """By default the exporter attaches the malloc uprobes of every process in windows under
+    a 1 % budget: a workload making 10,000 mallocs a second (~20 us of work each: a busy
+    process) gets estimated series within 25 % of that, the error and duty-cycle gauges,
+    and a measured cost under the budget; no exact-count series."""
+    from support.top import Workload as PacedWorkload
+    from support.top import private_libc
+
+    w = PacedWorkload([cbuild("top_budget"), "steps", "30000", "10000:150"], env=private_libc(tmp_path))
+    ex = Exporter("--comm", "^top_budget$", "--window", "0.5")
+    try:
+        w.go()
+        deadline = time.monotonic() + 150
+        while True:
+            m = parse_metrics(ex.scrape())
+            windows = sample(m, "pymtrace_exporter_sampling_windows_total") or 0
+            if windows >= 2 and sample(m, "pymtrace_malloc_calls_estimated_total", call="malloc", comm="top_budget"):
+                break
+            assert time.monotonic() < deadline, "no two windows under the budget within 150 s"
+            time.sleep(1)
+        t0, m0 = time.monotonic(), m
+        time.sleep(5)
+        m1 = parse_metrics(ex.scrape())
+        rate = (
+            sample(m1, "pymtrace_malloc_calls_estimated_total", call="malloc", comm="top_budget")
+            - sample(m0, "pymtrace_malloc_calls_estimated_total", call="malloc", comm="top_budget")
+        ) / (time.monotonic() - t0)
+        assert 7500 <= rate <= 12500, rate
+        assert 0 < sample(m1, "pymtrace_malloc_estimate_error_ratio", comm="top_budget") < 1
+        assert sample(m1, "pymtrace_exporter_overhead_budget_ratio") == 0.01
+        assert 0 < sample(m1, "pymtrace_exporter_duty_cycle") < 1
+        assert sample(m1, "pymtrace_exporter_overhead_ratio") <= 0.015  # one window's misprediction
+        assert not [k for k in m1 if k[0] == "pymtrace_malloc_calls_total"]
+        info = [dict(lb) for (n, lb) in m1 if n == "pymtrace_exporter_build_info"]
+        assert info and info[0]["mode"] == "budget"
+    finally:
+        w.kill()
+        assert ex.stop() == 0
+    ex.watch.assert_gone()
 
 
 def test_glibc_internals_from_usdt_probes(tmp_path, sdt_libc):

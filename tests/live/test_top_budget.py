@@ -7,7 +7,7 @@ import time
 
 import pytest
 from support.schema import problems
-from support.top import Top, Workload
+from support.top import Top, Workload, private_libc
 
 pytestmark = pytest.mark.bpf
 
@@ -21,10 +21,10 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _work(binary, pairs, *top_args):
-    """Run PAIRS of the fixed work once (under `top TOP_ARGS -p PID` if given): (its CPU
-    seconds per pair, the last JSON document top printed, or None)."""
-    w = Workload([binary, "work", str(pairs), str(SPIN)])
+def _work(binary, env, pairs, *top_args):
+    """Run PAIRS of the fixed work once (ENV: on a private libc; under `top TOP_ARGS -p PID`
+    if given): (its CPU seconds per pair, the last JSON document top printed, or None)."""
+    w = Workload([binary, "work", str(pairs), str(SPIN)], env=env)
     top = None
     try:
         if top_args:
@@ -45,29 +45,17 @@ def _work(binary, pairs, *top_args):
         w.kill()
 
 
-def test_budget_holds_against_the_processes_own_cpu_time(cbuild):
+def test_budget_holds_against_the_processes_own_cpu_time(cbuild, tmp_path):
     """The same work's CPU time (/proc/PID/stat) untraced, under --max-overhead 5, untraced
     again, and with every call traced: the budget takes away at least 90 % of what tracing
     every call adds (5 % of it would be the budget exactly; the rest is this machine's
     run-to-run noise), and what pymtrace measured the windows cost stays under the budget."""
-    binary = cbuild("top_budget")
-    before, _ = _work(binary, PAIRS)
-    budgeted, doc = _work(
-        binary,
-        PAIRS,
-        "--json",
-        "-i",
-        "1",
-        "--no-glibc",
-        "--view",
-        "processes",
-        "--max-overhead",
-        "5",
-        "--window",
-        "0.1",
-    )
-    after, _ = _work(binary, PAIRS)
-    full, _ = _work(binary, PAIRS // 8, "--json", "-i", "1", "--no-glibc", "--view", "processes")
+    binary, env = cbuild("top_budget"), private_libc(tmp_path)
+    top = ("--json", "-i", "1", "--no-glibc", "--view", "processes")
+    before, _ = _work(binary, env, PAIRS)
+    budgeted, doc = _work(binary, env, PAIRS, *top, "--max-overhead", "5", "--window", "0.1")
+    after, _ = _work(binary, env, PAIRS)
+    full, _ = _work(binary, env, PAIRS // 8, *top)
     untraced = (before + after) / 2
     budget = doc["snapshot"]["budget"]
     assert budget["windows"] >= 2, budget  # it did trace
@@ -83,13 +71,13 @@ STEPS = ((4000, 8), (16000, 8), (8000, 8))  # (mallocs a second, seconds)
 STEP_SPIN = 30000  # ~20 us of work a call: a busy service's, the traps then ~15 % of it
 
 
-def test_estimated_rates_follow_known_steps(cbuild):
+def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
     """A workload that changes its malloc rate in known steps: over each step (its first two
     seconds left out: the estimates follow a step at the next windows) the estimated rate is
     within 10 % of the calls the workload made; the views say the numbers are estimates,
     with an error."""
     binary = cbuild("top_budget")
-    w = Workload([binary, "steps", str(STEP_SPIN), *(f"{r}:{s}" for r, s in STEPS)])
+    w = Workload([binary, "steps", str(STEP_SPIN), *(f"{r}:{s}" for r, s in STEPS)], env=private_libc(tmp_path))
     top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc", "--max-overhead", "10", "--window", "0.5")
     docs = []
     try:
