@@ -34,11 +34,11 @@ for at most one window's misprediction.
 Estimates: in a window every call is counted (MallocSource's exact counters), in its
 measured part (every probe attached) too: each process's calls, requested bytes and sizes
 per second there. A process with CPU time to spare (most services) absorbs the traps in
-more CPU time and keeps its pace; a saturated one (its CPU time did not rise over its pace
-before the window by half of its share of the traps and BPF runs, shared by probe runs: 2
-per allocating call, 1 per free) is slowed, and its counts are scaled up by its CPU time
-over its own work (its CPU time minus that share, the trap model's uncertainty
-TRAP_UNCERTAINTY counting in its error). Between windows each process's estimates grow at
+more CPU time and keeps its pace; a saturated one is slowed: its own work in the window
+(its CPU time minus its share of the traps and BPF runs, shared by probe runs: 2 per
+allocating call, 1 per free) fell short of what it ran at its pace before the window by
+more than the trap model's uncertainty (TRAP_UNCERTAINTY), and its counts are scaled up by
+the ratio of the two, that uncertainty counting in its error. Between windows each process's estimates grow at
 the pace its last window found (a step in its pace is followed at its next window). Their
 error (95 %): the window's count (Poisson), the scaling's uncertainty, and the spread of
 its last windows' paces; where the traps are most of a saturated process's CPU time (a
@@ -527,10 +527,11 @@ class WindowedMalloc(MallocSource):
 
         Its calls' pace in the window is its untraced pace unless it is saturated: a process
         with CPU to spare (most services) absorbs the traps in more CPU time and keeps its
-        pace; one that does not (a CPU-bound loop) is slowed, its own work in the window its
-        CPU time minus its share of the traps and BPF runs (the calibrated model,
-        +-TRAP_UNCERTAINTY of the traps' part). Saturated: its CPU time in the window rose
-        over its pace before by less than half of that share."""
+        pace; one that does not (a CPU-bound loop, a server at its limit) is slowed: its own
+        work in the window (its CPU time minus its share of the traps and BPF runs: the
+        calibrated model, +-TRAP_UNCERTAINTY of the traps' part) fell short of what it ran at
+        its pace before the window by more than that uncertainty, and its counts are scaled
+        by the ratio of the two."""
         deltas, weights = {}, {}
         for pid, c1 in m.counts1.items():
             c0 = m.counts0.get(pid)
@@ -550,10 +551,11 @@ class WindowedMalloc(MallocSource):
             factor, sigma = 1.0, 0.0
             if pid in m.cpu0 and pid in m.cpu1 and pid in m.pace and cost > 0:
                 cpu = m.cpu1[pid] - m.cpu0[pid]
-                if cpu - m.pace[pid] * ns < cost / 2:  # saturated: the traps took its own work's time
-                    own = max(cpu - cost, cpu / 20)  # never below a twentieth: the model is not that exact
-                    factor = cpu / own
-                    sigma = (trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns) / own
+                own = max(cpu - cost, cpu / 20)  # never below a twentieth: the model is not that exact
+                paced = m.pace[pid] * ns
+                uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
+                if own < paced - uncertain:  # saturated: the traps took its own work's time
+                    factor, sigma = paced / own, uncertain / own
             calls = sum(d[: self._n_calls]) - (d[self._free_null] if self._free_null is not None else 0)
             out[pid] = _Sample([x * factor for x in d], ns, sigma, 1 / factor, calls)
         return out
