@@ -12,7 +12,9 @@ is measured, not assumed:
          trap: the kernel's work around each run (the breakpoint exception, the uprobe
            lookup, the emulated instruction or return trampoline), calibrated at start in
            this process (calibrate(): malloc+free pairs with and without uprobes running an
-           empty program at the same places);
+           empty program at the same places), and apart for an instruction the kernel
+           single-steps (free+0 of glibc 2.36: what other allocators' entries cost); each
+           program's runs at the cost of the sites it is attached to;
          attach/detach: the CPU time of the threads creating and closing the links or
            perf events (pymtrace's own, counted against the budget too).
   budget: cost so far <= PCT/100 x (the traced processes' CPU time - the traps and BPF
@@ -66,7 +68,7 @@ from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources.base import attach_plan, lost_counts, lost_names, percpu_items, sum_percpu
 from pymtrace.sources.malloc import MallocSource, probe_plan
 from pymtrace.sources.snapshot import DELETE_CALLS, FREE_CALLS
-from pymtrace.tracee import elf, libc, proc
+from pymtrace.tracee import elf, libc, probesite, proc
 
 DEFAULT_WINDOW = 1.0
 FIRST_WINDOW = 0.1  # seconds: the first window, whose cost is unknown until it ends
@@ -102,12 +104,14 @@ class Budget:
 
 @dataclasses.dataclass(frozen=True)
 class TrapCost:
-    """The kernel's cost around one uprobe program run on this machine (calibrate())."""
+    """The kernel's cost around one uprobe program run on this machine (calibrate()): at an
+    emulated instruction or a return, and at a single-stepped one."""
 
-    ns_per_run: float  # median of the rounds
+    ns_per_run: float  # emulated entries and returns: median of the rounds
     spread_ns: float  # half the range of the rounds
     way: str  # "uprobe_multi link" or "perf-event uprobe"
     pairs: int  # malloc+free pairs per round
+    single_step_ns: float = 0.0  # a single-stepped entry (0: not measured, as ns_per_run)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -125,7 +129,7 @@ def calibrate(pairs: int = CALIBRATION_PAIRS, rounds: int = CALIBRATION_ROUNDS) 
     at the places MallocSource probes (pymtrace.sources.malloc.probe_plan of this process's
     libc) running an empty program, attached the way this kernel attaches them; minus the
     program's own run time; per run; median of ROUNDS. Needs the kernel's BPF statistics on
-    (run_cnt). ~0.3 s."""
+    (run_cnt). ~0.5 s."""
     path = libc.process_libc(os.getpid())
     if path is None:
         raise PymtraceError("cannot calibrate the uprobe trap cost: this Python maps no libc")
@@ -135,6 +139,10 @@ def calibrate(pairs: int = CALIBRATION_PAIRS, rounds: int = CALIBRATION_ROUNDS) 
         address = elf.symbol(path, function).address
         for kind, off, _program in plan.get(function, ()):
             sites[kind != "entry"].append(elf.code_offset(path, address + off))
+    # free's first instruction where the kernel single-steps it (glibc 2.36's `test`):
+    # what other allocators' entries cost (docs/top.md "Overhead")
+    free_at = elf.symbol(path, "free").address
+    stepped = [] if probesite.emulated_at(path, free_at) else [elf.code_offset(path, free_at)]
     lib = ctypes.CDLL(path)
     malloc_, free_ = lib.malloc, lib.free
     malloc_.restype, malloc_.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
@@ -151,28 +159,40 @@ def calibrate(pairs: int = CALIBRATION_PAIRS, rounds: int = CALIBRATION_ROUNDS) 
     try:
         loop(1000)  # warm: ctypes' call path, the allocator's tcache
         untraced = [loop(pairs) for _ in range(rounds)]
-        fds = []
-        try:
-            for ret, offsets in sites.items():
-                if offsets:
-                    fds += uprobes.attach_program(prog, path, offsets, os.getpid(), ret)
-            per_run = []
-            for base in untraced:
-                cnt0, ns0 = _run_counts(prog)
-                traced = loop(pairs)
-                cnt1, ns1 = _run_counts(prog)
-                if cnt1 <= cnt0:
-                    raise PymtraceError("cannot calibrate the uprobe trap cost: the kernel counted no program run")
-                per_run.append(max(traced - base - (ns1 - ns0), 0) / (cnt1 - cnt0))
-        finally:
-            for fd in fds:
-                os.close(fd)
+        per_run = _per_run(prog, path, sites, loop, pairs, untraced)
+        few = max(pairs // 10, 100)  # ~11 us a single-stepped run: a tenth of the pairs
+        single = (
+            _per_run(prog, path, {False: stepped}, loop, few, [loop(few) for _ in range(rounds)]) if stepped else []
+        )
     except OSError as exc:
         raise PymtraceError(f"cannot calibrate the uprobe trap cost: {exc.strerror or exc}") from None
     finally:
         os.close(prog)
     way = "uprobe_multi link" if multi else "perf-event uprobe"
-    return TrapCost(statistics.median(per_run), (max(per_run) - min(per_run)) / 2, way, pairs)
+    single_ns = statistics.median(single) if single else 0.0
+    return TrapCost(statistics.median(per_run), (max(per_run) - min(per_run)) / 2, way, pairs, single_ns)
+
+
+def _per_run(prog: int, path: str, sites: dict, loop: Any, pairs: int, untraced: list[int]) -> list[float]:
+    """Per round: the CPU ns a program run at SITES ({ret: file offsets}) adds to LOOP(PAIRS),
+    against the UNTRACED rounds, less the program's own run time."""
+    fds = []
+    try:
+        for ret, offsets in sites.items():
+            if offsets:
+                fds += uprobes.attach_program(prog, path, offsets, os.getpid(), ret)
+        out = []
+        for base in untraced:
+            cnt0, ns0 = _run_counts(prog)
+            traced = loop(pairs)
+            cnt1, ns1 = _run_counts(prog)
+            if cnt1 <= cnt0:
+                raise PymtraceError("cannot calibrate the uprobe trap cost: the kernel counted no program run")
+            out.append(max(traced - base - (ns1 - ns0), 0) / (cnt1 - cnt0))
+        return out
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class _CpuMeter:
@@ -260,6 +280,7 @@ class _Measured:
     def end(self, counts1: dict, cpu1: dict, runs1: tuple[int, int], t1: int) -> None:
         self.counts1, self.cpu1 = counts1, cpu1
         self.runs, self.bpf_ns = runs1[0] - self._runs0[0], runs1[1] - self._runs0[1]
+        self.trap_ns = runs1[2] - self._runs0[2]
         self.seconds = (t1 - self._t0) / 1e9
 
 
@@ -332,14 +353,10 @@ class WindowedMalloc(MallocSource):
         self._switch = 2e9 * uprobes.release(self.bpf, self._handles)
         self._handles = []
         self.trap = calibrate()
-        names = {
-            prog
-            for plans in (self.plans, self.cxx_plans)
-            for plan in plans.values()
-            for _, ps in plan
-            for *_, prog in ps
-        }
-        self._prog_fds = [self.bpf.funcs[n.encode()].fd for n in sorted(names) if n.encode() in self.bpf.funcs]
+        funcs = self.bpf.funcs
+        self._prog_fds = [
+            (funcs[n.encode()].fd, ns) for n, ns in sorted(self._run_costs().items()) if n.encode() in funcs
+        ]
         self._meter = _CpuMeter(self.pids)
         self._useful_ns()  # the first reading of the traced processes' pace
         self._start_ns = time.monotonic_ns()
@@ -349,6 +366,20 @@ class WindowedMalloc(MallocSource):
             self._est[pid] = _Estimate([0.0] * self._width(), self._start_ns)
         self._thread = threading.Thread(target=self._loop, name="pymtrace-budget", daemon=True)
         self._thread.start()
+
+    def _run_costs(self) -> dict[str, float]:
+        """{program: trap ns a run}: the single-stepped cost for a program any of whose
+        entry sites the kernel single-steps (probesite.emulated_at), else the emulated one."""
+        costs = {}
+        stepped_ns = max(self.trap.single_step_ns, self.trap.ns_per_run)
+        for plans in (self.plans, self.cxx_plans):
+            for path, plan in plans.items():
+                for function, probes in plan:
+                    address = elf.symbol(path, function).address
+                    for kind, off, program in probes:
+                        stepped = kind == "entry" and not probesite.emulated_at(path, address + off)
+                        costs[program] = max(costs.get(program, 0.0), stepped_ns if stepped else self.trap.ns_per_run)
+        return costs
 
     def _width(self) -> int:
         return self._n_calls + 1 + self._n_sizes
@@ -375,13 +406,15 @@ class WindowedMalloc(MallocSource):
             out[int(key.value)] = [*s["calls"], s["requested_bytes"], *s["size_log2"]]
         return out
 
-    def _runs(self) -> tuple[int, int]:
-        """(runs, BPF run ns) of the malloc programs attached to uprobes, since load."""
+    def _runs(self) -> tuple[int, int, float]:
+        """(runs, BPF run ns, their traps' ns) of the malloc programs attached to uprobes,
+        since load."""
         cnt = ns = 0
-        for fd in self._prog_fds:
+        trap = 0.0
+        for fd, per_run in self._prog_fds:
             c, n = _run_counts(fd)
-            cnt, ns = cnt + c, ns + n
-        return cnt, ns
+            cnt, ns, trap = cnt + c, ns + n, trap + c * per_run
+        return cnt, ns, trap
 
     def _cpu(self, pids: Iterable[int]) -> dict[int, int]:
         return {pid: ns for pid in pids if (ns := proc.cpu_ns(pid)) is not None}
@@ -496,14 +529,14 @@ class WindowedMalloc(MallocSource):
         m.end(self._read_counts(), self._cpu(m.cpu0), self._runs(), time.monotonic_ns())
         detach_ns = uprobes.release(self.bpf, self._handles) * 1e9
         self._handles = []
+        self._forget_calls_in_flight()
         runs1 = self._runs()
         counts = self._read_counts()
         end_cpu = self._cpu(candidates)
         t1 = time.monotonic_ns()
         self._last_cpu = (t1, end_cpu)
         with self._state:
-            runs, bpf_ns = runs1[0] - runs0[0], runs1[1] - runs0[1]
-            trap_ns = runs * self.trap.ns_per_run
+            bpf_ns, trap_ns = runs1[1] - runs0[1], runs1[2] - runs0[2]
             self.windows += 1
             self.window_ns += t1 - t0
             self.trap_ns += int(trap_ns)
@@ -511,7 +544,7 @@ class WindowedMalloc(MallocSource):
             self.switch_ns += int(attach_ns + detach_ns)
             # the measured part's cost per ns, and the rest (traps while attaching and
             # detaching, the switch's CPU) as a window's fixed cost
-            inside = m.runs * self.trap.ns_per_run + m.bpf_ns
+            inside = m.trap_ns + m.bpf_ns
             fixed = trap_ns + bpf_ns - inside + attach_ns + detach_ns
             # the last window's: a workload's cost moves with it (unknown while none calls)
             self._rate = inside / max(m.seconds * 1e9, 1) if m.runs else self._rate
@@ -522,6 +555,22 @@ class WindowedMalloc(MallocSource):
             self._end(counts, samples, t0, t1)
             self.in_window = False
 
+    def _forget_calls_in_flight(self) -> None:
+        """Detached mid-call, a thread's outer-call state (ms_outer, ms_active, ms_ret) would
+        make the next window skip its calls as nested ones, and blocks of other allocators
+        (ms_fblocks) freed between windows would stay: the BPF side's state goes with the
+        probes (under a budget nothing needs a block's size: no live bytes)."""
+        for name in (b"ms_outer", b"ms_ret", b"ms_fblocks"):
+            try:
+                self.bpf[name].clear()
+            except KeyError:  # a map this module was compiled without
+                continue
+        try:
+            active = self.bpf[b"ms_active"]
+            active[active.Key(0)] = active.Leaf(0)
+        except KeyError:
+            pass
+
     def _samples(self, m: _Measured) -> dict[int, _Sample]:
         """Per process, its _Sample of the window's measured part M.
 
@@ -530,8 +579,9 @@ class WindowedMalloc(MallocSource):
         pace; one that does not (a CPU-bound loop, a server at its limit) is slowed: its own
         work in the window (its CPU time minus its share of the traps and BPF runs: the
         calibrated model, +-TRAP_UNCERTAINTY of the traps' part) fell short of what it ran at
-        its pace before the window by more than that uncertainty, and its counts are scaled
-        by the ratio of the two."""
+        its pace before the window by more than that uncertainty, or its CPU time did not
+        rise by its share of the traps, and its counts are scaled by the ratio of the two.
+        Where it kept its pace, the shortfall the model cannot rule out is its error."""
         deltas, weights = {}, {}
         for pid, c1 in m.counts1.items():
             c0 = m.counts0.get(pid)
@@ -546,7 +596,7 @@ class WindowedMalloc(MallocSource):
         out = {}
         for pid, d in deltas.items():
             share = weights[pid] / total
-            trap = share * m.runs * self.trap.ns_per_run
+            trap = share * m.trap_ns
             cost = trap + share * m.bpf_ns  # the BPF run time is the kernel's count: exact
             factor, sigma = 1.0, 0.0
             if pid in m.cpu0 and pid in m.cpu1 and pid in m.pace and cost > 0:
@@ -554,8 +604,11 @@ class WindowedMalloc(MallocSource):
                 own = max(cpu - cost, cpu / 20)  # never below a twentieth: the model is not that exact
                 paced = m.pace[pid] * ns
                 uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
-                if own < paced - uncertain:  # saturated: the traps took its own work's time
+                if paced > own and (own < paced - uncertain or cpu - paced < cost - uncertain):
+                    # saturated: the traps took its own work's time, not more CPU time
                     factor, sigma = paced / own, uncertain / own
+                elif paced > 0:  # kept its pace, as far as the model can tell: how far it cannot
+                    sigma = min(max(paced - (own - uncertain), 0.0) / paced, 1.0)
             calls = sum(d[: self._n_calls]) - (d[self._free_null] if self._free_null is not None else 0)
             out[pid] = _Sample([x * factor for x in d], ns, sigma, 1 / factor, calls)
         return out
@@ -642,6 +695,7 @@ class WindowedMalloc(MallocSource):
             },
             "trap_ns_per_run": self.trap.ns_per_run,
             "trap_spread_ns": self.trap.spread_ns,
+            "trap_single_step_ns": self.trap.single_step_ns,
             "probes": self.trap.way,
             "errors": list(self.errors),
         }

@@ -82,7 +82,8 @@ faked, so a consumer works with whichever sources are running:
                 now), "duty_cycle": fraction of the time attached, "overhead_pct": measured
                 cost over the traced processes' own CPU time (None: none yet),
                 "traced_cpu_seconds", "cost_seconds": {"traps", "bpf", "attach_detach"},
-                "trap_ns_per_run", "trap_spread_ns" (calibrated at start), "probes": "uprobe_multi
+                "trap_ns_per_run", "trap_spread_ns", "trap_single_step_ns" (calibrated at start:
+                emulated sites and returns, single-stepped sites), "probes": "uprobe_multi
                 link" | "perf-event uprobe", "errors": [str]},   # under --max-overhead only
      "errors": {source: reason},   # Sources: those that cannot run here (a kernel
          # without a tracepoint, a program it will not load; the others run), glibc's failures
@@ -257,6 +258,7 @@ class BudgetInfo(TypedDict):
     cost_seconds: BudgetCost
     trap_ns_per_run: float
     trap_spread_ns: float
+    trap_single_step_ns: float
     probes: str
     errors: List[str]
 
