@@ -368,16 +368,18 @@ class WindowedMalloc(MallocSource):
         self._thread.start()
 
     def _run_costs(self) -> dict[str, float]:
-        """{program: trap ns a run}: the single-stepped cost for a program any of whose
-        entry sites the kernel single-steps (probesite.emulated_at), else the emulated one."""
+        """{program: trap ns a run}: the single-stepped cost for a program whose main entry
+        site in some function the kernel single-steps (probesite.emulated_at), else the
+        emulated one (a side path, free(NULL)'s early exit, is rarely taken)."""
         costs = {}
         stepped_ns = max(self.trap.single_step_ns, self.trap.ns_per_run)
         for plans in (self.plans, self.cxx_plans):
             for path, plan in plans.items():
                 for function, probes in plan:
                     address = elf.symbol(path, function).address
+                    main = next((off for kind, off, _ in probes if kind == "entry"), None)
                     for kind, off, program in probes:
-                        stepped = kind == "entry" and not probesite.emulated_at(path, address + off)
+                        stepped = off == main and kind == "entry" and not probesite.emulated_at(path, address + off)
                         costs[program] = max(costs.get(program, 0.0), stepped_ns if stepped else self.trap.ns_per_run)
         return costs
 
