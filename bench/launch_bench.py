@@ -22,6 +22,7 @@ inside one run mean anything: the machine is shared.
 """
 
 import argparse
+import json
 import os
 import pathlib
 import shutil
@@ -46,7 +47,7 @@ def tool_argv(mode, program, out):
         return []
     if mode.startswith("record"):
         via = ["--via", "uprobes"] if mode.endswith("uprobes") else []
-        return [*PY, "record", "-q", "--force", *via, *follow, "-o", out, "--"]
+        return [*PY, "record", "--json", "--force", *via, *follow, "-o", out, "--"]
     if mode.startswith("heap"):
         via = ["--via", "uprobes"] if mode.endswith("uprobes") else []
         return [*PY, "heap", "-q", "--force", *via, "-o", out + ".pb.gz", "--"]
@@ -54,7 +55,7 @@ def tool_argv(mode, program, out):
 
 
 def run(mode, program, argv, tmp):
-    """(wall seconds, stdout) of ARGV under MODE."""
+    """(wall seconds, stdout, calls recorded or None) of ARGV under MODE."""
     out = os.path.join(tmp, "out")
     cmd = tool_argv(mode, program, out) + argv
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -66,7 +67,8 @@ def run(mode, program, argv, tmp):
     for f in os.listdir(tmp):
         if f.startswith("out") or f.startswith("heaptrack"):
             os.unlink(os.path.join(tmp, f))
-    return wall, proc.stdout
+    calls = json.loads(proc.stderr.strip().splitlines()[-1])["entries"] if mode.startswith("record") else None
+    return wall, proc.stdout, calls
 
 
 def main():
@@ -93,10 +95,13 @@ def main():
             added = {m: [] for m in modes}
             startup = {m: [] for m in modes}
             per_call = {m: [] for m in modes}
+            calls = {m: [] for m in modes}
             for r in range(args.rounds):
                 for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-                    t_true, _ = run(mode, name, ["/bin/true"], work)
-                    t_prog, out = run(mode, name, argv, work)
+                    t_true, _, _ = run(mode, name, ["/bin/true"], work)
+                    t_prog, out, n = run(mode, name, argv, work)
+                    if n:
+                        calls[mode].append(n)
                     added[mode].append(t_prog - t_true)
                     startup[mode].append(t_true)
                     if name == "storm":
@@ -110,6 +115,8 @@ def main():
                 if ht and mode != "heaptrack":
                     row[f"{mode} / heaptrack"] = f"{statistics.median(extra) / max(statistics.median(ht), 1e-9):.2f}"
                 row[f"{mode} start-up s"] = f"{statistics.median(startup[mode]):.2f}"
+                if calls[mode]:
+                    row[f"{mode} ns/call"] = f"{statistics.median(extra) / statistics.median(calls[mode]) * 1e9:.0f}"
             rows.append(row)
             if name == "storm":
                 b = per_call["untraced"]
