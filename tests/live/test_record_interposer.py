@@ -265,3 +265,50 @@ def test_child_switching_user_loads_the_library_and_is_named(cbuild, tmp_path):
     lib = I.library()
     st = os.stat(lib)
     assert st.st_uid == 0 and st.st_mode & 0o777 == 0o755 and lib.startswith("/var/cache/pymtrace/")
+
+
+@pytest.mark.parametrize("stop", ["duration", "SIGINT", "SIGTERM"])
+def test_stopping_keeps_every_record_and_the_program_runs_on(cbuild, tmp_path, stop):
+    """--duration, Ctrl-C and SIGTERM: the file holds exactly what the summary counts, the
+    program goes on running, never blocked on its ring (its CPU time keeps growing)."""
+    prog = cbuild("record_loop")
+    out = tmp_path / "s.trace"
+    extra = ["--duration", "1"] if stop == "duration" else []
+    log = tmp_path / "stderr"
+    with open(log, "w") as err_file:  # (not a pipe: the program, running on, holds it too)
+        rec = subprocess.Popen(
+            [*PYMTRACE, "record", "--json", "--buffer-size", "64K", *extra, "-o", out, "--", prog],
+            stdout=subprocess.PIPE,
+            stderr=err_file,
+            text=True,
+        )
+    child = None
+    try:
+        assert rec.stdout.readline().strip() == "ready"
+        (child,) = [int(p) for p in open(f"/proc/{rec.pid}/task/{rec.pid}/children").read().split()]
+        if stop != "duration":
+            time.sleep(1.0)
+            rec.send_signal(getattr(signal, stop))
+        rec.wait(timeout=60)
+        err = log.read_text()
+        assert rec.returncode == 0, err
+        summary = json.loads(err.strip().splitlines()[-1])
+        records = list(B.read_file(out))
+        assert summary["entries"] == len(records) > 1000 and summary["lost"] == 0
+        assert {r.type_name for r in records} >= {"malloc", "realloc", "free"}
+
+        def cpu():
+            with open(f"/proc/{child}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return int(fields[11]) + int(fields[12])
+
+        t0 = cpu()
+        time.sleep(0.5)
+        assert cpu() > t0  # running on, untraced
+    finally:
+        rec.kill()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
