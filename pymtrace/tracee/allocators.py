@@ -173,6 +173,23 @@ def _direct_targets(code: bytes, start: int) -> list[tuple[str, int]]:
     return out
 
 
+def _leaves(code: bytes, start: int) -> bool:
+    """Whether the function whose CODE starts at START calls or jumps out of itself: through
+    a register or memory (a function pointer: an interposer's dlsym(RTLD_NEXT) forward), or
+    to an address outside CODE (another function, a PLT stub)."""
+    import capstone
+    from capstone import x86_const as X
+
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    md.detail = True
+    for insn in md.disasm(code, start):
+        if (insn.group(X.X86_GRP_JUMP) or insn.group(X.X86_GRP_CALL)) and insn.operands:
+            op = insn.operands[0]
+            if op.type != X.X86_OP_IMM or not start <= op.imm < start + len(code):
+                return True
+    return False
+
+
 def _plt_stubs(path: str) -> dict[int, str]:
     """{address of a PLT stub: the symbol it jumps to} of PATH: each stub's `jmp
     *slot(%rip)` decoded, its GOT slot named by the JUMP_SLOT relocations (.rela.plt).
@@ -291,6 +308,9 @@ def _choose(path: str, family: str, _key: Any) -> tuple[_Chosen, ...]:
         if not nested:  # a free-type function calling another probed one is nested too
             code = elf.read_code(path, address, sym.size or 256)
             nested = any(probed(t) not in (None, address) for _, t in _direct_targets(code, address))
+            # another object's free that leaves itself may forward to the next definition (an
+            # LD_PRELOAD interposer: glibc's free, probed beside it by `record -- CMD`)
+            nested = nested or (family == "generic" and _leaves(code, address))
         program = f.program if f.call != "free" else ("ms_f_free_nest" if nested else "ms_f_free_p1")
         out.append(_Chosen(f, address, sym.size, program, nested))
     return tuple(out)
