@@ -88,8 +88,10 @@ def attach(bpf: Any, libs: list[tuple[str, bool]], pid: int, note_bases: bool = 
 def attach_foreign(bpf: Any, path: str, family: str, pid: int) -> list[tuple[str, str, tuple]]:
     """Attach the probes of another allocator (FAMILY, a target.allocators.FAMILIES key) in
     PATH: top's placement (allocators.probe_plan), record's programs (enter_f_*, `leave`),
-    return probes first. Returns [(path, function, entry offsets)]."""
-    plan = allocators.probe_plan(path, family)
+    return probes first. A function whose first instruction the kernel refuses (an
+    LD_PRELOAD counter's `lock add`) is probed past it where that sees the same calls, so
+    that the recording stays exact (docs/record.md). Returns [(path, function, entry offsets)]."""
+    plan = allocators.probe_plan(path, family, past_refused=True)
     returns, entries = [], []
     for function, probes in plan:
         address = elf.symbol(path, function).address

@@ -333,7 +333,7 @@ def programs(path: str, family: str) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
+def _plan(path: str, family: str, _key: Any, past_refused: bool) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
     plan = []
     for c in _choose(path, family, _key):
         f, address = c.function, c.address
@@ -344,6 +344,10 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
             branch = _branch_site(code, address)  # +0 would be single-stepped
             if branch is not None:
                 offsets = (branch,)
+        if offsets == (0,) and past_refused:
+            past = probesite.past_refused(code, address, len(code))  # +0: the kernel refuses it
+            if past is not None:
+                offsets = (past,)
         probes = [Probe(f.name, "entry", off, c.program) for off in offsets]
         if c.nested:
             # a uretprobe is a breakpoint too: on the entry's site when that is the only one
@@ -357,9 +361,12 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
     return tuple(plan)
 
 
-def probe_plan(path: str, family: str) -> list[tuple[str, tuple[Probe, ...]]]:
+def probe_plan(path: str, family: str, past_refused: bool = False) -> list[tuple[str, tuple[Probe, ...]]]:
     """top's uprobes for the allocator FAMILY (a FAMILIES key, or CXX_FAMILY: operator
     new/delete, every variant with a return probe) in the ELF file PATH:
-    [(function, (Probe, ...))], each function found in PATH once per address. Raises
-    PymtraceError when PATH cannot be read or defines no malloc."""
-    return list(_plan(path, family, _key(path)))
+    [(function, (Probe, ...))], each function found in PATH once per address. PAST_REFUSED
+    (record): a function whose first instruction the kernel refuses a uprobe on (an
+    LD_PRELOAD counter's `lock add`) is probed at the next one it accepts, where that sees
+    the same call (probesite.past_refused). Raises PymtraceError when PATH cannot be read or
+    defines no malloc."""
+    return list(_plan(path, family, _key(path), past_refused))
