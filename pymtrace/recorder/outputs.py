@@ -12,7 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from pymtrace.errors import PymtraceError, WriteFailed
+from pymtrace.errors import PymtraceError, RecordingStopped, WriteFailed
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.trace import mappings, stacktable
 from pymtrace.trace.files import open_exclusive, open_unique
@@ -532,10 +532,11 @@ def print_summary(summary: dict, options: RecordOptions) -> None:
 
 def exit_status(summary: dict, options: RecordOptions) -> int:
     """The recording's exit status from its SUMMARY: 0, or EXIT_LOST when events or stacks
-    were lost (unless --allow-drops); WriteFailed when a write failed."""
+    were lost (unless --allow-drops); RecordingStopped when it stopped early (a failed
+    write, a program that cannot be probed)."""
     if "error" in summary:
         n = len(summary["files"])
-        raise WriteFailed(
+        raise RecordingStopped(
             f"{summary['error']}; recording stopped, {summary['entries']} complete "
             f"entries kept" + (f" in {n} files" if n > 1 else "")
         )

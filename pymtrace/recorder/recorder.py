@@ -29,8 +29,9 @@ from pymtrace.trace.formats import mtrace_bin
 
 def record(options: RecordOptions) -> int:
     """Record as OPTIONS say until the process exits, --duration or a stop signal; the exit
-    status (0, or outputs.EXIT_LOST). PymtraceError when it cannot record, WriteFailed when
-    a write failed (the files keep every complete record)."""
+    status (0, or outputs.EXIT_LOST). PymtraceError when it cannot record, RecordingStopped
+    when it stopped early (a failed write, a program a launched command exec'd that cannot be
+    probed: the files keep every complete record)."""
     return Recorder(options).run()
 
 

@@ -45,6 +45,12 @@ def counter(tmp_path_factory):
     return _preload_library(tmp_path_factory.mktemp("preload"), "lock_add_interposer", "lock")
 
 
+@pytest.fixture(scope="module")
+def jumper(tmp_path_factory):
+    """malloc and free are each one `notrack jmp` to the next definition."""
+    return _preload_library(tmp_path_factory.mktemp("preload"), "jump_interposer", "notrack")
+
+
 @pytest.fixture(params=["links", "perf events"])
 def way(request, monkeypatch):
     if request.param == "links":
@@ -94,6 +100,37 @@ def test_record_cmd_probes_the_counter_past_its_lock_add(counter, cbuild, tmp_pa
     assert run.returncode == 0, run.stderr
     assert "warning" not in run.stderr and "524" not in run.stderr, run.stderr
     assert_pairs_recorded(out, prog, json.loads(run.stdout.splitlines()[-1]))
+
+
+@pytest.mark.bpf
+def test_record_stops_at_a_probe_it_cannot_place(jumper, cbuild, tmp_path, way):
+    """After the exec into the program that preloads the library: one line, exit 1, the
+    trace keeps env's records; the command runs on untraced."""
+    prog = cbuild("malloc_free_pairs", "-no-pie")
+    out = tmp_path / "trace"
+    run = run_pymtrace("record", "-o", out, "--", "env", f"LD_PRELOAD={jumper}", prog, input="xx", timeout=240)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("pymtrace: error:")]
+    assert len(errors) == 1, run.stderr
+    line = assert_said_in_words(errors[0], jumper, "notrack jmp")
+    assert "recording stopped" in line, line
+    assert "warning" not in run.stderr, run.stderr
+    assert len(list(B.read_file(out))) > 0  # env's calls, before its exec
+    assert len(json.loads(run.stdout.splitlines()[-1])["free"]) == 300  # the command went on
+
+
+@pytest.mark.bpf
+def test_record_p_refuses_a_probe_it_cannot_place(jumper, tmp_path, way):
+    sleeper = subprocess.Popen(["sleep", "60"], env=dict(os.environ, LD_PRELOAD=jumper))
+    try:
+        run = run_pymtrace("record", "-p", sleeper.pid, "-o", tmp_path / "out.mtrace", timeout=240)
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert "Traceback" not in run.stderr, run.stderr
+        assert_said_in_words(run.stderr, jumper, "notrack jmp")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 @pytest.mark.bpf
