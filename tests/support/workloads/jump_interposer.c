@@ -12,5 +12,13 @@ __attribute__((constructor)) static void resolve(void) {
 }
 
 __asm__(".text\n"
-        ".globl malloc\n.type malloc, @function\nmalloc:\n\tnotrack jmp *next_malloc(%rip)\n.size malloc, .-malloc\n"
-        ".globl free\n.type free, @function\nfree:\n\tnotrack jmp *next_free(%rip)\n.size free, .-free\n");
+        ".globl malloc\n"
+        ".type malloc, @function\n"
+        "malloc:\n"
+        "\tnotrack jmp *next_malloc(%rip)\n"
+        ".size malloc, .-malloc\n"
+        ".globl free\n"
+        ".type free, @function\n"
+        "free:\n"
+        "\tnotrack jmp *next_free(%rip)\n"
+        ".size free, .-free\n");

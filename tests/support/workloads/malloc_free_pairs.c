@@ -34,7 +34,8 @@ int main(void) {
     }
     int n = snprintf(line, sizeof(line), "{\"malloc\": [");
     for (int i = 0; i < PAIRS; i++)
-        n += snprintf(line + n, sizeof(line) - n, "%s[%lu, %d]", i ? ", " : "", (unsigned long)blocks[i], 40 + i);
+        n += snprintf(line + n, sizeof(line) - n, "%s[%lu, %d]", i ? ", " : "", (unsigned long)blocks[i],
+                      40 + i);
     n += snprintf(line + n, sizeof(line) - n, "], \"free\": [");
     for (int i = 0; i < PAIRS; i++)
         n += snprintf(line + n, sizeof(line) - n, "%s%lu", i ? ", " : "", (unsigned long)blocks[i]);
