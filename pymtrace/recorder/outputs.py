@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from pymtrace.errors import PymtraceError, RecordingStopped, WriteFailed
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.trace import mappings, stacktable
-from pymtrace.trace.files import open_exclusive, open_unique
+from pymtrace.trace.files import open_exclusive, open_unique, side_file
 from pymtrace.trace.formats import mtrace_bin, mtrace_text
 from pymtrace.tracee import elf, libc, proc
 
@@ -364,11 +364,11 @@ class Outputs:
             if not wanted:
                 continue
             try:
-                side_fds[suffix] = open_exclusive(path + suffix, options.force)
+                side_fds[suffix] = open_exclusive(side_file(path, suffix), options.force)
             except PymtraceError:
                 for other in side_fds:
                     os.close(side_fds[other])
-                    os.unlink(path + other)
+                    os.unlink(side_file(path, other))
                 os.close(fd)
                 os.unlink(path)
                 raise
