@@ -444,7 +444,7 @@ class TraceSet:
                 for r in self.rows(
                     f"""SELECT stack_id, count(*), coalesce(sum(size), 0) AS bytes
                         FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
-                        WHERE stack_id > 0 GROUP BY stack_id ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
+                        WHERE stack_id > 0 GROUP BY stack_id ORDER BY 3 DESC, 2 DESC, 1 LIMIT {int(top)}"""
                 )
             ]
         rows.sort(key=lambda r: (-r[3], -r[2], r[0], r[1]))
