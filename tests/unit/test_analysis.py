@@ -233,16 +233,19 @@ def test_collect_dataset_parts_of_one_stream_are_one_recording(known, tmp_path):
         assert split[key] == whole[key], key
 
 
+def write_with_stacks(table, stacks, path):
+    """TABLE written to PATH with its `stack` column STACKS (a list per row, or None)."""
+    field = P.SCHEMA.field("stack")
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("stack"), field, pyarrow.array(stacks, field.type)), path
+    )
+
+
 def test_stacks_when_recorded(known, tmp_path):
     table = pq.read_table(known)
     stacks = [[0x401000 + i, 0x402000] if i % 2 else None for i in range(table.num_rows)]
-    table = table.set_column(
-        table.schema.get_field_index("stack"),
-        P.SCHEMA.field("stack"),
-        pyarrow.array(stacks, P.SCHEMA.field("stack").type),
-    )
     path = tmp_path / "stacks.parquet"
-    pq.write_table(table, path)
+    write_with_stacks(table, stacks, path)
     rep = report(path)
     assert rep["stacks"]["recorded"] and rep["stacks"]["calls_with_stack"] == table.num_rows // 2
     assert rep["stacks"]["top"][0]["stack"][1] == "0x402000"
@@ -303,14 +306,8 @@ def test_top_stacks_with_ties_in_a_defined_order(tmp_path):
     order = [(k * 7) % TIED for k in range(TIED)]  # every key once, not in order
     recs = _tied_calls(order)
     stacks = [[0x402000, 0x401000]] * 2 + [[0x500000 + (k << 12), 0x401000] for k in order]
-    table = P.table_from_records(recs)
-    table = table.set_column(
-        table.schema.get_field_index("stack"),
-        P.SCHEMA.field("stack"),
-        pyarrow.array(stacks, P.SCHEMA.field("stack").type),
-    )
     path = tmp_path / "ties.parquet"
-    pq.write_table(table, path)
+    write_with_stacks(P.table_from_records(recs), stacks, path)
     for threads in (1, 2):
         with TraceSet([str(path)], threads=threads) as ts:
             top = ts.report(top=5).to_json()["stacks"]["top"]
