@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pymtrace import stopping
 from pymtrace.bpf.ringbuf import RingReader
-from pymtrace.errors import PymtraceError, WriteFailed
+from pymtrace.errors import PymtraceError, RecordingStopped, WriteFailed
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.recorder.outputs import Output, Outputs
 from pymtrace.recorder.stacks import StackUnwinder
@@ -164,7 +164,7 @@ class Drainer:
         self.max_gap = 0.0
         self.duration = 0.0
         self.interrupted = False
-        self.failure: WriteFailed | None = None
+        self.failure: RecordingStopped | None = None
         self.outputs: Outputs | None = None  # run()'s
 
     def drain(self, final: bool = False) -> int:
@@ -269,7 +269,8 @@ class Drainer:
     ) -> None:
         """Drain until the recording ends (see the module), then the last drain. A launched
         command is resumed here (ON_EXEC: called at each of its execs). Sets duration,
-        interrupted (a stop signal) and failure (a failed write: recording stopped)."""
+        interrupted (a stop signal) and failure (a failed write, a program that cannot be
+        probed: recording stopped)."""
         if options.poll_interval_ms is not None:
             fixed = max(options.poll_interval_ms, 0.5) / 1000.0
         else:  # --stacks: its stack events fill their ring ~100 times faster: every 10 ms
@@ -312,14 +313,14 @@ class Drainer:
                 time.sleep(timeout)
         except KeyboardInterrupt:
             self.interrupted = True
-        except WriteFailed as exc:  # disk full: what was written whole stays, recording stops
-            self.failure = exc
+        except RecordingStopped as exc:  # disk full, a program that cannot be probed: what was
+            self.failure = exc  # written whole stays, recording stops
         finally:
             os.close(pidfd)
             stopping.begin_stopping()  # from here on SIGINT/SIGTERM cannot cut the stop short
         # a last drain: everything committed before we stop (later SIGINT/SIGTERM are
         # ignored while stopping, see pymtrace.cli)
-        if self.failure is None:
+        if not isinstance(self.failure, WriteFailed):
             try:
                 self.drain(final=True)
             except WriteFailed as exc:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import uprobes
-from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.errors import ProcessGone, PymtraceError, RecordingStopped
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.recorder.outputs import PAGE, Output
 from pymtrace.sources.base import uprobe
@@ -88,8 +88,10 @@ def attach(bpf: Any, libs: list[tuple[str, bool]], pid: int, note_bases: bool = 
 def attach_foreign(bpf: Any, path: str, family: str, pid: int) -> list[tuple[str, str, tuple]]:
     """Attach the probes of another allocator (FAMILY, a target.allocators.FAMILIES key) in
     PATH: top's placement (allocators.probe_plan), record's programs (enter_f_*, `leave`),
-    return probes first. Returns [(path, function, entry offsets)]."""
-    plan = allocators.probe_plan(path, family)
+    return probes first. A function whose first instruction the kernel refuses (an
+    LD_PRELOAD counter's `lock add`) is probed past it where that sees the same calls, so
+    that the recording stays exact (docs/record.md). Returns [(path, function, entry offsets)]."""
+    plan = allocators.probe_plan(path, family, past_refused=True)
     returns, entries = [], []
     for function, probes in plan:
         address = elf.symbol(path, function).address
@@ -250,13 +252,19 @@ class ProbePlan:
         """From now on the probes record."""
         self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(1)
 
+    def disable(self) -> None:
+        """From now on the probes record nothing."""
+        self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(0)
+
     def probe_program(self, pid: int, at_start: bool = False) -> libc.Allocator | None:
         """-- CMD, stopped with its program's objects mapped (at start and after each exec,
         tracee.launch): probe where its malloc-API and operator new calls resolve (the same
         resolution as -p: libc.allocator, libc.cxx_runtime) unless probed already. Returns
         the allocator its malloc-API calls resolve to, if it is one pymtrace records (glibc's
-        family is "glibc"). What cannot be probed is warned of once, never fatal after the
-        start (AT_START: raised)."""
+        family is "glibc"). A file that cannot be probed: PymtraceError at the start (AT_START);
+        after an exec the recording is disabled (the trace ends at the exec) and
+        RecordingStopped raised. A malloc pymtrace does not trace at all (a static binary) is
+        warned of once."""
         try:
             found = None if self.options.libc else libc.allocator(pid)
             cxx = libc.cxx_runtime(pid)
@@ -274,14 +282,15 @@ class ProbePlan:
             self.probed_files.add((path, family))
             try:
                 self.sites += attach_foreign(self.bpf, path, family, where)
-            except PymtraceError as exc:
-                if at_start:
-                    raise
-                print(f"pymtrace: warning: {exc}", file=sys.stderr)
             except Exception as exc:  # BCC's attach_uprobe raises plain Exception
+                error = exc if isinstance(exc, PymtraceError) else f"cannot attach uprobes to {path}: {exc}"
                 if at_start:
-                    raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
-                print(f"pymtrace: warning: cannot attach uprobes to {path}: {exc}", file=sys.stderr)
+                    raise PymtraceError(str(error)) from None
+                if not proc.exists(pid):
+                    return None  # killed at its exec: its end is seen by the drain loop
+                # its calls through PATH would go unrecorded: the recording ends exact, at the exec
+                self.disable()
+                raise RecordingStopped(str(error)) from None
         if found is None:
             return None
         foreign = found.family not in (None, "glibc")

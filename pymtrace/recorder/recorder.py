@@ -30,10 +30,11 @@ from pymtrace.trace.formats import mtrace_bin
 
 def record(options: RecordOptions) -> int:
     """Record as OPTIONS say until the process exits, --duration or a stop signal; the exit
-    status (0, or outputs.EXIT_LOST). PymtraceError when it cannot record, WriteFailed when
-    a write failed (the files keep every complete record). A launched command that can
-    preload pymtrace's interposer is recorded in-process (recorder.inprocess), anything
-    else through uprobes (Recorder)."""
+    status (0, or outputs.EXIT_LOST). PymtraceError when it cannot record, RecordingStopped
+    when it stopped early (a failed write, a program a launched command exec'd that cannot be
+    probed: the files keep every complete record). A launched command that can preload
+    pymtrace's interposer is recorded in-process (recorder.inprocess), anything else through
+    uprobes (Recorder)."""
     via, why = inprocess.choose(options)
     if via == "interposer":
         return inprocess.record_in_process(options)

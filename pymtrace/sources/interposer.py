@@ -528,25 +528,10 @@ def _malloc_symbols(path: str) -> tuple[bool, list[str]]:
     """(whether PATH itself defines a function `malloc`, the functions of an allocator's own
     API it imports). Read from .dynsym and .symtab; an undefined `malloc`, even with a PLT
     address, is no definition."""
-    from elftools.elf.elffile import ELFFile  # ~45 ms to import: once per launched command
+    from pymtrace.tracee import elf
 
-    unwrapped = _unwrapped()
-    defines, imports = False, set()
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        for name in (".dynsym", ".symtab"):
-            section = elf.get_section_by_name(name)
-            if section is None:
-                continue
-            strtab = elf.get_section(section["sh_link"]).data()
-            for st_name, info, _other, shndx, _value, _size in _SYM.iter_unpack(section.data()):
-                end = strtab.find(b"\0", st_name)
-                symbol = strtab[st_name:end].decode("utf-8", "replace").split("@")[0]
-                if symbol == "malloc" and shndx != _SHN_UNDEF and info & 0xF == _STT_FUNC:
-                    defines = True
-                elif shndx == _SHN_UNDEF and symbol in unwrapped:
-                    imports.add(symbol)
-    return defines, sorted(imports)
+    names = elf.symbol_names(path)
+    return "malloc" in names.functions, sorted(names.undefined & _unwrapped())
 
 
 def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:

@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 from pymtrace import jsonread
 from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.trace import files
 from pymtrace.tracee.unwind import Frame, Location
 
 FORMAT = "pymtrace-stacks"
@@ -38,7 +39,7 @@ _MAX_LINE = 1 << 24  # a line longer than this is refused when reading
 
 def table_path(trace_path: str) -> str:
     """Where the stack table of TRACE_PATH lives."""
-    return trace_path + SUFFIX
+    return files.side_file(trace_path, SUFFIX)
 
 
 @dataclass(frozen=True)

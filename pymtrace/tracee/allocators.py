@@ -173,6 +173,23 @@ def _direct_targets(code: bytes, start: int) -> list[tuple[str, int]]:
     return out
 
 
+def _leaves(code: bytes, start: int) -> bool:
+    """Whether the function whose CODE starts at START calls or jumps out of itself: through
+    a register or memory (a function pointer: an interposer's dlsym(RTLD_NEXT) forward), or
+    to an address outside CODE (another function, a PLT stub)."""
+    import capstone
+    from capstone import x86_const as X
+
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    md.detail = True
+    for insn in md.disasm(code, start):
+        if (insn.group(X.X86_GRP_JUMP) or insn.group(X.X86_GRP_CALL)) and insn.operands:
+            op = insn.operands[0]
+            if op.type != X.X86_OP_IMM or not start <= op.imm < start + len(code):
+                return True
+    return False
+
+
 def _plt_stubs(path: str) -> dict[int, str]:
     """{address of a PLT stub: the symbol it jumps to} of PATH: each stub's `jmp
     *slot(%rip)` decoded, its GOT slot named by the JUMP_SLOT relocations (.rela.plt).
@@ -291,6 +308,9 @@ def _choose(path: str, family: str, _key: Any) -> tuple[_Chosen, ...]:
         if not nested:  # a free-type function calling another probed one is nested too
             code = elf.read_code(path, address, sym.size or 256)
             nested = any(probed(t) not in (None, address) for _, t in _direct_targets(code, address))
+            # another object's free that leaves itself may forward to the next definition (an
+            # LD_PRELOAD interposer: glibc's free, probed beside it by `record -- CMD`)
+            nested = nested or (family == "generic" and _leaves(code, address))
         program = f.program if f.call != "free" else ("ms_f_free_nest" if nested else "ms_f_free_p1")
         out.append(_Chosen(f, address, sym.size, program, nested))
     return tuple(out)
@@ -313,7 +333,7 @@ def programs(path: str, family: str) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
+def _plan(path: str, family: str, _key: Any, past_refused: bool) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
     plan = []
     for c in _choose(path, family, _key):
         f, address = c.function, c.address
@@ -324,6 +344,10 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
             branch = _branch_site(code, address)  # +0 would be single-stepped
             if branch is not None:
                 offsets = (branch,)
+        if offsets == (0,) and past_refused:
+            past = probesite.past_refused(code, address, len(code))  # +0: the kernel refuses it
+            if past is not None:
+                offsets = (past,)
         probes = [Probe(f.name, "entry", off, c.program) for off in offsets]
         if c.nested:
             # a uretprobe is a breakpoint too: on the entry's site when that is the only one
@@ -337,9 +361,12 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
     return tuple(plan)
 
 
-def probe_plan(path: str, family: str) -> list[tuple[str, tuple[Probe, ...]]]:
+def probe_plan(path: str, family: str, past_refused: bool = False) -> list[tuple[str, tuple[Probe, ...]]]:
     """top's uprobes for the allocator FAMILY (a FAMILIES key, or CXX_FAMILY: operator
     new/delete, every variant with a return probe) in the ELF file PATH:
-    [(function, (Probe, ...))], each function found in PATH once per address. Raises
-    PymtraceError when PATH cannot be read or defines no malloc."""
-    return list(_plan(path, family, _key(path)))
+    [(function, (Probe, ...))], each function found in PATH once per address. PAST_REFUSED
+    (record): a function whose first instruction the kernel refuses a uprobe on (an
+    LD_PRELOAD counter's `lock add`) is probed at the next one it accepts, where that sees
+    the same call (probesite.past_refused). Raises PymtraceError when PATH cannot be read or
+    defines no malloc."""
+    return list(_plan(path, family, _key(path), past_refused))
