@@ -13,6 +13,8 @@ import time
 
 import pytest
 from support.cli import PYMTRACE, run_pymtrace
+from support.interposer import build_counter, counter_counts, run_interposed
+from support.paths import WORKLOADS
 from support.recording import ground_truth, text_range
 
 from pymtrace.sources import interposer as I
@@ -312,3 +314,83 @@ def test_stopping_keeps_every_record_and_the_program_runs_on(cbuild, tmp_path, s
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+CXX_MAP = r"""
+#include <map>
+#include <string>
+#include <vector>
+int main() {
+    std::map<std::string, std::vector<int>> m;
+    for (int i = 0; i < 10000; i++) m["key-" + std::to_string(i * 7919 % 100003)].push_back(i);
+    for (int i = 0; i < 5000; i++) m.erase("key-" + std::to_string(i * 7919 % 100003));
+    return m.size() == 5000 ? 0 : 1;
+}
+"""
+
+
+def _real_program(name, tmp_path):
+    """(argv, follow forks) of one of the real programs the paths are compared on."""
+    if name == "sqlite3":
+        if shutil.which("sqlite3") is None:
+            pytest.fail("sqlite3 is not installed")
+        sql = tmp_path / "script.sql"
+        rows = "".join(f"INSERT INTO t(name, v) VALUES ('n-{i * 7919 % 20011}', {i});\n" for i in range(5000))
+        sql.write_text(f"CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n{rows}COMMIT;\n"
+                       "CREATE INDEX i1 ON t(name);\nSELECT count(*) FROM t WHERE name LIKE 'n-1%';\n")  # fmt: skip
+        return ["sqlite3", ":memory:", f".read {sql}"], False
+    if name == "python3":
+        return [
+            "/usr/bin/python3",
+            "-c",
+            "import json; [json.dumps({'a': list(range(50))}) for _ in range(5000)]",
+        ], False
+    if name == "c++ map":
+        src = tmp_path / "map.cpp"
+        src.write_text(CXX_MAP)
+        subprocess.run(["g++", "-O2", "-o", tmp_path / "map", src], check=True)
+        return [str(tmp_path / "map")], False
+    src = tmp_path / "rc.c"
+    shutil.copy(WORKLOADS / "record_calls.c", src)
+    return ["gcc", "-O2", "-c", str(src), "-o", str(tmp_path / "rc.o")], True
+
+
+@pytest.mark.parametrize("name", ["sqlite3", "python3", "c++ map", "gcc"])
+def test_both_paths_and_a_counter_agree_on_real_programs(build_dir, tmp_path, name):
+    """Per call type and process, over whole runs: `record` through the interposer and `record
+    --via uprobes` of the same program in the same environment; and the tests' own LD_PRELOAD
+    counter in front of the interposer, against what the interposer recorded in that run."""
+    argv, follow = _real_program(name, tmp_path)
+    # the same addresses in every run: gcc's and Python's hash tables of pointers grow (and
+    # allocate) at other moments when the addresses differ
+    argv = ["setarch", "-R", *argv]
+    counted = tmp_path / "counted"
+    counted.mkdir()
+    base = dict(os.environ, PYTHONHASHSEED="0", COUNTER_DIR=str(counted))  # one environment for all
+    runs = {}
+    # the uprobe path's run maps the interposer too, forwarding only (no ring named): the same
+    # address space, where gcc's tables of pointers grow at the same moments
+    quiet = dict(base, LD_PRELOAD=I.library(), PYMTRACE_RING="-")
+    for via, env in (("interposer", base), ("uprobes", quiet)):
+        out = tmp_path / via
+        flags = ["--follow-forks"] if follow else []
+        summary = summary_of(
+            run_pymtrace("record", "--json", "--via", via, *flags, "-o", out, "--", *argv, env=env, cwd=tmp_path)
+        )
+        assert summary["lost"] == 0
+        runs[via] = sorted(
+            tuple(sorted((k, v) for k, v in type_counts(f["file"]).items() if v)) for f in summary["files"]
+        )
+    assert len(runs["interposer"]) == len(runs["uprobes"]) == (3 if follow else 1)  # gcc, cc1, as
+    if name != "gcc":
+        assert runs["interposer"] == runs["uprobes"]
+    else:  # cc1 hashes addresses of memory it mmaps, which the interposer's ring mapping moves:
+        # a table of pointers may grow (an xcalloc) once more or less; nothing else differs
+        for a, b in zip(runs["interposer"], runs["uprobes"]):
+            assert [k for k, _ in a] == [k for k, _ in b]
+            assert all(abs(x - y) <= max(2, x // 2000) for (_, x), (_, y) in zip(a, b)), (a, b)
+    # the counter in front of the interposer, in a run of their own (a library more, its TLS
+    # too: the loader's and a thread's allocations are not quite those of the runs above)
+    run = run_interposed(argv, env=base, preload_first=build_counter(build_dir))
+    assert run.proc.returncode == 0, run.proc.stderr
+    assert counter_counts(counted) == {pid: run.counts(pid) for pid in run.records}
