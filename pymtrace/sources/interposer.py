@@ -42,7 +42,7 @@ import numpy as np
 from pymtrace import nativebuild
 from pymtrace.bpf import structs
 from pymtrace.bpf.load import bpf_dir
-from pymtrace.errors import PymtraceError
+from pymtrace.errors import ProcessGone, PymtraceError
 
 NATIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tracee", "native")
 CFLAGS = [
@@ -519,3 +519,74 @@ def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -
     if imports:
         return f"{path}: calls an allocator's own API ({', '.join(imports[:3])}), which the interposer does not wrap"
     return None
+
+
+# -- heap's sampling mode ---------------------------------------------------------------------
+# The same library, started with PYMTRACE_SAMPLE_BYTES instead of a ring directory: it draws
+# heap's samples in-process and tells only the sampled allocations and their frees, through
+# its USDT probes (pymtrace:heap_alloc, pymtrace:heap_free), to heap's BPF program.
+SAMPLE_PROVIDER = "pymtrace"
+SAMPLE_PROBES = ("heap_alloc", "heap_free")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOptions:
+    sample_bytes: int  # the mean bytes between samples (1: every call)
+    max_live: int  # sampled blocks remembered until freed (heap --max-live)
+    follow: bool = False  # the command's children sample too (else: it and its execs)
+
+
+def check_preload_path(lib: str) -> None:
+    """A PymtraceError if LD_PRELOAD cannot name LIB (a space or a colon separates its entries)."""
+    if any(c in lib for c in " :"):
+        raise PymtraceError(f"the interposer's path {lib} holds a space or colon: LD_PRELOAD cannot name it")
+
+
+def sampling_env(base: Mapping[str, str], lib: str, options: SampleOptions) -> dict[str, str]:
+    """BASE with what a launched command needs to be sampled in-process by LIB: LIB first in
+    LD_PRELOAD (the user's own preloads, then the libraries, are the next definitions)."""
+    check_preload_path(lib)
+    env = {k: v for k, v in base.items() if k != "PYMTRACE_RING_DIR"}  # sampling, no ring
+    old = env.get("LD_PRELOAD", "").strip()
+    env["LD_PRELOAD"] = lib + (":" + old if old else "")
+    env["PYMTRACE_SAMPLE_BYTES"] = str(options.sample_bytes)
+    env["PYMTRACE_SAMPLE_LIVE"] = str(options.max_live)
+    env["PYMTRACE_FOLLOW"] = "1" if options.follow else "0"
+    env["PYMTRACE_SAMPLE_PARENT"] = str(os.getpid())  # not following: only this process's child samples
+    return env
+
+
+def sample_sites(lib: str) -> list:
+    """The USDT probe sites (tracee.elf.UsdtProbe) of LIB's sampling mode; a PymtraceError when
+    LIB has not both."""
+    from pymtrace.tracee import elf
+
+    sites = [p for p in elf.usdt_probes(lib, provider=SAMPLE_PROVIDER) if p.name in SAMPLE_PROBES]
+    if {p.name for p in sites} != set(SAMPLE_PROBES):
+        raise PymtraceError(f"{lib}: the interposer has no heap_alloc/heap_free USDT probes (built without sys/sdt.h?)")
+    return sites
+
+
+def maps_file(pid: int, path: str) -> bool:
+    """Whether process PID maps the file PATH (by name in /proc/PID/maps). Raises ProcessGone."""
+    from pymtrace.tracee import libc
+
+    return any(m.path == path for m in libc.read_maps(pid) or ())
+
+
+def preload_problem(pid: int, lib: str) -> str | None:
+    """Why process PID, which has just exec'd, will not run with LIB loaded (one line), or None:
+    read from its own environment and its program (not_preloadable), before its loader ran.
+    Raises ProcessGone."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            words = f.read().split(b"\0")
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessGone(pid) from None
+    except OSError as exc:
+        return f"process {pid}: {exc.strerror}"
+    env = dict(w.decode(errors="replace").split("=", 1) for w in words if b"=" in w)
+    if lib not in re.split(r"[ :]", env.get("LD_PRELOAD", "")):
+        return f"{exe}: LD_PRELOAD no longer names the interposer (its environment was changed)"
+    return not_preloadable([exe], env)
