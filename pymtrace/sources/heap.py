@@ -529,10 +529,15 @@ class HeapSource(Source):
         path = launch.predict_libc([exe], exe)
         if path is None or path in self.libcs:
             return
+        try:
+            plan = probe_plan(path)
+            self.plans[path] = plan
+            for kinds in (("return",), ("entry",)):
+                self._attach_libc(path, -1, kinds)
+        except PymtraceError as exc:  # not traced: the report says why
+            self.via[pid] = (UPROBES, f"{self.via[pid][1]}; not probed: {exc}")
+            return
         self.libcs[path] = [-1]
-        self.plans[path] = probe_plan(path)
-        for kinds in (("return",), ("entry",)):
-            self._attach_libc(path, -1, kinds)
 
     def _fork(self, parent: int, child: int) -> None:
         """A clone in a followed process: a new process (reported) or a thread (not)."""
