@@ -87,7 +87,7 @@ CXX_MAP = r"""
 #include <vector>
 int main() {
     std::map<std::string, std::vector<int>> m;
-    for (int round = 0; round < 2; round++) {
+    for (int round = 0; round < ROUNDS; round++) {
         for (int i = 0; i < 30000; i++) m["key-" + std::to_string(i * 7919 % 100003)].push_back(i);
         for (int i = 0; i < 15000; i++) m.erase("key-" + std::to_string(i * 7919 % 100003));
     }
@@ -96,24 +96,27 @@ int main() {
 """
 
 
-def real_commands(tmp):
+def real_commands(tmp, scale=1):
+    """{name: argv} of the four real programs; SCALE times their work (gcc's apart)."""
     sql = os.path.join(tmp, "script.sql")
     with open(sql, "w") as f:
         f.write("CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n")
-        f.writelines(f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 20011}', {i * 0.5});\n" for i in range(20000))
+        f.writelines(
+            f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 20011}', {i * 0.5});\n" for i in range(20000 * scale)
+        )
         f.write("COMMIT;\nCREATE INDEX i1 ON t(name);\nCREATE INDEX i2 ON t(v);\n")
         f.write("SELECT count(*) FROM t WHERE name LIKE 'name-1%';\nSELECT sum(v) FROM t GROUP BY name % 10;\n")
     cxx_src = os.path.join(tmp, "map.cpp")
     with open(cxx_src, "w") as f:
         f.write(CXX_MAP)
     cxx = os.path.join(tmp, "map")
-    subprocess.run(["g++", "-O2", "-o", cxx, cxx_src], check=True)
+    subprocess.run(["g++", "-O2", f"-DROUNDS={2 * scale}", "-o", cxx, cxx_src], check=True)
     c_src = ROOT / "tests" / "support" / "workloads" / "record_calls.c"
     return {
         "python3 json": [
             "/usr/bin/python3",
             "-c",
-            "import json; [json.dumps({'a': list(range(50))}) for _ in range(20000)]",
+            f"import json; [json.dumps({{'a': list(range(50))}}) for _ in range({20000 * scale})]",
         ],
         "sqlite3 script": ["sqlite3", ":memory:", f".read {sql}"],
         "C++ map<string, vector<int>>": [cxx],

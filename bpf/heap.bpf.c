@@ -11,6 +11,12 @@
  *                                      2.36) and the early-exit paths before it
  *   sched:sched_process_exec/exit      (hp_exec, hp_exit) records for user space
  *   sched:sched_process_fork           (HP_FOLLOW) children of targets become targets
+ *   pymtrace:heap_alloc, heap_free     the USDT sites of pymtrace's interposer (sampling mode,
+ *                                      tracee/native/interpose.c: it draws the samples
+ *                                      in-process): hp_usdt_alloc, hp_usdt_free, called by
+ *                                      the site functions user space generates (HeapSource)
+ * hp_targets says per process which of the two paths traces it (HP_VIA_*): the other's
+ * programs ignore it.
  *
  * Sampling (design doc section 6): per thread, `left` bytes until the next sample, drawn
  * Exp(HP_SAMPLE_MEAN); a call of size >= HP_SAMPLE_MEAN is always sampled, a smaller one when
@@ -115,7 +121,7 @@ BPF_PERCPU_ARRAY(hp_lost, u64, HP_LOST_N);
 BPF_ARRAY(hp_next_id, u64, 1);
 BPF_ARRAY(hp_active, s64, 1);
 BPF_ARRAY(hp_lg, u32, HP_LG_ENTRIES);
-BPF_HASH(hp_targets, u32, u32, HP_MAX_TARGETS);
+BPF_HASH(hp_targets, u32, u32, HP_MAX_TARGETS); /* tgid -> HP_VIA_* */
 /* tgid -> its main thread's stack top (/proc/PID/stat startstack, set by user space): the
  * outermost frame (_start) lies just below it, the environment and auxv above it */
 BPF_HASH(hp_tops, u32, u64, HP_MAX_TARGETS);
@@ -131,6 +137,12 @@ static __always_inline void hp_lost_inc(int idx) {
 
 static __always_inline int hp_wanted(u32 tgid) {
     return hp_targets.lookup(&tgid) != 0;
+}
+
+/* How TGID is traced (HP_VIA_*), 0: it is not */
+static __always_inline u32 hp_via(u32 tgid) {
+    u32 *via = hp_targets.lookup(&tgid);
+    return via ? *via : 0;
 }
 
 static __always_inline void hp_add_active(s64 n) {
@@ -304,7 +316,7 @@ static __always_inline void hp_gone(struct hp_block *b) {
  * keeps an hp_pending entry for its whole duration even when not sampled. */
 static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!hp_wanted(id >> 32)) return 0;
+    if (hp_via(id >> 32) != HP_VIA_UPROBES) return 0;
     if (hp_current(id)) return 0; /* inside this thread's outer call: glibc's own call */
     int sampled = hp_sampled((u32)id, size);
     if (!sampled && !outer) return 0;
@@ -393,6 +405,36 @@ int hp_free_entry(struct pt_regs *ctx) {
     return 0;
 }
 
+/* ---- the interposer's USDT sites ------------------------------------------------------
+ * The interposer drew the sample in-process and fires heap_alloc after the allocator
+ * returned: the registers and the stack copy are the site's (inside the interposer, whose
+ * frames user space drops), the block is known. TRACKED 0: the interposer's set of sampled
+ * blocks was full, so their free will not be told: not remembered, counted as live_full. */
+static __always_inline int hp_usdt_alloc(struct pt_regs *ctx, u64 call, u64 ptr, u64 size, u64 tracked) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (hp_via(id >> 32) != HP_VIA_INTERPOSER) return 0;
+    u64 sample_id = hp_emit(ctx, id, (u32)call, size);
+    if (!sample_id || !ptr) return 0;
+    if (!tracked) {
+        hp_lost_inc(HP_LOST_LIVE_FULL);
+        return 0;
+    }
+    struct hp_block b = {};
+    b.addr = ptr;
+    b.pid = id >> 32;
+    if (hp_live.update(&b, &sample_id) != 0) hp_lost_inc(HP_LOST_LIVE_FULL);
+    return 0;
+}
+
+/* heap_free: a sampled block is about to be freed (or realloc'd away) */
+static __always_inline int hp_usdt_free(struct pt_regs *ctx, u64 ptr) {
+    struct hp_block b = {};
+    b.addr = ptr;
+    b.pid = bpf_get_current_pid_tgid() >> 32;
+    hp_gone(&b);
+    return 0;
+}
+
 /* ---- the target processes: exec, exit (and fork when following) -------------------- */
 
 static __always_inline void hp_event(u32 type, u64 id, u32 other, u64 value) {
@@ -440,9 +482,9 @@ int hp_exit(void *ctx) {
 #if HP_FOLLOW
 TRACEPOINT_PROBE(sched, sched_process_fork) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!hp_wanted(id >> 32)) return 0;
-    u32 child = args->child_pid, one = 1;
-    if (hp_targets.update(&child, &one) != 0) {
+    u32 child = args->child_pid, via = hp_via(id >> 32); /* the child is traced as its parent */
+    if (!via) return 0;
+    if (hp_targets.update(&child, &via) != 0) {
         hp_lost_inc(HP_LOST_TARGETS_FULL);
         return 0;
     }

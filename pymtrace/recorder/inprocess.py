@@ -144,7 +144,7 @@ class ExecWatched(drain.Watched):
 
     def __init__(self, target: int, launched: object, follow: bool) -> None:
         super().__init__(target, launched, follow)
-        self.execs: list[tuple[int, str | None, str | None, int | None]] = []  # (pid, LD_PRELOAD, exe, euid)
+        self.execs: list[tuple[int, dict[str, str], str, int | None]] = []  # (pid, environment, exe, euid)
         self.tree: set[int] = {target}  # every process followed, also those ended since
 
     def start(self) -> None:
@@ -153,7 +153,12 @@ class ExecWatched(drain.Watched):
     def _seen(self, ev: object) -> None:  # in the events' reader thread
         if ev.kind == "exec" and ev.pid == ev.tgid:
             pid = ev.tgid
-            self.execs.append((pid, proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid), proc.effective_uid(pid)))
+            try:
+                env, exe = interposer.process_image(pid)
+            except PymtraceError:  # gone already: nothing to tell
+                pass
+            else:
+                self.execs.append((pid, env, exe, proc.effective_uid(pid)))
         try:
             self.procevents.queue.put_nowait(ev)
         except queue.Full:
@@ -164,7 +169,7 @@ class ExecWatched(drain.Watched):
             self.tree.add(ev.tgid)
         super().on_event(ev)
 
-    def take_execs(self) -> list[tuple[int, str | None, str | None, int | None]]:
+    def take_execs(self) -> list[tuple[int, dict[str, str], str, int | None]]:
         """The execs seen since the last call (after poll()), of processes followed."""
         execs, self.execs = self.execs, []  # (a list's swap is atomic under the GIL)
         return [e for e in execs if e[0] in self.tree]
@@ -219,10 +224,10 @@ class InProcessRecorder:
         """Followed processes that exec'd a program the interposer cannot be in (their
         environment lost it, a static or setuid program) run on unrecorded: said so."""
         self.watched.poll()
-        for pid, preload, exe, uid in self.watched.take_execs():
-            if pid == self.launched.pid or preload is None:
-                continue  # the launched command's execs are held (_on_exec); or gone, unread
-            why = self._why_not_preloaded(preload, exe, uid)
+        for pid, env, exe, uid in self.watched.take_execs():
+            if pid == self.launched.pid:
+                continue  # the launched command's execs are held (_on_exec)
+            why = self._why_not_preloaded(env, exe, uid)
             if why is not None:
                 self._untraced(pid, why, os.path.basename(exe or "?"))
 
@@ -245,7 +250,11 @@ class InProcessRecorder:
             if found is not None and found.family is not None:
                 self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)
             return
-        why = self._why_not_preloaded(proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid), proc.effective_uid(pid))
+        try:
+            env, exe = interposer.process_image(pid)
+            why = self._why_not_preloaded(env, exe, proc.effective_uid(pid))
+        except PymtraceError:
+            return  # gone meanwhile: its end is seen by the drain loop
         why = why or "its program runs without pymtrace's interposer"
         if self.plan is None:
             try:
@@ -282,17 +291,12 @@ class InProcessRecorder:
         reader = RingReader(plan.bpf["events"].map_fd, self.options.pages * PAGE, sample, mtrace_bin.RECORD_SIZE)
         self.drainer.uprobes = drain.Drainer(reader, self.outputs.output_for, pid)
 
-    def _why_not_preloaded(self, preload: str | None, exe: str | None, uid: int | None) -> str | None:
-        """Why a program (EXE, run with LD_PRELOAD=PRELOAD as user UID) runs without the
-        interposer, or None."""
+    def _why_not_preloaded(self, env: dict[str, str], exe: str, uid: int | None) -> str | None:
+        """Why a program (EXE, started with ENV, as user UID) runs without the interposer's
+        ring, or None."""
         if uid is not None and uid != os.geteuid():
-            return f"{exe or 'its program'} runs as user {uid}: its ring cannot be one of this pymtrace's"
-        if preload is not None and self.rings.lib not in preload.split(":"):
-            what = "removed from" if not preload else "set without pymtrace's interposer in"
-            return f"{exe or 'its program'} runs with LD_PRELOAD {what} its environment"
-        if exe is not None:
-            return interposer.not_preloadable([exe], env={})
-        return None
+            return f"{exe} runs as user {uid}: its ring cannot be one of this pymtrace's"
+        return interposer.image_problem(self.rings.lib, env, exe)
 
     def _maps_interposer(self, pid: int) -> bool | None:
         """Whether PID maps the interposer (None: it is gone)."""

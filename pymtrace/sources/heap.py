@@ -15,6 +15,12 @@ sample per SAMPLE_BYTES allocated, a block of at least SAMPLE_BYTES always; SAMP
 samples every call. The exponential draw runs in BPF from a log2 table user space fills
 (log2_table); draw_bytes is the same arithmetic in Python, for tests.
 
+Two paths: uprobes on each process's allocator (every call traps; the sampling is drawn in
+BPF), or, for a process running pymtrace's interposer in sampling mode (INTERPOSER: its
+path; sources.interposer.sampling_env), its USDT sites (sources.heapsites): it draws the
+samples in-process and only sampled calls trap. `via` says per process which path traces it
+and, for the uprobes, why (`--via`, a command the interposer cannot be preloaded into).
+
 A sample's stack bytes are read in place from the ring buffer: HeapSample.stack is their
 address, valid only during the on_sample callback (copy them with ctypes.string_at if needed).
 
@@ -37,8 +43,10 @@ from typing import Any, Callable, Iterable
 from pymtrace.bpf import structs
 from pymtrace.bpf.ringbuf import MappedRing
 from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.sources import interposer as interposer_lib
 from pymtrace.sources.base import Source, attach_plan, lost_counts, lost_names
-from pymtrace.tracee import allocators, elf, libc, mallocapi, probesite, proc
+from pymtrace.sources.heapsites import InterposerSites
+from pymtrace.tracee import allocators, elf, launch, libc, mallocapi, probesite, proc
 from pymtrace.tracee.unwind import Location, ProcessImages, RingScanner
 
 PROGRAM = "heap"
@@ -51,6 +59,7 @@ MAX_LIVE_EVERY_CALL = 1 << 20  # with every call sampled (~100 MiB preallocated)
 MAX_LIVE_LIMIT = 1 << 26  # a BPF hash map preallocates its entries: ~6 GiB of kernel memory here
 RING_LIMIT = 1 << 32  # the kernel's largest ring buffer is just below 4 GiB
 _FORK_MEMORY = 4096
+INTERPOSER, UPROBES = "interposer", "uprobes"  # the two paths (HP_VIA_*)
 # a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
 _ROW = struct.Struct("<QIi4I3Q")
 # StackSink(pid, sample_id, stack leaf first, size, ts_ns): a sample whose stack the unwind cache knew
@@ -231,6 +240,7 @@ class HeapSource(Source):
         images: ProcessImages | None = None,
         on_stack: StackSink | None = None,
         on_free: Callable[[int], None] | None = None,
+        interposer: str | None = None,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -278,6 +288,10 @@ class HeapSource(Source):
         self._sample_type = header.consts["HP_REC_SAMPLE"]
         self._free_type = header.consts["HP_REC_FREE"]
         self._unresolved_forks = {}  # child -> parent: gone before we could tell thread from process
+        self.interposer = interposer  # the interposer library a launched command may preload
+        self.sites = InterposerSites(interposer) if interposer else None
+        self.via: dict[int, tuple[str, str | None]] = {}  # pid -> (INTERPOSER or UPROBES, why uprobes)
+        self._via_codes = {INTERPOSER: header.consts["HP_VIA_INTERPOSER"], UPROBES: header.consts["HP_VIA_UPROBES"]}
 
     # -- lifecycle (sources.base.Source)
     def _defines(self) -> dict[str, Any]:
@@ -291,10 +305,16 @@ class HeapSource(Source):
             **self.limits,
         }
 
+    def part(self) -> Any:
+        part = super().part()
+        return part._replace(prelude=self.sites.prelude()) if self.sites is not None else part
+
     def prepare(self) -> None:
         targets = {}
         self.families = {}
         for pid in self.pids:
+            if self._choose_via(pid, loaded=True) == INTERPOSER:
+                continue
             path, family = self._allocator_of(pid)
             targets.setdefault(path, []).append(pid)
             if family != "glibc":
@@ -303,6 +323,27 @@ class HeapSource(Source):
         # bound to one process is not inherited); otherwise each process alone
         self.libcs = {path: [-1] for path in targets} if self.follow_forks else targets
         super().prepare()
+
+    def _choose_via(self, pid: int, loaded: bool) -> str:
+        """Decide (and remember in `via`) which path traces PID: the interposer when it runs
+        in PID (LOADED: its loader has mapped its objects, else it has just exec'd), else the
+        uprobes, with why."""
+        if self.interposer is None:
+            self.via[pid] = (UPROBES, self.via.get(pid, (UPROBES, None))[1])  # a why the caller gave kept
+        elif loaded and interposer_lib.maps_file(pid, self.interposer):
+            self.via[pid] = (INTERPOSER, None)
+        else:
+            why = interposer_lib.preload_problem(pid, self.interposer)
+            if why is None and not loaded:
+                self.via[pid] = (INTERPOSER, None)
+            else:
+                self.via[pid] = (UPROBES, why or "the interposer was not loaded into it")
+        if self.bpf is not None:
+            try:
+                self.bpf[b"hp_targets"][ctypes.c_uint32(pid)] = ctypes.c_uint32(self._via_codes[self.via[pid][0]])
+            except Exception:  # BCC's update of a full map: its fork was counted as targets_full
+                pass
+        return self.via[pid][0]
 
     def _allocator_of(self, pid: int) -> tuple[str, str]:
         """(the file whose malloc PID calls, its family): libc.allocator's answer (jemalloc,
@@ -320,7 +361,11 @@ class HeapSource(Source):
         """PID (traced) stopped after an exec, its new program's objects mapped but nothing
         run (tracee.launch's on_exec): probe the file its malloc calls now resolve to, unless
         it is probed already (`heap -- env LD_PRELOAD=libjemalloc.so.2 PROG`). Raises
-        PymtraceError when that program's malloc cannot be probed."""
+        PymtraceError when that program's malloc cannot be probed. With the interposer: the
+        path is chosen again (the new program may not be preloadable), its sites attached."""
+        if self._choose_via(pid, loaded=True) == INTERPOSER:
+            self.sites.attach(self.bpf, -1 if self.follow_forks else pid)
+            return
         path, family = self._allocator_of(pid)
         if path in self.libcs:
             return
@@ -341,7 +386,7 @@ class HeapSource(Source):
             table[ctypes.c_int(j)] = ctypes.c_uint32(v)
         targets = self.bpf[b"hp_targets"]
         for pid in self.pids:
-            targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+            targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(self._via_codes[self.via[pid][0]])
             self._set_top(pid)
         ring = self.bpf[b"hp_events"]
         self.ring = MappedRing(ring.map_fd, self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"])
@@ -364,6 +409,9 @@ class HeapSource(Source):
             for path, pids in self.libcs.items():
                 for pid in pids:
                     self._attach_libc(path, pid, kinds)
+        for pid in self.pids:
+            if self.via[pid][0] == INTERPOSER:
+                self.sites.attach(self.bpf, -1 if self.follow_forks else pid)
         for pid in self.pids:  # gone while we attached: its probes would wait for nothing
             if not proc.alive(pid):
                 raise ProcessGone(pid)
@@ -437,6 +485,8 @@ class HeapSource(Source):
         elif kind == "exec":
             self._set_top(ev.pid)
             self._forget_live(ev.pid, ev.id)
+            if self.interposer is not None and ev.pid not in self.pids:
+                self._child_exec(ev.pid)
             if self.on_exec is not None:
                 self.on_exec(ev.pid)
         elif kind == "fork":
@@ -466,9 +516,34 @@ class HeapSource(Source):
             stack_len=stack_len,
         )
 
+    def _child_exec(self, pid: int) -> None:
+        """A followed child exec'd (its loader may not have run yet): traced by the interposer
+        if the new program will load it, else by uprobes on the libc it will map, attached for
+        every process if not yet (filtered in BPF; samples before the attach are not seen)."""
+        try:
+            if self._choose_via(pid, loaded=False) == INTERPOSER:
+                return
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except (OSError, ProcessGone):
+            return
+        path = launch.predict_libc([exe], exe)
+        if path is None or path in self.libcs:
+            return
+        try:
+            plan = probe_plan(path)
+            self.plans[path] = plan
+            for kinds in (("return",), ("entry",)):
+                self._attach_libc(path, -1, kinds)
+        except PymtraceError as exc:  # not traced: the report says why
+            self.via[pid] = (UPROBES, f"{self.via[pid][1]}; not probed: {exc}")
+            return
+        self.libcs[path] = [-1]
+
     def _fork(self, parent: int, child: int) -> None:
         """A clone in a followed process: a new process (reported) or a thread (not)."""
         thread = _is_thread(child)
+        if thread is False and parent in self.via:
+            self.via.setdefault(child, self.via[parent])  # BPF traces it as its parent
         if thread is None:  # gone already: a process's exit record will tell
             if len(self._unresolved_forks) >= _FORK_MEMORY:
                 self._unresolved_forks.pop(next(iter(self._unresolved_forks)))

@@ -15,16 +15,24 @@ makes the image re-read the process's maps, at most every REFRESH_S per process,
 stack is unwound again. A process that exits before pymtrace read its maps (it lived less
 than a poll interval) keeps its samples, as one unknown frame each: counted as incomplete
 stacks, never dropped.
+
+A process traced through pymtrace's interposer (INTERPOSER: the library a launched command
+preloads; HeapSource.via) is sampled at its USDT site, inside the interposer: its stacks are
+made to look as the uprobes give them (InterposerStacks).
 """
 
 from __future__ import annotations
 
+import bisect
+import os
 import time
 from typing import Any, Callable, Iterable
 
-from pymtrace.sources.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, HeapSample, HeapSource
+from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.sources.heap import DEFAULT_SAMPLE_BYTES, DEFAULT_STACK_BYTES, INTERPOSER, HeapSample, HeapSource
 from pymtrace.sources.heapprofile import HeapProfile
-from pymtrace.tracee.unwind import UNKNOWN, Location, ProcessImages
+from pymtrace.tracee import elf, libc, mallocapi
+from pymtrace.tracee.unwind import UNKNOWN, Location, Module, ProcessImages
 
 # sink(pid, sample_id, stack leaf first, size, ts_ns, complete): where samples go instead of the
 # HeapProfile (top's live call sites: sources.stacksites)
@@ -47,6 +55,7 @@ class HeapSession:
         sink: SampleSink | None = None,
         ring_pages: int | None = None,
         max_live: int | None = None,
+        interposer: str | None = None,
     ) -> None:
         self.pids = sorted(set(pids))
         self.profile = HeapProfile(sample_bytes, meta)
@@ -67,7 +76,10 @@ class HeapSession:
             libc_path=libc_path,
             ring_pages=ring_pages,
             max_live=max_live,
+            interposer=interposer,
         )
+        self.via = self.source.via
+        self.interposed = InterposerStacks(interposer, self.processes) if interposer else None
 
     # -- lifecycle
     def attach(self) -> None:
@@ -98,8 +110,13 @@ class HeapSession:
             drops = self.source.drops()
         finally:
             self.source.close()
+        self.profile.meta["via"] = self.via_lines()
         self.profile.finish(live, end_ns, older_s, drops=drops)
         return self.profile
+
+    def via_lines(self) -> list[str]:
+        """Which path traced each process: "pid N: interposer", "pid N: uprobes (why)"."""
+        return [f"pid {pid}: {path}" + (f" ({why})" if why else "") for pid, (path, why) in sorted(self.via.items())]
 
     def close(self) -> None:
         self.source.close()
@@ -111,10 +128,14 @@ class HeapSession:
             self._add(s, ((UNKNOWN, s.regs[0]),), False)
             return
         stack, complete = unwound
+        if self.interposed is not None and self.via.get(s.pid, ("",))[0] == INTERPOSER:
+            stack = self.interposed.rewrite(s.pid, stack)
         self._add(s, stack, complete)
 
     def _cached(self, pid: int, sample_id: int, stack: tuple[Location, ...], size: int, ts_ns: int) -> None:
         """A sample whose (complete) stack the unwind cache knew: no unwinding, no HeapSample."""
+        if self.interposed is not None and self.via.get(pid, ("",))[0] == INTERPOSER:
+            stack = self.interposed.rewrite(pid, stack)
         if self.sink is not None:
             self.sink(pid, sample_id, stack, size, ts_ns, True)
         else:
@@ -133,7 +154,98 @@ class HeapSession:
 
     def _exec(self, pid: int) -> None:
         self.processes.forget(pid)
-        self.processes.capture(pid)
+        try:
+            self.processes.capture(pid)
+        except PymtraceError:  # caught mid-exec (no ELF file mapped yet): read at its first sample
+            pass
+        if self.interposed is not None:
+            self.interposed.forget(pid)
 
     def _fork(self, parent: int, child: int) -> None:
         self.processes.capture(child)
+
+
+_WRAPPED = {f.name for f in mallocapi.FUNCTIONS} | {"reallocarray"}
+_LEAVES = {"reallocarray": ("realloc", "reallocarray")}  # glibc's reallocarray calls its realloc
+
+
+class InterposerStacks:
+    """Stacks sampled at the interposer's USDT site (heap_alloc, inside the library), made to
+    look as the uprobes give them: the interposer's frames dropped (its wrapper the program
+    called, and a C++ operator's pass-through), and the function of the allocator it
+    forwarded to (its first byte: where the uprobes sample) as the leaf. Once per distinct
+    stack of a process; a frame of the interposer's own wrapper stays the leaf where that
+    allocator cannot be told (a process gone before its first sample was read)."""
+
+    MEMO = 65536  # rewritten stacks remembered per process (then forgotten, and made again)
+
+    def __init__(self, lib: str, processes: ProcessImages) -> None:
+        self.lib = os.path.realpath(lib)
+        self.processes = processes
+        symbols = elf.symbols(lib)
+        ranges = sorted((s.address, s.address + s.size, n) for n, s in symbols.items() if n in _WRAPPED and s.size)
+        self._starts = [r[0] for r in ranges]
+        self._ranges = ranges
+        self._ours: dict[Module, bool] = {}
+        self._leaves: dict[int, tuple[Module, str] | None] = {}  # pid -> (allocator module, its file)
+        self._memo: dict[int, dict[int, tuple[tuple[Location, ...], tuple[Location, ...]]]] = {}
+
+    def forget(self, pid: int) -> None:
+        """PID exec'd: another program, maybe another allocator."""
+        self._leaves.pop(pid, None)
+        self._memo.pop(pid, None)
+
+    def rewrite(self, pid: int, stack: tuple[Location, ...]) -> tuple[Location, ...]:
+        """STACK (leaf first, unwound from the site) as the uprobes would give it."""
+        memo = self._memo.setdefault(pid, {})
+        hit = memo.get(id(stack))
+        if hit is not None and hit[0] is stack:  # stacks are interned: the same object again
+            return hit[1]
+        out = self._rewrite(pid, stack)
+        if len(memo) >= self.MEMO:
+            memo.clear()
+        memo[id(stack)] = (stack, out)  # the key's object kept alive, so its id is not reused
+        return out
+
+    def _is_ours(self, module: Module) -> bool:
+        ours = self._ours.get(module)
+        if ours is None:
+            ours = self._ours[module] = module.path == self.lib or os.path.realpath(module.path) == self.lib
+        return ours
+
+    def _rewrite(self, pid: int, stack: tuple[Location, ...]) -> tuple[Location, ...]:
+        lead = 0
+        while lead < len(stack) and self._is_ours(stack[lead][0]):
+            lead += 1
+        if lead == 0:
+            return stack
+        outer = stack[lead - 1]  # the wrapper the program called
+        rest = tuple(loc for loc in stack[lead:] if not self._is_ours(loc[0]))
+        i = bisect.bisect_right(self._starts, outer[1]) - 1
+        name = self._ranges[i][2] if i >= 0 and outer[1] < self._ranges[i][1] else None
+        found = self._allocator(pid) if name else None
+        if found is None:
+            return (outer, *rest)
+        module, path = found
+        symbols = elf.symbols(path)
+        leaves = tuple((module, symbols[n].address) for n in _LEAVES.get(name, (name,)) if n in symbols)
+        return (*(leaves or (outer,)), *rest)
+
+    def _allocator(self, pid: int) -> tuple[Module, str] | None:
+        """(PID's allocator as a Module of its image, its file): the object its calls go on to."""
+        if pid in self._leaves:
+            return self._leaves[pid]
+        image = self.processes.images.get(pid)
+        found = None
+        if image is not None:
+            try:
+                allocator = libc.allocator(pid, skip=(self.lib,))
+                path = allocator.path if allocator is not None else None
+            except (ProcessGone, PymtraceError, OSError):
+                path = next((m.path for m in image.modules if libc.is_libc_path(m.path)), None)
+            if path is not None:
+                real = os.path.realpath(path)
+                module = next((m for m in image.modules if os.path.realpath(m.path) == real), None)
+                found = (module, path) if module is not None else None
+        self._leaves[pid] = found
+        return found

@@ -42,7 +42,7 @@ import numpy as np
 from pymtrace import nativebuild
 from pymtrace.bpf import structs
 from pymtrace.bpf.load import bpf_dir
-from pymtrace.errors import PymtraceError
+from pymtrace.errors import ProcessGone, PymtraceError
 
 NATIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tracee", "native")
 CFLAGS = [
@@ -67,7 +67,8 @@ SCAN_S = 0.002  # how often the directory is listed for new rings (a new process
 SCAN_SHARE = 20  # ... but never more often than every 20 times what the last listing took
 
 
-ENV = "PYMTRACE_RING"  # the one variable the library reads (interpose.c: OWNER:FOLLOW:SLOTS:DIR)
+ENV = "PYMTRACE_RING"  # the one variable the library reads to record (interpose.c: OWNER:FOLLOW:SLOTS:DIR)
+SAMPLE_ENV = "PYMTRACE_SAMPLE"  # ... and to sample for heap (PARENT:FOLLOW:BYTES:LIVE)
 
 
 def ring_variable(owner: int, follow: bool, slots: int, directory: str) -> str:
@@ -593,3 +594,88 @@ def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -
                 "(mtrace, memusage): an interposer in front of it would be that caller"
             )
     return None
+
+
+# -- heap's sampling mode ---------------------------------------------------------------------
+# The same library, started with PYMTRACE_SAMPLE instead of PYMTRACE_RING: it draws
+# heap's samples in-process and tells only the sampled allocations and their frees, through
+# its USDT probes (pymtrace:heap_alloc, pymtrace:heap_free), to heap's BPF program.
+SAMPLE_PROVIDER = "pymtrace"
+SAMPLE_PROBES = ("heap_alloc", "heap_free")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOptions:
+    sample_bytes: int  # the mean bytes between samples (1: every call)
+    max_live: int  # sampled blocks remembered until freed (heap --max-live)
+    follow: bool = False  # the command's children sample too (else: it and its execs)
+
+
+def check_preload_path(lib: str) -> None:
+    """A PymtraceError if LD_PRELOAD cannot name LIB (a space or a colon separates its entries)."""
+    if any(c in lib for c in " :"):
+        raise PymtraceError(f"the interposer's path {lib} holds a space or colon: LD_PRELOAD cannot name it")
+
+
+def sampling_env(base: Mapping[str, str], lib: str, options: SampleOptions) -> dict[str, str]:
+    """BASE with what a launched command needs to be sampled in-process by LIB: LIB first in
+    LD_PRELOAD (the user's own preloads, then the libraries, are the next definitions)."""
+    check_preload_path(lib)
+    env = {k: v for k, v in base.items() if k != ENV}  # sampling, no ring
+    old = env.get("LD_PRELOAD", "").strip()
+    env["LD_PRELOAD"] = lib + (":" + old if old else "")
+    # one variable, as for the rings; not following: only this process's child samples
+    env[SAMPLE_ENV] = f"{os.getpid()}:{int(options.follow)}:{options.sample_bytes}:{options.max_live}"
+    return env
+
+
+def sample_sites(lib: str) -> list:
+    """The USDT probe sites (tracee.elf.UsdtProbe) of LIB's sampling mode; a PymtraceError when
+    LIB has not both."""
+    from pymtrace.tracee import elf
+
+    sites = [p for p in elf.usdt_probes(lib, provider=SAMPLE_PROVIDER) if p.name in SAMPLE_PROBES]
+    if {p.name for p in sites} != set(SAMPLE_PROBES):
+        raise PymtraceError(f"{lib}: the interposer has no heap_alloc/heap_free USDT probes (built without sys/sdt.h?)")
+    return sites
+
+
+def maps_file(pid: int, path: str) -> bool:
+    """Whether process PID maps the file PATH (by name in /proc/PID/maps). Raises ProcessGone."""
+    from pymtrace.tracee import libc
+
+    return any(m.path == path for m in libc.read_maps(pid) or ())
+
+
+def process_image(pid: int) -> tuple[dict[str, str], str]:
+    """(environment, executable) of process PID as its last exec set them. Raises ProcessGone;
+    PymtraceError when they cannot be read (another user's, without root)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            words = f.read().split(b"\0")
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessGone(pid) from None
+    except OSError as exc:
+        raise PymtraceError(f"process {pid}: {exc.strerror}") from None
+    return dict(w.decode(errors="replace").split("=", 1) for w in words if b"=" in w), exe
+
+
+def image_problem(lib: str, env: Mapping[str, str], exe: str) -> str | None:
+    """Why a program EXE started with the environment ENV will not run with LIB loaded (one
+    line), or None."""
+    if lib not in re.split(r"[ :]", env.get("LD_PRELOAD", "")):
+        return f"{exe}: LD_PRELOAD no longer names the interposer (its environment was changed)"
+    return not_preloadable([exe], env)
+
+
+def preload_problem(pid: int, lib: str) -> str | None:
+    """Why process PID, which has just exec'd, will not run with LIB loaded (one line), or None:
+    read from its own environment and its program, before its loader ran. Raises ProcessGone."""
+    try:
+        env, exe = process_image(pid)
+    except ProcessGone:
+        raise
+    except PymtraceError as exc:
+        return str(exc)
+    return image_problem(lib, env, exe)

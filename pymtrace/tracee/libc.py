@@ -303,7 +303,7 @@ def _link_map(pid: int, exe: str, maps: list[Mapping]) -> list[str] | None:
     return paths
 
 
-def allocator(pid: int) -> Allocator | None:
+def allocator(pid: int, skip: Collection[str] = ()) -> Allocator | None:
     """Whose malloc PID calls: an Allocator, or None while that is not known yet (a
     dynamically linked program whose loader has not mapped its libc). Raises ProcessGone.
 
@@ -312,7 +312,8 @@ def allocator(pid: int) -> Allocator | None:
     the libc -> traced; jemalloc, tcmalloc, mimalloc, ... -> not traced (glibc's own
     libc_malloc_debug and libmemusage pass calls on to libc, so they do not count). When
     the link map cannot be read, any mapped object but the libc that exports malloc is
-    taken to be the allocator. No libc mapped: a static binary, not traced."""
+    taken to be the allocator. No libc mapped: a static binary, not traced. The files in SKIP
+    are passed over (pymtrace's interposer: the allocator its calls go on to)."""
     try:
         maps = read_maps(pid)
     except MapsUnreadable:
@@ -332,9 +333,10 @@ def allocator(pid: int) -> Allocator | None:
             host_path(pid, m.path) for m in maps if "x" in m.perms and m.path.startswith("/")
         ]
     libc_key = file_key(libc_path) if libc_path else None
+    skipped = {key for key in map(file_key, skip) if key is not None}
     for path in order:
-        if not path:
-            continue  # the vDSO, or an entry without a name
+        if not path or file_key(path) in skipped:
+            continue  # the vDSO, an entry without a name, a file skipped
         if libc_key is not None and file_key(path) == libc_key:
             if in_order:
                 break  # libc comes first: objects after it do not interpose

@@ -147,14 +147,14 @@ def test_exec_without_the_interposer_is_recorded_through_uprobes(cbuild, tmp_pat
     summary = summary_of(proc)
     vias = {p["via"]: p for p in summary["processes"]}
     assert set(vias) == {"interposer", "uprobes"}
-    assert "LD_PRELOAD removed" in vias["uprobes"]["why"]
+    assert "LD_PRELOAD no longer names the interposer" in vias["uprobes"]["why"]
     assert summary["lost"] == 0
     truth = ground_truth(proc.stdout)
     lo, hi = text_range(prog)
     own = [r for r in B.read_file(out) if lo <= r.caller < hi]
     assert collections.Counter(map(key, own)) == collections.Counter(truth)
     text = run_pymtrace("record", "-o", tmp_path / "env2.trace", "--", "env", "-u", "LD_PRELOAD", prog).stderr
-    assert "recorded through uprobes from its exec on" in text and "LD_PRELOAD removed" in text
+    assert "recorded through uprobes from its exec on" in text and "LD_PRELOAD no longer names the interposer" in text
 
 
 def test_followed_child_without_the_interposer_is_named(cbuild, tmp_path):
@@ -166,7 +166,7 @@ def test_followed_child_without_the_interposer_is_named(cbuild, tmp_path):
     proc = run_pymtrace("record", "--json", "--follow-forks", "-o", out, "--", "/bin/sh", "-c", script)
     summary = summary_of(proc)
     (gone,) = [p for p in summary["processes"] if p["via"] is None]
-    assert "LD_PRELOAD removed" in gone["why"] and prog in gone["why"]
+    assert "LD_PRELOAD no longer names the interposer" in gone["why"] and prog in gone["why"]
     assert f"process {gone['pid']} " in proc.stderr and "is not recorded from here on" in proc.stderr
     sizes = collections.Counter()
     for f in summary["files"]:

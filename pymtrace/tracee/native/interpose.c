@@ -8,6 +8,14 @@
  * FOLLOW 0 (only the first process to register, and its execs, is traced) or 1, SLOTS per
  * ring, DIR the private ring directory (last: it may hold a colon). Absent: only forwards.
  *
+ * Sampling mode (`heap`; no ring): PYMTRACE_SAMPLE=PARENT:FOLLOW:BYTES:LIVE draws heap's
+ * Poisson sampling, a sample per BYTES allocated on average, per thread in-process
+ * (bpf/heap.bpf.c's draw, the same arithmetic); only a sampled allocation fires the USDT probe
+ * pymtrace:heap_alloc, and only the free (or realloc away) of a sampled block
+ * pymtrace:heap_free, which heap's BPF program is attached to. The sampled blocks still
+ * allocated are kept in a bounded lock-free pointer set (at most LIVE). FOLLOW 0: only an image
+ * whose parent is PARENT (pymtrace: the launched command and its execs) samples.
+ *
  * What makes it safe where interposers break (docs/internals.md, "The interposer"):
  * - dlsym bootstrap: while a thread resolves the next definitions, its allocations come
  *   from a static arena (never freed, never recorded).
@@ -35,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/sdt.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -105,6 +114,8 @@ struct tstate {
     struct {
         __u64 ptr, size, caller;
     } caught[4];
+    __s64 left; /* sampling mode: bytes until this thread's next sample */
+    __u64 rng;  /* its random state (0: not seeded yet) */
 };
 static TLS struct tstate ts;
 
@@ -132,6 +143,8 @@ static void *arena_alloc(size_t n, size_t align) {
 static size_t arena_size(const void *p) {
     return *(const size_t *)((const char *)p - 16);
 }
+
+static void sample_setup(void);
 
 /* Resolve the next definitions. Idempotent and lock-free (dlsym takes the loader's recursive
  * lock): every thread that finds them missing resolves them itself. */
@@ -163,6 +176,7 @@ static int resolve(void) {
     long pg = sysconf(_SC_PAGESIZE);
     if (pg > 0) page_size = (__u64)pg;
     real.malloc = m;
+    sample_setup(); /* before any call is forwarded: none escapes the sampler */
     __atomic_store_n(&real.free, (free_fn)dlsym(RTLD_NEXT, "free"), __ATOMIC_RELEASE);
     errno = saved;
     ts.depth--;
@@ -180,17 +194,18 @@ static __u64 ring_mask;
 static __u32 self_pid;
 static size_t ring_bytes;
 
-/* The next colon-ended decimal field of *S (DFLT if it is not one); *S moves past it. */
+/* The next decimal field of *S, ended by a colon or the string's end (DFLT if it is not
+ * one); *S moves past it. */
 static unsigned long env_field(const char **s, unsigned long dflt) {
     const char *p = *s;
     unsigned long v = 0;
     int digits = 0;
     for (; *p >= '0' && *p <= '9'; p++, digits++) v = v * 10 + (unsigned long)(*p - '0');
-    if (*p != ':') {
+    if (*p != ':' && *p) {
         *s = p;
         return dflt;
     }
-    *s = p + 1;
+    *s = *p ? p + 1 : p;
     return digits ? v : dflt;
 }
 
@@ -212,7 +227,7 @@ static __u64 now_ns(void) {
 
 /* A record's time: the time stamp counter where the kernel keeps time by it (its clocksource
  * is "tsc": invariant, the same on every CPU), ~20 ns a call cheaper than clock_gettime; the
- * consumer maps it to CLOCK_MONOTONIC ns (clockpair.c). Else CLOCK_MONOTONIC ns. */
+ * consumer maps it to CLOCK_MONOTONIC ns (ringtake.c). Else CLOCK_MONOTONIC ns. */
 static int use_tsc;
 
 static int clocksource_is_tsc(void) {
@@ -344,8 +359,8 @@ static int ring_ready_slow(void) {
 
 /* Whether this call is recorded (the ring is ready and the call is not nested). */
 static inline int recording(void) {
-    if (UNLIKELY(__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) != RING_READY) && !ring_ready_slow())
-        return 0;
+    int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
+    if (UNLIKELY(state != RING_READY) && (state == RING_OFF || !ring_ready_slow())) return 0;
     return LIKELY(!ts.depth);
 }
 
@@ -477,9 +492,229 @@ static inline __u64 chunk(const void *p) {
     return glibc_chunks && p ? *(const __u64 *)((const char *)p - 8) & ~7ull : 0;
 }
 
+/* ---- heap's sampling mode -------------------------------------------------------------- */
+static __u64 sample_mean; /* 0: not sampling; 1: every call; else the mean bytes between samples */
+static __u64 live_max;    /* sampled blocks the live set holds at most (heap's --max-live) */
+static int sample_follow = 1;
+static int sample_once; /* 0, 1 while a thread reads the environment, 2 */
+static __u32 sample_lg[1025];
+
+/* round(2^20 * log2(1 + j / 1024)): sources.heap.log2_table, BPF's hp_lg (ln by its atanh
+ * series, converged to double precision: no libm in the traced process) */
+static void lg_fill(void) {
+    for (int j = 0; j <= 1024; j++) {
+        double x = 1.0 + j / 1024.0, z = (x - 1.0) / (x + 1.0), z2 = z * z, term = z, sum = 0.0;
+        for (int k = 1; k < 80; k += 2, term *= z2) sum += term / k;
+        sample_lg[j] = (__u32)(2.0 * sum / 0.693147180559945309417232121458 * 1048576.0 + 0.5);
+    }
+}
+
+/* Exp(MEAN) bytes from the random 32-bit X: hp_draw of bpf/heap.bpf.c, the same integers */
+static inline __s64 draw_bytes(__u32 x, __u64 mean) {
+    x |= 1;
+    __u32 k = 31 - (__u32)__builtin_clz(x);
+    __u32 m = (x << (31 - k)) & 0x7fffffff;
+    __u32 j = (m >> 21) & 1023, rem = (m >> 9) & 4095;
+    __u64 lgf = sample_lg[j] + ((__u64)(sample_lg[j + 1] - sample_lg[j]) * rem >> 12);
+    __u64 neg = (32ull << 20) - (((__u64)k << 20) + lgf);
+    __u64 a = mean * 45426ull;
+    return (__s64)(((a >> 16) * neg >> 20) + ((a & 0xffff) * neg >> 36)) + 1;
+}
+
+/* the draw for tests (tests/unit/test_heap_draw.py): X's draw at MEAN */
+EXPORT __s64 pymtrace_sample_draw(__u32 x, __u64 mean) {
+    if (!sample_lg[1024]) lg_fill();
+    return draw_bytes(x, mean);
+}
+
+static inline __u64 mix64(__u64 z) { /* splitmix64's finalizer */
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static inline __u32 next_random(struct tstate *t) { /* xorshift64*: its high half */
+    __u64 s = t->rng;
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    t->rng = s;
+    return (__u32)((s * 0x2545f4914f6cdd1dull) >> 32);
+}
+
+/* Read the environment once per process image (from resolve: before any call goes on). */
+static void sample_setup(void) {
+    int expect = 0;
+    if (!__atomic_compare_exchange_n(&sample_once, &expect, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        while (__atomic_load_n(&sample_once, __ATOMIC_ACQUIRE) == 1) __builtin_ia32_pause();
+        return;
+    }
+    const char *v = getenv("PYMTRACE_SAMPLE");
+    if (!v) v = "";
+    unsigned long parent = env_field(&v, 0);
+    sample_follow = env_field(&v, 1) != 0;
+    unsigned long mean = env_field(&v, 0);
+    unsigned long live = env_field(&v, 262144);
+    if (mean && mean < (1ul << 32)) {
+        /* not following: the launched command (pymtrace's child) and its execs only */
+        if (sample_follow || (parent && (unsigned long)getppid() == parent)) {
+            lg_fill();
+            live_max = live;
+            if (live_max < 1) live_max = 1;
+            if (live_max > (1ul << 26)) live_max = 1ul << 26;
+            __atomic_store_n(&sample_mean, (__u64)mean, __ATOMIC_RELEASE);
+        }
+    }
+    __atomic_store_n(&sample_once, 2, __ATOMIC_RELEASE);
+}
+
+/* Whether this thread's call of SIZE bytes is sampled: it uses up the bytes left until its
+ * next sample (then a fresh Exp(mean) draw: memoryless), or is at least the mean. */
+static inline int sample_take(__u64 mean, __u64 size) {
+    if (mean <= 1 || size >= mean) return 1;
+    struct tstate *t = &ts;
+    if (UNLIKELY(!t->rng)) {
+        t->rng = mix64(__builtin_ia32_rdtsc() ^ ((__u64)(uintptr_t)t << 16) ^ self_pid) | 1;
+        t->left = draw_bytes(next_random(t), mean);
+    }
+    t->left -= (__s64)size;
+    if (LIKELY(t->left > 0)) return 0;
+    t->left = draw_bytes(next_random(t), mean);
+    return 1;
+}
+
+/* The sampled blocks still allocated: an open-addressed set of pointers, lock-free (a
+ * compare-and-swap per insert and removal), so any thread and a signal handler can use it.
+ * A pointer lies within LIVE_WINDOW slots of its home slot; a removal leaves a tombstone
+ * that a later insert reuses, and a slot never becomes empty again, so a lookup stops at the
+ * first empty slot. Full (live_max blocks, or no free slot in the window): the block is
+ * sampled but not tracked, and heap counts it as live_full, as when its BPF map is full. */
+#define LIVE_EMPTY  0
+#define LIVE_GONE   1
+#define LIVE_WINDOW 32
+enum { LIVE_UNINIT, LIVE_OPENING, LIVE_READY, LIVE_OFF };
+static __u64 *live_slots;
+static __u64 live_mask;
+static int live_shift;
+static int live_state;
+static __u64 live_count;
+static size_t live_bytes;
+
+static __u64 *live_table(void) {
+    int state = __atomic_load_n(&live_state, __ATOMIC_ACQUIRE);
+    if (LIKELY(state == LIVE_READY)) return live_slots;
+    int expect = LIVE_UNINIT;
+    if (state == LIVE_UNINIT && __atomic_compare_exchange_n(&live_state, &expect, LIVE_OPENING, 0,
+                                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        /* twice the blocks it may hold: mapped lazily, untouched pages cost nothing */
+        int bits = 10;
+        while ((1ull << bits) < 2 * live_max) bits++;
+        size_t bytes = (size_t)8 << bits;
+        ts.depth++; /* a signal handler's call meanwhile is not sampled (no wait on ourselves) */
+        void *map =
+            mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        ts.depth--;
+        if (map == MAP_FAILED) {
+            __atomic_store_n(&live_state, LIVE_OFF, __ATOMIC_RELEASE);
+            return NULL;
+        }
+        live_slots = map;
+        live_bytes = bytes;
+        live_mask = (1ull << bits) - 1;
+        live_shift = 64 - bits;
+        __atomic_store_n(&live_state, LIVE_READY, __ATOMIC_RELEASE);
+        return live_slots;
+    }
+    while ((state = __atomic_load_n(&live_state, __ATOMIC_ACQUIRE)) == LIVE_OPENING) __builtin_ia32_pause();
+    return state == LIVE_READY ? live_slots : NULL;
+}
+
+static inline __u64 live_home(__u64 p) {
+    return ((p >> 4) * 0x9e3779b97f4a7c15ull) >> live_shift;
+}
+
+static int live_insert(__u64 p) {
+    __u64 *t = live_table();
+    if (!t || __atomic_load_n(&live_count, __ATOMIC_RELAXED) >= live_max) return 0;
+    __u64 home = live_home(p);
+    for (__u64 i = 0; i < LIVE_WINDOW; i++) {
+        __u64 *slot = &t[(home + i) & live_mask];
+        __u64 v = __atomic_load_n(slot, __ATOMIC_RELAXED);
+        while (v <= LIVE_GONE)
+            if (__atomic_compare_exchange_n(slot, &v, p, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
+                __atomic_fetch_add(&live_count, 1, __ATOMIC_RELAXED);
+                return 1;
+            }
+    }
+    return 0;
+}
+
+static int live_remove(__u64 p) {
+    __u64 *t = live_slots, home = live_home(p); /* live_count > 0: the table is there */
+    for (__u64 i = 0; i < LIVE_WINDOW; i++) {
+        __u64 *slot = &t[(home + i) & live_mask];
+        __u64 v = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+        if (v == p) {
+            if (!__atomic_compare_exchange_n(slot, &v, LIVE_GONE, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                return 0; /* another thread freed it at the same time (a double free) */
+            __atomic_fetch_sub(&live_count, 1, __ATOMIC_RELAXED);
+            return 1;
+        }
+        if (v == LIVE_EMPTY) return 0;
+    }
+    return 0;
+}
+
+/* The USDT sites heap's BPF program is attached to (pymtrace:heap_alloc, pymtrace:heap_free):
+ * one function each, never inlined, so there is one site of each; the stack copy and the
+ * registers are taken there, and heap drops this library's frames from the unwound stack. */
+__attribute__((noinline, noclone)) static void sample_fire(__u32 type, void *p, __u64 size) {
+    int saved = errno;
+    __u64 tracked = p ? (__u64)live_insert((__u64)p) : 0;
+    STAP_PROBE4(pymtrace, heap_alloc, type, (__u64)p, size, tracked);
+    errno = saved;
+}
+
+__attribute__((noinline, noclone)) static void sample_gone(void *p) {
+    STAP_PROBE1(pymtrace, heap_free, (__u64)p);
+}
+
+/* An allocation of the program (not nested in a forwarded call): sampled, or not. */
+static inline void sample_alloc(__u32 type, void *p, __u64 size) {
+    __u64 mean = __atomic_load_n(&sample_mean, __ATOMIC_RELAXED);
+    if (!mean || ts.depth) return;
+    if (sample_take(mean, size)) sample_fire(type, p, size);
+}
+
+/* P is about to be freed: if it is a sampled block, heap is told first (once the allocator
+ * has it back, another thread may be given the same address). */
+static inline void sample_free(void *p) {
+    if (LIKELY(!__atomic_load_n(&live_count, __ATOMIC_RELAXED)) || !p) return;
+    if (live_remove((__u64)p)) sample_gone(p);
+}
+
+/* realloc in sampling mode: the old block, if sampled, is gone before the call (a failed
+ * realloc keeps it, no longer in use for heap: rare, and the other order would let another
+ * thread's block at the same address be taken for it); the new one is sampled by its size. */
+static void *sample_realloc(void *p, size_t n) {
+    sample_free(p);
+    void *q = FORWARD(real.realloc(p, n));
+    sample_alloc(CALL_REALLOC, q, n);
+    return q;
+}
+
 /* ---- fork ------------------------------------------------------------------------------ */
 static void after_fork_child(void) {
     ts.tid = 0;
+    ts.rng = 0; /* drawn afresh: the parent's random sequence would repeat */
+    /* not followed: it samples nothing */
+    if (!sample_follow && sample_mean) {
+        __atomic_store_n(&sample_mean, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&live_count, 0, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&live_state, __ATOMIC_ACQUIRE) == LIVE_READY) munmap(live_slots, live_bytes);
+        __atomic_store_n(&live_state, LIVE_OFF, __ATOMIC_RELEASE);
+    }
     int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
     if (state == RING_READY) {
         munmap(ring, ring_bytes);
@@ -506,6 +741,8 @@ EXPORT void *malloc(size_t n) {
         emit(CALL_MALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
     else if (UNLIKELY(ts.capturing) && ts.ncaught < 4)
         ts.caught[ts.ncaught++] = (typeof(ts.caught[0])){(__u64)p, n, CALLER};
+    else
+        sample_alloc(CALL_MALLOC, p, n);
     return p;
 }
 
@@ -513,6 +750,7 @@ EXPORT void free(void *p) {
     if (UNLIKELY(in_arena(p))) return;
     if (UNLIKELY(!real.free) && !resolve()) return;
     if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);
+    sample_free(p);
     if (LIKELY(glibc_chunks)) {
         real.free(p);
     } else {
@@ -528,7 +766,10 @@ EXPORT void *calloc(size_t n, size_t size) {
         return __builtin_mul_overflow(n, size, &bytes) ? NULL : arena_alloc(bytes, 16); /* zeroed */
     }
     void *p = FORWARD(real.calloc(n, size));
-    if (recording()) emit(CALL_CALLOC, 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
+    if (recording())
+        emit(CALL_CALLOC, 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
+    else
+        sample_alloc(CALL_CALLOC, p, (__u64)n * (__u64)size);
     return p;
 }
 
@@ -540,7 +781,9 @@ static void *do_realloc(void *p, size_t n, __u64 caller) {
         return q;
     }
     if (UNLIKELY(!real.realloc) && !resolve()) return arena_alloc(n, 16);
-    if (!recording()) return FORWARD(real.realloc(p, n));
+    if (!recording())
+        return __atomic_load_n(&sample_mean, __ATOMIC_RELAXED) ? sample_realloc(p, n)
+                                                               : FORWARD(real.realloc(p, n));
     __u64 old = chunk(p);
     void *q = FORWARD(real.realloc(p, n));
     emit(CALL_REALLOC, (__u64)p, (__u64)q, n, old, chunk(q), caller);
@@ -567,7 +810,10 @@ static void *do_memalign(int aligned_alloc, size_t align, size_t n, __u64 caller
     if (UNLIKELY(!real.memalign) && !resolve()) return arena_alloc(n, align);
     memalign_fn fn = aligned_alloc && real.aligned_alloc ? real.aligned_alloc : real.memalign;
     void *p = FORWARD(fn(align, n));
-    if (recording()) emit(CALL_MEMALIGN, 0, (__u64)p, n, align, chunk(p), caller);
+    if (recording())
+        emit(CALL_MEMALIGN, 0, (__u64)p, n, align, chunk(p), caller);
+    else
+        sample_alloc(CALL_MEMALIGN, p, n);
     return p;
 }
 
@@ -590,6 +836,8 @@ EXPORT int posix_memalign(void **out, size_t align, size_t n) {
     if (recording()) {
         void *p = rc == 0 ? *out : NULL;
         emit(CALL_POSIX_MEMALIGN, (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
+    } else {
+        sample_alloc(CALL_POSIX_MEMALIGN, rc == 0 ? *out : NULL, n);
     }
     return rc;
 }
@@ -597,14 +845,20 @@ EXPORT int posix_memalign(void **out, size_t align, size_t n) {
 EXPORT void *valloc(size_t n) {
     if (UNLIKELY(!real.valloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.valloc(n));
-    if (recording()) emit(CALL_VALLOC, 0, (__u64)p, n, page_size, chunk(p), CALLER);
+    if (recording())
+        emit(CALL_VALLOC, 0, (__u64)p, n, page_size, chunk(p), CALLER);
+    else
+        sample_alloc(CALL_VALLOC, p, n);
     return p;
 }
 
 EXPORT void *pvalloc(size_t n) {
     if (UNLIKELY(!real.pvalloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.pvalloc(n));
-    if (recording()) emit(CALL_PVALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+    if (recording())
+        emit(CALL_PVALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+    else
+        sample_alloc(CALL_PVALLOC, p, n);
     return p;
 }
 
@@ -668,6 +922,8 @@ static void *cxx_next(void **slot, const char *name) {
         __u64 caller = CALLER;                                                                               \
         if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(SIZE, ALIGN);                           \
         void *(*fn)PARAMS = (void *(*)PARAMS)cxx_next(&next, #sym);                                          \
+        /* sampling: the runtime's operator new calls malloc (here), as heap's uprobes see it */             \
+        if (__atomic_load_n(&sample_mean, __ATOMIC_RELAXED)) return fn ? fn ARGS : FALLBACK;                 \
         void *p;                                                                                             \
         {                                                                                                    \
             __attribute__((cleanup(new_leave))) struct new_guard g = {!ts.depth, 0};                         \
@@ -686,6 +942,11 @@ static void *cxx_next(void **slot, const char *name) {
         if (UNLIKELY(in_arena(p))) return;                                                                   \
         if (UNLIKELY(!real.free) && !resolve()) return;                                                      \
         void(*fn) PARAMS = (void(*) PARAMS)cxx_next(&next, #sym);                                            \
+        /* sampling: the runtime's operator delete frees here */                                             \
+        if (__atomic_load_n(&sample_mean, __ATOMIC_RELAXED)) {                                               \
+            fn ? fn ARGS : free(p);                                                                          \
+            return;                                                                                          \
+        }                                                                                                    \
         if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);                               \
         NESTED;                                                                                              \
         if (fn)                                                                                              \
