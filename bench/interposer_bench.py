@@ -97,7 +97,7 @@ int main() {
 
 
 def real_commands(tmp, scale=1):
-    """{name: argv} of the four real programs; SCALE times their work (gcc's apart)."""
+    """{name: argv} of the four real programs; SCALE times their work."""
     sql = os.path.join(tmp, "script.sql")
     with open(sql, "w") as f:
         f.write("CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n")
@@ -112,6 +112,15 @@ def real_commands(tmp, scale=1):
     cxx = os.path.join(tmp, "map")
     subprocess.run(["g++", "-O2", f"-DROUNDS={2 * scale}", "-o", cxx, cxx_src], check=True)
     c_src = ROOT / "tests" / "support" / "workloads" / "record_calls.c"
+    if scale > 1:  # gcc's work grows with what it compiles: record_calls.c, and SCALE x 100 functions
+        c_src = os.path.join(tmp, "many.c")
+        with open(c_src, "w") as f:
+            f.write(open(ROOT / "tests" / "support" / "workloads" / "record_calls.c").read())
+            for i in range(100 * scale):
+                f.write(
+                    f"int gen_{i}(int *a, int n) {{ int s = 0; for (int k = 0; k < n; k++) "
+                    f"s += a[k] * {i + 3} ^ (s >> {i % 7 + 1}); return s + {i}; }}\n"
+                )
     return {
         "python3 json": [
             "/usr/bin/python3",

@@ -48,7 +48,7 @@ def tool_argv(mode, program, out):
     if mode.startswith("record"):
         via = ["--via", "uprobes"] if mode.endswith("uprobes") else []
         return [*PY, "record", "--json", "--force", *via, *follow, "-o", out, "--"]
-    if mode.startswith("heap"):
+    if mode in ("heap", "heap-uprobes"):
         via = ["--via", "uprobes"] if mode.endswith("uprobes") else []
         return [*PY, "heap", "-q", "--force", *via, "-o", out + ".pb.gz", "--"]
     return ["heaptrack", "-o", out]
@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--programs", default=None, help="comma-separated names (default: all)")
     ap.add_argument("--pairs", type=int, default=2_000_000, help="storm pairs")
+    ap.add_argument("--scale", type=int, default=5, help="the real programs' work, times interposer_bench's")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m != "heaptrack" or shutil.which("heaptrack")]
@@ -86,7 +87,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         work = os.path.join(tmp, "work")
         os.mkdir(work)
-        programs = real_commands(tmp)
+        programs = real_commands(tmp, args.scale)
         programs["storm"] = [build_c(tmp, "storm", ROOT / "bench" / "storm.c"), "once", str(args.pairs)]
         if args.programs:
             wanted = set(args.programs.split(","))
