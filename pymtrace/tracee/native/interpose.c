@@ -449,14 +449,24 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
     e.rec.pad[1] = caller;
     e.tgid = self_pid;
     if (UNLIKELY(t->writing)) { /* a signal handler interrupted this thread's write */
+        /* signals blocked while a slot is taken and filled: a handler of another signal
+         * interrupting this one must not take the same slot (rare: a system call pair here) */
+        sigset_t all, old;
+        int saved = errno;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old);
         __u32 n = t->dcount;
         if (n < RING_DEFER) {
             t->deferred[n] = e;
             __atomic_signal_fence(__ATOMIC_SEQ_CST);
             __atomic_fetch_add(&t->dcount, 1, __ATOMIC_RELAXED);
             __atomic_fetch_add(&ring->deferred, 1, __ATOMIC_RELAXED);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            errno = saved;
             return;
         }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        errno = saved;
         /* the buffer is full: written at once, after the records buffered before it (written
          * first: the thread's order kept; it can only block if the ring is full) */
         t->writing++;
