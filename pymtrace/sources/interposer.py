@@ -393,9 +393,7 @@ class RingSet:
                 ring.checked = now
                 final = not ring.alive()
             if final:  # no writer can come back: the rest, then retire it
-                while m := ring.take(self._room(used + n), types, final=True):
-                    n += m
-                self._retire(name, ring)
+                n = self._take_rest(name, ring, used, n, types)
             if n:
                 out.append(self._batch(ring, used, n, types))
                 used += n
@@ -431,14 +429,20 @@ class RingSet:
         out, used = [], 0
         for name, ring in sorted(self.rings.items(), key=lambda item: item[1].stamp):
             if ring.pid == pid:
-                n, types = 0, (ctypes.c_uint64 * 9)()
-                while m := ring.take(self._room(used + n), types, final=True):
-                    n += m
-                self._retire(name, ring)
+                types = (ctypes.c_uint64 * 9)()
+                n = self._take_rest(name, ring, used, 0, types)
                 if n:
                     out.append(self._batch(ring, used, n, types))
                     used += n
         return out
+
+    def _take_rest(self, name: str, ring: Ring, used: int, n: int, types: ctypes.Array) -> int:
+        """RING's records to its end (its writers are gone), after the N a drain took into the
+        buffer from USED on, then RING retired; how many in all."""
+        while m := ring.take(self._room(used + n), types, final=True):
+            n += m
+        self._retire(name, ring)
+        return n
 
     def _retire(self, name: str, ring: Ring) -> None:
         """Done with NAME: detached (a writer this consumer did not know of, a child cloned

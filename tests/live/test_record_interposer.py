@@ -15,7 +15,7 @@ import pytest
 from support.cli import PYMTRACE, run_pymtrace
 from support.interposer import build_counter, counter_counts, run_interposed
 from support.paths import WORKLOADS
-from support.recording import ground_truth, text_range
+from support.recording import check_own_calls, ground_truth, key, text_range
 
 from pymtrace.sources import interposer as I
 from pymtrace.trace.formats import autodetect
@@ -26,10 +26,6 @@ pytestmark = pytest.mark.bpf
 # both paths see the same environment: the interposer's adds LD_PRELOAD and PYMTRACE_RING,
 # and a program that copies its environment (sh) allocates once per variable
 SAME_ENV = dict(os.environ, LD_PRELOAD="", PYMTRACE_RING="-")
-
-
-def key(r):
-    return (r.thread, r.type, r.ptr1, r.ptr2, r.size, r.size2, r.size3)
 
 
 def summary_of(proc):
@@ -58,14 +54,7 @@ def test_interposer_records_every_call_exactly(cbuild, tmp_path, fmt):
     assert len(truth) > 300
     if fmt == "mtrace-bin":
         records = list(B.read_file(out))
-        lo, hi = text_range(prog)
-        own = [r for r in records if lo <= r.caller < hi]
-        assert collections.Counter(map(key, own)) == collections.Counter(truth)
-        by_thread = collections.defaultdict(list)
-        for t in truth:
-            by_thread[t[0]].append(t)
-        for tid, calls in by_thread.items():
-            assert [key(r) for r in own if r.thread == tid] == calls
+        by_thread = check_own_calls(records, prog, truth)
         assert all(r.ts_ns and r.caller for r in records)
         stamps = [r.ts_ns for r in records]
         assert stamps == sorted(stamps) or len(by_thread) > 1  # one thread's are in order (checked above)
