@@ -118,10 +118,12 @@ def main():
             for mode in modes[1:]:
                 extra = [a - b for a, b in zip(wall[mode], base)]
                 row[f"{mode} added s (min/med)"] = f"{min(extra):.3f} / {statistics.median(extra):.3f}"
-                if ht and mode != "heaptrack" and statistics.median(ht) > 0:
-                    row[f"{mode} / heaptrack"] = f"{statistics.median(extra) / statistics.median(ht):.2f}"
-                if calls[mode]:
-                    row[f"{mode} ns/call"] = f"{statistics.median(extra) / statistics.median(calls[mode]) * 1e9:.0f}"
+                if ht and mode != "heaptrack":  # (blank: heaptrack added nothing measurable)
+                    h = statistics.median(ht)
+                    row[f"{mode} / heaptrack"] = f"{statistics.median(extra) / h:.2f}" if h > 0 else ""
+                if mode.startswith("record"):
+                    n = statistics.median(calls[mode])
+                    row[f"{mode} ns/call"] = f"{statistics.median(extra) / n * 1e9:.0f}"
             rows.append(row)
             if name == "storm":
                 b = per_call["untraced"]
