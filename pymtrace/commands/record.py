@@ -45,9 +45,10 @@ loaded into (static, setuid, defines malloc itself: said on stderr with why) are
 through uprobes (root). A launched program that execs one running without the interposer
 (env -u LD_PRELOAD, a setuid program) is recorded through uprobes from that exec on.
 
-OVERHEAD in-process: ~15-30 ns of the program's CPU a call, plus waits when pymtrace's
-drain falls behind (a malloc storm: ~80-250 ns a call; real programs 1.2-2.2x untraced,
-where heaptrack is 5-17x: docs/benchmarks.md).
+OVERHEAD in-process: 60-150 ns added a call on real programs (python3, sqlite3, a C++
+map program: a tenth to a quarter of what heaptrack adds), a malloc storm ~60-120 ns a call
+(it waits for pymtrace's drain, never loses a record); pymtrace ~20 ns of CPU a record plus
+writing it (docs/benchmarks.md).
 OVERHEAD through uprobes: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~300x slower
 while recorded (4.8 ns -> ~1.4-1.6 us a call, docs/record.md), ordinary programs far
