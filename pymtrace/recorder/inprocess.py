@@ -106,15 +106,15 @@ class RingDrainer(drain.Drainer):
                 if final and not self.interrupted and self.failure is None and not proc.exists(self.target):
                     for batch in self.rings.finish(timeout=FINISH_S):
                         total += self._write([batch])
-                    return total
-                while True:
-                    batches = self.rings.drain()
-                    total += self._write(batches)
-                    if not self.rings.busy(batches):
-                        break
+                else:
+                    while True:
+                        batches = self.rings.drain()
+                        total += self._write(batches)
+                        if not self.rings.busy(batches):
+                            break
             if self.on_poll is not None and not final:
                 self.on_poll()
-            return total + self.drain_uprobes(final)
+            return total + self.drain_uprobes(final)  # (the last one too: its BPF ring's rest)
         finally:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
