@@ -151,7 +151,7 @@ def test_followed_child_without_the_interposer_is_named(cbuild, tmp_path):
     start any more: named, with why, in the lines and the JSON summary."""
     prog = cbuild("record_storm")
     out = tmp_path / "kid.trace"
-    script = f"env -u LD_PRELOAD {prog} 100 1032; {prog} 200 2048"
+    script = f"env -u LD_PRELOAD {prog} 3000000 1032; {prog} 200 2048"  # (a child that lives a while)
     proc = run_pymtrace("record", "--json", "--follow-forks", "-o", out, "--", "/bin/sh", "-c", script)
     summary = summary_of(proc)
     (gone,) = [p for p in summary["processes"] if p["via"] is None]
