@@ -85,22 +85,23 @@ def test_ring_option_checked(tmp_path):
 
 
 def test_sqlite_exact(tmp_path):
-    """sqlite3 running 20,000 INSERTs (~460,000 mallocs, stacks of every depth: unwinding is
-    slower than the calls, so the ring holds the backlog): heap's count of every allocating
-    call equals the exact trace `pymtrace record` takes of the same deterministic script."""
+    """sqlite3 running 10,000 INSERTs (~230,000 mallocs, stacks of every depth: unwinding is
+    slower than the calls, so the ring holds the backlog: 1 GiB, ~4.6 KiB a sample, room for
+    all of them on a loaded machine): heap's count of every allocating call equals the exact
+    trace `pymtrace record` takes of the same deterministic script."""
     sqlite = shutil.which("sqlite3")
     if sqlite is None:
         pytest.skip("sqlite3 is not installed (apt-get install sqlite3)")
     script = tmp_path / "ins.sql"
     lines = ["CREATE TABLE t(a INTEGER, b TEXT);"]
-    lines += [f"INSERT INTO t VALUES({i}, 'row {i} {i * 7919 % 100003}');" for i in range(20000)]
+    lines += [f"INSERT INTO t VALUES({i}, 'row {i} {i * 7919 % 100003}');" for i in range(10000)]
     script.write_text("\n".join(lines + ["SELECT count(*) FROM t;"]) + "\n")
     cmd = (sqlite, ":memory:", f".read {script}")
     trace = tmp_path / "sq.bin"
     run_pymtrace("record", "-o", trace, "--", *cmd, check=True, timeout=300)
     stats = json.loads(run_pymtrace("dump", "--json", "--stats", trace, check=True).stdout)["stats"]
     truth = sum(t["count"] for name, t in stats["types"].items() if name in ALLOCATING)
-    assert truth > 400000
+    assert truth > 200000
     out = tmp_path / "sq.folded"
     args = ("-q", "--sample-bytes", "1", "--ring-bytes", "1G", "--value", "alloc_objects", "-o", out)
     proc = run_pymtrace("heap", *args, "--via", "uprobes", "--", *cmd, timeout=300)
