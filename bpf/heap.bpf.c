@@ -46,7 +46,8 @@
  * of the mapping; a main thread's copy ends HP_TOP_SLACK bytes above its stack top, hp_tops),
  * HP_RB_PAGES (ring buffer pages, a power of two), HP_MAX_CPUS (possible
  * CPUs: the scratch slots), HP_MAX_LIVE, HP_MAX_PENDING, HP_MAX_THREADS, HP_MAX_TARGETS,
- * HP_FOLLOW (follow fork children), HP_RESERVE (above).
+ * HP_FOLLOW (follow fork children), HP_RESERVE (above), HP_PY_FRAMES (Python frames per
+ * sample, bpf/pywalk.h: read for the processes user space lists in hp_py; 0: none).
  */
 #include <uapi/linux/ptrace.h>
 #include "heap.h"
@@ -81,6 +82,9 @@
 #ifndef HP_RESERVE
 #define HP_RESERVE 0
 #endif
+#ifndef HP_PY_FRAMES
+#define HP_PY_FRAMES 0 /* > 0: each sample carries its thread's Python frames, up to this many */
+#endif
 #define HP_TOP_SLACK 64 /* bytes copied above the stack top: argc, the start of argv */
 
 #if HP_STACK_PAGES < 1 || HP_STACK_PAGES > HP_MAX_PAGES
@@ -90,10 +94,39 @@
 #define SC_PAGES HP_STACK_PAGES
 #include "stackcopy.h"
 
+#if HP_PY_FRAMES
+#include "pywalk.h"
+BPF_HASH(hp_py, u32, struct py_config, HP_MAX_TARGETS);   /* tgid -> its interpreter's layout */
+BPF_TABLE("lru_hash", u32, u64, hp_pyts, HP_MAX_THREADS); /* tid -> its thread state */
+
+/* The Python frames of thread ID (pid_tgid) into HEAD and FRAMES, if its process is one user
+ * space described in hp_py (else status PY_STATUS_NONE). */
+static __always_inline void hp_python(struct py_head *head, struct py_frame *frames, u64 id) {
+    u32 tgid = id >> 32, tid = (u32)id;
+    struct py_config *c = hp_py.lookup(&tgid);
+    if (!c) {
+        head->count = 0;
+        head->status = PY_STATUS_NONE;
+        head->tstate = 0;
+        return;
+    }
+    u64 *known = hp_pyts.lookup(&tid);
+    u64 before = known ? *known : 0;
+    u64 ts = py_tstate(c, tid, before);
+    if (ts && ts != before) hp_pyts.update(&tid, &ts);
+    py_walk(c, ts, head, frames);
+}
+#endif
+
 struct hp_sample {
     struct hp_event h;
+#if HP_PY_FRAMES
+    struct py_head py; /* the Python frames (bpf/pywalk.h), between the header and the stack */
+    struct py_frame pyf[HP_PY_FRAMES];
+#endif
     u8 stack[HP_STACK_PAGES * HP_PAGE];
 };
+#define HP_STACK_AT offsetof(struct hp_sample, stack)
 
 /* A call between entry and return on one thread (key: pid_tgid). */
 struct hp_pending {
@@ -259,6 +292,9 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     }
     u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
     hp_fill(&s->h, ctx, id, call, size, sample_id);
+#if HP_PY_FRAMES
+    hp_python(&s->py, s->pyf, id);
+#endif
     s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
     hp_events.ringbuf_submit(s, BPF_RB_NO_WAKEUP);
     return sample_id;
@@ -270,6 +306,9 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     if (!s) return 0;
     u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
     hp_fill(&s->h, ctx, id, call, size, sample_id);
+#if HP_PY_FRAMES
+    hp_python(&s->py, s->pyf, id);
+#endif
     u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
     s->h.stack_len = len;
     /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
@@ -278,7 +317,7 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
         hp_lost_inc(HP_LOST_SLOT_BUSY);
         return 0;
     }
-    u64 out = sizeof(struct hp_event) + len;
+    u64 out = HP_STACK_AT + len;
     if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
     if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
         hp_lost_inc(HP_LOST_RINGBUF);
@@ -455,6 +494,9 @@ int hp_exec(void *ctx) {
     u32 tgid = id >> 32;
     if (!hp_wanted(tgid)) return 0;
     hp_tops.delete(&tgid); /* a new stack: copies are whole until user space sets the new top */
+#if HP_PY_FRAMES
+    hp_py.delete(&tgid); /* another program: user space describes its interpreter anew */
+#endif
     int zero = 0;
     u64 *next = hp_next_id.lookup(&zero);
     hp_event(HP_REC_EXEC, id, 0, next ? *next : 0);
@@ -467,6 +509,9 @@ int hp_exit(void *ctx) {
     u32 tid = id, tgid = id >> 32;
     if (!hp_wanted(tgid)) return 0;
     hp_sampler.delete(&tid);
+#if HP_PY_FRAMES
+    hp_pyts.delete(&tid);
+#endif
     if (hp_pending.delete(&id) == 0) hp_add_active(-1);
     if (tid != tgid) {
 #if HP_FOLLOW
@@ -475,6 +520,9 @@ int hp_exit(void *ctx) {
         return 0;
     }
     hp_tops.delete(&tgid);
+#if HP_PY_FRAMES
+    hp_py.delete(&tgid);
+#endif
     hp_event(HP_REC_EXIT, id, 0, 0);
     return 0;
 }
@@ -488,6 +536,11 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
         hp_lost_inc(HP_LOST_TARGETS_FULL);
         return 0;
     }
+#if HP_PY_FRAMES
+    u32 parent = id >> 32;
+    struct py_config *py = hp_py.lookup(&parent); /* a fork child runs its parent's interpreter */
+    if (py) hp_py.update(&child, py);
+#endif
     hp_event(HP_REC_FORK, id, child, 0);
     return 0;
 }

@@ -46,7 +46,7 @@ from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources import interposer as interposer_lib
 from pymtrace.sources.base import Source, attach_plan, lost_counts, lost_names
 from pymtrace.sources.heapsites import InterposerSites
-from pymtrace.tracee import allocators, elf, launch, libc, mallocapi, probesite, proc
+from pymtrace.tracee import allocators, elf, launch, libc, mallocapi, probesite, proc, pyruntime
 from pymtrace.tracee.unwind import Location, ProcessImages, RingScanner
 
 PROGRAM = "heap"
@@ -62,10 +62,10 @@ _FORK_MEMORY = 4096
 INTERPOSER, UPROBES = "interposer", "uprobes"  # the two paths (HP_VIA_*)
 # a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
 _ROW = struct.Struct("<QIi4I3Q")
-# StackSink(pid, sample_id, stack leaf first, size, ts_ns): a sample whose stack the unwind cache knew
-StackSink = Callable[
-    [int, int, "tuple[Location, ...]", int, int], None
-]  # fork records of children gone before they were looked at, kept for their exit
+# StackSink(pid, sample_id, stack leaf first, size, ts_ns, python block or None): a sample whose
+# stack the unwind cache knew
+StackSink = Callable[[int, int, "tuple[Location, ...]", int, int, "bytes | None"], None]
+PY_FRAMES = 128  # Python frames read per sample at most (bpf/pywalk.h), with python=True
 
 
 @dataclasses.dataclass
@@ -81,6 +81,7 @@ class HeapSample:
     regs: tuple[int, ...]  # ip, sp, bp, bx, r12, r13, r14, r15 at the probed (entry) instruction
     stack: int  # address of the stack bytes copied from sp upward; valid during the callback only
     stack_len: int
+    py: bytes | None = None  # the thread's Python frames (bpf/pyframes.h py_head + frames), if read
 
 
 def check_settings(
@@ -193,6 +194,30 @@ def default_max_live(sample_bytes: int) -> int:
     return MAX_LIVE_EVERY_CALL if sample_bytes == 1 else MAX_LIVE
 
 
+def python_config(interp: pyruntime.Interpreter) -> Any:
+    """The py_config (bpf/pyframes.h) of a readable interpreter: its frame walk's offsets."""
+    layout = interp.layout
+    assert layout is not None
+    none = structs.header(PROGRAM).consts["PY_NO_OFFSET"]
+    fields = (layout.frame_previous, layout.frame_code, layout.frame_instr, layout.frame_flag or 0)
+    return structs.header(PROGRAM).structs["py_config"](
+        runtime=interp.runtime,
+        interp_head=layout.interpreters_head,
+        interp_next=layout.interp_next,
+        interp_threads=layout.interp_threads_head,
+        ts_next=layout.thread_next,
+        ts_tid=layout.thread_tid,
+        tid_in_pthread=none if interp.tid_in_pthread is None else interp.tid_in_pthread,
+        ts_frame=layout.thread_frame,
+        cframe_frame=none if layout.cframe_current_frame is None else layout.cframe_current_frame,
+        f_previous=layout.frame_previous,
+        f_code=layout.frame_code,
+        f_instr=layout.frame_instr,
+        f_flag=none if layout.frame_flag is None else layout.frame_flag,
+        f_read=max(fields) + 8,
+    )
+
+
 def possible_cpus() -> int:
     """Number of CPU ids the kernel may use (the per-CPU scratch slots)."""
     try:
@@ -241,6 +266,7 @@ class HeapSource(Source):
         on_stack: StackSink | None = None,
         on_free: Callable[[int], None] | None = None,
         interposer: str | None = None,
+        python: bool = False,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -278,6 +304,12 @@ class HeapSource(Source):
         self.calls = {v: k[len("CALL_") :].lower() for k, v in header.consts.items() if k.startswith("CALL_")}
         self.event_type = header.structs["hp_event"]
         self.event_size = ctypes.sizeof(self.event_type)
+        # python: each sample carries a block of Python frames between its header and its stack
+        self.py_frames = PY_FRAMES if python else 0
+        self.py_frame_size = ctypes.sizeof(header.structs["py_frame"])
+        self.py_head_size = ctypes.sizeof(header.structs["py_head"])
+        self.stack_at = self.event_size + (self.py_head_size + self.py_frames * self.py_frame_size if python else 0)
+        self.python: dict[int, Any] = {}  # pid -> the py_config written to hp_py
         self.kinds = {header.consts[f"HP_REC_{k}"]: k.lower() for k in ("SAMPLE", "EXEC", "FORK", "EXIT", "FREE")}
         self.images = images
         self.on_stack = on_stack
@@ -302,6 +334,7 @@ class HeapSource(Source):
             "HP_MAX_CPUS": possible_cpus(),
             "HP_FOLLOW": int(self.follow_forks),
             "HP_RESERVE": int(self.reserve),
+            "HP_PY_FRAMES": self.py_frames,
             **self.limits,
         }
 
@@ -388,6 +421,8 @@ class HeapSource(Source):
         for pid in self.pids:
             targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(self._via_codes[self.via[pid][0]])
             self._set_top(pid)
+        for pid, config in self.python.items():
+            self.bpf[b"hp_py"][ctypes.c_uint32(pid)] = config
         ring = self.bpf[b"hp_events"]
         self.ring = MappedRing(ring.map_fd, self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"])
         ev = self.event_type
@@ -398,7 +433,7 @@ class HeapSource(Source):
             self._free_type,
             ev.regs.offset,
             ev.stack_len.offset,
-            self.event_size,
+            self.stack_at,
         )
         self._epoll = select.epoll()
         self._epoll.register(ring.map_fd, select.EPOLLIN)
@@ -448,6 +483,7 @@ class HeapSource(Source):
         on_stack = self.on_stack if self.images is not None else None
         sample, free, base = self._sample_type, self._free_type, ring.data_addr
         on_free = self.on_free
+        py_at = self.event_size if self.py_frames else -1
         _, limit = ring.positions()
         while True:
             cons = ring.positions()[0]
@@ -461,7 +497,8 @@ class HeapSource(Source):
                     if on_free is not None:
                         on_free(sample_id)
                 elif kind == sample and result >= 0 and on_stack is not None:
-                    on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts)
+                    py = self._py_block(base + off + py_at) if py_at >= 0 else None
+                    on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts, py)
                 else:
                     self._record(base + off, length)
             ring.advance(after)
@@ -480,8 +517,11 @@ class HeapSource(Source):
         kind = self.kinds.get(ev.type)
         if kind == "sample":
             if self.on_sample is not None:
-                stack_len = min(ev.stack_len, size - self.event_size)
-                self.on_sample(self.decode_sample(ev, data + self.event_size, stack_len))
+                stack_len = max(min(ev.stack_len, size - self.stack_at), 0)
+                sample = self.decode_sample(ev, data + self.stack_at, stack_len)
+                if self.py_frames and size >= self.stack_at:
+                    sample.py = self._py_block(data + self.event_size)
+                self.on_sample(sample)
         elif kind == "exec":
             self._set_top(ev.pid)
             self._forget_live(ev.pid, ev.id)
@@ -501,6 +541,29 @@ class HeapSource(Source):
                 pass
             if self.on_exit is not None:
                 self.on_exit(ev.pid)
+
+    def _py_block(self, address: int) -> bytes:
+        """A sample's Python block at ADDRESS: its head and the frames filled."""
+        count = min(ctypes.c_uint32.from_address(address).value, self.py_frames)
+        return ctypes.string_at(address, self.py_head_size + count * self.py_frame_size)
+
+    def set_python(self, pid: int, config: Any | None) -> None:
+        """Have the BPF program read PID's Python frames as CONFIG (a py_config) says, or not
+        (None). Before attach: remembered, written when the maps exist."""
+        if config is None:
+            self.python.pop(pid, None)
+        else:
+            self.python[pid] = config
+        if self.bpf is None or not self.py_frames:
+            return
+        table = self.bpf[b"hp_py"]
+        try:
+            if config is None:
+                del table[ctypes.c_uint32(pid)]
+            else:
+                table[ctypes.c_uint32(pid)] = config
+        except Exception:  # BCC: an absent key on delete (KeyError), a full map on update
+            pass
 
     def decode_sample(self, ev: Any, stack: int, stack_len: int) -> HeapSample:
         """A HeapSample from a ring record's header EV (an hp_event) and its stack bytes."""

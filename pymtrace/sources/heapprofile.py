@@ -177,6 +177,7 @@ class HeapProfile:
         if self.meta.get("pids"):
             lines.append("pids: " + " ".join(str(p) for p in self.meta["pids"]))
         lines += [f"traced: {line}" for line in self.meta.get("via", ())]  # which path, per process
+        lines += [f"python: {line}" for line in self.meta.get("python", ())]  # its interpreter, per process
         exact = " (every call)" if self.sample_bytes <= 1 else ""
         lines.append(f"sample bytes: {self.sample_bytes}{exact}")
         if self.older_s is not None:
