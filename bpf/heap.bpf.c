@@ -95,9 +95,18 @@
 #include "stackcopy.h"
 
 #if HP_PY_FRAMES
+#if HP_RESERVE
+#error "Python frames are read into the per-CPU slots: not with HP_RESERVE"
+#endif
 #include "pywalk.h"
 BPF_HASH(hp_py, u32, struct py_config, HP_MAX_TARGETS);   /* tgid -> its interpreter's layout */
 BPF_TABLE("lru_hash", u32, u64, hp_pyts, HP_MAX_THREADS); /* tid -> its thread state */
+/* The frames are read by hp_py_output, a program of its own, tail-called once the sampling
+ * program is done: the verifier checks its loops from one state, not once per path of the
+ * sampling program (which multiplied them past its limit). hp_pyjob: this CPU's sample whose
+ * record (in its hp_scratch slot) waits for them. */
+BPF_PROG_ARRAY(hp_progs, 1);
+BPF_PERCPU_ARRAY(hp_pyjob, u64, 1);
 
 /* The Python frames of thread ID (pid_tgid) into HEAD and FRAMES, if its process is one user
  * space described in hp_py (else status PY_STATUS_NONE). */
@@ -277,7 +286,27 @@ static __always_inline void hp_fill(struct hp_event *h, struct pt_regs *ctx, u64
     sc_regs(ctx, h->regs);
 }
 
-/* Write the sample record (header, registers, stack copy); its id, or 0 if it was lost. */
+#if !HP_RESERVE
+/* Write the record of sample SAMPLE_ID of thread ID from its slot S; 0 if it was lost. */
+static __always_inline int hp_output(struct hp_sample *s, u64 id, u64 sample_id) {
+    /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
+     * shared per CPU): the slot holds a mix; drop it, counted. */
+    if (s->h.id != sample_id || s->h.tid != (u32)id) {
+        hp_lost_inc(HP_LOST_SLOT_BUSY);
+        return 0;
+    }
+    u64 out = HP_STACK_AT + s->h.stack_len;
+    if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
+    if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
+        hp_lost_inc(HP_LOST_RINGBUF);
+        return 0;
+    }
+    return 1;
+}
+#endif
+
+/* Write the sample record (header, registers, stack copy); its id, or 0 if it was lost. In a
+ * Python process (HP_PY_FRAMES) the record is written by hp_py_flush, at the caller's end. */
 static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 size) {
     int zero = 0;
     u64 *next = hp_next_id.lookup(&zero);
@@ -292,9 +321,6 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     }
     u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
     hp_fill(&s->h, ctx, id, call, size, sample_id);
-#if HP_PY_FRAMES
-    hp_python(&s->py, s->pyf, id);
-#endif
     s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
     hp_events.ringbuf_submit(s, BPF_RB_NO_WAKEUP);
     return sample_id;
@@ -306,24 +332,22 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     if (!s) return 0;
     u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
     hp_fill(&s->h, ctx, id, call, size, sample_id);
+    s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
 #if HP_PY_FRAMES
-    hp_python(&s->py, s->pyf, id);
+    s->py.count = 0;
+    s->py.status = PY_STATUS_NONE;
+    s->py.tstate = 0;
+    u32 tgid = id >> 32;
+    if (hp_py.lookup(&tgid)) { /* a Python process: hp_py_flush has the record written */
+        int zero = 0;
+        u64 *job = hp_pyjob.lookup(&zero);
+        if (job) {
+            *job = sample_id;
+            return sample_id;
+        }
+    }
 #endif
-    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
-    s->h.stack_len = len;
-    /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
-     * shared per CPU): the slot holds a mix; drop it, counted. */
-    if (s->h.id != sample_id || s->h.tid != (u32)id) {
-        hp_lost_inc(HP_LOST_SLOT_BUSY);
-        return 0;
-    }
-    u64 out = HP_STACK_AT + len;
-    if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
-    if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
-        hp_lost_inc(HP_LOST_RINGBUF);
-        return 0;
-    }
-    return sample_id;
+    return hp_output(s, id, sample_id) ? sample_id : 0;
 #endif
 }
 
@@ -351,14 +375,53 @@ static __always_inline void hp_gone(struct hp_block *b) {
     hp_events.ringbuf_output(&r, sizeof(r), BPF_RB_NO_WAKEUP);
 }
 
+/* The end of a program that sampled: a record waiting for its Python frames (hp_emit) is
+ * handed to hp_py_output, which reads them and writes it (the tail call does not return);
+ * written without them if that program cannot run. */
+static __always_inline void hp_py_flush(struct pt_regs *ctx) {
+#if HP_PY_FRAMES
+    int zero = 0;
+    u64 *job = hp_pyjob.lookup(&zero);
+    if (!job || !*job) return;
+    hp_progs.call(ctx, 0);
+    u64 sample_id = *job;
+    *job = 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct hp_sample *s = hp_scratch.lookup(&cpu);
+    if (s) hp_output(s, bpf_get_current_pid_tgid(), sample_id);
+#endif
+}
+
+#if HP_PY_FRAMES
+/* Tail-called by hp_py_flush: this CPU's waiting record gets its thread's Python frames and
+ * is written. */
+int hp_py_output(struct pt_regs *ctx) {
+    int zero = 0;
+    u64 *job = hp_pyjob.lookup(&zero);
+    if (!job || !*job) return 0;
+    u64 sample_id = *job, id = bpf_get_current_pid_tgid();
+    *job = 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct hp_sample *s = hp_scratch.lookup(&cpu);
+    if (!s) return 0;
+    if (s->h.id != sample_id || s->h.tid != (u32)id) {
+        hp_lost_inc(HP_LOST_SLOT_BUSY);
+        return 0;
+    }
+    hp_python(&s->py, s->pyf, id);
+    hp_output(s, id, sample_id);
+    return 0;
+}
+#endif
+
 /* Entry of an allocating call. OUTER: it calls other malloc-API functions inside glibc, so it
  * keeps an hp_pending entry for its whole duration even when not sampled. */
-static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
+static __always_inline void hp_entry_call(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
     u64 id = bpf_get_current_pid_tgid();
-    if (hp_via(id >> 32) != HP_VIA_UPROBES) return 0;
-    if (hp_current(id)) return 0; /* inside this thread's outer call: glibc's own call */
+    if (hp_via(id >> 32) != HP_VIA_UPROBES) return;
+    if (hp_current(id)) return; /* inside this thread's outer call: glibc's own call */
     int sampled = hp_sampled((u32)id, size);
-    if (!sampled && !outer) return 0;
+    if (!sampled && !outer) return;
     struct hp_pending p = {};
     p.sp = PT_REGS_SP(ctx);
     p.call = call;
@@ -367,9 +430,14 @@ static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64
     if (sampled) p.sample_id = hp_emit(ctx, id, call, size);
     if (hp_pending.update(&id, &p) != 0) {
         hp_lost_inc(HP_LOST_PENDING_FULL);
-        return 0;
+        return;
     }
     hp_add_active(1);
+}
+
+static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
+    hp_entry_call(ctx, call, size, arg_ptr, outer);
+    hp_py_flush(ctx);
     return 0;
 }
 
@@ -449,19 +517,24 @@ int hp_free_entry(struct pt_regs *ctx) {
  * returned: the registers and the stack copy are the site's (inside the interposer, whose
  * frames user space drops), the block is known. TRACKED 0: the interposer's set of sampled
  * blocks was full, so their free will not be told: not remembered, counted as live_full. */
-static __always_inline int hp_usdt_alloc(struct pt_regs *ctx, u64 call, u64 ptr, u64 size, u64 tracked) {
+static __always_inline void hp_usdt_sample(struct pt_regs *ctx, u64 call, u64 ptr, u64 size, u64 tracked) {
     u64 id = bpf_get_current_pid_tgid();
-    if (hp_via(id >> 32) != HP_VIA_INTERPOSER) return 0;
+    if (hp_via(id >> 32) != HP_VIA_INTERPOSER) return;
     u64 sample_id = hp_emit(ctx, id, (u32)call, size);
-    if (!sample_id || !ptr) return 0;
+    if (!sample_id || !ptr) return;
     if (!tracked) {
         hp_lost_inc(HP_LOST_LIVE_FULL);
-        return 0;
+        return;
     }
     struct hp_block b = {};
     b.addr = ptr;
     b.pid = id >> 32;
     if (hp_live.update(&b, &sample_id) != 0) hp_lost_inc(HP_LOST_LIVE_FULL);
+}
+
+static __always_inline int hp_usdt_alloc(struct pt_regs *ctx, u64 call, u64 ptr, u64 size, u64 tracked) {
+    hp_usdt_sample(ctx, call, ptr, size, tracked);
+    hp_py_flush(ctx);
     return 0;
 }
 

@@ -32,12 +32,20 @@ struct py_config {
     __u32 f_instr;        /* prev_instr / instr_ptr (3.10: the int f_lasti) */
     __u32 f_flag;         /* 3.11: is_entry; 3.12+: owner (a byte); 3.10: PY_NO_OFFSET */
     __u32 f_read;         /* bytes of a frame to read: past every field above, <= PY_FRAME_READ */
+    __u32 c_at;           /* where the code object's fields read with each frame start */
+    __u32 c_read;         /* how many bytes of it to read (<= PY_FRAME_READ), and where in them: */
+    __u32 c_name;         /* co_qualname (3.10: co_name) */
+    __u32 c_file;         /* co_filename */
+    __u32 c_line;         /* co_firstlineno (an int) */
+    __u32 s_read;         /* bytes of a str read for its tag (<= PY_FRAME_READ), where in them: */
+    __u32 s_length;       /* its length */
+    __u32 s_hash;         /* its hash (-1: not computed yet) */
+    __u32 s_data;         /* an ASCII string's first characters */
     __u32 pad;
 };
 
 /* A sample's Python block: this head, then py_frame[HP_PY_FRAMES], innermost first, `count`
- * of them filled. A frame's code has its flag byte (f_flag) in its low 3 bits (objects are
- * 16-byte aligned). */
+ * of them filled. */
 struct py_head {
     __u32 count;
     __u32 status; /* PY_STATUS_* */
@@ -45,8 +53,14 @@ struct py_head {
 };
 
 struct py_frame {
-    __u64 code;  /* code object address | flag & 7 */
-    __u64 instr; /* the raw 8 bytes at f_instr */
+    __u64 code;     /* the code object's address */
+    __u64 instr;    /* the raw 8 bytes at f_instr */
+    __u64 name;     /* its co_qualname's address (3.10: co_name), 0: unread */
+    __u64 file;     /* its co_filename's address */
+    __u64 name_tag; /* each str's identity, should the code object be gone before user space */
+    __u64 file_tag; /* reads it: its hash if computed, else its first 8 bytes ^ its length */
+    __u32 firstlineno;
+    __u32 flag; /* the byte at f_flag */
 };
 
 #endif

@@ -35,7 +35,7 @@ from pymtrace.sources.heap import (
 from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES
 from pymtrace.sources.heapsession import HeapSession
 from pymtrace.trace.files import atomic_output, check_new
-from pymtrace.tracee import libc, proc
+from pymtrace.tracee import libc, proc, pyframes
 from pymtrace.tracee.launch import Launched
 from pymtrace.units import parse_bytes
 
@@ -141,9 +141,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how -- CMD is sampled: in-process by pymtrace's LD_PRELOAD interposer (the default; "
         "uprobes where it cannot be preloaded, saying why) or by uprobes on its allocator (-p: always)",
     )
+    view = parser.add_mutually_exclusive_group()
+    view.add_argument(
+        "--native",
+        action="store_true",
+        help="native stacks only, for Python processes too (default: their Python frames merged in)",
+    )
+    view.add_argument(
+        "--python-only",
+        action="store_true",
+        help="Python frames only for Python processes (samples outside Python keep their native stack)",
+    )
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if samples were lost")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch CMD and sample it")
+
+
+def python_view(args: argparse.Namespace) -> str:
+    """How Python processes' stacks are shown: --native, --python-only, else merged."""
+    return pyframes.NATIVE if args.native else pyframes.PYTHON_ONLY if args.python_only else pyframes.MERGED
 
 
 def output_format(path: str, given: str | None) -> str:
@@ -215,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
             ring_pages=pages,
             max_live=args.max_live,
             interposer=lib,
+            python_view=python_view(args),
         )
         if launched is not None and why is not None:
             session.via[launched.pid] = (UPROBES, why)
@@ -232,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
             path, why_not = session.via[pids[0]]
             how = f"via {path}" + (f" ({why_not})" if why_not else "")
             line = f"sampling {what} {how}; Ctrl-C to stop and write {args.output}"
+            print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
+        for line in session.python.problems():  # a CPython whose frames cannot be read: why
             print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
         started = time.monotonic()
         try:

@@ -38,9 +38,10 @@ import math
 import os
 import select
 import struct
+import time
 from typing import Any, Callable, Iterable
 
-from pymtrace.bpf import structs
+from pymtrace.bpf import structs, uprobes
 from pymtrace.bpf.ringbuf import MappedRing
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources import interposer as interposer_lib
@@ -62,6 +63,9 @@ _FORK_MEMORY = 4096
 INTERPOSER, UPROBES = "interposer", "uprobes"  # the two paths (HP_VIA_*)
 # a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
 _ROW = struct.Struct("<QIi4I3Q")
+_KIND_PID = struct.Struct("<II")
+_RB_BUSY, _RB_DISCARD = 1 << 31, 1 << 30  # a ring record's header bits (the kernel's BPF_RINGBUF_*)
+LOOK_AHEAD_S = 0.002  # while unwinding a backlog, Python blocks are looked at this often
 # StackSink(pid, sample_id, stack leaf first, size, ts_ns, python block or None): a sample whose
 # stack the unwind cache knew
 StackSink = Callable[[int, int, "tuple[Location, ...]", int, int, "bytes | None"], None]
@@ -200,6 +204,9 @@ def python_config(interp: pyruntime.Interpreter) -> Any:
     assert layout is not None
     none = structs.header(PROGRAM).consts["PY_NO_OFFSET"]
     fields = (layout.frame_previous, layout.frame_code, layout.frame_instr, layout.frame_flag or 0)
+    name = layout.code_qualname if layout.code_qualname is not None else layout.code_name
+    code_fields = (name, layout.code_filename, layout.code_firstlineno)
+    code_at = min(code_fields) & ~7
     return structs.header(PROGRAM).structs["py_config"](
         runtime=interp.runtime,
         interp_head=layout.interpreters_head,
@@ -215,6 +222,15 @@ def python_config(interp: pyruntime.Interpreter) -> Any:
         f_instr=layout.frame_instr,
         f_flag=none if layout.frame_flag is None else layout.frame_flag,
         f_read=max(fields) + 8,
+        c_at=code_at,
+        c_read=max(code_fields) + 8 - code_at,
+        c_name=name - code_at,
+        c_file=layout.code_filename - code_at,
+        c_line=layout.code_firstlineno - code_at,
+        s_read=layout.unicode_ascii_size + 8,
+        s_length=layout.unicode_length,
+        s_hash=layout.unicode_hash,
+        s_data=layout.unicode_ascii_size,
     )
 
 
@@ -267,6 +283,7 @@ class HeapSource(Source):
         on_free: Callable[[int], None] | None = None,
         interposer: str | None = None,
         python: bool = False,
+        on_python: Callable[[int, bytes], None] | None = None,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -305,11 +322,14 @@ class HeapSource(Source):
         self.event_type = header.structs["hp_event"]
         self.event_size = ctypes.sizeof(self.event_type)
         # python: each sample carries a block of Python frames between its header and its stack
-        self.py_frames = PY_FRAMES if python else 0
+        self.py_frames = PY_FRAMES if python and not reserve else 0
         self.py_frame_size = ctypes.sizeof(header.structs["py_frame"])
         self.py_head_size = ctypes.sizeof(header.structs["py_head"])
         self.stack_at = self.event_size + (self.py_head_size + self.py_frames * self.py_frame_size if python else 0)
         self.python: dict[int, Any] = {}  # pid -> the py_config written to hp_py
+        self.on_python = on_python if python else None  # on_python(pid, block): look_ahead
+        self._ahead = 0  # the ring position look_ahead has seen up to
+        self._ahead_at = 0.0
         self.kinds = {header.consts[f"HP_REC_{k}"]: k.lower() for k in ("SAMPLE", "EXEC", "FORK", "EXIT", "FREE")}
         self.images = images
         self.on_stack = on_stack
@@ -414,6 +434,9 @@ class HeapSource(Source):
         self.plans = {path: probe_plan(path, self.families.get(path, "glibc")) for path in self.libcs}
 
     def _attach(self) -> None:
+        if self.py_frames:  # the program that reads the frames, tail-called (bpf/heap.bpf.c)
+            program = uprobes.load_tail_program(self.bpf, "hp_py_output")
+            self.bpf[b"hp_progs"][ctypes.c_int(0)] = ctypes.c_int(program.fd)
         table = self.bpf[b"hp_lg"]
         for j, v in enumerate(log2_table(structs.header(PROGRAM).consts["HP_LG_BITS"])):
             table[ctypes.c_int(j)] = ctypes.c_uint32(v)
@@ -484,7 +507,10 @@ class HeapSource(Source):
         sample, free, base = self._sample_type, self._free_type, ring.data_addr
         on_free = self.on_free
         py_at = self.event_size if self.py_frames else -1
+        ahead = self.on_python is not None
         _, limit = ring.positions()
+        if ahead:
+            self.look_ahead()
         while True:
             cons = ring.positions()[0]
             if cons >= limit:
@@ -493,6 +519,8 @@ class HeapSource(Source):
             if after == cons:
                 return  # the first record is still being written
             for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
+                if ahead and result < 0 and time.monotonic() - self._ahead_at > LOOK_AHEAD_S:
+                    self.look_ahead()  # an unwind may be slow: Python's code objects first
                 if kind == free:
                     if on_free is not None:
                         on_free(sample_id)
@@ -502,6 +530,31 @@ class HeapSource(Source):
                 else:
                     self._record(base + off, length)
             ring.advance(after)
+
+    def look_ahead(self) -> None:
+        """Hand the Python block of every sample written since the last call to on_python(pid,
+        block), before the samples are unwound: the code objects they name are read while
+        they live (a backlog of samples to unwind can outlast them)."""
+        ring, on_python = self.ring, self.on_python
+        self._ahead_at = time.monotonic()
+        if ring is None or on_python is None:
+            return
+        cons, prod = ring.positions()
+        pos, data, mask = max(self._ahead, cons), ring.data_addr, ring.mask
+        sample, at = self._sample_type, self.event_size
+        while pos < prod:
+            record = data + (pos & mask)
+            flags = ctypes.c_uint32.from_address(record).value
+            if flags & _RB_BUSY:
+                break
+            length = flags & ~(_RB_BUSY | _RB_DISCARD)
+            pos += (length + 8 + 7) & ~7
+            if flags & _RB_DISCARD or length < self.stack_at:
+                continue
+            kind, pid = _KIND_PID.unpack(ctypes.string_at(record + 8, 8))
+            if kind == sample and ctypes.c_uint32.from_address(record + 8 + at).value:
+                on_python(pid, self._py_block(record + 8 + at))
+        self._ahead = pos
 
     def written(self) -> int:
         """The ring's producer position: every record reserved so far lies below it."""

@@ -196,6 +196,12 @@ class HeapProfile:
         return "pymtrace heap"
 
 
+def frame_label(frame: Frame) -> str:
+    """A frame's name in a flame graph: the function; a Python function with its file and
+    line, as py-spy names them ("leaf (/app/x.py:12)")."""
+    return f"{frame.function} ({frame.file}:{frame.line})" if frame.python else frame.function
+
+
 def frames_root_first(stack: Sequence[Location], symbolizer: FrameSource) -> list[Frame]:
     """STACK (leaf first, several frames per inlined pc) as frames from the root to the leaf."""
     frames: list[Frame] = []

@@ -89,6 +89,7 @@ class HeapSession:
             max_live=max_live,
             interposer=interposer,
             python=python_view != pyframes.NATIVE,
+            on_python=self._python_block,
         )
         self.via = self.source.via
         self.python = PythonStacks(self.source, self.symbolizer, python_view)
@@ -178,6 +179,9 @@ class HeapSession:
         if self.python.has(pid):
             self.source.drain()
 
+    def _python_block(self, pid: int, block: bytes) -> None:
+        self.python.look(pid, block)
+
     def _exec(self, pid: int) -> None:
         self.python.find(pid)
         self.processes.forget(pid)
@@ -250,6 +254,12 @@ class PythonStacks:
     def has(self, pid: int) -> bool:
         return pid in self.processes
 
+    def look(self, pid: int, block: bytes) -> None:
+        """A sample's block as soon as it is written: its code objects read (and remembered)."""
+        process = self.processes.get(pid)
+        if process is not None:
+            process.groups(block)
+
     def is_eval(self, loc: Location) -> bool:
         """Whether LOC is a frame of the evaluation loop (its outermost function's name)."""
         found = self._eval.get(loc)
@@ -298,6 +308,14 @@ class PythonStacks:
                     line += f", {unreadable} frames of unreadable code objects"
             out.append(line)
         return out
+
+    def problems(self) -> list[str]:
+        """One line per CPython process whose frames cannot be read: which, why."""
+        return [
+            f"pid {pid}: {interp.describe()}; native stacks only"
+            for pid, interp in sorted(self.found.items())
+            if interp.problem is not None
+        ]
 
     def close(self) -> None:
         for process in self.processes.values():

@@ -13,9 +13,13 @@ one evaluation loop runs differs per version (groups): 3.10 one frame each; 3.11
 down to one marked is_entry; 3.12 and 3.13 the frames above an entry frame the loop pushes
 (owner FRAME_OWNED_BY_CSTACK), which is no Python frame itself.
 
-A code object is named by its address: an address freed and reused by another code object in
-the same process keeps the first name (code objects of functions live as long as their
-module, the usual case).
+The BPF program keeps with each frame what names its code object (the addresses of its
+qualified name and file, its first line, the strings' hashes): a code object is read once per
+such identity, so an address freed and reused by another code object is read again. A code
+object gone before it was read (a module's body, freed after its import) is named from those
+strings if they are still the same (str_tags; a name the compiler gives, such as "<module>",
+from its tag alone), at its first line (its line table went with it); else it is "<unknown>". HeapSource hands every sample's block over as soon as it is in the
+ring (look_ahead), before the slower unwinding: code objects are read while they live.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from pymtrace.tracee.unwind import Frame, Location, Module
 
 PYTHON = Module("[python]", "")  # the module of every Python frame's Location
 EVAL_FUNCTION = "_PyEval_EvalFrameDefault"
-FRAME = struct.Struct("<QQ")  # bpf/pyframes.h py_frame: code | flag, instr
+# bpf/pyframes.h py_frame: code, instr, name, file, name_tag, file_tag, firstlineno, flag
+FRAME = struct.Struct("<QQQQQQII")
 HEAD = struct.Struct("<IIQ")  # py_head: count, status, tstate
 OWNED_BY_CSTACK = 3  # 3.12+: an evaluation loop's entry frame
 NONE, OK, NO_THREAD, TRUNCATED, FAULT = range(5)  # py_head.status (bpf/pyframes.h PY_STATUS_*)
@@ -136,6 +141,30 @@ def line_310(table: bytes, firstlineno: int, offset: int) -> int:
     return -1
 
 
+def str_tags(head: bytes, layout: Layout) -> tuple[int, int]:
+    """The identities a str object whose first bytes are HEAD may have been given at sample
+    time (bpf/pywalk.h py_tag: hash ^ first 8 bytes of ASCII data ^ length): with its hash
+    as it is now, and with -1, the hash of a str whose hash was computed since."""
+    (length,) = struct.unpack_from("<Q", head, layout.unicode_length)
+    (hash_,) = struct.unpack_from("<Q", head, layout.unicode_hash)
+    (first,) = struct.unpack_from("<Q", head, layout.unicode_ascii_size)
+    return hash_ ^ first ^ length, 0xFFFFFFFFFFFFFFFF ^ first ^ length
+
+
+def hashless_tag(text: str) -> int:
+    """py_tag of a str of TEXT (ASCII, at least 8 characters) whose hash is not computed."""
+    data = text.encode("ascii")
+    return 0xFFFFFFFFFFFFFFFF ^ int.from_bytes(data[:8], "little") ^ len(data)
+
+
+# The names the compiler gives code objects that often die right after they ran (a module's
+# body, a lambda, a comprehension in 3.10 and 3.11): their str objects die with them, yet the
+# tag of such a str whose hash was never computed tells which of these it was.
+COMPILER_NAMES = {
+    hashless_tag(name): name for name in ("<module>", "<lambda>", "<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
+}
+
+
 class CodeInfo:
     """What a code object says of itself: its name, file, first line, line table."""
 
@@ -165,7 +194,8 @@ class PythonProcess:
         self.minor = interp.version[1]
         self.table = table
         self.memory = Memory(pid)
-        self._codes: dict[int, CodeInfo | None] = {}
+        self._codes: dict[tuple[int, int, int, int], CodeInfo | None] = {}
+        self._strings: dict[int, str | None] = {}
         self._blocks: dict[bytes, tuple[tuple[Location, ...], ...]] = {}
         self.unreadable = 0  # frames whose code object could not be read
 
@@ -208,10 +238,40 @@ class PythonProcess:
         data = self.memory.read(address + lay.bytes_sval, size)
         return data if len(data) == size else None
 
-    def code(self, address: int) -> CodeInfo | None:
-        """The code object at ADDRESS, read once (None: not a code object, or unreadable)."""
-        if address in self._codes:
-            return self._codes[address]
+    def code(
+        self, address: int, name: int = 0, file: int = 0, firstlineno: int = 0, tags: tuple[int, int] = (0, 0)
+    ) -> CodeInfo | None:
+        """The code object at ADDRESS whose qualified name and file are the str objects at NAME
+        and FILE (of str_tag TAGS), first line FIRSTLINENO, as the BPF program saw it (NAME 0:
+        not seen), read once; from those strings alone when the object is gone and they are
+        not; None when neither can be read."""
+        key = (address, name, file, firstlineno)
+        if key in self._codes:
+            return self._codes[key]
+        info = self._read_code(address, name, file, firstlineno)
+        if info is None and name and file:
+            qualname = self._string(name, tags[0]) or COMPILER_NAMES.get(tags[0])
+            filename = self._string(file, tags[1])
+            if qualname is not None and filename is not None:
+                info = CodeInfo(qualname, filename, firstlineno, b"", 0)
+        if len(self._codes) >= self.MAX_CODES:
+            self._codes.clear()
+            self._strings.clear()
+        self._codes[key] = info
+        return info
+
+    def _string(self, address: int, tag: int | None = None) -> str | None:
+        """The str at ADDRESS (cached); with TAG, only if it is still the str of that str_tag."""
+        if tag is not None:
+            lay = self.layout
+            head = self.memory.read(address, lay.unicode_ascii_size + 8)
+            if len(head) != lay.unicode_ascii_size + 8 or tag not in str_tags(head, lay):
+                return None
+        if address not in self._strings:
+            self._strings[address] = self.string(address)
+        return self._strings[address]
+
+    def _read_code(self, address: int, name: int, file: int, firstlineno: int) -> CodeInfo | None:
         lay = self.layout
         fields = [lay.code_filename, lay.code_name, lay.code_linetable, lay.code_firstlineno, lay.object_type]
         if lay.code_qualname is not None:
@@ -223,16 +283,16 @@ class PythonProcess:
             def ptr(off: int) -> int:
                 return struct.unpack_from("<Q", head, off)[0]
 
-            name = self.string(ptr(lay.code_qualname if lay.code_qualname is not None else lay.code_name))
-            filename = self.string(ptr(lay.code_filename))
+            name_at = ptr(lay.code_qualname if lay.code_qualname is not None else lay.code_name)
+            file_at = ptr(lay.code_filename)
             (first,) = struct.unpack_from("<i", head, lay.code_firstlineno)
+            if name and (name_at, file_at, first) != (name, file, firstlineno):
+                return None  # another object now: the one sampled is gone
+            qualname, filename = self._string(name_at), self._string(file_at)
             table = self.bytes_object(ptr(lay.code_linetable)) or b""
             start = address + lay.code_adaptive if lay.code_adaptive is not None else 0
-            if name is not None and filename is not None:
-                info = CodeInfo(name, filename, first, table, start)
-        if len(self._codes) >= self.MAX_CODES:
-            self._codes.clear()
-        self._codes[address] = info
+            if qualname is not None and filename is not None:
+                info = CodeInfo(qualname, filename, first, table, start)
         return info
 
     def line(self, info: CodeInfo, instr: int) -> int:
@@ -269,14 +329,16 @@ class PythonProcess:
         groups: list[tuple[Location, ...]] = []
         current: list[Location] = []
         for i in range(count):
-            word, instr = FRAME.unpack_from(block, HEAD.size + i * FRAME.size)
-            flag, address = word & 7, word & ~7
+            address, instr, name, file, name_tag, file_tag, first, flag = FRAME.unpack_from(
+                block, HEAD.size + i * FRAME.size
+            )
+            flag &= 0xFF
             if self.minor >= 12 and flag == OWNED_BY_CSTACK:
                 if current:
                     groups.append(tuple(current))
                 current = []
                 continue
-            info = self.code(address)
+            info = self.code(address, name, file, first, (name_tag, file_tag))
             if info is None:
                 self.unreadable += 1
                 current.append(self.table.location(*UNKNOWN_CODE))

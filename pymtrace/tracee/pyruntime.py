@@ -61,6 +61,7 @@ class Layout:
     code_adaptive: int | None  # co_code_adaptive: the instructions (3.11+)
     unicode_state: int = 32
     unicode_length: int = 16
+    unicode_hash: int = 24  # PyASCIIObject.hash
     unicode_ascii_size: int = 40  # sizeof(PyASCIIObject): where an ASCII string's data starts
     unicode_compact_size: int = 56  # sizeof(PyCompactUnicodeObject): a non-ASCII one's
     bytes_size: int = 16
