@@ -127,13 +127,17 @@ static __always_inline void hp_python(struct py_head *head, struct py_frame *fra
 }
 #endif
 
+/* A Python process's record carries its thread's Python frames after the stack (at the next
+ * 8-byte boundary): a py_head, then py_frame[count] (bpf/pyframes.h), only those filled. */
+#if HP_PY_FRAMES
+#define HP_PY_BYTES (sizeof(struct py_head) + HP_PY_FRAMES * sizeof(struct py_frame))
+#else
+#define HP_PY_BYTES 0
+#endif
+
 struct hp_sample {
     struct hp_event h;
-#if HP_PY_FRAMES
-    struct py_head py; /* the Python frames (bpf/pywalk.h), between the header and the stack */
-    struct py_frame pyf[HP_PY_FRAMES];
-#endif
-    u8 stack[HP_STACK_PAGES * HP_PAGE];
+    u8 stack[HP_STACK_PAGES * HP_PAGE + HP_PY_BYTES];
 };
 #define HP_STACK_AT offsetof(struct hp_sample, stack)
 
@@ -287,15 +291,16 @@ static __always_inline void hp_fill(struct hp_event *h, struct pt_regs *ctx, u64
 }
 
 #if !HP_RESERVE
-/* Write the record of sample SAMPLE_ID of thread ID from its slot S; 0 if it was lost. */
-static __always_inline int hp_output(struct hp_sample *s, u64 id, u64 sample_id) {
+/* Write the record of sample SAMPLE_ID of thread ID from its slot S, EXTRA bytes after its
+ * stack (a Python block: at the stack's 8-byte aligned end); 0 if it was lost. */
+static __always_inline int hp_output(struct hp_sample *s, u64 id, u64 sample_id, u32 extra) {
     /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
      * shared per CPU): the slot holds a mix; drop it, counted. */
     if (s->h.id != sample_id || s->h.tid != (u32)id) {
         hp_lost_inc(HP_LOST_SLOT_BUSY);
         return 0;
     }
-    u64 out = HP_STACK_AT + s->h.stack_len;
+    u64 out = HP_STACK_AT + (extra ? ((s->h.stack_len + 7) & ~7) + extra : s->h.stack_len);
     if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
     if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
         hp_lost_inc(HP_LOST_RINGBUF);
@@ -334,9 +339,6 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     hp_fill(&s->h, ctx, id, call, size, sample_id);
     s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
 #if HP_PY_FRAMES
-    s->py.count = 0;
-    s->py.status = PY_STATUS_NONE;
-    s->py.tstate = 0;
     u32 tgid = id >> 32;
     if (hp_py.lookup(&tgid)) { /* a Python process: hp_py_flush has the record written */
         int zero = 0;
@@ -347,7 +349,7 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
         }
     }
 #endif
-    return hp_output(s, id, sample_id) ? sample_id : 0;
+    return hp_output(s, id, sample_id, 0) ? sample_id : 0;
 #endif
 }
 
@@ -388,7 +390,7 @@ static __always_inline void hp_py_flush(struct pt_regs *ctx) {
     *job = 0;
     u32 cpu = bpf_get_smp_processor_id();
     struct hp_sample *s = hp_scratch.lookup(&cpu);
-    if (s) hp_output(s, bpf_get_current_pid_tgid(), sample_id);
+    if (s) hp_output(s, bpf_get_current_pid_tgid(), sample_id, 0);
 #endif
 }
 
@@ -408,8 +410,15 @@ int hp_py_output(struct pt_regs *ctx) {
         hp_lost_inc(HP_LOST_SLOT_BUSY);
         return 0;
     }
-    hp_python(&s->py, s->pyf, id);
-    hp_output(s, id, sample_id);
+    u64 at = s->h.stack_len;
+    at = (at + 7) & ~7ull;
+    if (at > HP_STACK_PAGES * HP_PAGE) return 0;
+    asm volatile("" : "+r"(at)); /* the bounded register is the one used below */
+    struct py_head *head = (struct py_head *)(s->stack + at);
+    hp_python(head, (struct py_frame *)(s->stack + at + sizeof(struct py_head)), id);
+    u32 count = head->count;
+    if (count > HP_PY_FRAMES) count = HP_PY_FRAMES;
+    hp_output(s, id, sample_id, sizeof(struct py_head) + count * sizeof(struct py_frame));
     return 0;
 }
 #endif

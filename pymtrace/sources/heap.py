@@ -32,12 +32,14 @@ size, ts_ns) with no unwinding and no HeapSample; the others to on_sample(HeapSa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
 import os
 import select
 import struct
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -47,6 +49,7 @@ from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources import interposer as interposer_lib
 from pymtrace.sources.base import Source, attach_plan, lost_counts, lost_names
 from pymtrace.sources.heapsites import InterposerSites
+from pymtrace.stopping import stop_deferred
 from pymtrace.tracee import allocators, elf, launch, libc, mallocapi, probesite, proc, pyruntime
 from pymtrace.tracee.unwind import Location, ProcessImages, RingScanner
 
@@ -321,11 +324,12 @@ class HeapSource(Source):
         self.calls = {v: k[len("CALL_") :].lower() for k, v in header.consts.items() if k.startswith("CALL_")}
         self.event_type = header.structs["hp_event"]
         self.event_size = ctypes.sizeof(self.event_type)
-        # python: each sample carries a block of Python frames between its header and its stack
+        # python: a Python process's sample carries its Python frames after its stack
         self.py_frames = PY_FRAMES if python and not reserve else 0
         self.py_frame_size = ctypes.sizeof(header.structs["py_frame"])
         self.py_head_size = ctypes.sizeof(header.structs["py_head"])
-        self.stack_at = self.event_size + (self.py_head_size + self.py_frames * self.py_frame_size if python else 0)
+        self.stack_at = self.event_size
+        self._stack_len_at = self.event_type.stack_len.offset
         self.python: dict[int, Any] = {}  # pid -> the py_config written to hp_py
         self.on_python = on_python if python else None  # on_python(pid, block): look_ahead
         self._ahead = 0  # the ring position look_ahead has seen up to
@@ -506,8 +510,9 @@ class HeapSource(Source):
         on_stack = self.on_stack if self.images is not None else None
         sample, free, base = self._sample_type, self._free_type, ring.data_addr
         on_free = self.on_free
-        py_at = self.event_size if self.py_frames else -1
+        python = self.py_frames > 0
         ahead = self.on_python is not None
+        main = threading.current_thread() is threading.main_thread()
         _, limit = ring.positions()
         if ahead:
             self.look_ahead()
@@ -515,21 +520,24 @@ class HeapSource(Source):
             cons = ring.positions()[0]
             if cons >= limit:
                 return
-            rows, after = scanner.scan(cons, limit, images)
-            if after == cons:
-                return  # the first record is still being written
-            for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
-                if ahead and result < 0 and time.monotonic() - self._ahead_at > LOOK_AHEAD_S:
-                    self.look_ahead()  # an unwind may be slow: Python's code objects first
-                if kind == free:
-                    if on_free is not None:
-                        on_free(sample_id)
-                elif kind == sample and result >= 0 and on_stack is not None:
-                    py = self._py_block(base + off + py_at) if py_at >= 0 else None
-                    on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts, py)
-                else:
-                    self._record(base + off, length)
-            ring.advance(after)
+            # a stop (Ctrl-C, raised in the main thread) waits for the batch's end: one cut
+            # short would be handed over again by the next drain (its samples counted twice)
+            with stop_deferred() if main else contextlib.nullcontext():
+                rows, after = scanner.scan(cons, limit, images)
+                if after == cons:
+                    return  # the first record is still being written
+                for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
+                    if ahead and result < 0 and time.monotonic() - self._ahead_at > LOOK_AHEAD_S:
+                        self.look_ahead()  # an unwind may be slow: Python's code objects first
+                    if kind == free:
+                        if on_free is not None:
+                            on_free(sample_id)
+                    elif kind == sample and result >= 0 and on_stack is not None:
+                        py = self._py_block(base + off, length) if python else None
+                        on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts, py)
+                    else:
+                        self._record(base + off, length)
+                ring.advance(after)
 
     def look_ahead(self) -> None:
         """Hand the Python block of every sample written since the last call to on_python(pid,
@@ -541,7 +549,7 @@ class HeapSource(Source):
             return
         cons, prod = ring.positions()
         pos, data, mask = max(self._ahead, cons), ring.data_addr, ring.mask
-        sample, at = self._sample_type, self.event_size
+        sample = self._sample_type
         while pos < prod:
             record = data + (pos & mask)
             flags = ctypes.c_uint32.from_address(record).value
@@ -552,8 +560,10 @@ class HeapSource(Source):
             if flags & _RB_DISCARD or length < self.stack_at:
                 continue
             kind, pid = _KIND_PID.unpack(ctypes.string_at(record + 8, 8))
-            if kind == sample and ctypes.c_uint32.from_address(record + 8 + at).value:
-                on_python(pid, self._py_block(record + 8 + at))
+            if kind == sample:
+                block = self._py_block(record + 8, length)
+                if block is not None and len(block) > self.py_head_size:
+                    on_python(pid, block)
         self._ahead = pos
 
     def written(self) -> int:
@@ -572,8 +582,8 @@ class HeapSource(Source):
             if self.on_sample is not None:
                 stack_len = max(min(ev.stack_len, size - self.stack_at), 0)
                 sample = self.decode_sample(ev, data + self.stack_at, stack_len)
-                if self.py_frames and size >= self.stack_at:
-                    sample.py = self._py_block(data + self.event_size)
+                if self.py_frames:
+                    sample.py = self._py_block(data, size)
                 self.on_sample(sample)
         elif kind == "exec":
             self._set_top(ev.pid)
@@ -595,10 +605,17 @@ class HeapSource(Source):
             if self.on_exit is not None:
                 self.on_exit(ev.pid)
 
-    def _py_block(self, address: int) -> bytes:
-        """A sample's Python block at ADDRESS: its head and the frames filled."""
-        count = min(ctypes.c_uint32.from_address(address).value, self.py_frames)
-        return ctypes.string_at(address, self.py_head_size + count * self.py_frame_size)
+    def _py_block(self, record: int, length: int) -> bytes | None:
+        """The Python block (bpf/pyframes.h: its head and the frames filled) of the sample record
+        of LENGTH bytes at RECORD: after its stack, at an 8-byte boundary; None if it has none."""
+        stack_len = ctypes.c_uint32.from_address(record + self._stack_len_at).value
+        at = self.stack_at + ((stack_len + 7) & ~7)
+        if length < at + self.py_head_size:
+            return None
+        count = min(
+            ctypes.c_uint32.from_address(record + at).value, (length - at - self.py_head_size) // self.py_frame_size
+        )
+        return ctypes.string_at(record + at, self.py_head_size + count * self.py_frame_size)
 
     def set_python(self, pid: int, config: Any | None) -> None:
         """Have the BPF program read PID's Python frames as CONFIG (a py_config) says, or not

@@ -284,7 +284,7 @@ class PythonStacks:
         hit = self._memo.get(key)
         if hit is not None and hit[0] is native:
             return hit[1]
-        merged = pyframes.merge(native, groups, self.is_eval, self.view)
+        merged = pyframes.merge(native, groups, self.is_eval, self.view, process.is_interpreter)
         if len(self._memo) >= self.MEMO:
             self._memo.clear()
         self._memo[key] = (native, merged)  # the key's stack kept alive, so its id is not reused

@@ -8,7 +8,8 @@ index in a PythonFrames table (one per run, all processes): the writers name it 
 Symbolizer like any other Location (Frame.python set).
 
 Merged stacks (merge): each native `_PyEval_EvalFrameDefault` frame is replaced by the Python
-frames it was running, native frames of C extensions stay where they are. Which Python frames
+frames it was running, native frames of C extensions stay where they are, the interpreter's
+own frames between Python calls go. Which Python frames
 one evaluation loop runs differs per version (groups): 3.10 one frame each; 3.11 the frames
 down to one marked is_entry; 3.12 and 3.13 the frames above an entry frame the loop pushes
 (owner FRAME_OWNED_BY_CSTACK), which is no Python frame itself.
@@ -202,6 +203,10 @@ class PythonProcess:
     def close(self) -> None:
         self.memory.close()
 
+    def is_interpreter(self, loc: Location) -> bool:
+        """Whether LOC is code of the interpreter's own file (libpython or the executable)."""
+        return loc[0].path == self.interp.path
+
     # -- objects in the process
     def _object(self, address: int, type_address: int, length: int) -> bytes | None:
         data = self.memory.read(address, length)
@@ -344,7 +349,7 @@ class PythonProcess:
                 current.append(self.table.location(*UNKNOWN_CODE))
             elif info.filename != "<shim>":  # 3.13's frame that runs a class's __init__ call
                 current.append(self.table.location(info.qualname, info.filename, self.line(info, instr)))
-            if self.minor == 11 and flag:  # is_entry: the outermost frame of its loop
+            if self.minor == 10 or (self.minor == 11 and flag):  # 3.10: a loop per frame; 3.11: is_entry
                 groups.append(tuple(current))
                 current = []
         if current:
@@ -357,24 +362,33 @@ def merge(
     groups: Sequence[tuple[Location, ...]],
     is_eval: Callable[[Location], bool],
     view: str = MERGED,
+    is_interpreter: Callable[[Location], bool] | None = None,
 ) -> tuple[Location, ...]:
-    """The stack of a sample in VIEW, leaf first: MERGED, each native frame IS_EVAL says runs
+    """The stack of a sample in VIEW, leaf first. MERGED: each native frame IS_EVAL says runs
     the evaluation loop replaced by its group of Python frames (in order from the leaf; groups
     left over when the native stack was cut short go to its root end, loops left over keep
-    their native frame); PYTHON_ONLY the Python frames alone; NATIVE the native stack. A
-    sample without Python frames keeps its native stack in every view."""
+    their native frame); rootward of the innermost Python frame, the interpreter's own native
+    frames (IS_INTERPRETER: its call machinery between Python calls, its start-up) are left
+    out, as py-spy and pystack show them, and those of other files (C extensions, libc) stay;
+    leafward of it every native frame stays (what the Python line allocated through).
+    PYTHON_ONLY: the Python frames alone. NATIVE: the native stack. A sample without Python
+    frames keeps its native stack in every view."""
     if view == NATIVE or not groups:
         return tuple(native)
     if view == PYTHON_ONLY:
         return tuple(loc for group in groups for loc in group)
     out: list[Location] = []
     left = iter(groups)
+    inside = False  # rootward of the innermost Python frame
     for loc in native:
         if is_eval(loc):
             group = next(left, None)
             if group is not None:
                 out.extend(group)
+                inside = True
                 continue
+        if inside and is_interpreter is not None and is_interpreter(loc):
+            continue
         out.append(loc)
     for group in left:
         out.extend(group)

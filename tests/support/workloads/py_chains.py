@@ -1,11 +1,13 @@
 """Python allocations through known call chains, for heap's Python frames (tests/live/
 test_heap_python.py, tests/support/pychains.py). Runs on CPython 3.10-3.13, standard library only.
 
-    python py_chains.py [wait]
+    python py_chains.py [wait | sizes]
 
-Prints one JSON line, the bytes each chain allocates as the interpreter itself sizes them,
-then (with `wait`: after a line on stdin) runs the chains, prints "done" and (with `wait`)
-exits at the end of stdin. Every allocation counted is larger than pymalloc's 512 bytes, so
+Prints one JSON line, the bytes each chain allocates as the interpreter itself sizes them
+(`sizes`: nothing else), then (with `wait`: after a line on stdin) runs the chains, prints
+"done" and exits: with `wait` at the end of stdin, normally; else at once with os._exit, so
+that the leak is still in use when the process ends (a normal exit's finalization would
+free the module's globals). Every allocation counted is larger than pymalloc's 512 bytes, so
 it is a malloc of exactly that size. The lines that allocate carry `# at: NAME` comments:
 the tests find their line numbers there. No comprehensions: 3.10 and 3.11 run them as frames
 of their own.
@@ -14,6 +16,7 @@ of their own.
 import asyncio
 import ctypes
 import json
+import os
 import sys
 import threading
 
@@ -124,18 +127,22 @@ def expected():
 def main():
     wait = sys.argv[1:] == ["wait"]
     print(json.dumps(expected()), flush=True)
+    if sys.argv[1:] == ["sizes"]:
+        return
     if wait:
         sys.stdin.readline()
-    alpha()
-    through_c()
+    alpha()  # at: main_alpha
+    through_c()  # at: main_c
     thread = threading.Thread(target=worker, name="pychains-worker")
     thread.start()
     thread.join()
-    asyncio.run(async_main())
+    asyncio.run(async_main())  # at: main_async
     print("done", flush=True)
     if wait:
         sys.stdin.read()
+    else:
+        os._exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    main()  # at: main
