@@ -510,8 +510,8 @@ class HeapSource(Source):
         on_stack = self.on_stack if self.images is not None else None
         sample, free, base = self._sample_type, self._free_type, ring.data_addr
         on_free = self.on_free
-        python = self.py_frames > 0
-        ahead = self.on_python is not None
+        pythons = self.python  # the processes whose records carry Python frames
+        ahead = bool(pythons) and self.on_python is not None
         main = threading.current_thread() is threading.main_thread()
         _, limit = ring.positions()
         if ahead:
@@ -533,7 +533,7 @@ class HeapSource(Source):
                         if on_free is not None:
                             on_free(sample_id)
                     elif kind == sample and result >= 0 and on_stack is not None:
-                        py = self._py_block(base + off, length) if python else None
+                        py = self._py_block(base + off, length) if pid in pythons else None
                         on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts, py)
                     else:
                         self._record(base + off, length)
@@ -560,7 +560,7 @@ class HeapSource(Source):
             if flags & _RB_DISCARD or length < self.stack_at:
                 continue
             kind, pid = _KIND_PID.unpack(ctypes.string_at(record + 8, 8))
-            if kind == sample:
+            if kind == sample and pid in self.python:
                 block = self._py_block(record + 8, length)
                 if block is not None and len(block) > self.py_head_size:
                     on_python(pid, block)
@@ -582,7 +582,7 @@ class HeapSource(Source):
             if self.on_sample is not None:
                 stack_len = max(min(ev.stack_len, size - self.stack_at), 0)
                 sample = self.decode_sample(ev, data + self.stack_at, stack_len)
-                if self.py_frames:
+                if ev.pid in self.python:
                     sample.py = self._py_block(data, size)
                 self.on_sample(sample)
         elif kind == "exec":

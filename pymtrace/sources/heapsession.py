@@ -249,7 +249,8 @@ class PythonStacks:
         try:
             self.processes[child] = pyframes.PythonProcess(child, interp, self.table)
         except (ProcessGone, PymtraceError):
-            pass
+            return
+        self.source.set_python(child, python_config(interp))
 
     def has(self, pid: int) -> bool:
         return pid in self.processes
