@@ -458,6 +458,18 @@ int hp_calloc_entry(struct pt_regs *ctx) {
     return hp_entry(ctx, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0);
 }
 
+/* The interpreter's allocators (heap --python-allocators: PyObject_Malloc, PyMem_Malloc, ...
+ * and their domain functions): outer calls, as a large block is pymalloc's malloc call, which
+ * is then not sampled again. Their realloc and free have glibc's arguments: hp_realloc_entry,
+ * hp_free_entry. */
+int hp_py_malloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 1);
+}
+
+int hp_py_calloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 1);
+}
+
 int hp_realloc_entry(struct pt_regs *ctx) {
     return hp_entry(ctx, CALL_REALLOC, PT_REGS_PARM2(ctx), PT_REGS_PARM1(ctx), 1);
 }

@@ -152,6 +152,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Python frames only for Python processes (samples outside Python keep their native stack)",
     )
+    parser.add_argument(
+        "--python-allocators",
+        action="store_true",
+        help="in Python processes, sample the interpreter's allocators too (PyObject_Malloc, PyMem_Malloc, ...): "
+        "the objects pymalloc serves from its arenas, not only its calls to malloc (through uprobes: every call traps)",
+    )
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if samples were lost")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch CMD and sample it")
@@ -194,8 +200,12 @@ def run(args: argparse.Namespace) -> int:
 
     launched = lib = None
     why = "--via uprobes" if args.via == UPROBES else None  # why a launched command is not preloaded
+    if args.python_allocators and args.via == INTERPOSER:
+        raise PymtraceError("--python-allocators samples through uprobes: not with --via interposer")
+    if args.python_allocators and why is None:
+        why = "--python-allocators: the interpreter's allocators are sampled by uprobes"
     if cmd:
-        if args.via != UPROBES:
+        if why is None:
             why = interposer.not_preloadable(cmd)
             lib = interposer.library() if why is None else None
         env = None
@@ -232,13 +242,14 @@ def run(args: argparse.Namespace) -> int:
             max_live=args.max_live,
             interposer=lib,
             python_view=python_view(args),
+            python_allocators=args.python_allocators,
         )
         if launched is not None and why is not None:
             session.via[launched.pid] = (UPROBES, why)
         try:
             session.attach()
         except PymtraceError as exc:
-            if launched is None or why is None or why.startswith("--via"):
+            if launched is None or why is None or why.startswith("--"):
                 raise
             raise PymtraceError(f"{exc} (and no interposer: {why})") from None
         if launched is not None:

@@ -176,6 +176,40 @@ def probe_plan(path: str, family: str = "glibc") -> list[tuple[str, list[tuple[s
     return plan
 
 
+# The interpreter's allocators (--python-allocators), with the programs that sample them: the
+# API, and the domain functions it calls through its allocator table (_PyObject, _PyMem),
+# where the file keeps their local symbols (also called directly, and kept whole by LTO).
+PY_ALLOCATORS = tuple(
+    (f"{api}_{call}", program)
+    for api in ("PyObject", "PyMem", "_PyObject")
+    for call, program in (
+        ("Malloc", "hp_py_malloc_entry"),
+        ("Calloc", "hp_py_calloc_entry"),
+        ("Realloc", "hp_realloc_entry"),
+        ("Free", "hp_free_entry"),
+    )
+)
+
+
+def python_allocator_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """heap --python-allocators' uprobes on the interpreter's file at PATH, as probe_plan's:
+    each of PY_ALLOCATORS it defines (once per address), frees where probesite finds an
+    emulated instruction. Empty when it defines none."""
+    syms = elf.symbols(path)
+    plan, done = [], set()
+    for name, program in PY_ALLOCATORS:
+        sym = syms.get(name)
+        if sym is None or sym.address in done:
+            continue
+        done.add(sym.address)
+        if program == "hp_free_entry":
+            sites = probesite.sites(path, name)
+            plan.append((name, [("entry", off, program) for off in (sites.offset, *sites.side_paths)]))
+        else:
+            plan.append((name, [("entry", 0, program), ("return", 0, "hp_return")]))
+    return plan
+
+
 def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page: int, header: int) -> int:
     """Ring-buffer pages (a power of two): 16 MiB at a sampling rate; 64 MiB with every call
     sampled, and with RESERVE (each record takes the largest size) room for RING_RECORDS."""
@@ -331,6 +365,7 @@ class HeapSource(Source):
         self.stack_at = self.event_size
         self._stack_len_at = self.event_type.stack_len.offset
         self.python: dict[int, Any] = {}  # pid -> the py_config written to hp_py
+        self.py_allocators: dict[str, list[int]] = {}  # interpreter file -> [pid] (--python-allocators)
         self.on_python = on_python if python else None  # on_python(pid, block): look_ahead
         self._ahead = 0  # the ring position look_ahead has seen up to
         self._ahead_at = 0.0
@@ -474,6 +509,10 @@ class HeapSource(Source):
         for pid in self.pids:
             if self.via[pid][0] == INTERPOSER:
                 self.sites.attach(self.bpf, -1 if self.follow_forks else pid)
+        for path, pids in list(self.py_allocators.items()):
+            self.py_allocators[path] = []
+            for pid in pids:
+                self.probe_python_allocators(pid, path)
         for pid in self.pids:  # gone while we attached: its probes would wait for nothing
             if not proc.alive(pid):
                 raise ProcessGone(pid)
@@ -488,6 +527,25 @@ class HeapSource(Source):
             return
         if top:
             self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
+
+    def probe_python_allocators(self, pid: int, path: str) -> None:
+        """Sample PID's interpreter allocators too (PY_ALLOCATORS in PATH, the file defining
+        its interpreter): now if attached, else with the other probes. Once per file (every
+        process, filtered in BPF, when following forks). PID traced through the interposer:
+        nothing (its programs ignore the uprobes')."""
+        if self.via.get(pid, (UPROBES,))[0] == INTERPOSER:
+            return
+        who = -1 if self.follow_forks else pid
+        pids = self.py_allocators.setdefault(path, [])
+        if who in pids or -1 in pids:
+            return
+        pids.append(who)
+        if self.bpf is None:
+            return
+        if path not in self.plans:
+            self.plans[path] = python_allocator_plan(path)
+        for kinds in (("return",), ("entry",)):
+            self._attach_libc(path, who, kinds)
 
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
         self.attached += attach_plan(self.bpf, path, pid, self.plans[path], kinds)

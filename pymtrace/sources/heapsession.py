@@ -67,6 +67,7 @@ class HeapSession:
         max_live: int | None = None,
         interposer: str | None = None,
         python_view: str = pyframes.MERGED,
+        python_allocators: bool = False,
     ) -> None:
         self.pids = sorted(set(pids))
         self.profile = HeapProfile(sample_bytes, meta)
@@ -92,7 +93,7 @@ class HeapSession:
             on_python=self._python_block,
         )
         self.via = self.source.via
-        self.python = PythonStacks(self.source, self.symbolizer, python_view)
+        self.python = PythonStacks(self.source, self.symbolizer, python_view, python_allocators)
         self.interposed = InterposerStacks(interposer, self.processes) if interposer else None
 
     # -- lifecycle
@@ -205,14 +206,16 @@ class PythonStacks:
 
     MEMO = 65536  # merged stacks remembered (then forgotten and merged again)
 
-    def __init__(self, source: HeapSource, symbolizer: Symbolizer, view: str) -> None:
+    def __init__(self, source: HeapSource, symbolizer: Symbolizer, view: str, allocators: bool = False) -> None:
         self.source = source
         self.view = view
+        self.allocators = allocators  # sample the interpreter's allocators too (HeapSource)
         self.symbolizer = symbolizer
         self.table = pyframes.PythonFrames()
         symbolizer.add_source(pyframes.PYTHON, self.table)
         self.processes: dict[int, pyframes.PythonProcess] = {}
         self.found: dict[int, pyruntime.Interpreter] = {}
+        self.notes: dict[int, str] = {}  # pid -> what --python-allocators cannot see there
         self.samples: dict[int, list[int]] = {}  # pid -> [samples, with frames, truncated]
         self._eval: dict[Location, bool] = {}
         self._memo: dict[tuple[int, bytes], tuple[tuple[Location, ...], tuple[Location, ...]]] = {}
@@ -223,12 +226,23 @@ class PythonStacks:
         if old is not None:
             old.close()
         self.found.pop(pid, None)
-        if self.view == pyframes.NATIVE:
+        if self.view == pyframes.NATIVE and not self.allocators:
             return
         try:
             interp = pyruntime.find(pid)
         except (ProcessGone, PymtraceError):
             interp = None
+        if interp is not None and self.allocators:
+            local = libc.host_path(pid, interp.path)
+            self.source.probe_python_allocators(pid, local)
+            if "_PyObject_Malloc" not in elf.symbols(local):
+                self.notes[pid] = (
+                    f"--python-allocators: {os.path.basename(interp.path)} has no _PyObject_Malloc "
+                    "symbol (stripped): its calls of PyObject_Malloc and PyMem_Malloc are sampled, "
+                    "not those the compiler inlined (most, in a build with LTO)"
+                )
+        if self.view == pyframes.NATIVE:
+            return
         config = None
         if interp is not None:
             self.found[pid] = interp
@@ -308,15 +322,17 @@ class PythonStacks:
                 if unreadable:
                     line += f", {unreadable} frames of unreadable code objects"
             out.append(line)
-        return out
+        return out + [f"pid {pid}: {note}" for pid, note in sorted(self.notes.items())]
 
     def problems(self) -> list[str]:
-        """One line per CPython process whose frames cannot be read: which, why."""
-        return [
+        """One line per CPython process whose frames cannot be read (which, why), or whose
+        allocators --python-allocators cannot all see."""
+        lines = [
             f"pid {pid}: {interp.describe()}; native stacks only"
             for pid, interp in sorted(self.found.items())
             if interp.problem is not None
         ]
+        return lines + [f"pid {pid}: {note}" for pid, note in sorted(self.notes.items())]
 
     def close(self) -> None:
         for process in self.processes.values():

@@ -4,8 +4,10 @@ workload's own chains (workloads/py_chains.py: the bytes each allocates as the i
 sizes them, one chain through libc's qsort calling back into Python, a thread, an asyncio
 task), launched with -- CMD and attached with -p while it runs; every format; the views."""
 
+import glob
 import gzip
 import json
+import os
 import re
 import subprocess
 import time
@@ -13,9 +15,10 @@ import time
 import pytest
 from support import pychains
 from support.cli import PYMTRACE, run_pymtrace
-from support.pychains import CHAINS, PYTHON_ONLY, WORKLOAD, folded, total
+from support.pychains import CHAINS, OBJECTS, PYTHON_ONLY, WORKLOAD, folded, total
 
 from pymtrace.sinks import profile_pb2
+from pymtrace.tracee import elf
 
 pytestmark = pytest.mark.bpf
 
@@ -99,7 +102,36 @@ def test_attached_every_chain_exact(python, tmp_path):
     sizes, err = heap_by_pid(python, out, "--sample-bytes", "1")
     assert re.search(r"python: pid \d+: CPython 3\.\d+\.\d+ \(\S+\), layout from (table|_Py_DebugOffsets)", err)
     profile = read_pprof(out)
-    check_chains(folded_from_pprof(profile, "alloc_space"), folded_from_pprof(profile, "inuse_space"), sizes)
+    alloc = folded_from_pprof(profile, "alloc_space")
+    check_chains(alloc, folded_from_pprof(profile, "inuse_space"), sizes)
+    assert total(alloc, OBJECTS) == 0  # pymalloc's objects: no malloc call
+
+
+def test_python_allocators_see_pymalloc_objects(python, tmp_path):
+    """--python-allocators: the object() instances pymalloc serves from its arenas, every one
+    on its line, counted once (PyObject_Malloc and the domain function it calls are one call);
+    a large object's malloc call is its PyObject_Malloc's, not counted twice."""
+    out = tmp_path / "objects.pb.gz"
+    sizes, err = heap_by_pid(python, out, "--python-allocators", "--sample-bytes", "1")
+    interp = os.path.realpath(python)
+    libpython = glob.glob(os.path.join(os.path.dirname(os.path.dirname(interp)), "lib", "libpython3*.so.1.0"))
+    if "_PyObject_Malloc" not in elf.symbols(libpython[0] if libpython else interp):
+        # a stripped interpreter (Debian's, built with LTO: most calls inlined) says so
+        assert re.search(r"--python-allocators: \S+ has no _PyObject_Malloc symbol", err), err
+        return
+    profile = read_pprof(out)
+    alloc = folded_from_pprof(profile, "alloc_space")
+    assert total(folded_from_pprof(profile, "alloc_objects"), OBJECTS) == sizes["objects_count"]
+    assert total(alloc, OBJECTS) == sizes["objects"]
+    assert total(alloc, CHAINS["bytes_a"]) == 0  # its leaf is now the interpreter's allocator
+    leaf_a = CHAINS["bytes_a"].removesuffix(f"{pychains.NATIVE};{pychains.MALLOC}") + pychains.NATIVE
+    assert total(alloc, leaf_a) == sizes["bytes_a"]
+
+
+def test_python_allocators_options(tmp_path):
+    proc = run_pymtrace("heap", "--python-allocators", "--via", "interposer", "-o", tmp_path / "x", "--", "true")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "--python-allocators" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def read_pprof(path):

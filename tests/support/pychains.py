@@ -106,6 +106,8 @@ CHAINS = {
     "async": f"{ROOT};{frame('main', 'main_async')};.*;{frame('task_outer', 'task_outer')};{frame('async_leaf', 'async')}",
 }
 CHAINS = {name: f"{chain}{NATIVE};{MALLOC}" for name, chain in CHAINS.items()}
+# object() instances: pymalloc's, seen with --python-allocators (its allocator, not malloc, the leaf)
+OBJECTS = f"{ROOT};{frame('main', 'main_objects')};{frame('leaf_objects', 'objects')}{NATIVE}"
 # --python-only: the same chains without native frames
 PYTHON_ONLY = {
     "bytes_a": ";".join(

@@ -27,13 +27,14 @@ SIZE_LEAK = 70_000  # leaf_leak: a bytes object, kept
 SIZE_C, COUNT_C = 30_000, 5  # callback_leaf, called by libc's qsort through ctypes, freed
 SIZE_T, COUNT_T = 20_000, 7  # thread_leaf in a thread, freed
 SIZE_ASYNC, COUNT_ASYNC = 10_000, 3  # async_leaf in an asyncio task, freed
+N_OBJECTS = 20_000  # leaf_objects: object() instances, from pymalloc's arenas (no malloc call)
 KEEP = []  # the leak: held to the end
 
 
 def leaf_a():
-    out = []
-    for _ in range(COUNT_A):
-        out.append(b"\x01" * SIZE_A)  # at: bytes_a
+    out = [None] * COUNT_A
+    for i in range(COUNT_A):
+        out[i] = b"\x01" * SIZE_A  # at: bytes_a
     return len(out)
 
 
@@ -61,6 +62,13 @@ def gamma():
 def alpha():
     beta()  # at: alpha_beta
     gamma()  # at: alpha_gamma
+
+
+def leaf_objects():
+    keep = [None] * N_OBJECTS
+    for i in range(N_OBJECTS):
+        keep[i] = object()  # at: objects
+    return keep
 
 
 def callback_leaf():
@@ -120,6 +128,8 @@ def expected():
         "callback": COUNT_C * sys.getsizeof(b"\x03" * SIZE_C),
         "thread": COUNT_T * sys.getsizeof(b"\x04" * SIZE_T),
         "async": COUNT_ASYNC * sys.getsizeof(b"\x05" * SIZE_ASYNC),
+        "objects": N_OBJECTS * object().__sizeof__(),
+        "objects_count": N_OBJECTS,
         "version": list(sys.version_info[:3]),
     }
 
@@ -132,6 +142,7 @@ def main():
     if wait:
         sys.stdin.readline()
     alpha()  # at: main_alpha
+    leaf_objects()  # at: main_objects
     through_c()  # at: main_c
     thread = threading.Thread(target=worker, name="pychains-worker")
     thread.start()
