@@ -217,3 +217,28 @@ def test_non_python_process_says_nothing_of_python(tmp_path):
     out = tmp_path / "sh.folded"
     proc = heap(out, "--sample-bytes", "1", cmd=("/bin/sh", "-c", "echo hi >/dev/null"))
     assert "python:" not in proc.stderr and "CPython" not in proc.stderr
+
+
+def test_top_stacks_sites_are_python_lines(one_python):
+    """top --stacks on a Python process: a call site is the innermost Python frame (the line
+    that allocated), its stacks have the Python frames merged in, with files and lines."""
+    target = subprocess.Popen([one_python, str(WORKLOAD), "loop"], stdout=subprocess.PIPE)
+    try:
+        target.stdout.readline()
+        proc = run_pymtrace(
+            "top", "--stacks", "--stack-sample-bytes", "1", "-p", target.pid, "--json", "-n", "2",
+            "--view", "stacks", timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    finally:
+        target.kill()
+        target.wait()
+    rows = json.loads(proc.stdout.splitlines()[-1])["views"]["stacks"]["rows"]
+    sites = {(r["site"], r["module"]) for r in rows}
+    assert {("leaf_a", "[python]"), ("leaf_list", "[python]")} <= sites, sites
+    row = next(r for r in rows if r["site"] == "leaf_a")
+    frames = row["stacks"][0]["frames"]
+    python = [(f["function"], f["line"]) for f in frames if f["module"] == "[python]"]
+    lines = pychains.lines()
+    assert python[-3:] == [("alpha", lines["alpha_beta"]), ("beta", lines["beta_a"]), ("leaf_a", lines["bytes_a"])]
+    assert all(f["file"] == str(WORKLOAD) for f in frames if f["function"] in ("alpha", "beta", "leaf_a"))

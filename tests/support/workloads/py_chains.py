@@ -1,16 +1,17 @@
 """Python allocations through known call chains, for heap's Python frames (tests/live/
 test_heap_python.py, tests/support/pychains.py). Runs on CPython 3.10-3.13, standard library only.
 
-    python py_chains.py [wait | sizes]
+    python py_chains.py [wait | sizes | loop]
 
 Prints one JSON line, the bytes each chain allocates as the interpreter itself sizes them
-(`sizes`: nothing else), then (with `wait`: after a line on stdin) runs the chains, prints
-"done" and exits: with `wait` at the end of stdin, normally; else at once with os._exit, so
-that the leak is still in use when the process ends (a normal exit's finalization would
-free the module's globals). Every allocation counted is larger than pymalloc's 512 bytes, so
-it is a malloc of exactly that size. The lines that allocate carry `# at: NAME` comments:
-the tests find their line numbers there. No comprehensions: 3.10 and 3.11 run them as frames
-of their own.
+(`sizes`: nothing else; `loop`: then alpha's chains every 20 ms until killed), then (with
+`wait`: after a line on stdin) runs the chains, prints "done" and exits: with `wait` at the
+end of stdin, normally; else at once with os._exit, so that the leak is still in use when the
+process ends (a normal exit's finalization would free the module's globals). Every
+allocation counted is larger than pymalloc's 512 bytes, so it is a malloc of exactly that
+size (but leaf_objects': pymalloc's own, seen with --python-allocators). The lines that
+allocate carry `# at: NAME` comments: the tests find their line numbers there. No
+comprehensions: 3.10 and 3.11 run them as frames of their own.
 """
 
 import asyncio
@@ -19,6 +20,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 SIZE_A, COUNT_A = 100_000, 20  # leaf_a: bytes objects, malloc(SIZE_A + 33) each, freed
 LIST_N, COUNT_L = 40_000, 10  # leaf_list: a list's items, malloc(LIST_N * 8) each, freed
@@ -139,6 +141,10 @@ def main():
     print(json.dumps(expected()), flush=True)
     if sys.argv[1:] == ["sizes"]:
         return
+    if sys.argv[1:] == ["loop"]:  # alpha's chains every 20 ms, until killed
+        while True:
+            alpha()
+            time.sleep(0.02)
     if wait:
         sys.stdin.readline()
     alpha()  # at: main_alpha
