@@ -30,6 +30,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -199,10 +200,11 @@ def measure(python, mode, work, tmp):
             time.sleep(1.0)  # the last samples taken in
             progs1 = bpf_programs()
             result["heap_cpu"] = cpu_s(tracer.pid) - heap_cpu0
-            result["progs"] = {k: (v[0] - progs0.get(k, (0, 0))[0], v[1] - progs0.get(k, (0, 0))[1]) for k, v in progs1.items()}
+            result["progs"] = {k: (v[0] - progs0[k][0], v[1] - progs0[k][1]) for k, v in progs1.items()}
             tracer.send_signal(2)
             err = tracer.communicate(timeout=120)[1]
-            result["samples"] = next((int(s.split()[1].rstrip(",")) for s in err.splitlines() if "samples:" in s), 0)
+            found = re.search(r"heap: samples: (\d+)", err)
+            result["samples"] = int(found.group(1)) if found else 0
             result["report"] = [s for s in err.splitlines() if "python:" in s]
     finally:
         target.stdin.close()

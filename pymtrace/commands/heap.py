@@ -51,6 +51,7 @@ EPILOG = """examples:
   pymtrace heap --sample-bytes 1 -o exact.txt -- ./test      # every call (exact, costly)
   pymtrace heap -o je.pb.gz -- env LD_PRELOAD=libjemalloc.so.2 ./app   # jemalloc's calls
   pymtrace heap --via uprobes -o app.pb.gz -- ./app    # the uprobe path, as for -p
+  pymtrace heap -p 4321 --duration 60 -o py.html       # a Python service, by Python line
 
 PATHS: -- CMD is sampled in-process by default: pymtrace preloads its own small library (the
 interposer), which draws the samples inside the process and forwards every call to the
@@ -64,6 +65,15 @@ ALLOCATORS: glibc, jemalloc, tcmalloc, mimalloc or a malloc of the program's own
 calls resolve (the interposer forwards to it; the uprobes are put on it); a launched command
 is stopped once its loader has mapped its libraries (and after each exec) so its allocator
 is found before it runs. See docs/heap.md.
+
+PYTHON: in a CPython 3.10-3.13 process each sample's Python frames are read too (the BPF
+program walks the thread's frames, at most 128) and merged into its stack: the interpreter's
+evaluation loop replaced by the Python functions it ran (name, file, line), C extensions'
+frames kept, the interpreter's own call machinery left out. --native: native stacks only;
+--python-only: Python frames only. An interpreter that cannot be read (another version, a
+debug or free-threaded build) keeps native stacks, with one line saying why.
+--python-allocators also samples PyObject_Malloc/PyMem_Malloc & co. (pymalloc's objects),
+through uprobes: every such call traps. See docs/heap.md (Python programs).
 
 FORMATS: pprof (gzip'd profile.proto: go tool pprof, Pyroscope, Parca), folded (flamegraph.pl,
 speedscope, inferno), html (one self-contained flame graph), text (top stacks). Chosen by
