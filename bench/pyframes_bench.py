@@ -15,13 +15,14 @@ compare: bench/pyalloc_workload.py run once under memray (`memray run`, PyPI's, 
   (allocations before any Python frame, imports), which memray, starting after its own
   imports, does not see.
 
-cost: the workload (WORK rounds, ~1.5 s each) in a fresh process per measurement, waiting for
+cost: the workload (WORK rounds, ~0.3 s each) in a fresh process per measurement, waiting for
   a line on stdin before its work, as: untraced; `heap -p` (uprobes) with Python frames
-  (merged, the default); `heap -p --native`. Reported: the program's own CPU time
+  (merged, the default); `heap -p --native`; `heap -- PY ...` (in-process), with and without
+  (--native) Python frames. Reported: the program's own CPU time
   (time.process_time over the work), pymtrace's CPU from attached to written, samples; and
-  the BPF programs' own time per run from the kernel's statistics (kernel.bpf_stats_enabled,
-  on for the run): hp_py_output (the frame walk and the record's output) per sample and
-  frames per sample, against a sampled call's program without it. Modes rotate per round.
+  the BPF programs' own time from the kernel's statistics (kernel.bpf_stats_enabled, on for
+  the run; a tail-called program's time counts as its caller's): per sample, with Python
+  frames minus without, is what reading them costs in BPF. Modes rotate per round.
 """
 
 import argparse
@@ -177,10 +178,12 @@ def cpu_s(pid):
 
 def measure(python, mode, work, tmp):
     """One run: {program_cpu, heap_cpu, samples, progs}."""
+    result = {"mode": mode}
+    if mode.endswith("-- CMD"):
+        return measure_launched(python, mode, work, tmp, result)
     target = subprocess.Popen([python, WORKLOAD, str(work), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     target.stdout.readline()
     tracer = None
-    result = {"mode": mode}
     try:
         if mode != "untraced":
             extra = ["--native"] if mode == "heap --native" else []
@@ -212,17 +215,41 @@ def measure(python, mode, work, tmp):
     return result
 
 
+def measure_launched(python, mode, work, tmp, result):
+    """`heap -- PY workload` (in-process): the workload's stdin and stdout are pymtrace's."""
+    extra = ["--native"] if "--native" in mode else []
+    out = pathlib.Path(tmp) / "cost.folded"
+    cmd = [*PYMTRACE, "heap", "-q", *extra, "-o", out, "--force", "--", python, WORKLOAD, str(work), "wait"]
+    tracer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert tracer.stdout.readline().strip() == "ready"
+        heap_cpu0, progs0 = cpu_s(tracer.pid), bpf_programs()
+        tracer.stdin.write("go\n")
+        tracer.stdin.flush()
+        result["program_cpu"] = float(tracer.stdout.readline().split()[1])
+        time.sleep(1.0)
+        progs1 = bpf_programs()
+        result["heap_cpu"] = cpu_s(tracer.pid) - heap_cpu0
+        result["progs"] = {k: (v[0] - progs0[k][0], v[1] - progs0[k][1]) for k, v in progs1.items()}
+    finally:
+        tracer.stdin.close()
+        err = tracer.communicate(timeout=300)[1]
+    result["samples"] = None  # the samples after "go" are not told apart from start-up's
+    result["report"] = [s for s in err.splitlines() if "python:" in s]
+    return result
+
+
 def cost(args):
     with open("/proc/sys/kernel/bpf_stats_enabled") as f:
         before = f.read().strip()
     with open("/proc/sys/kernel/bpf_stats_enabled", "w") as f:
         f.write("1")
-    modes = ["untraced", "heap", "heap --native"]
+    modes = ["untraced", "heap", "heap --native", "heap -- CMD", "heap --native -- CMD"]
     results = collections.defaultdict(list)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
-                for mode in modes[r % 3 :] + modes[: r % 3]:
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                     results[mode].append(measure(args.python, mode, args.work, tmp))
     finally:
         with open("/proc/sys/kernel/bpf_stats_enabled", "w") as f:
@@ -230,20 +257,31 @@ def cost(args):
     version = subprocess.run([args.python, "-V"], capture_output=True, text=True).stdout.strip()
     print(f"{version}; {args.work} rounds of bench/pyalloc_workload.py; median of {args.rounds}")
     base = statistics.median(r["program_cpu"] for r in results["untraced"])
+    per_sample = {}
     for mode in modes:
         runs = results[mode]
         cpu = statistics.median(r["program_cpu"] for r in runs)
         line = f"{mode:15} program CPU {cpu:.3f} s ({cpu / base:.3f}x)"
-        if mode != "untraced":
+        if mode.endswith("-- CMD"):
+            heap = statistics.median(r["heap_cpu"] for r in runs)
+            line += f", pymtrace CPU {heap:.3f} s"
+        elif mode != "untraced":
             samples = statistics.median(r["samples"] for r in runs)
             heap = statistics.median(r["heap_cpu"] for r in runs)
             line += f", samples {samples:.0f}, pymtrace CPU {heap:.3f} s ({heap / max(samples, 1) * 1e6:.0f} us/sample)"
-            walk = [r["progs"].get("hp_py_output", (0, 0)) for r in runs]
-            cnt, ns = sum(w[0] for w in walk), sum(w[1] for w in walk)
-            if cnt:
-                line += f", BPF frame walk + output {ns / cnt / 1000:.1f} us/sample"
+            # a tail-called program's time is its caller's (the kernel counts entry programs)
+            bpf_ns = statistics.median(sum(v[1] for v in r["progs"].values()) for r in runs)
+            calls = statistics.median(sum(v[0] for v in r["progs"].values()) for r in runs)
+            per_sample[mode] = bpf_ns / max(samples, 1)
+            line += f", BPF {bpf_ns / 1e9:.3f} s in {calls:.0f} runs"
         print(line)
-        for r in runs[-1:]:
+    if per_sample.get("heap") is not None and per_sample.get("heap --native") is not None:
+        print(
+            "reading Python frames, per sample (BPF time per sample, merged - native): "
+            f"{(per_sample['heap'] - per_sample['heap --native']) / 1000:.1f} us"
+        )
+    for mode in modes[1:2]:
+        for r in results[mode][-1:]:
             for report in r.get("report", []):
                 print(f"    {report}")
 
