@@ -48,6 +48,7 @@ WORKLOAD = HERE / "pyalloc_workload.py"
 PYMTRACE = [sys.executable, "-m", "pymtrace"]
 MALLOC_API = ("MALLOC", "CALLOC", "REALLOC", "POSIX_MEMALIGN", "ALIGNED_ALLOC", "MEMALIGN", "VALLOC", "PVALLOC")
 DEFAULT_PYTHON = "/root/.pyenv/versions/3.12.1/bin/python3"
+MODES = ("untraced", "heap", "heap --native", "heap -- CMD", "heap --native -- CMD")
 
 
 def memray_python(python, venv):
@@ -233,7 +234,8 @@ def measure_launched(python, mode, work, tmp, result):
         result["progs"] = {k: (v[0] - progs0[k][0], v[1] - progs0[k][1]) for k, v in progs1.items()}
     finally:
         tracer.stdin.close()
-        err = tracer.communicate(timeout=300)[1]
+        err = tracer.stderr.read()
+        tracer.wait(timeout=300)
     result["samples"] = None  # the samples after "go" are not told apart from start-up's
     result["report"] = [s for s in err.splitlines() if "python:" in s]
     return result
@@ -244,7 +246,7 @@ def cost(args):
         before = f.read().strip()
     with open("/proc/sys/kernel/bpf_stats_enabled", "w") as f:
         f.write("1")
-    modes = ["untraced", "heap", "heap --native", "heap -- CMD", "heap --native -- CMD"]
+    modes = [m for m in MODES if args.modes is None or m in args.modes.split(",")]
     results = collections.defaultdict(list)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -256,7 +258,7 @@ def cost(args):
             f.write(before)
     version = subprocess.run([args.python, "-V"], capture_output=True, text=True).stdout.strip()
     print(f"{version}; {args.work} rounds of bench/pyalloc_workload.py; median of {args.rounds}")
-    base = statistics.median(r["program_cpu"] for r in results["untraced"])
+    base = statistics.median(r["program_cpu"] for r in results[modes[0]])
     per_sample = {}
     for mode in modes:
         runs = results[mode]
@@ -264,7 +266,9 @@ def cost(args):
         line = f"{mode:15} program CPU {cpu:.3f} s ({cpu / base:.3f}x)"
         if mode.endswith("-- CMD"):
             heap = statistics.median(r["heap_cpu"] for r in runs)
-            line += f", pymtrace CPU {heap:.3f} s"
+            bpf_ns = statistics.median(sum(v[1] for v in r["progs"].values()) for r in runs)
+            calls = statistics.median(sum(v[0] for v in r["progs"].values()) for r in runs)
+            line += f", pymtrace CPU {heap:.3f} s, BPF {bpf_ns / 1e9:.3f} s in {calls:.0f} runs"
         elif mode != "untraced":
             samples = statistics.median(r["samples"] for r in runs)
             heap = statistics.median(r["heap_cpu"] for r in runs)
@@ -294,6 +298,7 @@ def main():
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", type=int, default=5, help="workload rounds per measurement (cost)")
+    parser.add_argument("--modes", help="cost: these modes only, comma-separated (default: all)")
     args = parser.parse_args()
     compare(args) if args.what == "compare" else cost(args)
 

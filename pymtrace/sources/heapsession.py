@@ -85,6 +85,7 @@ class HeapSession:
             on_stack=self._cached,
             on_free=self.profile.freed if sink is None else None,
             on_fork=self._fork,
+            on_exit=self._exited,
             libc_path=libc_path,
             ring_pages=ring_pages,
             max_live=max_live,
@@ -151,6 +152,8 @@ class HeapSession:
             stack = self.interposed.rewrite(s.pid, stack)
         if s.py is not None:
             stack = self.python.stack(s.pid, stack, s.py)
+        elif s.pid not in self.python.looked:  # a child that exec'd a Python after its exec record
+            self.python.find(s.pid)
         self._add(s, stack, complete)
 
     def _cached(
@@ -180,11 +183,15 @@ class HeapSession:
         if self.python.has(pid):
             self.source.drain()
 
+    def _exited(self, pid: int) -> None:
+        self.python.exited(pid)
+
     def _python_block(self, pid: int, block: bytes) -> None:
         self.python.look(pid, block)
 
     def _exec(self, pid: int) -> None:
         self.python.find(pid)
+        self.python.looked.discard(pid)  # its loader may map libpython later: its first sample looks again
         self.processes.forget(pid)
         try:
             self.processes.capture(pid)
@@ -215,6 +222,7 @@ class PythonStacks:
         symbolizer.add_source(pyframes.PYTHON, self.table)
         self.processes: dict[int, pyframes.PythonProcess] = {}
         self.found: dict[int, pyruntime.Interpreter] = {}
+        self.looked: set[int] = set()  # processes looked at since their last exec
         self.notes: dict[int, str] = {}  # pid -> what --python-allocators cannot see there
         self.samples: dict[int, list[int]] = {}  # pid -> [samples, with frames, truncated]
         self._eval: dict[Location, bool] = {}
@@ -222,6 +230,7 @@ class PythonStacks:
 
     def find(self, pid: int) -> None:
         """Look for a CPython in PID (again after an exec); have its frames read if it can be."""
+        self.looked.add(pid)
         old = self.processes.pop(pid, None)
         if old is not None:
             old.close()
@@ -268,6 +277,12 @@ class PythonStacks:
 
     def has(self, pid: int) -> bool:
         return pid in self.processes
+
+    def exited(self, pid: int) -> None:
+        """PID is gone: its memory is no longer read (what was named stays)."""
+        process = self.processes.get(pid)
+        if process is not None:
+            process.close()
 
     def look(self, pid: int, block: bytes) -> None:
         """A sample's block as soon as it is written: its code objects read (and remembered)."""

@@ -202,6 +202,8 @@ def find(pid: int, maps: list[libc.Mapping] | None = None) -> Interpreter | None
             paths.append(m.path)
     for path in paths:
         local = libc.host_path(pid, path)
+        if not _exports_runtime(local):  # a quick look first: any large executable is asked
+            continue
         try:
             syms = elf.symbols(local)
         except PymtraceError:
@@ -209,6 +211,16 @@ def find(pid: int, maps: list[libc.Mapping] | None = None) -> Interpreter | None
         if "_PyRuntime" in syms:
             return _read(pid, path, local, syms, maps)
     return None
+
+
+def _exports_runtime(path: str) -> bool:
+    """Whether PATH's .dynsym defines _PyRuntime (every CPython exports it), read through its
+    hash table: what a full symbol table read would cost a large executable is not paid."""
+    try:
+        with open(path, "rb") as f:
+            return elf.DynamicSymbols(f).defined("_PyRuntime")
+    except (OSError, ValueError, struct.error):
+        return False
 
 
 def _read(pid: int, path: str, local: str, syms: dict[str, elf.Symbol], maps: list[libc.Mapping]) -> Interpreter:
