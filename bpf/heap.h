@@ -5,6 +5,7 @@
 #define PYMTRACE_HEAP_H
 
 #include "common.h"
+#include "pyframes.h"
 
 /* hp_event.type: what one ring record is */
 #define HP_REC_SAMPLE 1 /* a sampled allocation: struct hp_event + stack_len bytes of stack */

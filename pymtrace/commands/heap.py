@@ -35,7 +35,7 @@ from pymtrace.sources.heap import (
 from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES
 from pymtrace.sources.heapsession import HeapSession
 from pymtrace.trace.files import atomic_output, check_new
-from pymtrace.tracee import libc, proc
+from pymtrace.tracee import libc, proc, pyframes
 from pymtrace.tracee.launch import Launched
 from pymtrace.units import parse_bytes
 
@@ -51,6 +51,7 @@ EPILOG = """examples:
   pymtrace heap --sample-bytes 1 -o exact.txt -- ./test      # every call (exact, costly)
   pymtrace heap -o je.pb.gz -- env LD_PRELOAD=libjemalloc.so.2 ./app   # jemalloc's calls
   pymtrace heap --via uprobes -o app.pb.gz -- ./app    # the uprobe path, as for -p
+  pymtrace heap -p 4321 --duration 60 -o py.html       # a Python service, by Python line
 
 PATHS: -- CMD is sampled in-process by default: pymtrace preloads its own small library (the
 interposer), which draws the samples inside the process and forwards every call to the
@@ -64,6 +65,15 @@ ALLOCATORS: glibc, jemalloc, tcmalloc, mimalloc or a malloc of the program's own
 calls resolve (the interposer forwards to it; the uprobes are put on it); a launched command
 is stopped once its loader has mapped its libraries (and after each exec) so its allocator
 is found before it runs. See docs/heap.md.
+
+PYTHON: in a CPython 3.10-3.13 process each sample's Python frames are read too (the BPF
+program walks the thread's frames, at most 128) and merged into its stack: the interpreter's
+evaluation loop replaced by the Python functions it ran (name, file, line), C extensions'
+frames kept, the interpreter's own call machinery left out. --native: native stacks only;
+--python-only: Python frames only. An interpreter that cannot be read (another version, a
+debug or free-threaded build) keeps native stacks, with one line saying why.
+--python-allocators also samples PyObject_Malloc/PyMem_Malloc & co. (pymalloc's objects),
+through uprobes: every such call traps. See docs/heap.md (Python programs).
 
 FORMATS: pprof (gzip'd profile.proto: go tool pprof, Pyroscope, Parca), folded (flamegraph.pl,
 speedscope, inferno), html (one self-contained flame graph), text (top stacks). Chosen by
@@ -141,9 +151,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how -- CMD is sampled: in-process by pymtrace's LD_PRELOAD interposer (the default; "
         "uprobes where it cannot be preloaded, saying why) or by uprobes on its allocator (-p: always)",
     )
+    view = parser.add_mutually_exclusive_group()
+    view.add_argument(
+        "--native",
+        action="store_true",
+        help="native stacks only, for Python processes too (default: their Python frames merged in)",
+    )
+    view.add_argument(
+        "--python-only",
+        action="store_true",
+        help="Python frames only for Python processes (samples outside Python keep their native stack)",
+    )
+    parser.add_argument(
+        "--python-allocators",
+        action="store_true",
+        help="in Python processes, sample the interpreter's allocators too (PyObject_Malloc, PyMem_Malloc, ...): "
+        "the objects pymalloc serves from its arenas, not only its calls to malloc (through uprobes: every call traps)",
+    )
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if samples were lost")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch CMD and sample it")
+
+
+def python_view(args: argparse.Namespace) -> str:
+    """How Python processes' stacks are shown: --native, --python-only, else merged."""
+    return pyframes.NATIVE if args.native else pyframes.PYTHON_ONLY if args.python_only else pyframes.MERGED
 
 
 def output_format(path: str, given: str | None) -> str:
@@ -178,8 +210,12 @@ def run(args: argparse.Namespace) -> int:
 
     launched = lib = None
     why = "--via uprobes" if args.via == UPROBES else None  # why a launched command is not preloaded
+    if args.python_allocators and args.via == INTERPOSER:
+        raise PymtraceError("--python-allocators samples through uprobes: not with --via interposer")
+    if args.python_allocators and why is None:
+        why = "--python-allocators: the interpreter's allocators are sampled by uprobes"
     if cmd:
-        if args.via != UPROBES:
+        if why is None:
             why = interposer.not_preloadable(cmd)
             lib = interposer.library() if why is None else None
         env = None
@@ -215,13 +251,15 @@ def run(args: argparse.Namespace) -> int:
             ring_pages=pages,
             max_live=args.max_live,
             interposer=lib,
+            python_view=python_view(args),
+            python_allocators=args.python_allocators,
         )
         if launched is not None and why is not None:
             session.via[launched.pid] = (UPROBES, why)
         try:
             session.attach()
         except PymtraceError as exc:
-            if launched is None or why is None or why.startswith("--via"):
+            if launched is None or why is None or why.startswith("--"):
                 raise
             raise PymtraceError(f"{exc} (and no interposer: {why})") from None
         if launched is not None:
@@ -232,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
             path, why_not = session.via[pids[0]]
             how = f"via {path}" + (f" ({why_not})" if why_not else "")
             line = f"sampling {what} {how}; Ctrl-C to stop and write {args.output}"
+            print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
+        for line in session.python.problems():  # a CPython whose frames cannot be read: why
             print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
         started = time.monotonic()
         try:

@@ -32,21 +32,25 @@ size, ts_ns) with no unwinding and no HeapSample; the others to on_sample(HeapSa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
 import os
 import select
 import struct
+import threading
+import time
 from typing import Any, Callable, Iterable
 
-from pymtrace.bpf import structs
+from pymtrace.bpf import structs, uprobes
 from pymtrace.bpf.ringbuf import MappedRing
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources import interposer as interposer_lib
 from pymtrace.sources.base import Source, attach_plan, lost_counts, lost_names
 from pymtrace.sources.heapsites import InterposerSites
-from pymtrace.tracee import allocators, elf, launch, libc, mallocapi, probesite, proc
+from pymtrace.stopping import stop_deferred
+from pymtrace.tracee import allocators, elf, launch, libc, mallocapi, probesite, proc, pyruntime
 from pymtrace.tracee.unwind import Location, ProcessImages, RingScanner
 
 PROGRAM = "heap"
@@ -62,10 +66,13 @@ _FORK_MEMORY = 4096
 INTERPOSER, UPROBES = "interposer", "uprobes"  # the two paths (HP_VIA_*)
 # a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
 _ROW = struct.Struct("<QIi4I3Q")
-# StackSink(pid, sample_id, stack leaf first, size, ts_ns): a sample whose stack the unwind cache knew
-StackSink = Callable[
-    [int, int, "tuple[Location, ...]", int, int], None
-]  # fork records of children gone before they were looked at, kept for their exit
+_KIND_PID = struct.Struct("<II")
+_RB_BUSY, _RB_DISCARD = 1 << 31, 1 << 30  # a ring record's header bits (the kernel's BPF_RINGBUF_*)
+LOOK_AHEAD_S = 0.002  # while unwinding a backlog, Python blocks are looked at this often
+# StackSink(pid, sample_id, stack leaf first, size, ts_ns, python block or None): a sample whose
+# stack the unwind cache knew
+StackSink = Callable[[int, int, "tuple[Location, ...]", int, int, "bytes | None"], None]
+PY_FRAMES = 128  # Python frames read per sample at most (bpf/pywalk.h), with python=True
 
 
 @dataclasses.dataclass
@@ -81,6 +88,7 @@ class HeapSample:
     regs: tuple[int, ...]  # ip, sp, bp, bx, r12, r13, r14, r15 at the probed (entry) instruction
     stack: int  # address of the stack bytes copied from sp upward; valid during the callback only
     stack_len: int
+    py: bytes | None = None  # the thread's Python frames (bpf/pyframes.h py_head + frames), if read
 
 
 def check_settings(
@@ -168,6 +176,40 @@ def probe_plan(path: str, family: str = "glibc") -> list[tuple[str, list[tuple[s
     return plan
 
 
+# The interpreter's allocators (--python-allocators), with the programs that sample them: the
+# API, and the domain functions it calls through its allocator table (_PyObject, _PyMem),
+# where the file keeps their local symbols (also called directly, and kept whole by LTO).
+PY_ALLOCATORS = tuple(
+    (f"{api}_{call}", program)
+    for api in ("PyObject", "PyMem", "_PyObject")
+    for call, program in (
+        ("Malloc", "hp_py_malloc_entry"),
+        ("Calloc", "hp_py_calloc_entry"),
+        ("Realloc", "hp_realloc_entry"),
+        ("Free", "hp_free_entry"),
+    )
+)
+
+
+def python_allocator_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """heap --python-allocators' uprobes on the interpreter's file at PATH, as probe_plan's:
+    each of PY_ALLOCATORS it defines (once per address), frees where probesite finds an
+    emulated instruction. Empty when it defines none."""
+    syms = elf.symbols(path)
+    plan, done = [], set()
+    for name, program in PY_ALLOCATORS:
+        sym = syms.get(name)
+        if sym is None or sym.address in done:
+            continue
+        done.add(sym.address)
+        if program == "hp_free_entry":
+            sites = probesite.sites(path, name)
+            plan.append((name, [("entry", off, program) for off in (sites.offset, *sites.side_paths)]))
+        else:
+            plan.append((name, [("entry", 0, program), ("return", 0, "hp_return")]))
+    return plan
+
+
 def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page: int, header: int) -> int:
     """Ring-buffer pages (a power of two): 16 MiB at a sampling rate; 64 MiB with every call
     sampled, and with RESERVE (each record takes the largest size) room for RING_RECORDS."""
@@ -191,6 +233,42 @@ def default_max_live(sample_bytes: int) -> int:
     """Sampled blocks the live map holds: every block with every call sampled (a process with
     millions of blocks live), else the sampled ones (one per SAMPLE_BYTES of heap in use)."""
     return MAX_LIVE_EVERY_CALL if sample_bytes == 1 else MAX_LIVE
+
+
+def python_config(interp: pyruntime.Interpreter) -> Any:
+    """The py_config (bpf/pyframes.h) of a readable interpreter: its frame walk's offsets."""
+    layout = interp.layout
+    assert layout is not None
+    none = structs.header(PROGRAM).consts["PY_NO_OFFSET"]
+    fields = (layout.frame_previous, layout.frame_code, layout.frame_instr, layout.frame_flag or 0)
+    name = layout.code_qualname if layout.code_qualname is not None else layout.code_name
+    code_fields = (name, layout.code_filename, layout.code_firstlineno)
+    code_at = min(code_fields) & ~7
+    return structs.header(PROGRAM).structs["py_config"](
+        runtime=interp.runtime,
+        interp_head=layout.interpreters_head,
+        interp_next=layout.interp_next,
+        interp_threads=layout.interp_threads_head,
+        ts_next=layout.thread_next,
+        ts_tid=layout.thread_tid,
+        tid_in_pthread=none if interp.tid_in_pthread is None else interp.tid_in_pthread,
+        ts_frame=layout.thread_frame,
+        cframe_frame=none if layout.cframe_current_frame is None else layout.cframe_current_frame,
+        f_previous=layout.frame_previous,
+        f_code=layout.frame_code,
+        f_instr=layout.frame_instr,
+        f_flag=none if layout.frame_flag is None else layout.frame_flag,
+        f_read=max(fields) + 8,
+        c_at=code_at,
+        c_read=max(code_fields) + 8 - code_at,
+        c_name=name - code_at,
+        c_file=layout.code_filename - code_at,
+        c_line=layout.code_firstlineno - code_at,
+        s_read=layout.unicode_ascii_size + 8,
+        s_length=layout.unicode_length,
+        s_hash=layout.unicode_hash,
+        s_data=layout.unicode_ascii_size,
+    )
 
 
 def possible_cpus() -> int:
@@ -241,6 +319,8 @@ class HeapSource(Source):
         on_stack: StackSink | None = None,
         on_free: Callable[[int], None] | None = None,
         interposer: str | None = None,
+        python: bool = False,
+        on_python: Callable[[int, bytes], None] | None = None,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -278,6 +358,17 @@ class HeapSource(Source):
         self.calls = {v: k[len("CALL_") :].lower() for k, v in header.consts.items() if k.startswith("CALL_")}
         self.event_type = header.structs["hp_event"]
         self.event_size = ctypes.sizeof(self.event_type)
+        # python: a Python process's sample carries its Python frames after its stack
+        self.py_frames = PY_FRAMES if python and not reserve else 0
+        self.py_frame_size = ctypes.sizeof(header.structs["py_frame"])
+        self.py_head_size = ctypes.sizeof(header.structs["py_head"])
+        self.stack_at = self.event_size
+        self._stack_len_at = self.event_type.stack_len.offset
+        self.python: dict[int, Any] = {}  # pid -> the py_config written to hp_py
+        self.py_allocators: dict[str, list[int]] = {}  # interpreter file -> [pid] (--python-allocators)
+        self.on_python = on_python if python else None  # on_python(pid, block): look_ahead
+        self._ahead = 0  # the ring position look_ahead has seen up to
+        self._ahead_at = 0.0
         self.kinds = {header.consts[f"HP_REC_{k}"]: k.lower() for k in ("SAMPLE", "EXEC", "FORK", "EXIT", "FREE")}
         self.images = images
         self.on_stack = on_stack
@@ -302,6 +393,7 @@ class HeapSource(Source):
             "HP_MAX_CPUS": possible_cpus(),
             "HP_FOLLOW": int(self.follow_forks),
             "HP_RESERVE": int(self.reserve),
+            "HP_PY_FRAMES": self.py_frames,
             **self.limits,
         }
 
@@ -381,6 +473,9 @@ class HeapSource(Source):
         self.plans = {path: probe_plan(path, self.families.get(path, "glibc")) for path in self.libcs}
 
     def _attach(self) -> None:
+        if self.py_frames:  # the program that reads the frames, tail-called (bpf/heap.bpf.c)
+            program = uprobes.load_tail_program(self.bpf, "hp_py_output")
+            self.bpf[b"hp_progs"][ctypes.c_int(0)] = ctypes.c_int(program.fd)
         table = self.bpf[b"hp_lg"]
         for j, v in enumerate(log2_table(structs.header(PROGRAM).consts["HP_LG_BITS"])):
             table[ctypes.c_int(j)] = ctypes.c_uint32(v)
@@ -388,6 +483,8 @@ class HeapSource(Source):
         for pid in self.pids:
             targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(self._via_codes[self.via[pid][0]])
             self._set_top(pid)
+        for pid, config in self.python.items():
+            self.bpf[b"hp_py"][ctypes.c_uint32(pid)] = config
         ring = self.bpf[b"hp_events"]
         self.ring = MappedRing(ring.map_fd, self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"])
         ev = self.event_type
@@ -398,7 +495,7 @@ class HeapSource(Source):
             self._free_type,
             ev.regs.offset,
             ev.stack_len.offset,
-            self.event_size,
+            self.stack_at,
         )
         self._epoll = select.epoll()
         self._epoll.register(ring.map_fd, select.EPOLLIN)
@@ -412,6 +509,10 @@ class HeapSource(Source):
         for pid in self.pids:
             if self.via[pid][0] == INTERPOSER:
                 self.sites.attach(self.bpf, -1 if self.follow_forks else pid)
+        for path, pids in list(self.py_allocators.items()):
+            self.py_allocators[path] = []
+            for pid in pids:
+                self.probe_python_allocators(pid, path)
         for pid in self.pids:  # gone while we attached: its probes would wait for nothing
             if not proc.alive(pid):
                 raise ProcessGone(pid)
@@ -426,6 +527,25 @@ class HeapSource(Source):
             return
         if top:
             self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
+
+    def probe_python_allocators(self, pid: int, path: str) -> None:
+        """Sample PID's interpreter allocators too (PY_ALLOCATORS in PATH, the file defining
+        its interpreter): now if attached, else with the other probes. Once per file (every
+        process, filtered in BPF, when following forks). PID traced through the interposer:
+        nothing (its programs ignore the uprobes')."""
+        if self.via.get(pid, (UPROBES,))[0] == INTERPOSER:
+            return
+        who = -1 if self.follow_forks else pid
+        pids = self.py_allocators.setdefault(path, [])
+        if who in pids or -1 in pids:
+            return
+        pids.append(who)
+        if self.bpf is None:
+            return
+        if path not in self.plans:
+            self.plans[path] = python_allocator_plan(path)
+        for kinds in (("return",), ("entry",)):
+            self._attach_libc(path, who, kinds)
 
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
         self.attached += attach_plan(self.bpf, path, pid, self.plans[path], kinds)
@@ -448,23 +568,61 @@ class HeapSource(Source):
         on_stack = self.on_stack if self.images is not None else None
         sample, free, base = self._sample_type, self._free_type, ring.data_addr
         on_free = self.on_free
+        pythons = self.python  # the processes whose records carry Python frames
+        ahead = bool(pythons) and self.on_python is not None
+        main = threading.current_thread() is threading.main_thread()
         _, limit = ring.positions()
+        if ahead:
+            self.look_ahead()
         while True:
             cons = ring.positions()[0]
             if cons >= limit:
                 return
-            rows, after = scanner.scan(cons, limit, images)
-            if after == cons:
-                return  # the first record is still being written
-            for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
-                if kind == free:
-                    if on_free is not None:
-                        on_free(sample_id)
-                elif kind == sample and result >= 0 and on_stack is not None:
-                    on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts)
-                else:
-                    self._record(base + off, length)
-            ring.advance(after)
+            # a stop (Ctrl-C, raised in the main thread) waits for the batch's end: one cut
+            # short would be handed over again by the next drain (its samples counted twice)
+            with stop_deferred() if main else contextlib.nullcontext():
+                rows, after = scanner.scan(cons, limit, images)
+                if after == cons:
+                    return  # the first record is still being written
+                for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
+                    if ahead and result < 0 and time.monotonic() - self._ahead_at > LOOK_AHEAD_S:
+                        self.look_ahead()  # an unwind may be slow: Python's code objects first
+                    if kind == free:
+                        if on_free is not None:
+                            on_free(sample_id)
+                    elif kind == sample and result >= 0 and on_stack is not None:
+                        py = self._py_block(base + off, length) if pid in pythons else None
+                        on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts, py)
+                    else:
+                        self._record(base + off, length)
+                ring.advance(after)
+
+    def look_ahead(self) -> None:
+        """Hand the Python block of every sample written since the last call to on_python(pid,
+        block), before the samples are unwound: the code objects they name are read while
+        they live (a backlog of samples to unwind can outlast them)."""
+        ring, on_python = self.ring, self.on_python
+        self._ahead_at = time.monotonic()
+        if ring is None or on_python is None:
+            return
+        cons, prod = ring.positions()
+        pos, data, mask = max(self._ahead, cons), ring.data_addr, ring.mask
+        sample = self._sample_type
+        while pos < prod:
+            record = data + (pos & mask)
+            flags = ctypes.c_uint32.from_address(record).value
+            if flags & _RB_BUSY:
+                break
+            length = flags & ~(_RB_BUSY | _RB_DISCARD)
+            pos += (length + 8 + 7) & ~7
+            if flags & _RB_DISCARD or length < self.stack_at:
+                continue
+            kind, pid = _KIND_PID.unpack(ctypes.string_at(record + 8, 8))
+            if kind == sample and pid in self.python:
+                block = self._py_block(record + 8, length)
+                if block is not None and len(block) > self.py_head_size:
+                    on_python(pid, block)
+        self._ahead = pos
 
     def written(self) -> int:
         """The ring's producer position: every record reserved so far lies below it."""
@@ -480,8 +638,11 @@ class HeapSource(Source):
         kind = self.kinds.get(ev.type)
         if kind == "sample":
             if self.on_sample is not None:
-                stack_len = min(ev.stack_len, size - self.event_size)
-                self.on_sample(self.decode_sample(ev, data + self.event_size, stack_len))
+                stack_len = max(min(ev.stack_len, size - self.stack_at), 0)
+                sample = self.decode_sample(ev, data + self.stack_at, stack_len)
+                if ev.pid in self.python:
+                    sample.py = self._py_block(data, size)
+                self.on_sample(sample)
         elif kind == "exec":
             self._set_top(ev.pid)
             self._forget_live(ev.pid, ev.id)
@@ -501,6 +662,36 @@ class HeapSource(Source):
                 pass
             if self.on_exit is not None:
                 self.on_exit(ev.pid)
+
+    def _py_block(self, record: int, length: int) -> bytes | None:
+        """The Python block (bpf/pyframes.h: its head and the frames filled) of the sample record
+        of LENGTH bytes at RECORD: after its stack, at an 8-byte boundary; None if it has none."""
+        stack_len = ctypes.c_uint32.from_address(record + self._stack_len_at).value
+        at = self.stack_at + ((stack_len + 7) & ~7)
+        if length < at + self.py_head_size:
+            return None
+        count = min(
+            ctypes.c_uint32.from_address(record + at).value, (length - at - self.py_head_size) // self.py_frame_size
+        )
+        return ctypes.string_at(record + at, self.py_head_size + count * self.py_frame_size)
+
+    def set_python(self, pid: int, config: Any | None) -> None:
+        """Have the BPF program read PID's Python frames as CONFIG (a py_config) says, or not
+        (None). Before attach: remembered, written when the maps exist."""
+        if config is None:
+            self.python.pop(pid, None)
+        else:
+            self.python[pid] = config
+        if self.bpf is None or not self.py_frames:
+            return
+        table = self.bpf[b"hp_py"]
+        try:
+            if config is None:
+                del table[ctypes.c_uint32(pid)]
+            else:
+                table[ctypes.c_uint32(pid)] = config
+        except Exception:  # BCC: an absent key on delete (KeyError), a full map on update
+            pass
 
     def decode_sample(self, ev: Any, stack: int, stack_len: int) -> HeapSample:
         """A HeapSample from a ring record's header EV (an hp_event) and its stack bytes."""

@@ -177,6 +177,7 @@ class HeapProfile:
         if self.meta.get("pids"):
             lines.append("pids: " + " ".join(str(p) for p in self.meta["pids"]))
         lines += [f"traced: {line}" for line in self.meta.get("via", ())]  # which path, per process
+        lines += [f"python: {line}" for line in self.meta.get("python", ())]  # its interpreter, per process
         exact = " (every call)" if self.sample_bytes <= 1 else ""
         lines.append(f"sample bytes: {self.sample_bytes}{exact}")
         if self.older_s is not None:
@@ -193,6 +194,12 @@ class HeapProfile:
         if self.meta.get("pids"):
             return "pymtrace heap: pid " + ", ".join(str(p) for p in self.meta["pids"])
         return "pymtrace heap"
+
+
+def frame_label(frame: Frame) -> str:
+    """A frame's name in a flame graph: the function; a Python function with its file and
+    line, as py-spy names them ("leaf (/app/x.py:12)")."""
+    return f"{frame.function} ({frame.file}:{frame.line})" if frame.python else frame.function
 
 
 def frames_root_first(stack: Sequence[Location], symbolizer: FrameSource) -> list[Frame]:
