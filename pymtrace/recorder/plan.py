@@ -5,6 +5,7 @@ operator new), and per exec of a launched command the new program's allocator.""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
@@ -115,6 +116,7 @@ def _attach_plan(bpf: Any, path: str, plan: Any, pid: int, slots: dict[str, int]
     enter_f_* for top's ms_f_*, `leave` at every return probe (attached first), a carried
     new's slot program (SLOTS). Returns [(path, function, entry offsets)]."""
     returns, entries = [], []
+    plan = [(function, _free_read_before_return(probes)) for function, probes in plan]
     for function, probes in plan:
         address = elf.symbol(path, function).address
         for p in probes:
@@ -129,6 +131,19 @@ def _attach_plan(bpf: Any, path: str, plan: Any, pid: int, slots: dict[str, int]
                 entries.append(uprobe(path, address + p.offset, entry, pid, False, function))
     uprobes.attach(bpf, returns + entries)
     return [(path, f, tuple(p.offset for p in probes if p.kind == "entry")) for f, probes in plan]
+
+
+def _free_read_before_return(probes: tuple) -> tuple:
+    """PROBES of one function, a free-type one with a return probe apart from its entry probes
+    (side paths: the return probe at +0) entered where its return probe is: a free is recorded
+    at its entry with the return address it reads at [rsp], which the return probe's breakpoint,
+    when it is hit first, has already replaced with the uretprobe trampoline's."""
+    ret = [p.offset for p in probes if p.kind == "return"]
+    entries = [p for p in probes if p.kind == "entry"]
+    frees = [p for p in entries if p.program == "ms_f_free_nest" or p.program.startswith("ms_f_delete")]
+    if not ret or not frees or all(p.offset == ret[0] for p in entries):
+        return probes
+    return (dataclasses.replace(entries[0], offset=ret[0]),) + tuple(p for p in probes if p.kind == "return")
 
 
 def foreign_defines(found: libc.Allocator | None, cxx: cxxplan.CxxPlan | None) -> dict[str, int]:
