@@ -18,8 +18,9 @@ order rotating from round to round; reported: the program's CPU time added per p
 uprobe traps' kernel time is the process's: less disturbed by a loaded machine than wall
 time) and its wall time added, traced minus untraced of the same round, min and median over
 rounds, and the records each traced run wrote per pair
-(2: nothing recorded twice, nothing lost). Only ratios inside one run mean anything: the
-machine is shared.
+(2: nothing recorded twice, nothing lost). --baseline DIR records with a second checkout of
+pymtrace too (another commit, `git archive`d), in the same rounds: before and after in one
+run. Only ratios inside one run mean anything: the machine is shared.
 """
 
 import argparse
@@ -100,13 +101,14 @@ KINDS = {
 }
 
 
-def run(prog, kind, pairs, out=None):
+def run(prog, kind, pairs, out=None, root=ROOT):
     """(wall ns per pair, CPU ns per pair, records written or None) of PROG KIND PAIRS, under
-    record when OUT."""
+    record (pymtrace from the checkout ROOT) when OUT."""
     argv = [prog, kind, str(pairs)]
     if out is not None:
         argv = [*PY, "record", "--json", "--force", "--via", "uprobes", "-o", out, "--", *argv]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    env = dict(os.environ, PYTHONPATH=str(root))  # run from elsewhere: `python -m` imports from the cwd first
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=os.path.dirname(prog))
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: exit {proc.returncode}: {proc.stderr[-400:]}")
     records = json.loads(proc.stderr.strip().splitlines()[-1])["entries"] if out is not None else None
@@ -119,9 +121,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pairs", type=int, default=200_000)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--baseline", help="another pymtrace checkout (a directory) to record with too, interleaved")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     kinds = args.kinds.split(",")
+    roots = {"": ROOT} if not args.baseline else {"baseline": pathlib.Path(args.baseline), "this": ROOT}
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "pairs.cpp")
         with open(src, "w") as f:
@@ -129,28 +133,30 @@ def main():
         prog = os.path.join(tmp, "pairs")
         subprocess.run(["g++", "-O2", "-std=c++17", "-o", prog, src], check=True)
         out = os.path.join(tmp, "trace")
-        wall = {k: [] for k in kinds}
-        cpu = {k: [] for k in kinds}
-        records = {k: [] for k in kinds}
-        for r in range(args.rounds):
-            for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+        wall = {(k, r): [] for k in kinds for r in roots}
+        cpu = {(k, r): [] for k in kinds for r in roots}
+        records = {(k, r): [] for k in kinds for r in roots}
+        for i in range(args.rounds):
+            for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
                 base_wall, base_cpu, _ = run(prog, kind, args.pairs)
-                traced_wall, traced_cpu, n = run(prog, kind, args.pairs, out)
-                wall[kind].append(traced_wall - base_wall)
-                cpu[kind].append(traced_cpu - base_cpu)
-                records[kind].append(n)
+                for name, root in roots.items():
+                    traced_wall, traced_cpu, n = run(prog, kind, args.pairs, out, root)
+                    wall[kind, name].append(traced_wall - base_wall)
+                    cpu[kind, name].append(traced_cpu - base_cpu)
+                    records[kind, name].append(n)
     rows = []
-    base = statistics.median(cpu["malloc"]) if "malloc" in cpu else None
     for kind in kinds:
-        row = {
-            "pairs": KINDS[kind],
-            "CPU ns added per pair (min/med)": f"{min(cpu[kind]):.0f} / {statistics.median(cpu[kind]):.0f}",
-            "wall ns added (min/med)": f"{min(wall[kind]):.0f} / {statistics.median(wall[kind]):.0f}",
-            "records per pair": f"{statistics.median(records[kind]) / args.pairs:.3f}",
-        }
-        if base:
-            row["CPU / malloc+free's (med)"] = f"{statistics.median(cpu[kind]) / base:.2f}"
-        rows.append(row)
+        for name in roots:
+            row = {"pairs": KINDS[kind] + (f" ({name})" if name else "")}
+            c = cpu[kind, name]
+            row["CPU ns added per pair (min/med)"] = f"{min(c):.0f} / {statistics.median(c):.0f}"
+            row["wall ns added (min/med)"] = f"{min(wall[kind, name]):.0f} / {statistics.median(wall[kind, name]):.0f}"
+            row["records per pair"] = f"{statistics.median(records[kind, name]) / args.pairs:.3f}"
+            if "malloc" in kinds:
+                row["CPU / malloc+free's (med)"] = (
+                    f"{statistics.median(c) / statistics.median(cpu['malloc', name]):.2f}"
+                )
+            rows.append(row)
     print(f"record --via uprobes, {args.pairs} pairs, {args.rounds} interleaved rounds, load {os.getloadavg()[0]:.1f}")
     print_table(rows, args.markdown)
 
