@@ -13,9 +13,10 @@
  * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS). Without STACKS no stack code is compiled.
  * LIBC_PROBES=0 leaves out the libc's entry programs (enter_<call>: a process on another
  * allocator is probed by enter_f_* alone). OUTER_PROBES=0 leaves out the enter_outer_* programs (an interposer's entry probes), which
- * the recorder compiles only when it probes one. F_SELECT=1: of the enter_f_* programs (other
- * allocators, C++ operator new/delete) only those whose WANT_<program> is 1 (the recorder:
- * those its probe plans attach; none for a glibc process without C++). EXEC_ALLOCATORS
+ * the recorder compiles only when it probes one. F_SELECT=1: of the enter_f_* and enter_cxx_new_*
+ * programs (other allocators, C++ operator new/delete) only those whose WANT_<program> is 1 (the
+ * recorder: those its probe plans attach; none for a glibc process without C++). CXX_SLOTS:
+ * the carried operator news one recording can probe (enter_cxx_new_<slot>, at most 8). EXEC_ALLOCATORS
  * (`record -- CMD`, compiled without F_SELECT: it may exec onto any allocator): chunk
  * headers are read only while the map `foreign` says the program's allocator is glibc.
  */
@@ -52,6 +53,18 @@
 #define PAGE_SIZE_BYTES 4096
 #endif
 
+/* The operator new a thread entered last (a carried one: entry probe only, see cxx_new). Kept
+ * until the thread enters another: a new_handler's retry makes the same allocation call again. */
+struct cxx_new_call {
+    u64 caller; /* its return address; 0: none yet */
+    u64 sp;     /* its stack pointer at entry */
+    u64 lo;     /* the function the allocation call is made from: [lo, lo + len) */
+    u32 len;
+    u32 type; /* recorded as (CALL_MALLOC, CALL_MEMALIGN) */
+    u64 a0;   /* its arguments as `enter` keeps them for TYPE */
+    u64 a1;
+};
+
 struct stash {
     u32 depth;
     u32 type;  /* the call recorded */
@@ -62,6 +75,7 @@ struct stash {
     u64 a2;
     u64 old_size;
     u64 caller;
+    struct cxx_new_call cxx;
 };
 
 BPF_RINGBUF_OUTPUT(events, RB_PAGES);
@@ -274,6 +288,16 @@ OUTER(pvalloc, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
 OUTER(free, CALL_FREE, PT_REGS_PARM1(ctx), 0, 0)
 #endif
 
+/* The call N (its fields before `cxx`) as thread ID's stash entry S: written in place where the
+ * thread has one (a hash map update allocates a new element and frees the old one: ~100 ns),
+ * its operator new state kept. */
+static __always_inline void keep(struct stash *s, u64 id, struct stash *n) {
+    if (s)
+        __builtin_memcpy(s, n, __builtin_offsetof(struct stash, cxx));
+    else
+        stash.update(&id, n);
+}
+
 static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2) {
     u64 id = bpf_get_current_pid_tgid();
     if (!wanted(id >> 32)) return 0;
@@ -298,7 +322,7 @@ static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, 
         n.a2 = o.a2;
     } /* else n.caller stays 0: the return address, taken at return */
     if (n.type == CALL_REALLOC) n.old_size = chunk_size(n.a0);
-    stash.update(&id, &n);
+    keep(s, id, &n);
     return 0;
 }
 
@@ -400,7 +424,7 @@ static __always_inline int enter_foreign_free(struct pt_regs *ctx, u64 p, int ne
         n.depth = 1;
         n.type = CALL_FREE;
         n.inner = CALL_FREE;
-        stash.update(&id, &n);
+        keep(s, id, &n);
     }
     return 0;
 }
@@ -436,6 +460,89 @@ static __always_inline int enter_foreign(struct pt_regs *ctx, u32 type, u64 size
 #define AL_CXX_ENTRY(name, type, as_type, size, ptr, align) AL_ENTRY(name, as_type, size, ptr, align, 0)
 #include "allocators.h"
 
+/* ---- C++ operator new carried by its allocation call (pymtrace/tracee/cxxplan.py) --------
+ * An operator new whose every call makes one call of a probed allocating function first thing
+ * (libstdc++'s new -> malloc) has an entry probe only: enter_cxx_new_<slot> keeps its caller
+ * and arguments per thread, and the allocating call made from inside that function (its return
+ * address in [lo, lo + len), its stack below the new's) is recorded as the new, at its own
+ * return probe: three traps a new instead of four, and no return probe that would hide the
+ * new's frame from an exception unwinding through it. A new called by another one (nothrow ->
+ * new) only moves the range. cxx_fns[slot], set by user space before the probe is attached:
+ * the probe's offset in its function, what the function has pushed on the stack there (the
+ * probe may sit on the call itself), the function's size, the call type recorded. */
+#ifndef CXX_SLOTS
+#define CXX_SLOTS 8
+#endif
+struct cxx_fn {
+    u32 site;
+    u32 depth;
+    u32 size;
+    u32 type;
+};
+BPF_ARRAY(cxx_fns, struct cxx_fn, CXX_SLOTS);
+
+static __always_inline int cxx_new(struct pt_regs *ctx, int slot) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32)) return 0;
+    struct cxx_fn *f = cxx_fns.lookup(&slot);
+    if (!f || !f->size) return 0;
+    struct stash zero = {};
+    struct stash *s = stash.lookup_or_try_init(&id, &zero);
+    if (!s || s->depth) return 0;        /* inside another recorded call: hidden like its other calls */
+    u64 sp = PT_REGS_SP(ctx) + f->depth; /* at its entry: its return address */
+    u64 ra = 0;
+    pm_probe_read_user(&ra, sizeof(ra), (void *)sp);
+    u64 lo = PT_REGS_IP(ctx) - f->site;
+    struct cxx_new_call *c = &s->cxx;
+    if (c->caller && ra - c->lo < c->len && sp < c->sp) { /* called by the new entered last */
+        c->lo = lo;
+        c->len = f->size;
+        return 0;
+    }
+    c->caller = ra;
+    c->sp = sp;
+    c->lo = lo;
+    c->len = f->size;
+    c->type = f->type;
+    if (f->type == CALL_MEMALIGN) { /* (size, alignment) kept as memalign's (alignment, size) */
+        c->a0 = PT_REGS_PARM2(ctx);
+        c->a1 = PT_REGS_PARM1(ctx);
+    } else {
+        c->a0 = PT_REGS_PARM1(ctx);
+        c->a1 = 0;
+    }
+    return 0;
+}
+
+#define CXX_NEW(slot)                                                                                        \
+    int enter_cxx_new_##slot(struct pt_regs *ctx) {                                                          \
+        return cxx_new(ctx, slot);                                                                           \
+    }
+#if WANT(enter_cxx_new_0)
+CXX_NEW(0)
+#endif
+#if WANT(enter_cxx_new_1)
+CXX_NEW(1)
+#endif
+#if WANT(enter_cxx_new_2)
+CXX_NEW(2)
+#endif
+#if WANT(enter_cxx_new_3)
+CXX_NEW(3)
+#endif
+#if WANT(enter_cxx_new_4)
+CXX_NEW(4)
+#endif
+#if WANT(enter_cxx_new_5)
+CXX_NEW(5)
+#endif
+#if WANT(enter_cxx_new_6)
+CXX_NEW(6)
+#endif
+#if WANT(enter_cxx_new_7)
+CXX_NEW(7)
+#endif
+
 int leave(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     if (!wanted(id >> 32)) return 0;
@@ -443,27 +550,39 @@ int leave(struct pt_regs *ctx) {
     if (!s || !s->depth) return 0; /* entry not seen (attached mid-call) */
     if (--s->depth) return 0;      /* nested call */
     u32 type = s->type;
+    u64 a0 = s->a0, a1 = s->a1, a2 = s->a2;
+    /* at a return probe the instruction pointer is the caller's return address (the entry
+     * probe may sit after the return address was redirected to the uretprobe trampoline) */
+    u64 caller = s->caller ? s->caller : PT_REGS_IP(ctx);
+    struct cxx_new_call *c = &s->cxx;
+    if (c->caller && caller - c->lo < c->len && PT_REGS_SP(ctx) <= c->sp) { /* a carried new's call */
+        caller = c->caller;
+        type = c->type;
+        a0 = c->a0;
+        a1 = c->a1;
+        a2 = 0;
+    }
     u64 rc = PT_REGS_RC(ctx);
     u64 ptr1 = 0, ptr2 = rc, size = 0, size2 = 0;
     switch (type) {
     case CALL_MALLOC:
     case CALL_CALLOC:
     case CALL_PVALLOC:
-        size = s->a0;
+        size = a0;
         break;
     case CALL_VALLOC:
-        size = s->a0;
+        size = a0;
         size2 = PAGE_SIZE_BYTES;
         break;
     case CALL_REALLOC:
-        ptr1 = s->a0;
-        size = s->a1;
+        ptr1 = a0;
+        size = a1;
         size2 = s->old_size;
-        if (s->a2) ptr2 = s->a0; /* xallocx: in place, returns a size */
+        if (a2) ptr2 = a0; /* xallocx: in place, returns a size */
         break;
     case CALL_MEMALIGN:
-        size = s->a1;
-        size2 = s->a0;
+        size = a1;
+        size2 = a0;
         break;
     case CALL_POSIX_MEMALIGN:
         if (s->inner != CALL_POSIX_MEMALIGN) { /* interposer -> glibc memalign: rc not visible */
@@ -472,17 +591,14 @@ int leave(struct pt_regs *ctx) {
         } else {
             ptr1 = (u32)rc;
             ptr2 = 0;
-            if ((u32)rc == 0 && s->a0) pm_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
+            if ((u32)rc == 0 && a0) pm_probe_read_user(&ptr2, sizeof(ptr2), (void *)a0);
         }
-        size = s->a2;
-        size2 = s->a1;
+        size = a2;
+        size2 = a1;
         break;
     default:
         return 0;
     }
-    /* at a return probe the instruction pointer is the caller's return address (the entry
-     * probe may sit after the return address was redirected to the uretprobe trampoline) */
-    u64 caller = s->caller ? s->caller : PT_REGS_IP(ctx);
     u64 ts = bpf_ktime_get_ns();
 #ifdef STACKS
     /* before the record is reserved: a record's stack is always committed before it */

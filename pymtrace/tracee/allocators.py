@@ -158,7 +158,7 @@ class Probe:
     program: str  # BPF function
 
 
-def _direct_targets(code: bytes, start: int) -> list[tuple[str, int]]:
+def direct_targets(code: bytes, start: int) -> list[tuple[str, int]]:
     """(mnemonic, target) of every direct call/jump in CODE (decoded at address START)."""
     import capstone
     from capstone import x86_const as X
@@ -190,11 +190,12 @@ def _leaves(code: bytes, start: int) -> bool:
     return False
 
 
-def _plt_stubs(path: str) -> dict[int, str]:
+def plt_stubs(path: str, got: bool = False) -> dict[int, str]:
     """{address of a PLT stub: the symbol it jumps to} of PATH: each stub's `jmp
     *slot(%rip)` decoded, its GOT slot named by the JUMP_SLOT relocations (.rela.plt).
     Calls between an allocator's own exported functions go through these (mimalloc's
-    posix_memalign is `jmp mi_posix_memalign@plt`)."""
+    posix_memalign is `jmp mi_posix_memalign@plt`). GOT: the .plt.got stubs too (functions
+    whose address the file also takes: libstdc++'s `jmp _ZdaPv@plt`), named by .rela.dyn."""
     import capstone
     from capstone import x86_const as X
     from elftools.elf.elffile import ELFFile
@@ -205,7 +206,9 @@ def _plt_stubs(path: str) -> dict[int, str]:
         e = ELFFile(f)
         slots = {}
         for section in e.iter_sections():
-            if isinstance(section, RelocationSection) and section.name in (".rela.plt", ".rel.plt"):
+            if isinstance(section, RelocationSection) and section.name in (
+                (".rela.plt", ".rel.plt", ".rela.dyn") if got else (".rela.plt", ".rel.plt")
+            ):
                 symtab = e.get_section(section["sh_link"])
                 for rel in section.iter_relocations():
                     if rel["r_info_sym"]:
@@ -214,7 +217,7 @@ def _plt_stubs(path: str) -> dict[int, str]:
             return stubs
         md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
         md.detail = True
-        for name in (".plt", ".plt.sec"):
+        for name in (".plt", ".plt.sec", ".plt.got") if got else (".plt", ".plt.sec"):
             section = e.get_section_by_name(name)
             if section is None:
                 continue
@@ -251,7 +254,7 @@ def _branch_site(code: bytes, start: int) -> int | None:
         break
     if site is None or site == start:
         return None
-    if any(start < t <= site for _, t in _direct_targets(code, start)):
+    if any(start < t <= site for _, t in direct_targets(code, start)):
         return None
     return site - start
 
@@ -286,7 +289,7 @@ def _choose(path: str, family: str, _key: Any) -> tuple[_Chosen, ...]:
         chosen = {a: v for a, v in chosen.items() if a not in taken}
     if not any(f.name.endswith("malloc") or f.name == "_Znwm" for f, _ in chosen.values()):
         raise PymtraceError(f"{path} defines no {'operator new' if cxx else 'malloc'}")
-    plt = _plt_stubs(path) if not cxx else {}  # C++'s variants: neither forwarders nor free-type
+    plt = plt_stubs(path) if not cxx else {}  # C++'s variants: neither forwarders nor free-type
 
     def probed(target: int) -> int | None:
         """The probed function a call/jump to TARGET reaches (directly or via a PLT stub)."""
@@ -300,14 +303,14 @@ def _choose(path: str, family: str, _key: Any) -> tuple[_Chosen, ...]:
         if not cxx:
             code = elf.read_code(path, address, min(sym.size or 10, 10))
             head = code[4:] if code.startswith(b"\xf3\x0f\x1e\xfa") else code  # endbr64
-            first = _direct_targets(head[:6], address + len(code) - len(head))
+            first = direct_targets(head[:6], address + len(code) - len(head))
             if first and first[0][0] == "jmp" and probed(first[0][1]) not in (None, address):
                 continue  # a forwarder: every call reaches the probed function it jumps to (C++'s
                 # variants are kept: each is its own call type, nesting depth counts it once)
         nested = f.call != "free"
         if not nested:  # a free-type function calling another probed one is nested too
             code = elf.read_code(path, address, sym.size or 256)
-            nested = any(probed(t) not in (None, address) for _, t in _direct_targets(code, address))
+            nested = any(probed(t) not in (None, address) for _, t in direct_targets(code, address))
             # another object's free that leaves itself may forward to the next definition (an
             # LD_PRELOAD interposer: glibc's free, probed beside it by `record -- CMD`)
             nested = nested or (family == "generic" and _leaves(code, address))

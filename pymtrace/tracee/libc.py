@@ -373,10 +373,17 @@ def cxx_runtime(pid: int) -> str | None:
     linker's search order that exports _Znwm: libstdc++, or an allocator that replaces it,
     such as a preloaded jemalloc/tcmalloc/mimalloc), or None (no C++ runtime mapped, or the
     maps are unreadable). When the link map cannot be read, the mapped files in map order."""
+    return first_definers(pid, ("_Znwm",))["_Znwm"]
+
+
+def first_definers(pid: int, names: Collection[str]) -> dict[str, str | None]:
+    """{name: the file a call of NAME through a PLT stub reaches in PID}: the first object in
+    the dynamic linker's search order that exports it, or None (not found, or the maps are
+    unreadable). When the link map cannot be read, the mapped files in map order."""
     try:
         maps = read_maps(pid)
     except MapsUnreadable:
-        return None
+        return dict.fromkeys(names)
     own = proc.exe(pid)
     exe = host_path(pid, own) if own is not None else None
     order = None
@@ -390,10 +397,8 @@ def cxx_runtime(pid: int) -> str | None:
             host_path(pid, m.path) for m in maps if "x" in m.perms and m.path.startswith("/")
         ]
     mapped = {file_key(host_path(pid, m.path)) for m in maps if m.path.startswith("/")}
-    for path in order:
-        if path and file_key(path) in mapped and defines(path, "_Znwm"):
-            return path
-    return None
+    found = [path for path in order if path and file_key(path) in mapped]
+    return {name: next((path for path in found if defines(path, name)), None) for name in names}
 
 
 def _mapped_files(maps_seen: dict[int, list[Mapping]] | None) -> Iterator[tuple[int, str, str]]:
