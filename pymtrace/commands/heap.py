@@ -88,7 +88,9 @@ default), an unsampled call costs a few ns and never traps: at the default --sam
 0.92-1.13x of untraced on python3, sqlite3, a C++ map program and gcc -O2 -c (uprobes:
 2.2-15x). Through uprobes every call traps (~1-3 us: what top costs). --sample-bytes 1
 samples every call on either path (a trap per allocation and per free; pymtrace's CPU grows
-with the call rate). See docs/heap.md and docs/benchmarks.md.
+with the call rate); in-process the program then waits whenever the ring is full, so nothing
+is lost and the program runs at the pace pymtrace unwinds (sqlite3: 7.4 s against 2.2 s at
+the default sampling). See docs/heap.md and docs/benchmarks.md.
 
 STOPPING: when the command exits, on Ctrl-C/SIGTERM or after --duration; with -p the
 processes keep running. EXIT STATUS: 0 ok; 1 error; 3 samples were lost (the report says
@@ -130,7 +132,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--ring-bytes",
         metavar="N",
         help="the ring buffer samples wait in, a power of two (K/M/G suffixes; default 16M, "
-        "64M with --sample-bytes 1); a full ring drops samples",
+        "64M with --sample-bytes 1); when it is full an in-process command waits, the uprobe "
+        "path drops samples",
     )
     parser.add_argument(
         "--max-live",
@@ -208,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     check_new(args.output, args.force)  # before a long run, not after it
     bpfload.require_root("pymtrace heap")
 
-    launched = lib = None
+    launched = lib = credits = None
     why = "--via uprobes" if args.via == UPROBES else None  # why a launched command is not preloaded
     if args.python_allocators and args.via == INTERPOSER:
         raise PymtraceError("--python-allocators samples through uprobes: not with --via interposer")
@@ -222,8 +225,14 @@ def run(args: argparse.Namespace) -> int:
         if lib is not None:
             max_live = args.max_live or default_max_live(sample_bytes)
             options = interposer.SampleOptions(sample_bytes, max_live, args.follow_forks)
-            env = interposer.sampling_env(os.environ, lib, options)
-        launched = Launched(cmd, env=env)
+            credits = interposer.Credits()  # its probes wait for room in the ring: none lost
+            env = interposer.sampling_env(os.environ, lib, options, credits)
+        try:
+            launched = Launched(cmd, env=env)
+        except BaseException:
+            if credits is not None:
+                credits.close()
+            raise
         pids = [launched.pid]
         try:  # its objects mapped (LD_PRELOAD too), nothing run: its allocator resolved as for -p
             launched.run_until_loaded()
@@ -253,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             interposer=lib,
             python_view=python_view(args),
             python_allocators=args.python_allocators,
+            credits=credits,
         )
         if launched is not None and why is not None:
             session.via[launched.pid] = (UPROBES, why)
@@ -279,13 +289,19 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass  # stop: the profile is written below
         end_ns = time.monotonic_ns()
+        if credits is not None:
+            credits.detach()  # sampling ends here: a probe waiting for room must not hold the command
         if launched is not None:
             launched.stop()
         profile = session.finish(args.older, end_ns)
         profile.meta["duration_ns"] = int((time.monotonic() - started) * 1e9)
+        if credits is not None:
+            profile.meta["ring_waits"], profile.meta["ring_wait_s"] = credits.waits()
     finally:
         if session is not None:
             session.close()
+        if credits is not None:
+            credits.close()
         if launched is not None:
             launched.kill()
     writer = WRITERS[fmt]

@@ -210,6 +210,11 @@ def python_allocator_plan(path: str) -> list[tuple[str, list[tuple[str, int, str
     return plan
 
 
+def _ring_record(size: int) -> int:
+    """Ring bytes a BPF ring-buffer record of SIZE bytes takes (its 8-byte header, 8-aligned)."""
+    return (size + 8 + 7) & ~7
+
+
 def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page: int, header: int) -> int:
     """Ring-buffer pages (a power of two): 16 MiB at a sampling rate; 64 MiB with every call
     sampled, and with RESERVE (each record takes the largest size) room for RING_RECORDS."""
@@ -321,6 +326,7 @@ class HeapSource(Source):
         interposer: str | None = None,
         python: bool = False,
         on_python: Callable[[int, bytes], None] | None = None,
+        credits: interposer_lib.Credits | None = None,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -381,6 +387,7 @@ class HeapSource(Source):
         self._unresolved_forks = {}  # child -> parent: gone before we could tell thread from process
         self.interposer = interposer  # the interposer library a launched command may preload
         self.sites = InterposerSites(interposer) if interposer else None
+        self.credits = credits  # the interposer's probes wait for room in the ring (none: lost when full)
         self.via: dict[int, tuple[str, str | None]] = {}  # pid -> (INTERPOSER or UPROBES, why uprobes)
         self._via_codes = {INTERPOSER: header.consts["HP_VIA_INTERPOSER"], UPROBES: header.consts["HP_VIA_UPROBES"]}
 
@@ -486,7 +493,13 @@ class HeapSource(Source):
         for pid, config in self.python.items():
             self.bpf[b"hp_py"][ctypes.c_uint32(pid)] = config
         ring = self.bpf[b"hp_events"]
-        self.ring = MappedRing(ring.map_fd, self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"])
+        ring_bytes = self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"]
+        self.ring = MappedRing(ring.map_fd, ring_bytes)
+        if self.credits is not None:
+            # the most a probe's record takes (with the ring's 8-byte header, 8-aligned); a
+            # quarter of the ring left for records still being written and exec/fork/exit's
+            sample = self.stack_at + self.stack_bytes + self.py_head_size + self.py_frames * self.py_frame_size
+            self.credits.start(_ring_record(sample), _ring_record(self.event_size), ring_bytes * 3 // 4)
         ev = self.event_type
         self.scanner = RingScanner(
             self.ring.data_addr,
@@ -554,7 +567,13 @@ class HeapSource(Source):
     def poll(self, timeout_ms: int = 10) -> None:
         """Wait up to TIMEOUT_MS for records (samples do not wake us: they are taken in batches
         here), then hand every record written so far to the callbacks."""
-        self._epoll.poll(timeout_ms / 1000)
+        credits = self.credits
+        if credits is not None and credits.pressed():  # probes wait for room: read as soon as one does
+            end = time.monotonic() + timeout_ms / 1000
+            while not credits.waiting() and time.monotonic() < end:
+                self._epoll.poll(0.0005)
+        else:
+            self._epoll.poll(timeout_ms / 1000)
         self.drain()
 
     def drain(self) -> None:
@@ -571,12 +590,15 @@ class HeapSource(Source):
         pythons = self.python  # the processes whose records carry Python frames
         ahead = bool(pythons) and self.on_python is not None
         main = threading.current_thread() is threading.main_thread()
+        used = self.credits.used() if self.credits is not None else 0  # before the ring's end
         _, limit = ring.positions()
         if ahead:
             self.look_ahead()
         while True:
             cons = ring.positions()[0]
             if cons >= limit:
+                if self.credits is not None:
+                    self.credits.grant(used)  # the probes' records up to USED are read
                 return
             # a stop (Ctrl-C, raised in the main thread) waits for the batch's end: one cut
             # short would be handed over again by the next drain (its samples counted twice)

@@ -185,6 +185,8 @@ class HeapProfile:
         lines.append(f"samples: {self.samples}, complete root-to-leaf: {self.complete_samples}")
         drops = ", ".join(f"{name} {count}" for name, count in sorted(self.drops.items()) if count)
         lines.append(f"drops: {drops or 'none'}")
+        if self.meta.get("ring_waits"):  # the interposer's probes waited for heap to read the ring
+            lines.append(f"waits for room in the ring: {self.meta['ring_waits']}, {self.meta['ring_wait_s']:.3f} s")
         return lines
 
     def title(self) -> str:

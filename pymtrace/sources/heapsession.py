@@ -41,6 +41,7 @@ from pymtrace.sources.heap import (
     python_config,
 )
 from pymtrace.sources.heapprofile import HeapProfile
+from pymtrace.sources.interposer import Credits
 from pymtrace.tracee import elf, libc, mallocapi, pyframes, pyruntime
 from pymtrace.tracee.unwind import UNKNOWN, Location, Module, ProcessImages, Symbolizer
 
@@ -68,6 +69,7 @@ class HeapSession:
         interposer: str | None = None,
         python_view: str = pyframes.MERGED,
         python_allocators: bool = False,
+        credits: Credits | None = None,
     ) -> None:
         self.pids = sorted(set(pids))
         self.profile = HeapProfile(sample_bytes, meta)
@@ -92,6 +94,7 @@ class HeapSession:
             interposer=interposer,
             python=python_view != pyframes.NATIVE,
             on_python=self._python_block,
+            credits=credits,
         )
         self.via = self.source.via
         self.python = PythonStacks(self.source, self.symbolizer, python_view, python_allocators)

@@ -621,16 +621,90 @@ def check_preload_path(lib: str) -> None:
         raise PymtraceError(f"the interposer's path {lib} holds a space or colon: LD_PRELOAD cannot name it")
 
 
-def sampling_env(base: Mapping[str, str], lib: str, options: SampleOptions) -> dict[str, str]:
+def sampling_env(
+    base: Mapping[str, str], lib: str, options: SampleOptions, credits: "Credits | None" = None
+) -> dict[str, str]:
     """BASE with what a launched command needs to be sampled in-process by LIB: LIB first in
-    LD_PRELOAD (the user's own preloads, then the libraries, are the next definitions)."""
+    LD_PRELOAD (the user's own preloads, then the libraries, are the next definitions); with
+    CREDITS, its probes wait for room in heap's ring instead of being lost."""
     check_preload_path(lib)
     env = {k: v for k, v in base.items() if k != ENV}  # sampling, no ring
     old = env.get("LD_PRELOAD", "").strip()
     env["LD_PRELOAD"] = lib + (":" + old if old else "")
     # one variable, as for the rings; not following: only this process's child samples
     env[SAMPLE_ENV] = f"{os.getpid()}:{int(options.follow)}:{options.sample_bytes}:{options.max_live}"
+    if credits is not None:
+        env[SAMPLE_ENV] += ":" + credits.path  # last: it may hold a colon
     return env
+
+
+class Credits:
+    """The credits a sampled command's probes fire against (interpose.h's sample_credits), in
+    a private directory made here: a probe whose record might not fit in heap's BPF ring
+    waits until heap has read what came before, so `--sample-bytes 1` loses nothing."""
+
+    def __init__(self, parent: str | None = None) -> None:
+        parent = parent or _ring_dir_parent()
+        sweep_stale(parent)
+        self.directory = os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
+        self.path = os.path.join(self.directory, "credits")
+        size = _H.consts["CREDIT_SIZE"]
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.header = _H.structs["sample_credits"].from_buffer(self._map)
+        self.header.owner = os.getpid()
+        self.header.magic = _H.consts["CREDIT_MAGIC"]  # last: the samplers read it first
+        self.room = 0
+        self._waits, self._pressed_at = 0, -1.0
+
+    def start(self, alloc_cost: int, free_cost: int, room: int) -> None:
+        """Before the command runs: what each probe's record may take of the ring, and the
+        ROOM its probes may fill before heap has read any."""
+        self.header.alloc_cost = alloc_cost
+        self.header.free_cost = free_cost
+        self.room = room
+        self.header.granted = room
+
+    def used(self) -> int:
+        """The ring bytes the probes have taken so far (read before reading the ring)."""
+        return self.header.used
+
+    def waiting(self) -> bool:
+        """Whether a probe is waiting for room (or about to)."""
+        return self.header.used > self.header.granted
+
+    def pressed(self) -> bool:
+        """Whether probes waited for room in the last second: the ring is read as soon as one
+        waits, not at the next timeout."""
+        waits, now = self.header.waits, time.monotonic()
+        if waits != self._waits:
+            self._waits, self._pressed_at = waits, now
+        return now - self._pressed_at < 1.0
+
+    def grant(self, used: int) -> None:
+        """Every record of the probes counted in USED has been read: ROOM more may come."""
+        self.header.granted = used + self.room
+
+    def waits(self) -> tuple[int, float]:
+        """(probes that waited for room, seconds they waited in all)."""
+        return self.header.waits, self.header.wait_ns / 1e9
+
+    def detach(self) -> None:
+        """Nobody waits any more: the program goes on, its probes fire no more."""
+        self.header.detached = 1
+
+    def close(self) -> None:
+        """Detach, and remove the file."""
+        if self._map.closed:
+            return
+        self.detach()
+        del self.header
+        self._map.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def sample_sites(lib: str) -> list:

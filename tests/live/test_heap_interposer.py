@@ -10,11 +10,13 @@ import gzip
 import math
 import os
 import re
+import subprocess
+import time
 
 import pytest
 from support import heapchains
 from support.allocators import LIBS, library
-from support.cli import run_pymtrace
+from support.cli import PYMTRACE, run_pymtrace
 
 from pymtrace.sinks import profile_pb2
 
@@ -149,6 +151,48 @@ def test_processes_threads_and_handlers_exact(calls, tmp_path, mode, follow, abs
     for size, n in want.items():
         assert allocated[size] == (0 if size in absent else n), (size, allocated)
         assert inuse[size] == 0, size
+
+
+@pytest.mark.parametrize(
+    "mode, follow",
+    [(["threads", "4"], False), (["fork"], True), (["exec"], False), (["signal", "300"], False)],
+)
+def test_a_full_ring_makes_the_program_wait_never_drop(calls, tmp_path, mode, follow):
+    """A 128 KiB ring holds a sample or two: the probes of threads, of a followed child, of an
+    exec'd image and of signal handlers wait for heap to read it, and every allocation is
+    still there exactly, none dropped."""
+    out = tmp_path / "p.pb.gz"
+    args = ("--sample-bytes", "1", "--ring-bytes", "128K") + (("--follow-forks",) if follow else ())
+    proc = heap(out, *args, cmd=(calls, *mode))
+    assert "drops: none" in proc.stderr, proc.stderr
+    if mode[0] != "signal":  # (handlers allocate one at a time, as signals come)
+        assert re.search(r"waits for room in the ring: [1-9]", proc.stderr), proc.stderr
+    allocated, inuse = by_size(stacks(out))
+    want = truth(proc.stdout)
+    assert want
+    for size, n in want.items():
+        assert allocated[size] == n and inuse[size] == 0, (size, allocated)
+
+
+@pytest.mark.parametrize("stop", ["sigkill", "duration"])
+def test_a_waiting_program_goes_on_when_heap_stops(chains, tmp_path, stop):
+    """heap SIGKILLed (a zombie until this test reaps it), or done after --duration, while the
+    program waits for room in a tiny ring: the program goes on to its end unsampled (a waiting
+    probe sees heap gone or stopped) and prints what it prints."""
+    out = tmp_path / "p.pb.gz"
+    extra = ("--duration", "2") if stop == "duration" else ()
+    cmd = (*PYMTRACE, "heap", "-o", out, "--sample-bytes", "1", "--ring-bytes", "64K", *extra)
+    proc = subprocess.Popen(
+        (*cmd, "--", chains, "0", "300000", "64"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert "sampling" in proc.stderr.readline()
+    if stop == "sigkill":
+        time.sleep(2)
+        proc.kill()
+    stdout, stderr = proc.communicate(timeout=120)  # until the program's end too: it holds the pipe
+    assert stdout.endswith("done\n"), stderr
+    if stop == "duration":
+        assert proc.returncode == 0 and "drops: none" in stderr and out.exists(), stderr
 
 
 def test_jemalloc_preloaded_behind_the_interposer(chains, tmp_path):

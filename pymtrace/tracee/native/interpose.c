@@ -8,13 +8,14 @@
  * FOLLOW 0 (only the first process to register, and its execs, is traced) or 1, SLOTS per
  * ring, DIR the private ring directory (last: it may hold a colon). Absent: only forwards.
  *
- * Sampling mode (`heap`; no ring): PYMTRACE_SAMPLE=PARENT:FOLLOW:BYTES:LIVE draws heap's
+ * Sampling mode (`heap`; no ring): PYMTRACE_SAMPLE=PARENT:FOLLOW:BYTES:LIVE:PATH draws heap's
  * Poisson sampling, a sample per BYTES allocated on average, per thread in-process
  * (bpf/heap.bpf.c's draw, the same arithmetic); only a sampled allocation fires the USDT probe
  * pymtrace:heap_alloc, and only the free (or realloc away) of a sampled block
  * pymtrace:heap_free, which heap's BPF program is attached to. The sampled blocks still
  * allocated are kept in a bounded lock-free pointer set (at most LIVE). FOLLOW 0: only an image
- * whose parent is PARENT (pymtrace: the launched command and its execs) samples.
+ * whose parent is PARENT (pymtrace: the launched command and its execs) samples. PATH: heap's
+ * credits file (interpose.h): a probe waits for room in heap's ring rather than be lost.
  *
  * What makes it safe where interposers break (docs/internals.md, "The interposer"):
  * - dlsym bootstrap: while a thread resolves the next definitions, its allocations come
@@ -44,6 +45,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/sdt.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -364,8 +366,43 @@ static inline int recording(void) {
     return LIKELY(!ts.depth);
 }
 
-/* The consumer has not made room for POS yet: spin briefly, then sleep, until it does (or it
- * detached, or its process is gone: then recording stops, the program must not hang). */
+/* Whether process OWNER (pymtrace) has ended: gone, or a zombie its parent has not reaped
+ * yet (a killed pymtrace whose shell waits for the pipe the program holds). */
+static int owner_gone(__u32 owner) {
+    if (kill((pid_t)owner, 0) != 0) return errno == ESRCH;
+    char path[32] = "/proc/", text[512];
+    memcpy(put_number(path + 6, owner), "/stat", 6);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    text[n] = 0;
+    char *end = strrchr(text, ')'); /* after the name, which may hold anything */
+    return end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
+
+/* One round of a wait for pymtrace (a full ring, no credit): spin briefly, then sleep 20 us,
+ * and every 100 ms see whether OWNER, pymtrace's process, is still there. 0 once it is gone:
+ * the program must not hang. */
+static int wait_turn(__u32 owner, int *spins, __u64 *checked) {
+    if (*spins < 256) {
+        (*spins)++;
+        __builtin_ia32_pause();
+        return 1;
+    }
+    struct timespec nap = {0, 20000};
+    nanosleep(&nap, NULL);
+    __u64 now = now_ns();
+    if (owner && now - *checked > 100000000ull) {
+        *checked = now;
+        if (owner_gone(owner)) return 0;
+    }
+    return 1;
+}
+
+/* The consumer has not made room for POS yet: wait until it does (or it detached, or its
+ * process is gone: then recording stops). */
 static int wait_room(struct ring_header *h, __u64 pos) {
     int saved = errno;
     __u64 t0 = now_ns(), checked = t0;
@@ -376,21 +413,10 @@ static int wait_room(struct ring_header *h, __u64 pos) {
             ok = 0;
             break;
         }
-        if (spins < 256) {
-            spins++;
-            __builtin_ia32_pause();
-            continue;
-        }
-        struct timespec nap = {0, 20000};
-        nanosleep(&nap, NULL);
-        __u64 now = now_ns();
-        if (h->owner && now - checked > 100000000ull) {
-            checked = now;
-            if (kill((pid_t)h->owner, 0) != 0 && errno == ESRCH) {
-                __atomic_store_n(&h->detached, RING_F_DETACHED, __ATOMIC_RELAXED);
-                ok = 0;
-                break;
-            }
+        if (!wait_turn(h->owner, &spins, &checked)) {
+            __atomic_store_n(&h->detached, RING_F_DETACHED, __ATOMIC_RELAXED);
+            ok = 0;
+            break;
         }
     }
     __atomic_fetch_add(&h->wait_ns, now_ns() - t0, __ATOMIC_RELAXED);
@@ -553,6 +579,51 @@ static inline __u32 next_random(struct tstate *t) { /* xorshift64*: its high hal
     return (__u32)((s * 0x2545f4914f6cdd1dull) >> 32);
 }
 
+/* heap's credits (interpose.h), mapped from PYMTRACE_SAMPLE's PATH; none: probes fire freely
+ * (a process that cannot open it, another user's, counts what heap's ring could not take). */
+static struct sample_credits *credits;
+
+static void credits_open(const char *path) {
+    if (*path != '/') return;
+    int fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return;
+    struct stat st;
+    void *map = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && st.st_size == CREDIT_SIZE)
+        map = mmap(NULL, CREDIT_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return;
+    if (__atomic_load_n(&((struct sample_credits *)map)->magic, __ATOMIC_ACQUIRE) != CREDIT_MAGIC) {
+        munmap(map, CREDIT_SIZE);
+        return;
+    }
+    credits = map;
+}
+
+/* Before a probe fires: take the ring bytes its record may need, waiting while heap has not
+ * granted them (it is reading the ring), so that no sample is lost. 0: heap has stopped or
+ * is gone, fire nothing more. */
+static int credit_take(int freeing) {
+    struct sample_credits *c = credits;
+    if (!c) return 1;
+    if (__atomic_load_n(&c->detached, __ATOMIC_RELAXED)) return 0;
+    __u64 used = __atomic_add_fetch(&c->used, freeing ? c->free_cost : c->alloc_cost, __ATOMIC_RELAXED);
+    if (LIKELY(used <= __atomic_load_n(&c->granted, __ATOMIC_ACQUIRE))) return 1;
+    int saved = errno, spins = 0;
+    __u64 t0 = now_ns(), checked = t0;
+    __atomic_fetch_add(&c->waits, 1, __ATOMIC_RELAXED);
+    while (used > __atomic_load_n(&c->granted, __ATOMIC_ACQUIRE) &&
+           !__atomic_load_n(&c->detached, __ATOMIC_RELAXED)) {
+        if (!wait_turn(c->owner, &spins, &checked)) {
+            __atomic_store_n(&c->detached, 1, __ATOMIC_RELAXED);
+            break;
+        }
+    }
+    __atomic_fetch_add(&c->wait_ns, now_ns() - t0, __ATOMIC_RELAXED);
+    errno = saved;
+    return !__atomic_load_n(&c->detached, __ATOMIC_RELAXED);
+}
+
 /* Read the environment once per process image (from resolve: before any call goes on). */
 static void sample_setup(void) {
     int expect = 0;
@@ -571,6 +642,7 @@ static void sample_setup(void) {
         if (sample_follow || (parent && (unsigned long)getppid() == parent)) {
             lg_fill();
             live_max = live;
+            credits_open(v); /* the rest: PATH (it may hold a colon) */
             if (live_max < 1) live_max = 1;
             if (live_max > (1ul << 26)) live_max = 1ul << 26;
             __atomic_store_n(&sample_mean, (__u64)mean, __ATOMIC_RELEASE);
@@ -694,14 +766,14 @@ __attribute__((noinline, noclone)) static void sample_gone(void *p) {
 static inline void sample_alloc(__u32 type, void *p, __u64 size) {
     __u64 mean = __atomic_load_n(&sample_mean, __ATOMIC_RELAXED);
     if (!mean || ts.depth) return;
-    if (sample_take(mean, size)) sample_fire(type, p, size);
+    if (sample_take(mean, size) && credit_take(0)) sample_fire(type, p, size);
 }
 
 /* P is about to be freed: if it is a sampled block, heap is told first (once the allocator
  * has it back, another thread may be given the same address). */
 static inline void sample_free(void *p) {
     if (LIKELY(!__atomic_load_n(&live_count, __ATOMIC_RELAXED)) || !p) return;
-    if (live_remove((__u64)p)) sample_gone(p);
+    if (live_remove((__u64)p) && credit_take(1)) sample_gone(p);
 }
 
 /* realloc in sampling mode: the old block, if sampled, is gone before the call (a failed

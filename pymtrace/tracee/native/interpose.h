@@ -61,4 +61,36 @@ struct ring_header {
     __u64 pad3[5];
 };
 
+/* heap's sampling mode: the credits its processes fire USDT probes against, so that heap's BPF
+ * ring buffer never overflows (PYMTRACE_SAMPLE's PATH; one file for the command and every
+ * process it follows, made by heap with O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, in its private
+ * directory). Protocol: before firing a probe a sampler adds its cost (alloc_cost for
+ * heap_alloc, free_cost for heap_free: the most ring bytes that probe's record can take) to
+ * `used` (atomic); while `used` exceeds `granted` it waits (counted in `waits`). heap, once it
+ * has read every record written before it read `used` as U, stores granted = U + room (the
+ * ring's size less a margin for records still being written): what was fired up to U is out
+ * of the ring. `detached`: heap stopped or is gone; nobody waits any more. */
+#define CREDIT_MAGIC 0x31444552434d5950 /* "PYMCRED1", stored last */
+#define CREDIT_SIZE  4096
+
+struct sample_credits {
+    __u64 magic;
+    __u32 owner; /* pid of heap: a waiting sampler stops waiting if it is gone */
+    __u32 reserved;
+    __u64 alloc_cost;
+    __u64 free_cost;
+    __u64 pad0[4];
+    /* offset 64, its own cache line: the samplers' */
+    __u64 used;
+    __u64 pad1[7];
+    /* offset 128: heap's */
+    __u64 granted;
+    __u64 detached;
+    __u64 pad2[6];
+    /* offset 192: counters samplers add to rarely */
+    __u64 waits;   /* probes that found no credit and waited */
+    __u64 wait_ns; /* their total wait */
+    __u64 pad3[6];
+};
+
 #endif
