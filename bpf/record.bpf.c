@@ -125,8 +125,8 @@ BPF_RINGBUF_OUTPUT(stacks, STACK_RB_PAGES);
 BPF_ARRAY(stack_scratch, struct stack_sample, MAX_CPUS);
 BPF_PERCPU_ARRAY(stack_lost, u64, 1); /* stacks not written (ring full, slot reused): id 0 */
 #if PY_FRAMES
-BPF_HASH(py, u32, struct py_config, 1024);       /* tgid -> its interpreter's layout */
-BPF_TABLE("lru_hash", u32, u64, pyts, 65536);    /* tid -> its thread state */
+BPF_HASH(py, u32, struct py_config, 1024);    /* tgid -> its interpreter's layout */
+BPF_TABLE("lru_hash", u32, u64, pyts, 65536); /* tid -> its thread state */
 /* The frames are read by py_output, a program of its own tail-called by `leave` (as heap's
  * hp_py_output: the verifier checks its loops once, not once per path of `leave`), which then
  * writes the stack event and the record. pyjob: this CPU's record waiting for it. */

@@ -73,7 +73,9 @@ def test_launched_chains_exact(name, path, minor, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     version = re.escape(".".join(map(str, sizes["version"])))
-    assert re.search(rf"python: pid \d+: CPython {version} .*; Python frames in [1-9]\d* of \d+ allocations", proc.stderr)
+    assert re.search(
+        rf"python: pid \d+: CPython {version} .*; Python frames in [1-9]\d* of \d+ allocations", proc.stderr
+    )
     check_chains(dumped(out), sizes)
     stats = run_pymtrace("dump", "--stats", out)
     assert stats.returncode == 0, stats.stderr
