@@ -84,11 +84,12 @@ def test_launched_chains_exact(name, path, minor, tmp_path):
 
 
 def test_attached_chains_exact(tmp_path):
-    """-p while it runs (the newest interpreter found): the same chains, calls and bytes."""
+    """-p while it runs (the newest interpreter found), to Parquet: the same chains, calls and
+    bytes; analyze's top stack is leaf_list's, its Python frames named with file and line."""
     found = [p for p in PYTHONS if p[1] is not None and pychains.version_of(p[1])]
     _, path, minor = found[-1] if found else PYTHONS[-1]
     python = pychains.python_or_missing(path, minor)
-    out = tmp_path / "p"
+    out = tmp_path / "p.parquet"
     target = subprocess.Popen([python, str(WORKLOAD), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         sizes = json.loads(target.stdout.readline())
@@ -114,3 +115,8 @@ def test_attached_chains_exact(tmp_path):
         target.wait(timeout=30)
     assert re.search(r"python: pid \d+: CPython 3\.\d+\.\d+ \(\S+\), layout from (table|_Py_DebugOffsets)", err), err
     check_chains(dumped(out), sizes)
+    report = json.loads(run_pymtrace("analyze", "--json", out, check=True).stdout)
+    top = report["stacks"]["top"][0]
+    assert top["calls"] == CALLS["list"], top
+    want = [pychains.frame(f, m).replace(" ", "") for f, m in (("leaf_list", "list"), ("beta", "beta_list"))]
+    assert re.fullmatch(r".*;" + ";".join(want) + r";.*", ";".join(top["stack"])), top
