@@ -10,7 +10,9 @@
  * FOLLOW (trace TARGET_TGID and its descendants through sched_process_fork), GLIBC_CHUNKS
  * (read glibc chunk headers for size2/size3), STASH_ENTRIES, STACKS (record --stacks: each
  * allocating call's registers and stack at its return into the ring buffer `stacks`; with
- * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS). Without STACKS no stack code is compiled.
+ * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS; PY_FRAMES > 0: in a process user space lists in `py`,
+ * each stack event also carries its thread's Python frames, up to this many, bpf/pywalk.h).
+ * Without STACKS no stack code is compiled.
  * LIBC_PROBES=0 leaves out the libc's entry programs (enter_<call>: a process on another
  * allocator is probed by enter_f_* alone). OUTER_PROBES=0 leaves out the enter_outer_* programs (an interposer's entry probes), which
  * the recorder compiles only when it probes one. F_SELECT=1: of the enter_f_* and enter_cxx_new_*
@@ -99,9 +101,22 @@ BPF_HASH(stash, u64, struct stash, STASH_ENTRIES);
 #define SC_PAGES STACK_PAGES
 #include "stackcopy.h"
 
+#ifndef PY_FRAMES
+#define PY_FRAMES 0
+#endif
+/* A Python process's stack event carries its thread's Python frames after the stack (at the
+ * next 8-byte boundary): a py_head, then py_frame[count] (bpf/pyframes.h), only those filled. */
+#if PY_FRAMES
+#define HP_PY_FRAMES PY_FRAMES
+#include "pywalk.h"
+#define PY_BYTES (sizeof(struct py_head) + PY_FRAMES * sizeof(struct py_frame))
+#else
+#define PY_BYTES 0
+#endif
+
 struct stack_sample {
     struct stack_event h;
-    u8 stack[STACK_PAGES * SC_PAGE];
+    u8 stack[STACK_PAGES * SC_PAGE + PY_BYTES];
 };
 /* A second ring buffer: stacks are variable-length (the bytes copied), records stay fixed-size
  * for the recorder's vectorised drain. */
@@ -109,17 +124,52 @@ BPF_RINGBUF_OUTPUT(stacks, STACK_RB_PAGES);
 /* a plain array indexed by CPU: per-CPU map values are capped at 32 KiB */
 BPF_ARRAY(stack_scratch, struct stack_sample, MAX_CPUS);
 BPF_PERCPU_ARRAY(stack_lost, u64, 1); /* stacks not written (ring full, slot reused): id 0 */
+#if PY_FRAMES
+BPF_HASH(py, u32, struct py_config, 1024);    /* tgid -> its interpreter's layout */
+BPF_TABLE("lru_hash", u32, u64, pyts, 65536); /* tid -> its thread state */
+/* The frames are read by py_output, a program of its own tail-called by `leave` (as heap's
+ * hp_py_output: the verifier checks its loops once, not once per path of `leave`), which then
+ * writes the stack event and the record. pyjob: this CPU's record waiting for it. */
+struct py_job {
+    u64 ts; /* its stack event's (0: none waiting) */
+    u64 ptr1;
+    u64 ptr2;
+    u64 size;
+    u64 size2;
+    u64 size3;
+    u64 caller;
+    u32 type;
+    u32 pad;
+};
+BPF_PROG_ARRAY(progs, 1);
+BPF_PERCPU_ARRAY(pyjob, struct py_job, 1);
+#endif
+
+static __always_inline void stack_lost_inc(void) {
+    int zero = 0;
+    u64 *n = stack_lost.lookup(&zero);
+    if (n) *n += 1;
+}
+
+/* Write thread ID's stack event of TS from its slot S, EXTRA bytes after its stack (a Python
+ * block: at the stack's 8-byte aligned end). */
+static __always_inline void stack_output(struct stack_sample *s, u64 id, u64 ts, u32 extra) {
+    u64 out = sizeof(struct stack_event) + (extra ? ((s->h.stack_len + 7) & ~7) + extra : s->h.stack_len);
+    if (out > sizeof(struct stack_sample)) out = sizeof(struct stack_sample);
+    /* another task used this CPU's slot while this one was preempted: a mix, dropped */
+    if (s->h.ts != ts || s->h.tid != (u32)id || stacks.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0)
+        stack_lost_inc();
+}
 
 /* The registers and stack at an allocating call's return (the caller's frame: ip is the return
- * address, the callee-saved registers are restored), keyed by (thread, ts). */
-static __always_inline void emit_stack(struct pt_regs *ctx, u64 id, u32 call, u64 ts) {
-    int zero = 0;
+ * address, the callee-saved registers are restored), keyed by (thread, ts), into this CPU's
+ * slot; written at once, or (1) left there for py_output in a Python process. */
+static __always_inline int emit_stack(struct pt_regs *ctx, u64 id, u32 call, u64 ts) {
     u32 cpu = bpf_get_smp_processor_id();
     struct stack_sample *s = stack_scratch.lookup(&cpu);
     if (!s) {
-        u64 *n = stack_lost.lookup(&zero);
-        if (n) *n += 1;
-        return;
+        stack_lost_inc();
+        return 0;
     }
     s->h.tgid = id >> 32;
     s->h.tid = (u32)id;
@@ -127,15 +177,13 @@ static __always_inline void emit_stack(struct pt_regs *ctx, u64 id, u32 call, u6
     s->h.ts = ts;
     s->h.pad = 0;
     sc_regs(ctx, s->h.regs);
-    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), STACK_PAGES * SC_PAGE);
-    s->h.stack_len = len;
-    u64 out = sizeof(struct stack_event) + len;
-    if (out > sizeof(struct stack_sample)) out = sizeof(struct stack_sample);
-    /* another task used this CPU's slot while this one was preempted: a mix, dropped */
-    if (s->h.ts != ts || s->h.tid != (u32)id || stacks.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
-        u64 *n = stack_lost.lookup(&zero);
-        if (n) *n += 1;
-    }
+    s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), STACK_PAGES * SC_PAGE);
+#if PY_FRAMES
+    u32 tgid = id >> 32;
+    if (py.lookup(&tgid)) return 1;
+#endif
+    stack_output(s, id, ts, 0);
+    return 0;
 }
 #endif
 
@@ -163,6 +211,10 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
     u32 child = args->child_pid;
     u32 one = 1;
     traced.update(&child, &one);
+#if defined(STACKS) && PY_FRAMES
+    struct py_config *c = py.lookup(&parent); /* a fork child runs its parent's interpreter */
+    if (c) py.update(&child, c);
+#endif
     return 0;
 }
 
@@ -182,6 +234,15 @@ static __always_inline int wanted(u32 tgid) {
 #else
 static __always_inline int wanted(u32 tgid) {
     return TARGET_TGID == 0 || tgid == TARGET_TGID;
+}
+#endif
+
+#if defined(STACKS) && PY_FRAMES
+/* Another program: user space describes its interpreter anew (Recorder._probe_program). */
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    py.delete(&tgid);
+    return 0;
 }
 #endif
 
@@ -600,13 +661,79 @@ int leave(struct pt_regs *ctx) {
         return 0;
     }
     u64 ts = bpf_ktime_get_ns();
+    u64 size3 = chunk_size(ptr2);
 #ifdef STACKS
     /* before the record is reserved: a record's stack is always committed before it */
     int zero = 0;
     u32 *on = enabled.lookup(&zero);
-    if (on && *on) emit_stack(ctx, id, type, ts);
+    if (on && *on && emit_stack(ctx, id, type, ts)) {
+#if PY_FRAMES
+        struct py_job *job = pyjob.lookup(&zero);
+        if (job) {
+            job->ts = ts;
+            job->ptr1 = ptr1;
+            job->ptr2 = ptr2;
+            job->size = size;
+            job->size2 = size2;
+            job->size3 = size3;
+            job->caller = caller;
+            job->type = type;
+            progs.call(ctx, 0); /* does not return when it runs */
+            job->ts = 0;
+        }
+        u32 cpu = bpf_get_smp_processor_id(); /* written without Python frames */
+        struct stack_sample *s = stack_scratch.lookup(&cpu);
+        if (s) stack_output(s, id, ts, 0);
+#endif
+    }
 #endif
     struct record_event *e = reserve();
-    if (e) fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller, ts);
+    if (e) fill(e, id, type, ptr1, ptr2, size, size2, size3, caller, ts);
     return 0;
 }
+
+#if defined(STACKS) && PY_FRAMES
+/* Tail-called by `leave` in a Python process: the waiting stack event gets its thread's Python
+ * frames and is written, then the record (as `leave` would have). */
+int py_output(struct pt_regs *ctx) {
+    int zero = 0;
+    struct py_job *job = pyjob.lookup(&zero);
+    if (!job || !job->ts) return 0;
+    struct py_job j = *job; /* the slot is this CPU's: another task's call may take it */
+    u64 ts = j.ts, id = bpf_get_current_pid_tgid();
+    job->ts = 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct stack_sample *s = stack_scratch.lookup(&cpu);
+    if (s && s->h.ts == ts && s->h.tid == (u32)id) {
+        u64 at = s->h.stack_len;
+        at = (at + 7) & ~7ull;
+        if (at <= STACK_PAGES * SC_PAGE) {
+            asm volatile("" : "+r"(at)); /* the bounded register is the one used below */
+            struct py_head *head = (struct py_head *)(s->stack + at);
+            u32 tgid = id >> 32, tid = (u32)id;
+            struct py_config *c = py.lookup(&tgid);
+            if (c) {
+                u64 *known = pyts.lookup(&tid);
+                u64 before = known ? *known : 0;
+                u64 tstate = py_tstate(c, tid, before);
+                if (tstate && tstate != before) pyts.update(&tid, &tstate);
+                py_walk(c, tstate, head, (struct py_frame *)(s->stack + at + sizeof(struct py_head)));
+            } else {
+                head->count = 0;
+                head->status = PY_STATUS_NONE;
+                head->tstate = 0;
+            }
+            u32 count = head->count;
+            if (count > PY_FRAMES) count = PY_FRAMES;
+            stack_output(s, id, ts, sizeof(struct py_head) + count * sizeof(struct py_frame));
+        } else {
+            stack_output(s, id, ts, 0);
+        }
+    } else {
+        stack_lost_inc();
+    }
+    struct record_event *e = reserve();
+    if (e) fill(e, id, j.type, j.ptr1, j.ptr2, j.size, j.size2, j.size3, j.caller, ts);
+    return 0;
+}
+#endif

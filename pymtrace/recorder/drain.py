@@ -334,6 +334,10 @@ class Drainer:
             self.outputs.record_maps(pid)
         if self.unwinder is not None:
             self.unwinder.at_exit(pid)
+            # its Python frames named while its memory is there
+            t1 = time.thread_time()
+            self.consume_stacks()
+            self.unwinder.cpu += time.thread_time() - t1
 
     def close(self) -> None:
         try:

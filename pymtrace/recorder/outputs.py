@@ -542,6 +542,8 @@ def print_summary(summary: dict, options: RecordOptions) -> None:
             f"{summary['stacks_lost']} allocations without a stack (id 0)",
             file=sys.stderr,
         )
+    for line in summary.get("python", ()):
+        print(f"pymtrace: python: {printable(line)}", file=sys.stderr)
     if lost:
         print(
             "pymtrace: events were lost: the ring buffer was full; use a larger --buffer-size"

@@ -224,9 +224,10 @@ class ProbePlan:
                 self.allocator = found  # jemalloc, tcmalloc, mimalloc, a malloc of its own
         self.libc_path = libc_path
 
-    def load(self, pages: int, on_stack_event: Callable[..., int] | None = None) -> None:
+    def load(self, pages: int, on_stack_event: Callable[..., int] | None = None, py_frames: int = 0) -> None:
         """Compile and load record.bpf.c for this process, its ring buffer PAGES pages (and,
-        --stacks, the stack events' ring, drained by ON_STACK_EVENT)."""
+        --stacks, the stack events' ring, drained by ON_STACK_EVENT; PY_FRAMES > 0: Python
+        processes' stack events carry up to that many Python frames)."""
         libc_path = self.libc_path
         defines = {"RB_PAGES": pages, "PAGE_SIZE_BYTES": PAGE, "TARGET_TGID": self.target, "CXX_SLOTS": CXX_SLOTS}
         self.carry = on_stack_event is None
@@ -238,6 +239,8 @@ class ProbePlan:
             from pymtrace.sources.heap import possible_cpus
 
             defines.update(STACKS=1, STACK_PAGES=STACK_PAGES, STACK_RB_PAGES=pages, MAX_CPUS=possible_cpus())
+            if py_frames:
+                defines["PY_FRAMES"] = py_frames
         # -p on another allocator: its functions only (tracee.allocators), no chunk headers;
         # -- CMD: glibc's, and per program (it may exec) its allocator's beside (probe_program)
         found = self.allocator if self.launched is None else None
@@ -274,6 +277,9 @@ class ProbePlan:
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
         if on_stack_event is not None:
             self.bpf["stacks"].open_ring_buffer(on_stack_event)
+            if py_frames:  # the program that reads the frames, tail-called by `leave`
+                program = uprobes.load_tail_program(self.bpf, "py_output")
+                self.bpf["progs"][ctypes.c_int(0)] = ctypes.c_int(program.fd)
         if self.follow:
             self.bpf["traced"][ctypes.c_uint32(self.target)] = ctypes.c_uint32(1)
 

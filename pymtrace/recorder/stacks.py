@@ -1,5 +1,11 @@
 """record --stacks: each allocation's stack event unwound as it is drained, and the records
-labelled with the ids of their stacks in the per-process stack tables."""
+labelled with the ids of their stacks in the per-process stack tables.
+
+In a CPython process a stack event also carries its thread's Python frames (bpf/record.bpf.c
+py_output, bpf/pywalk.h): their code objects are named as the event is drained, while the
+process lives (cached per code object, tracee.pyframes), and merged into the native stack
+(each _PyEval_EvalFrameDefault frame replaced by the Python frames it ran) before the stack
+is interned, so equal merged stacks share an id."""
 
 from __future__ import annotations
 
@@ -25,6 +31,40 @@ _ALLOC_TYPES = (
 _MAX_PENDING = 1 << 16  # unmatched stacks (their record was lost) kept before pruning
 
 
+class PythonMap:
+    """record.bpf.c's map `py` (tgid -> py_config), as PythonStacks writes it: before the
+    program is loaded the configurations are kept, and written by attach."""
+
+    def __init__(self, py_frames: int) -> None:
+        self.py_frames = py_frames
+        self.bpf: Any = None
+        self.python: dict[int, Any] = {}
+
+    def attach(self, bpf: Any) -> None:
+        self.bpf = bpf
+        for pid, config in self.python.items():
+            self.set_python(pid, config)
+
+    def set_python(self, pid: int, config: Any | None) -> None:
+        if config is None:
+            self.python.pop(pid, None)
+        else:
+            self.python[pid] = config
+        if self.bpf is None:
+            return
+        table = self.bpf[b"py"]
+        try:
+            if config is None:
+                del table[ctypes.c_uint32(pid)]
+            else:
+                table[ctypes.c_uint32(pid)] = config
+        except Exception:  # BCC: an absent key on delete (KeyError), a full map on update
+            pass
+
+    def probe_python_allocators(self, pid: int, path: str) -> None:  # heap's --python-allocators only
+        pass
+
+
 class StackUnwinder:
     """record --stacks: unwinds each allocation's stack event (ring buffer `stacks`) with its
     process's ProcessImage as it is drained, and labels the records with stack ids.
@@ -34,7 +74,10 @@ class StackUnwinder:
     the unwind starts in the caller; the allocating function itself is added as the leaf
     (libc's symbol), and the caller's pc becomes return address - 1 like every other caller."""
 
-    def __init__(self, libc_path: str) -> None:
+    def __init__(self, libc_path: str, python: bool = True) -> None:
+        from pymtrace.sources.heap import PY_FRAMES
+        from pymtrace.sources.heapsession import PythonStacks
+        from pymtrace.tracee import pyframes
         from pymtrace.tracee.unwind import ProcessImages
 
         self.leaf_files: list[tuple[str, dict[int, int]]] = []  # (real path, {call: pc}), preferred first
@@ -48,6 +91,41 @@ class StackUnwinder:
         self.event_size = ctypes.sizeof(self.event)
         self.add_leaf_file(libc_path)
         self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): (Module, {call: pc})
+        # PYTHON: CPython processes' stacks carry their Python frames (merged)
+        self.py_map = PythonMap(PY_FRAMES) if python else None
+        self.python = (
+            PythonStacks(self.py_map, self.symbolizer, pyframes.MERGED, memo=False, unit="allocations")
+            if self.py_map is not None
+            else None
+        )
+        self.py_head = self.py_frame = 0
+        if python:
+            header = structs.header("record").structs
+            self.py_head = ctypes.sizeof(header["py_head"])
+            self.py_frame = ctypes.sizeof(header["py_frame"])
+
+    def find_python(self, pid: int) -> None:
+        """Look for a CPython in PID (at start, after an exec): its frames read if it can be."""
+        if self.python is not None:
+            self.python.find(pid)
+
+    def attach(self, bpf: Any) -> None:
+        """BPF (record.bpf.c, loaded) gets the Python processes found so far."""
+        if self.py_map is not None:
+            self.py_map.attach(bpf)
+
+    def python_lines(self) -> list[str]:
+        """One line per CPython process: its interpreter, how many stacks had Python frames,
+        or why its frames could not be read (PythonStacks.lines)."""
+        return self.python.lines() if self.python is not None else []
+
+    def _py_block(self, data: int, size: int, stack_len: int) -> bytes | None:
+        """The Python block (bpf/pyframes.h) after the stack of the event at DATA, or None."""
+        at = self.event_size + ((stack_len + 7) & ~7)
+        if not self.py_head or size < at + self.py_head:
+            return None
+        count = min(ctypes.c_uint32.from_address(data + at).value, (size - at - self.py_head) // self.py_frame)
+        return ctypes.string_at(data + at, self.py_head + count * self.py_frame)
 
     def add_leaf_file(self, path: str) -> None:
         """Name the allocating functions of PATH (the allocator a program calls: glibc, or one
@@ -102,6 +180,13 @@ class StackUnwinder:
             leaf = self._libc(tgid, image)
             if leaf is not None and call in leaf[1]:
                 stack = ((leaf[0], leaf[1][call]),) + tuple(stack)
+        python = self.python
+        if python is not None:
+            block = self._py_block(data, size, int(ev.stack_len))
+            if block is not None:
+                stack = python.stack(tgid, tuple(stack), block)
+            elif tgid not in python.looked:  # a process seen first now (a followed child, an exec)
+                python.find(tgid)
         if not complete:
             self.incomplete += 1
         if len(self.pending) >= _MAX_PENDING:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources.heap import (
@@ -208,6 +208,17 @@ class HeapSession:
         self.python.forked(parent, child)
 
 
+class PythonTargets(Protocol):
+    """Where PythonStacks tells a BPF program which processes' Python frames to read and how
+    (HeapSource; record --stacks' recorder.stacks.PythonMap)."""
+
+    py_frames: int  # frames read per stack at most
+
+    def set_python(self, pid: int, config: Any | None) -> None: ...
+
+    def probe_python_allocators(self, pid: int, path: str) -> None: ...
+
+
 class PythonStacks:
     """The Python frames of each CPython process's samples (tracee.pyframes), in VIEW: which
     interpreter each process runs (or why it cannot be read, one line each: lines()), the
@@ -216,8 +227,18 @@ class PythonStacks:
 
     MEMO = 65536  # merged stacks remembered (then forgotten and merged again)
 
-    def __init__(self, source: HeapSource, symbolizer: Symbolizer, view: str, allocators: bool = False) -> None:
+    def __init__(
+        self,
+        source: HeapSource | PythonTargets,
+        symbolizer: Symbolizer,
+        view: str,
+        allocators: bool = False,
+        memo: bool = True,
+        unit: str = "samples",
+    ) -> None:
         self.source = source
+        self.memo = memo  # native stacks are interned (HeapSource's): merged stacks remembered
+        self.unit = unit  # what lines() counts
         self.view = view
         self.allocators = allocators  # sample the interpreter's allocators too (HeapSource)
         self.symbolizer = symbolizer
@@ -313,6 +334,8 @@ class PythonStacks:
             return native
         counts[1] += 1
         counts[2] += block[4] == pyframes.TRUNCATED
+        if not self.memo:
+            return pyframes.merge(native, groups, self.is_eval, self.view, process.is_interpreter)
         key = (id(native), block)
         hit = self._memo.get(key)
         if hit is not None and hit[0] is native:
@@ -333,7 +356,7 @@ class PythonStacks:
                 line += "; native stacks only"
             else:
                 total, with_frames, truncated = self.samples.get(pid, (0, 0, 0))
-                line += f"; Python frames in {with_frames} of {total} samples"
+                line += f"; Python frames in {with_frames} of {total} {self.unit}"
                 if truncated:
                     line += f" ({truncated} cut at {self.source.py_frames} frames)"
                 unreadable = self.processes[pid].unreadable if pid in self.processes else 0
