@@ -80,6 +80,7 @@ class Watched:
         self.follow = follow
         self.alive: set[int] = set()
         self.procevents: Any = None
+        self.events_error: str | None = None  # why process events could not be followed
 
     def start(self, on_event: Callable[[Any], None] | None = None) -> None:
         """Start following forks (before the probes go on: no child is missed). ON_EVENT: sees
@@ -89,8 +90,9 @@ class Watched:
             from pymtrace.tracee.procevents import ProcEvents
 
             self.procevents = ProcEvents(on_event=on_event, kinds=self.KINDS).start()
-        except (PymtraceError, OSError):
+        except (PymtraceError, OSError) as exc:
             self.procevents = None  # fall back to scanning /proc for children
+            self.events_error = str(exc)
 
     def target_alive(self, pidfd: int, at_exit: Callable[[int], None] | None) -> bool:
         """Whether the target runs on (PIDFD: its pidfd; AT_EXIT: a held command's last call)."""

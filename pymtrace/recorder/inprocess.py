@@ -213,6 +213,12 @@ class InProcessRecorder:
             self.watched = ExecWatched(target, self.launched, options.follow_forks)
             if options.follow_forks:
                 self.watched.start()
+                if self.watched.events_error is not None:  # children found by scanning /proc
+                    print(
+                        f"pymtrace: warning: {printable(self.watched.events_error)}: a followed child "
+                        "that execs a program without the interposer is not named",
+                        file=sys.stderr,
+                    )
             self.drainer = RingDrainer(self.rings, self.outputs.output_for, target, options.format)
             self.drainer.on_poll = self._check_execs
             self.drainer.run(options, self.outputs, self.watched, self._on_exec)

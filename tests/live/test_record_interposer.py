@@ -154,7 +154,9 @@ def test_followed_child_without_the_interposer_is_named(cbuild, tmp_path):
     script = f"env -u LD_PRELOAD {prog} 3000000 1032; {prog} 200 2048"  # (a child that lives a while)
     proc = run_pymtrace("record", "--json", "--follow-forks", "-o", out, "--", "/bin/sh", "-c", script)
     summary = summary_of(proc)
-    (gone,) = [p for p in summary["processes"] if p["via"] is None]
+    gone = [p for p in summary["processes"] if p["via"] is None]
+    assert len(gone) == 1, proc.stderr
+    (gone,) = gone
     assert "LD_PRELOAD no longer names the interposer" in gone["why"] and prog in gone["why"]
     assert f"process {gone['pid']} " in proc.stderr and "is not recorded from here on" in proc.stderr
     sizes = collections.Counter()
@@ -251,7 +253,9 @@ def test_child_switching_user_loads_the_library_and_is_named(cbuild, tmp_path):
     summary = summary_of(proc)
     assert proc.stdout.startswith("pairs 3000000 ")  # it ran, as the other user
     assert "cannot be preloaded" not in proc.stderr and "ld.so" not in proc.stderr
-    (gone,) = [p for p in summary["processes"] if p["via"] is None]
+    gone = [p for p in summary["processes"] if p["via"] is None]
+    assert len(gone) == 1, proc.stderr
+    (gone,) = gone
     assert "runs as user 65534" in gone["why"]
     lib = I.library()
     st = os.stat(lib)
