@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -146,19 +147,50 @@ def test_exec_without_the_interposer_is_recorded_through_uprobes(cbuild, tmp_pat
     assert "recorded through uprobes from its exec on" in text and "LD_PRELOAD no longer names the interposer" in text
 
 
+def _run_until_named(cmd, storm):
+    """`record --json --follow-forks CMD...`, whose child waits on stdin (record_storm stdin)
+    until record has named it on stderr, then runs STORM ("PAIRS SIZE") and ends: (stdout,
+    stderr, summary). A child that ends before record could read its /proc entry would not be
+    named (docs/record.md)."""
+    proc = subprocess.Popen(
+        [*PYMTRACE, "record", "--json", "--follow-forks", *cmd],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    never = threading.Timer(300, proc.kill)  # never named: the child would wait forever
+    never.start()
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "is not recorded from here on" in line:
+                break
+        proc.stdin.write(storm + "\n")
+        proc.stdin.close()
+        err = proc.stderr.read()  # (the program's stdout is two short lines: no pipe fills)
+        out = proc.stdout.read()
+        proc.wait()
+    finally:
+        never.cancel()
+    err = "".join(lines) + err
+    assert proc.returncode == 0, err
+    return out, err, json.loads(err.strip().splitlines()[-1])
+
+
 def test_followed_child_without_the_interposer_is_named(cbuild, tmp_path):
     """A followed child that execs a program without LD_PRELOAD cannot be recorded from the
     start any more: named, with why, in the lines and the JSON summary."""
     prog = cbuild("record_storm")
     out = tmp_path / "kid.trace"
-    script = f"env -u LD_PRELOAD {prog} 3000000 1032; {prog} 200 2048"  # (a child that lives a while)
-    proc = run_pymtrace("record", "--json", "--follow-forks", "-o", out, "--", "/bin/sh", "-c", script)
-    summary = summary_of(proc)
+    script = f"env -u LD_PRELOAD {prog} stdin; {prog} 200 2048"
+    _, err, summary = _run_until_named(["-o", out, "--", "/bin/sh", "-c", script], "3000 1032")
     gone = [p for p in summary["processes"] if p["via"] is None]
-    assert len(gone) == 1, proc.stderr
+    assert len(gone) == 1, err
     (gone,) = gone
     assert "LD_PRELOAD no longer names the interposer" in gone["why"] and prog in gone["why"]
-    assert f"process {gone['pid']} " in proc.stderr and "is not recorded from here on" in proc.stderr
+    assert f"process {gone['pid']} " in err
     sizes = collections.Counter()
     for f in summary["files"]:
         sizes.update(r.size for r in B.read_file(f["file"]) if r.type == B.MALLOC)
@@ -244,17 +276,14 @@ def test_child_switching_user_loads_the_library_and_is_named(cbuild, tmp_path):
         os.chmod(shared, 0o755)
         prog = os.path.join(shared, "storm")
         shutil.copy(cbuild("record_storm"), prog)
-        proc = run_pymtrace(
-            "record", "--json", "--follow-forks", "-o", tmp_path / "u.trace", "--",
-            "runuser", "-u", "nobody", "--", prog, "3000000", "1032",
-        )  # fmt: skip
+        cmd = ["-o", tmp_path / "u.trace", "--", "runuser", "-u", "nobody", "--", prog, "stdin"]
+        out, err, summary = _run_until_named(cmd, "3000 1032")
     finally:
         shutil.rmtree(shared)
-    summary = summary_of(proc)
-    assert proc.stdout.startswith("pairs 3000000 ")  # it ran, as the other user
-    assert "cannot be preloaded" not in proc.stderr and "ld.so" not in proc.stderr
+    assert out.startswith("ready ") and len(out.splitlines()) == 2  # it ran, as the other user
+    assert "cannot be preloaded" not in err and "ld.so" not in err
     gone = [p for p in summary["processes"] if p["via"] is None]
-    assert len(gone) == 1, proc.stderr
+    assert len(gone) == 1, err
     (gone,) = gone
     assert "runs as user 65534" in gone["why"]
     lib = I.library()
