@@ -185,7 +185,8 @@ class Drainer:
         if self.unwinder is not None:
             # every record reserved before `limit` had its stack committed before it
             t1 = time.thread_time()
-            self.consume_stacks()
+            with stopping.stop_deferred():  # raised in BCC's callback, a stop would be swallowed
+                self.consume_stacks()
             self.unwinder.cpu += time.thread_time() - t1
         patience = time.monotonic() + 0.1
         direct = self.direct
@@ -338,7 +339,8 @@ class Drainer:
             self.unwinder.at_exit(pid)
             # its Python frames named while its memory is there
             t1 = time.thread_time()
-            self.consume_stacks()
+            with stopping.stop_deferred():
+                self.consume_stacks()
             self.unwinder.cpu += time.thread_time() - t1
 
     def close(self) -> None:

@@ -497,7 +497,7 @@ class HeapSource(Source):
         self.ring = MappedRing(ring.map_fd, ring_bytes)
         if self.credits is not None:
             # the most a probe's record takes (with the ring's 8-byte header, 8-aligned); a
-            # quarter of the ring left for records still being written and exec/fork/exit's
+            # quarter of the ring left for exec/fork/exit's records
             sample = self.stack_at + self.stack_bytes + self.py_head_size + self.py_frames * self.py_frame_size
             self.credits.start(_ring_record(sample), _ring_record(self.event_size), ring_bytes * 3 // 4)
         ev = self.event_type
@@ -590,7 +590,7 @@ class HeapSource(Source):
         pythons = self.python  # the processes whose records carry Python frames
         ahead = bool(pythons) and self.on_python is not None
         main = threading.current_thread() is threading.main_thread()
-        used = self.credits.used() if self.credits is not None else 0  # before the ring's end
+        fired = self.credits.fired() if self.credits is not None else 0  # before the ring's end
         _, limit = ring.positions()
         if ahead:
             self.look_ahead()
@@ -598,7 +598,7 @@ class HeapSource(Source):
             cons = ring.positions()[0]
             if cons >= limit:
                 if self.credits is not None:
-                    self.credits.grant(used)  # the probes' records up to USED are read
+                    self.credits.grant(fired)  # the probes' records up to FIRED are read
                 return
             # a stop (Ctrl-C, raised in the main thread) waits for the batch's end: one cut
             # short would be handed over again by the next drain (its samples counted twice)

@@ -669,9 +669,9 @@ class Credits:
         self.room = room
         self.header.granted = room
 
-    def used(self) -> int:
-        """The ring bytes the probes have taken so far (read before reading the ring)."""
-        return self.header.used
+    def fired(self) -> int:
+        """The ring bytes of the probes that have fired so far (read before reading the ring)."""
+        return self.header.fired
 
     def waiting(self) -> bool:
         """Whether a probe is waiting for room (or about to)."""
@@ -685,9 +685,9 @@ class Credits:
             self._waits, self._pressed_at = waits, now
         return now - self._pressed_at < 1.0
 
-    def grant(self, used: int) -> None:
-        """Every record of the probes counted in USED has been read: ROOM more may come."""
-        self.header.granted = used + self.room
+    def grant(self, fired: int) -> None:
+        """Every record of the probes counted in FIRED has been read: ROOM more may come."""
+        self.header.granted = fired + self.room
 
     def waits(self) -> tuple[int, float]:
         """(probes that waited for room, seconds they waited in all)."""

@@ -86,7 +86,7 @@ def test_ring_option_checked(tmp_path):
 
 
 def test_sqlite_exact(tmp_path):
-    """sqlite3 running 10,000 INSERTs (~230,000 mallocs, stacks of every depth: unwinding is
+    """sqlite3 running 10,000 INSERTs (70,000-230,000 mallocs, stacks of every depth: unwinding is
     slower than the calls): heap's count of every allocating call equals the exact trace
     `pymtrace record` takes of the same deterministic script. Through uprobes the ring holds
     the backlog (1 GiB, ~4.6 KiB a sample: BPF cannot make the program wait); in-process the
@@ -103,7 +103,7 @@ def test_sqlite_exact(tmp_path):
     run_pymtrace("record", "-o", trace, "--", *cmd, check=True, timeout=300)
     stats = json.loads(run_pymtrace("dump", "--json", "--stats", trace, check=True).stdout)["stats"]
     truth = sum(t["count"] for name, t in stats["types"].items() if name in ALLOCATING)
-    assert truth > 200000
+    assert truth > 50000  # (sqlite3 3.40: ~230,000; 3.46 allocates less: ~70,000)
     out = tmp_path / "sq.folded"
     args = ("-q", "--sample-bytes", "1", "--ring-bytes", "1G", "--value", "alloc_objects", "-o", out)
     proc = run_pymtrace("heap", *args, "--via", "uprobes", "--", *cmd, timeout=300)

@@ -624,6 +624,12 @@ static int credit_take(int freeing) {
     return !__atomic_load_n(&c->detached, __ATOMIC_RELAXED);
 }
 
+/* The probe credit_take allowed has fired: its record is in the ring (or counted lost). */
+static inline void credit_done(int freeing) {
+    struct sample_credits *c = credits;
+    if (c) __atomic_fetch_add(&c->fired, freeing ? c->free_cost : c->alloc_cost, __ATOMIC_RELEASE);
+}
+
 /* Read the environment once per process image (from resolve: before any call goes on). */
 static void sample_setup(void) {
     int expect = 0;
@@ -766,14 +772,20 @@ __attribute__((noinline, noclone)) static void sample_gone(void *p) {
 static inline void sample_alloc(__u32 type, void *p, __u64 size) {
     __u64 mean = __atomic_load_n(&sample_mean, __ATOMIC_RELAXED);
     if (!mean || ts.depth) return;
-    if (sample_take(mean, size) && credit_take(0)) sample_fire(type, p, size);
+    if (sample_take(mean, size) && credit_take(0)) {
+        sample_fire(type, p, size);
+        credit_done(0);
+    }
 }
 
 /* P is about to be freed: if it is a sampled block, heap is told first (once the allocator
  * has it back, another thread may be given the same address). */
 static inline void sample_free(void *p) {
     if (LIKELY(!__atomic_load_n(&live_count, __ATOMIC_RELAXED)) || !p) return;
-    if (live_remove((__u64)p) && credit_take(1)) sample_gone(p);
+    if (live_remove((__u64)p) && credit_take(1)) {
+        sample_gone(p);
+        credit_done(1);
+    }
 }
 
 /* realloc in sampling mode: the old block, if sampled, is gone before the call (a failed

@@ -66,10 +66,12 @@ struct ring_header {
  * process it follows, made by heap with O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, in its private
  * directory). Protocol: before firing a probe a sampler adds its cost (alloc_cost for
  * heap_alloc, free_cost for heap_free: the most ring bytes that probe's record can take) to
- * `used` (atomic); while `used` exceeds `granted` it waits (counted in `waits`). heap, once it
- * has read every record written before it read `used` as U, stores granted = U + room (the
- * ring's size less a margin for records still being written): what was fired up to U is out
- * of the ring. `detached`: heap stopped or is gone; nobody waits any more. */
+ * `used` (atomic); while `used` exceeds `granted` it waits (counted in `waits`); once the probe
+ * has fired (its record written, or counted lost), it adds the same cost to `fired`. heap, once
+ * it has read every record written before it read `fired` as F, stores granted = F + room (the
+ * ring's size less a margin for exec/fork/exit records): probes fired up to F are out of the
+ * ring, so the ring never holds more than `room` bytes of probes' records, those still being
+ * written included. `detached`: heap stopped or is gone; nobody waits any more. */
 #define CREDIT_MAGIC 0x31444552434d5950 /* "PYMCRED1", stored last */
 #define CREDIT_SIZE  4096
 
@@ -82,7 +84,8 @@ struct sample_credits {
     __u64 pad0[4];
     /* offset 64, its own cache line: the samplers' */
     __u64 used;
-    __u64 pad1[7];
+    __u64 fired;
+    __u64 pad1[6];
     /* offset 128: heap's */
     __u64 granted;
     __u64 detached;
