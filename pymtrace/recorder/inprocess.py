@@ -252,6 +252,11 @@ class InProcessRecorder:
         if self.plan is not None:  # uprobes are on for it: on for this program too, or off
             self.plan.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(int(not mapped))
         if mapped:
+            uid = proc.effective_uid(pid)
+            if uid is not None and uid != os.geteuid():  # (runuser without a fork of its own)
+                exe = proc.exe(pid) or "?"
+                self._untraced(pid, f"{exe} runs as user {uid}: its ring cannot be one of this pymtrace's")
+                return
             found = libc.allocator(pid)
             if found is not None and found.family is not None:
                 self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)

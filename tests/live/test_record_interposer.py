@@ -265,18 +265,25 @@ def test_recorder_killed_the_program_runs_on_and_its_rings_are_swept(cbuild, tmp
                 pass
 
 
-def test_child_switching_user_loads_the_library_and_is_named(cbuild, tmp_path):
-    """A followed child that becomes another user (runuser) still loads the interposer (root
-    builds it readable by all: no loader error reaches the program's stderr), but its ring
-    could not be pymtrace's: named, with why."""
-    if shutil.which("runuser") is None:
-        pytest.fail("runuser (util-linux) is not installed")
+@pytest.mark.parametrize(
+    "switch",
+    [
+        ["runuser", "-u", "nobody", "--"],  # (forks, where PAM opens a session: a followed child)
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"],  # the command itself
+    ],
+)
+def test_child_switching_user_loads_the_library_and_is_named(cbuild, tmp_path, switch):
+    """A followed child, or the command itself, that becomes another user still loads the
+    interposer (root builds it readable by all: no loader error reaches the program's
+    stderr), but its ring could not be pymtrace's: named, with why."""
+    if shutil.which(switch[0]) is None:
+        pytest.fail(f"{switch[0]} (util-linux) is not installed")
     shared = tempfile.mkdtemp()  # a directory the other user can reach (tmp_path's parents are 0700)
     try:
         os.chmod(shared, 0o755)
         prog = os.path.join(shared, "storm")
         shutil.copy(cbuild("record_storm"), prog)
-        cmd = ["-o", tmp_path / "u.trace", "--", "runuser", "-u", "nobody", "--", prog, "stdin"]
+        cmd = ["-o", tmp_path / "u.trace", "--", *switch, prog, "stdin"]
         out, err, summary = _run_until_named(cmd, "3000 1032")
     finally:
         shutil.rmtree(shared)
