@@ -160,13 +160,19 @@ def _run_until_named(cmd, storm):
         text=True,
     )
     lines = []
-    never = threading.Timer(300, proc.kill)  # never named: the child would wait forever
+
+    def never_named():  # the child would wait forever, holding the pipes: end both
+        proc.kill()
+        proc.stdin.close()
+
+    never = threading.Timer(300, never_named)
     never.start()
     try:
         for line in proc.stderr:
             lines.append(line)
             if "is not recorded from here on" in line:
                 break
+        assert not proc.stdin.closed, "record never named it:\n" + "".join(lines)
         proc.stdin.write(storm + "\n")
         proc.stdin.close()
         err = proc.stderr.read()  # (the program's stdout is two short lines: no pipe fills)
