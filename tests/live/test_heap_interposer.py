@@ -158,12 +158,12 @@ def test_processes_threads_and_handlers_exact(calls, tmp_path, mode, follow, abs
     [(["threads", "4"], False), (["fork"], True), (["exec"], False), (["signal", "300"], False)],
 )
 def test_a_full_ring_makes_the_program_wait_never_drop(calls, tmp_path, mode, follow):
-    """A 128 KiB ring holds a sample or two: the probes of threads, of a followed child, of an
+    """A 512 KiB ring holds a few samples: the probes of threads, of a followed child, of an
     exec'd image and of signal handlers wait for heap to read it, and every allocation is
-    still there exactly, none dropped."""
+    still there exactly, none dropped (an emulated VM takes minutes: each wait is a read)."""
     out = tmp_path / "p.pb.gz"
-    args = ("--sample-bytes", "1", "--ring-bytes", "128K") + (("--follow-forks",) if follow else ())
-    proc = heap(out, *args, cmd=(calls, *mode))
+    args = ("--sample-bytes", "1", "--ring-bytes", "512K") + (("--follow-forks",) if follow else ())
+    proc = heap(out, *args, cmd=(calls, *mode), timeout=900)
     assert "drops: none" in proc.stderr, proc.stderr
     if mode[0] != "signal":  # (handlers allocate one at a time, as signals come)
         assert re.search(r"waits for room in the ring: [1-9]", proc.stderr), proc.stderr
