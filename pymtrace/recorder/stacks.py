@@ -52,14 +52,9 @@ class PythonMap:
             self.python[pid] = config
         if self.bpf is None:
             return
-        table = self.bpf[b"py"]
-        try:
-            if config is None:
-                del table[ctypes.c_uint32(pid)]
-            else:
-                table[ctypes.c_uint32(pid)] = config
-        except Exception:  # BCC: an absent key on delete (KeyError), a full map on update
-            pass
+        from pymtrace.sources.heap import write_python  # (as PY_FRAMES: only with Python frames)
+
+        write_python(self.bpf[b"py"], pid, config)
 
     def probe_python_allocators(self, pid: int, path: str) -> None:  # heap's --python-allocators only
         pass

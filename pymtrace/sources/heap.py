@@ -240,6 +240,17 @@ def default_max_live(sample_bytes: int) -> int:
     return MAX_LIVE_EVERY_CALL if sample_bytes == 1 else MAX_LIVE
 
 
+def write_python(table: Any, pid: int, config: Any | None) -> None:
+    """PID's entry of a BPF map of py_configs (heap's hp_py, record's py): CONFIG, or none."""
+    try:
+        if config is None:
+            del table[ctypes.c_uint32(pid)]
+        else:
+            table[ctypes.c_uint32(pid)] = config
+    except Exception:  # BCC: an absent key on delete (KeyError), a full map on update
+        pass
+
+
 def python_config(interp: pyruntime.Interpreter) -> Any:
     """The py_config (bpf/pyframes.h) of a readable interpreter: its frame walk's offsets."""
     layout = interp.layout
@@ -706,14 +717,7 @@ class HeapSource(Source):
             self.python[pid] = config
         if self.bpf is None or not self.py_frames:
             return
-        table = self.bpf[b"hp_py"]
-        try:
-            if config is None:
-                del table[ctypes.c_uint32(pid)]
-            else:
-                table[ctypes.c_uint32(pid)] = config
-        except Exception:  # BCC: an absent key on delete (KeyError), a full map on update
-            pass
+        write_python(self.bpf[b"hp_py"], pid, config)
 
     def decode_sample(self, ev: Any, stack: int, stack_len: int) -> HeapSample:
         """A HeapSample from a ring record's header EV (an hp_event) and its stack bytes."""

@@ -292,6 +292,15 @@ def sweep_stale(parent: str) -> int:
     return removed
 
 
+def private_dir(parent: str | None = None) -> str:
+    """A fresh directory for the interposer's shared files, made in PARENT (default: /dev/shm,
+    else $TMPDIR) after removing those killed consumers left there: mkdtemp, 0700, its real
+    path (the library never follows a symlink inside it)."""
+    parent = parent or _ring_dir_parent()
+    sweep_stale(parent)
+    return os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
+
+
 class RingSet:
     """The ring directory of one traced command and every ring its processes registered."""
 
@@ -303,10 +312,7 @@ class RingSet:
         self.lib = lib or library()
         if any(c in self.lib for c in " :"):
             raise PymtraceError(f"the interposer's path {self.lib} holds a space or colon: LD_PRELOAD cannot name it")
-        parent = options.parent or _ring_dir_parent()
-        sweep_stale(parent)
-        # mkdtemp: 0700, a fresh name; the library never follows a symlink inside it
-        self.directory = os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
+        self.directory = private_dir(options.parent)
         self.rings: dict[str, Ring] = {}
         self.retired: set[str] = set()
         self._generations: dict[int, int] = {}  # pid -> its images seen
@@ -644,9 +650,7 @@ class Credits:
     waits until heap has read what came before, so `--sample-bytes 1` loses nothing."""
 
     def __init__(self, parent: str | None = None) -> None:
-        parent = parent or _ring_dir_parent()
-        sweep_stale(parent)
-        self.directory = os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
+        self.directory = private_dir(parent)
         self.path = os.path.join(self.directory, "credits")
         size = _H.consts["CREDIT_SIZE"]
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

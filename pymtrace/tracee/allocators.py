@@ -319,7 +319,8 @@ def _choose(path: str, family: str, _key: Any) -> tuple[_Chosen, ...]:
     return tuple(out)
 
 
-def _key(path: str) -> tuple[int, int, int]:
+def cache_key(path: str) -> tuple[int, int, int]:
+    """(device, inode, mtime) of PATH, a plan cache's key; PymtraceError when it cannot be read."""
     try:
         st = os.stat(path)
     except OSError as exc:
@@ -331,7 +332,7 @@ def programs(path: str, family: str) -> frozenset[str]:
     """The BPF programs (top's ms_f_*) probe_plan(PATH, FAMILY) attaches,
     known before the probe sites are decoded: a command compiles exactly these. Raises as
     probe_plan does."""
-    chosen = _choose(path, family, _key(path))
+    chosen = _choose(path, family, cache_key(path))
     return frozenset({c.program for c in chosen} | ({"ms_f_return"} if any(c.nested for c in chosen) else set()))
 
 
@@ -372,4 +373,4 @@ def probe_plan(path: str, family: str, past_refused: bool = False) -> list[tuple
     LD_PRELOAD counter's `lock add`) is probed at the next one it accepts, where that sees
     the same call (probesite.past_refused). Raises PymtraceError when PATH cannot be read or
     defines no malloc."""
-    return list(_plan(path, family, _key(path), past_refused))
+    return list(_plan(path, family, cache_key(path), past_refused))

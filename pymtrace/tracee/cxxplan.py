@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
-from pymtrace.errors import PymtraceError
 from pymtrace.tracee import allocators, elf, libc, probesite
 
 # what a variant is recorded as: every new as malloc, an aligned one as memalign, a delete as free
@@ -192,14 +190,6 @@ def _carry_site(path: str, sym: elf.Symbol, at: int, probes: tuple, names: dict[
     return (site, depth) if allocating == 1 else None
 
 
-def _key(path: str) -> tuple[int, int, int]:
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise PymtraceError(f"{path}: {exc.strerror or exc}") from None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns)
-
-
 @functools.lru_cache(maxsize=64)
 def _plan(path: str, carry: bool, _key_: Any) -> CxxPlan:
     base, candidates, syms, names = _analyse(path, _key_)
@@ -262,7 +252,7 @@ def plan(path: str, carry: bool = True) -> CxxPlan:
     tail-jumps to another probed function, and an entry probe alone on a new carried by its
     allocation call, unless CARRY is False (record --stacks: a stack is taken at the recorded
     call's return, which must be the program's). Raises PymtraceError as probe_plan does."""
-    return _plan(path, carry, _key(path))
+    return _plan(path, carry, allocators.cache_key(path))
 
 
 def for_process(pid: int, path: str, recorded: dict[Any, frozenset[str]], carry: bool = True) -> CxxPlan:
