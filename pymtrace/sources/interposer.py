@@ -57,6 +57,7 @@ LIBS = ["-ldl", "-lpthread"]
 
 _H = structs.native_header("interpose", "tracee")
 RingHeader = _H.structs["ring_header"]
+StackModule = _H.structs["stack_module"]
 EVENT_SIZE = _H.consts["RING_EVENT_SIZE"]  # a ring slot's struct record_event (bpf/record.h)
 RECORD_SIZE = ctypes.sizeof(structs.header("record").structs["mtrace_record"])  # what a Batch holds
 _NAME = re.compile(r"^(\d+)\.(\d+)$")
@@ -67,14 +68,14 @@ SCAN_S = 0.002  # how often the directory is listed for new rings (a new process
 SCAN_SHARE = 20  # ... but never more often than every 20 times what the last listing took
 
 
-ENV = "PYMTRACE_RING"  # the one variable the library reads to record (interpose.c: OWNER:FOLLOW:SLOTS:DIR)
+ENV = "PYMTRACE_RING"  # the one variable the library reads to record (interpose.c: OWNER:FOLLOW:SLOTS:FRAMES:DIR)
 SAMPLE_ENV = "PYMTRACE_SAMPLE"  # ... and to sample for heap (PARENT:FOLLOW:BYTES:LIVE)
 
 
-def ring_variable(owner: int, follow: bool, slots: int, directory: str) -> str:
-    """ENV's value: the consumer's pid, whether forks are followed, slots per ring, the ring
-    directory."""
-    return f"{owner}:{int(follow)}:{slots}:{directory}"
+def ring_variable(owner: int, follow: bool, slots: int, directory: str, frames: int = 0) -> str:
+    """ENV's value: the consumer's pid, whether forks are followed, slots per ring, the frames
+    of each allocation's stack (0: no stacks), the ring directory."""
+    return f"{owner}:{int(follow)}:{slots}:{frames}:{directory}"
 
 
 def library() -> str:
@@ -97,6 +98,28 @@ class RingOptions:
     follow: bool = True  # trace the processes the command forks (else: it and its execs)
     slots: int = _H.consts["RING_SLOTS"]  # records per ring, a power of two
     parent: str | None = None  # where the ring directory is made (default: /dev/shm, else $TMPDIR)
+    frames: int = 0  # record --stacks: each allocation's stack, at most this many frames (0: none)
+
+
+def stack_table_parts(at: int) -> tuple[int, int, int]:
+    """Where the entry offsets, the modules and the entries of a stack table at AT are."""
+    offs = at + 8 * _H.consts["STACK_HASH_SLOTS"]
+    mods = offs + ((4 * (_H.consts["STACK_IDS"] + 1) + 4095) & ~4095)
+    return offs, mods, mods + ctypes.sizeof(StackModule) * _H.consts["STACK_MODULES"]
+
+
+def stack_table_offset(slots: int) -> int:
+    """Where a ring of SLOTS slots has its stack table (interpose.c's arithmetic)."""
+    return (_H.consts["RING_HEADER_SIZE"] + slots * (8 + EVENT_SIZE) + 4095) & ~4095
+
+
+def ring_size(slots: int, stacks: bool) -> int:
+    """A ring file's size: its header, SLOTS sequence words and events, and with STACKS the
+    stack table."""
+    if not stacks:
+        return _H.consts["RING_HEADER_SIZE"] + slots * (8 + EVENT_SIZE)
+    at = stack_table_offset(slots)
+    return stack_table_parts(at)[2] + 8 * _H.consts["STACK_WORDS"]
 
 
 def slots_for(size: int) -> int:
@@ -106,12 +129,29 @@ def slots_for(size: int) -> int:
     return min(max(slots, _H.consts["RING_MIN_SLOTS"]), _H.consts["RING_MAX_SLOTS"])
 
 
+Stack = tuple[tuple[int, ...], bool]  # (return addresses, innermost first; cut at the frame limit)
+
+
+class Module(NamedTuple):
+    """An object a process had loaded when it wrote a stack (interpose.h's stack_module)."""
+
+    bias: int  # a return address minus this is its ELF virtual address
+    start: int  # its lowest mapped page and its end, as /proc/PID/maps would show them
+    end: int
+    path: str
+
+
 class Batch(NamedTuple):
     pid: int
     generation: int  # 0, then one more per later image of the pid (an exec)
     data: memoryview  # `count` 64-byte mtrace records (bpf/record.h), in the process's call order
     count: int
     types: tuple[int, ...]  # the records per call type (index: the dj/malloc type, 0-8)
+    # with stacks: the ring's stack ids (bits 8-31 of a record's type word) first seen in
+    # this batch, and their stacks; a later batch of the same image names them by id only;
+    # the objects the process added since the last batch (where those stacks' addresses are)
+    stacks: dict[int, Stack] = {}
+    modules: tuple[Module, ...] = ()
 
 
 @dataclasses.dataclass
@@ -127,6 +167,13 @@ class RingStats:
     torn: int  # slots reserved but never written (the process died mid-write)
     done: bool  # the process image ended and every record was drained
     detached: bool  # recording stopped (the consumer closed or was gone)
+    stacks: int = 0  # stack ids handed out (record --stacks)
+    stacks_full: int = 0  # allocations recorded without a stack: the table was full
+    stacks_nested: int = 0  # ... a signal handler's, while its thread was unwinding
+    stack_error: str | None = None  # why the process took no stacks at all
+
+
+_STACK_ERRORS = {_H.consts["STACK_E_NOLIB"]: "libunwind (libunwind.so.8) could not be loaded into it"}
 
 
 class Ring:
@@ -147,6 +194,50 @@ class Ring:
         self.tsc = bool(self.header.flags & _H.consts["RING_F_TSC"])
         self.done = False
         self.checked = time.monotonic()
+        self.stack_offs = self.stack_words = self.modules = None
+        self.stacks_seen: set[int] = set()
+        self.modules_seen: set[int] = set()
+        at = self.header.stack_offset
+        if at:  # the stack table (interpose.h): entry offsets by id, the modules, the entries
+            offs, mods, words = stack_table_parts(at)
+            self.stack_offs = np.frombuffer(self.map, dtype=np.uint32, count=_H.consts["STACK_IDS"] + 1, offset=offs)
+            self.modules = (StackModule * _H.consts["STACK_MODULES"]).from_buffer(self.map, mods)
+            self.stack_words = np.frombuffer(self.map, dtype=np.uint64, count=_H.consts["STACK_WORDS"], offset=words)
+
+    def new_modules(self) -> tuple[Module, ...]:
+        """The modules written since the last call (interpose.h: before the stacks that need them)."""
+        if self.modules is None:
+            return ()
+        out = []
+        for i in range(min(self.header.module_next, len(self.modules))):
+            m = self.modules[i]
+            if i not in self.modules_seen and m.ready:
+                self.modules_seen.add(i)
+                out.append(Module(m.bias, m.start, m.end, m.path.decode(errors="surrogateescape")))
+        return tuple(out)
+
+    def new_stacks(self, records: np.ndarray) -> dict[int, Stack]:
+        """The stacks RECORDS ((n, 8) uint64, taken from this ring) name that no earlier batch
+        did: {id: (return addresses, cut)}. A record's id has its entry written (interpose.h)."""
+        if self.stack_offs is None or not len(records):
+            return {}
+        ids = np.unique((records[:, 0] >> np.uint64(40)) & np.uint64(0xFFFFFF)).tolist()
+        out = {}
+        last = _H.consts["STACK_IDS"]
+        for i in ids:
+            if i == 0 or i in self.stacks_seen or i > last:
+                continue
+            at = int(self.stack_offs[i]) - 1
+            if at < 0:
+                continue  # (never: the writer stores the offset before the id is used)
+            head = int(self.stack_words[at])
+            n = min(head & 0xFFFF, _H.consts["STACK_MAX_FRAMES"])
+            out[i] = (
+                tuple(self.stack_words[at + 1 : at + 1 + n].tolist()),
+                bool((head >> 16) & _H.consts["STACK_F_CUT"]),
+            )
+            self.stacks_seen.add(i)
+        return out
 
     def take(self, out: np.ndarray, types: ctypes.Array, final: bool = False) -> int:
         """Copy the committed records from tail on into OUT ((n, 8) uint64: as many as fit) as
@@ -191,10 +282,15 @@ class Ring:
             self.torn,
             self.done,
             bool(h.detached),
+            h.stack_next,
+            h.stacks_full,
+            h.stacks_nested,
+            _STACK_ERRORS.get(h.stack_error, f"error {h.stack_error}") if h.stack_error else None,
         )
 
     def close(self) -> None:
-        del self.header, self._anchor  # the buffer's exports, before the map can close
+        # the buffer's exports, before the map can close
+        del self.header, self._anchor, self.stack_offs, self.stack_words, self.modules
         self.map.close()
 
 
@@ -330,7 +426,9 @@ class RingSet:
         env = dict(base)
         old = env.get("LD_PRELOAD", "").strip()
         env["LD_PRELOAD"] = self.lib + (":" + old if old else "")
-        env[ENV] = ring_variable(os.getpid(), self.options.follow, self.options.slots, self.directory)
+        env[ENV] = ring_variable(
+            os.getpid(), self.options.follow, self.options.slots, self.directory, self.options.frames
+        )
         return env
 
     def _scan(self) -> None:
@@ -360,13 +458,15 @@ class RingSet:
             magic, version, header_size, slots, event_size = struct.unpack("<QIIII", head)
             if magic != _H.consts["RING_MAGIC"]:
                 return None  # still being created
-            size = header_size + slots * (8 + EVENT_SIZE)
+            (stack_at,) = struct.unpack("<Q", os.pread(fd, 8, RingHeader.stack_offset.offset))
+            size = ring_size(slots, stack_at != 0)
             if (
                 version != _H.consts["RING_VERSION"]
                 or header_size != _H.consts["RING_HEADER_SIZE"]
                 or event_size != EVENT_SIZE
                 or slots & (slots - 1)
                 or st.st_size != size
+                or stack_at not in (0, stack_table_offset(slots))
             ):
                 raise PymtraceError(f"{name}: not a ring of this pymtrace version")
             return Ring(os.path.join(self.directory, name), pid, stamp, fd, size)
@@ -399,10 +499,12 @@ class RingSet:
                 ring.checked = now
                 final = not ring.alive()
             if final:  # no writer can come back: the rest, then retire it
-                n = self._take_rest(name, ring, used, n, types)
+                n = self._take_rest(ring, used, n, types)
             if n:
                 out.append(self._batch(ring, used, n, types))
                 used += n
+            if final:  # (after its batch: its stacks are read from it)
+                self._retire(name, ring)
         return self._timed(out)
 
     def _timed(self, batches: list[Batch]) -> list[Batch]:
@@ -425,8 +527,10 @@ class RingSet:
 
     def _batch(self, ring: Ring, start: int, n: int, types: ctypes.Array) -> Batch:
         self._tsc.append(ring.tsc)
-        data = memoryview(self._buffer[start : start + n]).cast("B")
-        return Batch(ring.pid, ring.generation, data, n, tuple(types))
+        records = self._buffer[start : start + n]
+        stacks = ring.new_stacks(records)
+        modules = ring.new_modules() if stacks else ()
+        return Batch(ring.pid, ring.generation, memoryview(records).cast("B"), n, tuple(types), stacks, modules)
 
     def ended(self, pid: int) -> list[Batch]:
         """PID's images so far are gone (it exec'd: its tracer holds it at the exec): every
@@ -436,18 +540,18 @@ class RingSet:
         for name, ring in sorted(self.rings.items(), key=lambda item: item[1].stamp):
             if ring.pid == pid:
                 types = (ctypes.c_uint64 * 9)()
-                n = self._take_rest(name, ring, used, 0, types)
+                n = self._take_rest(ring, used, 0, types)
                 if n:
                     out.append(self._batch(ring, used, n, types))
                     used += n
+                self._retire(name, ring)
         return out
 
-    def _take_rest(self, name: str, ring: Ring, used: int, n: int, types: ctypes.Array) -> int:
+    def _take_rest(self, ring: Ring, used: int, n: int, types: ctypes.Array) -> int:
         """RING's records to its end (its writers are gone), after the N a drain took into the
-        buffer from USED on, then RING retired; how many in all."""
+        buffer from USED on; how many in all (the caller retires it)."""
         while m := ring.take(self._room(used + n), types, final=True):
             n += m
-        self._retire(name, ring)
         return n
 
     def _retire(self, name: str, ring: Ring) -> None:
@@ -545,12 +649,10 @@ def _malloc_symbols(path: str) -> tuple[bool, list[str]]:
     return "malloc" in names.functions, sorted(names.undefined & _unwrapped())
 
 
-def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
-    """Why the command ARGV cannot be recorded by the interposer (one line), or None. Follows
-    #! scripts to their interpreter; PATH and LD_PRELOAD from ENV (default os.environ): glibc's
-    caller-logging wrappers preloaded would log the interposer as every call's caller."""
-    env = os.environ if env is None else env
-    program = argv[0]
+def _program(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, bytes, os.stat_result, list[str]] | str:
+    """(path, its first 256 bytes, its stat, its arguments) of the program ARGV runs, #!
+    scripts followed to their interpreter (PATH from ENV); or why it cannot be found, one line."""
+    program, args = argv[0], list(argv[1:])
     for _ in range(5):  # #! chains
         path = program if "/" in program else shutil.which(program, path=env.get("PATH", os.defpath))
         if path is None:
@@ -562,14 +664,42 @@ def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -
         except OSError as exc:
             return f"{path}: {exc.strerror}"
         if head.startswith(b"#!"):
-            words = head[2:].split(b"\n")[0].split()
+            words = [os.fsdecode(w) for w in head[2:].split(b"\n")[0].split()]
             if not words:
                 return f"{path}: a #! line without an interpreter"
-            program = os.fsdecode(words[0])
+            program, args = words[0], words[1:] + [path] + args
             continue
-        break
-    else:
-        return f"{argv[0]}: too many #! interpreters"
+        return path, head, st, args
+    return f"{argv[0]}: too many #! interpreters"
+
+
+def runs_python(argv: Sequence[str], env: Mapping[str, str] | None = None) -> bool:
+    """Whether the command ARGV runs CPython: its program (a script's interpreter, through
+    `env` too) exports _PyRuntime or links a libpython."""
+    env = os.environ if env is None else env
+    found = _program(argv, env)
+    if isinstance(found, str):
+        return False
+    path, _, _, args = found
+    if os.path.basename(path) == "env":  # env [-i] [NAME=VALUE...] python3 ...
+        words = [w for w in args if not w.startswith("-") and "=" not in w]
+        return bool(words) and runs_python(words, env)
+    from pymtrace.tracee import elf, pyruntime
+
+    if pyruntime.exports_runtime(path):
+        return True
+    return any(re.match(r"libpython\d", lib) for lib in elf.needed(path))
+
+
+def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
+    """Why the command ARGV cannot be recorded by the interposer (one line), or None. Follows
+    #! scripts to their interpreter; PATH and LD_PRELOAD from ENV (default os.environ): glibc's
+    caller-logging wrappers preloaded would log the interposer as every call's caller."""
+    env = os.environ if env is None else env
+    found = _program(argv, env)
+    if isinstance(found, str):
+        return found
+    path, head, st, _ = found
     if head[:4] != b"\x7fELF":
         return f"{path}: not an ELF executable"
     if head[4] != 2 or head[5] != 1 or struct.unpack_from("<H", head, 18)[0] != 62:

@@ -306,6 +306,16 @@ def interpreter(path: str) -> str | None:
     return None
 
 
+def needed(path: str) -> list[str]:
+    """PATH's DT_NEEDED libraries (sonames), [] when it has none or cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            dynamic = _elffile(f).get_section_by_name(".dynamic")
+            return [t.needed for t in dynamic.iter_tags("DT_NEEDED")] if dynamic is not None else []
+    except Exception:  # pyelftools raises many types on a malformed file
+        return []
+
+
 def image_size(path: str) -> int:
     """End of PATH's highest PT_LOAD segment in memory (ELF virtual address), 0 if none."""
     headers = program_headers(path)

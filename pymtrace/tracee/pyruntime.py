@@ -202,7 +202,7 @@ def find(pid: int, maps: list[libc.Mapping] | None = None) -> Interpreter | None
             paths.append(m.path)
     for path in paths:
         local = libc.host_path(pid, path)
-        if not _exports_runtime(local):  # a quick look first: any large executable is asked
+        if not exports_runtime(local):  # a quick look first: any large executable is asked
             continue
         try:
             syms = elf.symbols(local)
@@ -213,7 +213,7 @@ def find(pid: int, maps: list[libc.Mapping] | None = None) -> Interpreter | None
     return None
 
 
-def _exports_runtime(path: str) -> bool:
+def exports_runtime(path: str) -> bool:
     """Whether PATH's .dynsym defines _PyRuntime (every CPython exports it), read through its
     hash table: what a full symbol table read would cost a large executable is not paid."""
     try:

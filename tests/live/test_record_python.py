@@ -72,6 +72,8 @@ def test_launched_chains_exact(name, path, minor, tmp_path):
     proc = run_pymtrace("record", "--stacks", *BUFFER, "-o", out, "--", python, WORKLOAD, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
+    # a CPython program's frames are read in BPF: through uprobes, saying why
+    assert "reads a Python program's frames in BPF" in proc.stderr
     version = re.escape(".".join(map(str, sizes["version"])))
     assert re.search(
         rf"python: pid \d+: CPython {version} .*; Python frames in [1-9]\d* of \d+ allocations", proc.stderr
@@ -120,3 +122,18 @@ def test_attached_chains_exact(tmp_path):
     assert top["calls"] == CALLS["list"], top
     want = [pychains.frame(f, m).replace(" ", "") for f, m in (("leaf_list", "list"), ("beta", "beta_list"))]
     assert re.fullmatch(r".*;" + ";".join(want) + r";.*", ";".join(top["stack"])), top
+
+
+def test_native_stacks_of_a_python_program_are_taken_in_process(tmp_path):
+    """--stacks --native: in-process (the interposer unwinds), every allocation with a native
+    stack through the interpreter's C frames, no Python frames."""
+    name, path, minor = PYTHONS[-1]
+    python = pychains.python_or_missing(path, minor)
+    out = tmp_path / "t"
+    proc = run_pymtrace("record", "--stacks", "--native", "--json", "-o", out, "--", python, WORKLOAD, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert summary["via"] == "interposer" and summary["stacks_lost"] == 0 and summary["stacks"] > 100
+    stacks = dumped(out)
+    assert not any("(py_chains.py:" in s for s in stacks)
+    assert any(";_PyEval_EvalFrameDefault;" in s for s in stacks)

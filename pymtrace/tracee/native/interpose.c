@@ -3,10 +3,12 @@
  * the record `record` writes (bpf/record.h) into a shared-memory ring (interpose.h) that
  * pymtrace drains. Built by pymtrace/sources/interposer.py (pymtrace.nativebuild).
  *
- * Environment (set by the consumer): PYMTRACE_RING=OWNER:FOLLOW:SLOTS:DIR, one variable (a
- * program that copies its environment allocates for each one): OWNER the consumer's pid,
+ * Environment (set by the consumer): PYMTRACE_RING=OWNER:FOLLOW:SLOTS:FRAMES:DIR, one variable
+ * (a program that copies its environment allocates for each one): OWNER the consumer's pid,
  * FOLLOW 0 (only the first process to register, and its execs, is traced) or 1, SLOTS per
- * ring, DIR the private ring directory (last: it may hold a colon). Absent: only forwards.
+ * ring, FRAMES (record --stacks: each allocating call's stack, at most FRAMES return
+ * addresses, unwound here by libunwind and interned in the ring's stack table; 0: none), DIR
+ * the private ring directory (last: it may hold a colon). Absent: only forwards.
  *
  * Sampling mode (`heap`; no ring): PYMTRACE_SAMPLE=PARENT:FOLLOW:BYTES:LIVE:PATH draws heap's
  * Poisson sampling, a sample per BYTES allocated on average, per thread in-process
@@ -34,6 +36,8 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/types.h>
@@ -77,6 +81,7 @@ _Static_assert(sizeof(struct record_event) == RING_EVENT_SIZE, "record_event lay
 _Static_assert(sizeof(struct ring_header) <= RING_HEADER_SIZE, "ring header size");
 _Static_assert(offsetof(struct ring_header, head) == 512, "head on its own line");
 _Static_assert(offsetof(struct ring_header, tail) == 576, "tail on its own line");
+_Static_assert(sizeof(struct stack_module) == 256, "stack_module layout");
 
 /* ---- the next definitions ------------------------------------------------------------- */
 typedef void *(*malloc_fn)(size_t);
@@ -116,8 +121,9 @@ struct tstate {
     struct {
         __u64 ptr, size, caller;
     } caught[4];
-    __s64 left; /* sampling mode: bytes until this thread's next sample */
-    __u64 rng;  /* its random state (0: not seeded yet) */
+    __u32 unwinding; /* > 0: this thread is taking a stack (a signal handler's call takes none) */
+    __s64 left;      /* sampling mode: bytes until this thread's next sample */
+    __u64 rng;       /* its random state (0: not seeded yet) */
 };
 static TLS struct tstate ts;
 
@@ -268,6 +274,189 @@ static int is_root(int dirfd, __u32 pid) {
     return v == pid;
 }
 
+/* ---- stacks (record --stacks in-process; the table's layout: interpose.h) --------------- */
+typedef int (*backtrace_fn)(void **, int);
+static backtrace_fn unwind_backtrace; /* libunwind's unw_backtrace: a cache per thread of each pc's frame */
+static int stack_frames;              /* frames kept per stack; 0: no stacks */
+#define STACK_OFFS_BYTES ((((STACK_IDS + 1) * sizeof(__u32)) + 4095) & ~(size_t)4095)
+static int stack_error;
+static __u64 *stack_hash;
+static __u32 *stack_offs;
+static __u64 *stack_words;
+static struct stack_module *stack_mods;
+static unsigned long long modules_adds; /* dlpi_adds when the modules were last added */
+static char self_exe[224];              /* the executable's path (dl_iterate_phdr names it "") */
+static uintptr_t self_lo, self_hi;      /* this library's code: its frames are not the program's */
+
+static int find_self(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    uintptr_t here = (uintptr_t)data;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        uintptr_t lo = info->dlpi_addr + ph->p_vaddr;
+        if (ph->p_type == PT_LOAD && (ph->p_flags & PF_X) && here >= lo && here < lo + ph->p_memsz) {
+            self_lo = lo;
+            self_hi = lo + ph->p_memsz;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* From the constructor, when record asks for stacks: libunwind loaded (RTLD_LOCAL: its own
+ * `backtrace` and `_Unwind_Backtrace` stay out of the program's symbol scope), this library's
+ * code range found. Failing, records go without stacks and the header says why. */
+static void stacks_setup(void) {
+    const char *v = getenv("PYMTRACE_RING");
+    if (!v) return;
+    env_field(&v, 0);
+    env_field(&v, 1);
+    env_field(&v, 0);
+    unsigned long frames = env_field(&v, 0);
+    if (!frames) return;
+    if (frames > STACK_MAX_FRAMES) frames = STACK_MAX_FRAMES;
+    void *lib = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
+    void *bt = lib ? dlsym(lib, "unw_backtrace") : NULL;
+    if (!bt) {
+        stack_error = STACK_E_NOLIB;
+        return;
+    }
+    /* per-thread caches: no lock a signal handler's unwind could wait on (libunwind's
+     * unw_set_caching_policy(unw_local_addr_space, UNW_CACHE_PER_THREAD)) */
+    void **space = dlsym(lib, "_ULx86_64_local_addr_space");
+    int (*policy)(void *, int) = (int (*)(void *, int))dlsym(lib, "_ULx86_64_set_caching_policy");
+    if (space && policy) policy(*space, 2);
+    dl_iterate_phdr(find_self, (void *)(uintptr_t)stacks_setup);
+    unwind_backtrace = (backtrace_fn)bt;
+    stack_frames = (int)frames;
+}
+
+static int read_adds(struct dl_phdr_info *info, size_t size, void *data) {
+    *(unsigned long long *)data = size >= offsetof(struct dl_phdr_info, dlpi_subs) ? info->dlpi_adds : 0;
+    return 1;
+}
+
+static int add_module(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    (void)data;
+    __u64 lo = ~0ull, hi = 0;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type != PT_LOAD) continue;
+        __u64 a = info->dlpi_addr + (ph->p_vaddr & ~4095ull), b = info->dlpi_addr + ph->p_vaddr + ph->p_memsz;
+        if (a < lo) lo = a;
+        if (b > hi) hi = b;
+    }
+    if (hi <= lo) return 0;
+    struct ring_header *h = ring;
+    __u64 n = __atomic_load_n(&h->module_next, __ATOMIC_ACQUIRE);
+    for (__u64 i = 0; i < n && i < STACK_MODULES; i++) /* added already (this image's) */
+        if (stack_mods[i].start == lo && stack_mods[i].bias == info->dlpi_addr &&
+            __atomic_load_n(&stack_mods[i].ready, __ATOMIC_ACQUIRE))
+            return 0;
+    __u64 at = __atomic_fetch_add(&h->module_next, 1, __ATOMIC_RELAXED);
+    if (at >= STACK_MODULES) return 1;
+    struct stack_module *m = &stack_mods[at];
+    const char *name = info->dlpi_name && info->dlpi_name[0] ? info->dlpi_name : self_exe;
+    size_t len = strlen(name);
+    if (len >= sizeof(m->path)) len = sizeof(m->path) - 1;
+    memcpy(m->path, name, len);
+    m->path[len] = 0;
+    m->bias = info->dlpi_addr;
+    m->start = lo;
+    m->end = hi;
+    __atomic_store_n(&m->ready, 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Before a new stack: the objects loaded since the last one (a dlopen) added to the modules. */
+static void modules_update(void) {
+    unsigned long long adds = 0;
+    dl_iterate_phdr(read_adds, &adds);
+    if (adds && adds == __atomic_load_n(&modules_adds, __ATOMIC_RELAXED)) return;
+    dl_iterate_phdr(add_module, NULL);
+    __atomic_store_n(&modules_adds, adds, __ATOMIC_RELAXED);
+}
+
+static inline __u64 stack_hash_of(void *const *ips, int n) {
+    __u64 h = (__u64)n * 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < n; i++) {
+        h = (h ^ (__u64)(uintptr_t)ips[i]) * 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 31;
+    }
+    return h;
+}
+
+/* A new entry for the stack IPS (N frames): its id, or 0 when the table is full. */
+static __u32 stack_add(void *const *ips, int n, int cut) {
+    struct ring_header *h = ring;
+    __u64 id = __atomic_add_fetch(&h->stack_next, 1, __ATOMIC_RELAXED);
+    __u64 at = __atomic_fetch_add(&h->stack_used, (__u64)n + 1, __ATOMIC_RELAXED);
+    if (id > STACK_IDS || at + (__u64)n + 1 > STACK_WORDS) {
+        __atomic_fetch_add(&h->stacks_full, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    stack_words[at] = (__u64)n | (__u64)(cut ? STACK_F_CUT : 0) << 16;
+    memcpy(&stack_words[at + 1], ips, (size_t)n * sizeof(__u64));
+    __atomic_store_n(&stack_offs[id], (__u32)(at + 1), __ATOMIC_RELEASE);
+    return (__u32)id;
+}
+
+/* The id of the calling allocation's stack (0: none), shifted into a type word's bits 8-31.
+ * Never inlined: the unwind starts in a frame of this library, skipped like the wrapper's. */
+__attribute__((noinline)) static __u32 stack_take(void) {
+    struct tstate *t = &ts;
+    if (t->unwinding) { /* a signal handler interrupted this thread's unwind */
+        __atomic_fetch_add(&ring->stacks_nested, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    void *buf[STACK_MAX_FRAMES + 8];
+    int saved = errno;
+    t->unwinding = 1;
+    t->depth++; /* libunwind's own allocations (a thread's first cache) are not the program's */
+    int n = unwind_backtrace(buf, stack_frames + 8);
+    t->depth--;
+    t->unwinding = 0;
+    errno = saved;
+    int skip = 0;
+    while (skip < n && (uintptr_t)buf[skip] >= self_lo && (uintptr_t)buf[skip] < self_hi) skip++;
+    void **ips = buf + skip;
+    n -= skip;
+    int cut = n > stack_frames || skip + n >= stack_frames + 8;
+    if (n > stack_frames) n = stack_frames;
+    if (n <= 0) return 0;
+    __u64 hv = stack_hash_of(ips, n), tag = (hv >> 32) | 1, mask = STACK_HASH_SLOTS - 1;
+    __u64 i = hv & mask;
+    for (int probe = 0; probe < 64; probe++, i = (i + 1) & mask) {
+        __u64 v = __atomic_load_n(&stack_hash[i], __ATOMIC_ACQUIRE);
+        if (v == 0) {
+            t->depth++;
+            modules_update();
+            t->depth--;
+            __u32 id = stack_add(ips, n, cut);
+            /* published for the next call; lost to another thread's at once: ours stays valid */
+            if (id)
+                __atomic_compare_exchange_n(&stack_hash[i], &v, tag << 32 | id, 0, __ATOMIC_RELEASE,
+                                            __ATOMIC_RELAXED);
+            return id << 8;
+        }
+        if (v >> 32 != tag) continue;
+        __u32 id = (__u32)v;
+        __u32 off = __atomic_load_n(&stack_offs[id], __ATOMIC_ACQUIRE) - 1;
+        const __u64 *e = &stack_words[off];
+        if ((e[0] & 0xffff) == (__u64)n && ((e[0] >> 16) & STACK_F_CUT) == (__u64)(cut ? STACK_F_CUT : 0) &&
+            memcmp(&e[1], ips, (size_t)n * sizeof(__u64)) == 0)
+            return id << 8;
+    }
+    t->depth++;
+    modules_update();
+    t->depth--;
+    return stack_add(ips, n, cut) << 8; /* a crowded neighbourhood: an entry of its own */
+}
+
+/* The stack word of an allocating call: its stack's id << 8, or 0 without stacks. */
+#define STACK() (UNLIKELY(stack_frames) ? stack_take() : 0)
+
 /* Create and map this process image's ring: RING_DIR/PID.STAMP, STAMP its creation time. Only
  * system calls (and getenv): a thread waiting for another's open cannot deadlock with it. */
 static void ring_open_locked(void) {
@@ -276,6 +465,7 @@ static void ring_open_locked(void) {
     unsigned long owner = env_field(&dir, 0);
     unsigned long follow = env_field(&dir, 1);
     unsigned long slots = env_field(&dir, RING_SLOTS);
+    env_field(&dir, 0); /* FRAMES: stacks_setup's */
     if (*dir != '/' || !resolve()) {
         __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
         return;
@@ -293,6 +483,12 @@ static void ring_open_locked(void) {
     }
     if (slots < RING_MIN_SLOTS || slots > RING_MAX_SLOTS || (slots & (slots - 1))) slots = RING_SLOTS;
     size_t bytes = RING_HEADER_SIZE + slots * (sizeof(__u64) + sizeof(struct record_event));
+    size_t stack_at = 0;
+    if (stack_frames) { /* the stack table, page-aligned after the events */
+        stack_at = (bytes + 4095) & ~(size_t)4095;
+        bytes = stack_at + STACK_HASH_SLOTS * sizeof(__u64) + STACK_OFFS_BYTES +
+                STACK_MODULES * sizeof(struct stack_module) + STACK_WORDS * sizeof(__u64);
+    }
     char name[48];
     int fd = -1;
     __u64 stamp = now_ns(); /* a later image of this pid (exec, a reused pid) sorts after */
@@ -325,6 +521,18 @@ static void ring_open_locked(void) {
     h->owner = (__u32)owner;
     h->created_ns = stamp;
     memcpy(h->allocator, allocator_path, sizeof(h->allocator));
+    h->stack_error = (__u32)stack_error;
+    if (stack_at) {
+        stack_hash = (__u64 *)((char *)map + stack_at);
+        stack_offs = (__u32 *)(stack_hash + STACK_HASH_SLOTS);
+        stack_mods = (struct stack_module *)((char *)stack_offs + STACK_OFFS_BYTES);
+        stack_words = (__u64 *)(stack_mods + STACK_MODULES);
+        h->stack_offset = stack_at;
+        h->stack_frames = (__u32)stack_frames;
+        modules_adds = 0; /* this image's modules are added anew (a fork child's ring) */
+        ssize_t n = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
+        self_exe[n > 0 ? n : 0] = 0;
+    }
     ring_seq = (__u64 *)((char *)map + RING_HEADER_SIZE);
     ring_ev = (struct record_event *)(ring_seq + slots);
     ring_mask = slots - 1;
@@ -823,6 +1031,7 @@ __attribute__((constructor)) static void interpose_init(void) {
     resolve();
     ts.depth++; /* its registration may allocate: the library's own call */
     pthread_atfork(NULL, NULL, after_fork_child);
+    stacks_setup();
     ts.depth--;
     if (__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) == RING_UNINIT) ring_ready_slow();
 }
@@ -832,7 +1041,7 @@ EXPORT void *malloc(size_t n) {
     if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(n, 16);
     void *p = FORWARD(real.malloc(n));
     if (recording())
-        emit(CALL_MALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+        emit(CALL_MALLOC | STACK(), 0, (__u64)p, n, 0, chunk(p), CALLER);
     else if (UNLIKELY(ts.capturing) && ts.ncaught < 4)
         ts.caught[ts.ncaught++] = (typeof(ts.caught[0])){(__u64)p, n, CALLER};
     else
@@ -861,7 +1070,7 @@ EXPORT void *calloc(size_t n, size_t size) {
     }
     void *p = FORWARD(real.calloc(n, size));
     if (recording())
-        emit(CALL_CALLOC, 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
+        emit(CALL_CALLOC | STACK(), 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
     else
         sample_alloc(CALL_CALLOC, p, (__u64)n * (__u64)size);
     return p;
@@ -880,7 +1089,7 @@ static void *do_realloc(void *p, size_t n, __u64 caller) {
                                                                : FORWARD(real.realloc(p, n));
     __u64 old = chunk(p);
     void *q = FORWARD(real.realloc(p, n));
-    emit(CALL_REALLOC, (__u64)p, (__u64)q, n, old, chunk(q), caller);
+    emit(CALL_REALLOC | STACK(), (__u64)p, (__u64)q, n, old, chunk(q), caller);
     return q;
 }
 
@@ -905,7 +1114,7 @@ static void *do_memalign(int aligned_alloc, size_t align, size_t n, __u64 caller
     memalign_fn fn = aligned_alloc && real.aligned_alloc ? real.aligned_alloc : real.memalign;
     void *p = FORWARD(fn(align, n));
     if (recording())
-        emit(CALL_MEMALIGN, 0, (__u64)p, n, align, chunk(p), caller);
+        emit(CALL_MEMALIGN | STACK(), 0, (__u64)p, n, align, chunk(p), caller);
     else
         sample_alloc(CALL_MEMALIGN, p, n);
     return p;
@@ -929,7 +1138,7 @@ EXPORT int posix_memalign(void **out, size_t align, size_t n) {
     int rc = FORWARD(real.posix_memalign(out, align, n));
     if (recording()) {
         void *p = rc == 0 ? *out : NULL;
-        emit(CALL_POSIX_MEMALIGN, (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
+        emit(CALL_POSIX_MEMALIGN | STACK(), (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
     } else {
         sample_alloc(CALL_POSIX_MEMALIGN, rc == 0 ? *out : NULL, n);
     }
@@ -940,7 +1149,7 @@ EXPORT void *valloc(size_t n) {
     if (UNLIKELY(!real.valloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.valloc(n));
     if (recording())
-        emit(CALL_VALLOC, 0, (__u64)p, n, page_size, chunk(p), CALLER);
+        emit(CALL_VALLOC | STACK(), 0, (__u64)p, n, page_size, chunk(p), CALLER);
     else
         sample_alloc(CALL_VALLOC, p, n);
     return p;
@@ -950,7 +1159,7 @@ EXPORT void *pvalloc(size_t n) {
     if (UNLIKELY(!real.pvalloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.pvalloc(n));
     if (recording())
-        emit(CALL_PVALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+        emit(CALL_PVALLOC | STACK(), 0, (__u64)p, n, 0, chunk(p), CALLER);
     else
         sample_alloc(CALL_PVALLOC, p, n);
     return p;
@@ -980,8 +1189,8 @@ static void new_leave(struct new_guard *g) {
     ts.capturing = 0;
     if (!g->done && recording())
         for (__u32 i = 0; i < ts.ncaught; i++)
-            emit(CALL_MALLOC, 0, ts.caught[i].ptr, ts.caught[i].size, 0, chunk((void *)ts.caught[i].ptr),
-                 ts.caught[i].caller);
+            emit(CALL_MALLOC | STACK(), 0, ts.caught[i].ptr, ts.caught[i].size, 0,
+                 chunk((void *)ts.caught[i].ptr), ts.caught[i].caller);
     ts.ncaught = 0;
 }
 
@@ -1026,7 +1235,8 @@ static void *cxx_next(void **slot, const char *name) {
             p = fn ? fn ARGS : FALLBACK;                                                                     \
             g.done = 1;                                                                                      \
         }                                                                                                    \
-        if (recording()) emit(TYPE, 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller); \
+        if (recording())                                                                                     \
+            emit(TYPE | STACK(), 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller);    \
         return p;                                                                                            \
     }
 

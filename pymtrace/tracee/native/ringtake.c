@@ -41,7 +41,7 @@ uint64_t pymtrace_ring_take(const uint64_t *seq, const uint64_t *events, uint64_
         uint64_t *o = out + w * RECORD_WORDS;
         memcpy(o, events + i * EVENT_WORDS, RECORD_WORDS * 8);
         uint32_t type = (uint32_t)(o[0] >> 32);
-        types[type < 9 ? type : 0]++;
+        types[(type & 0xff) < 9 ? (type & 0xff) : 0]++; /* bits 8-31: a stack id */
         w++;
     }
     *written = w;
