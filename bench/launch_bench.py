@@ -9,8 +9,9 @@ python3 json loop, a sqlite3 script (INSERTs, 2 indexes, 2 queries), a C++
 std::map<std::string, std::vector<int>> program (g++ -O2), `gcc -O2 -c` (gcc, cc1, as) and
 bench/storm.c's single-thread malloc(64)+free storm.
 
-Modes: untraced; record (`pymtrace record -- CMD`: the interposer); record-uprobes (`--via
-uprobes`); heap (`pymtrace heap -- CMD`, default sampling); heap-uprobes (`--via uprobes`);
+Modes: untraced; record (`pymtrace record -- CMD`: the interposer); record-stacks (`record
+--stacks --native -- CMD`: the interposer, a native stack per allocation, as heaptrack takes
+them); record-uprobes (`--via uprobes`); heap (`pymtrace heap -- CMD`, default sampling); heap-uprobes (`--via uprobes`);
 heaptrack (`heaptrack -o FILE CMD`: every call with its stack). Every round runs each mode
 once, the order rotating from round to round.
 
@@ -42,13 +43,15 @@ from interposer_bench import real_commands, storm_ns
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PY = [sys.executable, "-m", "pymtrace"]
-MODES = ("untraced", "record", "record-uprobes", "heap", "heap-uprobes", "heaptrack")
+MODES = ("untraced", "record", "record-stacks", "record-uprobes", "heap", "heap-uprobes", "heaptrack")
 
 
 def tool_argv(mode, out):
     via = ["--via", "uprobes"] if mode.endswith("-uprobes") else []
     if mode.startswith("record"):
-        return [*PY, "record", "--json", "--force", "--follow-forks", *via, "-o", out, "--"]
+        # record-stacks: every allocation's native stack, in-process (as heaptrack records them)
+        stacks = ["--stacks", "--native"] if mode == "record-stacks" else []
+        return [*PY, "record", "--json", "--force", "--follow-forks", *stacks, *via, "-o", out, "--"]
     return [*PY, "heap", "-q", "--force", "--follow-forks", "--allow-drops", *via, "-o", out + ".pb.gz", "--"]
 
 
