@@ -43,16 +43,19 @@ distro_family() {
 # g++ (gcc-c++) builds the C++ test workloads (heap: operator new callers, demangled names).
 # redis-server + redis-tools (Fedora: redis) for the test of a real jemalloc server driven by
 # redis-benchmark (top's rates, a record replayed under jemalloc: tests/live/test_redis.py).
+# sqlite3 (Fedora: sqlite) is a real program the tests trace on both paths against ground truth.
+# libunwind8 (Fedora: libunwind): `record --stacks -- CMD` unwinds in the traced process with it
+# (the interposer loads libunwind.so.8; without it --stacks goes through uprobes, saying why).
 distro_packages() {
     case $1 in
         debian) echo "bpfcc-tools python3-bpfcc bpftool systemtap-sdt-dev gcc g++ make libc6-dev \
 python3-venv libjemalloc2 libtcmalloc-minimal4|libtcmalloc-minimal4t64 libmimalloc2.0|libmimalloc3 \
 prometheus libc-devtools libdw-dev \
 tmux shellcheck vagrant binutils procps clang-format golang-go chromium|chromium-browser \
-openjdk-17-jre-headless|openjdk-21-jre-headless redis-server redis-tools" ;;
+openjdk-17-jre-headless|openjdk-21-jre-headless redis-server redis-tools sqlite3 libunwind8" ;;
         fedora) echo "bcc bcc-tools python3-bcc bpftool systemtap-sdt-devel gcc gcc-c++ make glibc-devel \
 jemalloc gperftools-libs mimalloc golang-github-prometheus glibc-utils elfutils-devel tmux ShellCheck \
-binutils procps-ng kernel-devel clang-tools-extra golang chromium java-17-openjdk-headless redis" ;;
+binutils procps-ng kernel-devel clang-tools-extra golang chromium java-17-openjdk-headless redis sqlite libunwind" ;;
         *) return 1 ;;
     esac
 }

@@ -114,10 +114,10 @@ def run_interleaved(rounds, versions, names, run, describe):
 def print_table(rows, markdown=False):
     """ROWS (dicts with the same keys) as a markdown table, or as indented JSON."""
     if markdown:
-        cols = list(rows[0])
+        cols = list(dict.fromkeys(c for r in rows for c in r))  # a row may lack some (no heaptrack peer)
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:
-            print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+            print("| " + " | ".join(str(r.get(c, "—")) for c in cols) + " |")
     else:
         print(json.dumps(rows, indent=1))

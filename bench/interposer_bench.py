@@ -87,7 +87,7 @@ CXX_MAP = r"""
 #include <vector>
 int main() {
     std::map<std::string, std::vector<int>> m;
-    for (int round = 0; round < 2; round++) {
+    for (int round = 0; round < ROUNDS; round++) {
         for (int i = 0; i < 30000; i++) m["key-" + std::to_string(i * 7919 % 100003)].push_back(i);
         for (int i = 0; i < 15000; i++) m.erase("key-" + std::to_string(i * 7919 % 100003));
     }
@@ -96,24 +96,36 @@ int main() {
 """
 
 
-def real_commands(tmp):
+def real_commands(tmp, scale=1):
+    """{name: argv} of the four real programs; SCALE times their work."""
     sql = os.path.join(tmp, "script.sql")
     with open(sql, "w") as f:
         f.write("CREATE TABLE t(id INTEGER PRIMARY KEY, name TEXT, v REAL);\nBEGIN;\n")
-        f.writelines(f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 20011}', {i * 0.5});\n" for i in range(20000))
+        f.writelines(
+            f"INSERT INTO t(name, v) VALUES ('name-{i * 7919 % 20011}', {i * 0.5});\n" for i in range(20000 * scale)
+        )
         f.write("COMMIT;\nCREATE INDEX i1 ON t(name);\nCREATE INDEX i2 ON t(v);\n")
         f.write("SELECT count(*) FROM t WHERE name LIKE 'name-1%';\nSELECT sum(v) FROM t GROUP BY name % 10;\n")
     cxx_src = os.path.join(tmp, "map.cpp")
     with open(cxx_src, "w") as f:
         f.write(CXX_MAP)
     cxx = os.path.join(tmp, "map")
-    subprocess.run(["g++", "-O2", "-o", cxx, cxx_src], check=True)
+    subprocess.run(["g++", "-O2", f"-DROUNDS={2 * scale}", "-o", cxx, cxx_src], check=True)
     c_src = ROOT / "tests" / "support" / "workloads" / "record_calls.c"
+    if scale > 1:  # gcc's work grows with what it compiles: record_calls.c, and SCALE x 100 functions
+        c_src = os.path.join(tmp, "many.c")
+        with open(c_src, "w") as f:
+            f.write(open(ROOT / "tests" / "support" / "workloads" / "record_calls.c").read())
+            for i in range(100 * scale):
+                f.write(
+                    f"int gen_{i}(int *a, int n) {{ int s = 0; for (int k = 0; k < n; k++) "
+                    f"s += a[k] * {i + 3} ^ (s >> {i % 7 + 1}); return s + {i}; }}\n"
+                )
     return {
         "python3 json": [
             "/usr/bin/python3",
             "-c",
-            "import json; [json.dumps({'a': list(range(50))}) for _ in range(20000)]",
+            f"import json; [json.dumps({{'a': list(range(50))}}) for _ in range({20000 * scale})]",
         ],
         "sqlite3 script": ["sqlite3", ":memory:", f".read {sql}"],
         "C++ map<string, vector<int>>": [cxx],

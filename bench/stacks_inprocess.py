@@ -7,8 +7,9 @@ bench/native/deep_calls.c makes N malloc(64)+free pairs, each malloc D frames de
 and times itself (ns per pair). Modes, interleaved: untraced; in-process unwinding
 (bench/native/unwind_preload.c preloaded: libgcc's _Unwind_Backtrace on every malloc, what an
 interposer would do without a cache); `pymtrace record` (the interposer, no stacks);
-`pymtrace record --stacks` (uprobes: each allocation's stack copied by BPF, unwound by
-pymtrace). Reported: min and median ns per pair, and ns added per pair.
+`pymtrace record --stacks` (the interposer: libunwind's cached unw_backtrace in the process,
+stacks interned there); `pymtrace record --stacks --via uprobes` (each allocation's stack
+copied by BPF, unwound by pymtrace). Reported: min and median ns per pair, and ns added per pair.
 """
 
 import argparse
@@ -44,8 +45,25 @@ def main():
             "untraced": lambda argv: (argv, {}),
             "in-process unwind": lambda argv: (argv, {"LD_PRELOAD": lib}),
             "record (interposer)": lambda argv: ([*PY, "record", "-q", "--force", "-o", out, "--", *argv], {}),
+            "record --stacks (interposer)": lambda argv: (
+                [*PY, "record", "-q", "--force", "--stacks", "-o", out, "--", *argv],
+                {},
+            ),
             "record --stacks (uprobes)": lambda argv: (
-                [*PY, "record", "-q", "--force", "--stacks", "--allow-drops", "-o", out, "--", *argv],
+                [
+                    *PY,
+                    "record",
+                    "-q",
+                    "--force",
+                    "--stacks",
+                    "--via",
+                    "uprobes",
+                    "--allow-drops",
+                    "-o",
+                    out,
+                    "--",
+                    *argv,
+                ],
                 {},
             ),
         }

@@ -11,6 +11,12 @@
  *                                      2.36) and the early-exit paths before it
  *   sched:sched_process_exec/exit      (hp_exec, hp_exit) records for user space
  *   sched:sched_process_fork           (HP_FOLLOW) children of targets become targets
+ *   pymtrace:heap_alloc, heap_free     the USDT sites of pymtrace's interposer (sampling mode,
+ *                                      tracee/native/interpose.c: it draws the samples
+ *                                      in-process): hp_usdt_alloc, hp_usdt_free, called by
+ *                                      the site functions user space generates (HeapSource)
+ * hp_targets says per process which of the two paths traces it (HP_VIA_*): the other's
+ * programs ignore it.
  *
  * Sampling (design doc section 6): per thread, `left` bytes until the next sample, drawn
  * Exp(HP_SAMPLE_MEAN); a call of size >= HP_SAMPLE_MEAN is always sampled, a smaller one when
@@ -40,7 +46,8 @@
  * of the mapping; a main thread's copy ends HP_TOP_SLACK bytes above its stack top, hp_tops),
  * HP_RB_PAGES (ring buffer pages, a power of two), HP_MAX_CPUS (possible
  * CPUs: the scratch slots), HP_MAX_LIVE, HP_MAX_PENDING, HP_MAX_THREADS, HP_MAX_TARGETS,
- * HP_FOLLOW (follow fork children), HP_RESERVE (above).
+ * HP_FOLLOW (follow fork children), HP_RESERVE (above), HP_PY_FRAMES (Python frames per
+ * sample, bpf/pywalk.h: read for the processes user space lists in hp_py; 0: none).
  */
 #include <uapi/linux/ptrace.h>
 #include "heap.h"
@@ -75,6 +82,9 @@
 #ifndef HP_RESERVE
 #define HP_RESERVE 0
 #endif
+#ifndef HP_PY_FRAMES
+#define HP_PY_FRAMES 0 /* > 0: each sample carries its thread's Python frames, up to this many */
+#endif
 #define HP_TOP_SLACK 64 /* bytes copied above the stack top: argc, the start of argv */
 
 #if HP_STACK_PAGES < 1 || HP_STACK_PAGES > HP_MAX_PAGES
@@ -84,10 +94,52 @@
 #define SC_PAGES HP_STACK_PAGES
 #include "stackcopy.h"
 
+#if HP_PY_FRAMES
+#if HP_RESERVE
+#error "Python frames are read into the per-CPU slots: not with HP_RESERVE"
+#endif
+#include "pywalk.h"
+BPF_HASH(hp_py, u32, struct py_config, HP_MAX_TARGETS);   /* tgid -> its interpreter's layout */
+BPF_TABLE("lru_hash", u32, u64, hp_pyts, HP_MAX_THREADS); /* tid -> its thread state */
+/* The frames are read by hp_py_output, a program of its own, tail-called once the sampling
+ * program is done: the verifier checks its loops from one state, not once per path of the
+ * sampling program (which multiplied them past its limit). hp_pyjob: this CPU's sample whose
+ * record (in its hp_scratch slot) waits for them. */
+BPF_PROG_ARRAY(hp_progs, 1);
+BPF_PERCPU_ARRAY(hp_pyjob, u64, 1);
+
+/* The Python frames of thread ID (pid_tgid) into HEAD and FRAMES, if its process is one user
+ * space described in hp_py (else status PY_STATUS_NONE). */
+static __always_inline void hp_python(struct py_head *head, struct py_frame *frames, u64 id) {
+    u32 tgid = id >> 32, tid = (u32)id;
+    struct py_config *c = hp_py.lookup(&tgid);
+    if (!c) {
+        head->count = 0;
+        head->status = PY_STATUS_NONE;
+        head->tstate = 0;
+        return;
+    }
+    u64 *known = hp_pyts.lookup(&tid);
+    u64 before = known ? *known : 0;
+    u64 ts = py_tstate(c, tid, before);
+    if (ts && ts != before) hp_pyts.update(&tid, &ts);
+    py_walk(c, ts, head, frames);
+}
+#endif
+
+/* A Python process's record carries its thread's Python frames after the stack (at the next
+ * 8-byte boundary): a py_head, then py_frame[count] (bpf/pyframes.h), only those filled. */
+#if HP_PY_FRAMES
+#define HP_PY_BYTES (sizeof(struct py_head) + HP_PY_FRAMES * sizeof(struct py_frame))
+#else
+#define HP_PY_BYTES 0
+#endif
+
 struct hp_sample {
     struct hp_event h;
-    u8 stack[HP_STACK_PAGES * HP_PAGE];
+    u8 stack[HP_STACK_PAGES * HP_PAGE + HP_PY_BYTES];
 };
+#define HP_STACK_AT offsetof(struct hp_sample, stack)
 
 /* A call between entry and return on one thread (key: pid_tgid). */
 struct hp_pending {
@@ -115,7 +167,7 @@ BPF_PERCPU_ARRAY(hp_lost, u64, HP_LOST_N);
 BPF_ARRAY(hp_next_id, u64, 1);
 BPF_ARRAY(hp_active, s64, 1);
 BPF_ARRAY(hp_lg, u32, HP_LG_ENTRIES);
-BPF_HASH(hp_targets, u32, u32, HP_MAX_TARGETS);
+BPF_HASH(hp_targets, u32, u32, HP_MAX_TARGETS); /* tgid -> HP_VIA_* */
 /* tgid -> its main thread's stack top (/proc/PID/stat startstack, set by user space): the
  * outermost frame (_start) lies just below it, the environment and auxv above it */
 BPF_HASH(hp_tops, u32, u64, HP_MAX_TARGETS);
@@ -131,6 +183,12 @@ static __always_inline void hp_lost_inc(int idx) {
 
 static __always_inline int hp_wanted(u32 tgid) {
     return hp_targets.lookup(&tgid) != 0;
+}
+
+/* How TGID is traced (HP_VIA_*), 0: it is not */
+static __always_inline u32 hp_via(u32 tgid) {
+    u32 *via = hp_targets.lookup(&tgid);
+    return via ? *via : 0;
 }
 
 static __always_inline void hp_add_active(s64 n) {
@@ -232,7 +290,28 @@ static __always_inline void hp_fill(struct hp_event *h, struct pt_regs *ctx, u64
     sc_regs(ctx, h->regs);
 }
 
-/* Write the sample record (header, registers, stack copy); its id, or 0 if it was lost. */
+#if !HP_RESERVE
+/* Write the record of sample SAMPLE_ID of thread ID from its slot S, EXTRA bytes after its
+ * stack (a Python block: at the stack's 8-byte aligned end); 0 if it was lost. */
+static __always_inline int hp_output(struct hp_sample *s, u64 id, u64 sample_id, u32 extra) {
+    /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
+     * shared per CPU): the slot holds a mix; drop it, counted. */
+    if (s->h.id != sample_id || s->h.tid != (u32)id) {
+        hp_lost_inc(HP_LOST_SLOT_BUSY);
+        return 0;
+    }
+    u64 out = HP_STACK_AT + (extra ? ((s->h.stack_len + 7) & ~7) + extra : s->h.stack_len);
+    if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
+    if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
+        hp_lost_inc(HP_LOST_RINGBUF);
+        return 0;
+    }
+    return 1;
+}
+#endif
+
+/* Write the sample record (header, registers, stack copy); its id, or 0 if it was lost. In a
+ * Python process (HP_PY_FRAMES) the record is written by hp_py_flush, at the caller's end. */
 static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 size) {
     int zero = 0;
     u64 *next = hp_next_id.lookup(&zero);
@@ -258,21 +337,19 @@ static __always_inline u64 hp_emit(struct pt_regs *ctx, u64 id, u32 call, u64 si
     if (!s) return 0;
     u64 sample_id = __sync_fetch_and_add(next, 1) + 1;
     hp_fill(&s->h, ctx, id, call, size, sample_id);
-    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
-    s->h.stack_len = len;
-    /* Another task sampled on this CPU while this one was preempted mid-copy (the slot is
-     * shared per CPU): the slot holds a mix; drop it, counted. */
-    if (s->h.id != sample_id || s->h.tid != (u32)id) {
-        hp_lost_inc(HP_LOST_SLOT_BUSY);
-        return 0;
+    s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), hp_want(id, PT_REGS_SP(ctx)));
+#if HP_PY_FRAMES
+    u32 tgid = id >> 32;
+    if (hp_py.lookup(&tgid)) { /* a Python process: hp_py_flush has the record written */
+        int zero = 0;
+        u64 *job = hp_pyjob.lookup(&zero);
+        if (job) {
+            *job = sample_id;
+            return sample_id;
+        }
     }
-    u64 out = sizeof(struct hp_event) + len;
-    if (out > sizeof(struct hp_sample)) out = sizeof(struct hp_sample);
-    if (hp_events.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
-        hp_lost_inc(HP_LOST_RINGBUF);
-        return 0;
-    }
-    return sample_id;
+#endif
+    return hp_output(s, id, sample_id, 0) ? sample_id : 0;
 #endif
 }
 
@@ -300,14 +377,60 @@ static __always_inline void hp_gone(struct hp_block *b) {
     hp_events.ringbuf_output(&r, sizeof(r), BPF_RB_NO_WAKEUP);
 }
 
+/* The end of a program that sampled: a record waiting for its Python frames (hp_emit) is
+ * handed to hp_py_output, which reads them and writes it (the tail call does not return);
+ * written without them if that program cannot run. */
+static __always_inline void hp_py_flush(struct pt_regs *ctx) {
+#if HP_PY_FRAMES
+    int zero = 0;
+    u64 *job = hp_pyjob.lookup(&zero);
+    if (!job || !*job) return;
+    hp_progs.call(ctx, 0);
+    u64 sample_id = *job;
+    *job = 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct hp_sample *s = hp_scratch.lookup(&cpu);
+    if (s) hp_output(s, bpf_get_current_pid_tgid(), sample_id, 0);
+#endif
+}
+
+#if HP_PY_FRAMES
+/* Tail-called by hp_py_flush: this CPU's waiting record gets its thread's Python frames and
+ * is written. */
+int hp_py_output(struct pt_regs *ctx) {
+    int zero = 0;
+    u64 *job = hp_pyjob.lookup(&zero);
+    if (!job || !*job) return 0;
+    u64 sample_id = *job, id = bpf_get_current_pid_tgid();
+    *job = 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct hp_sample *s = hp_scratch.lookup(&cpu);
+    if (!s) return 0;
+    if (s->h.id != sample_id || s->h.tid != (u32)id) {
+        hp_lost_inc(HP_LOST_SLOT_BUSY);
+        return 0;
+    }
+    u64 at = s->h.stack_len;
+    at = (at + 7) & ~7ull;
+    if (at > HP_STACK_PAGES * HP_PAGE) return 0;
+    asm volatile("" : "+r"(at)); /* the bounded register is the one used below */
+    struct py_head *head = (struct py_head *)(s->stack + at);
+    hp_python(head, (struct py_frame *)(s->stack + at + sizeof(struct py_head)), id);
+    u32 count = head->count;
+    if (count > HP_PY_FRAMES) count = HP_PY_FRAMES;
+    hp_output(s, id, sample_id, sizeof(struct py_head) + count * sizeof(struct py_frame));
+    return 0;
+}
+#endif
+
 /* Entry of an allocating call. OUTER: it calls other malloc-API functions inside glibc, so it
  * keeps an hp_pending entry for its whole duration even when not sampled. */
-static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
+static __always_inline void hp_entry_call(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!hp_wanted(id >> 32)) return 0;
-    if (hp_current(id)) return 0; /* inside this thread's outer call: glibc's own call */
+    if (hp_via(id >> 32) != HP_VIA_UPROBES) return;
+    if (hp_current(id)) return; /* inside this thread's outer call: glibc's own call */
     int sampled = hp_sampled((u32)id, size);
-    if (!sampled && !outer) return 0;
+    if (!sampled && !outer) return;
     struct hp_pending p = {};
     p.sp = PT_REGS_SP(ctx);
     p.call = call;
@@ -316,9 +439,14 @@ static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64
     if (sampled) p.sample_id = hp_emit(ctx, id, call, size);
     if (hp_pending.update(&id, &p) != 0) {
         hp_lost_inc(HP_LOST_PENDING_FULL);
-        return 0;
+        return;
     }
     hp_add_active(1);
+}
+
+static __always_inline int hp_entry(struct pt_regs *ctx, u32 call, u64 size, u64 arg_ptr, int outer) {
+    hp_entry_call(ctx, call, size, arg_ptr, outer);
+    hp_py_flush(ctx);
     return 0;
 }
 
@@ -328,6 +456,18 @@ int hp_malloc_entry(struct pt_regs *ctx) {
 
 int hp_calloc_entry(struct pt_regs *ctx) {
     return hp_entry(ctx, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 0);
+}
+
+/* The interpreter's allocators (heap --python-allocators: PyObject_Malloc, PyMem_Malloc, ...
+ * and their domain functions): outer calls, as a large block is pymalloc's malloc call, which
+ * is then not sampled again. Their realloc and free have glibc's arguments: hp_realloc_entry,
+ * hp_free_entry. */
+int hp_py_malloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_MALLOC, PT_REGS_PARM1(ctx), 0, 1);
+}
+
+int hp_py_calloc_entry(struct pt_regs *ctx) {
+    return hp_entry(ctx, CALL_CALLOC, (u64)PT_REGS_PARM1(ctx) * (u64)PT_REGS_PARM2(ctx), 0, 1);
 }
 
 int hp_realloc_entry(struct pt_regs *ctx) {
@@ -393,6 +533,41 @@ int hp_free_entry(struct pt_regs *ctx) {
     return 0;
 }
 
+/* ---- the interposer's USDT sites ------------------------------------------------------
+ * The interposer drew the sample in-process and fires heap_alloc after the allocator
+ * returned: the registers and the stack copy are the site's (inside the interposer, whose
+ * frames user space drops), the block is known. TRACKED 0: the interposer's set of sampled
+ * blocks was full, so their free will not be told: not remembered, counted as live_full. */
+static __always_inline void hp_usdt_sample(struct pt_regs *ctx, u64 call, u64 ptr, u64 size, u64 tracked) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (hp_via(id >> 32) != HP_VIA_INTERPOSER) return;
+    u64 sample_id = hp_emit(ctx, id, (u32)call, size);
+    if (!sample_id || !ptr) return;
+    if (!tracked) {
+        hp_lost_inc(HP_LOST_LIVE_FULL);
+        return;
+    }
+    struct hp_block b = {};
+    b.addr = ptr;
+    b.pid = id >> 32;
+    if (hp_live.update(&b, &sample_id) != 0) hp_lost_inc(HP_LOST_LIVE_FULL);
+}
+
+static __always_inline int hp_usdt_alloc(struct pt_regs *ctx, u64 call, u64 ptr, u64 size, u64 tracked) {
+    hp_usdt_sample(ctx, call, ptr, size, tracked);
+    hp_py_flush(ctx);
+    return 0;
+}
+
+/* heap_free: a sampled block is about to be freed (or realloc'd away) */
+static __always_inline int hp_usdt_free(struct pt_regs *ctx, u64 ptr) {
+    struct hp_block b = {};
+    b.addr = ptr;
+    b.pid = bpf_get_current_pid_tgid() >> 32;
+    hp_gone(&b);
+    return 0;
+}
+
 /* ---- the target processes: exec, exit (and fork when following) -------------------- */
 
 static __always_inline void hp_event(u32 type, u64 id, u32 other, u64 value) {
@@ -413,6 +588,9 @@ int hp_exec(void *ctx) {
     u32 tgid = id >> 32;
     if (!hp_wanted(tgid)) return 0;
     hp_tops.delete(&tgid); /* a new stack: copies are whole until user space sets the new top */
+#if HP_PY_FRAMES
+    hp_py.delete(&tgid); /* another program: user space describes its interpreter anew */
+#endif
     int zero = 0;
     u64 *next = hp_next_id.lookup(&zero);
     hp_event(HP_REC_EXEC, id, 0, next ? *next : 0);
@@ -425,6 +603,9 @@ int hp_exit(void *ctx) {
     u32 tid = id, tgid = id >> 32;
     if (!hp_wanted(tgid)) return 0;
     hp_sampler.delete(&tid);
+#if HP_PY_FRAMES
+    hp_pyts.delete(&tid);
+#endif
     if (hp_pending.delete(&id) == 0) hp_add_active(-1);
     if (tid != tgid) {
 #if HP_FOLLOW
@@ -433,6 +614,9 @@ int hp_exit(void *ctx) {
         return 0;
     }
     hp_tops.delete(&tgid);
+#if HP_PY_FRAMES
+    hp_py.delete(&tgid);
+#endif
     hp_event(HP_REC_EXIT, id, 0, 0);
     return 0;
 }
@@ -440,12 +624,17 @@ int hp_exit(void *ctx) {
 #if HP_FOLLOW
 TRACEPOINT_PROBE(sched, sched_process_fork) {
     u64 id = bpf_get_current_pid_tgid();
-    if (!hp_wanted(id >> 32)) return 0;
-    u32 child = args->child_pid, one = 1;
-    if (hp_targets.update(&child, &one) != 0) {
+    u32 child = args->child_pid, via = hp_via(id >> 32); /* the child is traced as its parent */
+    if (!via) return 0;
+    if (hp_targets.update(&child, &via) != 0) {
         hp_lost_inc(HP_LOST_TARGETS_FULL);
         return 0;
     }
+#if HP_PY_FRAMES
+    u32 parent = id >> 32;
+    struct py_config *py = hp_py.lookup(&parent); /* a fork child runs its parent's interpreter */
+    if (py) hp_py.update(&child, py);
+#endif
     hp_event(HP_REC_FORK, id, child, 0);
     return 0;
 }

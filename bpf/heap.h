@@ -5,6 +5,7 @@
 #define PYMTRACE_HEAP_H
 
 #include "common.h"
+#include "pyframes.h"
 
 /* hp_event.type: what one ring record is */
 #define HP_REC_SAMPLE 1 /* a sampled allocation: struct hp_event + stack_len bytes of stack */
@@ -33,6 +34,10 @@ struct hp_event {
     __u32 stack_len; /* bytes of stack following this header */
     __u32 other;     /* HP_REC_FORK: the child's pid */
 };
+
+/* hp_targets' value: how a traced process's calls reach the program */
+#define HP_VIA_UPROBES    1 /* uprobes on its allocator's functions */
+#define HP_VIA_INTERPOSER 2 /* the USDT sites of pymtrace's interposer (tracee/native/interpose.c) */
 
 /* Indexes of the per-CPU counter array hp_lost: everything the program could not do. */
 #define HP_LOST_RINGBUF      0 /* sample record not written: ring buffer full */

@@ -10,12 +10,15 @@
  * FOLLOW (trace TARGET_TGID and its descendants through sched_process_fork), GLIBC_CHUNKS
  * (read glibc chunk headers for size2/size3), STASH_ENTRIES, STACKS (record --stacks: each
  * allocating call's registers and stack at its return into the ring buffer `stacks`; with
- * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS). Without STACKS no stack code is compiled.
+ * STACK_PAGES, STACK_RB_PAGES, MAX_CPUS; PY_FRAMES > 0: in a process user space lists in `py`,
+ * each stack event also carries its thread's Python frames, up to this many, bpf/pywalk.h).
+ * Without STACKS no stack code is compiled.
  * LIBC_PROBES=0 leaves out the libc's entry programs (enter_<call>: a process on another
  * allocator is probed by enter_f_* alone). OUTER_PROBES=0 leaves out the enter_outer_* programs (an interposer's entry probes), which
- * the recorder compiles only when it probes one. F_SELECT=1: of the enter_f_* programs (other
- * allocators, C++ operator new/delete) only those whose WANT_<program> is 1 (the recorder:
- * those its probe plans attach; none for a glibc process without C++). EXEC_ALLOCATORS
+ * the recorder compiles only when it probes one. F_SELECT=1: of the enter_f_* and enter_cxx_new_*
+ * programs (other allocators, C++ operator new/delete) only those whose WANT_<program> is 1 (the
+ * recorder: those its probe plans attach; none for a glibc process without C++). CXX_SLOTS:
+ * the carried operator news one recording can probe (enter_cxx_new_<slot>, at most 8). EXEC_ALLOCATORS
  * (`record -- CMD`, compiled without F_SELECT: it may exec onto any allocator): chunk
  * headers are read only while the map `foreign` says the program's allocator is glibc.
  */
@@ -52,6 +55,18 @@
 #define PAGE_SIZE_BYTES 4096
 #endif
 
+/* The operator new a thread entered last (a carried one: entry probe only, see cxx_new). Kept
+ * until the thread enters another: a new_handler's retry makes the same allocation call again. */
+struct cxx_new_call {
+    u64 caller; /* its return address; 0: none yet */
+    u64 sp;     /* its stack pointer at entry */
+    u64 lo;     /* the function the allocation call is made from: [lo, lo + len) */
+    u32 len;
+    u32 type; /* recorded as (CALL_MALLOC, CALL_MEMALIGN) */
+    u64 a0;   /* its arguments as `enter` keeps them for TYPE */
+    u64 a1;
+};
+
 struct stash {
     u32 depth;
     u32 type;  /* the call recorded */
@@ -62,6 +77,7 @@ struct stash {
     u64 a2;
     u64 old_size;
     u64 caller;
+    struct cxx_new_call cxx;
 };
 
 BPF_RINGBUF_OUTPUT(events, RB_PAGES);
@@ -85,9 +101,22 @@ BPF_HASH(stash, u64, struct stash, STASH_ENTRIES);
 #define SC_PAGES STACK_PAGES
 #include "stackcopy.h"
 
+#ifndef PY_FRAMES
+#define PY_FRAMES 0
+#endif
+/* A Python process's stack event carries its thread's Python frames after the stack (at the
+ * next 8-byte boundary): a py_head, then py_frame[count] (bpf/pyframes.h), only those filled. */
+#if PY_FRAMES
+#define HP_PY_FRAMES PY_FRAMES
+#include "pywalk.h"
+#define PY_BYTES (sizeof(struct py_head) + PY_FRAMES * sizeof(struct py_frame))
+#else
+#define PY_BYTES 0
+#endif
+
 struct stack_sample {
     struct stack_event h;
-    u8 stack[STACK_PAGES * SC_PAGE];
+    u8 stack[STACK_PAGES * SC_PAGE + PY_BYTES];
 };
 /* A second ring buffer: stacks are variable-length (the bytes copied), records stay fixed-size
  * for the recorder's vectorised drain. */
@@ -95,17 +124,52 @@ BPF_RINGBUF_OUTPUT(stacks, STACK_RB_PAGES);
 /* a plain array indexed by CPU: per-CPU map values are capped at 32 KiB */
 BPF_ARRAY(stack_scratch, struct stack_sample, MAX_CPUS);
 BPF_PERCPU_ARRAY(stack_lost, u64, 1); /* stacks not written (ring full, slot reused): id 0 */
+#if PY_FRAMES
+BPF_HASH(py, u32, struct py_config, 1024);    /* tgid -> its interpreter's layout */
+BPF_TABLE("lru_hash", u32, u64, pyts, 65536); /* tid -> its thread state */
+/* The frames are read by py_output, a program of its own tail-called by `leave` (as heap's
+ * hp_py_output: the verifier checks its loops once, not once per path of `leave`), which then
+ * writes the stack event and the record. pyjob: this CPU's record waiting for it. */
+struct py_job {
+    u64 ts; /* its stack event's (0: none waiting) */
+    u64 ptr1;
+    u64 ptr2;
+    u64 size;
+    u64 size2;
+    u64 size3;
+    u64 caller;
+    u32 type;
+    u32 pad;
+};
+BPF_PROG_ARRAY(progs, 1);
+BPF_PERCPU_ARRAY(pyjob, struct py_job, 1);
+#endif
+
+static __always_inline void stack_lost_inc(void) {
+    int zero = 0;
+    u64 *n = stack_lost.lookup(&zero);
+    if (n) *n += 1;
+}
+
+/* Write thread ID's stack event of TS from its slot S, EXTRA bytes after its stack (a Python
+ * block: at the stack's 8-byte aligned end). */
+static __always_inline void stack_output(struct stack_sample *s, u64 id, u64 ts, u32 extra) {
+    u64 out = sizeof(struct stack_event) + (extra ? ((s->h.stack_len + 7) & ~7) + extra : s->h.stack_len);
+    if (out > sizeof(struct stack_sample)) out = sizeof(struct stack_sample);
+    /* another task used this CPU's slot while this one was preempted: a mix, dropped */
+    if (s->h.ts != ts || s->h.tid != (u32)id || stacks.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0)
+        stack_lost_inc();
+}
 
 /* The registers and stack at an allocating call's return (the caller's frame: ip is the return
- * address, the callee-saved registers are restored), keyed by (thread, ts). */
-static __always_inline void emit_stack(struct pt_regs *ctx, u64 id, u32 call, u64 ts) {
-    int zero = 0;
+ * address, the callee-saved registers are restored), keyed by (thread, ts), into this CPU's
+ * slot; written at once, or (1) left there for py_output in a Python process. */
+static __always_inline int emit_stack(struct pt_regs *ctx, u64 id, u32 call, u64 ts) {
     u32 cpu = bpf_get_smp_processor_id();
     struct stack_sample *s = stack_scratch.lookup(&cpu);
     if (!s) {
-        u64 *n = stack_lost.lookup(&zero);
-        if (n) *n += 1;
-        return;
+        stack_lost_inc();
+        return 0;
     }
     s->h.tgid = id >> 32;
     s->h.tid = (u32)id;
@@ -113,15 +177,13 @@ static __always_inline void emit_stack(struct pt_regs *ctx, u64 id, u32 call, u6
     s->h.ts = ts;
     s->h.pad = 0;
     sc_regs(ctx, s->h.regs);
-    u32 len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), STACK_PAGES * SC_PAGE);
-    s->h.stack_len = len;
-    u64 out = sizeof(struct stack_event) + len;
-    if (out > sizeof(struct stack_sample)) out = sizeof(struct stack_sample);
-    /* another task used this CPU's slot while this one was preempted: a mix, dropped */
-    if (s->h.ts != ts || s->h.tid != (u32)id || stacks.ringbuf_output(s, out, BPF_RB_NO_WAKEUP) != 0) {
-        u64 *n = stack_lost.lookup(&zero);
-        if (n) *n += 1;
-    }
+    s->h.stack_len = sc_copy_stack(s->stack, PT_REGS_SP(ctx), STACK_PAGES * SC_PAGE);
+#if PY_FRAMES
+    u32 tgid = id >> 32;
+    if (py.lookup(&tgid)) return 1;
+#endif
+    stack_output(s, id, ts, 0);
+    return 0;
 }
 #endif
 
@@ -149,6 +211,10 @@ TRACEPOINT_PROBE(sched, sched_process_fork) {
     u32 child = args->child_pid;
     u32 one = 1;
     traced.update(&child, &one);
+#if defined(STACKS) && PY_FRAMES
+    struct py_config *c = py.lookup(&parent); /* a fork child runs its parent's interpreter */
+    if (c) py.update(&child, c);
+#endif
     return 0;
 }
 
@@ -168,6 +234,15 @@ static __always_inline int wanted(u32 tgid) {
 #else
 static __always_inline int wanted(u32 tgid) {
     return TARGET_TGID == 0 || tgid == TARGET_TGID;
+}
+#endif
+
+#if defined(STACKS) && PY_FRAMES
+/* Another program: user space describes its interpreter anew (Recorder._probe_program). */
+TRACEPOINT_PROBE(sched, sched_process_exec) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    py.delete(&tgid);
+    return 0;
 }
 #endif
 
@@ -274,6 +349,16 @@ OUTER(pvalloc, CALL_PVALLOC, PT_REGS_PARM1(ctx), 0, 0)
 OUTER(free, CALL_FREE, PT_REGS_PARM1(ctx), 0, 0)
 #endif
 
+/* The call N (its fields before `cxx`) as thread ID's stash entry S: written in place where the
+ * thread has one (a hash map update allocates a new element and frees the old one: ~100 ns),
+ * its operator new state kept. */
+static __always_inline void keep(struct stash *s, u64 id, struct stash *n) {
+    if (s)
+        __builtin_memcpy(s, n, __builtin_offsetof(struct stash, cxx));
+    else
+        stash.update(&id, n);
+}
+
 static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, u64 a2) {
     u64 id = bpf_get_current_pid_tgid();
     if (!wanted(id >> 32)) return 0;
@@ -298,7 +383,7 @@ static __always_inline int enter(struct pt_regs *ctx, u32 type, u64 a0, u64 a1, 
         n.a2 = o.a2;
     } /* else n.caller stays 0: the return address, taken at return */
     if (n.type == CALL_REALLOC) n.old_size = chunk_size(n.a0);
-    stash.update(&id, &n);
+    keep(s, id, &n);
     return 0;
 }
 
@@ -400,7 +485,7 @@ static __always_inline int enter_foreign_free(struct pt_regs *ctx, u64 p, int ne
         n.depth = 1;
         n.type = CALL_FREE;
         n.inner = CALL_FREE;
-        stash.update(&id, &n);
+        keep(s, id, &n);
     }
     return 0;
 }
@@ -436,6 +521,89 @@ static __always_inline int enter_foreign(struct pt_regs *ctx, u32 type, u64 size
 #define AL_CXX_ENTRY(name, type, as_type, size, ptr, align) AL_ENTRY(name, as_type, size, ptr, align, 0)
 #include "allocators.h"
 
+/* ---- C++ operator new carried by its allocation call (pymtrace/tracee/cxxplan.py) --------
+ * An operator new whose every call makes one call of a probed allocating function first thing
+ * (libstdc++'s new -> malloc) has an entry probe only: enter_cxx_new_<slot> keeps its caller
+ * and arguments per thread, and the allocating call made from inside that function (its return
+ * address in [lo, lo + len), its stack below the new's) is recorded as the new, at its own
+ * return probe: three traps a new instead of four, and no return probe that would hide the
+ * new's frame from an exception unwinding through it. A new called by another one (nothrow ->
+ * new) only moves the range. cxx_fns[slot], set by user space before the probe is attached:
+ * the probe's offset in its function, what the function has pushed on the stack there (the
+ * probe may sit on the call itself), the function's size, the call type recorded. */
+#ifndef CXX_SLOTS
+#define CXX_SLOTS 8
+#endif
+struct cxx_fn {
+    u32 site;
+    u32 depth;
+    u32 size;
+    u32 type;
+};
+BPF_ARRAY(cxx_fns, struct cxx_fn, CXX_SLOTS);
+
+static __always_inline int cxx_new(struct pt_regs *ctx, int slot) {
+    u64 id = bpf_get_current_pid_tgid();
+    if (!wanted(id >> 32)) return 0;
+    struct cxx_fn *f = cxx_fns.lookup(&slot);
+    if (!f || !f->size) return 0;
+    struct stash zero = {};
+    struct stash *s = stash.lookup_or_try_init(&id, &zero);
+    if (!s || s->depth) return 0;        /* inside another recorded call: hidden like its other calls */
+    u64 sp = PT_REGS_SP(ctx) + f->depth; /* at its entry: its return address */
+    u64 ra = 0;
+    pm_probe_read_user(&ra, sizeof(ra), (void *)sp);
+    u64 lo = PT_REGS_IP(ctx) - f->site;
+    struct cxx_new_call *c = &s->cxx;
+    if (c->caller && ra - c->lo < c->len && sp < c->sp) { /* called by the new entered last */
+        c->lo = lo;
+        c->len = f->size;
+        return 0;
+    }
+    c->caller = ra;
+    c->sp = sp;
+    c->lo = lo;
+    c->len = f->size;
+    c->type = f->type;
+    if (f->type == CALL_MEMALIGN) { /* (size, alignment) kept as memalign's (alignment, size) */
+        c->a0 = PT_REGS_PARM2(ctx);
+        c->a1 = PT_REGS_PARM1(ctx);
+    } else {
+        c->a0 = PT_REGS_PARM1(ctx);
+        c->a1 = 0;
+    }
+    return 0;
+}
+
+#define CXX_NEW(slot)                                                                                        \
+    int enter_cxx_new_##slot(struct pt_regs *ctx) {                                                          \
+        return cxx_new(ctx, slot);                                                                           \
+    }
+#if WANT(enter_cxx_new_0)
+CXX_NEW(0)
+#endif
+#if WANT(enter_cxx_new_1)
+CXX_NEW(1)
+#endif
+#if WANT(enter_cxx_new_2)
+CXX_NEW(2)
+#endif
+#if WANT(enter_cxx_new_3)
+CXX_NEW(3)
+#endif
+#if WANT(enter_cxx_new_4)
+CXX_NEW(4)
+#endif
+#if WANT(enter_cxx_new_5)
+CXX_NEW(5)
+#endif
+#if WANT(enter_cxx_new_6)
+CXX_NEW(6)
+#endif
+#if WANT(enter_cxx_new_7)
+CXX_NEW(7)
+#endif
+
 int leave(struct pt_regs *ctx) {
     u64 id = bpf_get_current_pid_tgid();
     if (!wanted(id >> 32)) return 0;
@@ -443,27 +611,39 @@ int leave(struct pt_regs *ctx) {
     if (!s || !s->depth) return 0; /* entry not seen (attached mid-call) */
     if (--s->depth) return 0;      /* nested call */
     u32 type = s->type;
+    u64 a0 = s->a0, a1 = s->a1, a2 = s->a2;
+    /* at a return probe the instruction pointer is the caller's return address (the entry
+     * probe may sit after the return address was redirected to the uretprobe trampoline) */
+    u64 caller = s->caller ? s->caller : PT_REGS_IP(ctx);
+    struct cxx_new_call *c = &s->cxx;
+    if (c->caller && caller - c->lo < c->len && PT_REGS_SP(ctx) <= c->sp) { /* a carried new's call */
+        caller = c->caller;
+        type = c->type;
+        a0 = c->a0;
+        a1 = c->a1;
+        a2 = 0;
+    }
     u64 rc = PT_REGS_RC(ctx);
     u64 ptr1 = 0, ptr2 = rc, size = 0, size2 = 0;
     switch (type) {
     case CALL_MALLOC:
     case CALL_CALLOC:
     case CALL_PVALLOC:
-        size = s->a0;
+        size = a0;
         break;
     case CALL_VALLOC:
-        size = s->a0;
+        size = a0;
         size2 = PAGE_SIZE_BYTES;
         break;
     case CALL_REALLOC:
-        ptr1 = s->a0;
-        size = s->a1;
+        ptr1 = a0;
+        size = a1;
         size2 = s->old_size;
-        if (s->a2) ptr2 = s->a0; /* xallocx: in place, returns a size */
+        if (a2) ptr2 = a0; /* xallocx: in place, returns a size */
         break;
     case CALL_MEMALIGN:
-        size = s->a1;
-        size2 = s->a0;
+        size = a1;
+        size2 = a0;
         break;
     case CALL_POSIX_MEMALIGN:
         if (s->inner != CALL_POSIX_MEMALIGN) { /* interposer -> glibc memalign: rc not visible */
@@ -472,25 +652,88 @@ int leave(struct pt_regs *ctx) {
         } else {
             ptr1 = (u32)rc;
             ptr2 = 0;
-            if ((u32)rc == 0 && s->a0) pm_probe_read_user(&ptr2, sizeof(ptr2), (void *)s->a0);
+            if ((u32)rc == 0 && a0) pm_probe_read_user(&ptr2, sizeof(ptr2), (void *)a0);
         }
-        size = s->a2;
-        size2 = s->a1;
+        size = a2;
+        size2 = a1;
         break;
     default:
         return 0;
     }
-    /* at a return probe the instruction pointer is the caller's return address (the entry
-     * probe may sit after the return address was redirected to the uretprobe trampoline) */
-    u64 caller = s->caller ? s->caller : PT_REGS_IP(ctx);
     u64 ts = bpf_ktime_get_ns();
+    u64 size3 = chunk_size(ptr2);
 #ifdef STACKS
     /* before the record is reserved: a record's stack is always committed before it */
     int zero = 0;
     u32 *on = enabled.lookup(&zero);
-    if (on && *on) emit_stack(ctx, id, type, ts);
+    if (on && *on && emit_stack(ctx, id, type, ts)) {
+#if PY_FRAMES
+        struct py_job *job = pyjob.lookup(&zero);
+        if (job) {
+            job->ts = ts;
+            job->ptr1 = ptr1;
+            job->ptr2 = ptr2;
+            job->size = size;
+            job->size2 = size2;
+            job->size3 = size3;
+            job->caller = caller;
+            job->type = type;
+            progs.call(ctx, 0); /* does not return when it runs */
+            job->ts = 0;
+        }
+        u32 cpu = bpf_get_smp_processor_id(); /* written without Python frames */
+        struct stack_sample *s = stack_scratch.lookup(&cpu);
+        if (s) stack_output(s, id, ts, 0);
+#endif
+    }
 #endif
     struct record_event *e = reserve();
-    if (e) fill(e, id, type, ptr1, ptr2, size, size2, chunk_size(ptr2), caller, ts);
+    if (e) fill(e, id, type, ptr1, ptr2, size, size2, size3, caller, ts);
     return 0;
 }
+
+#if defined(STACKS) && PY_FRAMES
+/* Tail-called by `leave` in a Python process: the waiting stack event gets its thread's Python
+ * frames and is written, then the record (as `leave` would have). */
+int py_output(struct pt_regs *ctx) {
+    int zero = 0;
+    struct py_job *job = pyjob.lookup(&zero);
+    if (!job || !job->ts) return 0;
+    struct py_job j = *job; /* the slot is this CPU's: another task's call may take it */
+    u64 ts = j.ts, id = bpf_get_current_pid_tgid();
+    job->ts = 0;
+    u32 cpu = bpf_get_smp_processor_id();
+    struct stack_sample *s = stack_scratch.lookup(&cpu);
+    if (s && s->h.ts == ts && s->h.tid == (u32)id) {
+        u64 at = s->h.stack_len;
+        at = (at + 7) & ~7ull;
+        if (at <= STACK_PAGES * SC_PAGE) {
+            asm volatile("" : "+r"(at)); /* the bounded register is the one used below */
+            struct py_head *head = (struct py_head *)(s->stack + at);
+            u32 tgid = id >> 32, tid = (u32)id;
+            struct py_config *c = py.lookup(&tgid);
+            if (c) {
+                u64 *known = pyts.lookup(&tid);
+                u64 before = known ? *known : 0;
+                u64 tstate = py_tstate(c, tid, before);
+                if (tstate && tstate != before) pyts.update(&tid, &tstate);
+                py_walk(c, tstate, head, (struct py_frame *)(s->stack + at + sizeof(struct py_head)));
+            } else {
+                head->count = 0;
+                head->status = PY_STATUS_NONE;
+                head->tstate = 0;
+            }
+            u32 count = head->count;
+            if (count > PY_FRAMES) count = PY_FRAMES;
+            stack_output(s, id, ts, sizeof(struct py_head) + count * sizeof(struct py_frame));
+        } else {
+            stack_output(s, id, ts, 0);
+        }
+    } else {
+        stack_lost_inc();
+    }
+    struct record_event *e = reserve();
+    if (e) fill(e, id, j.type, j.ptr1, j.ptr2, j.size, j.size2, j.size3, j.caller, ts);
+    return 0;
+}
+#endif

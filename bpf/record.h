@@ -4,6 +4,7 @@
 #define PYMTRACE_RECORD_H
 
 #include "common.h"
+#include "pyframes.h"
 
 #define CALL_UNUSED 0
 #define CALL_MAGIC  255

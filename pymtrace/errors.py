@@ -35,7 +35,12 @@ class BadQuery(PymtraceError):
     exit_code = 2
 
 
-class WriteFailed(PymtraceError):
+class RecordingStopped(PymtraceError):
+    """A recording cannot go on exact (a write failed, a program a launched command exec'd
+    cannot be probed): it stops, its files keep every complete record made before."""
+
+
+class WriteFailed(RecordingStopped):
     """Writing a trace failed (disk full, quota, I/O error): recording stops, the file keeps
     every complete record written before the failure."""
 

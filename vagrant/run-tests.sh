@@ -14,7 +14,8 @@
 #     vagrant-libvirt's management network (an isolated bridge) exists only in there: the
 #     VM can reach nothing but that bridge, and nothing outside reaches the VM;
 #   - `vagrant up` (libvirt, QEMU's TCG emulator: no KVM needed), rsyncs the project and
-#     ../shared in, runs `install.sh --test` with PYMTRACE_REQUIRE_BPF=1, then destroys
+#     ../shared in, runs `install.sh --test` with PYMTRACE_REQUIRE_BPF=1 (and the Python-frame
+#     tests on the box's own python3: PYMTRACE_TEST_PYTHONS=/usr/bin/python3), then destroys
 #     the VM, stops the daemons and deletes the namespace.
 # Environment:
 #   PYMTRACE_VM_LOGS     where the per-box logs go (default vagrant/results)
@@ -180,7 +181,7 @@ inside() {
         # TERM's trap runs at once rather than when the suite ends (bash runs a trap only
         # once its foreground command is done).
         timeout --kill-after=60 "${PYMTRACE_VM_TIMEOUT:-14400}" \
-            vagrant ssh "$name" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" \
+            vagrant ssh "$name" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 PYMTRACE_TEST_PYTHONS=/usr/bin/python3 ./install.sh --test ${PYMTRACE_VM_TESTS:-}" \
             -- -o ServerAliveInterval=60 -o ServerAliveCountMax=10 &
         suite_pid=$!
         [ "$interrupted" = 0 ] || kill -TERM "$suite_pid" 2>/dev/null  # a TERM before $! was known
@@ -309,7 +310,7 @@ run_network_box() {
     local name=$1 logfile=$2
     # shellcheck disable=SC2016  # expanded by that bash
     run_group bash -c 'cd "$1" && vagrant up "$2" --provision && vagrant rsync "$2" &&
-        vagrant ssh "$2" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 ./install.sh --test"' \
+        vagrant ssh "$2" -c "cd /srv/pymtrace && sudo PYMTRACE_REQUIRE_BPF=1 PYMTRACE_TEST_PYTHONS=/usr/bin/python3 ./install.sh --test"' \
         run-network-box "$here" "$name" >>"$logfile" 2>&1
 }
 

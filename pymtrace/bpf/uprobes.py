@@ -91,6 +91,18 @@ def _link_create(prog_fd: int, path: bytes, offsets: typing.Sequence[int], pid: 
     return stats.call(BPF_LINK_CREATE, attr)
 
 
+def load_tail_program(bpf: typing.Any, fn_name: str) -> typing.Any:
+    """Load FN_NAME of BPF as a program the uprobe programs attach() loads can tail-call: the
+    kernel wants the same program type and expected attach type on both sides of a program
+    array (uprobe_multi links' programs are loaded with BPF_TRACE_UPROBE_MULTI)."""
+    if multi_links():
+        try:
+            return bpf.load_func(fn_name.encode(), bpf.KPROBE, attach_type=BPF_TRACE_UPROBE_MULTI)
+        except TypeError:  # a BCC whose load_func takes no attach type: attach() loads the same way
+            pass
+    return bpf.load_func(fn_name.encode(), bpf.KPROBE)
+
+
 @functools.lru_cache(maxsize=1)
 def multi_links() -> bool:
     """Whether this kernel has uprobe_multi links that filter by process: asked of the

@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import os
+import resource
 import sys
 
 from pymtrace.errors import PymtraceError
@@ -31,8 +33,26 @@ of the trace's uncompressed size. OVERHEAD: no BPF, no root.
 """
 
 
+def _within_address_space() -> None:
+    """Under an address-space limit (RLIMIT_AS, `ulimit -v`), before numpy and pyarrow load:
+    pyarrow's default allocator (mimalloc) reserves up to 1 GiB of address space at its first
+    allocation and numpy's OpenBLAS a buffer per CPU, which would leave DuckDB too little to
+    start its threads (trace/analysis.py fits those to what is left); glibc's malloc and one
+    OpenBLAS thread map only what they use. A user's own setting of either is kept."""
+    if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    from pymtrace.trace.analysis import DEFAULT_MEMORY_LIMIT
+    _within_address_space()  # before the imports below load numpy and pyarrow
+    try:
+        from pymtrace.trace.analysis import DEFAULT_MEMORY_LIMIT
+    except (ImportError, MemoryError) as exc:  # under an address-space limit: a library not mapped
+        why = (str(exc).strip().splitlines() or ["out of memory"])[-1]  # numpy's own: its last line
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        limit = "" if soft == resource.RLIM_INFINITY else f" within the address-space limit ({soft >> 20} MiB)"
+        parser.exit(1, f"pymtrace: error: cannot load analyze's libraries{limit}: {why}\n")
     from pymtrace.trace.report_sql import MMAP_THRESHOLD
 
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="trace files, globs or directories of *.parquet")

@@ -44,8 +44,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def frame_text(f: stacktable.StackFrame) -> str:
-    """One frame as dump prints it: function (file:line) module+offset."""
+    """One frame as dump prints it: function (file:line) module+offset; a Python frame:
+    function (file:line) [python]."""
     where = f" ({f.file}:{f.line})" if f.file else ""
+    if f.python:
+        return f"{f.function}{where} [python]"
     inl = " [inlined]" if f.inlined else ""
     return f"{f.function}{where} {os.path.basename(f.module)}+{f.offset:#x}{inl}"
 

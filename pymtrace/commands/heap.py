@@ -19,19 +19,23 @@ from pymtrace.sinks.folded import write_folded
 from pymtrace.sinks.heap_text import write_text
 from pymtrace.sinks.pprof import write_pprof
 from pymtrace.sinks.text import printable
+from pymtrace.sources import interposer
 from pymtrace.sources.heap import (
     DEFAULT_SAMPLE_BYTES,
     DEFAULT_STACK_BYTES,
+    INTERPOSER,
     MAX_LIVE,
     MAX_LIVE_EVERY_CALL,
     MAX_LIVE_LIMIT,
+    UPROBES,
     check_settings,
+    default_max_live,
     ring_pages,
 )
 from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES
 from pymtrace.sources.heapsession import HeapSession
 from pymtrace.trace.files import atomic_output, check_new
-from pymtrace.tracee import libc, proc
+from pymtrace.tracee import libc, proc, pyframes
 from pymtrace.tracee.launch import Launched
 from pymtrace.units import parse_bytes
 
@@ -46,22 +50,47 @@ EPILOG = """examples:
   pymtrace heap -p 1234 -o stacks.folded --value alloc_space && flamegraph.pl stacks.folded
   pymtrace heap --sample-bytes 1 -o exact.txt -- ./test      # every call (exact, costly)
   pymtrace heap -o je.pb.gz -- env LD_PRELOAD=libjemalloc.so.2 ./app   # jemalloc's calls
+  pymtrace heap --via uprobes -o app.pb.gz -- ./app    # the uprobe path, as for -p
+  pymtrace heap -p 4321 --duration 60 -o py.html       # a Python service, by Python line
+
+PATHS: -- CMD is sampled in-process by default: pymtrace preloads its own small library (the
+interposer), which draws the samples inside the process and forwards every call to the
+program's allocator; only a sampled allocation and the free of a sampled block trap into the
+kernel (a USDT probe), where the stack is copied as on the other path. -p processes, commands
+the interposer cannot be preloaded into (static, setuid, defining malloc, calling an
+allocator's own API) and --via uprobes are sampled by uprobes on their allocator. The first
+line and the report (`traced:`) say which path traced each process and, for the uprobes, why.
 
 ALLOCATORS: glibc, jemalloc, tcmalloc, mimalloc or a malloc of the program's own, where its
-calls resolve; a launched command is stopped once its loader has mapped its libraries (and
-after each exec) so its allocator is found before it runs. See docs/heap.md.
+calls resolve (the interposer forwards to it; the uprobes are put on it); a launched command
+is stopped once its loader has mapped its libraries (and after each exec) so its allocator
+is found before it runs. See docs/heap.md.
+
+PYTHON: in a CPython 3.10-3.13 process each sample's Python frames are read too (the BPF
+program walks the thread's frames, at most 128) and merged into its stack: the interpreter's
+evaluation loop replaced by the Python functions it ran (name, file, line), C extensions'
+frames kept, the interpreter's own call machinery left out. --native: native stacks only;
+--python-only: Python frames only. An interpreter that cannot be read (another version, a
+debug or free-threaded build) keeps native stacks, with one line saying why.
+--python-allocators also samples PyObject_Malloc/PyMem_Malloc & co. (pymalloc's objects),
+through uprobes: every such call traps. See docs/heap.md (Python programs).
 
 FORMATS: pprof (gzip'd profile.proto: go tool pprof, Pyroscope, Parca), folded (flamegraph.pl,
 speedscope, inferno), html (one self-contained flame graph), text (top stacks). Chosen by
 --format, else by the file name: .pb.gz/.pprof/.pb -> pprof, .folded -> folded, .html ->
 html, .txt -> text.
 
-OVERHEAD: the probes of `top` (a uprobe trap per malloc-API call) plus, for a sampled call
-only, a copy of the thread's stack (up to --stack-bytes; a main thread's only up to its
-stack top) into a ring buffer and its unwinding in pymtrace (~1 us per frame the first time
-a stack is seen, then a cache lookup). At the default --sample-bytes (512 KiB: on average
-one sample per 512 KiB allocated) heap costs about what top costs; --sample-bytes 1 samples
-every call (~1.3x top per call, and pymtrace's CPU grows with the call rate). See docs/heap.md.
+OVERHEAD: for a sampled call only, a copy of the thread's stack (up to --stack-bytes; a main
+thread's only up to its stack top) into a ring buffer and its unwinding in pymtrace (~1 us
+per frame the first time a stack is seen, then a cache lookup). In-process (-- CMD, the
+default), an unsampled call costs a few ns and never traps: at the default --sample-bytes
+(512 KiB: on average one sample per 512 KiB allocated) the program's own CPU time is within
+0.92-1.13x of untraced on python3, sqlite3, a C++ map program and gcc -O2 -c (uprobes:
+2.2-15x). Through uprobes every call traps (~1-3 us: what top costs). --sample-bytes 1
+samples every call on either path (a trap per allocation and per free; pymtrace's CPU grows
+with the call rate); in-process the program then waits whenever the ring is full, so nothing
+is lost and the program runs at the pace pymtrace unwinds (sqlite3: 7.4 s against 2.2 s at
+the default sampling). See docs/heap.md and docs/benchmarks.md.
 
 STOPPING: when the command exits, on Ctrl-C/SIGTERM or after --duration; with -p the
 processes keep running. EXIT STATUS: 0 ok; 1 error; 3 samples were lost (the report says
@@ -103,7 +132,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--ring-bytes",
         metavar="N",
         help="the ring buffer samples wait in, a power of two (K/M/G suffixes; default 16M, "
-        "64M with --sample-bytes 1); a full ring drops samples",
+        "64M with --sample-bytes 1); when it is full an in-process command waits, the uprobe "
+        "path drops samples",
     )
     parser.add_argument(
         "--max-live",
@@ -118,9 +148,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="stacks in the text format (default 10)")
     parser.add_argument("--follow-forks", action="store_true", help="also sample the processes' children")
+    parser.add_argument(
+        "--via",
+        choices=(INTERPOSER, UPROBES),
+        help="how -- CMD is sampled: in-process by pymtrace's LD_PRELOAD interposer (the default; "
+        "uprobes where it cannot be preloaded, saying why) or by uprobes on its allocator (-p: always)",
+    )
+    view = parser.add_mutually_exclusive_group()
+    view.add_argument(
+        "--native",
+        action="store_true",
+        help="native stacks only, for Python processes too (default: their Python frames merged in)",
+    )
+    view.add_argument(
+        "--python-only",
+        action="store_true",
+        help="Python frames only for Python processes (samples outside Python keep their native stack)",
+    )
+    parser.add_argument(
+        "--python-allocators",
+        action="store_true",
+        help="in Python processes, sample the interpreter's allocators too (PyObject_Malloc, PyMem_Malloc, ...): "
+        "the objects pymalloc serves from its arenas, not only its calls to malloc (through uprobes: every call traps)",
+    )
     parser.add_argument("--allow-drops", action="store_true", help="exit 0 even if samples were lost")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...: launch CMD and sample it")
+
+
+def python_view(args: argparse.Namespace) -> str:
+    """How Python processes' stacks are shown: --native, --python-only, else merged."""
+    return pyframes.NATIVE if args.native else pyframes.PYTHON_ONLY if args.python_only else pyframes.MERGED
 
 
 def output_format(path: str, given: str | None) -> str:
@@ -147,13 +205,34 @@ def run(args: argparse.Namespace) -> int:
         raise PymtraceError(f"--max-live must be from 1 to {MAX_LIVE_LIMIT}, not {args.max_live}")
     if args.older is not None and args.older < 0:
         raise PymtraceError("--older: must be 0 or more seconds")
+    if args.pid and args.via == INTERPOSER:
+        raise PymtraceError("--via interposer samples a launched command (-- CMD); -p processes are sampled by uprobes")
     fmt = output_format(args.output, args.format)
     check_new(args.output, args.force)  # before a long run, not after it
     bpfload.require_root("pymtrace heap")
 
-    launched = None
+    launched = lib = credits = None
+    why = "--via uprobes" if args.via == UPROBES else None  # why a launched command is not preloaded
+    if args.python_allocators and args.via == INTERPOSER:
+        raise PymtraceError("--python-allocators samples through uprobes: not with --via interposer")
+    if args.python_allocators and why is None:
+        why = "--python-allocators: the interpreter's allocators are sampled by uprobes"
     if cmd:
-        launched = Launched(cmd)
+        if why is None:
+            why = interposer.not_preloadable(cmd)
+            lib = interposer.library() if why is None else None
+        env = None
+        if lib is not None:
+            max_live = args.max_live or default_max_live(sample_bytes)
+            options = interposer.SampleOptions(sample_bytes, max_live, args.follow_forks)
+            credits = interposer.Credits()  # its probes wait for room in the ring: none lost
+            env = interposer.sampling_env(os.environ, lib, options, credits)
+        try:
+            launched = Launched(cmd, env=env)
+        except BaseException:
+            if credits is not None:
+                credits.close()
+            raise
         pids = [launched.pid]
         try:  # its objects mapped (LD_PRELOAD too), nothing run: its allocator resolved as for -p
             launched.run_until_loaded()
@@ -180,27 +259,49 @@ def run(args: argparse.Namespace) -> int:
             meta=meta,
             ring_pages=pages,
             max_live=args.max_live,
+            interposer=lib,
+            python_view=python_view(args),
+            python_allocators=args.python_allocators,
+            credits=credits,
         )
-        session.attach()
+        if launched is not None and why is not None:
+            session.via[launched.pid] = (UPROBES, why)
+        try:
+            session.attach()
+        except PymtraceError as exc:
+            if launched is None or why is None or why.startswith("--"):
+                raise
+            raise PymtraceError(f"{exc} (and no interposer: {why})") from None
         if launched is not None:
             # its maps are read again at its exit; each exec's program gets its allocator probed
             launched.resume(hold_exit=True, on_exec=lambda pid: _probe_program(session, pid))
         if not args.quiet:
             what = f"`{meta['command']}`" if cmd else "PID " + ", ".join(map(str, pids))
-            print(f"pymtrace heap: sampling {what}; Ctrl-C to stop and write {args.output}", file=sys.stderr)
+            path, why_not = session.via[pids[0]]
+            how = f"via {path}" + (f" ({why_not})" if why_not else "")
+            line = f"sampling {what} {how}; Ctrl-C to stop and write {args.output}"
+            print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
+        for line in session.python.problems():  # a CPython whose frames cannot be read: why
+            print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
         started = time.monotonic()
         try:
             _loop(session, pids, launched, args.duration)
         except KeyboardInterrupt:
             pass  # stop: the profile is written below
         end_ns = time.monotonic_ns()
+        if credits is not None:
+            credits.detach()  # sampling ends here: a probe waiting for room must not hold the command
         if launched is not None:
             launched.stop()
         profile = session.finish(args.older, end_ns)
         profile.meta["duration_ns"] = int((time.monotonic() - started) * 1e9)
+        if credits is not None:
+            profile.meta["ring_waits"], profile.meta["ring_wait_s"] = credits.waits()
     finally:
         if session is not None:
             session.close()
+        if credits is not None:
+            credits.close()
         if launched is not None:
             launched.kill()
     writer = WRITERS[fmt]

@@ -40,14 +40,19 @@ its ptrace tracer meanwhile (signals pass through). See docs/record.md.
 
 PATHS: -- CMD is recorded in-process: pymtrace preloads its own interposer library, which
 writes each call into shared memory (no root needed; a full ring makes the caller wait,
-never drops). -p, --via uprobes, --stacks, --libc and a command the interposer cannot be
-loaded into (static, setuid, defines malloc itself: said on stderr with why) are recorded
-through uprobes (root). A launched program that execs one running without the interposer
+never drops); with --stacks the interposer unwinds each allocation in the process too
+(libunwind). -p, --via uprobes, --libc, --stacks on a CPython program (its Python frames are
+read in BPF; --native keeps it in-process) and a command the interposer cannot be loaded
+into (static, setuid, defines malloc itself: said on stderr with why) are recorded through
+uprobes (root). A launched program that execs one running without the interposer
 (env -u LD_PRELOAD, a setuid program) is recorded through uprobes from that exec on.
 
-OVERHEAD in-process: ~15-30 ns of the program's CPU a call, plus waits when pymtrace's
-drain falls behind (a malloc storm: ~80-250 ns a call; real programs 1.2-2.2x untraced,
-where heaptrack is 5-17x: docs/benchmarks.md).
+OVERHEAD in-process: 60-150 ns added a call on real programs (python3, sqlite3, a C++
+map program: a tenth to a quarter of what heaptrack adds), a malloc storm ~60-120 ns a call
+(it waits for pymtrace's drain, never loses a record); pymtrace ~20 ns of CPU a record plus
+writing it (docs/benchmarks.md). --stacks in-process: ~0.3-0.4 us more per allocating call
+(libunwind's per-thread cache; each distinct stack is stored once, located and named by
+pymtrace once), a tenth of what --stacks costs through uprobes.
 OVERHEAD through uprobes: each traced call costs the process roughly 1-2.5 us (a uprobe trap, a
 uretprobe for allocations, a ring-buffer record): a pure malloc storm runs ~300x slower
 while recorded (4.8 ns -> ~1.4-1.6 us a call, docs/record.md), ordinary programs far
@@ -57,8 +62,8 @@ bytes per event (row groups encoded and compressed as it records); --format mtra
 (text written as it is recorded). --follow-forks puts the probes on every process
 that uses the same libc (filtered in BPF, after the trap): while it runs, every
 malloc-API call of every such process on the machine pays the trap, recorded or not
-(an unrelated malloc/free loop: 5.7 ns -> 0.8-1 us a call). --stacks adds ~1.5-2.2 us to
-each allocating call in the traced process (its stack copied, docs/record.md) and ~6-50 us of
+(an unrelated malloc/free loop: 5.7 ns -> 0.8-1 us a call). --stacks through uprobes adds
+~1.5-2.2 us to each allocating call in the traced process (its stack copied, docs/record.md) and ~6-50 us of
 pymtrace CPU per allocation to unwind it: an allocation storm outruns the unwinder, and the
 allocations whose stacks found the stack ring full get stack id 0 (counted, exit 3).
 
@@ -127,7 +132,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--stacks",
         action="store_true",
         help="also the call stack of every allocating call (complete without frame pointers): a stack id "
-        "in each record and the stack table FILE.stacks beside the trace (mtrace-bin, parquet)",
+        "in each record and the stack table FILE.stacks beside the trace (mtrace-bin, parquet); in a CPython "
+        "3.10-3.13 process the Python frames are merged in (each _PyEval_EvalFrameDefault frame replaced by "
+        "the Python functions it ran)",
+    )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="with --stacks: native stacks only, for Python processes too (their Python frames not read)",
     )
     parser.add_argument("--libc", metavar="PATH", help="the libc to probe (default: the one the process maps)")
     parser.add_argument(
@@ -221,6 +233,7 @@ def options(args: argparse.Namespace) -> RecordOptions:
         allow_drops=args.allow_drops,
         follow_forks=args.follow_forks,
         stacks=args.stacks,
+        native=args.native,
         libc=args.libc,
         json=args.json,
         quiet=args.quiet,

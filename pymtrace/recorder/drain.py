@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pymtrace import stopping
 from pymtrace.bpf.ringbuf import RingReader
-from pymtrace.errors import PymtraceError, WriteFailed
+from pymtrace.errors import PymtraceError, RecordingStopped, WriteFailed
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.recorder.outputs import Output, Outputs
 from pymtrace.recorder.stacks import StackUnwinder
@@ -80,6 +80,7 @@ class Watched:
         self.follow = follow
         self.alive: set[int] = set()
         self.procevents: Any = None
+        self.events_error: str | None = None  # why process events could not be followed
 
     def start(self, on_event: Callable[[Any], None] | None = None) -> None:
         """Start following forks (before the probes go on: no child is missed). ON_EVENT: sees
@@ -89,8 +90,9 @@ class Watched:
             from pymtrace.tracee.procevents import ProcEvents
 
             self.procevents = ProcEvents(on_event=on_event, kinds=self.KINDS).start()
-        except (PymtraceError, OSError):
+        except (PymtraceError, OSError) as exc:
             self.procevents = None  # fall back to scanning /proc for children
+            self.events_error = str(exc)
 
     def target_alive(self, pidfd: int, at_exit: Callable[[int], None] | None) -> bool:
         """Whether the target runs on (PIDFD: its pidfd; AT_EXIT: a held command's last call)."""
@@ -164,7 +166,7 @@ class Drainer:
         self.max_gap = 0.0
         self.duration = 0.0
         self.interrupted = False
-        self.failure: WriteFailed | None = None
+        self.failure: RecordingStopped | None = None
         self.outputs: Outputs | None = None  # run()'s
 
     def drain(self, final: bool = False) -> int:
@@ -183,7 +185,8 @@ class Drainer:
         if self.unwinder is not None:
             # every record reserved before `limit` had its stack committed before it
             t1 = time.thread_time()
-            self.consume_stacks()
+            with stopping.stop_deferred():  # raised in BCC's callback, a stop would be swallowed
+                self.consume_stacks()
             self.unwinder.cpu += time.thread_time() - t1
         patience = time.monotonic() + 0.1
         direct = self.direct
@@ -269,7 +272,8 @@ class Drainer:
     ) -> None:
         """Drain until the recording ends (see the module), then the last drain. A launched
         command is resumed here (ON_EXEC: called at each of its execs). Sets duration,
-        interrupted (a stop signal) and failure (a failed write: recording stopped)."""
+        interrupted (a stop signal) and failure (a failed write, a program that cannot be
+        probed: recording stopped)."""
         if options.poll_interval_ms is not None:
             fixed = max(options.poll_interval_ms, 0.5) / 1000.0
         else:  # --stacks: its stack events fill their ring ~100 times faster: every 10 ms
@@ -312,14 +316,14 @@ class Drainer:
                 time.sleep(timeout)
         except KeyboardInterrupt:
             self.interrupted = True
-        except WriteFailed as exc:  # disk full: what was written whole stays, recording stops
-            self.failure = exc
+        except RecordingStopped as exc:  # disk full, a program that cannot be probed: what was
+            self.failure = exc  # written whole stays, recording stops
         finally:
             os.close(pidfd)
             stopping.begin_stopping()  # from here on SIGINT/SIGTERM cannot cut the stop short
         # a last drain: everything committed before we stop (later SIGINT/SIGTERM are
         # ignored while stopping, see pymtrace.cli)
-        if self.failure is None:
+        if not isinstance(self.failure, WriteFailed):
             try:
                 self.drain(final=True)
             except WriteFailed as exc:
@@ -333,6 +337,11 @@ class Drainer:
             self.outputs.record_maps(pid)
         if self.unwinder is not None:
             self.unwinder.at_exit(pid)
+            # its Python frames named while its memory is there
+            t1 = time.thread_time()
+            with stopping.stop_deferred():
+                self.consume_stacks()
+            self.unwinder.cpu += time.thread_time() - t1
 
     def close(self) -> None:
         try:

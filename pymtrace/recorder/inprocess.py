@@ -11,6 +11,7 @@ it, uprobes (recorder.Recorder) otherwise, with the reason."""
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import queue
 import sys
@@ -26,10 +27,12 @@ from pymtrace.errors import PymtraceError, printable
 from pymtrace.recorder import drain
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.recorder.outputs import PAGE, Output, Outputs, exit_status, print_summary
+from pymtrace.recorder.stacks import RingStacks, StackUnwinder
 from pymtrace.sources import interposer
 from pymtrace.trace.formats import mtrace_bin
 from pymtrace.tracee import libc, proc
 
+STACK_FRAMES = 128  # --stacks: return addresses kept per allocation (deeper stacks are cut, counted)
 FINISH_S = 2.0  # after the last watched process ended: how long its rings' last records are awaited
 
 
@@ -44,15 +47,24 @@ def choose(options: RecordOptions) -> tuple[str, str | None]:
     why = None
     if asked == "uprobes":
         return "uprobes", None  # asked for: nothing to explain
-    if options.stacks:
-        why = "--stacks copies each allocation's stack in BPF"
-    elif options.libc is not None:
+    if options.libc is not None:
         why = "--libc names a libc to put uprobes on"
     else:
         why = interposer.not_preloadable(options.cmd)
+    if why is None and options.stacks:
+        why = stacks_problem(options)
     if why is not None and asked == "interposer":
         raise PymtraceError(f"--via interposer: {why}")
     return ("uprobes", why) if why is not None else ("interposer", None)
+
+
+def stacks_problem(options: RecordOptions) -> str | None:
+    """Why --stacks cannot be taken in-process for OPTIONS.cmd (one line), or None."""
+    if not ctypes.util.find_library("unwind"):
+        return "--stacks in-process unwinds with libunwind (libunwind.so.8), which is not installed"
+    if not options.native and interposer.runs_python(options.cmd):
+        return "--stacks reads a Python program's frames in BPF (--native: native stacks, in-process)"
+    return None
 
 
 def record_in_process(options: RecordOptions) -> int:
@@ -72,9 +84,17 @@ class RingDrainer(drain.Drainer):
 
     PACER = RingPacer
 
-    def __init__(self, rings: interposer.RingSet, output_for: Callable[[int], Output], target: int, fmt: str) -> None:
+    def __init__(
+        self,
+        rings: interposer.RingSet,
+        output_for: Callable[[int], Output],
+        target: int,
+        fmt: str,
+        stacks: RingStacks | None = None,
+    ) -> None:
         super().__init__(None, output_for, target, ring_records=rings.options.slots)
         self.rings = rings
+        self.stacks = stacks  # --stacks: labels each batch with its output's stack ids
         self.words = fmt == "parquet"  # the columns take the records' words without a copy
         self.records = 0
         self.on_poll: Callable[[], None] | None = None  # called after each drain but the last
@@ -84,6 +104,8 @@ class RingDrainer(drain.Drainer):
         n = 0
         for batch in batches:
             out = self.output_for(batch.pid)
+            if self.stacks is not None:
+                self.stacks.label_batch(batch, out)
             if self.words and hasattr(out, "write_words"):
                 out.write_words(np.frombuffer(batch.data, dtype=np.uint64).reshape(batch.count, 8))
             else:
@@ -106,15 +128,15 @@ class RingDrainer(drain.Drainer):
                 if final and not self.interrupted and self.failure is None and not proc.exists(self.target):
                     for batch in self.rings.finish(timeout=FINISH_S):
                         total += self._write([batch])
-                    return total
-                while True:
-                    batches = self.rings.drain()
-                    total += self._write(batches)
-                    if not self.rings.busy(batches):
-                        break
+                else:
+                    while True:
+                        batches = self.rings.drain()
+                        total += self._write(batches)
+                        if not self.rings.busy(batches):
+                            break
             if self.on_poll is not None and not final:
                 self.on_poll()
-            return total + self.drain_uprobes(final)
+            return total + self.drain_uprobes(final)  # (the last one too: its BPF ring's rest)
         finally:
             self.consumer_cpu += time.thread_time() - t0
             self.polls += 1
@@ -125,6 +147,13 @@ class RingDrainer(drain.Drainer):
         n = self.uprobes.drain(final)
         self.failure = self.failure or self.uprobes.failure
         return n
+
+    def at_exit(self, pid: int) -> None:
+        """The launched command held at its exit: its maps kept; a program it exec'd that
+        runs through uprobes has its last stacks unwound while it is there."""
+        super().at_exit(pid)
+        if self.uprobes is not None:
+            self.uprobes.at_exit(pid)
 
     def image_ended(self, pid: int) -> None:
         """PID exec'd (held at its exec stop): its old image's records, all of them, now."""
@@ -144,7 +173,7 @@ class ExecWatched(drain.Watched):
 
     def __init__(self, target: int, launched: object, follow: bool) -> None:
         super().__init__(target, launched, follow)
-        self.execs: list[tuple[int, str | None, str | None, int | None]] = []  # (pid, LD_PRELOAD, exe, euid)
+        self.execs: list[tuple[int, dict[str, str], str, int | None]] = []  # (pid, environment, exe, euid)
         self.tree: set[int] = {target}  # every process followed, also those ended since
 
     def start(self) -> None:
@@ -153,7 +182,12 @@ class ExecWatched(drain.Watched):
     def _seen(self, ev: object) -> None:  # in the events' reader thread
         if ev.kind == "exec" and ev.pid == ev.tgid:
             pid = ev.tgid
-            self.execs.append((pid, proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid), proc.effective_uid(pid)))
+            try:
+                env, exe = interposer.process_image(pid)
+            except PymtraceError:  # gone already: nothing to tell
+                pass
+            else:
+                self.execs.append((pid, env, exe, proc.effective_uid(pid)))
         try:
             self.procevents.queue.put_nowait(ev)
         except queue.Full:
@@ -164,7 +198,7 @@ class ExecWatched(drain.Watched):
             self.tree.add(ev.tgid)
         super().on_event(ev)
 
-    def take_execs(self) -> list[tuple[int, str | None, str | None, int | None]]:
+    def take_execs(self) -> list[tuple[int, dict[str, str], str, int | None]]:
         """The execs seen since the last call (after poll()), of processes followed."""
         execs, self.execs = self.execs, []  # (a list's swap is atomic under the GIL)
         return [e for e in execs if e[0] in self.tree]
@@ -183,12 +217,16 @@ class InProcessRecorder:
         self.untraced: dict[int, str] = {}  # pid -> why it runs on unrecorded
         self.via_uprobes: dict[int, str] = {}  # pid -> why it is recorded through uprobes (after an exec)
         self.plan = None  # recorder.plan.ProbePlan: uprobes for a program run without the interposer
+        self.stacks: RingStacks | None = None  # --stacks
 
     def run(self) -> int:
         options = self.options
         try:
             slots = interposer.slots_for(options.pages * PAGE)
-            self.rings = interposer.RingSet(interposer.RingOptions(follow=options.follow_forks, slots=slots))
+            frames = STACK_FRAMES if options.stacks else 0
+            self.rings = interposer.RingSet(
+                interposer.RingOptions(follow=options.follow_forks, slots=slots, frames=frames)
+            )
             from pymtrace.tracee.launch import Launched
 
             self.launched = Launched(list(options.cmd), env=self.rings.env(os.environ))
@@ -197,7 +235,12 @@ class InProcessRecorder:
             libc_path = libc.process_libc(target) or self.launched.libc_path()
             found = libc.allocator(target)
             foreign = found if found is not None and found.family not in (None, "glibc") else None
-            self.outputs = Outputs(options, target, libc_path, foreign)
+            if options.stacks:
+                self.stacks = RingStacks(libc_path)
+                if foreign is not None:  # its functions are the leaf where it is mapped
+                    self.stacks.add_leaf_file(foreign.path)
+            symbolize = self.stacks.symbolizer.frames if self.stacks is not None else None
+            self.outputs = Outputs(options, target, libc_path, foreign, symbolize=symbolize)
             if options.progress:
                 print(
                     f"pymtrace: process {target} ({printable(proc.comm(target) or options.cmd[0])}): "
@@ -208,7 +251,13 @@ class InProcessRecorder:
             self.watched = ExecWatched(target, self.launched, options.follow_forks)
             if options.follow_forks:
                 self.watched.start()
-            self.drainer = RingDrainer(self.rings, self.outputs.output_for, target, options.format)
+                if self.watched.events_error is not None:  # children found by scanning /proc
+                    print(
+                        f"pymtrace: warning: {printable(self.watched.events_error)}: a followed child "
+                        "that execs a program without the interposer is not named",
+                        file=sys.stderr,
+                    )
+            self.drainer = RingDrainer(self.rings, self.outputs.output_for, target, options.format, self.stacks)
             self.drainer.on_poll = self._check_execs
             self.drainer.run(options, self.outputs, self.watched, self._on_exec)
             return self._finish()
@@ -219,10 +268,10 @@ class InProcessRecorder:
         """Followed processes that exec'd a program the interposer cannot be in (their
         environment lost it, a static or setuid program) run on unrecorded: said so."""
         self.watched.poll()
-        for pid, preload, exe, uid in self.watched.take_execs():
-            if pid == self.launched.pid or preload is None:
-                continue  # the launched command's execs are held (_on_exec); or gone, unread
-            why = self._why_not_preloaded(preload, exe, uid)
+        for pid, env, exe, uid in self.watched.take_execs():
+            if pid == self.launched.pid:
+                continue  # the launched command's execs are held (_on_exec)
+            why = self._why_not_preloaded(env, exe, uid)
             if why is not None:
                 self._untraced(pid, why, os.path.basename(exe or "?"))
 
@@ -235,17 +284,30 @@ class InProcessRecorder:
         self.drainer.image_ended(pid)
         self.drainer.drain_uprobes()
         self.outputs.note_exec(pid)
+        if self.stacks is not None:
+            self.stacks.forget(pid)
         mapped = self._maps_interposer(pid)
         if mapped is None:
             return  # gone meanwhile: its end is seen by the drain loop
         if self.plan is not None:  # uprobes are on for it: on for this program too, or off
             self.plan.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(int(not mapped))
         if mapped:
+            uid = proc.effective_uid(pid)
+            if uid is not None and uid != os.geteuid():  # (runuser without a fork of its own)
+                exe = proc.exe(pid) or "?"
+                self._untraced(pid, f"{exe} runs as user {uid}: its ring cannot be one of this pymtrace's")
+                return
             found = libc.allocator(pid)
             if found is not None and found.family is not None:
                 self.outputs.set_allocator(found if found.family != "glibc" else None, found.path)
+                if self.stacks is not None:
+                    self.stacks.add_leaf_file(found.path)
             return
-        why = self._why_not_preloaded(proc.environ_value(pid, "LD_PRELOAD"), proc.exe(pid), proc.effective_uid(pid))
+        try:
+            env, exe = interposer.process_image(pid)
+            why = self._why_not_preloaded(env, exe, proc.effective_uid(pid))
+        except PymtraceError:
+            return  # gone meanwhile: its end is seen by the drain loop
         why = why or "its program runs without pymtrace's interposer"
         if self.plan is None:
             try:
@@ -263,6 +325,9 @@ class InProcessRecorder:
         if found is not None:
             foreign = found.family != "glibc"
             self.outputs.set_allocator(found if foreign else None, found.path)
+            unwinder = self.drainer.uprobes.unwinder
+            if foreign and unwinder is not None:  # its functions are the leaf where it is mapped
+                unwinder.add_leaf_file(found.path)
 
     def _start_uprobes(self, pid: int) -> None:
         """record.bpf.c's probes on PID's libc (and, per program, its allocator and C++
@@ -275,24 +340,31 @@ class InProcessRecorder:
         if plan.libc_path is None:
             raise PymtraceError("it maps no shared libc (a static binary)")
         self.plan = plan
-        plan.load(self.options.pages)
+        unwinder = None
+        if self.stacks is not None:  # its stacks copied by BPF, named with the rings' ones
+            unwinder = StackUnwinder(plan.libc_path, python=not self.options.native, processes=self.stacks.processes)
+            for path, _ in reversed(self.stacks.leaf_files):
+                unwinder.add_leaf_file(path)
+            plan.load(self.options.pages, unwinder.on_event, unwinder.py_map.py_frames if unwinder.py_map else 0)
+            unwinder.attach(plan.bpf)
+            unwinder.find_python(pid)
+        else:
+            plan.load(self.options.pages)
         plan.attach()
         plan.enable()
         sample = ctypes.sizeof(structs.header("record").structs["record_event"])
         reader = RingReader(plan.bpf["events"].map_fd, self.options.pages * PAGE, sample, mtrace_bin.RECORD_SIZE)
-        self.drainer.uprobes = drain.Drainer(reader, self.outputs.output_for, pid)
+        consume = plan.bpf.ring_buffer_consume if unwinder is not None else None
+        self.drainer.uprobes = drain.Drainer(
+            reader, self.outputs.output_for, pid, unwinder=unwinder, consume_stacks=consume
+        )
 
-    def _why_not_preloaded(self, preload: str | None, exe: str | None, uid: int | None) -> str | None:
-        """Why a program (EXE, run with LD_PRELOAD=PRELOAD as user UID) runs without the
-        interposer, or None."""
+    def _why_not_preloaded(self, env: dict[str, str], exe: str, uid: int | None) -> str | None:
+        """Why a program (EXE, started with ENV, as user UID) runs without the interposer's
+        ring, or None."""
         if uid is not None and uid != os.geteuid():
-            return f"{exe or 'its program'} runs as user {uid}: its ring cannot be one of this pymtrace's"
-        if preload is not None and self.rings.lib not in preload.split(":"):
-            what = "removed from" if not preload else "set without pymtrace's interposer in"
-            return f"{exe or 'its program'} runs with LD_PRELOAD {what} its environment"
-        if exe is not None:
-            return interposer.not_preloadable([exe], env={})
-        return None
+            return f"{exe} runs as user {uid}: its ring cannot be one of this pymtrace's"
+        return interposer.image_problem(self.rings.lib, env, exe)
 
     def _maps_interposer(self, pid: int) -> bool | None:
         """Whether PID maps the interposer (None: it is gone)."""
@@ -315,6 +387,8 @@ class InProcessRecorder:
     def _finish(self) -> int:
         drainer, outputs, rings = self.drainer, self.outputs, self.rings
         self._check_execs()  # those of the last moments
+        tables = [o.stack_table for o in outputs.all() if o.stack_table is not None]  # (closing drops them)
+        n_stacks, overflow = sum(len(t.ids) for t in tables), sum(t.overflow for t in tables)
         t0 = time.thread_time()
         closed = outputs.close()
         failure = drainer.failure or closed
@@ -351,11 +425,42 @@ class InProcessRecorder:
             + [{"pid": pid, "via": "uprobes", "why": why} for pid, why in self.via_uprobes.items()]
             + [{"pid": pid, "via": None, "why": why} for pid, why in self.untraced.items()],
         }
+        if self.stacks is not None:
+            self._stacks_summary(summary, stats, n_stacks, overflow)
         if failure is not None:
             summary["error"] = str(failure)
         summary["command_exit_status"] = self.launched.service(drainer.at_exit)
         print_summary(summary, self.options)
         return exit_status(summary, self.options)
+
+    def _stacks_summary(self, summary: dict, stats: list[interposer.RingStats], n_stacks: int, overflow: int) -> None:
+        """--stacks: the uprobe path's stack fields (allocations without a stack, stacks cut at
+        STACK_FRAMES, the CPU time locating and naming them), and per process its table's."""
+        unwinders = [self.stacks]
+        if self.drainer.uprobes is not None and self.drainer.uprobes.unwinder is not None:
+            unwinders.append(self.drainer.uprobes.unwinder)
+        summary["stacks"] = n_stacks
+        summary["stacks_lost"] = sum(u.missing for u in unwinders) + overflow
+        summary["stacks_incomplete"] = sum(u.incomplete for u in unwinders)
+        summary["unwinder_cpu_s"] = round(sum(u.cpu for u in unwinders), 6)
+        by_image = {(s.pid, s.generation): s for s in stats}
+        for entry in summary["processes"]:
+            s = by_image.get((entry["pid"], entry.get("image")))
+            if s is not None and entry["via"] == "interposer":
+                entry.update(stack_ids=s.stacks, stacks_table_full=s.stacks_full, stacks_in_handlers=s.stacks_nested)
+                if s.stack_error:
+                    entry["stack_error"] = s.stack_error
+        for s in stats:
+            if s.stack_error and self.options.progress:
+                print(
+                    f"pymtrace: warning: process {s.pid}: no stacks: {printable(s.stack_error)}",
+                    file=sys.stderr,
+                )
+        summary["python"] = [
+            f"process {pid} runs CPython ({path}): its stacks are native only; "
+            "`record --stacks --via uprobes` merges its Python frames"
+            for pid, path in self.stacks.python_native.items()
+        ]
 
     def _cleanup(self) -> None:
         if self.watched is not None:

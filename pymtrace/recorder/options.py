@@ -40,6 +40,7 @@ class RecordOptions:
     allow_drops: bool = False  # lost events do not make the exit status 3
     follow_forks: bool = False  # children too, each into OUTPUT.PID
     stacks: bool = False  # each allocation's call stack, in a stack table beside each file
+    native: bool = False  # --stacks without Python frames (CPython processes' stacks stay native)
     libc: str | None = None  # the libc to probe instead of the one the process maps
     json: bool = False  # the closing summary as JSON on stderr
     quiet: bool = False  # no progress messages
@@ -54,6 +55,8 @@ class RecordOptions:
             raise PymtraceError(
                 "--stacks needs --format mtrace-bin or parquet (a text log has no field for a stack id)"
             )
+        if self.native and not self.stacks:
+            raise PymtraceError("--native chooses how --stacks shows Python processes: give --stacks too")
         if self.via not in VIAS:
             raise PymtraceError(f"unknown --via {self.via!r}: one of {', '.join(VIAS)}")
         if self.format not in FORMATS:

@@ -12,10 +12,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
-from pymtrace.errors import PymtraceError, WriteFailed, printable
+from pymtrace.errors import PymtraceError, RecordingStopped, WriteFailed, printable
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.trace import mappings, stacktable
-from pymtrace.trace.files import open_exclusive, open_unique
+from pymtrace.trace.files import open_exclusive, open_unique, side_file
 from pymtrace.trace.formats import mtrace_bin, mtrace_text
 from pymtrace.tracee import elf, libc, proc
 
@@ -367,11 +367,11 @@ class Outputs:
             if not wanted:
                 continue
             try:
-                side_fds[suffix] = open_exclusive(path + suffix, options.force)
+                side_fds[suffix] = open_exclusive(side_file(path, suffix), options.force)
             except PymtraceError:
                 for other in side_fds:
                     os.close(side_fds[other])
-                    os.unlink(path + other)
+                    os.unlink(side_file(path, other))
                 os.close(fd)
                 os.unlink(path)
                 raise
@@ -542,6 +542,8 @@ def print_summary(summary: dict, options: RecordOptions) -> None:
             f"{summary['stacks_lost']} allocations without a stack (id 0)",
             file=sys.stderr,
         )
+    for line in summary.get("python", ()):
+        print(f"pymtrace: python: {printable(line)}", file=sys.stderr)
     if lost:
         print(
             "pymtrace: events were lost: the ring buffer was full; use a larger --buffer-size"
@@ -552,10 +554,11 @@ def print_summary(summary: dict, options: RecordOptions) -> None:
 
 def exit_status(summary: dict, options: RecordOptions) -> int:
     """The recording's exit status from its SUMMARY: 0, or EXIT_LOST when events or stacks
-    were lost (unless --allow-drops); WriteFailed when a write failed."""
+    were lost (unless --allow-drops); RecordingStopped when it stopped early (a failed
+    write, a program that cannot be probed)."""
     if "error" in summary:
         n = len(summary["files"])
-        raise WriteFailed(
+        raise RecordingStopped(
             f"{summary['error']}; recording stopped, {summary['entries']} complete "
             f"entries kept" + (f" in {n} files" if n > 1 else "")
         )

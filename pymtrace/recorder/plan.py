@@ -5,22 +5,25 @@ operator new), and per exec of a launched command the new program's allocator.""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.bpf import uprobes
-from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.errors import ProcessGone, PymtraceError, RecordingStopped
 from pymtrace.recorder.options import RecordOptions
 from pymtrace.recorder.outputs import PAGE, Output
 from pymtrace.sources.base import uprobe
-from pymtrace.tracee import allocators, elf, libc, mallocapi, probesite, proc
+from pymtrace.trace.formats import mtrace_bin as B
+from pymtrace.tracee import allocators, cxxplan, elf, libc, mallocapi, probesite, proc
 
 if TYPE_CHECKING:
     from pymtrace.tracee.launch import Launched
 
 STACK_PAGES = 8  # at most 32 KiB of stack copied per allocation (heap's default too)
+CXX_SLOTS = 8  # carried operator news a recording can probe (record.bpf.c enter_cxx_new_<slot>)
 _DEBUG_LIB = "libc_malloc_debug.so.0"
 
 Sites = list[tuple[str, str, tuple]]  # [(file, function, entry offsets)] probed
@@ -88,33 +91,84 @@ def attach(bpf: Any, libs: list[tuple[str, bool]], pid: int, note_bases: bool = 
 def attach_foreign(bpf: Any, path: str, family: str, pid: int) -> list[tuple[str, str, tuple]]:
     """Attach the probes of another allocator (FAMILY, a target.allocators.FAMILIES key) in
     PATH: top's placement (allocators.probe_plan), record's programs (enter_f_*, `leave`),
-    return probes first. Returns [(path, function, entry offsets)]."""
-    plan = allocators.probe_plan(path, family)
+    return probes first. A function whose first instruction the kernel refuses (an
+    LD_PRELOAD counter's `lock add`) is probed past it where that sees the same calls, so
+    that the recording stays exact (docs/record.md). Returns [(path, function, entry offsets)]."""
+    return _attach_plan(bpf, path, allocators.probe_plan(path, family, past_refused=True), pid, {})
+
+
+def attach_cxx(bpf: Any, path: str, plan: cxxplan.CxxPlan, pid: int, first_slot: int) -> list[tuple[str, str, tuple]]:
+    """Attach the C++ runtime PATH's operator new/delete probes of PLAN (cxxplan): each carried
+    new's entry program enter_cxx_new_<slot>, from FIRST_SLOT on, its function told to BPF
+    (cxx_fns) before it is attached. Returns [(path, function, entry offsets)]."""
+    slots = {c.function: first_slot + k for k, c in enumerate(plan.carried)}
+    table = bpf["cxx_fns"] if plan.carried else None
+    for c in plan.carried:
+        leaf = table.Leaf()
+        leaf.site, leaf.depth, leaf.size = c.offset, c.depth, c.size
+        leaf.type = B.MEMALIGN if c.recorded == "memalign" else B.MALLOC
+        table[ctypes.c_int(slots[c.function])] = leaf
+    return _attach_plan(bpf, path, plan.probes, pid, slots)
+
+
+def _attach_plan(bpf: Any, path: str, plan: Any, pid: int, slots: dict[str, int]) -> list[tuple[str, str, tuple]]:
+    """Attach PLAN ([(function, (allocators.Probe, ...))]) in PATH with record's programs:
+    enter_f_* for top's ms_f_*, `leave` at every return probe (attached first), a carried
+    new's slot program (SLOTS). Returns [(path, function, entry offsets)]."""
     returns, entries = [], []
+    plan = [(function, _free_read_before_return(probes)) for function, probes in plan]
     for function, probes in plan:
         address = elf.symbol(path, function).address
         for p in probes:
             if p.kind == "return":
                 returns.append(uprobe(path, address + p.offset, "leave", pid, True, function))
             elif p.kind == "entry":
-                entry = "enter_f_" + p.program.removeprefix("ms_f_")
+                entry = (
+                    f"enter_cxx_new_{slots[function]}"
+                    if function in slots
+                    else "enter_f_" + p.program.removeprefix("ms_f_")
+                )
                 entries.append(uprobe(path, address + p.offset, entry, pid, False, function))
     uprobes.attach(bpf, returns + entries)
     return [(path, f, tuple(p.offset for p in probes if p.kind == "entry")) for f, probes in plan]
 
 
-def foreign_defines(found: libc.Allocator | None, cxx: str | None) -> dict[str, int]:
-    """record.bpf.c's switches for its enter_f_* programs: only those attach_foreign will
-    attach for the allocator FOUND (None: glibc, probed by the libc's programs) and the C++
-    runtime CXX (None: none probed) -- none for a glibc process without C++ (a BCC compile
-    costs ~0.02 CPU-s a program). Raises PymtraceError as allocators.probe_plan does."""
+def _free_read_before_return(probes: tuple) -> tuple:
+    """PROBES of one function, a free-type one with a return probe apart from its entry probes
+    (side paths: the return probe at +0) entered where its return probe is: a free is recorded
+    at its entry with the return address it reads at [rsp], which the return probe's breakpoint,
+    when it is hit first, has already replaced with the uretprobe trampoline's."""
+    ret = [p.offset for p in probes if p.kind == "return"]
+    entries = [p for p in probes if p.kind == "entry"]
+    frees = [p for p in entries if p.program == "ms_f_free_nest" or p.program.startswith("ms_f_delete")]
+    if not ret or not frees or all(p.offset == ret[0] for p in entries):
+        return probes
+    return (dataclasses.replace(entries[0], offset=ret[0]),) + tuple(p for p in probes if p.kind == "return")
+
+
+def foreign_defines(found: libc.Allocator | None, cxx: cxxplan.CxxPlan | None) -> dict[str, int]:
+    """record.bpf.c's switches for its enter_f_* and enter_cxx_new_* programs: only those
+    attach_foreign and attach_cxx will attach for the allocator FOUND (None: glibc, probed by
+    the libc's programs) and the C++ runtime's plan CXX (None: none probed; its carried news
+    in the slots from 0) -- none for a glibc process without C++ (a BCC compile costs ~0.02
+    CPU-s a program). Raises PymtraceError as allocators.probe_plan does."""
     wanted = set()
     if found is not None:
-        wanted |= allocators.programs(found.path, found.family)
+        wanted |= {"enter_f_" + p.removeprefix("ms_f_") for p in allocators.programs(found.path, found.family)}
     if cxx is not None:
-        wanted |= allocators.programs(cxx, allocators.CXX_FAMILY)
-    names = {"enter_f_" + p.removeprefix("ms_f_") for p in wanted if p != "ms_f_return"}  # `leave`: always
+        wanted |= cxx.programs()
+    names = wanted - {"enter_f_return"}  # `leave`: always
     return {"F_SELECT": 1, **{f"WANT_{name}": 1 for name in sorted(names)}}
+
+
+def recorded_names(libs: list[tuple[str, bool]], found: libc.Allocator | None) -> dict[Any, frozenset[str]]:
+    """{file key: the malloc-API names record probes there}: glibc's (and its interposer's)
+    for LIBS, the family's for another allocator FOUND -- where a C++ runtime's PLT calls must
+    land for its cheaper plan (cxxplan.for_process)."""
+    names = {libc.file_key(path): frozenset(f.name for f in mallocapi.FUNCTIONS) for path, _ in libs}
+    if found is not None and found.family in allocators.FAMILIES:
+        names[libc.file_key(found.path)] = frozenset(f.name for f in allocators.FAMILIES[found.family])
+    return names
 
 
 class ProbePlan:
@@ -137,6 +191,9 @@ class ProbePlan:
         self.allocator_warned: list[libc.Allocator] = []  # -- CMD: programs whose malloc cannot be recorded
         self._foreign: libc.Allocator | None = None  # -p: the allocator probed instead of glibc
         self._cxx: str | None = None  # -p: the C++ runtime whose operator new is probed
+        self._cxx_plan: cxxplan.CxxPlan | None = None  # -p: how
+        self.carry = True  # carried operator news (not with --stacks: cxxplan.plan)
+        self.cxx_slots = 0  # record.bpf.c's enter_cxx_new_<slot> programs given out
 
     def resolve(self) -> None:
         """Find the process to record and where its malloc-API calls resolve; -- CMD is
@@ -167,11 +224,13 @@ class ProbePlan:
                 self.allocator = found  # jemalloc, tcmalloc, mimalloc, a malloc of its own
         self.libc_path = libc_path
 
-    def load(self, pages: int, on_stack_event: Callable[..., int] | None = None) -> None:
+    def load(self, pages: int, on_stack_event: Callable[..., int] | None = None, py_frames: int = 0) -> None:
         """Compile and load record.bpf.c for this process, its ring buffer PAGES pages (and,
-        --stacks, the stack events' ring, drained by ON_STACK_EVENT)."""
+        --stacks, the stack events' ring, drained by ON_STACK_EVENT; PY_FRAMES > 0: Python
+        processes' stack events carry up to that many Python frames)."""
         libc_path = self.libc_path
-        defines = {"RB_PAGES": pages, "PAGE_SIZE_BYTES": PAGE, "TARGET_TGID": self.target}
+        defines = {"RB_PAGES": pages, "PAGE_SIZE_BYTES": PAGE, "TARGET_TGID": self.target, "CXX_SLOTS": CXX_SLOTS}
+        self.carry = on_stack_event is None
         if self.follow:
             defines["FOLLOW"] = 1
         if self.launched is not None:  # it may exec onto another allocator (probe_program)
@@ -180,6 +239,8 @@ class ProbePlan:
             from pymtrace.sources.heap import possible_cpus
 
             defines.update(STACKS=1, STACK_PAGES=STACK_PAGES, STACK_RB_PAGES=pages, MAX_CPUS=possible_cpus())
+            if py_frames:
+                defines["PY_FRAMES"] = py_frames
         # -p on another allocator: its functions only (tracee.allocators), no chunk headers;
         # -- CMD: glibc's, and per program (it may exec) its allocator's beside (probe_program)
         found = self.allocator if self.launched is None else None
@@ -208,14 +269,34 @@ class ProbePlan:
         # C++'s operator new/delete where the process's calls resolve (-p: known now; a
         # launched command: per program, probe_program)
         cxx = libc.cxx_runtime(self.target) if self.launched is None else None
+        self._foreign, self._cxx = found, cxx
+        if cxx is not None:
+            self._cxx_plan = self.cxx_plan(self.target, cxx, found)
         if self.launched is None:  # a launched command may exec onto any allocator: all enter_f_*
-            defines.update(foreign_defines(found, cxx))
+            defines.update(foreign_defines(found, self._cxx_plan))
         self.bpf = bpfload.load("record", defines=defines, what="pymtrace record")
         if on_stack_event is not None:
             self.bpf["stacks"].open_ring_buffer(on_stack_event)
+            if py_frames:  # the program that reads the frames, tail-called by `leave`
+                program = uprobes.load_tail_program(self.bpf, "py_output")
+                self.bpf["progs"][ctypes.c_int(0)] = ctypes.c_int(program.fd)
         if self.follow:
             self.bpf["traced"][ctypes.c_uint32(self.target)] = ctypes.c_uint32(1)
-        self._foreign, self._cxx = found, cxx
+
+    def cxx_plan(self, pid: int, path: str, found: libc.Allocator | None) -> cxxplan.CxxPlan:
+        """How to probe the operator new/delete of the C++ runtime PATH of process PID, whose
+        malloc is FOUND's (None or glibc: the libc's probes): cxxplan's, carried news while
+        slots are left."""
+        foreign = found if found is not None and found.family not in (None, "glibc") else None
+        recorded = recorded_names([] if self._foreign is not None else self.libs, foreign)
+        plan = cxxplan.for_process(pid, path, recorded, carry=self.carry)
+        if self.cxx_slots + len(plan.carried) > CXX_SLOTS:
+            plan = cxxplan.for_process(pid, path, recorded, carry=False)
+        return plan
+
+    def _attach_cxx(self, path: str, plan: cxxplan.CxxPlan, pid: int) -> Sites:
+        first, self.cxx_slots = self.cxx_slots, self.cxx_slots + len(plan.carried)
+        return attach_cxx(self.bpf, path, plan, pid, first)
 
     def attach(self) -> None:
         """Put the probes load() compiled for on: glibc's (or -p's other allocator's), then
@@ -238,7 +319,7 @@ class ProbePlan:
             self.probed_files.add((found.path, found.family))
         if cxx is not None:
             try:
-                self.sites += attach_foreign(self.bpf, cxx, allocators.CXX_FAMILY, pid)
+                self.sites += self._attach_cxx(cxx, self._cxx_plan, pid)
             except PymtraceError:
                 raise
             except Exception as exc:  # BCC's attach_uprobe raises plain Exception
@@ -250,13 +331,19 @@ class ProbePlan:
         """From now on the probes record."""
         self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(1)
 
+    def disable(self) -> None:
+        """From now on the probes record nothing."""
+        self.bpf["enabled"][ctypes.c_int(0)] = ctypes.c_uint32(0)
+
     def probe_program(self, pid: int, at_start: bool = False) -> libc.Allocator | None:
         """-- CMD, stopped with its program's objects mapped (at start and after each exec,
         tracee.launch): probe where its malloc-API and operator new calls resolve (the same
         resolution as -p: libc.allocator, libc.cxx_runtime) unless probed already. Returns
         the allocator its malloc-API calls resolve to, if it is one pymtrace records (glibc's
-        family is "glibc"). What cannot be probed is warned of once, never fatal after the
-        start (AT_START: raised)."""
+        family is "glibc"). A file that cannot be probed: PymtraceError at the start (AT_START);
+        after an exec the recording is disabled (the trace ends at the exec) and
+        RecordingStopped raised. A malloc pymtrace does not trace at all (a static binary) is
+        warned of once."""
         try:
             found = None if self.options.libc else libc.allocator(pid)
             cxx = libc.cxx_runtime(pid)
@@ -273,15 +360,19 @@ class ProbePlan:
                 continue
             self.probed_files.add((path, family))
             try:
-                self.sites += attach_foreign(self.bpf, path, family, where)
-            except PymtraceError as exc:
-                if at_start:
-                    raise
-                print(f"pymtrace: warning: {exc}", file=sys.stderr)
+                if family == allocators.CXX_FAMILY:
+                    self.sites += self._attach_cxx(path, self.cxx_plan(pid, path, found), where)
+                else:
+                    self.sites += attach_foreign(self.bpf, path, family, where)
             except Exception as exc:  # BCC's attach_uprobe raises plain Exception
+                error = exc if isinstance(exc, PymtraceError) else f"cannot attach uprobes to {path}: {exc}"
                 if at_start:
-                    raise PymtraceError(f"cannot attach uprobes to {path}: {exc}") from None
-                print(f"pymtrace: warning: cannot attach uprobes to {path}: {exc}", file=sys.stderr)
+                    raise PymtraceError(str(error)) from None
+                if not proc.exists(pid):
+                    return None  # killed at its exec: its end is seen by the drain loop
+                # its calls through PATH would go unrecorded: the recording ends exact, at the exec
+                self.disable()
+                raise RecordingStopped(str(error)) from None
         if found is None:
             return None
         foreign = found.family not in (None, "glibc")

@@ -30,10 +30,11 @@ from pymtrace.trace.formats import mtrace_bin
 
 def record(options: RecordOptions) -> int:
     """Record as OPTIONS say until the process exits, --duration or a stop signal; the exit
-    status (0, or outputs.EXIT_LOST). PymtraceError when it cannot record, WriteFailed when
-    a write failed (the files keep every complete record). A launched command that can
-    preload pymtrace's interposer is recorded in-process (recorder.inprocess), anything
-    else through uprobes (Recorder)."""
+    status (0, or outputs.EXIT_LOST). PymtraceError when it cannot record, RecordingStopped
+    when it stopped early (a failed write, a program a launched command exec'd that cannot be
+    probed: the files keep every complete record). A launched command that can preload
+    pymtrace's interposer is recorded in-process (recorder.inprocess), anything else through
+    uprobes (Recorder)."""
     via, why = inprocess.choose(options)
     if via == "interposer":
         return inprocess.record_in_process(options)
@@ -66,7 +67,7 @@ class Recorder:
                     "the process does not use a shared libc (static binary?): nothing to probe; use --libc PATH"
                 )
             if options.stacks:
-                self.unwinder = StackUnwinder(plan.libc_path)
+                self.unwinder = StackUnwinder(plan.libc_path, python=not options.native)
                 if plan.allocator is not None:  # its functions are the leaf where it is mapped
                     self.unwinder.add_leaf_file(plan.allocator.path)
                 if plan.launched is None:
@@ -93,7 +94,14 @@ class Recorder:
     def _start(self) -> None:
         """Load the BPF program, put the probes on and start recording."""
         options, plan = self.options, self.plan
-        plan.load(options.pages, self.unwinder.on_event if self.unwinder is not None else None)
+        unwinder = self.unwinder
+        if unwinder is None:
+            plan.load(options.pages)
+        else:
+            plan.load(options.pages, unwinder.on_event, unwinder.py_map.py_frames if unwinder.py_map else 0)
+            unwinder.attach(plan.bpf)
+            if plan.launched is None:
+                unwinder.find_python(plan.target)
         self.watched = drain.Watched(plan.target, plan.launched, options.follow_forks)
         if options.follow_forks:
             self.watched.start()
@@ -125,6 +133,8 @@ class Recorder:
         and keeps the new program's mappings."""
         if not at_start:
             self.outputs.note_exec(pid)
+        if self.unwinder is not None:
+            self.unwinder.find_python(pid)
         found = self.plan.probe_program(pid, at_start)
         if found is None:
             return
@@ -169,6 +179,7 @@ class Recorder:
             summary["stacks_not_copied"] = stacks_unsent  # in BPF: ring full or scratch slot reused
             summary["stacks_incomplete"] = unwinder.incomplete
             summary["unwinder_cpu_s"] = round(unwinder.cpu, 6)
+            summary["python"] = unwinder.python_lines()
         if self.why is not None:
             summary["why"] = self.why
         if failure is not None:

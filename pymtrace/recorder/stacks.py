@@ -1,10 +1,19 @@
 """record --stacks: each allocation's stack event unwound as it is drained, and the records
-labelled with the ids of their stacks in the per-process stack tables."""
+labelled with the ids of their stacks in the per-process stack tables.
+
+In a CPython process a stack event also carries its thread's Python frames (bpf/record.bpf.c
+py_output, bpf/pywalk.h): their code objects are named as the event is drained, while the
+process lives (cached per code object, tracee.pyframes), and merged into the native stack
+(each _PyEval_EvalFrameDefault frame replaced by the Python frames it ran) before the stack
+is interned, so equal merged stacks share an id."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
+import re
+import time
 from typing import Any, Callable
 
 from pymtrace.bpf import structs
@@ -22,7 +31,37 @@ _ALLOC_TYPES = (
     mtrace_bin.PVALLOC,
     mtrace_bin.POSIX_MEMALIGN,
 )
+_PYTHON_FILE = re.compile(r"/(lib)?python\d[^/]*$")  # a CPython executable or libpython
 _MAX_PENDING = 1 << 16  # unmatched stacks (their record was lost) kept before pruning
+
+
+class PythonMap:
+    """record.bpf.c's map `py` (tgid -> py_config), as PythonStacks writes it: before the
+    program is loaded the configurations are kept, and written by attach."""
+
+    def __init__(self, py_frames: int) -> None:
+        self.py_frames = py_frames
+        self.bpf: Any = None
+        self.python: dict[int, Any] = {}
+
+    def attach(self, bpf: Any) -> None:
+        self.bpf = bpf
+        for pid, config in self.python.items():
+            self.set_python(pid, config)
+
+    def set_python(self, pid: int, config: Any | None) -> None:
+        if config is None:
+            self.python.pop(pid, None)
+        else:
+            self.python[pid] = config
+        if self.bpf is None:
+            return
+        from pymtrace.sources.heap import write_python  # (as PY_FRAMES: only with Python frames)
+
+        write_python(self.bpf[b"py"], pid, config)
+
+    def probe_python_allocators(self, pid: int, path: str) -> None:  # heap's --python-allocators only
+        pass
 
 
 class StackUnwinder:
@@ -34,11 +73,16 @@ class StackUnwinder:
     the unwind starts in the caller; the allocating function itself is added as the leaf
     (libc's symbol), and the caller's pc becomes return address - 1 like every other caller."""
 
-    def __init__(self, libc_path: str) -> None:
+    def __init__(self, libc_path: str, python: bool = True, processes: Any = None) -> None:
+        """PROCESSES: the ProcessImages to share (one recording's stacks, in-process and
+        through uprobes, named by one symbolizer)."""
+        from pymtrace.sources.heap import PY_FRAMES
+        from pymtrace.sources.heapsession import PythonStacks
+        from pymtrace.tracee import pyframes
         from pymtrace.tracee.unwind import ProcessImages
 
         self.leaf_files: list[tuple[str, dict[int, int]]] = []  # (real path, {call: pc}), preferred first
-        self.processes = ProcessImages()
+        self.processes = processes if processes is not None else ProcessImages()
         self.symbolizer = self.processes.symbolizer
         self.pending: dict[tuple[int, int], tuple[int, tuple, bool]] = {}
         self.missing = 0  # allocation records written with stack id 0
@@ -48,6 +92,41 @@ class StackUnwinder:
         self.event_size = ctypes.sizeof(self.event)
         self.add_leaf_file(libc_path)
         self.libc_module: dict[tuple[int, int], Any] = {}  # (image, its file count): (Module, {call: pc})
+        # PYTHON: CPython processes' stacks carry their Python frames (merged)
+        self.py_map = PythonMap(PY_FRAMES) if python else None
+        self.python = (
+            PythonStacks(self.py_map, self.symbolizer, pyframes.MERGED, memo=False, unit="allocations")
+            if self.py_map is not None
+            else None
+        )
+        self.py_head = self.py_frame = 0
+        if python:
+            header = structs.header("record").structs
+            self.py_head = ctypes.sizeof(header["py_head"])
+            self.py_frame = ctypes.sizeof(header["py_frame"])
+
+    def find_python(self, pid: int) -> None:
+        """Look for a CPython in PID (at start, after an exec): its frames read if it can be."""
+        if self.python is not None:
+            self.python.find(pid)
+
+    def attach(self, bpf: Any) -> None:
+        """BPF (record.bpf.c, loaded) gets the Python processes found so far."""
+        if self.py_map is not None:
+            self.py_map.attach(bpf)
+
+    def python_lines(self) -> list[str]:
+        """One line per CPython process: its interpreter, how many stacks had Python frames,
+        or why its frames could not be read (PythonStacks.lines)."""
+        return self.python.lines() if self.python is not None else []
+
+    def _py_block(self, data: int, size: int, stack_len: int) -> bytes | None:
+        """The Python block (bpf/pyframes.h) after the stack of the event at DATA, or None."""
+        at = self.event_size + ((stack_len + 7) & ~7)
+        if not self.py_head or size < at + self.py_head:
+            return None
+        count = min(ctypes.c_uint32.from_address(data + at).value, (size - at - self.py_head) // self.py_frame)
+        return ctypes.string_at(data + at, self.py_head + count * self.py_frame)
 
     def add_leaf_file(self, path: str) -> None:
         """Name the allocating functions of PATH (the allocator a program calls: glibc, or one
@@ -102,6 +181,13 @@ class StackUnwinder:
             leaf = self._libc(tgid, image)
             if leaf is not None and call in leaf[1]:
                 stack = ((leaf[0], leaf[1][call]),) + tuple(stack)
+        python = self.python
+        if python is not None:
+            block = self._py_block(data, size, int(ev.stack_len))
+            if block is not None:
+                stack = python.stack(tgid, tuple(stack), block)
+            elif tgid not in python.looked:  # a process seen first now (a followed child, an exec)
+                python.find(tgid)
         if not complete:
             self.incomplete += 1
         if len(self.pending) >= _MAX_PENDING:
@@ -152,3 +238,115 @@ class StackUnwinder:
                 out.failed = exc
                 raise WriteFailed(f"cannot write {table_path_of(out.path)}: {exc.strerror or exc}") from None
         return buf
+
+
+class RingStacks(StackUnwinder):
+    """record --stacks in-process: the interposer unwinds each allocation in the process
+    (libunwind), interns its stack in the ring's table and names the objects it had loaded
+    (tracee/native/interpose.h); the records carry the ring's ids. Here each id first seen
+    (Batch.stacks) is located in those objects (its process may have ended: a short-lived
+    child's stacks too), given the allocating function as its leaf like StackUnwinder's
+    stacks, and interned in the output's stack table; the records' ids are then rewritten to
+    the table's, a numpy lookup per batch. The objects' files are opened here to name frames."""
+
+    def __init__(self, libc_path: str) -> None:
+        super().__init__(libc_path, python=False)
+        self.luts: dict[tuple[int, int], Any] = {}  # (pid, image) -> ring id -> table id (uint64)
+        self.cut: dict[tuple[int, int], Any] = {}  # ... -> whether the stack was cut (bool)
+        self.mapped: dict[tuple[int, int], list] = {}  # ... -> [(start, end, bias, Module)] by start
+        self.files: dict[str, Any] = {}  # real path -> its Module (None: unreadable)
+        self.python_native: dict[int, str] = {}  # CPython processes (their stacks are native): pid -> file
+
+    def forget(self, pid: int) -> None:
+        """PID exec'd: a program traced through uprobes from here on is unwound with its own files."""
+        self.processes.forget(pid)
+
+    def _module(self, m: Any) -> Any:
+        """The Module of M's file (an interposer.Module), its file opened to name its frames."""
+        from pymtrace.tracee.unwind import Module, RecordedImage, module_path
+
+        real = os.path.realpath(m.path)
+        if real not in self.files:
+            module = None
+            try:
+                image = RecordedImage(m.start, m.end, 0, real, real)  # mapped where it was
+            except PymtraceError:
+                pass
+            else:
+                if image.modules:
+                    module = image.modules[0]
+                    self.symbolizer.add(image)
+            self.files[real] = module or Module(module_path(real), "")
+        return self.files[real]
+
+    def _add_modules(self, key: tuple[int, int], modules: Any) -> None:
+        mapped = self.mapped.setdefault(key, [])
+        for m in modules:
+            mapped.append((m.start, m.end, m.bias, self._module(m)))
+            if _PYTHON_FILE.search(m.path):
+                self.python_native.setdefault(key[0], m.path)
+        mapped.sort(key=lambda e: e[0])
+
+    def _stack(self, key: tuple[int, int], call: int, ips: tuple[int, ...]) -> tuple:
+        from pymtrace.tracee.unwind import UNKNOWN
+
+        mapped = self.mapped.get(key, [])
+        starts = [e[0] for e in mapped]
+        frames = []
+        for ip in ips:
+            pc = ip - 1  # a return address: the call is the instruction before
+            i = bisect.bisect_right(starts, pc) - 1
+            while i >= 0 and not mapped[i][0] <= pc < mapped[i][1]:
+                i -= 1
+            frames.append((mapped[i][3], pc - mapped[i][2]) if i >= 0 else (UNKNOWN, pc))
+        reals = {os.path.realpath(e[3].path): e[3] for e in mapped}
+        for real, pcs in self.leaf_files:
+            if real in reals:
+                if call in pcs:
+                    frames.insert(0, (reals[real], pcs[call]))
+                break
+        return tuple(frames)
+
+    def label_batch(self, batch: Any, out: Output) -> None:
+        """BATCH's records (interposer.Batch, written in place) with the ids of OUT's stack table
+        in bits 8-31 of their type words; new stacks are written to the table first."""
+        import numpy
+
+        t0 = time.thread_time()
+        words = numpy.frombuffer(batch.data, dtype=numpy.uint64).reshape(batch.count, mtrace_bin.RECORD_SIZE // 8)
+        key = (batch.pid, batch.generation)
+        lut, cut = self.luts.get(key), self.cut.get(key)
+        if lut is None:
+            lut, cut = numpy.zeros(1024, dtype=numpy.uint64), numpy.zeros(1024, dtype=bool)
+        if batch.modules:
+            self._add_modules(key, batch.modules)
+        local = (words[:, 0] >> numpy.uint64(40)) & numpy.uint64(0xFFFFFF)
+        if batch.stacks:
+            top = max(batch.stacks)
+            if top >= len(lut):
+                size = 1 << top.bit_length()
+                lut = numpy.concatenate([lut, numpy.zeros(size - len(lut), dtype=numpy.uint64)])
+                cut = numpy.concatenate([cut, numpy.zeros(size - len(cut), dtype=bool)])
+            calls = (words[:, 0] >> numpy.uint64(32)) & numpy.uint64(0xFF)
+            values, index = numpy.unique(local, return_index=True)
+            firsts = dict(zip(values.tolist(), index.tolist()))
+            table = out.stack_table
+            for sid, (ips, was_cut) in batch.stacks.items():
+                call = int(calls[firsts[sid]]) if sid in firsts else mtrace_bin.MALLOC
+                stack = self._stack(key, call, ips)
+                lut[sid] = table.intern(stack, not was_cut) if table is not None else 0
+                cut[sid] = was_cut
+            if table is not None:
+                try:
+                    table.flush()  # the stacks before the records that name them
+                except OSError as exc:
+                    out.failed = exc
+                    raise WriteFailed(f"cannot write {table_path_of(out.path)}: {exc.strerror or exc}") from None
+        self.luts[key], self.cut[key] = lut, cut
+        local[local >= len(lut)] = 0
+        ids = lut[local]
+        allocs = numpy.isin((words[:, 0] >> numpy.uint64(32)) & numpy.uint64(0xFF), _ALLOC_TYPES)
+        self.missing += int(numpy.count_nonzero(allocs & (ids == 0)))
+        self.incomplete += int(numpy.count_nonzero(allocs & cut[local]))
+        words[:, 0] = (words[:, 0] & numpy.uint64(0xFFFFFFFFFF)) | (ids << numpy.uint64(40))
+        self.cpu += time.thread_time() - t0

@@ -21,6 +21,7 @@ from pymtrace.sources.heapprofile import (
     VALUE_UNITS,
     FrameSource,
     HeapProfile,
+    frame_label,
     frames_root_first,
 )
 
@@ -48,7 +49,7 @@ def flame_tree(profile: HeapProfile, symbolizer: FrameSource) -> tuple[list[str]
         for i, amount in enumerate(amounts):
             node[1][i] += amount
         for frame in frames_root_first(entry.stack, symbolizer):
-            index = names.setdefault(frame.function, len(names))
+            index = names.setdefault(frame_label(frame), len(names))
             child = node[2].get(index)
             if child is None:
                 child = node[2][index] = [index, [0.0] * len(VALUE_TYPES), {}]

@@ -2,7 +2,8 @@
 
 The collapsed-stack format of Brendan Gregg's flamegraph.pl, read also by speedscope and
 inferno. VALUE is one of the profile's four values (rounded; stacks whose value rounds to 0
-are left out); stacks whose frames have the same names are one line.
+are left out); stacks whose frames have the same names are one line. A Python function's frame
+is named with its file and line (heapprofile.frame_label).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import BinaryIO
 
-from pymtrace.sources.heapprofile import DEFAULT_VALUE, FrameSource, HeapProfile, frames_root_first
+from pymtrace.sources.heapprofile import DEFAULT_VALUE, FrameSource, HeapProfile, frame_label, frames_root_first
 
 # ';' separates frames and a newline ends the line: neither may appear inside a name
 # (control characters are replaced too, so a line is always one printable line).
@@ -30,7 +31,7 @@ def folded_lines(profile: HeapProfile, symbolizer: FrameSource, value: str = DEF
         if not amount:
             continue
         frames = frames_root_first(entry.stack, symbolizer)
-        key = ";".join(folded_name(f.function) for f in frames) or "[unknown]"
+        key = ";".join(folded_name(frame_label(f)) for f in frames) or "[unknown]"
         sums[key] = sums.get(key, 0.0) + amount
     return {key: round(amount) for key, amount in sums.items() if round(amount)}
 

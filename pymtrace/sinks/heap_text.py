@@ -48,6 +48,7 @@ def _frame_lines(stack: tuple, symbolizer: FrameSource) -> tuple[str, ...]:
     for loc in stack:
         module = os.path.basename(loc[0].path) or "?"
         for frame in symbolizer.frames(loc):
+            module = "python" if frame.python else module
             source = f" {frame.file}:{frame.line}" if frame.file and frame.line else ""
             inlined = " (inlined)" if frame.inlined else ""
             lines.append(f"\t\t{frame.function} [{module}]{source}{inlined}")

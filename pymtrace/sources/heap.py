@@ -15,6 +15,12 @@ sample per SAMPLE_BYTES allocated, a block of at least SAMPLE_BYTES always; SAMP
 samples every call. The exponential draw runs in BPF from a log2 table user space fills
 (log2_table); draw_bytes is the same arithmetic in Python, for tests.
 
+Two paths: uprobes on each process's allocator (every call traps; the sampling is drawn in
+BPF), or, for a process running pymtrace's interposer in sampling mode (INTERPOSER: its
+path; sources.interposer.sampling_env), its USDT sites (sources.heapsites): it draws the
+samples in-process and only sampled calls trap. `via` says per process which path traces it
+and, for the uprobes, why (`--via`, a command the interposer cannot be preloaded into).
+
 A sample's stack bytes are read in place from the ring buffer: HeapSample.stack is their
 address, valid only during the on_sample callback (copy them with ctypes.string_at if needed).
 
@@ -26,19 +32,25 @@ size, ts_ns) with no unwinding and no HeapSample; the others to on_sample(HeapSa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
 import os
 import select
 import struct
+import threading
+import time
 from typing import Any, Callable, Iterable
 
-from pymtrace.bpf import structs
+from pymtrace.bpf import structs, uprobes
 from pymtrace.bpf.ringbuf import MappedRing
 from pymtrace.errors import ProcessGone, PymtraceError
+from pymtrace.sources import interposer as interposer_lib
 from pymtrace.sources.base import Source, attach_plan, lost_counts, lost_names
-from pymtrace.tracee import allocators, elf, libc, mallocapi, probesite, proc
+from pymtrace.sources.heapsites import InterposerSites
+from pymtrace.stopping import stop_deferred
+from pymtrace.tracee import allocators, elf, launch, libc, mallocapi, probesite, proc, pyruntime
 from pymtrace.tracee.unwind import Location, ProcessImages, RingScanner
 
 PROGRAM = "heap"
@@ -51,12 +63,16 @@ MAX_LIVE_EVERY_CALL = 1 << 20  # with every call sampled (~100 MiB preallocated)
 MAX_LIVE_LIMIT = 1 << 26  # a BPF hash map preallocates its entries: ~6 GiB of kernel memory here
 RING_LIMIT = 1 << 32  # the kernel's largest ring buffer is just below 4 GiB
 _FORK_MEMORY = 4096
+INTERPOSER, UPROBES = "interposer", "uprobes"  # the two paths (HP_VIA_*)
 # a RingScanner row: payload offset, length, cache result, then hp_event's type pid tid call size ts id
 _ROW = struct.Struct("<QIi4I3Q")
-# StackSink(pid, sample_id, stack leaf first, size, ts_ns): a sample whose stack the unwind cache knew
-StackSink = Callable[
-    [int, int, "tuple[Location, ...]", int, int], None
-]  # fork records of children gone before they were looked at, kept for their exit
+_KIND_PID = struct.Struct("<II")
+_RB_BUSY, _RB_DISCARD = 1 << 31, 1 << 30  # a ring record's header bits (the kernel's BPF_RINGBUF_*)
+LOOK_AHEAD_S = 0.002  # while unwinding a backlog, Python blocks are looked at this often
+# StackSink(pid, sample_id, stack leaf first, size, ts_ns, python block or None): a sample whose
+# stack the unwind cache knew
+StackSink = Callable[[int, int, "tuple[Location, ...]", int, int, "bytes | None"], None]
+PY_FRAMES = 128  # Python frames read per sample at most (bpf/pywalk.h), with python=True
 
 
 @dataclasses.dataclass
@@ -72,6 +88,7 @@ class HeapSample:
     regs: tuple[int, ...]  # ip, sp, bp, bx, r12, r13, r14, r15 at the probed (entry) instruction
     stack: int  # address of the stack bytes copied from sp upward; valid during the callback only
     stack_len: int
+    py: bytes | None = None  # the thread's Python frames (bpf/pyframes.h py_head + frames), if read
 
 
 def check_settings(
@@ -159,6 +176,45 @@ def probe_plan(path: str, family: str = "glibc") -> list[tuple[str, list[tuple[s
     return plan
 
 
+# The interpreter's allocators (--python-allocators), with the programs that sample them: the
+# API, and the domain functions it calls through its allocator table (_PyObject, _PyMem),
+# where the file keeps their local symbols (also called directly, and kept whole by LTO).
+PY_ALLOCATORS = tuple(
+    (f"{api}_{call}", program)
+    for api in ("PyObject", "PyMem", "_PyObject")
+    for call, program in (
+        ("Malloc", "hp_py_malloc_entry"),
+        ("Calloc", "hp_py_calloc_entry"),
+        ("Realloc", "hp_realloc_entry"),
+        ("Free", "hp_free_entry"),
+    )
+)
+
+
+def python_allocator_plan(path: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """heap --python-allocators' uprobes on the interpreter's file at PATH, as probe_plan's:
+    each of PY_ALLOCATORS it defines (once per address), frees where probesite finds an
+    emulated instruction. Empty when it defines none."""
+    syms = elf.symbols(path)
+    plan, done = [], set()
+    for name, program in PY_ALLOCATORS:
+        sym = syms.get(name)
+        if sym is None or sym.address in done:
+            continue
+        done.add(sym.address)
+        if program == "hp_free_entry":
+            sites = probesite.sites(path, name)
+            plan.append((name, [("entry", off, program) for off in (sites.offset, *sites.side_paths)]))
+        else:
+            plan.append((name, [("entry", 0, program), ("return", 0, "hp_return")]))
+    return plan
+
+
+def _ring_record(size: int) -> int:
+    """Ring bytes a BPF ring-buffer record of SIZE bytes takes (its 8-byte header, 8-aligned)."""
+    return (size + 8 + 7) & ~7
+
+
 def default_ring_pages(sample_bytes: int, stack_bytes: int, reserve: bool, page: int, header: int) -> int:
     """Ring-buffer pages (a power of two): 16 MiB at a sampling rate; 64 MiB with every call
     sampled, and with RESERVE (each record takes the largest size) room for RING_RECORDS."""
@@ -182,6 +238,53 @@ def default_max_live(sample_bytes: int) -> int:
     """Sampled blocks the live map holds: every block with every call sampled (a process with
     millions of blocks live), else the sampled ones (one per SAMPLE_BYTES of heap in use)."""
     return MAX_LIVE_EVERY_CALL if sample_bytes == 1 else MAX_LIVE
+
+
+def write_python(table: Any, pid: int, config: Any | None) -> None:
+    """PID's entry of a BPF map of py_configs (heap's hp_py, record's py): CONFIG, or none."""
+    try:
+        if config is None:
+            del table[ctypes.c_uint32(pid)]
+        else:
+            table[ctypes.c_uint32(pid)] = config
+    except Exception:  # BCC: an absent key on delete (KeyError), a full map on update
+        pass
+
+
+def python_config(interp: pyruntime.Interpreter) -> Any:
+    """The py_config (bpf/pyframes.h) of a readable interpreter: its frame walk's offsets."""
+    layout = interp.layout
+    assert layout is not None
+    none = structs.header(PROGRAM).consts["PY_NO_OFFSET"]
+    fields = (layout.frame_previous, layout.frame_code, layout.frame_instr, layout.frame_flag or 0)
+    name = layout.code_qualname if layout.code_qualname is not None else layout.code_name
+    code_fields = (name, layout.code_filename, layout.code_firstlineno)
+    code_at = min(code_fields) & ~7
+    return structs.header(PROGRAM).structs["py_config"](
+        runtime=interp.runtime,
+        interp_head=layout.interpreters_head,
+        interp_next=layout.interp_next,
+        interp_threads=layout.interp_threads_head,
+        ts_next=layout.thread_next,
+        ts_tid=layout.thread_tid,
+        tid_in_pthread=none if interp.tid_in_pthread is None else interp.tid_in_pthread,
+        ts_frame=layout.thread_frame,
+        cframe_frame=none if layout.cframe_current_frame is None else layout.cframe_current_frame,
+        f_previous=layout.frame_previous,
+        f_code=layout.frame_code,
+        f_instr=layout.frame_instr,
+        f_flag=none if layout.frame_flag is None else layout.frame_flag,
+        f_read=max(fields) + 8,
+        c_at=code_at,
+        c_read=max(code_fields) + 8 - code_at,
+        c_name=name - code_at,
+        c_file=layout.code_filename - code_at,
+        c_line=layout.code_firstlineno - code_at,
+        s_read=layout.unicode_ascii_size + 8,
+        s_length=layout.unicode_length,
+        s_hash=layout.unicode_hash,
+        s_data=layout.unicode_ascii_size,
+    )
 
 
 def possible_cpus() -> int:
@@ -231,6 +334,10 @@ class HeapSource(Source):
         images: ProcessImages | None = None,
         on_stack: StackSink | None = None,
         on_free: Callable[[int], None] | None = None,
+        interposer: str | None = None,
+        python: bool = False,
+        on_python: Callable[[int, bytes], None] | None = None,
+        credits: interposer_lib.Credits | None = None,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -268,6 +375,17 @@ class HeapSource(Source):
         self.calls = {v: k[len("CALL_") :].lower() for k, v in header.consts.items() if k.startswith("CALL_")}
         self.event_type = header.structs["hp_event"]
         self.event_size = ctypes.sizeof(self.event_type)
+        # python: a Python process's sample carries its Python frames after its stack
+        self.py_frames = PY_FRAMES if python and not reserve else 0
+        self.py_frame_size = ctypes.sizeof(header.structs["py_frame"])
+        self.py_head_size = ctypes.sizeof(header.structs["py_head"])
+        self.stack_at = self.event_size
+        self._stack_len_at = self.event_type.stack_len.offset
+        self.python: dict[int, Any] = {}  # pid -> the py_config written to hp_py
+        self.py_allocators: dict[str, list[int]] = {}  # interpreter file -> [pid] (--python-allocators)
+        self.on_python = on_python if python else None  # on_python(pid, block): look_ahead
+        self._ahead = 0  # the ring position look_ahead has seen up to
+        self._ahead_at = 0.0
         self.kinds = {header.consts[f"HP_REC_{k}"]: k.lower() for k in ("SAMPLE", "EXEC", "FORK", "EXIT", "FREE")}
         self.images = images
         self.on_stack = on_stack
@@ -278,6 +396,11 @@ class HeapSource(Source):
         self._sample_type = header.consts["HP_REC_SAMPLE"]
         self._free_type = header.consts["HP_REC_FREE"]
         self._unresolved_forks = {}  # child -> parent: gone before we could tell thread from process
+        self.interposer = interposer  # the interposer library a launched command may preload
+        self.sites = InterposerSites(interposer) if interposer else None
+        self.credits = credits  # the interposer's probes wait for room in the ring (none: lost when full)
+        self.via: dict[int, tuple[str, str | None]] = {}  # pid -> (INTERPOSER or UPROBES, why uprobes)
+        self._via_codes = {INTERPOSER: header.consts["HP_VIA_INTERPOSER"], UPROBES: header.consts["HP_VIA_UPROBES"]}
 
     # -- lifecycle (sources.base.Source)
     def _defines(self) -> dict[str, Any]:
@@ -288,13 +411,20 @@ class HeapSource(Source):
             "HP_MAX_CPUS": possible_cpus(),
             "HP_FOLLOW": int(self.follow_forks),
             "HP_RESERVE": int(self.reserve),
+            "HP_PY_FRAMES": self.py_frames,
             **self.limits,
         }
+
+    def part(self) -> Any:
+        part = super().part()
+        return part._replace(prelude=self.sites.prelude()) if self.sites is not None else part
 
     def prepare(self) -> None:
         targets = {}
         self.families = {}
         for pid in self.pids:
+            if self._choose_via(pid, loaded=True) == INTERPOSER:
+                continue
             path, family = self._allocator_of(pid)
             targets.setdefault(path, []).append(pid)
             if family != "glibc":
@@ -303,6 +433,27 @@ class HeapSource(Source):
         # bound to one process is not inherited); otherwise each process alone
         self.libcs = {path: [-1] for path in targets} if self.follow_forks else targets
         super().prepare()
+
+    def _choose_via(self, pid: int, loaded: bool) -> str:
+        """Decide (and remember in `via`) which path traces PID: the interposer when it runs
+        in PID (LOADED: its loader has mapped its objects, else it has just exec'd), else the
+        uprobes, with why."""
+        if self.interposer is None:
+            self.via[pid] = (UPROBES, self.via.get(pid, (UPROBES, None))[1])  # a why the caller gave kept
+        elif loaded and interposer_lib.maps_file(pid, self.interposer):
+            self.via[pid] = (INTERPOSER, None)
+        else:
+            why = interposer_lib.preload_problem(pid, self.interposer)
+            if why is None and not loaded:
+                self.via[pid] = (INTERPOSER, None)
+            else:
+                self.via[pid] = (UPROBES, why or "the interposer was not loaded into it")
+        if self.bpf is not None:
+            try:
+                self.bpf[b"hp_targets"][ctypes.c_uint32(pid)] = ctypes.c_uint32(self._via_codes[self.via[pid][0]])
+            except Exception:  # BCC's update of a full map: its fork was counted as targets_full
+                pass
+        return self.via[pid][0]
 
     def _allocator_of(self, pid: int) -> tuple[str, str]:
         """(the file whose malloc PID calls, its family): libc.allocator's answer (jemalloc,
@@ -320,7 +471,11 @@ class HeapSource(Source):
         """PID (traced) stopped after an exec, its new program's objects mapped but nothing
         run (tracee.launch's on_exec): probe the file its malloc calls now resolve to, unless
         it is probed already (`heap -- env LD_PRELOAD=libjemalloc.so.2 PROG`). Raises
-        PymtraceError when that program's malloc cannot be probed."""
+        PymtraceError when that program's malloc cannot be probed. With the interposer: the
+        path is chosen again (the new program may not be preloadable), its sites attached."""
+        if self._choose_via(pid, loaded=True) == INTERPOSER:
+            self.sites.attach(self.bpf, -1 if self.follow_forks else pid)
+            return
         path, family = self._allocator_of(pid)
         if path in self.libcs:
             return
@@ -336,15 +491,26 @@ class HeapSource(Source):
         self.plans = {path: probe_plan(path, self.families.get(path, "glibc")) for path in self.libcs}
 
     def _attach(self) -> None:
+        if self.py_frames:  # the program that reads the frames, tail-called (bpf/heap.bpf.c)
+            program = uprobes.load_tail_program(self.bpf, "hp_py_output")
+            self.bpf[b"hp_progs"][ctypes.c_int(0)] = ctypes.c_int(program.fd)
         table = self.bpf[b"hp_lg"]
         for j, v in enumerate(log2_table(structs.header(PROGRAM).consts["HP_LG_BITS"])):
             table[ctypes.c_int(j)] = ctypes.c_uint32(v)
         targets = self.bpf[b"hp_targets"]
         for pid in self.pids:
-            targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+            targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(self._via_codes[self.via[pid][0]])
             self._set_top(pid)
+        for pid, config in self.python.items():
+            self.bpf[b"hp_py"][ctypes.c_uint32(pid)] = config
         ring = self.bpf[b"hp_events"]
-        self.ring = MappedRing(ring.map_fd, self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"])
+        ring_bytes = self.ring_pages * structs.header(PROGRAM).consts["HP_PAGE"]
+        self.ring = MappedRing(ring.map_fd, ring_bytes)
+        if self.credits is not None:
+            # the most a probe's record takes (with the ring's 8-byte header, 8-aligned); a
+            # quarter of the ring left for exec/fork/exit's records
+            sample = self.stack_at + self.stack_bytes + self.py_head_size + self.py_frames * self.py_frame_size
+            self.credits.start(_ring_record(sample), _ring_record(self.event_size), ring_bytes * 3 // 4)
         ev = self.event_type
         self.scanner = RingScanner(
             self.ring.data_addr,
@@ -353,7 +519,7 @@ class HeapSource(Source):
             self._free_type,
             ev.regs.offset,
             ev.stack_len.offset,
-            self.event_size,
+            self.stack_at,
         )
         self._epoll = select.epoll()
         self._epoll.register(ring.map_fd, select.EPOLLIN)
@@ -364,6 +530,13 @@ class HeapSource(Source):
             for path, pids in self.libcs.items():
                 for pid in pids:
                     self._attach_libc(path, pid, kinds)
+        for pid in self.pids:
+            if self.via[pid][0] == INTERPOSER:
+                self.sites.attach(self.bpf, -1 if self.follow_forks else pid)
+        for path, pids in list(self.py_allocators.items()):
+            self.py_allocators[path] = []
+            for pid in pids:
+                self.probe_python_allocators(pid, path)
         for pid in self.pids:  # gone while we attached: its probes would wait for nothing
             if not proc.alive(pid):
                 raise ProcessGone(pid)
@@ -379,6 +552,25 @@ class HeapSource(Source):
         if top:
             self.bpf[b"hp_tops"][ctypes.c_uint32(pid)] = ctypes.c_uint64(top)
 
+    def probe_python_allocators(self, pid: int, path: str) -> None:
+        """Sample PID's interpreter allocators too (PY_ALLOCATORS in PATH, the file defining
+        its interpreter): now if attached, else with the other probes. Once per file (every
+        process, filtered in BPF, when following forks). PID traced through the interposer:
+        nothing (its programs ignore the uprobes')."""
+        if self.via.get(pid, (UPROBES,))[0] == INTERPOSER:
+            return
+        who = -1 if self.follow_forks else pid
+        pids = self.py_allocators.setdefault(path, [])
+        if who in pids or -1 in pids:
+            return
+        pids.append(who)
+        if self.bpf is None:
+            return
+        if path not in self.plans:
+            self.plans[path] = python_allocator_plan(path)
+        for kinds in (("return",), ("entry",)):
+            self._attach_libc(path, who, kinds)
+
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
         self.attached += attach_plan(self.bpf, path, pid, self.plans[path], kinds)
 
@@ -386,7 +578,13 @@ class HeapSource(Source):
     def poll(self, timeout_ms: int = 10) -> None:
         """Wait up to TIMEOUT_MS for records (samples do not wake us: they are taken in batches
         here), then hand every record written so far to the callbacks."""
-        self._epoll.poll(timeout_ms / 1000)
+        credits = self.credits
+        if credits is not None and credits.pressed():  # probes wait for room: read as soon as one does
+            end = time.monotonic() + timeout_ms / 1000
+            while not credits.waiting() and time.monotonic() < end:
+                self._epoll.poll(0.0005)
+        else:
+            self._epoll.poll(timeout_ms / 1000)
         self.drain()
 
     def drain(self) -> None:
@@ -400,23 +598,64 @@ class HeapSource(Source):
         on_stack = self.on_stack if self.images is not None else None
         sample, free, base = self._sample_type, self._free_type, ring.data_addr
         on_free = self.on_free
+        pythons = self.python  # the processes whose records carry Python frames
+        ahead = bool(pythons) and self.on_python is not None
+        main = threading.current_thread() is threading.main_thread()
+        fired = self.credits.fired() if self.credits is not None else 0  # before the ring's end
         _, limit = ring.positions()
+        if ahead:
+            self.look_ahead()
         while True:
             cons = ring.positions()[0]
             if cons >= limit:
+                if self.credits is not None:
+                    self.credits.grant(fired)  # the probes' records up to FIRED are read
                 return
-            rows, after = scanner.scan(cons, limit, images)
-            if after == cons:
-                return  # the first record is still being written
-            for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
-                if kind == free:
-                    if on_free is not None:
-                        on_free(sample_id)
-                elif kind == sample and result >= 0 and on_stack is not None:
-                    on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts)
-                else:
-                    self._record(base + off, length)
-            ring.advance(after)
+            # a stop (Ctrl-C, raised in the main thread) waits for the batch's end: one cut
+            # short would be handed over again by the next drain (its samples counted twice)
+            with stop_deferred() if main else contextlib.nullcontext():
+                rows, after = scanner.scan(cons, limit, images)
+                if after == cons:
+                    return  # the first record is still being written
+                for off, length, result, kind, pid, _tid, _call, size, ts, sample_id in _ROW.iter_unpack(rows):
+                    if ahead and result < 0 and time.monotonic() - self._ahead_at > LOOK_AHEAD_S:
+                        self.look_ahead()  # an unwind may be slow: Python's code objects first
+                    if kind == free:
+                        if on_free is not None:
+                            on_free(sample_id)
+                    elif kind == sample and result >= 0 and on_stack is not None:
+                        py = self._py_block(base + off, length) if pid in pythons else None
+                        on_stack(pid, sample_id, images[pid].cached_stack(result), size, ts, py)
+                    else:
+                        self._record(base + off, length)
+                ring.advance(after)
+
+    def look_ahead(self) -> None:
+        """Hand the Python block of every sample written since the last call to on_python(pid,
+        block), before the samples are unwound: the code objects they name are read while
+        they live (a backlog of samples to unwind can outlast them)."""
+        ring, on_python = self.ring, self.on_python
+        self._ahead_at = time.monotonic()
+        if ring is None or on_python is None:
+            return
+        cons, prod = ring.positions()
+        pos, data, mask = max(self._ahead, cons), ring.data_addr, ring.mask
+        sample = self._sample_type
+        while pos < prod:
+            record = data + (pos & mask)
+            flags = ctypes.c_uint32.from_address(record).value
+            if flags & _RB_BUSY:
+                break
+            length = flags & ~(_RB_BUSY | _RB_DISCARD)
+            pos += (length + 8 + 7) & ~7
+            if flags & _RB_DISCARD or length < self.stack_at:
+                continue
+            kind, pid = _KIND_PID.unpack(ctypes.string_at(record + 8, 8))
+            if kind == sample and pid in self.python:
+                block = self._py_block(record + 8, length)
+                if block is not None and len(block) > self.py_head_size:
+                    on_python(pid, block)
+        self._ahead = pos
 
     def written(self) -> int:
         """The ring's producer position: every record reserved so far lies below it."""
@@ -432,11 +671,16 @@ class HeapSource(Source):
         kind = self.kinds.get(ev.type)
         if kind == "sample":
             if self.on_sample is not None:
-                stack_len = min(ev.stack_len, size - self.event_size)
-                self.on_sample(self.decode_sample(ev, data + self.event_size, stack_len))
+                stack_len = max(min(ev.stack_len, size - self.stack_at), 0)
+                sample = self.decode_sample(ev, data + self.stack_at, stack_len)
+                if ev.pid in self.python:
+                    sample.py = self._py_block(data, size)
+                self.on_sample(sample)
         elif kind == "exec":
             self._set_top(ev.pid)
             self._forget_live(ev.pid, ev.id)
+            if self.interposer is not None and ev.pid not in self.pids:
+                self._child_exec(ev.pid)
             if self.on_exec is not None:
                 self.on_exec(ev.pid)
         elif kind == "fork":
@@ -452,6 +696,29 @@ class HeapSource(Source):
             if self.on_exit is not None:
                 self.on_exit(ev.pid)
 
+    def _py_block(self, record: int, length: int) -> bytes | None:
+        """The Python block (bpf/pyframes.h: its head and the frames filled) of the sample record
+        of LENGTH bytes at RECORD: after its stack, at an 8-byte boundary; None if it has none."""
+        stack_len = ctypes.c_uint32.from_address(record + self._stack_len_at).value
+        at = self.stack_at + ((stack_len + 7) & ~7)
+        if length < at + self.py_head_size:
+            return None
+        count = min(
+            ctypes.c_uint32.from_address(record + at).value, (length - at - self.py_head_size) // self.py_frame_size
+        )
+        return ctypes.string_at(record + at, self.py_head_size + count * self.py_frame_size)
+
+    def set_python(self, pid: int, config: Any | None) -> None:
+        """Have the BPF program read PID's Python frames as CONFIG (a py_config) says, or not
+        (None). Before attach: remembered, written when the maps exist."""
+        if config is None:
+            self.python.pop(pid, None)
+        else:
+            self.python[pid] = config
+        if self.bpf is None or not self.py_frames:
+            return
+        write_python(self.bpf[b"hp_py"], pid, config)
+
     def decode_sample(self, ev: Any, stack: int, stack_len: int) -> HeapSample:
         """A HeapSample from a ring record's header EV (an hp_event) and its stack bytes."""
         return HeapSample(
@@ -466,9 +733,34 @@ class HeapSource(Source):
             stack_len=stack_len,
         )
 
+    def _child_exec(self, pid: int) -> None:
+        """A followed child exec'd (its loader may not have run yet): traced by the interposer
+        if the new program will load it, else by uprobes on the libc it will map, attached for
+        every process if not yet (filtered in BPF; samples before the attach are not seen)."""
+        try:
+            if self._choose_via(pid, loaded=False) == INTERPOSER:
+                return
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except (OSError, ProcessGone):
+            return
+        path = launch.predict_libc([exe], exe)
+        if path is None or path in self.libcs:
+            return
+        try:
+            plan = probe_plan(path)
+            self.plans[path] = plan
+            for kinds in (("return",), ("entry",)):
+                self._attach_libc(path, -1, kinds)
+        except PymtraceError as exc:  # not traced: the report says why
+            self.via[pid] = (UPROBES, f"{self.via[pid][1]}; not probed: {exc}")
+            return
+        self.libcs[path] = [-1]
+
     def _fork(self, parent: int, child: int) -> None:
         """A clone in a followed process: a new process (reported) or a thread (not)."""
         thread = _is_thread(child)
+        if thread is False and parent in self.via:
+            self.via.setdefault(child, self.via[parent])  # BPF traces it as its parent
         if thread is None:  # gone already: a process's exit record will tell
             if len(self._unresolved_forks) >= _FORK_MEMORY:
                 self._unresolved_forks.pop(next(iter(self._unresolved_forks)))

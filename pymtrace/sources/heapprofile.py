@@ -176,6 +176,8 @@ class HeapProfile:
             lines.append(f"command: {self.meta['command']}")
         if self.meta.get("pids"):
             lines.append("pids: " + " ".join(str(p) for p in self.meta["pids"]))
+        lines += [f"traced: {line}" for line in self.meta.get("via", ())]  # which path, per process
+        lines += [f"python: {line}" for line in self.meta.get("python", ())]  # its interpreter, per process
         exact = " (every call)" if self.sample_bytes <= 1 else ""
         lines.append(f"sample bytes: {self.sample_bytes}{exact}")
         if self.older_s is not None:
@@ -183,6 +185,8 @@ class HeapProfile:
         lines.append(f"samples: {self.samples}, complete root-to-leaf: {self.complete_samples}")
         drops = ", ".join(f"{name} {count}" for name, count in sorted(self.drops.items()) if count)
         lines.append(f"drops: {drops or 'none'}")
+        if self.meta.get("ring_waits"):  # the interposer's probes waited for heap to read the ring
+            lines.append(f"waits for room in the ring: {self.meta['ring_waits']}, {self.meta['ring_wait_s']:.3f} s")
         return lines
 
     def title(self) -> str:
@@ -192,6 +196,12 @@ class HeapProfile:
         if self.meta.get("pids"):
             return "pymtrace heap: pid " + ", ".join(str(p) for p in self.meta["pids"])
         return "pymtrace heap"
+
+
+def frame_label(frame: Frame) -> str:
+    """A frame's name in a flame graph: the function; a Python function with its file and
+    line, as py-spy names them ("leaf (/app/x.py:12)")."""
+    return f"{frame.function} ({frame.file}:{frame.line})" if frame.python else frame.function
 
 
 def frames_root_first(stack: Sequence[Location], symbolizer: FrameSource) -> list[Frame]:

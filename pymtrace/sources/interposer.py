@@ -42,7 +42,7 @@ import numpy as np
 from pymtrace import nativebuild
 from pymtrace.bpf import structs
 from pymtrace.bpf.load import bpf_dir
-from pymtrace.errors import PymtraceError
+from pymtrace.errors import ProcessGone, PymtraceError
 
 NATIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tracee", "native")
 CFLAGS = [
@@ -57,6 +57,7 @@ LIBS = ["-ldl", "-lpthread"]
 
 _H = structs.native_header("interpose", "tracee")
 RingHeader = _H.structs["ring_header"]
+StackModule = _H.structs["stack_module"]
 EVENT_SIZE = _H.consts["RING_EVENT_SIZE"]  # a ring slot's struct record_event (bpf/record.h)
 RECORD_SIZE = ctypes.sizeof(structs.header("record").structs["mtrace_record"])  # what a Batch holds
 _NAME = re.compile(r"^(\d+)\.(\d+)$")
@@ -67,13 +68,14 @@ SCAN_S = 0.002  # how often the directory is listed for new rings (a new process
 SCAN_SHARE = 20  # ... but never more often than every 20 times what the last listing took
 
 
-ENV = "PYMTRACE_RING"  # the one variable the library reads (interpose.c: OWNER:FOLLOW:SLOTS:DIR)
+ENV = "PYMTRACE_RING"  # the one variable the library reads to record (interpose.c: OWNER:FOLLOW:SLOTS:FRAMES:DIR)
+SAMPLE_ENV = "PYMTRACE_SAMPLE"  # ... and to sample for heap (PARENT:FOLLOW:BYTES:LIVE)
 
 
-def ring_variable(owner: int, follow: bool, slots: int, directory: str) -> str:
-    """ENV's value: the consumer's pid, whether forks are followed, slots per ring, the ring
-    directory."""
-    return f"{owner}:{int(follow)}:{slots}:{directory}"
+def ring_variable(owner: int, follow: bool, slots: int, directory: str, frames: int = 0) -> str:
+    """ENV's value: the consumer's pid, whether forks are followed, slots per ring, the frames
+    of each allocation's stack (0: no stacks), the ring directory."""
+    return f"{owner}:{int(follow)}:{slots}:{frames}:{directory}"
 
 
 def library() -> str:
@@ -96,6 +98,28 @@ class RingOptions:
     follow: bool = True  # trace the processes the command forks (else: it and its execs)
     slots: int = _H.consts["RING_SLOTS"]  # records per ring, a power of two
     parent: str | None = None  # where the ring directory is made (default: /dev/shm, else $TMPDIR)
+    frames: int = 0  # record --stacks: each allocation's stack, at most this many frames (0: none)
+
+
+def stack_table_parts(at: int) -> tuple[int, int, int]:
+    """Where the entry offsets, the modules and the entries of a stack table at AT are."""
+    offs = at + 8 * _H.consts["STACK_HASH_SLOTS"]
+    mods = offs + ((4 * (_H.consts["STACK_IDS"] + 1) + 4095) & ~4095)
+    return offs, mods, mods + ctypes.sizeof(StackModule) * _H.consts["STACK_MODULES"]
+
+
+def stack_table_offset(slots: int) -> int:
+    """Where a ring of SLOTS slots has its stack table (interpose.c's arithmetic)."""
+    return (_H.consts["RING_HEADER_SIZE"] + slots * (8 + EVENT_SIZE) + 4095) & ~4095
+
+
+def ring_size(slots: int, stacks: bool) -> int:
+    """A ring file's size: its header, SLOTS sequence words and events, and with STACKS the
+    stack table."""
+    if not stacks:
+        return _H.consts["RING_HEADER_SIZE"] + slots * (8 + EVENT_SIZE)
+    at = stack_table_offset(slots)
+    return stack_table_parts(at)[2] + 8 * _H.consts["STACK_WORDS"]
 
 
 def slots_for(size: int) -> int:
@@ -105,12 +129,29 @@ def slots_for(size: int) -> int:
     return min(max(slots, _H.consts["RING_MIN_SLOTS"]), _H.consts["RING_MAX_SLOTS"])
 
 
+Stack = tuple[tuple[int, ...], bool]  # (return addresses, innermost first; cut at the frame limit)
+
+
+class Module(NamedTuple):
+    """An object a process had loaded when it wrote a stack (interpose.h's stack_module)."""
+
+    bias: int  # a return address minus this is its ELF virtual address
+    start: int  # its lowest mapped page and its end, as /proc/PID/maps would show them
+    end: int
+    path: str
+
+
 class Batch(NamedTuple):
     pid: int
     generation: int  # 0, then one more per later image of the pid (an exec)
     data: memoryview  # `count` 64-byte mtrace records (bpf/record.h), in the process's call order
     count: int
     types: tuple[int, ...]  # the records per call type (index: the dj/malloc type, 0-8)
+    # with stacks: the ring's stack ids (bits 8-31 of a record's type word) first seen in
+    # this batch, and their stacks; a later batch of the same image names them by id only;
+    # the objects the process added since the last batch (where those stacks' addresses are)
+    stacks: dict[int, Stack] = {}
+    modules: tuple[Module, ...] = ()
 
 
 @dataclasses.dataclass
@@ -126,6 +167,13 @@ class RingStats:
     torn: int  # slots reserved but never written (the process died mid-write)
     done: bool  # the process image ended and every record was drained
     detached: bool  # recording stopped (the consumer closed or was gone)
+    stacks: int = 0  # stack ids handed out (record --stacks)
+    stacks_full: int = 0  # allocations recorded without a stack: the table was full
+    stacks_nested: int = 0  # ... a signal handler's, while its thread was unwinding
+    stack_error: str | None = None  # why the process took no stacks at all
+
+
+_STACK_ERRORS = {_H.consts["STACK_E_NOLIB"]: "libunwind (libunwind.so.8) could not be loaded into it"}
 
 
 class Ring:
@@ -146,6 +194,50 @@ class Ring:
         self.tsc = bool(self.header.flags & _H.consts["RING_F_TSC"])
         self.done = False
         self.checked = time.monotonic()
+        self.stack_offs = self.stack_words = self.modules = None
+        self.stacks_seen: set[int] = set()
+        self.modules_seen: set[int] = set()
+        at = self.header.stack_offset
+        if at:  # the stack table (interpose.h): entry offsets by id, the modules, the entries
+            offs, mods, words = stack_table_parts(at)
+            self.stack_offs = np.frombuffer(self.map, dtype=np.uint32, count=_H.consts["STACK_IDS"] + 1, offset=offs)
+            self.modules = (StackModule * _H.consts["STACK_MODULES"]).from_buffer(self.map, mods)
+            self.stack_words = np.frombuffer(self.map, dtype=np.uint64, count=_H.consts["STACK_WORDS"], offset=words)
+
+    def new_modules(self) -> tuple[Module, ...]:
+        """The modules written since the last call (interpose.h: before the stacks that need them)."""
+        if self.modules is None:
+            return ()
+        out = []
+        for i in range(min(self.header.module_next, len(self.modules))):
+            m = self.modules[i]
+            if i not in self.modules_seen and m.ready:
+                self.modules_seen.add(i)
+                out.append(Module(m.bias, m.start, m.end, m.path.decode(errors="surrogateescape")))
+        return tuple(out)
+
+    def new_stacks(self, records: np.ndarray) -> dict[int, Stack]:
+        """The stacks RECORDS ((n, 8) uint64, taken from this ring) name that no earlier batch
+        did: {id: (return addresses, cut)}. A record's id has its entry written (interpose.h)."""
+        if self.stack_offs is None or not len(records):
+            return {}
+        ids = np.unique((records[:, 0] >> np.uint64(40)) & np.uint64(0xFFFFFF)).tolist()
+        out = {}
+        last = _H.consts["STACK_IDS"]
+        for i in ids:
+            if i == 0 or i in self.stacks_seen or i > last:
+                continue
+            at = int(self.stack_offs[i]) - 1
+            if at < 0:
+                continue  # (never: the writer stores the offset before the id is used)
+            head = int(self.stack_words[at])
+            n = min(head & 0xFFFF, _H.consts["STACK_MAX_FRAMES"])
+            out[i] = (
+                tuple(self.stack_words[at + 1 : at + 1 + n].tolist()),
+                bool((head >> 16) & _H.consts["STACK_F_CUT"]),
+            )
+            self.stacks_seen.add(i)
+        return out
 
     def take(self, out: np.ndarray, types: ctypes.Array, final: bool = False) -> int:
         """Copy the committed records from tail on into OUT ((n, 8) uint64: as many as fit) as
@@ -190,10 +282,15 @@ class Ring:
             self.torn,
             self.done,
             bool(h.detached),
+            h.stack_next,
+            h.stacks_full,
+            h.stacks_nested,
+            _STACK_ERRORS.get(h.stack_error, f"error {h.stack_error}") if h.stack_error else None,
         )
 
     def close(self) -> None:
-        del self.header, self._anchor  # the buffer's exports, before the map can close
+        # the buffer's exports, before the map can close
+        del self.header, self._anchor, self.stack_offs, self.stack_words, self.modules
         self.map.close()
 
 
@@ -291,6 +388,15 @@ def sweep_stale(parent: str) -> int:
     return removed
 
 
+def private_dir(parent: str | None = None) -> str:
+    """A fresh directory for the interposer's shared files, made in PARENT (default: /dev/shm,
+    else $TMPDIR) after removing those killed consumers left there: mkdtemp, 0700, its real
+    path (the library never follows a symlink inside it)."""
+    parent = parent or _ring_dir_parent()
+    sweep_stale(parent)
+    return os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
+
+
 class RingSet:
     """The ring directory of one traced command and every ring its processes registered."""
 
@@ -302,10 +408,7 @@ class RingSet:
         self.lib = lib or library()
         if any(c in self.lib for c in " :"):
             raise PymtraceError(f"the interposer's path {self.lib} holds a space or colon: LD_PRELOAD cannot name it")
-        parent = options.parent or _ring_dir_parent()
-        sweep_stale(parent)
-        # mkdtemp: 0700, a fresh name; the library never follows a symlink inside it
-        self.directory = os.path.realpath(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=parent))
+        self.directory = private_dir(options.parent)
         self.rings: dict[str, Ring] = {}
         self.retired: set[str] = set()
         self._generations: dict[int, int] = {}  # pid -> its images seen
@@ -323,7 +426,9 @@ class RingSet:
         env = dict(base)
         old = env.get("LD_PRELOAD", "").strip()
         env["LD_PRELOAD"] = self.lib + (":" + old if old else "")
-        env[ENV] = ring_variable(os.getpid(), self.options.follow, self.options.slots, self.directory)
+        env[ENV] = ring_variable(
+            os.getpid(), self.options.follow, self.options.slots, self.directory, self.options.frames
+        )
         return env
 
     def _scan(self) -> None:
@@ -353,13 +458,15 @@ class RingSet:
             magic, version, header_size, slots, event_size = struct.unpack("<QIIII", head)
             if magic != _H.consts["RING_MAGIC"]:
                 return None  # still being created
-            size = header_size + slots * (8 + EVENT_SIZE)
+            (stack_at,) = struct.unpack("<Q", os.pread(fd, 8, RingHeader.stack_offset.offset))
+            size = ring_size(slots, stack_at != 0)
             if (
                 version != _H.consts["RING_VERSION"]
                 or header_size != _H.consts["RING_HEADER_SIZE"]
                 or event_size != EVENT_SIZE
                 or slots & (slots - 1)
                 or st.st_size != size
+                or stack_at not in (0, stack_table_offset(slots))
             ):
                 raise PymtraceError(f"{name}: not a ring of this pymtrace version")
             return Ring(os.path.join(self.directory, name), pid, stamp, fd, size)
@@ -392,12 +499,12 @@ class RingSet:
                 ring.checked = now
                 final = not ring.alive()
             if final:  # no writer can come back: the rest, then retire it
-                while m := ring.take(self._room(used + n), types, final=True):
-                    n += m
-                self._retire(name, ring)
+                n = self._take_rest(ring, used, n, types)
             if n:
                 out.append(self._batch(ring, used, n, types))
                 used += n
+            if final:  # (after its batch: its stacks are read from it)
+                self._retire(name, ring)
         return self._timed(out)
 
     def _timed(self, batches: list[Batch]) -> list[Batch]:
@@ -420,8 +527,10 @@ class RingSet:
 
     def _batch(self, ring: Ring, start: int, n: int, types: ctypes.Array) -> Batch:
         self._tsc.append(ring.tsc)
-        data = memoryview(self._buffer[start : start + n]).cast("B")
-        return Batch(ring.pid, ring.generation, data, n, tuple(types))
+        records = self._buffer[start : start + n]
+        stacks = ring.new_stacks(records)
+        modules = ring.new_modules() if stacks else ()
+        return Batch(ring.pid, ring.generation, memoryview(records).cast("B"), n, tuple(types), stacks, modules)
 
     def ended(self, pid: int) -> list[Batch]:
         """PID's images so far are gone (it exec'd: its tracer holds it at the exec): every
@@ -430,14 +539,20 @@ class RingSet:
         out, used = [], 0
         for name, ring in sorted(self.rings.items(), key=lambda item: item[1].stamp):
             if ring.pid == pid:
-                n, types = 0, (ctypes.c_uint64 * 9)()
-                while m := ring.take(self._room(used + n), types, final=True):
-                    n += m
-                self._retire(name, ring)
+                types = (ctypes.c_uint64 * 9)()
+                n = self._take_rest(ring, used, 0, types)
                 if n:
                     out.append(self._batch(ring, used, n, types))
                     used += n
+                self._retire(name, ring)
         return out
+
+    def _take_rest(self, ring: Ring, used: int, n: int, types: ctypes.Array) -> int:
+        """RING's records to its end (its writers are gone), after the N a drain took into the
+        buffer from USED on; how many in all (the caller retires it)."""
+        while m := ring.take(self._room(used + n), types, final=True):
+            n += m
+        return n
 
     def _retire(self, name: str, ring: Ring) -> None:
         """Done with NAME: detached (a writer this consumer did not know of, a child cloned
@@ -528,33 +643,16 @@ def _malloc_symbols(path: str) -> tuple[bool, list[str]]:
     """(whether PATH itself defines a function `malloc`, the functions of an allocator's own
     API it imports). Read from .dynsym and .symtab; an undefined `malloc`, even with a PLT
     address, is no definition."""
-    from elftools.elf.elffile import ELFFile  # ~45 ms to import: once per launched command
+    from pymtrace.tracee import elf
 
-    unwrapped = _unwrapped()
-    defines, imports = False, set()
-    with open(path, "rb") as f:
-        elf = ELFFile(f)
-        for name in (".dynsym", ".symtab"):
-            section = elf.get_section_by_name(name)
-            if section is None:
-                continue
-            strtab = elf.get_section(section["sh_link"]).data()
-            for st_name, info, _other, shndx, _value, _size in _SYM.iter_unpack(section.data()):
-                end = strtab.find(b"\0", st_name)
-                symbol = strtab[st_name:end].decode("utf-8", "replace").split("@")[0]
-                if symbol == "malloc" and shndx != _SHN_UNDEF and info & 0xF == _STT_FUNC:
-                    defines = True
-                elif shndx == _SHN_UNDEF and symbol in unwrapped:
-                    imports.add(symbol)
-    return defines, sorted(imports)
+    names = elf.symbol_names(path)
+    return "malloc" in names.functions, sorted(names.undefined & _unwrapped())
 
 
-def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
-    """Why the command ARGV cannot be recorded by the interposer (one line), or None. Follows
-    #! scripts to their interpreter; PATH and LD_PRELOAD from ENV (default os.environ): glibc's
-    caller-logging wrappers preloaded would log the interposer as every call's caller."""
-    env = os.environ if env is None else env
-    program = argv[0]
+def _program(argv: Sequence[str], env: Mapping[str, str]) -> tuple[str, bytes, os.stat_result, list[str]] | str:
+    """(path, its first 256 bytes, its stat, its arguments) of the program ARGV runs, #!
+    scripts followed to their interpreter (PATH from ENV); or why it cannot be found, one line."""
+    program, args = argv[0], list(argv[1:])
     for _ in range(5):  # #! chains
         path = program if "/" in program else shutil.which(program, path=env.get("PATH", os.defpath))
         if path is None:
@@ -566,14 +664,42 @@ def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -
         except OSError as exc:
             return f"{path}: {exc.strerror}"
         if head.startswith(b"#!"):
-            words = head[2:].split(b"\n")[0].split()
+            words = [os.fsdecode(w) for w in head[2:].split(b"\n")[0].split()]
             if not words:
                 return f"{path}: a #! line without an interpreter"
-            program = os.fsdecode(words[0])
+            program, args = words[0], words[1:] + [path] + args
             continue
-        break
-    else:
-        return f"{argv[0]}: too many #! interpreters"
+        return path, head, st, args
+    return f"{argv[0]}: too many #! interpreters"
+
+
+def runs_python(argv: Sequence[str], env: Mapping[str, str] | None = None) -> bool:
+    """Whether the command ARGV runs CPython: its program (a script's interpreter, through
+    `env` too) exports _PyRuntime or links a libpython."""
+    env = os.environ if env is None else env
+    found = _program(argv, env)
+    if isinstance(found, str):
+        return False
+    path, _, _, args = found
+    if os.path.basename(path) == "env":  # env [-i] [NAME=VALUE...] python3 ...
+        words = [w for w in args if not w.startswith("-") and "=" not in w]
+        return bool(words) and runs_python(words, env)
+    from pymtrace.tracee import elf, pyruntime
+
+    if pyruntime.exports_runtime(path):
+        return True
+    return any(re.match(r"libpython\d", lib) for lib in elf.needed(path))
+
+
+def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str | None:
+    """Why the command ARGV cannot be recorded by the interposer (one line), or None. Follows
+    #! scripts to their interpreter; PATH and LD_PRELOAD from ENV (default os.environ): glibc's
+    caller-logging wrappers preloaded would log the interposer as every call's caller."""
+    env = os.environ if env is None else env
+    found = _program(argv, env)
+    if isinstance(found, str):
+        return found
+    path, head, st, _ = found
     if head[:4] != b"\x7fELF":
         return f"{path}: not an ELF executable"
     if head[4] != 2 or head[5] != 1 or struct.unpack_from("<H", head, 18)[0] != 62:
@@ -608,3 +734,160 @@ def not_preloadable(argv: Sequence[str], env: Mapping[str, str] | None = None) -
                 "(mtrace, memusage): an interposer in front of it would be that caller"
             )
     return None
+
+
+# -- heap's sampling mode ---------------------------------------------------------------------
+# The same library, started with PYMTRACE_SAMPLE instead of PYMTRACE_RING: it draws
+# heap's samples in-process and tells only the sampled allocations and their frees, through
+# its USDT probes (pymtrace:heap_alloc, pymtrace:heap_free), to heap's BPF program.
+SAMPLE_PROVIDER = "pymtrace"
+SAMPLE_PROBES = ("heap_alloc", "heap_free")
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOptions:
+    sample_bytes: int  # the mean bytes between samples (1: every call)
+    max_live: int  # sampled blocks remembered until freed (heap --max-live)
+    follow: bool = False  # the command's children sample too (else: it and its execs)
+
+
+def check_preload_path(lib: str) -> None:
+    """A PymtraceError if LD_PRELOAD cannot name LIB (a space or a colon separates its entries)."""
+    if any(c in lib for c in " :"):
+        raise PymtraceError(f"the interposer's path {lib} holds a space or colon: LD_PRELOAD cannot name it")
+
+
+def sampling_env(
+    base: Mapping[str, str], lib: str, options: SampleOptions, credits: "Credits | None" = None
+) -> dict[str, str]:
+    """BASE with what a launched command needs to be sampled in-process by LIB: LIB first in
+    LD_PRELOAD (the user's own preloads, then the libraries, are the next definitions); with
+    CREDITS, its probes wait for room in heap's ring instead of being lost."""
+    check_preload_path(lib)
+    env = {k: v for k, v in base.items() if k != ENV}  # sampling, no ring
+    old = env.get("LD_PRELOAD", "").strip()
+    env["LD_PRELOAD"] = lib + (":" + old if old else "")
+    # one variable, as for the rings; not following: only this process's child samples
+    env[SAMPLE_ENV] = f"{os.getpid()}:{int(options.follow)}:{options.sample_bytes}:{options.max_live}"
+    if credits is not None:
+        env[SAMPLE_ENV] += ":" + credits.path  # last: it may hold a colon
+    return env
+
+
+class Credits:
+    """The credits a sampled command's probes fire against (interpose.h's sample_credits), in
+    a private directory made here: a probe whose record might not fit in heap's BPF ring
+    waits until heap has read what came before, so `--sample-bytes 1` loses nothing."""
+
+    def __init__(self, parent: str | None = None) -> None:
+        self.directory = private_dir(parent)
+        self.path = os.path.join(self.directory, "credits")
+        size = _H.consts["CREDIT_SIZE"]
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.header = _H.structs["sample_credits"].from_buffer(self._map)
+        self.header.owner = os.getpid()
+        self.header.magic = _H.consts["CREDIT_MAGIC"]  # last: the samplers read it first
+        self.room = 0
+        self._waits, self._pressed_at = 0, -1.0
+
+    def start(self, alloc_cost: int, free_cost: int, room: int) -> None:
+        """Before the command runs: what each probe's record may take of the ring, and the
+        ROOM its probes may fill before heap has read any."""
+        self.header.alloc_cost = alloc_cost
+        self.header.free_cost = free_cost
+        self.room = room
+        self.header.granted = room
+
+    def fired(self) -> int:
+        """The ring bytes of the probes that have fired so far (read before reading the ring)."""
+        return self.header.fired
+
+    def waiting(self) -> bool:
+        """Whether a probe is waiting for room (or about to)."""
+        return self.header.used > self.header.granted
+
+    def pressed(self) -> bool:
+        """Whether probes waited for room in the last second: the ring is read as soon as one
+        waits, not at the next timeout."""
+        waits, now = self.header.waits, time.monotonic()
+        if waits != self._waits:
+            self._waits, self._pressed_at = waits, now
+        return now - self._pressed_at < 1.0
+
+    def grant(self, fired: int) -> None:
+        """Every record of the probes counted in FIRED has been read: ROOM more may come."""
+        self.header.granted = fired + self.room
+
+    def waits(self) -> tuple[int, float]:
+        """(probes that waited for room, seconds they waited in all)."""
+        return self.header.waits, self.header.wait_ns / 1e9
+
+    def detach(self) -> None:
+        """Nobody waits any more: the program goes on, its probes fire no more."""
+        self.header.detached = 1
+
+    def close(self) -> None:
+        """Detach, and remove the file."""
+        if self._map.closed:
+            return
+        self.detach()
+        del self.header
+        self._map.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def sample_sites(lib: str) -> list:
+    """The USDT probe sites (tracee.elf.UsdtProbe) of LIB's sampling mode; a PymtraceError when
+    LIB has not both."""
+    from pymtrace.tracee import elf
+
+    sites = [p for p in elf.usdt_probes(lib, provider=SAMPLE_PROVIDER) if p.name in SAMPLE_PROBES]
+    if {p.name for p in sites} != set(SAMPLE_PROBES):
+        raise PymtraceError(f"{lib}: the interposer has no heap_alloc/heap_free USDT probes (built without sys/sdt.h?)")
+    return sites
+
+
+def maps_file(pid: int, path: str) -> bool:
+    """Whether process PID maps the file PATH (by name in /proc/PID/maps). Raises ProcessGone."""
+    from pymtrace.tracee import libc
+
+    return any(m.path == path for m in libc.read_maps(pid) or ())
+
+
+def process_image(pid: int) -> tuple[dict[str, str], str]:
+    """(environment, executable) of process PID as its last exec set them. Raises ProcessGone;
+    PymtraceError when they cannot be read (another user's, without root)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            words = f.read().split(b"\0")
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except (FileNotFoundError, ProcessLookupError):
+        raise ProcessGone(pid) from None
+    except OSError as exc:
+        raise PymtraceError(f"process {pid}: {exc.strerror}") from None
+    return dict(w.decode(errors="replace").split("=", 1) for w in words if b"=" in w), exe
+
+
+def image_problem(lib: str, env: Mapping[str, str], exe: str) -> str | None:
+    """Why a program EXE started with the environment ENV will not run with LIB loaded (one
+    line), or None."""
+    if lib not in re.split(r"[ :]", env.get("LD_PRELOAD", "")):
+        return f"{exe}: LD_PRELOAD no longer names the interposer (its environment was changed)"
+    return not_preloadable([exe], env)
+
+
+def preload_problem(pid: int, lib: str) -> str | None:
+    """Why process PID, which has just exec'd, will not run with LIB loaded (one line), or None:
+    read from its own environment and its program, before its loader ran. Raises ProcessGone."""
+    try:
+        env, exe = process_image(pid)
+    except ProcessGone:
+        raise
+    except PymtraceError as exc:
+        return str(exc)
+    return image_problem(lib, env, exe)

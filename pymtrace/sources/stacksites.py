@@ -8,7 +8,8 @@ aggregated per stack and per call site, as cumulative snapshot values.
     c.close()
 
 A *call site* is the first frame of a stack outside the allocator (glibc's libc, libstdc++'s
-operator new): the return address in the code that asked for memory. Each sample is weighted as
+operator new): the return address in the code that asked for memory; in a Python process
+(its Python frames merged in: sources.heapsession), the innermost Python frame. Each sample is weighted as
 in `pymtrace heap` (1/p allocations, size/p bytes, p = 1 - exp(-size/sample_bytes)), so the
 cumulative values are unbiased estimates and their differences over an interval are rates.
 "In use" is the weighted sum of the sampled blocks not freed when the snapshot is taken.
@@ -32,6 +33,7 @@ from pymtrace.sources.heap import DEFAULT_SAMPLE_BYTES
 from pymtrace.sources.heapprofile import StackValues, sample_weight
 from pymtrace.sources.heapsession import HeapSession
 from pymtrace.sources.snapshot import StackFrame, StackProcess, StackSite
+from pymtrace.tracee.pyframes import PYTHON
 from pymtrace.tracee.unwind import UNKNOWN, Location, Module, Symbolizer
 
 MAX_STACKS = 500  # distinct stacks kept per process
@@ -50,8 +52,12 @@ def allocator_module(module: Module) -> bool:
 
 
 def call_site(stack: tuple[Location, ...]) -> Location | None:
-    """The first location of STACK (leaf first) outside the allocator; the outermost one when
-    every frame is in it (libc's own allocation from its start-up code); None if empty."""
+    """The innermost Python frame of STACK (leaf first), the line that allocated; else its
+    first location outside the allocator; the outermost one when every frame is in it (libc's
+    own allocation from its start-up code); None if empty."""
+    for loc in stack:
+        if loc[0] == PYTHON:
+            return loc
     for loc in stack:
         if not allocator_module(loc[0]):
             return loc

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import os
+import resource
 import shutil
 import tempfile
 from typing import Any, Sequence
@@ -35,6 +36,11 @@ from pymtrace.trace.formats.autodetect import detect_format, recorded_allocator
 from pymtrace.trace.report_sql import EVENTS, LIVE_BUCKETS, MMAP_THRESHOLD, build_report
 
 DEFAULT_MEMORY_LIMIT = "1GB"
+# Under an address-space limit (RLIMIT_AS): what one more DuckDB worker thread maps (its stack,
+# RLIMIT_STACK, and the 64 MiB glibc reserves for the malloc arena of a thread that allocates),
+# and the least memory limit the report runs in (DuckDB's fixed part is ~20 MB)
+THREAD_ARENA = 64 << 20
+MIN_MEMORY_LIMIT = 32 << 20
 SORT_BYTES_PER_EVENT = 16  # of the memory limit per DuckDB thread, per event in one sort (TraceSet.sort_events)
 COLUMNS = ("thread", "type", "ptr1", "ptr2", "size", "size2", "size3", "time_ns", "caller", "path", "stack")
 # DuckDB's errors about the SQL itself (a defect of the report, shown as is); every other error
@@ -165,12 +171,42 @@ class TraceSet:
         return config
 
     def _connect(self, database: str) -> duckdb.DuckDBPyConnection:
+        config = self._config()
+        left = address_space_left()
+        if left is not None:
+            config.update(_fitted_threads(left, self.threads or os.cpu_count() or 1))
         try:
-            con = duckdb.connect(database, config=self._config())
+            try:
+                con = duckdb.connect(database, config=config)
+            except duckdb.InvalidInputException as exc:
+                if "async_threads" not in str(exc):
+                    raise
+                del config["async_threads"]  # a DuckDB before 2.0: no such threads
+                con = duckdb.connect(database, config=config)
             con.execute("SET enable_progress_bar = false")  # a session setting: not in config
+            if left is not None:
+                self._fit_memory_limit(con, left, config["threads"])
             return con
         except duckdb.Error as exc:
             raise PymtraceError(f"cannot start DuckDB: {_first_line(exc)}") from None
+
+    def _fit_memory_limit(self, con: duckdb.DuckDBPyConnection, left: int, threads: int) -> None:
+        """Under an address-space limit that left LEFT bytes before DuckDB started: DuckDB's
+        memory limit is at most half of what its THREADS' stacks and arenas leave of it (the
+        other half: Python, pyarrow's and numpy's buffers, DuckDB's own allocations beyond its
+        buffers); PymtraceError when that is too little for the report."""
+        (current,) = con.execute("SELECT current_setting('memory_limit')").fetchall()[0]
+        fitted = min(_size_bytes(str(current)), (left - (threads - 1) * _thread_bytes()) // 2)
+        if fitted < MIN_MEMORY_LIMIT:
+            con.close()
+            soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+            raise PymtraceError(
+                f"the address-space limit (ulimit -v: {soft >> 20} MiB) leaves {max(left, 0) >> 20} MiB, too "
+                f"little for DuckDB (it needs about {2 * MIN_MEMORY_LIMIT >> 20} MiB); raise the limit"
+            )
+        if fitted < _size_bytes(str(current)):
+            con.execute(f"SET memory_limit = '{fitted >> 10}KiB'")
+            self.memory_limit = f"{fitted >> 20}MiB"
 
     def _select_list(self, path: str, source: str, index: int, with_row: bool, row_base: int = 0) -> str:
         """SELECT of the schema's columns from SOURCE, cast to the types pymtrace writes (a file
@@ -408,7 +444,7 @@ class TraceSet:
                 for r in self.rows(
                     f"""SELECT stack_id, count(*), coalesce(sum(size), 0) AS bytes
                         FROM read_parquet('{self.files[i].replace(chr(39), chr(39) * 2)}')
-                        WHERE stack_id > 0 GROUP BY stack_id ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
+                        WHERE stack_id > 0 GROUP BY stack_id ORDER BY 3 DESC, 2 DESC, 1 LIMIT {int(top)}"""
                 )
             ]
         rows.sort(key=lambda r: (-r[3], -r[2], r[0], r[1]))
@@ -621,6 +657,31 @@ def _first_line(exc: BaseException) -> str:
 
 _UNITS = {"": 1, "b": 1, "bytes": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (RLIMIT_AS, `ulimit
+    -v`): the limit less what is mapped now (VmSize); None without a limit."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    with open("/proc/self/status") as f:
+        mapped = next((int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:")), 0)
+    return soft - mapped
+
+
+def _thread_bytes() -> int:
+    """The address space one more thread maps: its stack (glibc's default size is RLIMIT_STACK;
+    counted as 8 MiB when that is unlimited) and its malloc arena's reservation."""
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    return (8 << 20 if stack == resource.RLIM_INFINITY else stack) + THREAD_ARENA
+
+
+def _fitted_threads(left: int, wanted: int) -> dict[str, int]:
+    """DuckDB's thread settings when LEFT bytes of address space are left: WANTED threads, as
+    many as a quarter of LEFT maps (_thread_bytes each, the calling thread free), and none of
+    its asynchronous I/O threads (DuckDB 2.0 starts 8 at connect; local files need none)."""
+    return {"threads": max(1, min(wanted, 1 + (left // 4) // _thread_bytes())), "async_threads": 0}
 
 
 def _size_bytes(text: str) -> int:

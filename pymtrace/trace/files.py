@@ -18,6 +18,12 @@ from typing import IO, Any, Iterator
 from pymtrace.errors import PymtraceError
 
 
+def side_file(trace_path: str, suffix: str) -> str:
+    """Where the side file SUFFIX (".stacks", ".maps") of the trace TRACE_PATH lives: beside
+    it, named as the trace with SUFFIX appended (`app.trace` -> `app.trace.stacks`)."""
+    return trace_path + suffix
+
+
 def _exists_error(path: str) -> PymtraceError:
     return PymtraceError(f"{path} exists; choose another file or use --force")
 

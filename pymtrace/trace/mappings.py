@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.trace import files
 
 FORMAT = "pymtrace-maps"
 VERSION = 1
@@ -43,7 +44,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 def side_path(trace_path: str) -> str:
     """Where the maps of the mtrace-bin or mtrace-text trace TRACE_PATH live."""
-    return trace_path + SUFFIX
+    return files.side_file(trace_path, SUFFIX)
 
 
 @dataclass(frozen=True)

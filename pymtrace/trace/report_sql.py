@@ -227,8 +227,10 @@ STACK_COUNT = "SELECT count(*) FROM trace_rows WHERE stack IS NOT NULL"
 
 
 def stacks_sql(top: int) -> str:
+    # ties (equal bytes and calls) by the stack itself, element by element: the same rows, in the
+    # same order, at every run and on both engines, also at the LIMIT's cut
     return f"""SELECT stack, count(*), coalesce(sum(size) FILTER (WHERE {ALLOCATING}), 0) AS bytes
-               FROM trace_rows WHERE stack IS NOT NULL GROUP BY stack ORDER BY 3 DESC, 2 DESC LIMIT {int(top)}"""
+               FROM trace_rows WHERE stack IS NOT NULL GROUP BY stack ORDER BY 3 DESC, 2 DESC, 1 LIMIT {int(top)}"""
 
 
 # ---------------------------------------------------------------- the report

@@ -11,8 +11,12 @@ stack, in id order (1, 2, ...; id 0 means "no stack"):
 
 frames run root to leaf (the allocating function last); `offset` is the pc in the module's
 own virtual addresses (return address - 1 for callers), what `addr2line -e MODULE` takes;
-`complete` says whether unwinding reached the outermost frame. Stacks are interned by content
-(their exact frame addresses): equal stacks share one id, different ones never do.
+`complete` says whether unwinding reached the outermost frame. In a CPython process the
+Python frames are merged in (tracee.pyframes.merge): such a frame has `"python": true`, its
+function the code object's qualified name, its file and line the Python source's, module ""
+and offset 0 (a reader that ignores the key still reads it). Stacks are interned by content
+(their exact frame addresses, Python frames by name, file and line): equal stacks share one
+id, different ones never do.
 
 The writer appends each new stack as it is first seen, before any record that uses it is
 written, so the table is complete for every record in the file even after a SIGKILL.
@@ -27,6 +31,7 @@ from typing import Callable, Iterable, Sequence
 
 from pymtrace import jsonread
 from pymtrace.errors import CorruptFile, PymtraceError
+from pymtrace.trace import files
 from pymtrace.tracee.unwind import Frame, Location
 
 FORMAT = "pymtrace-stacks"
@@ -38,7 +43,7 @@ _MAX_LINE = 1 << 24  # a line longer than this is refused when reading
 
 def table_path(trace_path: str) -> str:
     """Where the stack table of TRACE_PATH lives."""
-    return trace_path + SUFFIX
+    return files.side_file(trace_path, SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class StackFrame:
     build_id: str
     offset: int
     inlined: bool = False
+    python: bool = False  # a Python frame (function: qualified name; module "", offset 0)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,9 @@ class TableWriter:
         frames = []
         for module, pc in reversed(key[0]):
             for f in reversed(self.symbolize((module, pc))):
+                if f.python:
+                    frames.append(_python_frame(f))
+                    continue
                 frames.append(
                     {
                         "function": f.function,
@@ -126,6 +135,19 @@ class TableWriter:
             self.flush()
         finally:
             os.close(self.fd)
+
+
+def _python_frame(f: Frame) -> dict:
+    return {
+        "function": f.function,
+        "file": f.file,
+        "line": f.line,
+        "module": "",
+        "build_id": "",
+        "offset": 0,
+        "inlined": False,
+        "python": True,
+    }
 
 
 def read_table(path: str) -> dict[int, Stack]:
@@ -165,6 +187,7 @@ def parse_table(lines: Iterable[bytes], name: str) -> dict[int, Stack]:
                     str(f["build_id"]),
                     int(f["offset"]),
                     bool(f.get("inlined", False)),
+                    bool(f.get("python", False)),
                 )
                 for f in obj["frames"]
             )

@@ -158,7 +158,7 @@ class Probe:
     program: str  # BPF function
 
 
-def _direct_targets(code: bytes, start: int) -> list[tuple[str, int]]:
+def direct_targets(code: bytes, start: int) -> list[tuple[str, int]]:
     """(mnemonic, target) of every direct call/jump in CODE (decoded at address START)."""
     import capstone
     from capstone import x86_const as X
@@ -173,11 +173,29 @@ def _direct_targets(code: bytes, start: int) -> list[tuple[str, int]]:
     return out
 
 
-def _plt_stubs(path: str) -> dict[int, str]:
+def _leaves(code: bytes, start: int) -> bool:
+    """Whether the function whose CODE starts at START calls or jumps out of itself: through
+    a register or memory (a function pointer: an interposer's dlsym(RTLD_NEXT) forward), or
+    to an address outside CODE (another function, a PLT stub)."""
+    import capstone
+    from capstone import x86_const as X
+
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    md.detail = True
+    for insn in md.disasm(code, start):
+        if (insn.group(X.X86_GRP_JUMP) or insn.group(X.X86_GRP_CALL)) and insn.operands:
+            op = insn.operands[0]
+            if op.type != X.X86_OP_IMM or not start <= op.imm < start + len(code):
+                return True
+    return False
+
+
+def plt_stubs(path: str, got: bool = False) -> dict[int, str]:
     """{address of a PLT stub: the symbol it jumps to} of PATH: each stub's `jmp
     *slot(%rip)` decoded, its GOT slot named by the JUMP_SLOT relocations (.rela.plt).
     Calls between an allocator's own exported functions go through these (mimalloc's
-    posix_memalign is `jmp mi_posix_memalign@plt`)."""
+    posix_memalign is `jmp mi_posix_memalign@plt`). GOT: the .plt.got stubs too (functions
+    whose address the file also takes: libstdc++'s `jmp _ZdaPv@plt`), named by .rela.dyn."""
     import capstone
     from capstone import x86_const as X
     from elftools.elf.elffile import ELFFile
@@ -188,7 +206,9 @@ def _plt_stubs(path: str) -> dict[int, str]:
         e = ELFFile(f)
         slots = {}
         for section in e.iter_sections():
-            if isinstance(section, RelocationSection) and section.name in (".rela.plt", ".rel.plt"):
+            if isinstance(section, RelocationSection) and section.name in (
+                (".rela.plt", ".rel.plt", ".rela.dyn") if got else (".rela.plt", ".rel.plt")
+            ):
                 symtab = e.get_section(section["sh_link"])
                 for rel in section.iter_relocations():
                     if rel["r_info_sym"]:
@@ -197,7 +217,7 @@ def _plt_stubs(path: str) -> dict[int, str]:
             return stubs
         md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
         md.detail = True
-        for name in (".plt", ".plt.sec"):
+        for name in (".plt", ".plt.sec", ".plt.got") if got else (".plt", ".plt.sec"):
             section = e.get_section_by_name(name)
             if section is None:
                 continue
@@ -234,7 +254,7 @@ def _branch_site(code: bytes, start: int) -> int | None:
         break
     if site is None or site == start:
         return None
-    if any(start < t <= site for _, t in _direct_targets(code, start)):
+    if any(start < t <= site for _, t in direct_targets(code, start)):
         return None
     return site - start
 
@@ -269,7 +289,7 @@ def _choose(path: str, family: str, _key: Any) -> tuple[_Chosen, ...]:
         chosen = {a: v for a, v in chosen.items() if a not in taken}
     if not any(f.name.endswith("malloc") or f.name == "_Znwm" for f, _ in chosen.values()):
         raise PymtraceError(f"{path} defines no {'operator new' if cxx else 'malloc'}")
-    plt = _plt_stubs(path) if not cxx else {}  # C++'s variants: neither forwarders nor free-type
+    plt = plt_stubs(path) if not cxx else {}  # C++'s variants: neither forwarders nor free-type
 
     def probed(target: int) -> int | None:
         """The probed function a call/jump to TARGET reaches (directly or via a PLT stub)."""
@@ -283,20 +303,24 @@ def _choose(path: str, family: str, _key: Any) -> tuple[_Chosen, ...]:
         if not cxx:
             code = elf.read_code(path, address, min(sym.size or 10, 10))
             head = code[4:] if code.startswith(b"\xf3\x0f\x1e\xfa") else code  # endbr64
-            first = _direct_targets(head[:6], address + len(code) - len(head))
+            first = direct_targets(head[:6], address + len(code) - len(head))
             if first and first[0][0] == "jmp" and probed(first[0][1]) not in (None, address):
                 continue  # a forwarder: every call reaches the probed function it jumps to (C++'s
                 # variants are kept: each is its own call type, nesting depth counts it once)
         nested = f.call != "free"
         if not nested:  # a free-type function calling another probed one is nested too
             code = elf.read_code(path, address, sym.size or 256)
-            nested = any(probed(t) not in (None, address) for _, t in _direct_targets(code, address))
+            nested = any(probed(t) not in (None, address) for _, t in direct_targets(code, address))
+            # another object's free that leaves itself may forward to the next definition (an
+            # LD_PRELOAD interposer: glibc's free, probed beside it by `record -- CMD`)
+            nested = nested or (family == "generic" and _leaves(code, address))
         program = f.program if f.call != "free" else ("ms_f_free_nest" if nested else "ms_f_free_p1")
         out.append(_Chosen(f, address, sym.size, program, nested))
     return tuple(out)
 
 
-def _key(path: str) -> tuple[int, int, int]:
+def cache_key(path: str) -> tuple[int, int, int]:
+    """(device, inode, mtime) of PATH, a plan cache's key; PymtraceError when it cannot be read."""
     try:
         st = os.stat(path)
     except OSError as exc:
@@ -308,12 +332,12 @@ def programs(path: str, family: str) -> frozenset[str]:
     """The BPF programs (top's ms_f_*) probe_plan(PATH, FAMILY) attaches,
     known before the probe sites are decoded: a command compiles exactly these. Raises as
     probe_plan does."""
-    chosen = _choose(path, family, _key(path))
+    chosen = _choose(path, family, cache_key(path))
     return frozenset({c.program for c in chosen} | ({"ms_f_return"} if any(c.nested for c in chosen) else set()))
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
+def _plan(path: str, family: str, _key: Any, past_refused: bool) -> tuple[tuple[str, tuple[Probe, ...]], ...]:
     plan = []
     for c in _choose(path, family, _key):
         f, address = c.function, c.address
@@ -324,6 +348,10 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
             branch = _branch_site(code, address)  # +0 would be single-stepped
             if branch is not None:
                 offsets = (branch,)
+        if offsets == (0,) and past_refused:
+            past = probesite.past_refused(code, address, len(code))  # +0: the kernel refuses it
+            if past is not None:
+                offsets = (past,)
         probes = [Probe(f.name, "entry", off, c.program) for off in offsets]
         if c.nested:
             # a uretprobe is a breakpoint too: on the entry's site when that is the only one
@@ -337,9 +365,12 @@ def _plan(path: str, family: str, _key: Any) -> tuple[tuple[str, tuple[Probe, ..
     return tuple(plan)
 
 
-def probe_plan(path: str, family: str) -> list[tuple[str, tuple[Probe, ...]]]:
+def probe_plan(path: str, family: str, past_refused: bool = False) -> list[tuple[str, tuple[Probe, ...]]]:
     """top's uprobes for the allocator FAMILY (a FAMILIES key, or CXX_FAMILY: operator
     new/delete, every variant with a return probe) in the ELF file PATH:
-    [(function, (Probe, ...))], each function found in PATH once per address. Raises
-    PymtraceError when PATH cannot be read or defines no malloc."""
-    return list(_plan(path, family, _key(path)))
+    [(function, (Probe, ...))], each function found in PATH once per address. PAST_REFUSED
+    (record): a function whose first instruction the kernel refuses a uprobe on (an
+    LD_PRELOAD counter's `lock add`) is probed at the next one it accepts, where that sees
+    the same call (probesite.past_refused). Raises PymtraceError when PATH cannot be read or
+    defines no malloc."""
+    return list(_plan(path, family, cache_key(path), past_refused))

@@ -50,33 +50,71 @@ class Symbol:
 def _symbols(path: str, _mtime: int) -> dict[str, Symbol]:
     table = {}
     with open(path, "rb") as f:
-        elf = _elffile(f)
-        for section_name in (".symtab", ".dynsym"):
-            section = elf.get_section_by_name(section_name)
-            if section is None:
-                continue
-            if elf.elfclass == 64 and elf.little_endian:
-                entries = _elf64_symbols(section.data(), elf.get_section(section["sh_link"]).data())
-            else:
-                entries = ((sym.name, sym["st_value"], sym["st_size"]) for sym in section.iter_symbols())
-            for name, value, size in entries:
-                if value == 0 or not name:
-                    continue
-                name = name.split("@")[0]
+        for name, _function, _undefined, value, size in _symbol_entries(_elffile(f)):
+            if value != 0 and name:
                 table.setdefault(name, Symbol(name, value, size))
     return table
 
 
+class SymbolNames(NamedTuple):
+    functions: frozenset[str]  # the functions the file defines
+    undefined: frozenset[str]  # the symbols it refers to and leaves to another object to define
+
+
+def symbol_names(path: str) -> SymbolNames:
+    """The names of the functions PATH defines and of the symbols it leaves undefined, from
+    .symtab and .dynsym, without version suffixes (`malloc@GLIBC_2.2.5` is `malloc`); an
+    undefined `malloc`, even with a PLT address as its value, is no definition. OSError, or
+    pyelftools' errors (of many types) on a malformed file."""
+    functions, undefined = set(), set()
+    with open(path, "rb") as f:
+        for name, function, is_undefined, _value, _size in _symbol_entries(_elffile(f)):
+            if not name:
+                continue
+            if is_undefined:
+                undefined.add(name)
+            elif function:
+                functions.add(name)
+    return SymbolNames(frozenset(functions), frozenset(undefined))
+
+
 _ELF64_SYM = struct.Struct("<IBBHQQ")  # st_name, st_info, st_other, st_shndx, st_value, st_size
+_STT_FUNC = 2
+_SHN_UNDEF = 0
 
 
-def _elf64_symbols(data: bytes, strtab: bytes) -> Iterator[tuple[str, int, int]]:
-    """(name, value, size) of each Elf64_Sym in DATA, unpacked in bulk: pyelftools parses
-    each symbol through construct, ~0.1 s for libc's 3,000, on the path of every command's
-    start-up (the bulk read: ~5 ms; same table, tests/unit/test_elf.py)."""
-    for st_name, _info, _other, _shndx, value, size in _ELF64_SYM.iter_unpack(data):
+def _symbol_entries(elf: ELFFile) -> Iterator[tuple[str, bool, bool, int, int]]:
+    """(name without its version, a function?, undefined?, value, size) of each entry of
+    ELF's .symtab, then its .dynsym."""
+    for section_name in (".symtab", ".dynsym"):
+        section = elf.get_section_by_name(section_name)
+        if section is None:
+            continue
+        if elf.elfclass == 64 and elf.little_endian:
+            entries = _elf64_symbols(section.data(), elf.get_section(section["sh_link"]).data())
+        else:
+            entries = (
+                (
+                    sym.name,
+                    sym["st_info"]["type"] == "STT_FUNC",
+                    sym["st_shndx"] == "SHN_UNDEF",
+                    sym["st_value"],
+                    sym["st_size"],
+                )
+                for sym in section.iter_symbols()
+            )
+        for name, function, undefined, value, size in entries:
+            yield name.split("@")[0], function, undefined, value, size
+
+
+def _elf64_symbols(data: bytes, strtab: bytes) -> Iterator[tuple[str, bool, bool, int, int]]:
+    """(name, a function?, undefined?, value, size) of each Elf64_Sym in DATA, unpacked in
+    bulk: pyelftools parses each symbol through construct, ~0.1 s for libc's 3,000, on the
+    path of every command's start-up (the bulk read: ~5 ms; same table, tests/unit/test_elf.py)."""
+    for st_name, info, _other, shndx, value, size in _ELF64_SYM.iter_unpack(data):
         end = strtab.find(b"\0", st_name)
-        yield strtab[st_name : end if end >= 0 else len(strtab)].decode("utf-8", "replace"), value, size
+        name = strtab[st_name : end if end >= 0 else len(strtab)].decode("utf-8", "replace")
+        yield name, info & 0xF == _STT_FUNC, shndx == _SHN_UNDEF, value, size
 
 
 def symbols(path: str) -> dict[str, Symbol]:
@@ -266,6 +304,16 @@ def interpreter(path: str) -> str | None:
     except Exception:  # pyelftools raises many types on a malformed file: no interpreter known
         return None
     return None
+
+
+def needed(path: str) -> list[str]:
+    """PATH's DT_NEEDED libraries (sonames), [] when it has none or cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            dynamic = _elffile(f).get_section_by_name(".dynamic")
+            return [t.needed for t in dynamic.iter_tags("DT_NEEDED")] if dynamic is not None else []
+    except Exception:  # pyelftools raises many types on a malformed file
+        return []
 
 
 def image_size(path: str) -> int:

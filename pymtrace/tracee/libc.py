@@ -303,7 +303,7 @@ def _link_map(pid: int, exe: str, maps: list[Mapping]) -> list[str] | None:
     return paths
 
 
-def allocator(pid: int) -> Allocator | None:
+def allocator(pid: int, skip: Collection[str] = ()) -> Allocator | None:
     """Whose malloc PID calls: an Allocator, or None while that is not known yet (a
     dynamically linked program whose loader has not mapped its libc). Raises ProcessGone.
 
@@ -312,7 +312,8 @@ def allocator(pid: int) -> Allocator | None:
     the libc -> traced; jemalloc, tcmalloc, mimalloc, ... -> not traced (glibc's own
     libc_malloc_debug and libmemusage pass calls on to libc, so they do not count). When
     the link map cannot be read, any mapped object but the libc that exports malloc is
-    taken to be the allocator. No libc mapped: a static binary, not traced."""
+    taken to be the allocator. No libc mapped: a static binary, not traced. The files in SKIP
+    are passed over (pymtrace's interposer: the allocator its calls go on to)."""
     try:
         maps = read_maps(pid)
     except MapsUnreadable:
@@ -332,9 +333,10 @@ def allocator(pid: int) -> Allocator | None:
             host_path(pid, m.path) for m in maps if "x" in m.perms and m.path.startswith("/")
         ]
     libc_key = file_key(libc_path) if libc_path else None
+    skipped = {key for key in map(file_key, skip) if key is not None}
     for path in order:
-        if not path:
-            continue  # the vDSO, or an entry without a name
+        if not path or file_key(path) in skipped:
+            continue  # the vDSO, an entry without a name, a file skipped
         if libc_key is not None and file_key(path) == libc_key:
             if in_order:
                 break  # libc comes first: objects after it do not interpose
@@ -371,10 +373,17 @@ def cxx_runtime(pid: int) -> str | None:
     linker's search order that exports _Znwm: libstdc++, or an allocator that replaces it,
     such as a preloaded jemalloc/tcmalloc/mimalloc), or None (no C++ runtime mapped, or the
     maps are unreadable). When the link map cannot be read, the mapped files in map order."""
+    return first_definers(pid, ("_Znwm",))["_Znwm"]
+
+
+def first_definers(pid: int, names: Collection[str]) -> dict[str, str | None]:
+    """{name: the file a call of NAME through a PLT stub reaches in PID}: the first object in
+    the dynamic linker's search order that exports it, or None (not found, or the maps are
+    unreadable). When the link map cannot be read, the mapped files in map order."""
     try:
         maps = read_maps(pid)
     except MapsUnreadable:
-        return None
+        return dict.fromkeys(names)
     own = proc.exe(pid)
     exe = host_path(pid, own) if own is not None else None
     order = None
@@ -388,10 +397,8 @@ def cxx_runtime(pid: int) -> str | None:
             host_path(pid, m.path) for m in maps if "x" in m.perms and m.path.startswith("/")
         ]
     mapped = {file_key(host_path(pid, m.path)) for m in maps if m.path.startswith("/")}
-    for path in order:
-        if path and file_key(path) in mapped and defines(path, "_Znwm"):
-            return path
-    return None
+    found = [path for path in order if path and file_key(path) in mapped]
+    return {name: next((path for path in found if defines(path, name)), None) for name in names}
 
 
 def _mapped_files(maps_seen: dict[int, list[Mapping]] | None) -> Iterator[tuple[int, str, str]]:

@@ -132,6 +132,56 @@ def choose(code: bytes, start: int, size: int, function: str = "?") -> Sites:
     )
 
 
+# legacy prefixes x86 uprobes refuse an instruction for (the kernel's is_prefix_bad): LOCK and
+# the six segment overrides (DS also marks `notrack` branches); the kernel answers ENOTSUPP
+_REFUSED_PREFIXES = frozenset({0xF0, 0x26, 0x2E, 0x36, 0x3E, 0x64, 0x65})
+
+
+def refused(insn: Any) -> bool:
+    """Whether the kernel will not put a uprobe on INSN (a capstone instruction): it has a
+    LOCK or segment prefix."""
+    return any(p in _REFUSED_PREFIXES for p in insn.prefix)
+
+
+def _steps_over(insn: Any) -> bool:
+    """Whether a probe after INSN sees what one on it would: INSN is no branch, call or
+    return, writes only scratch registers and flags (the arguments and the stack pointer are
+    as at the function's entry: a return probe there finds the return address at [rsp]), and
+    addresses memory only at a fixed place (rip-relative or absolute: a counter of the
+    library's own), never through a register the caller set."""
+    from capstone import x86_const as X
+
+    if insn.group(X.X86_GRP_JUMP) or insn.group(X.X86_GRP_CALL) or insn.group(X.X86_GRP_RET):
+        return False
+    if insn.group(X.X86_GRP_INT) or insn.mnemonic in ("syscall", "sysenter"):
+        return False
+    for op in insn.operands:
+        if op.type == X.X86_OP_MEM and (op.mem.base not in (0, X.X86_REG_RIP) or op.mem.index != 0):
+            return False
+    _, written = insn.regs_access()
+    return all(insn.reg_name(r) in _SCRATCH for r in written)
+
+
+def past_refused(code: bytes, start: int, size: int) -> int | None:
+    """Where to probe the function whose CODE starts at START when the kernel refuses its
+    first instruction (refused()): the offset of the first instruction it accepts, when each
+    one before it can be stepped over (_steps_over: same arguments, same stack) and no jump
+    in the function lands after +0 up to that place (a loop would pass the probe again).
+    None when +0 is accepted or that cannot be proven."""
+    insns = list(_decoder().disasm(code[:size], start))
+    k = 0
+    while k < min(len(insns), 8) and refused(insns[k]):
+        if not _steps_over(insns[k]):
+            return None
+        k += 1
+    if k == 0 or k == len(insns) or refused(insns[k]):
+        return None
+    site = insns[k].address
+    if any(t is not None and start < t <= site for t in map(_branch_target, insns)):
+        return None
+    return site - start
+
+
 @functools.lru_cache(maxsize=128)
 def sites(path: str, function: str) -> Sites:
     """Probe sites for FUNCTION in the ELF file PATH."""

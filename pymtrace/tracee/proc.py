@@ -53,21 +53,6 @@ def effective_uid(pid: int) -> int | None:
     return None
 
 
-def environ_value(pid: int, name: str) -> str | None:
-    """NAME's value in the process's environment as it was at its exec ("" when it has no
-    such variable), or None when the environment cannot be read (exited, not ours)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    key = name.encode() + b"="
-    for item in data.split(b"\0"):
-        if item.startswith(key):
-            return item[len(key) :].decode(errors="replace")
-    return ""
-
-
 _cgroup_cache = {}
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import NamedTuple, Protocol, Union
 
 from pymtrace import nativebuild
 from pymtrace.errors import MissingLibrary, ProcessGone, PymtraceError
@@ -52,6 +52,7 @@ class Frame:
     file: str = ""  # source file when debug info exists
     line: int = 0
     inlined: bool = False  # True for an inlined callee (a pc can yield several frames)
+    python: bool = False  # a Python function (file: its co_filename; tracee.pyframes)
 
 
 Location = tuple[Module, int]  # (module, file-relative pc: return address - 1 for callers)
@@ -482,11 +483,17 @@ def unknown_frame(module: Module, pc: int) -> Frame:
     return Frame(f"{os.path.basename(module.path)}+0x{pc:x}")
 
 
+class FrameNamer(Protocol):
+    """What names a module's Locations: ProcessImage, tracee.pyframes.PythonFrames."""
+
+    def symbolize(self, module: Module, pc: int) -> list[Frame]: ...
+
+
 class Symbolizer:
     """Names of Locations at report time, shared by all images, cached per Location."""
 
     def __init__(self) -> None:
-        self._images: dict[Module, ProcessImage] = {}
+        self._images: dict[Module, FrameNamer] = {}
         self._cache: dict[Location, list[Frame]] = {}
 
     def add(self, image: ProcessImage) -> None:
@@ -494,6 +501,10 @@ class Symbolizer:
         serves it for every process."""
         for module in image.modules:
             self._images.setdefault(module, image)
+
+    def add_source(self, module: Module, source: FrameNamer) -> None:
+        """Name MODULE's Locations with SOURCE (the Python frames: tracee.pyframes)."""
+        self._images[module] = source
 
     def frames(self, loc: Location) -> list[Frame]:
         """The frames of LOC, innermost first (inlined callees, then the function)."""

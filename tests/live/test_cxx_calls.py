@@ -1,14 +1,21 @@
 """C++ operator new/delete as their own call types: tests/support/workloads/
 cxx_calls.cpp calls every variant a known number of times; `top --json` counts each exactly
 (the malloc/free a new/delete makes inside not counted again) on glibc's libstdc++ and with
-jemalloc or tcmalloc (which define their own operator new) preloaded, and `record -p` maps
-them onto dj/malloc's codes (new -> malloc, aligned new -> memalign, delete -> free)."""
+jemalloc or tcmalloc (which define their own operator new) preloaded, and `record -p` and
+`record --via uprobes` map them onto dj/malloc's codes (new -> malloc, aligned new ->
+memalign, delete -> free), each call once with the program's return address."""
 
+import json
+import shutil
+import subprocess
 import time
 
 import pytest
 from support.allocators import LIBS, library, record_workload
-from support.cxxcalls import CALLS, STDCXX, expected_counts
+from support.cli import run_pymtrace
+from support.cxxcalls import CALLS, STDCXX, check_records, expected_counts
+from support.paths import WORKLOADS
+from support.recording import text_range
 from support.top import Top, Workload
 
 from pymtrace.trace.formats import mtrace_bin as B
@@ -85,8 +92,12 @@ def test_top_counts_two_processes_on_one_runtime_each_exactly(cxx_calls, name):
             w.kill()
 
 
-@pytest.mark.parametrize("name", ["glibc", "tcmalloc"])
+@pytest.mark.parametrize("name", ["glibc", "jemalloc", "tcmalloc", "mimalloc"])
 def test_record_maps_new_and_delete_onto_malloc_codes(cxx_calls, tmp_path, name):
+    """record -p: each call once, in order, with its size, alignment and the program's
+    return address, whichever way its runtime's variants are probed (cxxplan: libstdc++'s
+    new carried by malloc and its deletes by free, jemalloc's and mimalloc's aligned new
+    carried, tcmalloc's all their own)."""
     w, _ = _start(cxx_calls, name)
     out = tmp_path / "trace"
     result = record_workload(w, out)
@@ -97,7 +108,40 @@ def test_record_maps_new_and_delete_onto_malloc_codes(cxx_calls, tmp_path, name)
     assert types.count(B.MEMALIGN) == c["new_aligned"]
     assert types.count(B.FREE) == sum(c[k] for k in CALLS if k.startswith("delete"))
     assert len(records) == sum(c.values())  # nothing recorded twice
+    check_records(records, result, cxx_calls)
     aligned = [r for r in records if r.type == B.MEMALIGN]
     assert all(r.size2 == 64 and r.ptr2 % 64 == 0 for r in aligned)
     if name == "glibc":  # chunk sizes read from glibc's headers
         assert all(r.size3 >= r.size for r in records if r.type == B.MALLOC)
+
+
+@pytest.mark.parametrize("stacks", [False, True])
+def test_record_via_uprobes_of_a_launched_cxx_program(cxx_calls, tmp_path, stacks):
+    """`record --via uprobes -- PROG`: the same records as -p, operator new carried by its malloc
+    or (--stacks, whose stack is taken at the recorded call's return) probed at its own return."""
+    out = tmp_path / "trace"
+    extra = ["--stacks"] if stacks else []
+    r = run_pymtrace("record", "--via", "uprobes", *extra, "-o", out, "--", cxx_calls, input="xx", timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.splitlines()[-1])
+    lo, hi = text_range(cxx_calls)  # the program's calls, not its libraries' at start-up
+    check_records([rec for rec in B.read_file(out) if lo <= rec.caller < hi], result, cxx_calls)
+
+
+def test_an_exception_out_of_operator_new_reaches_the_program(tmp_path):
+    """A carried operator new has no return probe, whose rewritten return address would stop the
+    unwinder (std::terminate): under `record --via uprobes` the program catches its bad_alloc,
+    and each failed new is recorded as a malloc that returned NULL, at the program's call."""
+    from support.needs import missing_or_fail
+
+    if shutil.which("g++") is None:
+        missing_or_fail("g++ is not installed")
+    prog = tmp_path / "bad_alloc"
+    subprocess.run(["g++", "-O1", "-no-pie", "-o", prog, WORKLOADS / "cxx_bad_alloc.cpp"], check=True)
+    out = tmp_path / "trace"
+    r = run_pymtrace("record", "--via", "uprobes", "-o", out, "--", prog, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["caught", "3"]
+    lo, hi = text_range(str(prog))
+    failed = [rec for rec in B.read_file(out) if rec.type == B.MALLOC and rec.size == 1 << 62]
+    assert [(rec.ptr2, lo <= rec.caller < hi) for rec in failed] == [(0, True)] * 3

@@ -113,6 +113,31 @@ def test_signal_handler_records_survive_interrupted_writes(calls):
     print("deferred:", sum(s.deferred for s in run.stats), "waits:", sum(s.waits for s in run.stats))
 
 
+def test_two_nesting_signal_handlers_keep_every_record_in_order(calls):
+    """A SIGALRM and a SIGPROF handler that each malloc and free, interrupting the main
+    thread's writes and each other: every call recorded once, and each handler block freed
+    after it was allocated, never allocated twice while live (no buffer slot shared)."""
+    run = run_interposed([calls, "signals2", "3000"])
+    assert run.proc.returncode == 0, run.proc.stderr
+    lo, hi = text_range(calls)
+    want = truth(run.proc.stdout)
+    assert any(size == 6116 for _, _, size in want)  # SIGPROF fired too
+    assert program_calls(run, lo, hi) == want
+    recs = run.all()
+    live = set()
+    sizes = {}
+    for r in recs:
+        t, p1, p2 = int(r["type"]), int(r["ptr1"]), int(r["ptr2"])
+        if t == B.MALLOC and int(r["size"]) in (6006, 6116):
+            assert p2 not in live
+            live.add(p2)
+            sizes[p2] = int(r["size"])
+        elif t == B.FREE and p1 in sizes:
+            assert p1 in live
+            live.discard(p1)
+    assert not live
+
+
 @pytest.mark.parametrize("mode", ["fork", "vfork"])
 def test_not_following_forks_records_the_parent_alone(calls, mode):
     run = run_interposed([calls, mode], I.RingOptions(follow=False))

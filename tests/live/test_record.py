@@ -13,7 +13,7 @@ import pytest
 from support import machine
 from support.cli import PYMTRACE, run_pymtrace, script_background, sigint_ignored
 from support.paths import ROOT
-from support.recording import ground_truth, text_range
+from support.recording import check_own_calls, ground_truth, key, text_range
 from support.top import alive
 from support.uprobes import ProbeWatch
 
@@ -21,10 +21,6 @@ from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.trace.formats import mtrace_text as T
 
 pytestmark = pytest.mark.bpf
-
-
-def key(r):
-    return (r.thread, r.type, r.ptr1, r.ptr2, r.size, r.size2, r.size3)
 
 
 def check_order(records):
@@ -69,17 +65,12 @@ def test_record_launch_exact_records(cbuild, tmp_path):
     counts = collections.Counter(r.type_name for r in records)
     assert summary["files"][0]["counts"] == {name: counts.get(name, 0) for name in summary["files"][0]["counts"]}
 
-    # the program's own calls: exactly the ground truth, record for record
+    # the program's own calls: exactly the ground truth, record for record, per thread in the
+    # same order the thread made them
+    by_thread = check_own_calls(records, prog, truth)
+    assert len(by_thread) == 4
     lo, hi = text_range(prog)
     own = [r for r in records if lo <= r.caller < hi]
-    assert collections.Counter(map(key, own)) == collections.Counter(truth)
-    # per thread in the same order the thread made them
-    by_thread = collections.defaultdict(list)
-    for t in truth:
-        by_thread[t[0]].append(t)
-    for tid, calls in by_thread.items():
-        assert [key(r) for r in own if r.thread == tid] == calls
-    assert len(by_thread) == 4
     # the special cases are really there, as docs/formats.md describes them
     kinds = {(t[1], t[2] == 0, t[3] == 0) for t in truth}
     assert (B.FREE, True, True) in kinds  # free(NULL)

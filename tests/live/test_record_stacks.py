@@ -1,6 +1,8 @@
-"""`pymtrace record --stacks` with real BPF on heap_chains (built -O2 -fomit-frame-pointer):
-every allocation record's stack id resolves to the exact chain of its call, counts and bytes
-exact, in mtrace-bin and Parquet; `dump` shows them; without --stacks nothing changes."""
+"""`pymtrace record --stacks` on heap_chains (built -O2 -fomit-frame-pointer), in-process
+(the interposer unwinds) and through uprobes (BPF copies the stack): every allocation record's
+stack id resolves to the exact chain of its call, counts and bytes exact, in mtrace-bin and
+Parquet, the same on both paths; through threads, a signal handler, fork and vfork+exec;
+`dump` shows them; without --stacks nothing changes."""
 
 import collections
 import json
@@ -13,6 +15,7 @@ import pyarrow.parquet
 import pytest
 from support import heapchains
 from support.cli import run_pymtrace
+from support.interposer import truth
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.trace import stacktable
@@ -67,9 +70,13 @@ def check_chains(records, table):
     assert len(keys) == len(set(keys))
 
 
-def test_mtrace_bin_stacks_exact_and_dump(chains_exe, tmp_path):
+@pytest.mark.parametrize("via", ["interposer", "uprobes"])
+def test_mtrace_bin_stacks_exact_and_dump(chains_exe, tmp_path, via):
+    """Both paths: in-process (libunwind in the interposer) and through uprobes (BPF's stack
+    copy, libdwfl)."""
     out = tmp_path / "t"
-    summary = record(out, chains_exe)
+    summary = record(out, chains_exe, "--via", via)
+    assert summary["via"] == via
     assert summary["stacks_lost"] == 0 and summary["lost"] == 0
     table_file = tmp_path / "t.stacks"
     assert stat.S_IMODE(os.stat(table_file).st_mode) == 0o600
@@ -156,3 +163,69 @@ def test_stacks_of_a_command_exec_d_onto_jemalloc(chains_exe, tmp_path):
                 got[name][0] += 1
                 got[name][1] += r.size
     assert got == {name: [calls, size] for name, (_, calls, size) in heapchains.CHAINS.items()}
+
+
+def allocation_stacks(path):
+    """Counter of (call type, size, folded stack) over PATH's allocation records."""
+    table = stacktable.read_table(stacktable.table_path(str(path)))
+    return collections.Counter((r.type, r.size, table[r.stack].folded()) for r in B.read_file(path) if r.type in ALLOCS)
+
+
+def test_in_process_stacks_equal_the_uprobe_paths(chains_exe, tmp_path):
+    """The same program recorded both ways: the same allocations on the same stacks, frame
+    for frame (the leaf named the same way, return addresses located in the same files). One
+    allocation differs by design: the loader sizes a thread's TLS vector by the objects with
+    TLS, and the interposer (with libunwind) is two more."""
+    got = {}
+    for via in ("interposer", "uprobes"):
+        out = tmp_path / via
+        summary = record(out, chains_exe, "--via", via)
+        assert summary["via"] == via and summary["stacks_lost"] == 0
+        got[via] = allocation_stacks(out)
+    dtv = {k for k in got["interposer"] | got["uprobes"] if ";allocate_dtv;" in k[2]}
+    assert len(dtv) <= 2 and all(k[1] < 1024 for k in dtv)
+    assert sum(got["interposer"].values()) == sum(got["uprobes"].values()) > 250
+    assert {k: n for k, n in got["interposer"].items() if k not in dtv} == {
+        k: n for k, n in got["uprobes"].items() if k not in dtv
+    }
+
+
+@pytest.fixture(scope="module")
+def calls_exe(cbuild):
+    return cbuild("interpose_calls", "-no-pie", "-ldl")
+
+
+@pytest.mark.parametrize(
+    "mode,size,function",
+    [
+        (["threads", "2"], 101, "worker"),
+        (["signal", "300"], 6006, "on_alarm"),
+        (["fork"], 2002, "fork_child"),
+        (["vfork"], 4004, "main"),  # (`after`, inlined: no debug information to name it)
+    ],
+    ids=["threads", "signal", "fork", "vfork-exec"],
+)
+def test_in_process_stacks_through_threads_signals_forks_and_execs(calls_exe, tmp_path, mode, size, function):
+    """--follow-forks in-process: every allocation of every process has its stack, and each of
+    the workload's own calls of SIZE bytes (as many as it counts) is on a stack through
+    FUNCTION: a thread's start, a signal handler (unwound across the signal frame), a forked
+    child, a vfork child's exec'd program; every frame named, though the children end before
+    record reads their stacks (each process names the objects it loaded)."""
+    out = tmp_path / "t"
+    proc = run_pymtrace("record", "--stacks", "--follow-forks", "--json", "-o", out, "--", calls_exe, *mode)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert summary["via"] == "interposer" and summary["stacks_lost"] == 0 and summary["lost"] == 0
+    want = sum(n for (_, kind, sz), n in truth(proc.stdout).items() if kind == B.MALLOC and sz == size)
+    assert want > 0
+    found = 0
+    for f in summary["files"]:
+        table = stacktable.read_table(stacktable.table_path(f["file"]))
+        for r in B.read_file(f["file"]):
+            if r.type in ALLOCS:
+                assert r.stack, r
+            if r.type == B.MALLOC and r.size == size:
+                names = [fr.function for fr in table[r.stack].frames]
+                assert function in names and not any("[unknown]" in n for n in names), names
+                found += 1
+    assert found == want

@@ -178,11 +178,19 @@ def test_record_compiles_only_the_record_program(tmp_path, target):
 @pytest.mark.bpf
 def test_record_on_jemalloc_compiles_its_programs_only(tmp_path, cbuild):
     """record -p on a process on jemalloc: the enter_f_* programs of the layouts jemalloc's
-    functions use and of its C++ operator new/delete, and `leave`; none of the libc's."""
+    functions use, those of its C++ operator new/delete record's plan probes (tracee.cxxplan:
+    its carried news' enter_cxx_new_<slot>), and `leave`; none of the libc's."""
     from support.allocators import LIBS, library
 
+    from pymtrace.recorder.plan import recorded_names
+    from pymtrace.tracee import cxxplan, libc
+
+    jemalloc = library(LIBS["jemalloc"])
     work = _foreign_workload(cbuild)
     try:
+        found = libc.allocator(work.pid)
+        recorded = recorded_names([(libc.process_libc(work.pid), False)], found)
+        cxx = cxxplan.for_process(work.pid, jemalloc, recorded)
         proc, compiles, events = traced_run(
             tmp_path, "record", "-p", work.pid, "--duration", "0.3", "-o", tmp_path / "trace.mtrace"
         )
@@ -190,11 +198,10 @@ def test_record_on_jemalloc_compiles_its_programs_only(tmp_path, cbuild):
         work.kill()
     assert proc.returncode == 0, proc.stderr
     assert compiles == [{"record"}] and compiled_before_uprobes(events), events
-    jemalloc = library(LIBS["jemalloc"])
-    used = attached_programs(jemalloc, "jemalloc") | attached_programs(jemalloc, "c++")
-    assert used == FOREIGN_PROGRAMS
-    expected = {"enter_f_" + p.removeprefix("ms_f_") for p in used - {"ms_f_return"}} | {"leave"}
-    assert compiled_functions(proc) == [expected]
+    own = attached_programs(jemalloc, "jemalloc")
+    assert own | attached_programs(jemalloc, "c++") == FOREIGN_PROGRAMS
+    expected = {"enter_f_" + p.removeprefix("ms_f_") for p in own - {"ms_f_return"}} | cxx.programs() | {"leave"}
+    assert cxx.carried and compiled_functions(proc) == [expected]
 
 
 @pytest.mark.bpf

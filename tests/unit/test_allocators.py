@@ -108,6 +108,18 @@ def test_programs_of_a_free_calling_another_probed_function(tmp_path):
     assert allocators.programs(exe, "generic") == attached == {"ms_f_malloc_s1", "ms_f_free_nest", "ms_f_return"}
 
 
+def test_a_free_forwarding_through_a_pointer_is_nested(tmp_path):
+    """An interposer's free ending in a call through a pointer (dlsym(RTLD_NEXT)'s next free)
+    may reach glibc's free, which `record -- CMD` probes beside it: it keeps the nesting depth
+    (a return probe), so that the call is recorded once."""
+    exe = own_malloc(
+        tmp_path, "void (*volatile next_free)(void *);\n__attribute__((noipa)) void free(void *p) { next_free(p); }"
+    )
+    plan = _plan(exe, "generic")
+    assert {p.program for p in plan["free"]} == {"ms_f_free_nest", "ms_f_return"}
+    assert allocators.programs(exe, "generic") == {"ms_f_malloc_s1", "ms_f_free_nest", "ms_f_return"}
+
+
 def _entries_of_bpf_allocators_h():
     """{name: (macro, CALL_* type)} of bpf/allocators.h's entry programs; each entry's #if guard
     names the entry it guards, with the want macro of its list."""

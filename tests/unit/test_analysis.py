@@ -233,16 +233,19 @@ def test_collect_dataset_parts_of_one_stream_are_one_recording(known, tmp_path):
         assert split[key] == whole[key], key
 
 
+def write_with_stacks(table, stacks, path):
+    """TABLE written to PATH with its `stack` column STACKS (a list per row, or None)."""
+    field = P.SCHEMA.field("stack")
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("stack"), field, pyarrow.array(stacks, field.type)), path
+    )
+
+
 def test_stacks_when_recorded(known, tmp_path):
     table = pq.read_table(known)
     stacks = [[0x401000 + i, 0x402000] if i % 2 else None for i in range(table.num_rows)]
-    table = table.set_column(
-        table.schema.get_field_index("stack"),
-        P.SCHEMA.field("stack"),
-        pyarrow.array(stacks, P.SCHEMA.field("stack").type),
-    )
     path = tmp_path / "stacks.parquet"
-    pq.write_table(table, path)
+    write_with_stacks(table, stacks, path)
     rep = report(path)
     assert rep["stacks"]["recorded"] and rep["stacks"]["calls_with_stack"] == table.num_rows // 2
     assert rep["stacks"]["top"][0]["stack"][1] == "0x402000"
@@ -285,6 +288,51 @@ def test_callers_symbolized_from_a_stack_table(tmp_path):
         and top["requested_bytes"] == 10 + 1000 + 200_005 + (1 << 62) + 64
     )
     assert rep["totals"] == plain["totals"]
+
+
+TIED = 24  # stacks with the same calls and bytes, more than the top list holds
+
+
+def _tied_calls(order):
+    """One malloc of 8 bytes at each of the keys ORDER, in that order, after two heavier ones."""
+    rows = [rec(1, B.MALLOC, p2=0x1000 * (k + 1), size=8, t=k + 1) for k in range(len(order))]
+    return numpy.array([rec(1, B.MALLOC, p2=0x90, size=100, t=0)] * 2 + rows, B.record_dtype("<"))
+
+
+def test_top_stacks_with_ties_in_a_defined_order(tmp_path):
+    """Stacks with equal calls and bytes: after the heavier one, the smallest stacks
+    (element by element) in ascending order, in the top list as at its cut (the report's SQL,
+    DuckDB and Spark alike)."""
+    order = [(k * 7) % TIED for k in range(TIED)]  # every key once, not in order
+    recs = _tied_calls(order)
+    stacks = [[0x402000, 0x401000]] * 2 + [[0x500000 + (k << 12), 0x401000] for k in order]
+    path = tmp_path / "ties.parquet"
+    write_with_stacks(P.table_from_records(recs), stacks, path)
+    for threads in (1, 2):
+        with TraceSet([str(path)], threads=threads) as ts:
+            top = ts.report(top=5).to_json()["stacks"]["top"]
+        assert [t["stack"][0] for t in top] == ["0x402000"] + [hex(0x500000 + (k << 12)) for k in range(4)]
+        assert [(t["calls"], t["requested_bytes"]) for t in top] == [(2, 200)] + [(1, 8)] * 4
+
+
+def test_top_stack_ids_with_ties_in_a_defined_order(tmp_path):
+    """The same for a `record --stacks` recording's stack ids (its stack table beside it):
+    equal calls and bytes, the smallest ids first."""
+    heavy = TIED + 1
+    ids = [1 + (k * 7) % TIED for k in range(TIED)]  # every id of 1..TIED once, not in order
+    recs = _tied_calls(ids)
+    recs["type"] |= numpy.array([heavy, heavy] + ids, numpy.uint32) << 8  # the stack id of each call
+    path = tmp_path / "s.parquet"
+    with open(path, "wb") as f:
+        P.write_records(f, iter([recs]), P.file_metadata(), stacks=True)
+    frames = [{"function": "f", "file": "w.c", "line": 1, "module": "/w", "build_id": "ab", "offset": 0x1000}]
+    lines = [{"format": "pymtrace-stacks", "version": 1, "trace": "s.parquet", "pid": 1}]
+    lines += [{"id": i, "complete": True, "frames": frames} for i in range(1, heavy + 1)]
+    (tmp_path / "s.parquet.stacks").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for threads in (1, 2):
+        with TraceSet([str(path)], threads=threads) as ts:
+            top = ts.report(top=5).to_json()["stacks"]["top"]
+        assert [t["stack_id"] for t in top] == [heavy, 1, 2, 3, 4]
 
 
 def test_text_log_input(known, tmp_path):

@@ -208,8 +208,8 @@ def test_installed_layout_reads_the_headers(tmp_path):
 
 def test_interposer_ring_header_python_reads_equal_what_gcc_compiles(tmp_path):
     """pymtrace/tracee/native/interpose.h (included by interpose.c) is the only definition of
-    the interposer's ring: every constant and every field offset Python reads is gcc's, and a
-    ring slot is bpf/record.h's record_event."""
+    the interposer's ring, its stack table's modules and heap's credits: every constant and
+    every field offset Python reads is gcc's, and a ring slot is bpf/record.h's record_event."""
     import ctypes
 
     h = structs.native_header("interpose", "tracee")
@@ -220,17 +220,28 @@ def test_interposer_ring_header_python_reads_equal_what_gcc_compiles(tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert set(h.consts) == set(re.findall(r"^#define (RING_\w+) \S", macros, re.M))
-    ring = h.structs["ring_header"]
+    assert set(h.consts) == set(re.findall(r"^#define ((?:RING|CREDIT|STACK)_\w+) \S", macros, re.M))
+    ring, credits, module = h.structs["ring_header"], h.structs["sample_credits"], h.structs["stack_module"]
     prog = ["#include <stdio.h>", "#include <stddef.h>", "#include <linux/types.h>", '#include "interpose.h"']
     prog += ["int main(void) {"]
     prog += [f'printf("const {n} %lld\\n", (long long)({n}));' for n in sorted(h.consts)]
     prog += [f'printf("field {f} %zu\\n", offsetof(struct ring_header, {f}));' for f, _ in ring._fields_]
-    prog += ['printf("size %zu\\n", sizeof(struct ring_header)); return 0; }']
+    prog += [f'printf("credit {f} %zu\\n", offsetof(struct sample_credits, {f}));' for f, _ in credits._fields_]
+    prog += [f'printf("module {f} %zu\\n", offsetof(struct stack_module, {f}));' for f, _ in module._fields_]
+    prog += ['printf("modsize %zu\\n", sizeof(struct stack_module));']
+    prog += ['printf("size %zu\\n", sizeof(struct ring_header));']
+    prog += ['printf("credits %zu\\n", sizeof(struct sample_credits)); return 0; }']
     out = _gcc(tmp_path, "ring", prog, native)
     assert {line.split()[1]: int(line.split()[2]) for line in out if line.startswith("const ")} == h.consts
     assert {line.split()[1]: int(line.split()[2]) for line in out if line.startswith("field ")} == {
         f: getattr(ring, f).offset for f, _ in ring._fields_
     }
-    assert f"size {ctypes.sizeof(ring)}" in out
+    assert {line.split()[1]: int(line.split()[2]) for line in out if line.startswith("credit ")} == {
+        f: getattr(credits, f).offset for f, _ in credits._fields_
+    }
+    assert {line.split()[1]: int(line.split()[2]) for line in out if line.startswith("module ")} == {
+        f: getattr(module, f).offset for f, _ in module._fields_
+    }
+    assert f"size {ctypes.sizeof(ring)}" in out and f"credits {ctypes.sizeof(credits)}" in out
+    assert f"modsize {ctypes.sizeof(module)}" in out
     assert ctypes.sizeof(structs.header("record").structs["record_event"]) == h.consts["RING_EVENT_SIZE"]

@@ -36,8 +36,11 @@ def test_header_unknown_field_type_is_an_error():
 
 
 def test_every_bpf_header_parses_and_compiles_identically(tmp_path):
-    """Each bpf/*.h gives the same struct sizes in Python as gcc computes in C."""
+    """Each bpf/*.h gives the same struct sizes in Python as gcc computes in C. Headers of BPF
+    code (stackcopy.h, pywalk.h: inline functions for the programs) are not user space's: their
+    structs are those of the headers they include, checked there."""
     headers = sorted(p for p in (ROOT / "bpf").glob("*.h") if p.name != "common.h")
+    headers = [p for p in headers if "static __always_inline" not in p.read_text()]
     if not headers:
         pytest.skip("no program headers yet")
     for h in headers:

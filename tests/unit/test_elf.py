@@ -3,6 +3,7 @@
 import os
 import pathlib
 import struct
+import subprocess
 import sys
 
 import pytest
@@ -89,3 +90,46 @@ def test_bulk_symbol_table_equals_pyelftools(path):
                     expected.setdefault(name, elf.Symbol(name, sym["st_value"], sym["st_size"]))
     assert elf.symbols(path) == expected
     assert len(expected) > 10
+
+
+@pytest.mark.parametrize("path", SYMBOL_FILES, ids=os.path.basename)
+def test_symbol_names_equal_pyelftools(path):
+    """elf.symbol_names (the bulk read) gives the functions defined and the symbols left
+    undefined that pyelftools' per-symbol parse gives, versions stripped."""
+    functions, undefined = set(), set()
+    with open(path, "rb") as f:
+        ef = ELFFile(f)
+        for section_name in (".symtab", ".dynsym"):
+            section = ef.get_section_by_name(section_name)
+            for sym in section.iter_symbols() if section is not None else ():
+                name = sym.name.split("@")[0]
+                if not name:
+                    continue
+                if sym["st_shndx"] == "SHN_UNDEF":
+                    undefined.add(name)
+                elif sym["st_info"]["type"] == "STT_FUNC":
+                    functions.add(name)
+    names = elf.symbol_names(path)
+    assert names == (functions, undefined)
+    assert "malloc" in elf.symbol_names(libc.system_libc()).functions
+    assert "malloc" in elf.symbol_names(os.path.realpath(sys.executable)).undefined
+
+
+def test_symbol_names_of_a_program_defining_and_importing(tmp_path):
+    src = tmp_path / "p.c"
+    src.write_text(
+        "#include <stddef.h>\n"
+        "void *mallocx(size_t, int);\n"
+        "void *malloc(size_t n) { return mallocx(n, 0); }\n"
+        "int main(void) { return malloc(1) != 0; }\n"
+    )
+    lib = tmp_path / "libx.so"
+    prog = tmp_path / "p"
+    lib_src = tmp_path / "x.c"
+    lib_src.write_text("#include <stddef.h>\nvoid *mallocx(size_t n, int f) { (void)n; (void)f; return 0; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(lib_src)], check=True)
+    subprocess.run(["gcc", "-o", str(prog), str(src), str(lib)], check=True)
+    names = elf.symbol_names(str(prog))
+    assert "malloc" in names.functions and "malloc" not in names.undefined
+    assert "mallocx" in names.undefined and "mallocx" not in names.functions
+    assert "main" in names.functions

@@ -6,6 +6,7 @@ import ctypes
 import math
 import os
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -132,3 +133,40 @@ def test_probe_plan_allocating_functions_at_entry_and_free_where_top_probes_it()
 def test_probe_plan_of_a_file_without_the_malloc_api_is_one_error():
     with pytest.raises(PymtraceError, match="no malloc/free symbols"):
         probe_plan("/bin/true")
+
+
+_DRAWS = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+draw = lib.pymtrace_sample_draw
+draw.restype, draw.argtypes = ctypes.c_int64, [ctypes.c_uint32, ctypes.c_uint64]
+for line in sys.stdin:
+    x, mean = map(int, line.split())
+    print(draw(x, mean))
+"""
+
+
+def test_the_interposers_draw_is_the_bpf_draw():
+    """heap's in-process sampler (tracee/native/interpose.c, its own log2 table computed
+    without libm) draws what hp_draw draws: equal to draw_bytes for every table index, at the
+    leading bit's every position, over means from 2 to 2^32 - 1 (loaded in a child process,
+    not into the test runner)."""
+    import random
+
+    from pymtrace.sources import interposer
+
+    rng = random.Random(29)
+    means = [2, 3, 1000, 65536, 524288, 2**32 - 1] + [rng.randrange(2, 2**32) for _ in range(6)]
+    cases = [
+        ((1 << k) | (j << max(k - 10, 0)) | rng.getrandbits(max(k - 10, 0)), m)
+        for k in range(32)
+        for j in range(1024)
+        if k >= 10 or j >> k == 0
+        for m in means[:2]
+    ]
+    cases += [(rng.getrandbits(32), rng.choice(means)) for _ in range(50000)]
+    text = "".join(f"{x & 0xFFFFFFFF} {m}\n" for x, m in cases)
+    out = subprocess.run(
+        [sys.executable, "-c", _DRAWS, interposer.library()], input=text, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert [int(v) for v in out] == [draw_bytes(x & 0xFFFFFFFF, m, TABLE) for x, m in cases]

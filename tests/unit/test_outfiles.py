@@ -91,3 +91,15 @@ def test_atomic_output_error_leaves_nothing(tmp_path):
     with pytest.raises(PymtraceError, match="cannot create"):
         with outfiles.atomic_output(str(tmp_path / "missing" / "out")):
             pass
+
+
+def test_side_files_of_a_trace_by_one_rule(tmp_path):
+    """A trace's stack table and maps are named by files.side_file: the trace's path with the
+    side file's suffix, whatever the trace's name (a suffix of its own, dots, a directory)."""
+    from pymtrace.trace import files, mappings, stacktable
+
+    for trace in (tmp_path / "app.trace", tmp_path / "run.1.parquet", tmp_path / "d.x" / "mtrace.out.42"):
+        trace = str(trace)
+        assert files.side_file(trace, ".stacks") == trace + ".stacks"
+        assert stacktable.table_path(trace) == files.side_file(trace, stacktable.SUFFIX) == trace + ".stacks"
+        assert mappings.side_path(trace) == files.side_file(trace, mappings.SUFFIX) == trace + ".maps"

@@ -47,6 +47,7 @@ def test_every_flag_reaches_its_option():
     )
     assert not got.progress
     assert options("--stacks", "-p", "1").stacks
+    assert options("--stacks", "--native", "-p", "1").native
 
 
 def test_output_name_picks_the_format():
@@ -67,6 +68,7 @@ def test_to_becomes_a_network_target():
         ((), r"give -p PID or -- CMD ARGS\.\.\."),
         (("-p", "1", "--", "true"), "give either -p PID or -- CMD, not both"),
         (("--stacks", "--format", "mtrace-text", "-p", "1"), "--stacks needs --format mtrace-bin or parquet"),
+        (("--native", "-p", "1"), "--native chooses how --stacks shows Python processes"),
         (("--to", "127.0.0.1:1", "-o", "x", "-p", "1"), "no -o or --format with it"),
         (("--to", "127.0.0.1:1", "--stacks", "-p", "1"), "--stacks cannot be combined with --to"),
         (("--web-config", "x", "-p", "1"), "--web-config is for --to"),

@@ -42,6 +42,28 @@ def test_table_round_trip_and_interning(tmp_path):
     assert table[2].folded() == "main;malloc"
 
 
+def test_python_frames_kept_and_marked(tmp_path):
+    """A merged stack's Python frames: marked "python", named by qualname, file and line, no
+    module; equal merged stacks share an id; a line without the key (a native frame, a table
+    written before Python frames existed) reads as native."""
+    py = Module("[python]", "")
+    names = {(py, 0): Frame("leaf_a", "/w/py_chains.py", 41, python=True)}
+
+    def merged_symbolize(loc):
+        return [names[loc]] if loc in names else symbolize(loc)
+
+    fd = os.open(tmp_path / "t.stacks", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    w = stacktable.TableWriter(fd, "t", 42, merged_symbolize)
+    stack = ((LIBC, 0x30), (py, 0), (EXE, 0x10))
+    assert [w.intern(stack, True), w.intern(stack, True)] == [1, 1]
+    w.close()
+    text = (tmp_path / "t.stacks").read_text()
+    assert '"python":true' in text and text.count('"python"') == 1
+    frames = stacktable.read_table(str(tmp_path / "t.stacks"))[1].frames
+    assert [(f.function, f.python) for f in frames] == [("main", False), ("leaf_a", True), ("malloc", False)]
+    assert (frames[1].file, frames[1].line, frames[1].module, frames[1].offset) == ("/w/py_chains.py", 41, "", 0)
+
+
 @pytest.mark.parametrize(
     "text",
     [

@@ -3,10 +3,21 @@
  * the record `record` writes (bpf/record.h) into a shared-memory ring (interpose.h) that
  * pymtrace drains. Built by pymtrace/sources/interposer.py (pymtrace.nativebuild).
  *
- * Environment (set by the consumer): PYMTRACE_RING=OWNER:FOLLOW:SLOTS:DIR, one variable (a
- * program that copies its environment allocates for each one): OWNER the consumer's pid,
+ * Environment (set by the consumer): PYMTRACE_RING=OWNER:FOLLOW:SLOTS:FRAMES:DIR, one variable
+ * (a program that copies its environment allocates for each one): OWNER the consumer's pid,
  * FOLLOW 0 (only the first process to register, and its execs, is traced) or 1, SLOTS per
- * ring, DIR the private ring directory (last: it may hold a colon). Absent: only forwards.
+ * ring, FRAMES (record --stacks: each allocating call's stack, at most FRAMES return
+ * addresses, unwound here by libunwind and interned in the ring's stack table; 0: none), DIR
+ * the private ring directory (last: it may hold a colon). Absent: only forwards.
+ *
+ * Sampling mode (`heap`; no ring): PYMTRACE_SAMPLE=PARENT:FOLLOW:BYTES:LIVE:PATH draws heap's
+ * Poisson sampling, a sample per BYTES allocated on average, per thread in-process
+ * (bpf/heap.bpf.c's draw, the same arithmetic); only a sampled allocation fires the USDT probe
+ * pymtrace:heap_alloc, and only the free (or realloc away) of a sampled block
+ * pymtrace:heap_free, which heap's BPF program is attached to. The sampled blocks still
+ * allocated are kept in a bounded lock-free pointer set (at most LIVE). FOLLOW 0: only an image
+ * whose parent is PARENT (pymtrace: the launched command and its execs) samples. PATH: heap's
+ * credits file (interpose.h): a probe waits for room in heap's ring rather than be lost.
  *
  * What makes it safe where interposers break (docs/internals.md, "The interposer"):
  * - dlsym bootstrap: while a thread resolves the next definitions, its allocations come
@@ -25,6 +36,8 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/types.h>
@@ -35,6 +48,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/sdt.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -66,6 +81,7 @@ _Static_assert(sizeof(struct record_event) == RING_EVENT_SIZE, "record_event lay
 _Static_assert(sizeof(struct ring_header) <= RING_HEADER_SIZE, "ring header size");
 _Static_assert(offsetof(struct ring_header, head) == 512, "head on its own line");
 _Static_assert(offsetof(struct ring_header, tail) == 576, "tail on its own line");
+_Static_assert(sizeof(struct stack_module) == 256, "stack_module layout");
 
 /* ---- the next definitions ------------------------------------------------------------- */
 typedef void *(*malloc_fn)(size_t);
@@ -105,6 +121,9 @@ struct tstate {
     struct {
         __u64 ptr, size, caller;
     } caught[4];
+    __u32 unwinding; /* > 0: this thread is taking a stack (a signal handler's call takes none) */
+    __s64 left;      /* sampling mode: bytes until this thread's next sample */
+    __u64 rng;       /* its random state (0: not seeded yet) */
 };
 static TLS struct tstate ts;
 
@@ -132,6 +151,8 @@ static void *arena_alloc(size_t n, size_t align) {
 static size_t arena_size(const void *p) {
     return *(const size_t *)((const char *)p - 16);
 }
+
+static void sample_setup(void);
 
 /* Resolve the next definitions. Idempotent and lock-free (dlsym takes the loader's recursive
  * lock): every thread that finds them missing resolves them itself. */
@@ -163,6 +184,7 @@ static int resolve(void) {
     long pg = sysconf(_SC_PAGESIZE);
     if (pg > 0) page_size = (__u64)pg;
     real.malloc = m;
+    sample_setup(); /* before any call is forwarded: none escapes the sampler */
     __atomic_store_n(&real.free, (free_fn)dlsym(RTLD_NEXT, "free"), __ATOMIC_RELEASE);
     errno = saved;
     ts.depth--;
@@ -180,17 +202,18 @@ static __u64 ring_mask;
 static __u32 self_pid;
 static size_t ring_bytes;
 
-/* The next colon-ended decimal field of *S (DFLT if it is not one); *S moves past it. */
+/* The next decimal field of *S, ended by a colon or the string's end (DFLT if it is not
+ * one); *S moves past it. */
 static unsigned long env_field(const char **s, unsigned long dflt) {
     const char *p = *s;
     unsigned long v = 0;
     int digits = 0;
     for (; *p >= '0' && *p <= '9'; p++, digits++) v = v * 10 + (unsigned long)(*p - '0');
-    if (*p != ':') {
+    if (*p != ':' && *p) {
         *s = p;
         return dflt;
     }
-    *s = p + 1;
+    *s = *p ? p + 1 : p;
     return digits ? v : dflt;
 }
 
@@ -212,7 +235,7 @@ static __u64 now_ns(void) {
 
 /* A record's time: the time stamp counter where the kernel keeps time by it (its clocksource
  * is "tsc": invariant, the same on every CPU), ~20 ns a call cheaper than clock_gettime; the
- * consumer maps it to CLOCK_MONOTONIC ns (clockpair.c). Else CLOCK_MONOTONIC ns. */
+ * consumer maps it to CLOCK_MONOTONIC ns (ringtake.c). Else CLOCK_MONOTONIC ns. */
 static int use_tsc;
 
 static int clocksource_is_tsc(void) {
@@ -251,6 +274,189 @@ static int is_root(int dirfd, __u32 pid) {
     return v == pid;
 }
 
+/* ---- stacks (record --stacks in-process; the table's layout: interpose.h) --------------- */
+typedef int (*backtrace_fn)(void **, int);
+static backtrace_fn unwind_backtrace; /* libunwind's unw_backtrace: a cache per thread of each pc's frame */
+static int stack_frames;              /* frames kept per stack; 0: no stacks */
+#define STACK_OFFS_BYTES ((((STACK_IDS + 1) * sizeof(__u32)) + 4095) & ~(size_t)4095)
+static int stack_error;
+static __u64 *stack_hash;
+static __u32 *stack_offs;
+static __u64 *stack_words;
+static struct stack_module *stack_mods;
+static unsigned long long modules_adds; /* dlpi_adds when the modules were last added */
+static char self_exe[224];              /* the executable's path (dl_iterate_phdr names it "") */
+static uintptr_t self_lo, self_hi;      /* this library's code: its frames are not the program's */
+
+static int find_self(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    uintptr_t here = (uintptr_t)data;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        uintptr_t lo = info->dlpi_addr + ph->p_vaddr;
+        if (ph->p_type == PT_LOAD && (ph->p_flags & PF_X) && here >= lo && here < lo + ph->p_memsz) {
+            self_lo = lo;
+            self_hi = lo + ph->p_memsz;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* From the constructor, when record asks for stacks: libunwind loaded (RTLD_LOCAL: its own
+ * `backtrace` and `_Unwind_Backtrace` stay out of the program's symbol scope), this library's
+ * code range found. Failing, records go without stacks and the header says why. */
+static void stacks_setup(void) {
+    const char *v = getenv("PYMTRACE_RING");
+    if (!v) return;
+    env_field(&v, 0);
+    env_field(&v, 1);
+    env_field(&v, 0);
+    unsigned long frames = env_field(&v, 0);
+    if (!frames) return;
+    if (frames > STACK_MAX_FRAMES) frames = STACK_MAX_FRAMES;
+    void *lib = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
+    void *bt = lib ? dlsym(lib, "unw_backtrace") : NULL;
+    if (!bt) {
+        stack_error = STACK_E_NOLIB;
+        return;
+    }
+    /* per-thread caches: no lock a signal handler's unwind could wait on (libunwind's
+     * unw_set_caching_policy(unw_local_addr_space, UNW_CACHE_PER_THREAD)) */
+    void **space = dlsym(lib, "_ULx86_64_local_addr_space");
+    int (*policy)(void *, int) = (int (*)(void *, int))dlsym(lib, "_ULx86_64_set_caching_policy");
+    if (space && policy) policy(*space, 2);
+    dl_iterate_phdr(find_self, (void *)(uintptr_t)stacks_setup);
+    unwind_backtrace = (backtrace_fn)bt;
+    stack_frames = (int)frames;
+}
+
+static int read_adds(struct dl_phdr_info *info, size_t size, void *data) {
+    *(unsigned long long *)data = size >= offsetof(struct dl_phdr_info, dlpi_subs) ? info->dlpi_adds : 0;
+    return 1;
+}
+
+static int add_module(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    (void)data;
+    __u64 lo = ~0ull, hi = 0;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type != PT_LOAD) continue;
+        __u64 a = info->dlpi_addr + (ph->p_vaddr & ~4095ull), b = info->dlpi_addr + ph->p_vaddr + ph->p_memsz;
+        if (a < lo) lo = a;
+        if (b > hi) hi = b;
+    }
+    if (hi <= lo) return 0;
+    struct ring_header *h = ring;
+    __u64 n = __atomic_load_n(&h->module_next, __ATOMIC_ACQUIRE);
+    for (__u64 i = 0; i < n && i < STACK_MODULES; i++) /* added already (this image's) */
+        if (stack_mods[i].start == lo && stack_mods[i].bias == info->dlpi_addr &&
+            __atomic_load_n(&stack_mods[i].ready, __ATOMIC_ACQUIRE))
+            return 0;
+    __u64 at = __atomic_fetch_add(&h->module_next, 1, __ATOMIC_RELAXED);
+    if (at >= STACK_MODULES) return 1;
+    struct stack_module *m = &stack_mods[at];
+    const char *name = info->dlpi_name && info->dlpi_name[0] ? info->dlpi_name : self_exe;
+    size_t len = strlen(name);
+    if (len >= sizeof(m->path)) len = sizeof(m->path) - 1;
+    memcpy(m->path, name, len);
+    m->path[len] = 0;
+    m->bias = info->dlpi_addr;
+    m->start = lo;
+    m->end = hi;
+    __atomic_store_n(&m->ready, 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+/* Before a new stack: the objects loaded since the last one (a dlopen) added to the modules. */
+static void modules_update(void) {
+    unsigned long long adds = 0;
+    dl_iterate_phdr(read_adds, &adds);
+    if (adds && adds == __atomic_load_n(&modules_adds, __ATOMIC_RELAXED)) return;
+    dl_iterate_phdr(add_module, NULL);
+    __atomic_store_n(&modules_adds, adds, __ATOMIC_RELAXED);
+}
+
+static inline __u64 stack_hash_of(void *const *ips, int n) {
+    __u64 h = (__u64)n * 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < n; i++) {
+        h = (h ^ (__u64)(uintptr_t)ips[i]) * 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 31;
+    }
+    return h;
+}
+
+/* A new entry for the stack IPS (N frames): its id, or 0 when the table is full. */
+static __u32 stack_add(void *const *ips, int n, int cut) {
+    struct ring_header *h = ring;
+    __u64 id = __atomic_add_fetch(&h->stack_next, 1, __ATOMIC_RELAXED);
+    __u64 at = __atomic_fetch_add(&h->stack_used, (__u64)n + 1, __ATOMIC_RELAXED);
+    if (id > STACK_IDS || at + (__u64)n + 1 > STACK_WORDS) {
+        __atomic_fetch_add(&h->stacks_full, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    stack_words[at] = (__u64)n | (__u64)(cut ? STACK_F_CUT : 0) << 16;
+    memcpy(&stack_words[at + 1], ips, (size_t)n * sizeof(__u64));
+    __atomic_store_n(&stack_offs[id], (__u32)(at + 1), __ATOMIC_RELEASE);
+    return (__u32)id;
+}
+
+/* The id of the calling allocation's stack (0: none), shifted into a type word's bits 8-31.
+ * Never inlined: the unwind starts in a frame of this library, skipped like the wrapper's. */
+__attribute__((noinline)) static __u32 stack_take(void) {
+    struct tstate *t = &ts;
+    if (t->unwinding) { /* a signal handler interrupted this thread's unwind */
+        __atomic_fetch_add(&ring->stacks_nested, 1, __ATOMIC_RELAXED);
+        return 0;
+    }
+    void *buf[STACK_MAX_FRAMES + 8];
+    int saved = errno;
+    t->unwinding = 1;
+    t->depth++; /* libunwind's own allocations (a thread's first cache) are not the program's */
+    int n = unwind_backtrace(buf, stack_frames + 8);
+    t->depth--;
+    t->unwinding = 0;
+    errno = saved;
+    int skip = 0;
+    while (skip < n && (uintptr_t)buf[skip] >= self_lo && (uintptr_t)buf[skip] < self_hi) skip++;
+    void **ips = buf + skip;
+    n -= skip;
+    int cut = n > stack_frames || skip + n >= stack_frames + 8;
+    if (n > stack_frames) n = stack_frames;
+    if (n <= 0) return 0;
+    __u64 hv = stack_hash_of(ips, n), tag = (hv >> 32) | 1, mask = STACK_HASH_SLOTS - 1;
+    __u64 i = hv & mask;
+    for (int probe = 0; probe < 64; probe++, i = (i + 1) & mask) {
+        __u64 v = __atomic_load_n(&stack_hash[i], __ATOMIC_ACQUIRE);
+        if (v == 0) {
+            t->depth++;
+            modules_update();
+            t->depth--;
+            __u32 id = stack_add(ips, n, cut);
+            /* published for the next call; lost to another thread's at once: ours stays valid */
+            if (id)
+                __atomic_compare_exchange_n(&stack_hash[i], &v, tag << 32 | id, 0, __ATOMIC_RELEASE,
+                                            __ATOMIC_RELAXED);
+            return id << 8;
+        }
+        if (v >> 32 != tag) continue;
+        __u32 id = (__u32)v;
+        __u32 off = __atomic_load_n(&stack_offs[id], __ATOMIC_ACQUIRE) - 1;
+        const __u64 *e = &stack_words[off];
+        if ((e[0] & 0xffff) == (__u64)n && ((e[0] >> 16) & STACK_F_CUT) == (__u64)(cut ? STACK_F_CUT : 0) &&
+            memcmp(&e[1], ips, (size_t)n * sizeof(__u64)) == 0)
+            return id << 8;
+    }
+    t->depth++;
+    modules_update();
+    t->depth--;
+    return stack_add(ips, n, cut) << 8; /* a crowded neighbourhood: an entry of its own */
+}
+
+/* The stack word of an allocating call: its stack's id << 8, or 0 without stacks. */
+#define STACK() (UNLIKELY(stack_frames) ? stack_take() : 0)
+
 /* Create and map this process image's ring: RING_DIR/PID.STAMP, STAMP its creation time. Only
  * system calls (and getenv): a thread waiting for another's open cannot deadlock with it. */
 static void ring_open_locked(void) {
@@ -259,6 +465,7 @@ static void ring_open_locked(void) {
     unsigned long owner = env_field(&dir, 0);
     unsigned long follow = env_field(&dir, 1);
     unsigned long slots = env_field(&dir, RING_SLOTS);
+    env_field(&dir, 0); /* FRAMES: stacks_setup's */
     if (*dir != '/' || !resolve()) {
         __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
         return;
@@ -276,6 +483,12 @@ static void ring_open_locked(void) {
     }
     if (slots < RING_MIN_SLOTS || slots > RING_MAX_SLOTS || (slots & (slots - 1))) slots = RING_SLOTS;
     size_t bytes = RING_HEADER_SIZE + slots * (sizeof(__u64) + sizeof(struct record_event));
+    size_t stack_at = 0;
+    if (stack_frames) { /* the stack table, page-aligned after the events */
+        stack_at = (bytes + 4095) & ~(size_t)4095;
+        bytes = stack_at + STACK_HASH_SLOTS * sizeof(__u64) + STACK_OFFS_BYTES +
+                STACK_MODULES * sizeof(struct stack_module) + STACK_WORDS * sizeof(__u64);
+    }
     char name[48];
     int fd = -1;
     __u64 stamp = now_ns(); /* a later image of this pid (exec, a reused pid) sorts after */
@@ -308,6 +521,18 @@ static void ring_open_locked(void) {
     h->owner = (__u32)owner;
     h->created_ns = stamp;
     memcpy(h->allocator, allocator_path, sizeof(h->allocator));
+    h->stack_error = (__u32)stack_error;
+    if (stack_at) {
+        stack_hash = (__u64 *)((char *)map + stack_at);
+        stack_offs = (__u32 *)(stack_hash + STACK_HASH_SLOTS);
+        stack_mods = (struct stack_module *)((char *)stack_offs + STACK_OFFS_BYTES);
+        stack_words = (__u64 *)(stack_mods + STACK_MODULES);
+        h->stack_offset = stack_at;
+        h->stack_frames = (__u32)stack_frames;
+        modules_adds = 0; /* this image's modules are added anew (a fork child's ring) */
+        ssize_t n = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
+        self_exe[n > 0 ? n : 0] = 0;
+    }
     ring_seq = (__u64 *)((char *)map + RING_HEADER_SIZE);
     ring_ev = (struct record_event *)(ring_seq + slots);
     ring_mask = slots - 1;
@@ -344,13 +569,48 @@ static int ring_ready_slow(void) {
 
 /* Whether this call is recorded (the ring is ready and the call is not nested). */
 static inline int recording(void) {
-    if (UNLIKELY(__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) != RING_READY) && !ring_ready_slow())
-        return 0;
+    int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
+    if (UNLIKELY(state != RING_READY) && (state == RING_OFF || !ring_ready_slow())) return 0;
     return LIKELY(!ts.depth);
 }
 
-/* The consumer has not made room for POS yet: spin briefly, then sleep, until it does (or it
- * detached, or its process is gone: then recording stops, the program must not hang). */
+/* Whether process OWNER (pymtrace) has ended: gone, or a zombie its parent has not reaped
+ * yet (a killed pymtrace whose shell waits for the pipe the program holds). */
+static int owner_gone(__u32 owner) {
+    if (kill((pid_t)owner, 0) != 0) return errno == ESRCH;
+    char path[32] = "/proc/", text[512];
+    memcpy(put_number(path + 6, owner), "/stat", 6);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    text[n] = 0;
+    char *end = strrchr(text, ')'); /* after the name, which may hold anything */
+    return end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+}
+
+/* One round of a wait for pymtrace (a full ring, no credit): spin briefly, then sleep 20 us,
+ * and every 100 ms see whether OWNER, pymtrace's process, is still there. 0 once it is gone:
+ * the program must not hang. */
+static int wait_turn(__u32 owner, int *spins, __u64 *checked) {
+    if (*spins < 256) {
+        (*spins)++;
+        __builtin_ia32_pause();
+        return 1;
+    }
+    struct timespec nap = {0, 20000};
+    nanosleep(&nap, NULL);
+    __u64 now = now_ns();
+    if (owner && now - *checked > 100000000ull) {
+        *checked = now;
+        if (owner_gone(owner)) return 0;
+    }
+    return 1;
+}
+
+/* The consumer has not made room for POS yet: wait until it does (or it detached, or its
+ * process is gone: then recording stops). */
 static int wait_room(struct ring_header *h, __u64 pos) {
     int saved = errno;
     __u64 t0 = now_ns(), checked = t0;
@@ -361,21 +621,10 @@ static int wait_room(struct ring_header *h, __u64 pos) {
             ok = 0;
             break;
         }
-        if (spins < 256) {
-            spins++;
-            __builtin_ia32_pause();
-            continue;
-        }
-        struct timespec nap = {0, 20000};
-        nanosleep(&nap, NULL);
-        __u64 now = now_ns();
-        if (h->owner && now - checked > 100000000ull) {
-            checked = now;
-            if (kill((pid_t)h->owner, 0) != 0 && errno == ESRCH) {
-                __atomic_store_n(&h->detached, RING_F_DETACHED, __ATOMIC_RELAXED);
-                ok = 0;
-                break;
-            }
+        if (!wait_turn(h->owner, &spins, &checked)) {
+            __atomic_store_n(&h->detached, RING_F_DETACHED, __ATOMIC_RELAXED);
+            ok = 0;
+            break;
         }
     }
     __atomic_fetch_add(&h->wait_ns, now_ns() - t0, __ATOMIC_RELAXED);
@@ -434,14 +683,24 @@ static inline void emit(__u32 type, __u64 ptr1, __u64 ptr2, __u64 size, __u64 si
     e.rec.pad[1] = caller;
     e.tgid = self_pid;
     if (UNLIKELY(t->writing)) { /* a signal handler interrupted this thread's write */
+        /* signals blocked while a slot is taken and filled: a handler of another signal
+         * interrupting this one must not take the same slot (rare: a system call pair here) */
+        sigset_t all, old;
+        int saved = errno;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old);
         __u32 n = t->dcount;
         if (n < RING_DEFER) {
             t->deferred[n] = e;
             __atomic_signal_fence(__ATOMIC_SEQ_CST);
             __atomic_fetch_add(&t->dcount, 1, __ATOMIC_RELAXED);
             __atomic_fetch_add(&ring->deferred, 1, __ATOMIC_RELAXED);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            errno = saved;
             return;
         }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        errno = saved;
         /* the buffer is full: written at once, after the records buffered before it (written
          * first: the thread's order kept; it can only block if the ring is full) */
         t->writing++;
@@ -477,9 +736,287 @@ static inline __u64 chunk(const void *p) {
     return glibc_chunks && p ? *(const __u64 *)((const char *)p - 8) & ~7ull : 0;
 }
 
+/* ---- heap's sampling mode -------------------------------------------------------------- */
+static __u64 sample_mean; /* 0: not sampling; 1: every call; else the mean bytes between samples */
+static __u64 live_max;    /* sampled blocks the live set holds at most (heap's --max-live) */
+static int sample_follow = 1;
+static int sample_once; /* 0, 1 while a thread reads the environment, 2 */
+static __u32 sample_lg[1025];
+
+/* round(2^20 * log2(1 + j / 1024)): sources.heap.log2_table, BPF's hp_lg (ln by its atanh
+ * series, converged to double precision: no libm in the traced process) */
+static void lg_fill(void) {
+    for (int j = 0; j <= 1024; j++) {
+        double x = 1.0 + j / 1024.0, z = (x - 1.0) / (x + 1.0), z2 = z * z, term = z, sum = 0.0;
+        for (int k = 1; k < 80; k += 2, term *= z2) sum += term / k;
+        sample_lg[j] = (__u32)(2.0 * sum / 0.693147180559945309417232121458 * 1048576.0 + 0.5);
+    }
+}
+
+/* Exp(MEAN) bytes from the random 32-bit X: hp_draw of bpf/heap.bpf.c, the same integers */
+static inline __s64 draw_bytes(__u32 x, __u64 mean) {
+    x |= 1;
+    __u32 k = 31 - (__u32)__builtin_clz(x);
+    __u32 m = (x << (31 - k)) & 0x7fffffff;
+    __u32 j = (m >> 21) & 1023, rem = (m >> 9) & 4095;
+    __u64 lgf = sample_lg[j] + ((__u64)(sample_lg[j + 1] - sample_lg[j]) * rem >> 12);
+    __u64 neg = (32ull << 20) - (((__u64)k << 20) + lgf);
+    __u64 a = mean * 45426ull;
+    return (__s64)(((a >> 16) * neg >> 20) + ((a & 0xffff) * neg >> 36)) + 1;
+}
+
+/* the draw for tests (tests/unit/test_heap_draw.py): X's draw at MEAN */
+EXPORT __s64 pymtrace_sample_draw(__u32 x, __u64 mean) {
+    if (!sample_lg[1024]) lg_fill();
+    return draw_bytes(x, mean);
+}
+
+static inline __u64 mix64(__u64 z) { /* splitmix64's finalizer */
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static inline __u32 next_random(struct tstate *t) { /* xorshift64*: its high half */
+    __u64 s = t->rng;
+    s ^= s >> 12;
+    s ^= s << 25;
+    s ^= s >> 27;
+    t->rng = s;
+    return (__u32)((s * 0x2545f4914f6cdd1dull) >> 32);
+}
+
+/* heap's credits (interpose.h), mapped from PYMTRACE_SAMPLE's PATH; none: probes fire freely
+ * (a process that cannot open it, another user's, counts what heap's ring could not take). */
+static struct sample_credits *credits;
+
+static void credits_open(const char *path) {
+    if (*path != '/') return;
+    int fd = open(path, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return;
+    struct stat st;
+    void *map = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && st.st_size == CREDIT_SIZE)
+        map = mmap(NULL, CREDIT_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return;
+    if (__atomic_load_n(&((struct sample_credits *)map)->magic, __ATOMIC_ACQUIRE) != CREDIT_MAGIC) {
+        munmap(map, CREDIT_SIZE);
+        return;
+    }
+    credits = map;
+}
+
+/* Before a probe fires: take the ring bytes its record may need, waiting while heap has not
+ * granted them (it is reading the ring), so that no sample is lost. 0: heap has stopped or
+ * is gone, fire nothing more. */
+static int credit_take(int freeing) {
+    struct sample_credits *c = credits;
+    if (!c) return 1;
+    if (__atomic_load_n(&c->detached, __ATOMIC_RELAXED)) return 0;
+    __u64 used = __atomic_add_fetch(&c->used, freeing ? c->free_cost : c->alloc_cost, __ATOMIC_RELAXED);
+    if (LIKELY(used <= __atomic_load_n(&c->granted, __ATOMIC_ACQUIRE))) return 1;
+    int saved = errno, spins = 0;
+    __u64 t0 = now_ns(), checked = t0;
+    __atomic_fetch_add(&c->waits, 1, __ATOMIC_RELAXED);
+    while (used > __atomic_load_n(&c->granted, __ATOMIC_ACQUIRE) &&
+           !__atomic_load_n(&c->detached, __ATOMIC_RELAXED)) {
+        if (!wait_turn(c->owner, &spins, &checked)) {
+            __atomic_store_n(&c->detached, 1, __ATOMIC_RELAXED);
+            break;
+        }
+    }
+    __atomic_fetch_add(&c->wait_ns, now_ns() - t0, __ATOMIC_RELAXED);
+    errno = saved;
+    return !__atomic_load_n(&c->detached, __ATOMIC_RELAXED);
+}
+
+/* The probe credit_take allowed has fired: its record is in the ring (or counted lost). */
+static inline void credit_done(int freeing) {
+    struct sample_credits *c = credits;
+    if (c) __atomic_fetch_add(&c->fired, freeing ? c->free_cost : c->alloc_cost, __ATOMIC_RELEASE);
+}
+
+/* Read the environment once per process image (from resolve: before any call goes on). */
+static void sample_setup(void) {
+    int expect = 0;
+    if (!__atomic_compare_exchange_n(&sample_once, &expect, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        while (__atomic_load_n(&sample_once, __ATOMIC_ACQUIRE) == 1) __builtin_ia32_pause();
+        return;
+    }
+    const char *v = getenv("PYMTRACE_SAMPLE");
+    if (!v) v = "";
+    unsigned long parent = env_field(&v, 0);
+    sample_follow = env_field(&v, 1) != 0;
+    unsigned long mean = env_field(&v, 0);
+    unsigned long live = env_field(&v, 262144);
+    if (mean && mean < (1ul << 32)) {
+        /* not following: the launched command (pymtrace's child) and its execs only */
+        if (sample_follow || (parent && (unsigned long)getppid() == parent)) {
+            lg_fill();
+            live_max = live;
+            credits_open(v); /* the rest: PATH (it may hold a colon) */
+            if (live_max < 1) live_max = 1;
+            if (live_max > (1ul << 26)) live_max = 1ul << 26;
+            __atomic_store_n(&sample_mean, (__u64)mean, __ATOMIC_RELEASE);
+        }
+    }
+    __atomic_store_n(&sample_once, 2, __ATOMIC_RELEASE);
+}
+
+/* Whether this thread's call of SIZE bytes is sampled: it uses up the bytes left until its
+ * next sample (then a fresh Exp(mean) draw: memoryless), or is at least the mean. */
+static inline int sample_take(__u64 mean, __u64 size) {
+    if (mean <= 1 || size >= mean) return 1;
+    struct tstate *t = &ts;
+    if (UNLIKELY(!t->rng)) {
+        t->rng = mix64(__builtin_ia32_rdtsc() ^ ((__u64)(uintptr_t)t << 16) ^ self_pid) | 1;
+        t->left = draw_bytes(next_random(t), mean);
+    }
+    t->left -= (__s64)size;
+    if (LIKELY(t->left > 0)) return 0;
+    t->left = draw_bytes(next_random(t), mean);
+    return 1;
+}
+
+/* The sampled blocks still allocated: an open-addressed set of pointers, lock-free (a
+ * compare-and-swap per insert and removal), so any thread and a signal handler can use it.
+ * A pointer lies within LIVE_WINDOW slots of its home slot; a removal leaves a tombstone
+ * that a later insert reuses, and a slot never becomes empty again, so a lookup stops at the
+ * first empty slot. Full (live_max blocks, or no free slot in the window): the block is
+ * sampled but not tracked, and heap counts it as live_full, as when its BPF map is full. */
+#define LIVE_EMPTY  0
+#define LIVE_GONE   1
+#define LIVE_WINDOW 32
+enum { LIVE_UNINIT, LIVE_OPENING, LIVE_READY, LIVE_OFF };
+static __u64 *live_slots;
+static __u64 live_mask;
+static int live_shift;
+static int live_state;
+static __u64 live_count;
+static size_t live_bytes;
+
+static __u64 *live_table(void) {
+    int state = __atomic_load_n(&live_state, __ATOMIC_ACQUIRE);
+    if (LIKELY(state == LIVE_READY)) return live_slots;
+    int expect = LIVE_UNINIT;
+    if (state == LIVE_UNINIT && __atomic_compare_exchange_n(&live_state, &expect, LIVE_OPENING, 0,
+                                                            __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        /* twice the blocks it may hold: mapped lazily, untouched pages cost nothing */
+        int bits = 10;
+        while ((1ull << bits) < 2 * live_max) bits++;
+        size_t bytes = (size_t)8 << bits;
+        ts.depth++; /* a signal handler's call meanwhile is not sampled (no wait on ourselves) */
+        void *map =
+            mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        ts.depth--;
+        if (map == MAP_FAILED) {
+            __atomic_store_n(&live_state, LIVE_OFF, __ATOMIC_RELEASE);
+            return NULL;
+        }
+        live_slots = map;
+        live_bytes = bytes;
+        live_mask = (1ull << bits) - 1;
+        live_shift = 64 - bits;
+        __atomic_store_n(&live_state, LIVE_READY, __ATOMIC_RELEASE);
+        return live_slots;
+    }
+    while ((state = __atomic_load_n(&live_state, __ATOMIC_ACQUIRE)) == LIVE_OPENING) __builtin_ia32_pause();
+    return state == LIVE_READY ? live_slots : NULL;
+}
+
+static inline __u64 live_home(__u64 p) {
+    return ((p >> 4) * 0x9e3779b97f4a7c15ull) >> live_shift;
+}
+
+static int live_insert(__u64 p) {
+    __u64 *t = live_table();
+    if (!t || __atomic_load_n(&live_count, __ATOMIC_RELAXED) >= live_max) return 0;
+    __u64 home = live_home(p);
+    for (__u64 i = 0; i < LIVE_WINDOW; i++) {
+        __u64 *slot = &t[(home + i) & live_mask];
+        __u64 v = __atomic_load_n(slot, __ATOMIC_RELAXED);
+        while (v <= LIVE_GONE)
+            if (__atomic_compare_exchange_n(slot, &v, p, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
+                __atomic_fetch_add(&live_count, 1, __ATOMIC_RELAXED);
+                return 1;
+            }
+    }
+    return 0;
+}
+
+static int live_remove(__u64 p) {
+    __u64 *t = live_slots, home = live_home(p); /* live_count > 0: the table is there */
+    for (__u64 i = 0; i < LIVE_WINDOW; i++) {
+        __u64 *slot = &t[(home + i) & live_mask];
+        __u64 v = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+        if (v == p) {
+            if (!__atomic_compare_exchange_n(slot, &v, LIVE_GONE, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                return 0; /* another thread freed it at the same time (a double free) */
+            __atomic_fetch_sub(&live_count, 1, __ATOMIC_RELAXED);
+            return 1;
+        }
+        if (v == LIVE_EMPTY) return 0;
+    }
+    return 0;
+}
+
+/* The USDT sites heap's BPF program is attached to (pymtrace:heap_alloc, pymtrace:heap_free):
+ * one function each, never inlined, so there is one site of each; the stack copy and the
+ * registers are taken there, and heap drops this library's frames from the unwound stack. */
+__attribute__((noinline, noclone)) static void sample_fire(__u32 type, void *p, __u64 size) {
+    int saved = errno;
+    __u64 tracked = p ? (__u64)live_insert((__u64)p) : 0;
+    STAP_PROBE4(pymtrace, heap_alloc, type, (__u64)p, size, tracked);
+    errno = saved;
+}
+
+__attribute__((noinline, noclone)) static void sample_gone(void *p) {
+    STAP_PROBE1(pymtrace, heap_free, (__u64)p);
+}
+
+/* An allocation of the program (not nested in a forwarded call): sampled, or not. */
+static inline void sample_alloc(__u32 type, void *p, __u64 size) {
+    __u64 mean = __atomic_load_n(&sample_mean, __ATOMIC_RELAXED);
+    if (!mean || ts.depth) return;
+    if (sample_take(mean, size) && credit_take(0)) {
+        sample_fire(type, p, size);
+        credit_done(0);
+    }
+}
+
+/* P is about to be freed: if it is a sampled block, heap is told first (once the allocator
+ * has it back, another thread may be given the same address). */
+static inline void sample_free(void *p) {
+    if (LIKELY(!__atomic_load_n(&live_count, __ATOMIC_RELAXED)) || !p) return;
+    if (live_remove((__u64)p) && credit_take(1)) {
+        sample_gone(p);
+        credit_done(1);
+    }
+}
+
+/* realloc in sampling mode: the old block, if sampled, is gone before the call (a failed
+ * realloc keeps it, no longer in use for heap: rare, and the other order would let another
+ * thread's block at the same address be taken for it); the new one is sampled by its size. */
+static void *sample_realloc(void *p, size_t n) {
+    sample_free(p);
+    void *q = FORWARD(real.realloc(p, n));
+    sample_alloc(CALL_REALLOC, q, n);
+    return q;
+}
+
 /* ---- fork ------------------------------------------------------------------------------ */
 static void after_fork_child(void) {
     ts.tid = 0;
+    ts.rng = 0; /* drawn afresh: the parent's random sequence would repeat */
+    /* not followed: it samples nothing */
+    if (!sample_follow && sample_mean) {
+        __atomic_store_n(&sample_mean, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&live_count, 0, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&live_state, __ATOMIC_ACQUIRE) == LIVE_READY) munmap(live_slots, live_bytes);
+        __atomic_store_n(&live_state, LIVE_OFF, __ATOMIC_RELEASE);
+    }
     int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
     if (state == RING_READY) {
         munmap(ring, ring_bytes);
@@ -494,6 +1031,7 @@ __attribute__((constructor)) static void interpose_init(void) {
     resolve();
     ts.depth++; /* its registration may allocate: the library's own call */
     pthread_atfork(NULL, NULL, after_fork_child);
+    stacks_setup();
     ts.depth--;
     if (__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) == RING_UNINIT) ring_ready_slow();
 }
@@ -503,9 +1041,11 @@ EXPORT void *malloc(size_t n) {
     if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(n, 16);
     void *p = FORWARD(real.malloc(n));
     if (recording())
-        emit(CALL_MALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+        emit(CALL_MALLOC | STACK(), 0, (__u64)p, n, 0, chunk(p), CALLER);
     else if (UNLIKELY(ts.capturing) && ts.ncaught < 4)
         ts.caught[ts.ncaught++] = (typeof(ts.caught[0])){(__u64)p, n, CALLER};
+    else
+        sample_alloc(CALL_MALLOC, p, n);
     return p;
 }
 
@@ -513,6 +1053,7 @@ EXPORT void free(void *p) {
     if (UNLIKELY(in_arena(p))) return;
     if (UNLIKELY(!real.free) && !resolve()) return;
     if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);
+    sample_free(p);
     if (LIKELY(glibc_chunks)) {
         real.free(p);
     } else {
@@ -528,7 +1069,10 @@ EXPORT void *calloc(size_t n, size_t size) {
         return __builtin_mul_overflow(n, size, &bytes) ? NULL : arena_alloc(bytes, 16); /* zeroed */
     }
     void *p = FORWARD(real.calloc(n, size));
-    if (recording()) emit(CALL_CALLOC, 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
+    if (recording())
+        emit(CALL_CALLOC | STACK(), 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
+    else
+        sample_alloc(CALL_CALLOC, p, (__u64)n * (__u64)size);
     return p;
 }
 
@@ -540,10 +1084,12 @@ static void *do_realloc(void *p, size_t n, __u64 caller) {
         return q;
     }
     if (UNLIKELY(!real.realloc) && !resolve()) return arena_alloc(n, 16);
-    if (!recording()) return FORWARD(real.realloc(p, n));
+    if (!recording())
+        return __atomic_load_n(&sample_mean, __ATOMIC_RELAXED) ? sample_realloc(p, n)
+                                                               : FORWARD(real.realloc(p, n));
     __u64 old = chunk(p);
     void *q = FORWARD(real.realloc(p, n));
-    emit(CALL_REALLOC, (__u64)p, (__u64)q, n, old, chunk(q), caller);
+    emit(CALL_REALLOC | STACK(), (__u64)p, (__u64)q, n, old, chunk(q), caller);
     return q;
 }
 
@@ -567,7 +1113,10 @@ static void *do_memalign(int aligned_alloc, size_t align, size_t n, __u64 caller
     if (UNLIKELY(!real.memalign) && !resolve()) return arena_alloc(n, align);
     memalign_fn fn = aligned_alloc && real.aligned_alloc ? real.aligned_alloc : real.memalign;
     void *p = FORWARD(fn(align, n));
-    if (recording()) emit(CALL_MEMALIGN, 0, (__u64)p, n, align, chunk(p), caller);
+    if (recording())
+        emit(CALL_MEMALIGN | STACK(), 0, (__u64)p, n, align, chunk(p), caller);
+    else
+        sample_alloc(CALL_MEMALIGN, p, n);
     return p;
 }
 
@@ -589,7 +1138,9 @@ EXPORT int posix_memalign(void **out, size_t align, size_t n) {
     int rc = FORWARD(real.posix_memalign(out, align, n));
     if (recording()) {
         void *p = rc == 0 ? *out : NULL;
-        emit(CALL_POSIX_MEMALIGN, (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
+        emit(CALL_POSIX_MEMALIGN | STACK(), (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
+    } else {
+        sample_alloc(CALL_POSIX_MEMALIGN, rc == 0 ? *out : NULL, n);
     }
     return rc;
 }
@@ -597,14 +1148,20 @@ EXPORT int posix_memalign(void **out, size_t align, size_t n) {
 EXPORT void *valloc(size_t n) {
     if (UNLIKELY(!real.valloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.valloc(n));
-    if (recording()) emit(CALL_VALLOC, 0, (__u64)p, n, page_size, chunk(p), CALLER);
+    if (recording())
+        emit(CALL_VALLOC | STACK(), 0, (__u64)p, n, page_size, chunk(p), CALLER);
+    else
+        sample_alloc(CALL_VALLOC, p, n);
     return p;
 }
 
 EXPORT void *pvalloc(size_t n) {
     if (UNLIKELY(!real.pvalloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.pvalloc(n));
-    if (recording()) emit(CALL_PVALLOC, 0, (__u64)p, n, 0, chunk(p), CALLER);
+    if (recording())
+        emit(CALL_PVALLOC | STACK(), 0, (__u64)p, n, 0, chunk(p), CALLER);
+    else
+        sample_alloc(CALL_PVALLOC, p, n);
     return p;
 }
 
@@ -632,8 +1189,8 @@ static void new_leave(struct new_guard *g) {
     ts.capturing = 0;
     if (!g->done && recording())
         for (__u32 i = 0; i < ts.ncaught; i++)
-            emit(CALL_MALLOC, 0, ts.caught[i].ptr, ts.caught[i].size, 0, chunk((void *)ts.caught[i].ptr),
-                 ts.caught[i].caller);
+            emit(CALL_MALLOC | STACK(), 0, ts.caught[i].ptr, ts.caught[i].size, 0,
+                 chunk((void *)ts.caught[i].ptr), ts.caught[i].caller);
     ts.ncaught = 0;
 }
 
@@ -668,6 +1225,8 @@ static void *cxx_next(void **slot, const char *name) {
         __u64 caller = CALLER;                                                                               \
         if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(SIZE, ALIGN);                           \
         void *(*fn)PARAMS = (void *(*)PARAMS)cxx_next(&next, #sym);                                          \
+        /* sampling: the runtime's operator new calls malloc (here), as heap's uprobes see it */             \
+        if (__atomic_load_n(&sample_mean, __ATOMIC_RELAXED)) return fn ? fn ARGS : FALLBACK;                 \
         void *p;                                                                                             \
         {                                                                                                    \
             __attribute__((cleanup(new_leave))) struct new_guard g = {!ts.depth, 0};                         \
@@ -676,7 +1235,8 @@ static void *cxx_next(void **slot, const char *name) {
             p = fn ? fn ARGS : FALLBACK;                                                                     \
             g.done = 1;                                                                                      \
         }                                                                                                    \
-        if (recording()) emit(TYPE, 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller); \
+        if (recording())                                                                                     \
+            emit(TYPE | STACK(), 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller);    \
         return p;                                                                                            \
     }
 
@@ -686,6 +1246,11 @@ static void *cxx_next(void **slot, const char *name) {
         if (UNLIKELY(in_arena(p))) return;                                                                   \
         if (UNLIKELY(!real.free) && !resolve()) return;                                                      \
         void(*fn) PARAMS = (void(*) PARAMS)cxx_next(&next, #sym);                                            \
+        /* sampling: the runtime's operator delete frees here */                                             \
+        if (__atomic_load_n(&sample_mean, __ATOMIC_RELAXED)) {                                               \
+            fn ? fn ARGS : free(p);                                                                          \
+            return;                                                                                          \
+        }                                                                                                    \
         if (recording()) emit(CALL_FREE, (__u64)p, 0, 0, chunk(p), 0, CALLER);                               \
         NESTED;                                                                                              \
         if (fn)                                                                                              \

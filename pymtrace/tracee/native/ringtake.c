@@ -7,9 +7,9 @@
 #include <string.h>
 #include <time.h>
 
-#define EVENT_WORDS 9 /* struct record_event: the 64-byte record, then the process id */
+#define EVENT_WORDS  9 /* struct record_event: the 64-byte record, then the process id */
 #define RECORD_WORDS 8
-#define TIME_WORD 6 /* rec.pad[0] */
+#define TIME_WORD    6 /* rec.pad[0] */
 
 /* The time stamp counter and CLOCK_MONOTONIC read together (the counter's at the middle). */
 void pymtrace_clock_pair(uint64_t *tsc, uint64_t *ns) {
@@ -41,7 +41,7 @@ uint64_t pymtrace_ring_take(const uint64_t *seq, const uint64_t *events, uint64_
         uint64_t *o = out + w * RECORD_WORDS;
         memcpy(o, events + i * EVENT_WORDS, RECORD_WORDS * 8);
         uint32_t type = (uint32_t)(o[0] >> 32);
-        types[type < 9 ? type : 0]++;
+        types[(type & 0xff) < 9 ? (type & 0xff) : 0]++; /* bits 8-31: a stack id */
         w++;
     }
     *written = w;
@@ -62,8 +62,10 @@ void pymtrace_map_times(uint64_t *out, uint64_t n, const int64_t *ptsc, const in
             int lo = 0, hi = last;
             while (lo < hi) {
                 int mid = (lo + hi + 1) / 2;
-                if (ptsc[mid] <= t) lo = mid;
-                else hi = mid - 1;
+                if (ptsc[mid] <= t)
+                    lo = mid;
+                else
+                    hi = mid - 1;
             }
             s = lo;
         }

@@ -11,6 +11,8 @@
  *   vfork           5 malloc(5005); vfork: the child execs itself as `after`; 5 free
  *   signal N        a SIGALRM handler: malloc(6006)+free at every tick (100 us) while the main
  *                   thread makes free(NULL) calls, until the handler ran N times
+ *   signals2 N      the same, and a SIGPROF handler (CPU-time ticks): malloc(6116)+free; the
+ *                   two handlers nest (each may interrupt the other)
  *   dlopen LIB      dlopen(LIB) and its lib_calls(50): 50 malloc(7007)+free
  *   errno           errno survives malloc, free and a failing malloc sets ENOMEM; prints ERRNO ok
  */
@@ -114,7 +116,18 @@ static void on_alarm(int sig) {
     errno = saved;
 }
 
-static void signals(long n) {
+static volatile sig_atomic_t prof_ticks;
+
+static void on_prof(int sig) {
+    (void)sig;
+    int saved = errno;
+    void *volatile p = malloc(6116);
+    free(p);
+    prof_ticks++;
+    errno = saved;
+}
+
+static void signals(long n, int two) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_alarm;
@@ -122,6 +135,11 @@ static void signals(long n) {
     sigaction(SIGALRM, &sa, NULL);
     struct itimerval tv = {{0, 100}, {0, 100}};
     setitimer(ITIMER_REAL, &tv, NULL);
+    if (two) {
+        sa.sa_handler = on_prof;
+        sigaction(SIGPROF, &sa, NULL);
+        setitimer(ITIMER_PROF, &tv, NULL);
+    }
     long nulls = 0;
     while (ticks < n) {
         free(NULL); /* glibc's free(NULL) returns at once: a handler may interrupt it anywhere */
@@ -129,13 +147,19 @@ static void signals(long n) {
     }
     struct itimerval off = {{0, 0}, {0, 0}};
     setitimer(ITIMER_REAL, &off, NULL);
+    setitimer(ITIMER_PROF, &off, NULL);
     sigset_t alarm;
     sigemptyset(&alarm);
     sigaddset(&alarm, SIGALRM);
+    sigaddset(&alarm, SIGPROF);
     sigprocmask(SIG_BLOCK, &alarm, NULL); /* a tick already pending stays so: the count is final */
-    long ran = ticks;
+    long ran = ticks, prof = prof_ticks;
     count(1, 6006, ran);
     count(3, 6006, ran);
+    if (two) {
+        count(1, 6116, prof);
+        count(3, 6116, prof);
+    }
     count(3, 0, nulls);
 }
 
@@ -172,7 +196,9 @@ int main(int argc, char **argv) {
     } else if (!strcmp(mode, "vfork")) {
         keep_then_free(5005, 5, vfork_exec);
     } else if (!strcmp(mode, "signal")) {
-        signals(argc > 2 ? atol(argv[2]) : 500);
+        signals(argc > 2 ? atol(argv[2]) : 500, 0);
+    } else if (!strcmp(mode, "signals2")) {
+        signals(argc > 2 ? atol(argv[2]) : 500, 1);
     } else if (!strcmp(mode, "dlopen")) {
         void *lib = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);
         if (!lib) return 2;
@@ -183,7 +209,7 @@ int main(int argc, char **argv) {
     } else if (!strcmp(mode, "errno")) {
         errno_kept();
     } else {
-        say("usage: interpose_calls threads|fork|exec|vfork|signal|dlopen|errno [ARG]\n");
+        say("usage: interpose_calls threads|fork|exec|vfork|signal|signals2|dlopen|errno [ARG]\n");
         return 2;
     }
     return 0;

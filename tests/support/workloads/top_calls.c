@@ -23,6 +23,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "protocol.h"
+
 #define NTHREADS 4
 
 enum { MALLOC, CALLOC, REALLOC, FREE, FREE_NULL, MEMALIGN, POSIX_MEMALIGN, VALLOC, PVALLOC, NTYPES };
@@ -263,15 +265,6 @@ static void *worker(void *arg) {
     pthread_barrier_wait(&done_barrier);
     pthread_barrier_wait(&exit_barrier);
     return NULL;
-}
-
-static void say(const char *s) {
-    if (write(1, s, strlen(s)) < 0) _exit(3);
-}
-
-static void wait_stdin(void) {
-    char c;
-    if (read(0, &c, 1) != 1) _exit(2);
 }
 
 int main(void) {
