@@ -100,13 +100,20 @@ def flatten_counters(entry: dict) -> dict:
 
 
 def estimate_gauges(entry: dict) -> dict:
-    """An estimated entry's error as gauges that sum over a label: its estimated calls and
-    the square of their 95 % error in calls (estimate_error_ratio() combines them)."""
-    error = (entry.get("estimate") or {}).get("error")
+    """An estimated entry's error as gauges that sum over a label: its estimated calls, the
+    square of their 95 % error in calls (estimate_error_ratio() combines them), and 1 if it
+    is saturated (its rates are its pace under the traps)."""
+    estimate = entry.get("estimate") or {}
+    error = estimate.get("error")
     if not entry.get("estimated") or error is None:
         return {}
     total = sum((entry.get("calls") or {}).values())
-    return {"estimated_calls": total, "estimated_calls_error_sq": (error * total) ** 2}
+    saturated = 1 if estimate.get("saturated") else 0
+    return {
+        "estimated_calls": total,
+        "estimated_calls_error_sq": (error * total) ** 2,
+        "estimated_saturated": saturated,
+    }
 
 
 def _glibc_counters(g: Mapping[str, object]) -> Dict[CounterKey, Union[int, float]]:
@@ -577,6 +584,15 @@ METRICS: Tuple[Metric, ...] = (
         "95 % error of the estimated calls of the label's live processes, relative (0.05: +-5 %)",
         (LABEL,),
         _per_label(_estimate_error),
+        omit_empty=True,
+    ),
+    Metric(
+        "pymtrace_malloc_estimate_saturated_processes",
+        "gauge",
+        "the label's processes slowed by the traps in their last window (as by tracing every call): their "
+        "estimated rates are their pace under the traps, a lower bound of their untraced pace",
+        (LABEL,),
+        _gauge("gauges", "estimated_saturated"),
         omit_empty=True,
     ),
     Metric(

@@ -162,11 +162,23 @@ def budget_notes(cur: Snap) -> List[str]:
         f"{b['trap_ns_per_run']:.0f} ns a run, calibrated at start; BPF {cost.get('bpf', 0):.3f} s, kernel "
         f"statistics; attach/detach {cost.get('attach_detach', 0):.3f} s CPU).",
         "Call rates, requested bytes and sizes are each process's pace in its last window (every call "
-        "counted there), carried on between windows; +-% is their 95% error (the window's count, the "
-        "spread between windows, the trap cost's calibration where a saturated process was slowed). Live "
-        "bytes need every free: not measured under a budget (RSS in view 6). Without --max-overhead every "
-        "call is counted (exact, at the full per-call cost).",
+        "counted there), carried on between windows: what tracing every call would count; +-% is their 95% "
+        "error (the window's count, the spread between windows). Live bytes need every free: not measured "
+        "under a budget (RSS in view 6). Without --max-overhead every call is counted (exact, at the full "
+        "per-call cost).",
     ]
+    saturated = sorted(
+        int(pid)
+        for pid, p in (cur.get("processes") or {}).items()
+        if (p.get("estimate") or {}).get("saturated") and not p.get("exited")
+    )
+    if saturated:
+        lines.append(
+            "SATURATED (slowed by the traps in their last window, as by tracing every call): PID "
+            + ", ".join(str(pid) for pid in saturated[:10])
+            + (f" and {len(saturated) - 10} more" if len(saturated) > 10 else "")
+            + ": their rates are their pace under the traps, a lower bound of their untraced pace."
+        )
     if b.get("errors"):
         lines.append("Window attach errors: " + "; ".join(b["errors"]))
     return lines

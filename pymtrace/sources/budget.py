@@ -35,16 +35,17 @@ for at most one window's misprediction.
 
 Estimates: in a window every call is counted (MallocSource's exact counters), in its
 measured part (every probe attached) too: each process's calls, requested bytes and sizes
-per second there. A process with CPU time to spare (most services) absorbs the traps in
-more CPU time and keeps its pace; a saturated one is slowed: its own work in the window
-(its CPU time minus its share of the traps and BPF runs, shared by probe runs: 2 per
-allocating call, 1 per free) fell short of what it ran at its pace before the window by
-more than the trap model's uncertainty (TRAP_UNCERTAINTY), and its counts are scaled up by
-the ratio of the two, that uncertainty counting in its error. Between windows each process's estimates grow at
-the pace its last window found (a step in its pace is followed at its next window). Their
-error (95 %): the window's count (Poisson), the scaling's uncertainty, and the spread of
-its last windows' paces; where the traps are most of a saturated process's CPU time (a
-malloc storm), it is wide and said so.
+per second there are its estimated pace, carried on between windows (a step in its pace is
+followed at its next window). That is the pace full tracing of the same process measures:
+a process with CPU time to spare (most services) absorbs the traps in more CPU time and
+keeps its pace, traced or not; a saturated one (a CPU-bound loop, a server at its limit) is
+slowed by the traps in a window exactly as by full tracing, and its estimates are its pace
+under the traps, a lower bound of its untraced pace: said in every view ("saturated": its
+CPU time did not rise by the traps' modeled cost, less that model's uncertainty,
+TRAP_UNCERTAINTY). Its untraced pace is not estimated: its own work cannot be told from the
+traps' time where the traps are most of its CPU time (a malloc storm: 99 %), not to the
+calibration's +-50 % (no instruction counter to count its own work). Their error (95 %):
+the window's count (Poisson) and the spread of its last windows' paces.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
 """
@@ -75,7 +76,8 @@ FIRST_WINDOW = 0.1  # seconds: the first window, whose cost is unknown until it 
 MIN_WINDOW, MAX_WINDOW = 0.01, 600.0
 # How far a traced process's trap cost may be from the one calibrated in pymtrace's own
 # process (a Python loop: its caches differ): 0.55-0.73 us a run in C processes measured
-# against 0.8-1.1 us calibrated on a loaded 2-core machine (bench/budget_bench.py)
+# against 0.8-1.1 us calibrated on a loaded 2-core machine (bench/budget_bench.py); only
+# whether a process is saturated is judged with it
 TRAP_UNCERTAINTY = 0.5
 Z95 = 1.96
 CALIBRATION_PAIRS = 20000
@@ -230,7 +232,8 @@ class _Estimate:
     mark: int  # monotonic ns up to which est accounts for its calls
     per_s: list[float] | None = None  # from the last windows; None before the first
     error: float | None = None  # relative, 95 %
-    slowed: float = 1.0  # its calls' pace in a window, as a fraction of per_s (a saturated process)
+    saturated: bool = False  # in its last window: per_s is its pace under the traps
+    trap_share: float | None = None  # of its CPU time in its last window, modeled
     windows: int = 0
     sampled_calls: int = 0
     sampled_ns: int = 0  # the windows' measured parts
@@ -241,29 +244,28 @@ class _Estimate:
 
 
 class _Sample(typing.NamedTuple):
-    """One process in one window's measured part: its counters' growth as it would have been
-    untraced (a saturated process's scaled up by its CPU over its own work), the part's
-    length (ns), the relative uncertainty of that scaling (0 where none was needed), the
-    fraction its calls ran at, its calls counted."""
+    """One process in one window's measured part: its counters' growth, the part's length
+    (ns), its calls counted, whether the traps slowed it (saturated), the modeled share of
+    its CPU time the traps and BPF runs took (None: no CPU time read)."""
 
     counts: list[float]
     ns: int
-    sigma: float
-    slowed: float
     calls: int
+    saturated: bool = False
+    trap_share: float | None = None
 
 
 def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     """(counters per second, their relative 95 % error) from SAMPLES, a process's last
     windows: the newest window's (a process that changes pace is followed at its next
-    window); the error from its calls counted (Poisson), its scaling's uncertainty, and the
-    spread of the last windows' rates (how much the process's pace moves between windows
+    window); the error from its calls counted (Poisson) and the spread of the last windows'
+    rates (how much the process's pace moves between windows
     is what one window can be off by)."""
     last = samples[-1]
     per_s = [x * 1e9 / last.ns for x in last.counts]
     if not last.calls:
         return per_s, None
-    error = Z95**2 / last.calls + last.sigma**2
+    error = Z95**2 / last.calls
     rates = [x.calls / x.ns for x in samples]
     if len(rates) > 1 and statistics.fmean(rates) > 0:
         error += (Z95 * statistics.stdev(rates) / statistics.fmean(rates)) ** 2
@@ -574,16 +576,14 @@ class WindowedMalloc(MallocSource):
             pass
 
     def _samples(self, m: _Measured) -> dict[int, _Sample]:
-        """Per process, its _Sample of the window's measured part M.
-
-        Its calls' pace in the window is its untraced pace unless it is saturated: a process
-        with CPU to spare (most services) absorbs the traps in more CPU time and keeps its
-        pace; one that does not (a CPU-bound loop, a server at its limit) is slowed: its own
-        work in the window (its CPU time minus its share of the traps and BPF runs: the
-        calibrated model, +-TRAP_UNCERTAINTY of the traps' part) fell short of what it ran at
-        its pace before the window by more than that uncertainty, or its CPU time did not
-        rise by its share of the traps, and its counts are scaled by the ratio of the two.
-        Where it kept its pace, the shortfall the model cannot rule out is its error."""
+        """Per process, its _Sample of the window's measured part M: its counters' growth as
+        counted, and whether it is saturated. A process with CPU to spare absorbs the traps
+        in more CPU time and keeps its pace; one that does not (a CPU-bound loop, a server at
+        its limit) is slowed: its CPU time did not rise by its share of the traps and BPF
+        runs (the calibrated model, +-TRAP_UNCERTAINTY of the traps' part), or its own work
+        in the window (its CPU time minus that share) fell short of what it ran at its pace
+        before the window by more than that uncertainty. Its counts are kept as counted:
+        its pace under the traps, what full tracing would count (module docstring)."""
         deltas, weights = {}, {}
         for pid, c1 in m.counts1.items():
             c0 = m.counts0.get(pid)
@@ -600,19 +600,17 @@ class WindowedMalloc(MallocSource):
             share = weights[pid] / total
             trap = share * m.trap_ns
             cost = trap + share * m.bpf_ns  # the BPF run time is the kernel's count: exact
-            factor, sigma = 1.0, 0.0
-            if pid in m.cpu0 and pid in m.cpu1 and pid in m.pace and cost > 0:
+            saturated, trap_share = False, None
+            if pid in m.cpu0 and pid in m.cpu1:
                 cpu = m.cpu1[pid] - m.cpu0[pid]
-                own = max(cpu - cost, cpu / 20)  # never below a twentieth: the model is not that exact
-                paced = m.pace[pid] * ns
-                uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
-                if paced > own and (own < paced - uncertain or cpu - paced < cost - uncertain):
-                    # saturated: the traps took its own work's time, not more CPU time
-                    factor, sigma = paced / own, uncertain / own
-                elif paced > 0:  # kept its pace, as far as the model can tell: how far it cannot
-                    sigma = min(max(paced - (own - uncertain), 0.0) / paced, 1.0)
+                trap_share = min(cost / cpu, 1.0) if cpu > 0 else None
+                if pid in m.pace and cost > 0:
+                    own = cpu - cost
+                    paced = m.pace[pid] * ns
+                    uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
+                    saturated = paced > own and (own < paced - uncertain or cpu - paced < cost - uncertain)
             calls = sum(d[: self._n_calls]) - (d[self._free_null] if self._free_null is not None else 0)
-            out[pid] = _Sample([x * factor for x in d], ns, sigma, 1 / factor, calls)
+            out[pid] = _Sample(d, ns, calls, saturated, trap_share)
         return out
 
     def _begin(self, now_ns: int) -> None:
@@ -623,8 +621,8 @@ class WindowedMalloc(MallocSource):
 
     @staticmethod
     def _grow(e: _Estimate, now_ns: int) -> None:
-        """E's counters grown to NOW_NS at its pace; in a window, from its base at the
-        fraction its calls run at (the window's end sets them, its mark stays at its start)."""
+        """E's counters grown to NOW_NS at its pace; in a window, from its base (the
+        window's end sets them, its mark stays at its start)."""
         d = now_ns - e.mark
         if d <= 0:
             return
@@ -633,7 +631,7 @@ class WindowedMalloc(MallocSource):
                 e.pending_ns += d
                 e.mark = now_ns
         elif e.base is not None:
-            grown = [b + k * d / 1e9 * e.slowed for b, k in zip(e.base, e.per_s)]
+            grown = [b + k * d / 1e9 for b, k in zip(e.base, e.per_s)]
             e.est = [max(a, b) for a, b in zip(e.est, grown)]
         else:
             e.est = [v + k * d / 1e9 for v, k in zip(e.est, e.per_s)]
@@ -649,16 +647,16 @@ class WindowedMalloc(MallocSource):
         if first and e.pending_ns:
             e.base = [b + x * e.pending_ns / 1e9 for b, x in zip(e.base, e.per_s)]
         e.pending_ns = 0
-        e.slowed = sample.slowed
+        e.saturated, e.trap_share = sample.saturated, sample.trap_share
         e.windows += 1
         e.sampled_calls += sample.calls
         e.sampled_ns += sample.ns
         e.last_window = now_ns / 1e9
 
     def _end(self, counts: dict[int, list[int]], samples: dict[int, _Sample], start_ns: int, now_ns: int) -> None:
-        """A window that began at START_NS ended at NOW_NS: each process's counters grow over it at the pace found,
-        at the fraction its calls ran at in it (the probes count only part of the window:
-        they are attached and detached within it), never below what the snapshots showed."""
+        """A window that began at START_NS ended at NOW_NS: each process's counters grow over
+        it at the pace found (the probes count only part of the window: they are attached and
+        detached within it), never below what the snapshots showed."""
         width = self._width()
         for pid, sample in samples.items():
             e = self._est.get(pid)
@@ -669,7 +667,7 @@ class WindowedMalloc(MallocSource):
             self._learn(e, sample, now_ns)
         for e in self._est.values():
             if e.base is not None and e.per_s is not None:
-                grown = [b + k * (now_ns - e.mark) / 1e9 * e.slowed for b, k in zip(e.base, e.per_s)]
+                grown = [b + k * (now_ns - e.mark) / 1e9 for b, k in zip(e.base, e.per_s)]
                 e.est = [max(a, b) for a, b in zip(e.est, grown)]
             e.base = None
             e.mark = now_ns
@@ -738,6 +736,9 @@ class WindowedMalloc(MallocSource):
                 "sampled_seconds": e.sampled_ns / 1e9,
                 "last_window_age": now - e.last_window if e.last_window is not None else None,
                 "calls_per_second": sum(e.per_s[: self._n_calls]) if e.per_s is not None else None,
+                # slowed by the traps in its last window: its rates are its pace under them
+                "saturated": e.saturated,
+                "trap_share": e.trap_share,
             },
         }
         if e.per_s is not None:

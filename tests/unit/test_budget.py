@@ -66,26 +66,34 @@ def _measured(src, pid, malloc, cpu_ns, pace, runs):
 
 def test_a_process_with_cpu_to_spare_keeps_its_pace():
     """10,000 pairs (30,000 runs: 30 ms of traps) on top of 0.2 CPU-s of its own work: its
-    CPU time rose by the traps, so its calls' pace is as counted; what the trap model cannot
-    rule out (half the traps: 15 ms of 0.2 s of its own work) is in the error."""
+    CPU time rose by the traps, so it is not saturated and its pace is as counted; the error
+    is the count's."""
     src = _source()
     s = src._samples(_measured(src, 42, 10_000, 230_000_000, 0.2, 30_000))[42]
-    assert s.slowed == 1.0 and s.sigma == pytest.approx(0.075) and s.calls == 20_000
+    assert not s.saturated and s.calls == 20_000 and s.trap_share == pytest.approx(30 / 230)
     per_s, error = b._rate([s])
     assert per_s[call_names_index("malloc")] == pytest.approx(10_000)
-    assert error == pytest.approx((b.Z95**2 / 20_000 + 0.075**2) ** 0.5)
+    assert error == pytest.approx(b.Z95 / 20_000**0.5)
 
 
-def test_a_saturated_process_is_scaled_by_its_cpu_over_its_own_work():
+def test_a_saturated_process_is_flagged_and_kept_at_its_pace_under_the_traps():
     """A CPU-bound process (1 CPU before and in the window) whose 0.75 s of traps left it
-    0.25 s of its own work: untraced it would have made 4x the calls counted; the trap
-    model's uncertainty is in the error."""
+    0.25 s of its own work: saturated, its counts kept as counted (what tracing every call
+    counts, a lower bound of its untraced pace), the error the count's, not a model's."""
     src = _source()
     s = src._samples(_measured(src, 42, 250_000, 1_000_000_000, 1.0, 750_000))[42]
-    assert s.slowed == pytest.approx(0.25)
-    assert s.counts[call_names_index("malloc")] == pytest.approx(1_000_000)
-    assert s.sigma == pytest.approx(0.75 * b.TRAP_UNCERTAINTY / 0.25)
-    assert b._rate([s])[1] > s.sigma
+    assert s.saturated and s.trap_share == pytest.approx(0.75)
+    per_s, error = b._rate([s])
+    assert per_s[call_names_index("malloc")] == pytest.approx(250_000)
+    assert error == pytest.approx(b.Z95 / 500_000**0.5)
+
+
+def test_a_process_whose_cpu_did_not_rise_by_the_traps_is_saturated():
+    """Its CPU time rose by a tenth of the 0.3 s of traps the model gives it: the traps took
+    its own work's time whatever the model's error (half of them), so saturated."""
+    src = _source()
+    s = src._samples(_measured(src, 42, 100_000, 530_000_000, 0.5, 300_000))[42]
+    assert s.saturated
 
 
 def test_the_spread_between_windows_widens_the_error():
@@ -101,8 +109,8 @@ def call_names_index(name):
 
 
 def test_a_process_is_estimated_between_windows_at_its_pace():
-    """Counters grow at the last window's pace between windows; in a window, from its start
-    at the fraction its calls run at; never down."""
+    """Counters grow at the last window's pace between windows and in a window from its
+    start; never down."""
     src = _source()
     e = b._Estimate([0.0] * src._width(), 0)
     src._est[7] = e
@@ -136,6 +144,8 @@ def _budget_snapshot():
                     "sampled_seconds": 0.4,
                     "last_window_age": 0.5,
                     "calls_per_second": 950.0,
+                    "saturated": True,
+                    "trap_share": 0.9,
                 },
                 "rss_bytes": 1 << 20,
                 "rss_anon_bytes": 1 << 19,
@@ -170,6 +180,7 @@ def test_views_say_estimates_with_their_error_and_no_live_bytes():
     assert row["malloc_per_s"] == pytest.approx(500)  # 1000 since start, 2 s
     assert any(n.startswith("ESTIMATES under a 1% overhead budget") for n in table.notes)
     assert "0.80%" in table.notes[0] and "ESTIMATES" in views.summary(table)
+    assert any(n.startswith("SATURATED") and "PID 7:" in n and "lower bound" in n for n in table.notes)
     heap = views.build("heap", None, cur)
     assert any("live bytes" in n and "not measured" in n for n in heap.notes)
     exact = {k: v for k, v in cur.items() if k != "budget"}
@@ -187,6 +198,7 @@ def test_exporter_exports_estimates_apart_with_the_budget_gauges():
     assert sample(m, "pymtrace_malloc_calls_estimated_total", comm="app", call="malloc") == 1000
     assert sample(m, "pymtrace_malloc_requested_bytes_estimated_total", comm="app") == 64000
     assert sample(m, "pymtrace_malloc_estimate_error_ratio", comm="app") == pytest.approx(0.05)
+    assert sample(m, "pymtrace_malloc_estimate_saturated_processes", comm="app") == 1
     assert not [k for k in m if k[0] in ("pymtrace_malloc_calls_total", "pymtrace_malloc_requested_bytes_total")]
     assert sample(m, "pymtrace_exporter_duty_cycle") == pytest.approx(0.02)
     assert sample(m, "pymtrace_exporter_overhead_ratio") == pytest.approx(0.008)
