@@ -237,6 +237,8 @@ class EstimateInfo(TypedDict):
     sampled_seconds: float
     last_window_age: Optional[float]
     calls_per_second: Optional[float]
+    saturated: bool  # slowed by the traps in its last window: its rates are its pace under them
+    trap_share: Optional[float]  # of its CPU time in its last window, modeled
 
 
 class BudgetCost(TypedDict):

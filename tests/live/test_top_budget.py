@@ -11,7 +11,8 @@ from support.top import Top, Workload, private_libc
 
 pytestmark = pytest.mark.bpf
 
-PAIRS, SPIN = 8_000_000, 1000  # ~5 s of CPU here untraced; ~4x that with every call traced
+# ~6 s of CPU here untraced (the budget: windows every second or two); ~10x with every call traced
+PAIRS, SPIN = 16_000_000, 1000
 
 
 def _cpu_seconds(pid):
@@ -64,21 +65,27 @@ def test_budget_holds_against_the_processes_own_cpu_time(cbuild, tmp_path):
     assert budgeted - untraced <= 0.10 * (full - untraced), (before, budgeted, after, full, budget)
     p = doc["snapshot"]["processes"][str(doc["pids"][0])]
     assert p["estimated"] is True and "live_bytes" not in p
+    # it never sleeps: the traps in a window slow it (its rates are its pace under them)
+    assert p["estimate"]["saturated"] is True, p["estimate"]
     assert problems(doc["snapshot"], json_keys=True) == []
 
 
-STEPS = ((4000, 8), (16000, 8), (8000, 8))  # (mallocs a second, seconds)
-STEP_SPIN = 30000  # ~20 us of work a call: a busy service's, the traps then ~15 % of it
+# (mallocs a second, seconds) at ~5 us of work a call: a few % of a CPU with the traps, so
+# the workload keeps its rate traced or not, however loaded the machine (a saturated one
+# would be estimated at its pace under the traps: test_budget_holds_...)
+STEPS = ((1000, 8), (4000, 8), (2000, 8))
+STEP_SPIN = 15000
 
 
 def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
     """A workload that changes its malloc rate in known steps: over each step (its first two
     seconds left out: the estimates follow a step at the next windows) the estimated rate is
     within 10 % of the calls the workload made; the views say the numbers are estimates,
-    with an error."""
+    with an error, and the workload, which sleeps most of the time, is not saturated. The
+    budget (25 %: the traps are about half its CPU time) gives windows every second or two."""
     binary = cbuild("top_budget")
     w = Workload([binary, "steps", str(STEP_SPIN), *(f"{r}:{s}" for r, s in STEPS)], env=private_libc(tmp_path))
-    top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc", "--max-overhead", "10", "--window", "0.5")
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc", "--max-overhead", "25", "--window", "0.5")
     docs = []
     try:
         docs.append(top.json_doc())
@@ -110,3 +117,4 @@ def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
     assert "estimate_error_pct" in view["columns"] and any("ESTIMATES" in n for n in view["notes"])
     row = next(r for r in view["rows"] if r["pid"] == w.pid)
     assert row["estimate_error_pct"] is not None and row["live_bytes"] is None
+    assert last["snapshot"]["processes"][pid]["estimate"]["saturated"] is False

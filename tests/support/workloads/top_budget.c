@@ -8,11 +8,14 @@
  *                              second for SECONDS, step after step, paced in 100 batches a
  *                              second against absolute deadlines. Prints {"steps": [{"rate",
  *                              "start", "end", "calls"}]} (start, end: CLOCK_MONOTONIC
- *                              seconds, the clock of top's snapshot times; calls: mallocs made). */
+ *                              seconds, the clock of top's snapshot times; calls: mallocs made).
+ *                              A byte on stdin ends the steps early (the current one ends
+ *                              there, the rest are left out). */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -40,9 +43,17 @@ static int work(long n, long spin) {
     return 0;
 }
 
+/* A byte waiting on stdin: told to stop (read, so that finishing takes the next one). */
+static int told_to_stop(void) {
+    struct pollfd p = {.fd = 0, .events = POLLIN};
+    char c;
+    return poll(&p, 1, 0) == 1 && read(0, &c, 1) == 1;
+}
+
 static int steps(int argc, char **argv, long spin) {
+    int stop = 0;
     printf("{\"steps\": [");
-    for (int s = 0; s < argc; s++) {
+    for (int s = 0; s < argc && !stop; s++) {
         long rate = atol(argv[s]);
         char *colon = strchr(argv[s], ':');
         double seconds = colon ? atof(colon + 1) : 1;
@@ -54,7 +65,7 @@ static int steps(int argc, char **argv, long spin) {
             for (long i = 0; i < per_batch; i++) pair(spin);
             calls += per_batch;
             end = now(CLOCK_MONOTONIC);
-            if (end - start >= seconds) break;
+            if (end - start >= seconds || (stop = told_to_stop())) break;
             next.tv_nsec += 10 * 1000 * 1000;
             if (next.tv_nsec >= 1000000000L) {
                 next.tv_nsec -= 1000000000L;
