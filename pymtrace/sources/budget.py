@@ -237,6 +237,7 @@ class _Estimate:
     windows: int = 0
     sampled_calls: int = 0
     sampled_ns: int = 0  # the windows' measured parts
+    sampled_cpu_ns: int = 0  # its CPU time in them
     base: list[float] | None = None  # est when the current window began
     pending_ns: int = 0  # before its first window, estimated when it ends
     last_window: float | None = None
@@ -246,13 +247,14 @@ class _Estimate:
 class _Sample(typing.NamedTuple):
     """One process in one window's measured part: its counters' growth, the part's length
     (ns), its calls counted, whether the traps slowed it (saturated), the modeled share of
-    its CPU time the traps and BPF runs took (None: no CPU time read)."""
+    its CPU time the traps and BPF runs took (None: no CPU time read), its CPU time (ns)."""
 
     counts: list[float]
     ns: int
     calls: int
     saturated: bool = False
     trap_share: float | None = None
+    cpu_ns: int = 0
 
 
 def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
@@ -480,7 +482,7 @@ class WindowedMalloc(MallocSource):
         poll = min(0.25, self.budget.window / 2)
         if self._stop.wait(self._rng.uniform(0, min(1.0, self.budget.window))):
             return
-        while not self._stop.wait(poll if self.windows else 0):
+        while not self._stop.wait(poll):
             length = self._next_length()
             predicted = self._predicted(length)
             with self._state:
@@ -600,7 +602,7 @@ class WindowedMalloc(MallocSource):
             share = weights[pid] / total
             trap = share * m.trap_ns
             cost = trap + share * m.bpf_ns  # the BPF run time is the kernel's count: exact
-            saturated, trap_share = False, None
+            saturated, trap_share, cpu = False, None, 0
             if pid in m.cpu0 and pid in m.cpu1:
                 cpu = m.cpu1[pid] - m.cpu0[pid]
                 trap_share = min(cost / cpu, 1.0) if cpu > 0 else None
@@ -610,7 +612,7 @@ class WindowedMalloc(MallocSource):
                     uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
                     saturated = paced > own and (own < paced - uncertain or cpu - paced < cost - uncertain)
             calls = sum(d[: self._n_calls]) - (d[self._free_null] if self._free_null is not None else 0)
-            out[pid] = _Sample(d, ns, calls, saturated, trap_share)
+            out[pid] = _Sample(d, ns, calls, saturated, trap_share, cpu)
         return out
 
     def _begin(self, now_ns: int) -> None:
@@ -651,6 +653,7 @@ class WindowedMalloc(MallocSource):
         e.windows += 1
         e.sampled_calls += sample.calls
         e.sampled_ns += sample.ns
+        e.sampled_cpu_ns += sample.cpu_ns
         e.last_window = now_ns / 1e9
 
     def _end(self, counts: dict[int, list[int]], samples: dict[int, _Sample], start_ns: int, now_ns: int) -> None:
@@ -734,6 +737,7 @@ class WindowedMalloc(MallocSource):
                 "error": e.error,
                 "sampled_calls": e.sampled_calls,
                 "sampled_seconds": e.sampled_ns / 1e9,
+                "sampled_cpu_seconds": e.sampled_cpu_ns / 1e9,
                 "last_window_age": now - e.last_window if e.last_window is not None else None,
                 "calls_per_second": sum(e.per_s[: self._n_calls]) if e.per_s is not None else None,
                 # slowed by the traps in its last window: its rates are its pace under them

@@ -235,6 +235,7 @@ class EstimateInfo(TypedDict):
     error: Optional[float]
     sampled_calls: int
     sampled_seconds: float
+    sampled_cpu_seconds: float  # its CPU time in the windows' measured parts
     last_window_age: Optional[float]
     calls_per_second: Optional[float]
     saturated: bool  # slowed by the traps in its last window: its rates are its pace under them
