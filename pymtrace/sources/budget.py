@@ -40,11 +40,11 @@ followed at its next window). That is the pace full tracing of the same process 
 a process with CPU time to spare (most services) absorbs the traps in more CPU time and
 keeps its pace, traced or not; a saturated one (a CPU-bound loop, a server at its limit) is
 slowed by the traps in a window exactly as by full tracing, and its estimates are its pace
-under the traps, a lower bound of its untraced pace: said in every view ("saturated": its
-CPU time did not rise by the traps' modeled cost, less that model's uncertainty,
-TRAP_UNCERTAINTY). Its untraced pace is not estimated: its own work cannot be told from the
-traps' time where the traps are most of its CPU time (a malloc storm: 99 %), not to the
-calibration's +-50 % (no instruction counter to count its own work). Their error (95 %):
+under the traps, a lower bound of its untraced pace: said in every view ("saturated": one
+of its threads never slept in the window, by the scheduler's counts, while the traps took
+more than 5 % of its CPU time). Its untraced pace is not estimated: its own work cannot be
+told from the traps' time where the traps are most of its CPU time (a malloc storm: 99 %),
+not to the calibration's +-50 % (no instruction counter to count its own work). Their error (95 %):
 the window's count (Poisson) and the spread of its last windows' paces.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
@@ -80,6 +80,9 @@ MIN_WINDOW, MAX_WINDOW = 0.01, 600.0
 # whether a process is saturated is judged with it
 TRAP_UNCERTAINTY = 0.5
 Z95 = 1.96
+# saturated: a thread ran or waited to run this much of a window (it never slept) while the
+# traps took more than SLOWED_SHARE of the process's CPU time (less: its pace within 5 %)
+BUSY, SLOWED_SHARE = 0.9, 0.05
 CALIBRATION_PAIRS = 20000
 CALIBRATION_ROUNDS = 5
 RECENT = 4  # windows whose spread is part of a process's error
@@ -276,16 +279,32 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
 
 class _Measured:
     """A window's measured part (every probe attached): counters, CPU clocks and program runs
-    read at its start and end, and each process's pace (CPU ns per ns) before the window."""
+    read at its start and end, each process's pace (CPU ns per ns) before the window, and
+    the scheduler's demand of the threads of the processes known to call (DEMAND0, END's
+    DEMAND1: {pid: {tid: ns run + ns waiting to run}})."""
 
-    def __init__(self, counts0: dict, cpu0: dict, runs0: tuple[int, int], t0: int, pace: dict) -> None:
+    def __init__(
+        self, counts0: dict, cpu0: dict, runs0: tuple[int, int], t0: int, pace: dict, demand0: dict | None = None
+    ) -> None:
         self.counts0, self.cpu0, self._runs0, self._t0, self.pace = counts0, cpu0, runs0, t0, pace
+        self.demand0 = demand0 or {}
+        self.demand1 = {}
 
-    def end(self, counts1: dict, cpu1: dict, runs1: tuple[int, int], t1: int) -> None:
+    def end(self, counts1: dict, cpu1: dict, runs1: tuple[int, int], t1: int, demand1: dict | None = None) -> None:
         self.counts1, self.cpu1 = counts1, cpu1
         self.runs, self.bpf_ns = runs1[0] - self._runs0[0], runs1[1] - self._runs0[1]
         self.trap_ns = runs1[2] - self._runs0[2]
         self.seconds = (t1 - self._t0) / 1e9
+        self.demand1 = demand1 or {}
+
+    def busiest(self, pid: int) -> float | None:
+        """The largest share of the measured part one of PID's threads ran or waited to run
+        (1: it never slept), None where its threads were not read."""
+        before, after = self.demand0.get(pid), self.demand1.get(pid)
+        if not before or not after or self.seconds <= 0:
+            return None
+        grown = [after[tid] - before[tid] for tid in after.keys() & before.keys()]
+        return max(grown) / (self.seconds * 1e9) if grown else None
 
 
 class WindowedMalloc(MallocSource):
@@ -422,6 +441,10 @@ class WindowedMalloc(MallocSource):
             cnt, ns, trap = cnt + c, ns + n, trap + c * per_run
         return cnt, ns, trap
 
+    @staticmethod
+    def _demand(pids: Iterable[int]) -> dict[int, dict[int, int]]:
+        return {pid: d for pid in pids if (d := proc.thread_demand_ns(pid)) is not None}
+
     def _cpu(self, pids: Iterable[int]) -> dict[int, int]:
         return {pid: ns for pid in pids if (ns := proc.cpu_ns(pid)) is not None}
 
@@ -530,9 +553,12 @@ class WindowedMalloc(MallocSource):
         self._attach_all()
         attach_ns = time.thread_time_ns() - began
         # the measured part: every probe attached (calls and CPU read at both ends)
-        m = _Measured(self._read_counts(), self._cpu(candidates), self._runs(), time.monotonic_ns(), pace)
+        callers = [pid for pid in candidates if pid in self._est]
+        m = _Measured(
+            self._read_counts(), self._cpu(candidates), self._runs(), time.monotonic_ns(), pace, self._demand(callers)
+        )
         self._stop.wait(length)
-        m.end(self._read_counts(), self._cpu(m.cpu0), self._runs(), time.monotonic_ns())
+        m.end(self._read_counts(), self._cpu(m.cpu0), self._runs(), time.monotonic_ns(), self._demand(callers))
         detach_ns = uprobes.release(self.bpf, self._handles) * 1e9
         self._handles = []
         self._forget_calls_in_flight()
@@ -581,11 +607,14 @@ class WindowedMalloc(MallocSource):
         """Per process, its _Sample of the window's measured part M: its counters' growth as
         counted, and whether it is saturated. A process with CPU to spare absorbs the traps
         in more CPU time and keeps its pace; one that does not (a CPU-bound loop, a server at
-        its limit) is slowed: its CPU time did not rise by its share of the traps and BPF
-        runs (the calibrated model, +-TRAP_UNCERTAINTY of the traps' part), or its own work
-        in the window (its CPU time minus that share) fell short of what it ran at its pace
-        before the window by more than that uncertainty. Its counts are kept as counted:
-        its pace under the traps, what full tracing would count (module docstring)."""
+        its limit) is slowed: one of its threads never slept in the window (ran or waited to
+        run BUSY of it: the scheduler's counts) while the traps and BPF runs took more than
+        SLOWED_SHARE of its CPU time (the calibrated model). A process whose threads were not
+        read before the window (first seen in it): its CPU time did not rise by its share of
+        the traps (+-TRAP_UNCERTAINTY of them), or its own work in the window (its CPU time
+        minus that share) fell short of what it ran at its pace before the window by more
+        than that uncertainty. Its counts are kept as counted: its pace under the traps,
+        what full tracing would count (module docstring)."""
         deltas, weights = {}, {}
         for pid, c1 in m.counts1.items():
             c0 = m.counts0.get(pid)
@@ -606,7 +635,10 @@ class WindowedMalloc(MallocSource):
             if pid in m.cpu0 and pid in m.cpu1:
                 cpu = m.cpu1[pid] - m.cpu0[pid]
                 trap_share = min(cost / cpu, 1.0) if cpu > 0 else None
-                if pid in m.pace and cost > 0:
+                busiest = m.busiest(pid)
+                if busiest is not None:  # the scheduler's counts: no model
+                    saturated = busiest >= BUSY and (trap_share or 0) > SLOWED_SHARE
+                elif pid in m.pace and cost > 0:  # a process first seen in this window
                     own = cpu - cost
                     paced = m.pace[pid] * ns
                     uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 from pymtrace.errors import ProcessGone
 
@@ -139,6 +139,26 @@ def cpu_ns(pid: int) -> Optional[int]:
         return time.clock_gettime_ns(((~pid) << 3) | 2)
     except OSError:
         return None
+
+
+def thread_demand_ns(pid: int) -> Optional[Dict[int, int]]:
+    """{tid: ns it ran + ns it waited on a run queue} of each of PID's threads
+    (/proc/PID/task/TID/schedstat: the scheduler's own counts), or None when they cannot be
+    read (gone, or a kernel without CONFIG_SCHED_INFO). A thread whose demand grows as fast
+    as the clock never slept: it would have used more CPU time had it been given it."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                run, wait = f.read().split()[:2]
+            out[int(tid)] = int(run) + int(wait)
+        except (OSError, ValueError):
+            continue
+    return out or None
 
 
 def threads(pid: int) -> int:

@@ -96,6 +96,25 @@ def test_a_process_whose_cpu_did_not_rise_by_the_traps_is_saturated():
     assert s.saturated
 
 
+@pytest.mark.parametrize(
+    "busiest, malloc, cpu_ns, saturated",
+    [
+        (1.0, 250_000, 1_000_000_000, True),  # never slept, traps 75 % of its CPU time
+        (0.3, 100_000, 530_000_000, False),  # slept 70 % of the window: it had time to spare
+        (1.0, 1_000, 1_000_000_000, False),  # CPU-bound, but the traps 0.3 % of it
+    ],
+)
+def test_the_schedulers_counts_say_whether_a_process_is_saturated(busiest, malloc, cpu_ns, saturated):
+    """Where its threads were read before and after the window, a process is saturated when
+    one never slept (ran or waited to run 90 % of the window) and the traps took more than
+    5 % of its CPU time: the CPU-time model is not consulted."""
+    src = _source()
+    m = _measured(src, 42, malloc, cpu_ns, 0.5, 3 * malloc)
+    m.demand0, m.demand1 = {42: {42: 0, 43: 5}}, {42: {42: int(busiest * 1e9), 43: 10}}
+    assert m.busiest(42) == pytest.approx(busiest)
+    assert src._samples(m)[42].saturated is saturated
+
+
 def test_the_spread_between_windows_widens_the_error():
     src = _source()
     steady = [src._samples(_measured(src, 1, 10_000, 230_000_000, 0.2, 30_000))[1] for _ in range(3)]
