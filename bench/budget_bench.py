@@ -10,9 +10,16 @@
    (jemalloc) under `redis-benchmark -t set,lpush -d 200 -r 1000000 -c 10`, each untraced,
    under `top -p PID --max-overhead PCT`, and under `top -p PID` (every call), in
    interleaved rounds: the traced process's slowdown (storm: its ns and CPU ns per pair;
-   redis: requests/s) against the untraced runs of the same round, and the malloc-API calls
-   top estimated under the budget against the exact count (storm: the pairs it made;
-   redis: calls per request as `top -p` counted them, times the requests made).
+   redis: requests/s) against the untraced run of the same round, and the malloc-API call
+   rate top estimated under the budget (its last window's pace) against the rate full
+   tracing counted in the same round (storm: 2 calls a pair at its ns per pair; redis: the
+   calls top counted over the benchmark's wall time), beside the untraced rate (storm: its
+   untraced ns per pair; redis: its untraced requests/s x the calls a request full tracing
+   counted): both are saturated, so their estimates are their pace under the traps.
+3. Steps (tests/support/workloads/top_budget.c: paced mallocs, ~100 us of work each, at
+   rates changing in steps), under the budget and under full tracing: each step's
+   estimated rate (from its fourth second on: the estimates follow a step at the next
+   window) against the calls the workload counted itself and those full tracing counted.
 
 Every process runs on a private copy of the system libc named libc.so.6 (LD_LIBRARY_PATH;
 redis-server's jemalloc is its own file): uprobes are per file, and other tools on a shared
@@ -24,12 +31,14 @@ import argparse
 import json
 import os
 import pathlib
+import queue
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -58,7 +67,8 @@ def cpu_seconds(pid):
 
 
 class Top:
-    """`pymtrace top --json -p PID ARGS` running, its documents read on demand."""
+    """`pymtrace top --json -p PID ARGS` running, its documents read as they come (a thread:
+    top never blocks on a full pipe) and handed out on demand."""
 
     def __init__(self, pid, args, env):
         self.proc = subprocess.Popen(
@@ -68,13 +78,20 @@ class Top:
             env=env,
         )
         self.pid = pid
+        self.docs = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
         self.last = self.doc()
 
+    def _read(self):
+        for line in self.proc.stdout:
+            self.docs.put(json.loads(line))
+        self.docs.put(None)
+
     def doc(self):
-        line = self.proc.stdout.readline()
-        if not line:
+        d = self.docs.get(timeout=120)
+        if d is None:
             raise SystemExit("top ended early")
-        return json.loads(line)
+        return d
 
     def after(self, t):
         while True:
@@ -83,8 +100,10 @@ class Top:
                 self.last = d
                 return d
 
-    def mallocs(self, d):
-        return sum(v for k, v in d["snapshot"]["processes"][str(self.pid)].get("calls", {}).items())
+    def mallocs(self, d, call=None):
+        """The malloc-API calls (CALL: that call's) counted or estimated for the process in D."""
+        calls = d["snapshot"]["processes"].get(str(self.pid), {}).get("calls", {})
+        return calls.get(call, 0) if call else sum(calls.values())
 
     def stop(self):
         self.proc.terminate()
@@ -145,14 +164,20 @@ def storm_round(storm, pid, mode, args, env, batches, pairs):
         ns.append(float(storm.stdout.readline()))
     cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
     res = {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "seconds": time.monotonic() - t0}
+    res["calls_s"] = 2e9 / res["ns_pair"]  # what full tracing counts, at its pace
     if top:
-        d = top.after(time.monotonic())
-        res["calls"] = top.mallocs(d)
-        res["exact"] = 2 * batches * (pairs + 1000)
-        res["budget"] = d["snapshot"].get("budget")
-        res["error"] = d["snapshot"]["processes"][str(pid)].get("estimate", {}).get("error")
+        estimate(res, top, top.after(time.monotonic()))
         top.stop()
     return res
+
+
+def estimate(res, top, d):
+    """RES gains the budget's state and, under a budget, the estimate of TOP's process in D."""
+    res["budget"] = d["snapshot"].get("budget")
+    if res["budget"]:
+        e = d["snapshot"]["processes"][str(top.pid)].get("estimate", {})
+        res["calls_s"] = e.get("calls_per_second")
+        res["error"], res["saturated"] = e.get("error"), e.get("saturated")
 
 
 def free_port():
@@ -163,6 +188,7 @@ def free_port():
 
 def redis_round(server, port, mode, args, env, requests):
     top = Top(server.pid, args, env) if mode != "untraced" else None
+    t0 = time.monotonic()
     out = subprocess.run(
         ["redis-benchmark", "-p", str(port), "-t", "set,lpush", "-d", "200", "-r", "1000000", "-c", "10"]
         + ["-n", str(requests), "-q", "--csv"],
@@ -171,37 +197,85 @@ def redis_round(server, port, mode, args, env, requests):
         check=True,
     ).stdout
     rates = [float(line.split(",")[1].strip('"')) for line in out.splitlines()[1:] if line.strip()]
+    t1 = time.monotonic()
     res = {"req_s": statistics.fmean(rates), "requests": requests * len(rates)}
     if top:
-        d = top.after(time.monotonic())
-        res["calls"] = top.mallocs(d)
-        res["budget"] = d["snapshot"].get("budget")
-        res["error"] = d["snapshot"]["processes"][str(server.pid)].get("estimate", {}).get("error")
+        before = top.mallocs(top.last)
+        d = top.after(t1)
+        res["calls_s"] = (top.mallocs(d) - before) / (t1 - t0)  # full tracing: every call counted
+        res["calls_request"] = (top.mallocs(d) - before) / res["requests"]
+        estimate(res, top, d)
         top.stop()
     return res
 
 
-def summarize(name, results, speed):
-    """Rows: per mode the median speed (SPEED key) and its slowdown against the untraced runs
-    of the same round, the calls counted or estimated per unit of work."""
+def summarize(name, results, speed, untraced_calls_s):
+    """Rows: per mode the median speed (SPEED key) and its slowdown against the untraced run
+    of the same round; the call rate counted (every call) or estimated (budget), and per
+    round the estimate over the rate full tracing counted in that round."""
     rows = []
+    full = results["every call"]
     for mode, runs in results.items():
         ratios = [r[speed] / u[speed] for r, u in zip(runs, results["untraced"])]
-        row = {"workload": name, "mode": mode, "speed": f"{statistics.median(r[speed] for r in runs):.1f} {speed}"}
-        row |= dict.fromkeys(("vs untraced", "calls per unit", "measured overhead %", "duty cycle", "windows"), "")
-        row["error (95%)"] = ""
-        row["vs untraced"] = f"{statistics.median(ratios):.3f}x"
-        if "calls" in runs[0]:
-            per = [r["calls"] / r.get("exact", r.get("requests")) for r in runs]
-            row["calls per unit"] = round(statistics.median(per), 3)
-            b = runs[-1]["budget"]
-            if b:
-                row["measured overhead %"] = round(b["overhead_pct"] or 0, 3)
-                row["duty cycle"] = round(b["duty_cycle"], 4)
-                row["windows"] = b["windows"]
-                row["error (95%)"] = runs[-1]["error"]
+        row = {"workload": name, "mode": mode, speed: f"{statistics.median(r[speed] for r in runs):.1f}"}
+        row["vs untraced"] = "/".join(f"{x:.3f}x" for x in ratios)
+        if mode == "untraced":
+            rates = [untraced_calls_s(u, f) for u, f in zip(runs, full)]
+            row["calls/s"] = "/".join(f"{x:,.0f}" for x in rates)
+        else:
+            row["calls/s"] = "/".join(f"{r['calls_s']:,.0f}" if r["calls_s"] else "-" for r in runs)
+        row |= dict.fromkeys(("estimated / full tracing", "error (95%)", "saturated", "measured overhead %"), "")
+        row["windows"] = ""
+        b = runs[-1].get("budget")
+        if b:
+            row["estimated / full tracing"] = "/".join(
+                f"{r['calls_s'] / f['calls_s']:.3f}" if r["calls_s"] else "no window" for r, f in zip(runs, full)
+            )
+            row["error (95%)"] = "/".join(f"±{100 * r['error']:.1f} %" if r["error"] else "-" for r in runs)
+            row["saturated"] = "/".join(str(r["saturated"]) for r in runs)
+            row["measured overhead %"] = "/".join(f"{r['budget']['overhead_pct'] or 0:.2f}" for r in runs)
+            row["windows"] = "/".join(str(r["budget"]["windows"]) for r in runs)
         rows.append(row)
     return rows
+
+
+def fmt(x, spec, before="", after=""):
+    return "-" if x is None else f"{before}{x:{spec}}{after}"
+
+
+def steps_run(exe, steps, spin, args, env):
+    """The step workload under `top ARGS`: per step (rate, exact calls/s, counted or
+    estimated calls/s from its fourth second to its end, error)."""
+    w = subprocess.Popen(
+        [exe, "steps", str(spin), *steps], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    pid = int(w.stdout.readline().split()[1])
+    top = Top(pid, args, env)
+    docs = [top.last]
+    try:
+        w.stdin.write("g")
+        w.stdin.flush()
+        result = json.loads(w.stdout.readline())
+        while docs[-1]["time"] <= result["steps"][-1]["end"]:
+            docs.append(top.doc())
+    finally:
+        top.stop()
+        w.kill()
+        w.wait()
+    out = []
+    for step in result["steps"]:
+        inside = [
+            d for d in docs if step["start"] + 3 <= d["time"] <= step["end"] and str(pid) in d["snapshot"]["processes"]
+        ]
+        exact = step["calls"] / (step["end"] - step["start"])
+        if len(inside) < 2:  # a step too short to be followed
+            out.append((step["rate"], exact, None, None))
+            continue
+        first, last = inside[0], inside[-1]
+        rate = (top.mallocs(last, "malloc") - top.mallocs(first, "malloc")) / (last["time"] - first["time"])
+        error = last["snapshot"]["processes"][str(pid)].get("estimate", {}).get("error")
+        out.append((step["rate"], exact, rate or None, error))
+    return out
 
 
 def main():
@@ -211,7 +285,13 @@ def main():
     ap.add_argument("--window", type=float, default=1.0)
     ap.add_argument("--storm-batches", type=int, default=20)
     ap.add_argument("--storm-pairs", type=int, default=50_000_000, help="pairs per batch (~0.5 s untraced)")
-    ap.add_argument("--requests", type=int, default=200_000, help="redis-benchmark -n (per test)")
+    ap.add_argument("--requests", type=int, default=600_000, help="redis-benchmark -n (per test)")
+    ap.add_argument(
+        "--steps",
+        default="1000:20,3000:10,2000:10",
+        help="RATE:SECONDS,... of the step workload (the first window comes after ~10 s: 1 %% of the CPU time run pays for a 0.1 s window priced as all traps)",
+    )
+    ap.add_argument("--step-spin", type=int, default=330_000, help="its work a call (~100 us)")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-budget-bench-"))
@@ -233,7 +313,7 @@ def main():
                 print(f"storm round {r + 1} {mode}: {results[mode][-1]}", file=sys.stderr)
         storm.stdin.close()
         storm.wait()
-        rows += summarize("storm", results, "ns_pair")
+        rows += summarize("storm", results, "ns_pair", lambda u, f: u["calls_s"])
         if shutil.which("redis-server") and shutil.which("redis-benchmark"):
             port = free_port()
             server = subprocess.Popen(
@@ -251,10 +331,23 @@ def main():
                     print(f"redis round {r + 1} {mode}: {results[mode][-1]}", file=sys.stderr)
             server.terminate()
             server.wait(30)
-            rows += summarize("redis-server", results, "req_s")
+            rows += summarize("redis-server", results, "req_s", lambda u, f: u["req_s"] * f["calls_request"])
+        steps_exe = build_c(tmp, "top_budget", ROOT / "tests/support/workloads/top_budget.c")
+        steps = args.steps.split(",")
+        budgeted = steps_run(steps_exe, steps, args.step_spin, budget_args, env)
+        full = steps_run(steps_exe, steps, args.step_spin, [], env)
+        step_rows = [
+            {"step (mallocs/s)": r, "exact (workload) budget run": f"{x:,.0f}", "estimated": fmt(e, ",.0f")}
+            | {"estimated / exact": fmt(e and e / x, ".3f"), "error (95%)": fmt(err and 100 * err, ".1f", "±", " %")}
+            | {"exact (workload) full run": f"{fx:,.0f}", "full tracing counted": fmt(fc, ",.0f")}
+            | {"estimated / full tracing": fmt(e and fc and e / fc, ".3f")}
+            for (r, x, e, err), (_, fx, fc, _) in zip(budgeted, full)
+        ]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"kernel {os.uname().release}, {os.cpu_count()} CPUs, budget {args.budget:g}%, window {args.window:g} s\n")
+    load = os.getloadavg()
+    print(f"kernel {os.uname().release}, {os.cpu_count()} CPUs, budget {args.budget:g}%, window {args.window:g} s")
+    print(f"load at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)\n")
     print_table(
         [
             {"probes": w, "attach CPU ms": round(a, 2), "attach wall ms": round(b, 1)}
@@ -265,6 +358,8 @@ def main():
     )
     print()
     print_table(rows, markdown=args.markdown)
+    print()
+    print_table(step_rows, markdown=args.markdown)
     return 0
 
 
