@@ -18,8 +18,8 @@
    counted): both are saturated, so their estimates are their pace under the traps.
 3. Steps (tests/support/workloads/top_budget.c: paced mallocs, ~100 us of work each, at
    rates changing in steps), under the budget and under full tracing: each step's
-   estimated rate (from its fourth second on: the estimates follow a step at the next
-   window) against the calls the workload counted itself and those full tracing counted.
+   estimated rate (from its seventh second on: the estimates follow a step at the next
+   window, every ~3 s at 1 %) against the calls the workload counted itself and those full tracing counted.
 
 Every process runs on a private copy of the system libc named libc.so.6 (LD_LIBRARY_PATH;
 redis-server's jemalloc is its own file): uprobes are per file, and other tools on a shared
@@ -165,6 +165,7 @@ def storm_round(storm, pid, mode, args, env, batches, pairs):
     cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
     res = {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "seconds": time.monotonic() - t0}
     res["calls_s"] = 2e9 / res["ns_pair"]  # what full tracing counts, at its pace
+    res["share"] = res["cpu_ns_pair"] / res["ns_pair"]  # the CPU it was given
     if top:
         estimate(res, top, top.after(time.monotonic()))
         top.stop()
@@ -178,6 +179,7 @@ def estimate(res, top, d):
         e = d["snapshot"]["processes"][str(top.pid)].get("estimate", {})
         res["calls_s"] = e.get("calls_per_second")
         res["error"], res["saturated"] = e.get("error"), e.get("saturated")
+        res["share"] = e["sampled_cpu_seconds"] / e["sampled_seconds"] if e.get("sampled_seconds") else None
 
 
 def free_port():
@@ -188,7 +190,7 @@ def free_port():
 
 def redis_round(server, port, mode, args, env, requests):
     top = Top(server.pid, args, env) if mode != "untraced" else None
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), cpu_seconds(server.pid)
     out = subprocess.run(
         ["redis-benchmark", "-p", str(port), "-t", "set,lpush", "-d", "200", "-r", "1000000", "-c", "10"]
         + ["-n", str(requests), "-q", "--csv"],
@@ -199,6 +201,7 @@ def redis_round(server, port, mode, args, env, requests):
     rates = [float(line.split(",")[1].strip('"')) for line in out.splitlines()[1:] if line.strip()]
     t1 = time.monotonic()
     res = {"req_s": statistics.fmean(rates), "requests": requests * len(rates)}
+    res["share"] = (cpu_seconds(server.pid) - cpu0) / (t1 - t0)
     if top:
         before = top.mallocs(top.last)
         d = top.after(t1)
@@ -224,7 +227,8 @@ def summarize(name, results, speed, untraced_calls_s):
             row["calls/s"] = "/".join(f"{x:,.0f}" for x in rates)
         else:
             row["calls/s"] = "/".join(f"{r['calls_s']:,.0f}" if r["calls_s"] else "-" for r in runs)
-        row |= dict.fromkeys(("estimated / full tracing", "error (95%)", "saturated", "measured overhead %"), "")
+        row |= dict.fromkeys(("estimated / full tracing", "error (95%)", "saturated", "CPU share"), "")
+        row["measured overhead %"] = ""
         row["windows"] = ""
         b = runs[-1].get("budget")
         if b:
@@ -233,8 +237,11 @@ def summarize(name, results, speed, untraced_calls_s):
             )
             row["error (95%)"] = "/".join(f"±{100 * r['error']:.1f} %" if r["error"] else "-" for r in runs)
             row["saturated"] = "/".join(str(r["saturated"]) for r in runs)
+            row["CPU share"] = "/".join(fmt(r.get("share"), ".2f") for r in runs) + " (in its window)"
             row["measured overhead %"] = "/".join(f"{r['budget']['overhead_pct'] or 0:.2f}" for r in runs)
             row["windows"] = "/".join(str(r["budget"]["windows"]) for r in runs)
+        if mode == "every call":
+            row["CPU share"] = "/".join(fmt(r.get("share"), ".2f") for r in runs)
         rows.append(row)
     return rows
 
@@ -245,7 +252,7 @@ def fmt(x, spec, before="", after=""):
 
 def steps_run(exe, steps, spin, args, env):
     """The step workload under `top ARGS`: per step (rate, exact calls/s, counted or
-    estimated calls/s from its fourth second to its end, error)."""
+    estimated calls/s from its seventh second to its end, error)."""
     w = subprocess.Popen(
         [exe, "steps", str(spin), *steps], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
@@ -262,11 +269,14 @@ def steps_run(exe, steps, spin, args, env):
         top.stop()
         w.kill()
         w.wait()
+
+    def counted(d):  # estimates known (a window has ended) or every call counted
+        p = d["snapshot"]["processes"].get(str(pid), {})
+        return "calls" in p
+
     out = []
     for step in result["steps"]:
-        inside = [
-            d for d in docs if step["start"] + 3 <= d["time"] <= step["end"] and str(pid) in d["snapshot"]["processes"]
-        ]
+        inside = [d for d in docs if step["start"] + 6 <= d["time"] <= step["end"] and counted(d)]
         exact = step["calls"] / (step["end"] - step["start"])
         if len(inside) < 2:  # a step too short to be followed
             out.append((step["rate"], exact, None, None))
@@ -288,7 +298,7 @@ def main():
     ap.add_argument("--requests", type=int, default=600_000, help="redis-benchmark -n (per test)")
     ap.add_argument(
         "--steps",
-        default="1000:20,3000:10,2000:10",
+        default="1000:20,3000:20,2000:20",
         help="RATE:SECONDS,... of the step workload (the first window comes after ~10 s: 1 %% of the CPU time run pays for a 0.1 s window priced as all traps)",
     )
     ap.add_argument("--step-spin", type=int, default=330_000, help="its work a call (~100 us)")
