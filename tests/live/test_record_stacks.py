@@ -184,7 +184,7 @@ def test_in_process_stacks_equal_the_uprobe_paths(chains_exe, tmp_path):
         summary = record(out, chains_exe, "--via", via)
         assert summary["via"] == via and summary["stacks_lost"] == 0
         got[via] = allocation_stacks(out)
-    dtv = {k for k in got["interposer"] | got["uprobes"] if ";allocate_dtv;" in k[2]}
+    dtv = {k for k in got["interposer"] | got["uprobes"] if ";_dl_allocate_tls;" in k[2]}
     assert len(dtv) <= 2 and all(k[1] < 1024 for k in dtv)
     assert sum(got["interposer"].values()) == sum(got["uprobes"].values()) > 250
     assert {k: n for k, n in got["interposer"].items() if k not in dtv} == {
