@@ -277,7 +277,7 @@ static int is_root(int dirfd, __u32 pid) {
 /* ---- stacks (record --stacks in-process; the table's layout: interpose.h) --------------- */
 typedef int (*backtrace_fn)(void **, int);
 static backtrace_fn unwind_backtrace; /* libunwind's unw_backtrace: a cache per thread of each pc's frame */
-static int stack_frames;              /* frames kept per stack; 0: no stacks */
+static int stack_frames;              /* frames kept per stack (PYMTRACE_RING's FRAMES); 0: no stacks */
 #define STACK_OFFS_BYTES ((((STACK_IDS + 1) * sizeof(__u32)) + 4095) & ~(size_t)4095)
 static int stack_error;
 static __u64 *stack_hash;
@@ -303,22 +303,44 @@ static int find_self(struct dl_phdr_info *info, size_t size, void *data) {
     return 0;
 }
 
-/* From the constructor, when record asks for stacks: libunwind loaded (RTLD_LOCAL: its own
- * `backtrace` and `_Unwind_Backtrace` stay out of the program's symbol scope), this library's
- * code range found. Failing, records go without stacks and the header says why. */
-static void stacks_setup(void) {
+/* PYMTRACE_RING's FRAMES (0: no stacks), at most STACK_MAX_FRAMES. Only getenv: the ring's
+ * opening reads it too (the table is made with the ring, maybe before the constructor ran:
+ * an earlier library's initializer may allocate first). */
+static void stacks_load(void);
+
+static int frames_asked(void) {
     const char *v = getenv("PYMTRACE_RING");
-    if (!v) return;
+    if (!v) return 0;
     env_field(&v, 0);
     env_field(&v, 1);
     env_field(&v, 0);
     unsigned long frames = env_field(&v, 0);
-    if (!frames) return;
-    if (frames > STACK_MAX_FRAMES) frames = STACK_MAX_FRAMES;
+    return frames > STACK_MAX_FRAMES ? STACK_MAX_FRAMES : (int)frames;
+}
+
+/* From the constructor, when record asks for stacks: libunwind loaded (RTLD_LOCAL: its own
+ * `backtrace` and `_Unwind_Backtrace` stay out of the program's symbol scope), this library's
+ * code range found. Stacks are taken once both the ring's table and libunwind are there
+ * (STACK()); without libunwind records go without stacks and the header says why. */
+static int stacks_once; /* 0, 1 while a thread loads libunwind, 2 */
+
+static void stacks_setup(void) {
+    int expect = 0;
+    if (!frames_asked() ||
+        !__atomic_compare_exchange_n(&stacks_once, &expect, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return;
+    ts.depth++; /* dlopen's allocations are the library's own */
+    stacks_load();
+    ts.depth--;
+    __atomic_store_n(&stacks_once, 2, __ATOMIC_RELEASE);
+}
+
+static void stacks_load(void) {
     void *lib = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
     void *bt = lib ? dlsym(lib, "unw_backtrace") : NULL;
     if (!bt) {
         stack_error = STACK_E_NOLIB;
+        if (__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) == RING_READY) ring->stack_error = STACK_E_NOLIB;
         return;
     }
     /* per-thread caches: no lock a signal handler's unwind could wait on (libunwind's
@@ -327,8 +349,7 @@ static void stacks_setup(void) {
     int (*policy)(void *, int) = (int (*)(void *, int))dlsym(lib, "_ULx86_64_set_caching_policy");
     if (space && policy) policy(*space, 2);
     dl_iterate_phdr(find_self, (void *)(uintptr_t)stacks_setup);
-    unwind_backtrace = (backtrace_fn)bt;
-    stack_frames = (int)frames;
+    __atomic_store_n(&unwind_backtrace, (backtrace_fn)bt, __ATOMIC_RELEASE);
 }
 
 static int read_adds(struct dl_phdr_info *info, size_t size, void *data) {
@@ -455,7 +476,20 @@ __attribute__((noinline)) static __u32 stack_take(void) {
 }
 
 /* The stack word of an allocating call: its stack's id << 8, or 0 without stacks. */
-#define STACK() (UNLIKELY(stack_frames) ? stack_take() : 0)
+/* An allocation before the constructor ran (another library's initializer: libstdc++'s pool)
+ * loads libunwind itself, once; meanwhile other threads' allocations go without a stack. */
+static __u32 stack_first(void) {
+    stacks_setup();
+    return __atomic_load_n(&unwind_backtrace, __ATOMIC_ACQUIRE) ? stack_take() : 0;
+}
+
+static inline __u32 stack_word(void) {
+    if (LIKELY(stack_words == NULL)) return 0;
+    if (LIKELY(__atomic_load_n(&unwind_backtrace, __ATOMIC_ACQUIRE) != NULL)) return stack_take();
+    return __atomic_load_n(&stacks_once, __ATOMIC_ACQUIRE) == 0 ? stack_first() : 0;
+}
+
+#define STACK() stack_word()
 
 /* Create and map this process image's ring: RING_DIR/PID.STAMP, STAMP its creation time. Only
  * system calls (and getenv): a thread waiting for another's open cannot deadlock with it. */
@@ -465,7 +499,7 @@ static void ring_open_locked(void) {
     unsigned long owner = env_field(&dir, 0);
     unsigned long follow = env_field(&dir, 1);
     unsigned long slots = env_field(&dir, RING_SLOTS);
-    env_field(&dir, 0); /* FRAMES: stacks_setup's */
+    env_field(&dir, 0); /* FRAMES: frames_asked() */
     if (*dir != '/' || !resolve()) {
         __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
         return;
@@ -484,6 +518,7 @@ static void ring_open_locked(void) {
     if (slots < RING_MIN_SLOTS || slots > RING_MAX_SLOTS || (slots & (slots - 1))) slots = RING_SLOTS;
     size_t bytes = RING_HEADER_SIZE + slots * (sizeof(__u64) + sizeof(struct record_event));
     size_t stack_at = 0;
+    stack_frames = frames_asked();
     if (stack_frames) { /* the stack table, page-aligned after the events */
         stack_at = (bytes + 4095) & ~(size_t)4095;
         bytes = stack_at + STACK_HASH_SLOTS * sizeof(__u64) + STACK_OFFS_BYTES +
@@ -1019,6 +1054,7 @@ static void after_fork_child(void) {
     }
     int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
     if (state == RING_READY) {
+        stack_words = NULL; /* (its table goes with the parent's ring: the child's comes with its own) */
         munmap(ring, ring_bytes);
         ring = NULL;
     }
