@@ -14,7 +14,7 @@ import struct
 import subprocess
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.needs import missing_or_fail
 from support.paths import WORKLOADS
@@ -314,6 +314,7 @@ map_lines = st.builds(
 )
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # (an emulated VM draws slowly)
 @given(st.lists(map_lines, max_size=20))
 def test_maps_text_round_trips(lines):
     """format_maps writes what parse_maps (and libdwfl's reader) reads: paths with spaces,
