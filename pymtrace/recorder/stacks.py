@@ -256,7 +256,7 @@ class RingStacks(StackUnwinder):
         self.mapped: dict[tuple[int, int], list] = {}  # ... -> [(start, end, bias, Module)] by start
         self.starts: dict[tuple[int, int], list] = {}  # ... -> their starts (bisect)
         self.leaf: dict[tuple[int, int], Any] = {}  # ... -> (allocator's Module, {call: pc}) or None
-        self.files: dict[str, Any] = {}  # real path -> its Module (None: unreadable)
+        self.files: dict[str, Any] = {}  # real path -> its Module (without a build ID: unreadable)
         self.python_native: dict[int, str] = {}  # CPython processes (their stacks are native): pid -> file
 
     def add_leaf_file(self, path: str) -> None:
@@ -338,15 +338,11 @@ class RingStacks(StackUnwinder):
                 size = 1 << top.bit_length()
                 lut = numpy.concatenate([lut, numpy.zeros(size - len(lut), dtype=numpy.uint64)])
                 cut = numpy.concatenate([cut, numpy.zeros(size - len(cut), dtype=bool)])
-            calls = (words[:, 0] >> numpy.uint64(32)) & numpy.uint64(0xFF)
-            values, index = numpy.unique(local, return_index=True)
-            firsts = dict(zip(values.tolist(), index.tolist()))
             table = out.stack_table
-            for sid, (ips, was_cut) in batch.stacks.items():
-                call = int(calls[firsts[sid]]) if sid in firsts else mtrace_bin.MALLOC
-                stack = self._stack(key, call, ips)
-                lut[sid] = table.intern(stack, not was_cut) if table is not None else 0
-                cut[sid] = was_cut
+            for sid, new in batch.stacks.items():
+                stack = self._stack(key, new.call, new.ips)
+                lut[sid] = table.intern(stack, not new.cut) if table is not None else 0
+                cut[sid] = new.cut
             if table is not None:
                 try:
                     table.flush()  # the stacks before the records that name them
