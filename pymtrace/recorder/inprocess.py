@@ -387,7 +387,8 @@ class InProcessRecorder:
     def _finish(self) -> int:
         drainer, outputs, rings = self.drainer, self.outputs, self.rings
         self._check_execs()  # those of the last moments
-        tables = [o.stack_table for o in outputs.all() if o.stack_table is not None]  # (closing drops them)
+        # --stacks (never with --to: a NetOutput has no table); closing drops them
+        tables = [o.stack_table for o in outputs.all() if getattr(o, "stack_table", None) is not None]
         n_stacks, overflow = sum(len(t.ids) for t in tables), sum(t.overflow for t in tables)
         t0 = time.thread_time()
         closed = outputs.close()

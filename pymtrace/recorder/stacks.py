@@ -254,8 +254,21 @@ class RingStacks(StackUnwinder):
         self.luts: dict[tuple[int, int], Any] = {}  # (pid, image) -> ring id -> table id (uint64)
         self.cut: dict[tuple[int, int], Any] = {}  # ... -> whether the stack was cut (bool)
         self.mapped: dict[tuple[int, int], list] = {}  # ... -> [(start, end, bias, Module)] by start
-        self.files: dict[str, Any] = {}  # real path -> its Module (None: unreadable)
+        self.starts: dict[tuple[int, int], list] = {}  # ... -> their starts (bisect)
+        self.leaf: dict[tuple[int, int], Any] = {}  # ... -> (allocator's Module, {call: pc}) or None
+        self.files: dict[str, Any] = {}  # real path -> its Module (without a build ID: unreadable)
         self.python_native: dict[int, str] = {}  # CPython processes (their stacks are native): pid -> file
+
+    def add_leaf_file(self, path: str) -> None:
+        super().add_leaf_file(path)
+        for key in getattr(self, "mapped", {}):  # (StackUnwinder's __init__ adds libc's first)
+            self._find_leaf(key)
+
+    def _find_leaf(self, key: tuple[int, int]) -> None:
+        """KEY's allocator among its modules (their paths are real paths: _module), preferred
+        as leaf_files orders them, and its {call: pc}; None if it maps none of them."""
+        reals = {e[3].path: e[3] for e in self.mapped[key]}
+        self.leaf[key] = next(((reals[real], pcs) for real, pcs in self.leaf_files if real in reals), None)
 
     def forget(self, pid: int) -> None:
         """PID exec'd: a program traced through uprobes from here on is unwound with its own files."""
@@ -286,12 +299,13 @@ class RingStacks(StackUnwinder):
             if _PYTHON_FILE.search(m.path):
                 self.python_native.setdefault(key[0], m.path)
         mapped.sort(key=lambda e: e[0])
+        self.starts[key] = [e[0] for e in mapped]
+        self._find_leaf(key)
 
     def _stack(self, key: tuple[int, int], call: int, ips: tuple[int, ...]) -> tuple:
         from pymtrace.tracee.unwind import UNKNOWN
 
-        mapped = self.mapped.get(key, [])
-        starts = [e[0] for e in mapped]
+        mapped, starts = self.mapped.get(key, []), self.starts.get(key, [])
         frames = []
         for ip in ips:
             pc = ip - 1  # a return address: the call is the instruction before
@@ -299,12 +313,9 @@ class RingStacks(StackUnwinder):
             while i >= 0 and not mapped[i][0] <= pc < mapped[i][1]:
                 i -= 1
             frames.append((mapped[i][3], pc - mapped[i][2]) if i >= 0 else (UNKNOWN, pc))
-        reals = {os.path.realpath(e[3].path): e[3] for e in mapped}
-        for real, pcs in self.leaf_files:
-            if real in reals:
-                if call in pcs:
-                    frames.insert(0, (reals[real], pcs[call]))
-                break
+        leaf = self.leaf.get(key)
+        if leaf is not None and call in leaf[1]:
+            frames.insert(0, (leaf[0], leaf[1][call]))
         return tuple(frames)
 
     def label_batch(self, batch: Any, out: Output) -> None:
@@ -327,15 +338,11 @@ class RingStacks(StackUnwinder):
                 size = 1 << top.bit_length()
                 lut = numpy.concatenate([lut, numpy.zeros(size - len(lut), dtype=numpy.uint64)])
                 cut = numpy.concatenate([cut, numpy.zeros(size - len(cut), dtype=bool)])
-            calls = (words[:, 0] >> numpy.uint64(32)) & numpy.uint64(0xFF)
-            values, index = numpy.unique(local, return_index=True)
-            firsts = dict(zip(values.tolist(), index.tolist()))
             table = out.stack_table
-            for sid, (ips, was_cut) in batch.stacks.items():
-                call = int(calls[firsts[sid]]) if sid in firsts else mtrace_bin.MALLOC
-                stack = self._stack(key, call, ips)
-                lut[sid] = table.intern(stack, not was_cut) if table is not None else 0
-                cut[sid] = was_cut
+            for sid, new in batch.stacks.items():
+                stack = self._stack(key, new.call, new.ips)
+                lut[sid] = table.intern(stack, not new.cut) if table is not None else 0
+                cut[sid] = new.cut
             if table is not None:
                 try:
                     table.flush()  # the stacks before the records that name them

@@ -22,6 +22,7 @@ from pymtrace.bpf import uprobes
 from pymtrace.errors import PymtraceError
 from pymtrace.sources import usdt
 from pymtrace.sources.base import Source, uprobe
+from pymtrace.stopping import stop_deferred
 from pymtrace.tracee import libc, proc
 
 _CONSTS = usdt.header().consts
@@ -293,7 +294,8 @@ class GlibcSource(Source):
     def poll(self) -> None:
         """Deliver every event waiting in the ring buffer (stream mode)."""
         if self.bpf is not None and self.stream:
-            self.bpf.ring_buffer_consume()
+            with stop_deferred():  # raised inside BCC's ctypes callback, a stop would be swallowed
+                self.bpf.ring_buffer_consume()
 
     def lost(self) -> int:
         if self.bpf is None:

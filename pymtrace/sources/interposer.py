@@ -129,7 +129,12 @@ def slots_for(size: int) -> int:
     return min(max(slots, _H.consts["RING_MIN_SLOTS"]), _H.consts["RING_MAX_SLOTS"])
 
 
-Stack = tuple[tuple[int, ...], bool]  # (return addresses, innermost first; cut at the frame limit)
+class Stack(NamedTuple):
+    """A stack a process interned in its ring's table (interpose.h)."""
+
+    ips: tuple[int, ...]  # return addresses, innermost first
+    cut: bool  # deeper than the frame limit
+    call: int  # the call type of the first record that names it (its allocating function)
 
 
 class Module(NamedTuple):
@@ -218,13 +223,13 @@ class Ring:
 
     def new_stacks(self, records: np.ndarray) -> dict[int, Stack]:
         """The stacks RECORDS ((n, 8) uint64, taken from this ring) name that no earlier batch
-        did: {id: (return addresses, cut)}. A record's id has its entry written (interpose.h)."""
+        did, by id. A record's id has its entry written (interpose.h)."""
         if self.stack_offs is None or not len(records):
             return {}
-        ids = np.unique((records[:, 0] >> np.uint64(40)) & np.uint64(0xFFFFFF)).tolist()
+        ids, first = np.unique((records[:, 0] >> np.uint64(40)) & np.uint64(0xFFFFFF), return_index=True)
         out = {}
         last = _H.consts["STACK_IDS"]
-        for i in ids:
+        for i, f in zip(ids.tolist(), first.tolist()):
             if i == 0 or i in self.stacks_seen or i > last:
                 continue
             at = int(self.stack_offs[i]) - 1
@@ -232,9 +237,10 @@ class Ring:
                 continue  # (never: the writer stores the offset before the id is used)
             head = int(self.stack_words[at])
             n = min(head & 0xFFFF, _H.consts["STACK_MAX_FRAMES"])
-            out[i] = (
+            out[i] = Stack(
                 tuple(self.stack_words[at + 1 : at + 1 + n].tolist()),
                 bool((head >> 16) & _H.consts["STACK_F_CUT"]),
+                int(records[f, 0] >> np.uint64(32)) & 0xFF,
             )
             self.stacks_seen.add(i)
         return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -410,9 +411,13 @@ class RecordedImage(ProcessImage):
             if self.modules:
                 return
             try:
-                fd = os.open(self._local, os.O_RDONLY | os.O_CLOEXEC)
+                # (a path a traced process named: never wait on a FIFO or read a device)
+                fd = os.open(self._local, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError as exc:
                 raise PymtraceError(f"cannot open {self._local}: {exc.strerror}") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise PymtraceError(f"{self._local}: not a regular file")
             self._add(self._recorded.path, fd)
             maps = format_maps([self._recorded]).encode()
             # reports the module, then fails to attach a process (there is none): the module

@@ -128,10 +128,37 @@ def test_record_via_uprobes_of_a_launched_cxx_program(cxx_calls, tmp_path, stack
     check_records([rec for rec in B.read_file(out) if lo <= rec.caller < hi], result, cxx_calls)
 
 
-def test_an_exception_out_of_operator_new_reaches_the_program(tmp_path):
+def test_record_stacks_in_process_of_a_cxx_program(cxx_calls, tmp_path):
+    """`record --stacks -- PROG` in-process: the same records, every allocation with its stack,
+    also libstdc++'s pool allocated by its initializer before the interposer's constructor ran
+    (the ring and its stack table are made at that first call, libunwind loaded then)."""
+    out = tmp_path / "trace"
+    r = run_pymtrace("record", "--stacks", "--json", "-o", out, "--", cxx_calls, input="xx", timeout=300)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stderr.strip().splitlines()[-1])
+    assert summary["via"] == "interposer" and summary["stacks_lost"] == 0 and summary["command_exit_status"] == 0
+    result = json.loads(r.stdout.splitlines()[-1])
+    records = list(B.read_file(out))
+    lo, hi = text_range(cxx_calls)
+    check_records([rec for rec in records if lo <= rec.caller < hi], result, cxx_calls)
+    from pymtrace.trace import stacktable
+
+    table = stacktable.read_table(stacktable.table_path(str(out)))
+    allocs = [rec for rec in records if rec.type in (B.MALLOC, B.MEMALIGN)]
+    assert all(rec.stack for rec in allocs)
+    # the first of all: libstdc++'s initializer's, called by the loader (named by module: ld.so
+    # may have no symbols)
+    first = [f.module for f in table[allocs[0].stack].frames]
+    assert any("/ld-linux" in m for m in first) and any("/libstdc++" in m for m in first), first
+    assert all(";main;" in table[rec.stack].folded() for rec in allocs if lo <= rec.caller < hi)
+
+
+@pytest.mark.parametrize("extra", [["--via", "uprobes"], ["--stacks"]], ids=["uprobes", "in-process-stacks"])
+def test_an_exception_out_of_operator_new_reaches_the_program(tmp_path, extra):
     """A carried operator new has no return probe, whose rewritten return address would stop the
     unwinder (std::terminate): under `record --via uprobes` the program catches its bad_alloc,
-    and each failed new is recorded as a malloc that returned NULL, at the program's call."""
+    and each failed new is recorded as a malloc that returned NULL, at the program's call; in
+    -process with --stacks the exception unwinds through the wrapper with libunwind loaded."""
     from support.needs import missing_or_fail
 
     if shutil.which("g++") is None:
@@ -139,9 +166,10 @@ def test_an_exception_out_of_operator_new_reaches_the_program(tmp_path):
     prog = tmp_path / "bad_alloc"
     subprocess.run(["g++", "-O1", "-no-pie", "-o", prog, WORKLOADS / "cxx_bad_alloc.cpp"], check=True)
     out = tmp_path / "trace"
-    r = run_pymtrace("record", "--via", "uprobes", "-o", out, "--", prog, timeout=300)
+    r = run_pymtrace("record", *extra, "-o", out, "--", prog, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["caught", "3"]
     lo, hi = text_range(str(prog))
     failed = [rec for rec in B.read_file(out) if rec.type == B.MALLOC and rec.size == 1 << 62]
-    assert [(rec.ptr2, lo <= rec.caller < hi) for rec in failed] == [(0, True)] * 3
+    # (in-process the failed new's own malloc is what is recorded: its caller is the runtime's)
+    assert [(rec.ptr2, lo <= rec.caller < hi) for rec in failed] == [(0, "--stacks" not in extra)] * 3

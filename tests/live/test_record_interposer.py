@@ -160,8 +160,11 @@ def _run_until_named(cmd, storm):
         text=True,
     )
     lines = []
+    tree = []
 
     def never_named():  # the child would wait forever, holding the pipes: end both
+        ps = subprocess.run(["ps", "-eHo", "pid,ppid,user,stat,wchan:20,args"], capture_output=True, text=True)
+        tree.append(ps.stdout)  # what record and its children were doing, for the failure message
         proc.kill()
         proc.stdin.close()
 
@@ -172,7 +175,7 @@ def _run_until_named(cmd, storm):
             lines.append(line)
             if "is not recorded from here on" in line:
                 break
-        assert not proc.stdin.closed, "record never named it:\n" + "".join(lines)
+        assert not proc.stdin.closed, "record never named it:\n" + "".join(lines) + "".join(tree)
         proc.stdin.write(storm + "\n")
         proc.stdin.close()
         err = proc.stderr.read()  # (the program's stdout is two short lines: no pipe fills)

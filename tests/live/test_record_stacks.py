@@ -9,6 +9,7 @@ import json
 import os
 import re
 import stat
+import subprocess
 
 import duckdb
 import pyarrow.parquet
@@ -16,6 +17,7 @@ import pytest
 from support import heapchains
 from support.cli import run_pymtrace
 from support.interposer import truth
+from support.paths import WORKLOADS
 
 from pymtrace.bpf import load as bpfload
 from pymtrace.trace import stacktable
@@ -182,7 +184,7 @@ def test_in_process_stacks_equal_the_uprobe_paths(chains_exe, tmp_path):
         summary = record(out, chains_exe, "--via", via)
         assert summary["via"] == via and summary["stacks_lost"] == 0
         got[via] = allocation_stacks(out)
-    dtv = {k for k in got["interposer"] | got["uprobes"] if ";allocate_dtv;" in k[2]}
+    dtv = {k for k in got["interposer"] | got["uprobes"] if ";_dl_allocate_tls;" in k[2]}
     assert len(dtv) <= 2 and all(k[1] < 1024 for k in dtv)
     assert sum(got["interposer"].values()) == sum(got["uprobes"].values()) > 250
     assert {k: n for k, n in got["interposer"].items() if k not in dtv} == {
@@ -202,15 +204,24 @@ def calls_exe(cbuild):
         (["signal", "300"], 6006, "on_alarm"),
         (["fork"], 2002, "fork_child"),
         (["vfork"], 4004, "main"),  # (`after`, inlined: no debug information to name it)
+        (["dlopen", "LIB"], 7007, "lib_calls"),
     ],
-    ids=["threads", "signal", "fork", "vfork-exec"],
+    ids=["threads", "signal", "fork", "vfork-exec", "dlopen"],
 )
-def test_in_process_stacks_through_threads_signals_forks_and_execs(calls_exe, tmp_path, mode, size, function):
+def test_in_process_stacks_through_threads_signals_forks_and_execs(
+    calls_exe, build_dir, tmp_path, mode, size, function
+):
     """--follow-forks in-process: every allocation of every process has its stack, and each of
     the workload's own calls of SIZE bytes (as many as it counts) is on a stack through
     FUNCTION: a thread's start, a signal handler (unwound across the signal frame), a forked
-    child, a vfork child's exec'd program; every frame named, though the children end before
-    record reads their stacks (each process names the objects it loaded)."""
+    child, a vfork child's exec'd program, a library dlopen'ed after the start; every frame
+    named, though the children end before record reads their stacks (each process names the
+    objects it loaded)."""
+    if "LIB" in mode:
+        lib = build_dir / "libinterpose_lib.so"
+        src = WORKLOADS / "interpose_lib.c"
+        subprocess.run(["gcc", "-O1", "-fno-builtin", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+        mode = [str(lib) if m == "LIB" else m for m in mode]
     out = tmp_path / "t"
     proc = run_pymtrace("record", "--stacks", "--follow-forks", "--json", "-o", out, "--", calls_exe, *mode)
     assert proc.returncode == 0, proc.stderr

@@ -78,3 +78,45 @@ def test_to_becomes_a_network_target():
 def test_contradictions_are_refused(argv, message):
     with pytest.raises(PymtraceError, match=message):
         options(*argv)
+
+
+def _script(tmp_path, name, line):
+    path = tmp_path / name
+    path.write_text(f"{line}\nprint(1)\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_which_commands_run_cpython(tmp_path):
+    """--stacks keeps a CPython program on uprobes (its Python frames are read in BPF): the
+    interpreter itself, a #! script naming it directly or through env (options and
+    assignments skipped); not a shell, a C program, or env running one."""
+    import sys
+
+    from pymtrace.sources.interposer import runs_python
+
+    python = sys.executable  # a CPython (the venv's: a symlink to one that exports _PyRuntime)
+    assert runs_python([python, "-c", "1"])
+    assert runs_python([_script(tmp_path, "direct", f"#!{python} -u")])
+    assert runs_python([_script(tmp_path, "env", f"#!/usr/bin/env {python}")])
+    assert runs_python(["env", "-i", "A=b", python, "-c", "1"])
+    assert not runs_python(["/bin/sh", "-c", "true"])
+    assert not runs_python([_script(tmp_path, "shell", "#!/bin/sh")])
+    assert not runs_python(["env", "/bin/true"])
+    assert not runs_python([str(tmp_path / "missing")])
+
+
+def test_stacks_through_uprobes_for_cpython_unless_native():
+    """choose(): --stacks on a CPython program goes through uprobes, saying why; --native
+    records it in-process; a C program with --stacks is in-process."""
+    import sys
+
+    from pymtrace.recorder import inprocess
+
+    path, why = inprocess.choose(RecordOptions(pages=8, cmd=(sys.executable, "-c", "1"), stacks=True))
+    assert path == "uprobes" and "Python program's frames in BPF" in why
+    assert inprocess.choose(RecordOptions(pages=8, cmd=(sys.executable, "-c", "1"), stacks=True, native=True)) == (
+        "interposer",
+        None,
+    )
+    assert inprocess.choose(RecordOptions(pages=8, cmd=("/bin/true",), stacks=True)) == ("interposer", None)

@@ -14,7 +14,7 @@ import struct
 import subprocess
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.needs import missing_or_fail
 from support.paths import WORKLOADS
@@ -314,6 +314,7 @@ map_lines = st.builds(
 )
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # (an emulated VM draws slowly)
 @given(st.lists(map_lines, max_size=20))
 def test_maps_text_round_trips(lines):
     """format_maps writes what parse_maps (and libdwfl's reader) reads: paths with spaces,
@@ -334,3 +335,15 @@ def test_the_real_maps_of_this_process_round_trip():
     lines = unwind.parse_maps(text)
     assert len(lines) == len(text.splitlines())
     assert unwind.parse_maps(unwind.format_maps(lines)) == lines
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_recorded_image_of_a_fifo_or_directory_is_refused_at_once(tmp_path, kind):
+    """The in-process stacks name their objects by path (a traced process writes them): a
+    FIFO or a directory there is one error line, never a wait for a writer."""
+    from pymtrace.errors import PymtraceError
+
+    path = tmp_path / kind
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    with pytest.raises(PymtraceError, match="not a regular file|Is a directory"):
+        unwind.RecordedImage(0x1000, 0x2000, 0, str(path), str(path))

@@ -277,7 +277,7 @@ static int is_root(int dirfd, __u32 pid) {
 /* ---- stacks (record --stacks in-process; the table's layout: interpose.h) --------------- */
 typedef int (*backtrace_fn)(void **, int);
 static backtrace_fn unwind_backtrace; /* libunwind's unw_backtrace: a cache per thread of each pc's frame */
-static int stack_frames;              /* frames kept per stack; 0: no stacks */
+static int stack_frames;              /* frames kept per stack (PYMTRACE_RING's FRAMES); 0: no stacks */
 #define STACK_OFFS_BYTES ((((STACK_IDS + 1) * sizeof(__u32)) + 4095) & ~(size_t)4095)
 static int stack_error;
 static __u64 *stack_hash;
@@ -303,22 +303,46 @@ static int find_self(struct dl_phdr_info *info, size_t size, void *data) {
     return 0;
 }
 
-/* From the constructor, when record asks for stacks: libunwind loaded (RTLD_LOCAL: its own
- * `backtrace` and `_Unwind_Backtrace` stay out of the program's symbol scope), this library's
- * code range found. Failing, records go without stacks and the header says why. */
-static void stacks_setup(void) {
+/* PYMTRACE_RING's FRAMES (0: no stacks), at most STACK_MAX_FRAMES. Only getenv: the ring's
+ * opening reads it too (the table is made with the ring, maybe before the constructor ran:
+ * an earlier library's initializer may allocate first). */
+static int frames_asked(void) {
     const char *v = getenv("PYMTRACE_RING");
-    if (!v) return;
+    if (!v) return 0;
     env_field(&v, 0);
     env_field(&v, 1);
     env_field(&v, 0);
     unsigned long frames = env_field(&v, 0);
-    if (!frames) return;
-    if (frames > STACK_MAX_FRAMES) frames = STACK_MAX_FRAMES;
+    return frames > STACK_MAX_FRAMES ? STACK_MAX_FRAMES : (int)frames;
+}
+
+static void stacks_load(void);
+
+/* When record asks for stacks, once: from the constructor, or from the first stack if an
+ * earlier library's initializer allocated before it. Stacks are taken once both the ring's
+ * table and libunwind are there (stack_word); without libunwind records go without stacks
+ * and the header says why. */
+static int stacks_once; /* 0, 1 while a thread loads libunwind, 2 */
+
+static void stacks_setup(void) {
+    int expect = 0;
+    if (!frames_asked() ||
+        !__atomic_compare_exchange_n(&stacks_once, &expect, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return;
+    ts.depth++; /* dlopen's allocations are the library's own */
+    stacks_load();
+    ts.depth--;
+    __atomic_store_n(&stacks_once, 2, __ATOMIC_RELEASE);
+}
+
+/* libunwind loaded (RTLD_LOCAL: its own `backtrace` and `_Unwind_Backtrace` stay out of
+ * the program's symbol scope), this library's code range found. */
+static void stacks_load(void) {
     void *lib = dlopen("libunwind.so.8", RTLD_NOW | RTLD_LOCAL);
     void *bt = lib ? dlsym(lib, "unw_backtrace") : NULL;
     if (!bt) {
         stack_error = STACK_E_NOLIB;
+        if (__atomic_load_n(&ring_state, __ATOMIC_ACQUIRE) == RING_READY) ring->stack_error = STACK_E_NOLIB;
         return;
     }
     /* per-thread caches: no lock a signal handler's unwind could wait on (libunwind's
@@ -327,8 +351,7 @@ static void stacks_setup(void) {
     int (*policy)(void *, int) = (int (*)(void *, int))dlsym(lib, "_ULx86_64_set_caching_policy");
     if (space && policy) policy(*space, 2);
     dl_iterate_phdr(find_self, (void *)(uintptr_t)stacks_setup);
-    unwind_backtrace = (backtrace_fn)bt;
-    stack_frames = (int)frames;
+    __atomic_store_n(&unwind_backtrace, (backtrace_fn)bt, __ATOMIC_RELEASE);
 }
 
 static int read_adds(struct dl_phdr_info *info, size_t size, void *data) {
@@ -387,8 +410,12 @@ static inline __u64 stack_hash_of(void *const *ips, int n) {
     return h;
 }
 
-/* A new entry for the stack IPS (N frames): its id, or 0 when the table is full. */
+/* A new entry for the stack IPS (N frames), after the objects it may lie in: its id, or 0
+ * when the table is full. */
 static __u32 stack_add(void *const *ips, int n, int cut) {
+    ts.depth++; /* (dl_iterate_phdr allocates nothing: the guarantee) */
+    modules_update();
+    ts.depth--;
     struct ring_header *h = ring;
     __u64 id = __atomic_add_fetch(&h->stack_next, 1, __ATOMIC_RELAXED);
     __u64 at = __atomic_fetch_add(&h->stack_used, (__u64)n + 1, __ATOMIC_RELAXED);
@@ -430,9 +457,6 @@ __attribute__((noinline)) static __u32 stack_take(void) {
     for (int probe = 0; probe < 64; probe++, i = (i + 1) & mask) {
         __u64 v = __atomic_load_n(&stack_hash[i], __ATOMIC_ACQUIRE);
         if (v == 0) {
-            t->depth++;
-            modules_update();
-            t->depth--;
             __u32 id = stack_add(ips, n, cut);
             /* published for the next call; lost to another thread's at once: ours stays valid */
             if (id)
@@ -448,14 +472,22 @@ __attribute__((noinline)) static __u32 stack_take(void) {
             memcmp(&e[1], ips, (size_t)n * sizeof(__u64)) == 0)
             return id << 8;
     }
-    t->depth++;
-    modules_update();
-    t->depth--;
     return stack_add(ips, n, cut) << 8; /* a crowded neighbourhood: an entry of its own */
 }
 
+/* An allocation before the constructor ran (another library's initializer: libstdc++'s pool)
+ * loads libunwind itself, once; meanwhile other threads' allocations go without a stack. */
+static __u32 stack_first(void) {
+    stacks_setup();
+    return __atomic_load_n(&unwind_backtrace, __ATOMIC_ACQUIRE) ? stack_take() : 0;
+}
+
 /* The stack word of an allocating call: its stack's id << 8, or 0 without stacks. */
-#define STACK() (UNLIKELY(stack_frames) ? stack_take() : 0)
+static inline __u32 stack_word(void) {
+    if (LIKELY(stack_words == NULL)) return 0;
+    if (LIKELY(__atomic_load_n(&unwind_backtrace, __ATOMIC_ACQUIRE) != NULL)) return stack_take();
+    return __atomic_load_n(&stacks_once, __ATOMIC_ACQUIRE) == 0 ? stack_first() : 0;
+}
 
 /* Create and map this process image's ring: RING_DIR/PID.STAMP, STAMP its creation time. Only
  * system calls (and getenv): a thread waiting for another's open cannot deadlock with it. */
@@ -465,7 +497,7 @@ static void ring_open_locked(void) {
     unsigned long owner = env_field(&dir, 0);
     unsigned long follow = env_field(&dir, 1);
     unsigned long slots = env_field(&dir, RING_SLOTS);
-    env_field(&dir, 0); /* FRAMES: stacks_setup's */
+    env_field(&dir, 0); /* FRAMES: frames_asked() */
     if (*dir != '/' || !resolve()) {
         __atomic_store_n(&ring_state, RING_OFF, __ATOMIC_RELEASE);
         return;
@@ -484,6 +516,7 @@ static void ring_open_locked(void) {
     if (slots < RING_MIN_SLOTS || slots > RING_MAX_SLOTS || (slots & (slots - 1))) slots = RING_SLOTS;
     size_t bytes = RING_HEADER_SIZE + slots * (sizeof(__u64) + sizeof(struct record_event));
     size_t stack_at = 0;
+    stack_frames = frames_asked();
     if (stack_frames) { /* the stack table, page-aligned after the events */
         stack_at = (bytes + 4095) & ~(size_t)4095;
         bytes = stack_at + STACK_HASH_SLOTS * sizeof(__u64) + STACK_OFFS_BYTES +
@@ -1019,6 +1052,7 @@ static void after_fork_child(void) {
     }
     int state = __atomic_load_n(&ring_state, __ATOMIC_ACQUIRE);
     if (state == RING_READY) {
+        stack_words = NULL; /* (its table goes with the parent's ring: the child's comes with its own) */
         munmap(ring, ring_bytes);
         ring = NULL;
     }
@@ -1041,7 +1075,7 @@ EXPORT void *malloc(size_t n) {
     if (UNLIKELY(!real.malloc) && !resolve()) return arena_alloc(n, 16);
     void *p = FORWARD(real.malloc(n));
     if (recording())
-        emit(CALL_MALLOC | STACK(), 0, (__u64)p, n, 0, chunk(p), CALLER);
+        emit(CALL_MALLOC | stack_word(), 0, (__u64)p, n, 0, chunk(p), CALLER);
     else if (UNLIKELY(ts.capturing) && ts.ncaught < 4)
         ts.caught[ts.ncaught++] = (typeof(ts.caught[0])){(__u64)p, n, CALLER};
     else
@@ -1070,7 +1104,7 @@ EXPORT void *calloc(size_t n, size_t size) {
     }
     void *p = FORWARD(real.calloc(n, size));
     if (recording())
-        emit(CALL_CALLOC | STACK(), 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
+        emit(CALL_CALLOC | stack_word(), 0, (__u64)p, (__u64)n * (__u64)size, 0, chunk(p), CALLER);
     else
         sample_alloc(CALL_CALLOC, p, (__u64)n * (__u64)size);
     return p;
@@ -1089,7 +1123,7 @@ static void *do_realloc(void *p, size_t n, __u64 caller) {
                                                                : FORWARD(real.realloc(p, n));
     __u64 old = chunk(p);
     void *q = FORWARD(real.realloc(p, n));
-    emit(CALL_REALLOC | STACK(), (__u64)p, (__u64)q, n, old, chunk(q), caller);
+    emit(CALL_REALLOC | stack_word(), (__u64)p, (__u64)q, n, old, chunk(q), caller);
     return q;
 }
 
@@ -1114,7 +1148,7 @@ static void *do_memalign(int aligned_alloc, size_t align, size_t n, __u64 caller
     memalign_fn fn = aligned_alloc && real.aligned_alloc ? real.aligned_alloc : real.memalign;
     void *p = FORWARD(fn(align, n));
     if (recording())
-        emit(CALL_MEMALIGN | STACK(), 0, (__u64)p, n, align, chunk(p), caller);
+        emit(CALL_MEMALIGN | stack_word(), 0, (__u64)p, n, align, chunk(p), caller);
     else
         sample_alloc(CALL_MEMALIGN, p, n);
     return p;
@@ -1138,7 +1172,7 @@ EXPORT int posix_memalign(void **out, size_t align, size_t n) {
     int rc = FORWARD(real.posix_memalign(out, align, n));
     if (recording()) {
         void *p = rc == 0 ? *out : NULL;
-        emit(CALL_POSIX_MEMALIGN | STACK(), (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
+        emit(CALL_POSIX_MEMALIGN | stack_word(), (__u32)rc, (__u64)p, n, align, chunk(p), CALLER);
     } else {
         sample_alloc(CALL_POSIX_MEMALIGN, rc == 0 ? *out : NULL, n);
     }
@@ -1149,7 +1183,7 @@ EXPORT void *valloc(size_t n) {
     if (UNLIKELY(!real.valloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.valloc(n));
     if (recording())
-        emit(CALL_VALLOC | STACK(), 0, (__u64)p, n, page_size, chunk(p), CALLER);
+        emit(CALL_VALLOC | stack_word(), 0, (__u64)p, n, page_size, chunk(p), CALLER);
     else
         sample_alloc(CALL_VALLOC, p, n);
     return p;
@@ -1159,7 +1193,7 @@ EXPORT void *pvalloc(size_t n) {
     if (UNLIKELY(!real.pvalloc) && !resolve()) return arena_alloc(n, 4096);
     void *p = FORWARD(real.pvalloc(n));
     if (recording())
-        emit(CALL_PVALLOC | STACK(), 0, (__u64)p, n, 0, chunk(p), CALLER);
+        emit(CALL_PVALLOC | stack_word(), 0, (__u64)p, n, 0, chunk(p), CALLER);
     else
         sample_alloc(CALL_PVALLOC, p, n);
     return p;
@@ -1189,7 +1223,7 @@ static void new_leave(struct new_guard *g) {
     ts.capturing = 0;
     if (!g->done && recording())
         for (__u32 i = 0; i < ts.ncaught; i++)
-            emit(CALL_MALLOC | STACK(), 0, ts.caught[i].ptr, ts.caught[i].size, 0,
+            emit(CALL_MALLOC | stack_word(), 0, ts.caught[i].ptr, ts.caught[i].size, 0,
                  chunk((void *)ts.caught[i].ptr), ts.caught[i].caller);
     ts.ncaught = 0;
 }
@@ -1236,7 +1270,8 @@ static void *cxx_next(void **slot, const char *name) {
             g.done = 1;                                                                                      \
         }                                                                                                    \
         if (recording())                                                                                     \
-            emit(TYPE | STACK(), 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p), caller);    \
+            emit(TYPE | stack_word(), 0, (__u64)p, SIZE, TYPE == CALL_MEMALIGN ? ALIGN : 0, chunk(p),        \
+                 caller);                                                                                    \
         return p;                                                                                            \
     }
 

@@ -93,7 +93,18 @@ struct pmt_file {
     int index;        /* this file's number in the session (what pmt_unwind reports) */
     Dwarf_Addr bias;  /* load bias, valid once has_bias */
     int has_bias;
-    Dwfl_Module *module; /* the module reported for it, NULL if none (set by pmt_report) */
+    Dwfl_Module *module;  /* the module reported for it, NULL if none (set by pmt_report) */
+    struct pmt_sym *syms; /* its symbol table sorted by address (symbol_at), built on first use */
+    int nsyms;            /* -1: not built yet */
+};
+
+/* One symbol of a file, by address: libdwfl's dwfl_module_addrinfo scans the whole table per
+ * lookup (~1.3 ms in cc1's 100k symbols), a binary search over this costs a microsecond. */
+struct pmt_sym {
+    GElf_Addr addr; /* its address in the process (the module's bias added) */
+    GElf_Xword size;
+    const char *name; /* libdwfl's string, valid while the session lives */
+    int rank;         /* at one address: a global function first */
 };
 
 struct pmt_session {
@@ -226,6 +237,7 @@ int pmt_add_file(struct pmt_session *s, const char *name, int fd, const void *im
     file->session = s;
     file->name = strdup(name);
     file->fd = fd;
+    file->nsyms = -1;
     if (fd < 0 && image && image_len) {
         file->image = malloc(image_len);
         if (file->image) {
@@ -692,15 +704,75 @@ static int function_scope(Dwarf_Die *scopes, int n, int from, Dwarf_Die *out) {
  * table when there is one (DWARF names differ: __GI___libc_malloc); "" when unknown.
  * Inlined frames need DWARF (debug info); without it one frame. Returns the number of frames,
  * or -1 when OUT is too small. */
+static int sym_order(const void *a, const void *b) {
+    const struct pmt_sym *x = a, *y = b;
+    if (x->addr != y->addr) return x->addr < y->addr ? -1 : 1;
+    return x->rank - y->rank;
+}
+
+static int sym_rank(const GElf_Sym *sym) {
+    int bind = GELF_ST_BIND(sym->st_info), type = GELF_ST_TYPE(sym->st_info);
+    return (bind == STB_GLOBAL ? 0 : bind == STB_WEAK ? 1 : 2) * 2 + (type == STT_FUNC ? 0 : 1);
+}
+
+/* FILE's symbols with an address (functions and objects), sorted; nsyms 0 if none. */
+static void build_symbols(struct pmt_file *file, Dwfl_Module *mod) {
+    file->nsyms = 0;
+    int n = dwfl_module_getsymtab(mod);
+    if (n <= 1) return;
+    struct pmt_sym *syms = calloc((size_t)n, sizeof *syms);
+    if (!syms) return;
+    int k = 0;
+    for (int i = 1; i < n; i++) {
+        GElf_Sym sym;
+        GElf_Addr addr;
+        GElf_Word shndx;
+        const char *name = dwfl_module_getsym_info(mod, i, &sym, &addr, &shndx, NULL, NULL);
+        int type = GELF_ST_TYPE(sym.st_info);
+        if (!name || !*name || shndx == SHN_UNDEF ||
+            (type != STT_FUNC && type != STT_OBJECT && type != STT_NOTYPE))
+            continue;
+        syms[k++] = (struct pmt_sym){addr, sym.st_size, name, sym_rank(&sym)};
+    }
+    qsort(syms, (size_t)k, sizeof *syms, sym_order);
+    file->syms = syms;
+    file->nsyms = k;
+}
+
+/* The name of the symbol holding PC (an address in the process), as dwfl_module_addrinfo
+ * would give it: the symbol whose range holds it (the innermost of nested ones, a global
+ * function first at one address), else the nearest one below without a size; NULL if none. */
+static const char *symbol_at(struct pmt_file *file, Dwfl_Module *mod, Dwarf_Addr pc) {
+    if (file->nsyms < 0) build_symbols(file, mod);
+    int lo = 0, hi = file->nsyms; /* the first symbol above pc */
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (file->syms[mid].addr <= pc)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    const char *sizeless = NULL;
+    for (int i = lo - 1, seen = 0; i >= 0 && seen < 64; i--, seen++) {
+        const struct pmt_sym *sym = &file->syms[i];
+        if (sym->size && pc < sym->addr + sym->size) {
+            /* the best-ranked symbol at this address */
+            while (i > 0 && file->syms[i - 1].addr == sym->addr && file->syms[i - 1].size)
+                sym = &file->syms[--i];
+            return sym->name;
+        }
+        if (!sym->size && !sizeless && seen == 0) sizeless = sym->name;
+    }
+    return sizeless;
+}
+
 int pmt_symbolize(struct pmt_session *s, int index, uint64_t rel_pc, char *out, size_t cap) {
     if (index < 0 || index >= s->nfiles || !s->files[index]->module) return 0;
     Dwfl_Module *mod = s->files[index]->module;
     Dwarf_Addr bias;
     if (!module_file(mod, &bias)) return 0;
     Dwarf_Addr pc = rel_pc + bias;
-    GElf_Sym sym;
-    GElf_Off offset;
-    const char *symbol = dwfl_module_addrinfo(mod, pc, &offset, &sym, NULL, NULL, NULL);
+    const char *symbol = symbol_at(s->files[index], mod, pc);
     const char *file = NULL;
     int line = 0;
     Dwfl_Line *src = dwfl_module_getsrc(mod, pc);
@@ -754,6 +826,7 @@ void pmt_close(struct pmt_session *s) {
     for (int i = 0; i < s->nfiles; i++) {
         if (s->files[i]->fd >= 0) close(s->files[i]->fd);
         free(s->files[i]->image);
+        free(s->files[i]->syms);
         free(s->files[i]->name);
         free(s->files[i]);
     }
