@@ -499,11 +499,14 @@ def test_default_mode_estimates_malloc_rates_under_its_budget(cbuild, tmp_path):
     a 1 % budget: a workload making 500 mallocs a second (~5 us of work each, sleeping
     most of the time, under a VM's emulation too: it keeps its rate traced or not) gets estimated series within 25 % of
     the calls it counted itself, not saturated, the error and duty-cycle gauges, and a
-    measured cost under the budget; no exact-count series."""
+    measured cost under the budget; no exact-count series. The host is kept busy by a shell
+    loop the exporter does not trace (the budget is a share of the host's busy CPU time: on
+    an idle emulated VM a window's attach and detach take minutes to earn)."""
     from support.top import Workload as PacedWorkload
     from support.top import private_libc
 
     calls = {"call": "malloc", "comm": "top_budget"}
+    busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
     w = PacedWorkload([cbuild("top_budget"), "steps", "15000", "500:600"], env=private_libc(tmp_path))
     ex = Exporter("--comm", "^top_budget$", "--window", "0.5")
     try:
@@ -538,6 +541,8 @@ def test_default_mode_estimates_malloc_rates_under_its_budget(cbuild, tmp_path):
         info = [dict(lb) for (n, lb) in m1 if n == "pymtrace_exporter_build_info"]
         assert info and info[0]["mode"] == "budget"
     finally:
+        busy.kill()
+        busy.wait()
         w.kill()
         assert ex.stop() == 0
     ex.watch.assert_gone()
