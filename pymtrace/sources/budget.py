@@ -27,7 +27,8 @@ predicted cost and the credit earned since the last window reaches a random frac
 1x on average) of it: they fall at random times, never in step with a periodic workload.
 Until a window has seen
 calls, windows last FIRST_WINDOW seconds and are priced as if their traps took all the CPU
-time the traced processes run; then Budget.window seconds, priced at the last window's cost
+time the traced processes run; then Budget.window seconds (shorter while a process is
+saturated: as long as the budget affords every few seconds), priced at the last window's cost
 per second (scaled by how the traced processes' CPU pace moved since) plus its fixed part
 (the traps while attaching and detaching, the attach/detach CPU). A window that costs more
 than predicted is paid back before the next starts: the cost stays under the budget but
@@ -44,8 +45,9 @@ under the traps, a lower bound of its untraced pace: said in every view ("satura
 of its threads never slept in the window, by the scheduler's counts, while the traps took
 more than 5 % of its CPU time). Its untraced pace is not estimated: its own work cannot be
 told from the traps' time where the traps are most of its CPU time (a malloc storm: 99 %),
-not to the calibration's +-50 % (no instruction counter to count its own work). Their error (95 %):
-the window's count (Poisson) and the spread of its last windows' paces.
+not to the calibration's +-50 % (no instruction counter to count its own work); its pace
+under the traps is pooled over its last saturated windows. Their error (95 %): the
+window's count (Poisson) and the spread of its last windows' paces.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
 """
@@ -85,7 +87,10 @@ Z95 = 1.96
 BUSY, SLOWED_SHARE = 0.9, 0.05
 CALIBRATION_PAIRS = 20000
 CALIBRATION_ROUNDS = 5
-RECENT = 4  # windows whose spread is part of a process's error
+RECENT = 4  # windows whose spread is part of a process's error (a saturated one's: pooled)
+# a saturated process: windows the budget affords every this many seconds (not shorter than
+# the minimum: the attach and detach around a window cost milliseconds of CPU)
+SATURATED_SPACING, SATURATED_MIN_WINDOW = 5.0, 0.05
 PACE_NS = 1_000_000_000  # the traced processes' pace: their CPU time over about this long
 MIN_PACE = 0.001  # below: idle, no pace to scale a window's cost by
 
@@ -262,18 +267,28 @@ class _Sample(typing.NamedTuple):
 
 def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     """(counters per second, their relative 95 % error) from SAMPLES, a process's last
-    windows: the newest window's (a process that changes pace is followed at its next
-    window); the error from its calls counted (Poisson) and the spread of the last windows'
-    rates (how much the process's pace moves between windows
-    is what one window can be off by)."""
+    windows. A process with CPU to spare: the newest window's (one that changes pace is
+    followed at its next window); the error from its calls counted (Poisson) and the spread
+    of the last windows' rates (how much its pace moves between windows is what one window
+    can be off by). A saturated one: its pace under the traps follows the CPU the scheduler
+    gives it in each short window, so its newest run of saturated windows is pooled (calls
+    over their time) and the spread's error is that of their mean."""
     last = samples[-1]
-    per_s = [x * 1e9 / last.ns for x in last.counts]
-    if not last.calls:
+    pooled = [last]
+    if last.saturated:
+        for x in reversed(samples[:-1]):
+            if not x.saturated:
+                break
+            pooled.append(x)
+    ns = sum(x.ns for x in pooled)
+    per_s = [sum(col) * 1e9 / ns for col in zip(*(x.counts for x in pooled))]
+    calls = sum(x.calls for x in pooled)
+    if not calls:
         return per_s, None
-    error = Z95**2 / last.calls
-    rates = [x.calls / x.ns for x in samples]
+    error = Z95**2 / calls
+    rates = [x.calls / x.ns for x in (pooled if len(pooled) > 1 else samples)]
     if len(rates) > 1 and statistics.fmean(rates) > 0:
-        error += (Z95 * statistics.stdev(rates) / statistics.fmean(rates)) ** 2
+        error += (Z95 * statistics.stdev(rates) / statistics.fmean(rates)) ** 2 / len(pooled)
     return per_s, math.sqrt(error)
 
 
@@ -489,8 +504,19 @@ class WindowedMalloc(MallocSource):
         return rate * length * 1e9 + self._switch
 
     def _next_length(self) -> float:
-        """FIRST_WINDOW until a window has seen calls (their cost unknown), then the budget's."""
-        return min(self.budget.window, FIRST_WINDOW) if self._rate is None else self.budget.window
+        """FIRST_WINDOW until a window has seen calls (their cost unknown), then the budget's;
+        shorter while a traced process is saturated: a window then costs it about its whole
+        length, and one long window every few minutes would make its estimate one short
+        look at the CPU the scheduler gave it. So the longest window the budget affords
+        every SATURATED_SPACING seconds at the traced processes' CPU pace, at least
+        SATURATED_MIN_WINDOW."""
+        if self._rate is None:
+            return min(self.budget.window, FIRST_WINDOW)
+        if not any(e.saturated for e in list(self._est.values())) or self._rate <= 0:
+            return self.budget.window
+        earned = self.budget.max_overhead / 100 * max(self._pace(), self._then[1]) * SATURATED_SPACING * 1e9
+        affordable = (earned - self._switch) / (self._rate * 1e9)
+        return min(self.budget.window, max(affordable, SATURATED_MIN_WINDOW))
 
     def _loop(self) -> None:
         try:

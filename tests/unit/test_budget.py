@@ -123,6 +123,37 @@ def test_the_spread_between_windows_widens_the_error():
     assert b._rate(moving)[0][call_names_index("malloc")] == pytest.approx(15_000)  # the newest window's pace
 
 
+def test_a_saturated_process_is_estimated_from_its_run_of_saturated_windows():
+    """Saturated, its pace under the traps follows the CPU the scheduler gave it in each
+    short window: its newest run of saturated windows is pooled (calls over their time), a
+    window with CPU to spare before them is not; the spread's error is that of their mean."""
+    src = _source()
+    calm = src._samples(_measured(src, 1, 40_000, 230_000_000, 0.2, 30_000))[1]
+    busy = [src._samples(_measured(src, 1, n, 1_000_000_000, 1.0, 3 * n))[1] for n in (200_000, 300_000, 250_000)]
+    assert not calm.saturated and all(x.saturated for x in busy)
+    per_s, error = b._rate([calm, *busy])
+    assert per_s[call_names_index("malloc")] == pytest.approx(250_000)  # (200k + 300k + 250k) / 3 s
+    one = b._rate([calm, busy[-1]])[1]
+    assert error == pytest.approx(
+        (b.Z95**2 / 1_500_000 + (b.Z95 * 0.2) ** 2 / 3) ** 0.5  # stdev/mean of 200k, 300k, 250k: 0.2
+    )
+    assert b._rate([busy[-1]])[1] < one  # one saturated window after a calm one: the spread of both
+
+
+def test_windows_shorten_while_a_process_is_saturated():
+    """Saturated, a window costs about its length: as long as the budget affords every
+    SATURATED_SPACING seconds at the traced CPU pace (2 % of 1 CPU over 5 s: 100 ms, less
+    the attach and detach), never below SATURATED_MIN_WINDOW; with CPU to spare, --window."""
+    src = b.WindowedMalloc([42], b.Budget(2, 1.0))
+    src._rate, src._switch, src._then = 1.0, 2e6, (1.0, 1.0)
+    src._est[42] = b._Estimate([0.0], 0, saturated=True)
+    assert src._next_length() == pytest.approx(0.098)
+    src.budget = b.Budget(0.1, 1.0)
+    assert src._next_length() == b.SATURATED_MIN_WINDOW
+    src._est[42].saturated = False
+    assert src._next_length() == 1.0
+
+
 def call_names_index(name):
     return {n: i for i, n in call_names().items()}[name]
 
