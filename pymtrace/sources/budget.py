@@ -292,6 +292,11 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     return per_s, math.sqrt(error)
 
 
+def _grown(before: dict[int, int], after: dict[int, int]) -> int:
+    """The CPU ns the processes of AFTER ran since BEFORE (one not in BEFORE: all it ran)."""
+    return sum(ns - before.get(pid, 0) for pid, ns in after.items())
+
+
 class _Measured:
     """A window's measured part (every probe attached): counters, CPU clocks and program runs
     read at its start and end, each process's pace (CPU ns per ns) before the window, and
@@ -595,6 +600,11 @@ class WindowedMalloc(MallocSource):
         self._last_cpu = (t1, end_cpu)
         with self._state:
             bpf_ns, trap_ns = runs1[1] - runs0[1], runs1[2] - runs0[2]
+            # traps and BPF runs are CPU time of the processes that trap: never more than
+            # they ran (the trap cost is calibrated in pymtrace's own process, whose caches
+            # differ: a CPU-bound process's modeled traps came to 2.5x its CPU time)
+            trap_ns = min(trap_ns, max(_grown(start_cpu, end_cpu) - bpf_ns, 0))
+            m.trap_ns = min(m.trap_ns, max(_grown(m.cpu0, m.cpu1) - m.bpf_ns, 0))
             self.windows += 1
             self.window_ns += t1 - t0
             self.trap_ns += int(trap_ns)
