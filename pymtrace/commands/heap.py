@@ -58,6 +58,7 @@ EPILOG = """examples:
   pymtrace heap -o je.pb.gz -- env LD_PRELOAD=libjemalloc.so.2 ./app   # jemalloc's calls
   pymtrace heap --via uprobes -o app.pb.gz -- ./app    # the uprobe path, as for -p
   pymtrace heap -p 4321 --duration 60 -o py.html       # a Python service, by Python line
+  pymtrace heap -p 1234 --max-overhead 1 --duration 300 -o prod.pb.gz   # estimated, <= 1 % of its CPU
 
 PATHS: -- CMD is sampled in-process by default: pymtrace preloads its own small library (the
 interposer), which draws the samples inside the process and forwards every call to the
@@ -97,6 +98,16 @@ samples every call on either path (a trap per allocation and per free; pymtrace'
 with the call rate); in-process the program then waits whenever the ring is full, so nothing
 is lost and the program runs at the pace pymtrace unwinds (sqlite3: 7.4 s against 2.2 s at
 the default sampling). See docs/heap.md and docs/benchmarks.md.
+
+OVERHEAD BUDGET (-p): by default every call of a -p process traps (exact). --max-overhead PCT
+attaches the allocating functions' uprobes in windows (--window seconds, at random times)
+and detaches them between, so that their measured cost (program runs and BPF run time from
+the kernel's statistics, a trap cost calibrated at start, the attach/detach CPU) stays under
+PCT % of the traced processes' CPU time. The profile then holds ESTIMATES: alloc_objects and
+alloc_space scaled up from the windows' samples to the whole run (each window standing for
+the time nearest it); in-use values need every free and are not offered (--value defaults
+to alloc_space). The summary says how many windows, what share of the time they covered and
+what they cost. See docs/heap.md "Overhead budget".
 
 STOPPING: when the command exits, on Ctrl-C/SIGTERM or after --duration; with -p the
 processes keep running. EXIT STATUS: 0 ok; 1 error; 3 samples were lost (the report says
