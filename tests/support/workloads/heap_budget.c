@@ -96,8 +96,8 @@ int main(int argc, char **argv) {
         }
         clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &next, NULL);
     }
-    printf("{\"start\": %.6f, \"end\": %.6f, \"alpha_bytes\": %ld, \"beta_bytes\": %ld, \"batches\": %ld}\n", start,
-           end, batches * ALPHA_N * (long)BLOCK, batches * BETA_N * (long)BLOCK, batches);
+    printf("{\"start\": %.6f, \"end\": %.6f, \"alpha_bytes\": %ld, \"beta_bytes\": %ld, \"batches\": %ld}\n",
+           start, end, batches * ALPHA_N * (long)BLOCK, batches * BETA_N * (long)BLOCK, batches);
     fflush(stdout);
     if (read(0, &c, 1) != 1) return 0;
     return 0;
