@@ -329,9 +329,11 @@ class MeasuredParts:
     """The windows' measured parts (every probe attached): [start, end] in monotonic ns, the
     clock the kernel stamps samples with. Each end is read and recorded under a lock, and a
     sample is read after it was taken, so part_of() places it right while its part is open
-    too. START_NS: when the windows began to be scheduled (the run a profile estimates)."""
+    too. START_NS: when the windows began to be scheduled (the run a profile estimates).
+    KEEP false: the clock read only, nothing kept (a source that runs for months needs none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._ends: list[int | None] = []
@@ -340,13 +342,16 @@ class MeasuredParts:
     def begin(self) -> int:
         with self._lock:
             now = time.monotonic_ns()
-            self._starts.append(now)
-            self._ends.append(None)
+            if self.keep:
+                self._starts.append(now)
+                self._ends.append(None)
             return now
 
     def end(self) -> int:
         with self._lock:
-            now = self._ends[-1] = time.monotonic_ns()
+            now = time.monotonic_ns()
+            if self.keep:
+                self._ends[-1] = now
             return now
 
     def part_of(self, ts_ns: int) -> int | None:
@@ -374,6 +379,7 @@ class Windows:
 
     bpf: Any
     pids: Any
+    keeps_parts = False  # whether `parts` keeps every window's measured part (a profile's scaling)
 
     def _init_windows(self, budget: Budget) -> None:
         budget.check()
@@ -387,7 +393,7 @@ class Windows:
         self._stop = threading.Event()
         self._state = threading.Lock()
         self._meter = None
-        self.parts = MeasuredParts()
+        self.parts = MeasuredParts(self.keeps_parts)
         self.in_window = False
         self.windows = 0
         self.window_ns = 0  # wall time with probes attached (attach start to detach end)
@@ -909,6 +915,8 @@ class WindowedHeap(Windows, HeapSource):
     free probes (in-use blocks need every free: not measured); `parts` says when every probe
     was attached, for the profile's scaling (sources.heapprofile.WindowedProfile). OPTIONS:
     HeapSource's."""
+
+    keeps_parts = True
 
     def __init__(self, pids: Iterable[int], budget: Budget, **options: Any) -> None:
         super().__init__(pids, frees=False, **options)

@@ -81,6 +81,8 @@ def test_measured_parts_place_samples_in_open_and_closed_parts():
     assert parts.part_of(b) == 0 and parts.part_of(b + 1) is None
     c = parts.begin()
     assert parts.part_of(c) == 1 and parts.parts(c + 5) == [(a, b), (c, c + 5)]
+    unkept = MeasuredParts(keep=False)  # top's and the exporter's windows: the clock only
+    assert unkept.begin() <= unkept.end() and unkept.parts(0) == []
 
 
 def _windowed_profile():
