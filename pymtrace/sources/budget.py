@@ -3,8 +3,10 @@
 A uprobe costs its trap on every call whatever its program does, so the only way to make
 tracing cheaper is to have no probe there: WindowedMalloc compiles MallocSource's programs
 once and attaches its uprobes for a window (Budget.window seconds), detaches them, and
-waits until the traced processes have earned the next window's cost. What a window costs
-is measured, not assumed:
+waits until the traced processes have earned the next window's cost. The scheduler is
+Windows, mixed into WindowedMalloc (top, the exporter) and WindowedHeap (heap -p: its
+allocating functions' uprobes, no free probes; the profile scales the windows' samples,
+sources.heapprofile.WindowedProfile). What a window costs is measured, not assumed:
 
   cost = runs x trap + BPF run time + attach/detach CPU
          runs, BPF run time: the kernel's BPF statistics (run_cnt, run_time_ns of the
