@@ -3,8 +3,10 @@
 A uprobe costs its trap on every call whatever its program does, so the only way to make
 tracing cheaper is to have no probe there: WindowedMalloc compiles MallocSource's programs
 once and attaches its uprobes for a window (Budget.window seconds), detaches them, and
-waits until the traced processes have earned the next window's cost. What a window costs
-is measured, not assumed:
+waits until the traced processes have earned the next window's cost. The scheduler is
+Windows, mixed into WindowedMalloc (top, the exporter) and WindowedHeap (heap -p: its
+allocating functions' uprobes, no free probes; the profile scales the windows' samples,
+sources.heapprofile.WindowedProfile). What a window costs is measured, not assumed:
 
   cost = runs x trap + BPF run time + attach/detach CPU
          runs, BPF run time: the kernel's BPF statistics (run_cnt, run_time_ns of the
@@ -54,6 +56,7 @@ Live bytes need every free seen: not estimated (the snapshot has none; RSS is ke
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
 import math
@@ -69,6 +72,7 @@ from pymtrace.bpf import stats as bpfstats
 from pymtrace.bpf import structs, uprobes
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources.base import attach_plan, lost_counts, lost_names, percpu_items, sum_percpu
+from pymtrace.sources.heap import HeapSource
 from pymtrace.sources.malloc import MallocSource, probe_plan
 from pymtrace.sources.snapshot import DELETE_CALLS, FREE_CALLS
 from pymtrace.tracee import elf, libc, probesite, proc
@@ -327,18 +331,79 @@ class _Measured:
         return max(grown) / (self.seconds * 1e9) if grown else None
 
 
-class WindowedMalloc(MallocSource):
-    """MallocSource under a Budget: the same programs and counters, the uprobes attached in
-    windows (module docstring); snapshot() gives estimated counters (no live bytes)."""
+def clear_in_flight(bpf: Any, tables: Iterable[bytes], active: bytes) -> None:
+    """Empty BPF's maps TABLES (calls in flight; one this module was compiled without is
+    skipped) and zero its counter ACTIVE (an array's entry 0): detached mid-call, a thread's
+    state would make the next window skip its calls as nested ones."""
+    for name in tables:
+        try:
+            bpf[name].clear()
+        except KeyError:
+            continue
+    try:
+        counter = bpf[active]
+        counter[counter.Key(0)] = counter.Leaf(0)
+    except KeyError:
+        pass
 
-    def __init__(
-        self,
-        pids: Iterable[int | str] | None,
-        budget: Budget,
-        track_exits: bool = True,
-        max_procs: int = 8192,
-    ) -> None:
-        super().__init__(pids, track_exits, max_procs)
+
+class MeasuredParts:
+    """The windows' measured parts (every probe attached): [start, end] in monotonic ns, the
+    clock the kernel stamps samples with. Each end is read and recorded under a lock, and a
+    sample is read after it was taken, so part_of() places it right while its part is open
+    too. START_NS: when the windows began to be scheduled (the run a profile estimates).
+    KEEP false: the clock read only, nothing kept (a source that runs for months needs none)."""
+
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._ends: list[int | None] = []
+        self.start_ns = time.monotonic_ns()
+
+    def begin(self) -> int:
+        with self._lock:
+            now = time.monotonic_ns()
+            if self.keep:
+                self._starts.append(now)
+                self._ends.append(None)
+            return now
+
+    def end(self) -> int:
+        with self._lock:
+            now = time.monotonic_ns()
+            if self.keep:
+                self._ends[-1] = now
+            return now
+
+    def part_of(self, ts_ns: int) -> int | None:
+        """The index of the part TS_NS fell in, None if in none."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ts_ns) - 1
+            if i < 0:
+                return None
+            end = self._ends[i]
+            return i if end is None or ts_ns <= end else None
+
+    def parts(self, now_ns: int) -> list[tuple[int, int]]:
+        """Every part as (start, end), one still open ending at NOW_NS."""
+        with self._lock:
+            return [(a, now_ns if b is None else b) for a, b in zip(self._starts, self._ends)]
+
+
+class Windows:
+    """The window scheduler (module docstring) of a Source: when a window opens, what it costs,
+    the credit, the random starts, its uprobes attached and released (their handles in
+    _handles). Mixed in before the source's class; the source gives _plan_tables() (its
+    {path: probe plan} tables: each program's trap cost), _window_attachments() (the attach
+    calls of a window) and may hook _windows_ready, _window_opens, _read_counts, _callers,
+    _detached and _window_closes (WindowedMalloc's estimates)."""
+
+    bpf: Any
+    pids: Any
+    keeps_parts = False  # whether `parts` keeps every window's measured part (a profile's scaling)
+
+    def _init_windows(self, budget: Budget) -> None:
         budget.check()
         self.budget = budget
         self.trap: TrapCost | None = None
@@ -349,9 +414,8 @@ class WindowedMalloc(MallocSource):
         self._thread = None
         self._stop = threading.Event()
         self._state = threading.Lock()
-        self._est: dict[int, _Estimate] = {}
-        self._seen: dict[int, list[int]] = {}  # pid -> ms_stats totals at the last read
         self._meter = None
+        self.parts = MeasuredParts(self.keeps_parts)
         self.in_window = False
         self.windows = 0
         self.window_ns = 0  # wall time with probes attached (attach start to detach end)
@@ -365,22 +429,37 @@ class WindowedMalloc(MallocSource):
         self._switch = None  # the rest of its cost: traps while attaching/detaching, that CPU
         self._earned_at = 0.0  # useful CPU ns when the last window ended
         self._threshold = 0.0  # credit to earn before the next window (random)
-        consts = structs.header(self.program).consts
-        self._n_calls, self._n_sizes = consts["MS_NCALLS"], consts["MS_LOG2_BUCKETS"]
-        self._alloc_idx, self._free_idx = self._weights()
-        self._free_null = next((i for i, name in self.call_names.items() if name == "free_null"), None)
 
-    def _weights(self) -> tuple[list[int], list[int]]:
-        """Indexes of the allocating calls (entry + return probe: 2 runs) and of the frees
-        (1 run; free_null is inside free's count) in the counter vector."""
-        frees = [i for i, name in self.call_names.items() if name in ("free",) + tuple(DELETE_CALLS)]
-        allocs = [i for i, name in self.call_names.items() if name not in FREE_CALLS]
-        return allocs, frees
+    # -- what a source gives
+    def _plan_tables(self) -> Iterable[dict[str, list]]:
+        raise NotImplementedError
+
+    def _window_attachments(self) -> Iterable[tuple[Any, tuple]]:
+        """(attach function, its arguments) of each attach a window makes."""
+        raise NotImplementedError
+
+    def _windows_ready(self) -> None:
+        """Window 0 is over, the first reading taken: the source's own start."""
+
+    def _window_opens(self, now_ns: int) -> None:
+        """A window opens at NOW_NS (under the state lock)."""
+
+    def _read_counts(self) -> dict[int, list[int]]:
+        return {}
+
+    def _callers(self, candidates: list[int]) -> list[int]:
+        """The processes whose threads' scheduler demand a window reads."""
+        return []
+
+    def _detached(self) -> None:
+        """A window's probes are released: the BPF side's state of calls in flight goes."""
+
+    def _window_closes(self, m: _Measured, counts: dict[int, list[int]], start_ns: int, now_ns: int) -> int:
+        """The window that began at START_NS ended at NOW_NS (under the state lock); its
+        measured part M, COUNTS read after it. Returns the traced processes' CPU ns in M."""
+        return sum(m.cpu1[pid] - m.cpu0[pid] for pid in m.cpu0.keys() & m.cpu1.keys())
 
     # -- attach: window 0, calibration, the thread
-    def _attach_libc(self, path: str, pid: int, plan: list) -> None:
-        self.attached += attach_plan(self.bpf, path, pid, plan, handles=self._handles)
-
     def _attach(self) -> None:
         self._bpfstats = bpfstats.BpfStats()
         if not self._bpfstats.enable():
@@ -402,11 +481,9 @@ class WindowedMalloc(MallocSource):
         ]
         self._meter = _CpuMeter(self.pids)
         self._useful_ns()  # the first reading of the traced processes' pace
-        self._start_ns = time.monotonic_ns()
+        self._start_ns = self.parts.start_ns = time.monotonic_ns()
         self._last_cpu = (self._start_ns, self._cpu(self._candidates()))
-        self._seen = self._read_counts()
-        for pid in self.pids or ():
-            self._est[pid] = _Estimate([0.0] * self._width(), self._start_ns)
+        self._windows_ready()
         self._thread = threading.Thread(target=self._loop, name="pymtrace-budget", daemon=True)
         self._thread.start()
 
@@ -416,7 +493,7 @@ class WindowedMalloc(MallocSource):
         emulated one (a side path, free(NULL)'s early exit, is rarely taken)."""
         costs = {}
         stepped_ns = max(self.trap.single_step_ns, self.trap.ns_per_run)
-        for plans in (self.plans, self.cxx_plans):
+        for plans in self._plan_tables():
             for path, plan in plans.items():
                 for function, probes in plan:
                     address = elf.symbol(path, function).address
@@ -425,9 +502,6 @@ class WindowedMalloc(MallocSource):
                         stepped = off == main and kind == "entry" and not probesite.emulated_at(path, address + off)
                         costs[program] = max(costs.get(program, 0.0), stepped_ns if stepped else self.trap.ns_per_run)
         return costs
-
-    def _width(self) -> int:
-        return self._n_calls + 1 + self._n_sizes
 
     def close(self) -> None:
         self._stop.set()
@@ -443,16 +517,8 @@ class WindowedMalloc(MallocSource):
         super().close()
 
     # -- reading
-    def _read_counts(self) -> dict[int, list[int]]:
-        """{pid: counter vector} of every process in ms_stats (calls, requested bytes, sizes)."""
-        out = {}
-        for key, values in percpu_items(self.bpf[b"ms_stats"]):
-            s = sum_percpu(values, self.fields)
-            out[int(key.value)] = [*s["calls"], s["requested_bytes"], *s["size_log2"]]
-        return out
-
     def _runs(self) -> tuple[int, int, float]:
-        """(runs, BPF run ns, their traps' ns) of the malloc programs attached to uprobes,
+        """(runs, BPF run ns, their traps' ns) of the source's programs attached to uprobes,
         since load."""
         cnt = ns = 0
         trap = 0.0
@@ -517,11 +583,16 @@ class WindowedMalloc(MallocSource):
         SATURATED_MIN_WINDOW."""
         if self._rate is None:
             return min(self.budget.window, FIRST_WINDOW)
-        if not any(e.saturated for e in list(self._est.values())) or self._rate <= 0:
+        if not self._any_saturated() or self._rate <= 0:
             return self.budget.window
         earned = self.budget.max_overhead / 100 * max(self._pace(), self._then[1]) * SATURATED_SPACING * 1e9
         affordable = (earned - self._switch) / (self._rate * 1e9)
         return min(self.budget.window, max(affordable, SATURATED_MIN_WINDOW))
+
+    def _any_saturated(self) -> bool:
+        """Whether a traced process was slowed by the traps in its last window (a source
+        that judges none: never)."""
+        return False
 
     def _loop(self) -> None:
         try:
@@ -551,23 +622,21 @@ class WindowedMalloc(MallocSource):
 
     # -- one window
     def _attach_all(self) -> None:
-        for table, plans in ((self.libcs, self.plans), (self.cxx, self.cxx_plans)):
-            for path, pids in list(table.items()):
-                for pid in pids:
-                    try:
-                        self._attach_libc(path, pid, plans[path])
-                    except ProcessGone:
-                        continue  # reported exited by the snapshots
-                    except PymtraceError as exc:
-                        if len(self.errors) < 5:
-                            self.errors.append(str(exc))
+        for attach, args in self._window_attachments():
+            try:
+                attach(*args)
+            except ProcessGone:
+                continue  # reported exited by the snapshots
+            except PymtraceError as exc:
+                if len(self.errors) < 5:
+                    self.errors.append(str(exc))
 
     def _window(self, length: float) -> None:
         t0 = time.monotonic_ns()
         candidates = self._candidates()
         start_cpu = self._cpu(candidates)
         with self._state:
-            self._begin(t0)
+            self._window_opens(t0)
             self.in_window = True
         # each process's pace before the window: CPU ns per ns since the last window ended
         t_before, cpu_before = self._last_cpu
@@ -584,15 +653,15 @@ class WindowedMalloc(MallocSource):
         self._attach_all()
         attach_ns = time.thread_time_ns() - began
         # the measured part: every probe attached (calls and CPU read at both ends)
-        callers = [pid for pid in candidates if pid in self._est]
+        callers = self._callers(candidates)
         m = _Measured(
-            self._read_counts(), self._cpu(candidates), self._runs(), time.monotonic_ns(), pace, self._demand(callers)
+            self._read_counts(), self._cpu(candidates), self._runs(), self.parts.begin(), pace, self._demand(callers)
         )
         self._stop.wait(length)
-        m.end(self._read_counts(), self._cpu(m.cpu0), self._runs(), time.monotonic_ns(), self._demand(callers))
+        m.end(self._read_counts(), self._cpu(m.cpu0), self._runs(), self.parts.end(), self._demand(callers))
         detach_ns = uprobes.release(self.bpf, self._handles) * 1e9
         self._handles = []
-        self._forget_calls_in_flight()
+        self._detached()
         runs1 = self._runs()
         counts = self._read_counts()
         end_cpu = self._cpu(candidates)
@@ -617,27 +686,114 @@ class WindowedMalloc(MallocSource):
             # the last window's: a workload's cost moves with it (unknown while none calls)
             self._rate = inside / max(m.seconds * 1e9, 1) if m.runs else self._rate
             self._switch = fixed
-            samples = self._samples(m)
-            cpu_in_window = sum(m.cpu1[pid] - m.cpu0[pid] for pid in samples if pid in m.cpu0 and pid in m.cpu1)
+            cpu_in_window = self._window_closes(m, counts, t0, t1)
             self._then = (pace_before, cpu_in_window / max(m.seconds * 1e9, 1))
-            self._end(counts, samples, t0, t1)
             self.in_window = False
 
-    def _forget_calls_in_flight(self) -> None:
+    def summary(self) -> dict[str, Any]:
+        """snapshot["budget"]: the budget, what the windows cost, how the cost is measured."""
+        now = time.monotonic_ns()
+        useful = self._useful_ns()
+        extra = self.trap_ns + self.bpf_ns + self.switch_ns
+        elapsed = max(now - self._start_ns, 1)
+        return {
+            "max_overhead_pct": self.budget.max_overhead,
+            "window_seconds": self.budget.window,
+            "windows": self.windows,
+            "attached": self.in_window,
+            "duty_cycle": min(self.window_ns / elapsed, 1.0),
+            "overhead_pct": 100 * extra / useful if useful > 0 else None,
+            "traced_cpu_seconds": useful / 1e9,
+            "cost_seconds": {
+                "traps": self.trap_ns / 1e9,
+                "bpf": self.bpf_ns / 1e9,
+                "attach_detach": self.switch_ns / 1e9,
+            },
+            "trap_ns_per_run": self.trap.ns_per_run,
+            "trap_spread_ns": self.trap.spread_ns,
+            "trap_single_step_ns": self.trap.single_step_ns,
+            "probes": self.trap.way,
+            "errors": list(self.errors),
+        }
+
+
+class WindowedMalloc(Windows, MallocSource):
+    """MallocSource under a Budget: the same programs and counters, the uprobes attached in
+    windows (module docstring); snapshot() gives estimated counters (no live bytes)."""
+
+    def __init__(
+        self,
+        pids: Iterable[int | str] | None,
+        budget: Budget,
+        track_exits: bool = True,
+        max_procs: int = 8192,
+    ) -> None:
+        super().__init__(pids, track_exits, max_procs)
+        self._init_windows(budget)
+        self._est: dict[int, _Estimate] = {}
+        self._seen: dict[int, list[int]] = {}  # pid -> ms_stats totals at the last read
+        consts = structs.header(self.program).consts
+        self._n_calls, self._n_sizes = consts["MS_NCALLS"], consts["MS_LOG2_BUCKETS"]
+        self._alloc_idx, self._free_idx = self._weights()
+        self._free_null = next((i for i, name in self.call_names.items() if name == "free_null"), None)
+
+    def _weights(self) -> tuple[list[int], list[int]]:
+        """Indexes of the allocating calls (entry + return probe: 2 runs) and of the frees
+        (1 run; free_null is inside free's count) in the counter vector."""
+        frees = [i for i, name in self.call_names.items() if name in ("free",) + tuple(DELETE_CALLS)]
+        allocs = [i for i, name in self.call_names.items() if name not in FREE_CALLS]
+        return allocs, frees
+
+    def _attach_libc(self, path: str, pid: int, plan: list) -> None:
+        self.attached += attach_plan(self.bpf, path, pid, plan, handles=self._handles)
+
+    def _plan_tables(self) -> Iterable[dict[str, list]]:
+        return (self.plans, self.cxx_plans)
+
+    def _window_attachments(self) -> Iterable[tuple[Any, tuple]]:
+        for table, plans in ((self.libcs, self.plans), (self.cxx, self.cxx_plans)):
+            for path, pids in list(table.items()):
+                for pid in pids:
+                    yield self._attach_libc, (path, pid, plans[path])
+
+    def _windows_ready(self) -> None:
+        self._seen = self._read_counts()
+        for pid in self.pids or ():
+            self._est[pid] = _Estimate([0.0] * self._width(), self._start_ns)
+
+    def _width(self) -> int:
+        return self._n_calls + 1 + self._n_sizes
+
+    # -- reading
+    def _read_counts(self) -> dict[int, list[int]]:
+        """{pid: counter vector} of every process in ms_stats (calls, requested bytes, sizes)."""
+        out = {}
+        for key, values in percpu_items(self.bpf[b"ms_stats"]):
+            s = sum_percpu(values, self.fields)
+            out[int(key.value)] = [*s["calls"], s["requested_bytes"], *s["size_log2"]]
+        return out
+
+    def _any_saturated(self) -> bool:
+        return any(e.saturated for e in list(self._est.values()))
+
+    def _callers(self, candidates: list[int]) -> list[int]:
+        return [pid for pid in candidates if pid in self._est]
+
+    # -- one window
+    def _window_opens(self, now_ns: int) -> None:
+        self._begin(now_ns)
+
+    def _window_closes(self, m: _Measured, counts: dict[int, list[int]], start_ns: int, now_ns: int) -> int:
+        samples = self._samples(m)
+        self._end(counts, samples, start_ns, now_ns)
+        return sum(m.cpu1[pid] - m.cpu0[pid] for pid in samples if pid in m.cpu0 and pid in m.cpu1)
+
+    def _detached(self) -> None:
         """Detached mid-call, a thread's outer-call state (ms_outer, ms_active, ms_ret) would
         make the next window skip its calls as nested ones, and blocks of other allocators
         (ms_fblocks) freed between windows would stay: the BPF side's state goes with the
         probes (under a budget nothing needs a block's size: no live bytes)."""
-        for name in (b"ms_outer", b"ms_ret", b"ms_fblocks"):
-            try:
-                self.bpf[name].clear()
-            except KeyError:  # a map this module was compiled without
-                continue
-        try:
-            active = self.bpf[b"ms_active"]
-            active[active.Key(0)] = active.Leaf(0)
-        except KeyError:
-            pass
+        clear_in_flight(self.bpf, (b"ms_outer", b"ms_ret", b"ms_fblocks"), b"ms_active")
 
     def _samples(self, m: _Measured) -> dict[int, _Sample]:
         """Per process, its _Sample of the window's measured part M: its counters' growth as
@@ -745,32 +901,6 @@ class WindowedMalloc(MallocSource):
         self._seen = counts
 
     # -- snapshots
-    def summary(self) -> dict[str, Any]:
-        """snapshot["budget"]: the budget, what the windows cost, how the cost is measured."""
-        now = time.monotonic_ns()
-        useful = self._useful_ns()
-        extra = self.trap_ns + self.bpf_ns + self.switch_ns
-        elapsed = max(now - self._start_ns, 1)
-        return {
-            "max_overhead_pct": self.budget.max_overhead,
-            "window_seconds": self.budget.window,
-            "windows": self.windows,
-            "attached": self.in_window,
-            "duty_cycle": min(self.window_ns / elapsed, 1.0),
-            "overhead_pct": 100 * extra / useful if useful > 0 else None,
-            "traced_cpu_seconds": useful / 1e9,
-            "cost_seconds": {
-                "traps": self.trap_ns / 1e9,
-                "bpf": self.bpf_ns / 1e9,
-                "attach_detach": self.switch_ns / 1e9,
-            },
-            "trap_ns_per_run": self.trap.ns_per_run,
-            "trap_spread_ns": self.trap.spread_ns,
-            "trap_single_step_ns": self.trap.single_step_ns,
-            "probes": self.trap.way,
-            "errors": list(self.errors),
-        }
-
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
         procs = {}
@@ -824,3 +954,36 @@ class WindowedMalloc(MallocSource):
             p["rss_bytes"], p["rss_anon_bytes"] = mem
             p["rss_anon_base_bytes"] = self.rss_anon_base.get(pid, 0)
         return p
+
+
+class WindowedHeap(Windows, HeapSource):
+    """HeapSource under a Budget: the allocating functions' uprobes attached in windows and no
+    free probes (in-use blocks need every free: not measured); `parts` says when every probe
+    was attached, for the profile's scaling (sources.heapprofile.WindowedProfile). OPTIONS:
+    HeapSource's."""
+
+    keeps_parts = True
+
+    def __init__(self, pids: Iterable[int], budget: Budget, **options: Any) -> None:
+        super().__init__(pids, frees=False, **options)
+        self._init_windows(budget)
+
+    def _plan_tables(self) -> Iterable[dict[str, list]]:
+        return (self.plans,)
+
+    def _window_attachments(self) -> Iterable[tuple[Any, tuple]]:
+        for kinds in (("return",), ("entry",)):  # returns first: an entry without its return stays pending
+            for table in (self.libcs, self.py_allocators):
+                for path, pids in list(table.items()):
+                    for pid in pids:
+                        yield self._attach_libc, (path, pid, kinds)
+
+    def _attach_file(self, path: str, pid: int) -> None:
+        if self._thread is None:  # window 0; later, the next window attaches it (py_allocators lists it)
+            super()._attach_file(path, pid)
+
+    def _detached(self) -> None:
+        clear_in_flight(self.bpf, (b"hp_pending",), b"hp_active")
+
+    def _windows_ready(self) -> None:
+        self._detached()
