@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pymtrace import __version__
+from pymtrace.commands import DEFAULT_WINDOW, add_budget_arguments
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.http import INDEX, make_server
 from pymtrace.sinks.prometheus import Aggregator, ExporterMetrics
@@ -27,7 +28,6 @@ HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same 
 collectors as `pymtrace top`. Per-process series are labelled by comm (default),
 cgroup, or PID; at most --max-series label values (default 500, 20 by PID) plus "other"."""
 DEFAULT_BUDGET = 1.0  # percent: the default mode's overhead budget (--max-overhead)
-DEFAULT_WINDOW = 1.0  # = sources.budget.DEFAULT_WINDOW (not imported: the module is loaded only when used)
 EPILOG = f"""examples:
   sudo pymtrace exporter                              # all processes, :{DEFAULT_PORT}: estimated malloc rates under 1 %
   sudo pymtrace exporter --always-on                  # nothing on the malloc path: tracepoints + USDT + faults
@@ -86,19 +86,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="nothing on the malloc path: tracepoints, USDT probes and faults only (no malloc series)",
     )
-    parser.add_argument(
-        "--max-overhead",
-        type=float,
-        metavar="PCT",
-        help=f"the malloc uprobes' measured cost kept under PCT %% of the traced processes' CPU time "
+    add_budget_arguments(
+        parser,
+        f"the malloc uprobes' measured cost kept under PCT %% of the traced processes' CPU time "
         f"(default {DEFAULT_BUDGET:g}: estimated pymtrace_malloc_*_estimated series)",
-    )
-    parser.add_argument(
-        "--window",
-        type=float,
-        default=DEFAULT_WINDOW,
-        metavar="SECONDS",
-        help=f"how long each window keeps the malloc uprobes attached (default {DEFAULT_WINDOW:g})",
+        "how long each window keeps the malloc uprobes attached",
     )
     parser.add_argument(
         "--web-config",

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.commands import DEFAULT_WINDOW, add_budget_arguments
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.flamegraph import write_html
 from pymtrace.sinks.folded import write_folded
@@ -43,7 +44,6 @@ from pymtrace.units import parse_bytes
 if TYPE_CHECKING:
     from pymtrace.sources.budget import Budget
 
-DEFAULT_WINDOW = 1.0  # = sources.budget.DEFAULT_WINDOW (not imported: the module is loaded only when used)
 
 HELP = """Sample the allocations of processes with their complete call stacks (no frame pointers
 needed) and write one heap profile: bytes and blocks allocated per stack, and those still in
@@ -163,20 +163,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--older", type=float, metavar="S", help="in use: only blocks allocated at least S seconds before the end"
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
-    parser.add_argument(
-        "--max-overhead",
-        type=float,
-        metavar="PCT",
-        help="-p: attach the uprobes in windows so that their measured cost stays under PCT %% of the traced "
+    add_budget_arguments(
+        parser,
+        "-p: attach the uprobes in windows so that their measured cost stays under PCT %% of the traced "
         "processes' CPU time (alloc values estimated from the windows, no in-use values; default: every call traps)",
-    )
-    parser.add_argument(
-        "--window",
-        type=float,
-        default=DEFAULT_WINDOW,
-        metavar="SECONDS",
-        help=f"with --max-overhead: how long each window keeps the probes attached (default {DEFAULT_WINDOW:g}; "
-        "longer than the traced service's request cycle)",
+        "with --max-overhead: how long each window keeps the probes attached (longer than the traced "
+        "service's request cycle)",
     )
     parser.add_argument("--top", type=int, default=10, metavar="N", help="stacks in the text format (default 10)")
     parser.add_argument("--follow-forks", action="store_true", help="also sample the processes' children")

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.commands import DEFAULT_WINDOW, add_budget_arguments
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import BatchOptions, Reporter
 from pymtrace.sinks.text import printable
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from pymtrace.sources.stacksites import StackSitesSource
 
 DEFAULT_SAMPLE_BYTES = 524288  # = sources.heap.DEFAULT_SAMPLE_BYTES (not imported: plain top's start-up)
-DEFAULT_WINDOW = 1.0  # = sources.budget.DEFAULT_WINDOW (likewise)
 
 HELP = """Live view of memory-allocation activity, per process and system-wide:
   1 processes  malloc/calloc/realloc/free/memalign-family calls per second, requested
@@ -141,20 +141,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="no per-call uprobes: slab + page-fault tracepoints and glibc USDT "
         "probes only (cheap enough for production)",
     )
-    parser.add_argument(
-        "--max-overhead",
-        type=float,
-        metavar="PCT",
-        help="attach the per-call uprobes in windows so that their measured cost stays under PCT %% of "
+    add_budget_arguments(
+        parser,
+        "attach the per-call uprobes in windows so that their measured cost stays under PCT %% of "
         "the traced processes' CPU time (estimated rates, no live bytes; default: every call, exact)",
-    )
-    parser.add_argument(
-        "--window",
-        type=float,
-        default=DEFAULT_WINDOW,
-        metavar="SECONDS",
-        help=f"with --max-overhead: how long each window keeps the probes attached (default {DEFAULT_WINDOW:g}; "
-        "longer than the traced service's request cycle)",
+        "with --max-overhead: how long each window keeps the probes attached (longer than the traced "
+        "service's request cycle)",
     )
     parser.add_argument("--no-glibc", action="store_true", help="skip the glibc USDT view (4)")
     parser.add_argument(
