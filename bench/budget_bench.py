@@ -21,6 +21,10 @@
    estimated rate (from its seventh second on: the estimates follow a step at the next
    window, every ~3 s at 1 %) against the calls the workload counted itself and those full tracing counted.
 
+4. The storm under `heap -p PID --max-overhead PCT` (in the storm's rounds): its CPU ns per
+   pair against the untraced run of the same round, and heap's closing lines (the estimate's
+   windows and coverage, the measured cost).
+
 Every process runs on a private copy of the system libc named libc.so.6 (LD_LIBRARY_PATH;
 redis-server's jemalloc is its own file): uprobes are per file, and other tools on a shared
 machine probing the system libc would slow every process down. Only ratios inside one run
@@ -33,6 +37,7 @@ import os
 import pathlib
 import queue
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -154,7 +159,44 @@ def switch_costs(env, tmp, rounds):
     return out
 
 
-def storm_round(storm, pid, mode, args, env, batches, pairs):
+class Heap:
+    """`pymtrace heap -p PID ARGS -o TMP/heap.pb.gz` running (started: its line saying it
+    samples read), stopped with SIGINT; its closing lines kept (the estimate, the budget)."""
+
+    def __init__(self, pid, args, env, tmp):
+        self.proc = subprocess.Popen(
+            PY + ["heap", "-p", str(pid), *args, "--force", "-o", str(tmp / "heap.pb.gz")],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for line in self.proc.stderr:
+            if line.startswith("pymtrace: sampling"):
+                break
+        else:
+            raise SystemExit("heap ended early")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        self.lines = self.proc.stderr.read().splitlines()
+        self.proc.wait(60)
+        return self.lines
+
+
+def storm_round(storm, pid, mode, args, env, batches, pairs, tmp=None):
+    if mode.startswith("heap"):
+        heap = Heap(pid, args, env, tmp)
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        ns = []
+        for _ in range(batches):
+            storm.stdin.write(f"{pairs} 64\n")
+            storm.stdin.flush()
+            ns.append(float(storm.stdout.readline()))
+        cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
+        lines = heap.stop()
+        est = next((x for x in lines if "ESTIMATE" in x), "")
+        cost = next((x for x in lines if "measured cost" in x), "")
+        return {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "heap": (est, cost)}
     top = Top(pid, args, env) if mode != "untraced" else None
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     ns = []
@@ -307,23 +349,36 @@ def main():
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-budget-bench-"))
     env = private_env(tmp)
     budget_args = ["--max-overhead", str(args.budget), "--window", str(args.window)]
+    heap_mode = f"heap -p budget {args.budget:g}%"
     modes = {"untraced": None, f"budget {args.budget:g}%": budget_args, "every call": []}
+    storm_modes = modes | {heap_mode: budget_args}
     rows = []
     try:
         switch = switch_costs(env, tmp, 5)
         storm_exe = build_c(tmp, "storm", HERE / "storm.c")
         storm = subprocess.Popen([storm_exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         pid = int(storm.stdout.readline().split()[1])
-        results = {m: [] for m in modes}
+        results = {m: [] for m in storm_modes}
         for r in range(args.rounds):
-            for mode, margs in modes.items():
+            for mode, margs in storm_modes.items():
                 # every call traced costs ~300x a pair: a 300th of the pairs
                 pairs = args.storm_pairs if mode != "every call" else args.storm_pairs // 300
-                results[mode].append(storm_round(storm, pid, mode, margs, env, args.storm_batches, pairs))
+                results[mode].append(storm_round(storm, pid, mode, margs, env, args.storm_batches, pairs, tmp))
                 print(f"storm round {r + 1} {mode}: {results[mode][-1]}", file=sys.stderr)
         storm.stdin.close()
         storm.wait()
+        heap_runs = results.pop(heap_mode)
         rows += summarize("storm", results, "ns_pair", lambda u, f: u["calls_s"])
+        heap_rows = [
+            {
+                "round": i + 1,
+                "CPU ns a pair untraced": f"{u['cpu_ns_pair']:.2f}",
+                "under heap's budget": f"{h['cpu_ns_pair']:.2f}",
+                "slowdown": f"{100 * (h['cpu_ns_pair'] / u['cpu_ns_pair'] - 1):+.2f} %",
+                "heap says": " / ".join(h["heap"]),
+            }
+            for i, (u, h) in enumerate(zip(results["untraced"], heap_runs))
+        ]
         if shutil.which("redis-server") and shutil.which("redis-benchmark"):
             port = free_port()
             server = subprocess.Popen(
@@ -370,6 +425,8 @@ def main():
     print_table(rows, markdown=args.markdown)
     print()
     print_table(step_rows, markdown=args.markdown)
+    print("\nThe storm under `heap -p PID --max-overhead` (same rounds):\n")
+    print_table(heap_rows, markdown=args.markdown)
     return 0
 
 
