@@ -171,7 +171,7 @@ class Heap:
             env=env,
         )
         for line in self.proc.stderr:
-            if line.startswith("pymtrace: sampling"):
+            if line.startswith("pymtrace heap: sampling"):
                 break
         else:
             raise SystemExit("heap ended early")
