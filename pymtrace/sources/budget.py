@@ -654,11 +654,16 @@ class Windows:
         attach_ns = time.thread_time_ns() - began
         # the measured part: every probe attached (calls and CPU read at both ends)
         callers = self._callers(candidates)
-        m = _Measured(
-            self._read_counts(), self._cpu(candidates), self._runs(), self.parts.begin(), pace, self._demand(callers)
-        )
+        # each end's time taken just before its counts: reading every process's CPU clock
+        # and threads after them takes long where processes are many (a VM's emulation: a
+        # tenth of a 0.5 s window), and would stretch one end's time and not the other's
+        begun = self.parts.begin()
+        counts0 = self._read_counts()
+        m = _Measured(counts0, self._cpu(candidates), self._runs(), begun, pace, self._demand(callers))
         self._stop.wait(length)
-        m.end(self._read_counts(), self._cpu(m.cpu0), self._runs(), self.parts.end(), self._demand(callers))
+        ended = self.parts.end()
+        counts1 = self._read_counts()
+        m.end(counts1, self._cpu(m.cpu0), self._runs(), ended, self._demand(callers))
         detach_ns = uprobes.release(self.bpf, self._handles) * 1e9
         self._handles = []
         self._detached()
