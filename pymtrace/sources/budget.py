@@ -95,6 +95,7 @@ RECENT = 4  # windows whose spread is part of a process's error (a saturated one
 # a saturated process: windows the budget affords every this many seconds (not shorter than
 # the minimum: the attach and detach around a window cost milliseconds of CPU)
 SATURATED_SPACING, SATURATED_MIN_WINDOW = 5.0, 0.05
+MOSTLY_TRAPS = 0.5  # a source that judges no process alone: saturated when the traps took this much
 PACE_NS = 1_000_000_000  # the traced processes' pace: their CPU time over about this long
 MIN_PACE = 0.001  # below: idle, no pace to scale a window's cost by
 
@@ -590,9 +591,10 @@ class Windows:
         return min(self.budget.window, max(affordable, SATURATED_MIN_WINDOW))
 
     def _any_saturated(self) -> bool:
-        """Whether a traced process was slowed by the traps in its last window (a source
-        that judges none: never)."""
-        return False
+        """Whether the traced processes were slowed by the traps in the last window: here
+        (a source that does not judge each process) when the traps and BPF runs took most
+        of the CPU time they ran in its measured part."""
+        return self._rate is not None and self._rate > MOSTLY_TRAPS * self._then[1] > 0
 
     def _loop(self) -> None:
         try:

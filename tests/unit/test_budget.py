@@ -154,6 +154,18 @@ def test_windows_shorten_while_a_process_is_saturated():
     assert src._next_length() == 1.0
 
 
+def test_heaps_windows_shorten_where_the_traps_took_most_of_the_cpu():
+    """heap judges no process alone: its windows shorten when the traps and BPF runs took
+    most of the CPU time the traced processes ran in the last window (2 % of 1 CPU over
+    5 s, less the attach and detach, at 0.9 of it: ~0.109 s), not when they took a fifth."""
+    src = b.WindowedHeap([42], b.Budget(2, 1.0))
+    assert src._next_length() == b.FIRST_WINDOW  # before a window has seen calls
+    src._rate, src._switch, src._then = 0.9, 2e6, (1.0, 1.0)
+    assert src._next_length() == pytest.approx(0.098 / 0.9)
+    src._rate = 0.2
+    assert src._next_length() == 1.0
+
+
 def call_names_index(name):
     return {n: i for i, n in call_names().items()}[name]
 
