@@ -85,7 +85,7 @@ class Top:
         self.pid = pid
         self.docs = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.last = self.doc()
+        self.last = self.before = self.doc()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -99,11 +99,14 @@ class Top:
         return d
 
     def after(self, t):
+        """The first document after T; self.before: the last one up to T (whose estimates
+        rest on windows inside the run: a window after it would find the workload idle)."""
         while True:
             d = self.doc()
             if d["time"] > t:
                 self.last = d
                 return d
+            self.before = d
 
     def mallocs(self, d, call=None):
         """The malloc-API calls (CALL: that call's) counted or estimated for the process in D."""
@@ -209,7 +212,8 @@ def storm_round(storm, pid, mode, args, env, batches, pairs, tmp=None):
     res["calls_s"] = 2e9 / res["ns_pair"]  # what full tracing counts, at its pace
     res["share"] = res["cpu_ns_pair"] / res["ns_pair"]  # the CPU it was given
     if top:
-        estimate(res, top, top.after(time.monotonic()))
+        top.after(time.monotonic())
+        estimate(res, top, top.before)
         top.stop()
     return res
 
@@ -249,7 +253,7 @@ def redis_round(server, port, mode, args, env, requests):
         d = top.after(t1)
         res["calls_s"] = (top.mallocs(d) - before) / (t1 - t0)  # full tracing: every call counted
         res["calls_request"] = (top.mallocs(d) - before) / res["requests"]
-        estimate(res, top, d)
+        estimate(res, top, top.before)
         top.stop()
     return res
 
