@@ -1,4 +1,4 @@
-/* Workload for `heap -p --max-overhead` (tests/live/test_heap_budget.py): allocations at a paced
+/* Workload for `heap -p --max-overhead` (tests/live/test_heap_budget_bpf.py): allocations at a paced
  * rate from two known call chains, 3:1 in bytes. Prints "ready PID", waits for a byte on stdin,
  * then 100 batches a second against absolute deadlines for SECONDS (a byte on stdin ends them
  * early), each batch:
