@@ -8,9 +8,15 @@
    machine put on the system libc do not): bench/storm.c (malloc(64)+free pairs: the
    uprobes of --per-call) and its page-touching loop (`storm touch`: malloc(256 KiB), touch
    every page, free: mmap, 64 page faults, munmap: what the default mode traces), measured in
-   phases: untraced, exporter (default mode), exporter --per-call, untraced again. Min and
+   phases: untraced, exporter --always-on, exporter --per-call, untraced again. Min and
    median ns per operation, and the slowdown of the median against untraced (both
    untraced phases pooled).
+3. The default mode (malloc's uprobes in windows under a 1 % budget) on a busy host: the
+   storm runs continuously (batches of --budget-pairs) for --budget-seconds untraced, under
+   the default exporter and untraced again; its mean CPU ns per pair over each phase (a
+   window slows the batches it falls in: the mean, not the median, carries its cost),
+   and the last scrape's budget gauges (windows, duty cycle, measured overhead) and the
+   storm's estimated call rate against the rate its own batches ran at under the budget.
 2. Scrape cost: with the --per-call exporter running and N idle processes with distinct
    comms (each made a known malloc), scrape /metrics once a second; report the number of
    series, scrape latency (client side: median, p90, max) and the exporter's CPU seconds
@@ -167,6 +173,79 @@ class Storm:
         self.proc.wait()
 
 
+def process_cpu_ns(pid):
+    with open(f"/proc/{pid}/schedstat") as f:
+        return int(f.read().split()[0])  # ns on the CPU (all its threads: the main one here)
+
+
+def continuous(storm, seconds):
+    """Batches of the storm for SECONDS: (CPU ns per pair over them all, wall ns per pair
+    over them all, pairs)."""
+    pid = storm.proc.pid
+    cpu0, t0, pairs = process_cpu_ns(pid), time.monotonic_ns(), 0
+    while time.monotonic_ns() - t0 < seconds * 1e9:
+        storm.proc.stdin.write(f"{storm.pairs} {storm.size}\n")
+        storm.proc.stdin.flush()
+        storm.proc.stdout.readline()
+        pairs += storm.pairs
+    return (process_cpu_ns(pid) - cpu0) / pairs, (time.monotonic_ns() - t0) / pairs, pairs
+
+
+def sample(text, name, **labels):
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def budget_phase(storm_bin, tmp, pairs, seconds):
+    """The storm untraced, under the default exporter (budget) and untraced again."""
+    storm = Storm([storm_bin], tmp, pairs, 64)
+    out = {"untraced": [continuous(storm, seconds)]}
+    print("exporter default (budget): starting ...", file=sys.stderr)
+    ex = Exporter("--comm", "^storm$")
+    storm.allowed = {ex.proc.pid}
+    try:
+        out["startup"] = ex.startup
+        ex.scrape()
+        cpu0, t0 = ex.cpu_seconds(), time.monotonic()
+        first = continuous(storm, seconds / 2)
+        _, text0 = ex.scrape()
+        t_mid = time.monotonic()
+        second = continuous(storm, seconds / 2)
+        _, text = ex.scrape()
+        t1 = time.monotonic()
+        out["exporter_cpu_per_s"] = (ex.cpu_seconds() - cpu0) / (t1 - t0)
+        n = first[2] + second[2]
+        out["budget"] = (
+            (first[0] * first[2] + second[0] * second[2]) / n,
+            (first[1] * first[2] + second[1] * second[2]) / n,
+            n,
+        )
+    finally:
+        ex.stop()
+    out["untraced"].append(continuous(storm, seconds))
+    storm.close()
+    out["scrape"] = {
+        name: sample(text, name)
+        for name in (
+            "pymtrace_exporter_sampling_windows_total",
+            "pymtrace_exporter_duty_cycle",
+            "pymtrace_exporter_overhead_ratio",
+            "pymtrace_exporter_overhead_budget_ratio",
+        )
+    }
+    calls = [
+        sum(sample(t, "pymtrace_malloc_calls_estimated_total", comm="storm", call=c) or 0 for c in ("malloc", "free"))
+        for t in (text0, text)
+    ]
+    out["scrape"]["calls_per_second"] = (calls[1] - calls[0]) / (t1 - t_mid)
+    out["scrape"]["error"] = sample(text, "pymtrace_malloc_estimate_error_ratio", comm="storm")
+    out["scrape"]["saturated"] = sample(text, "pymtrace_malloc_estimate_saturated_processes", comm="storm")
+    return out
+
+
 def measure(storms, rounds):
     """{workload: [ns per op]}, the workloads interleaved round by round."""
     out = {name: [] for name in storms}
@@ -214,6 +293,8 @@ def main():
     ap.add_argument("--pairs", type=int, default=300000, help="malloc+free pairs per measurement")
     ap.add_argument("--scrapes", type=int, default=30, help="scrapes per scrape phase (1/s)")
     ap.add_argument("--procs", default="37,1000", help="idle processes (distinct comms) per scrape phase")
+    ap.add_argument("--budget-seconds", type=float, default=60, help="each phase of the default mode's test")
+    ap.add_argument("--budget-pairs", type=int, default=20_000_000, help="storm pairs per batch there")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -230,7 +311,7 @@ def main():
         res = {"pairs": args.pairs, "rounds": args.rounds, "phases": {}, "scrape": []}
         print("untraced ...", file=sys.stderr)
         res["phases"]["untraced-1"] = measure(storms, args.rounds)
-        for mode, flags in (("always-on", []), ("per-call", ["--per-call"])):
+        for mode, flags in (("always-on", ["--always-on"]), ("per-call", ["--per-call"])):
             print(f"exporter {mode}: starting ...", file=sys.stderr)
             ex = Exporter(*flags, "--comm", "^pmxbench")
             for st in storms.values():
@@ -274,6 +355,7 @@ def main():
         res["discarded"] = sum(st.discarded for st in storms.values())
         for st in storms.values():
             st.close()
+        res["budget"] = budget_phase(storm_bin, tmp, args.budget_pairs, args.budget_seconds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -288,13 +370,13 @@ def main():
         bmed = statistics.median(base)
         for name, vals in (
             ("untraced", base),
-            ("exporter (default)", res["phases"]["always-on"][wl]),
+            ("exporter --always-on", res["phases"]["always-on"][wl]),
             ("exporter --per-call", res["phases"]["per-call"][wl]),
         ):
             med = statistics.median(vals)
             print(f"| {wl} | {name} | {min(vals):.0f} | {med:.0f} | {100 * (med / bmed - 1):+.1f} % |")
     print(
-        f"\nExporter start-up (compile + attach): default {res['startup']['always-on']:.1f} s, "
+        f"\nExporter start-up (compile + attach): --always-on {res['startup']['always-on']:.1f} s, "
         f"--per-call {res['startup']['per-call']:.1f} s; idle CPU (--per-call, no scrapes): {res['idle_cpu']:.3f} s/s\n"
     )
     print(
@@ -307,6 +389,21 @@ def main():
             f"{1000 * s['latency_median']:.0f} ms | {1000 * s['latency_p90']:.0f} ms | "
             f"{1000 * s['latency_max']:.0f} ms | {s['cpu_per_s']:.3f} |"
         )
+    b = res["budget"]
+    base = statistics.fmean(u[0] for u in b["untraced"])
+    sc = b["scrape"]
+    print(
+        f"\nDefault mode (budget), the storm running {args.budget_seconds:g} s a phase: CPU ns per pair "
+        f"untraced {' / '.join(f'{u[0]:.2f}' for u in b['untraced'])}, under the budget {b['budget'][0]:.2f} "
+        f"({100 * (b['budget'][0] / base - 1):+.2f} %); exporter CPU {b['exporter_cpu_per_s']:.3f} s/s; "
+        f"start-up {b['startup']:.1f} s"
+    )
+    print(
+        f"Its scrape: windows {sc['pymtrace_exporter_sampling_windows_total']}, duty cycle "
+        f"{sc['pymtrace_exporter_duty_cycle']}, measured overhead {sc['pymtrace_exporter_overhead_ratio']} "
+        f"(budget {sc['pymtrace_exporter_overhead_budget_ratio']}), storm estimated {sc['calls_per_second']:,.0f} "
+        f"calls/s over the second half (error {sc['error']}, saturated {sc['saturated']}); it ran {2e9 / b['budget'][1]:,.0f} calls/s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -46,8 +46,9 @@
  * of the mapping; a main thread's copy ends HP_TOP_SLACK bytes above its stack top, hp_tops),
  * HP_RB_PAGES (ring buffer pages, a power of two), HP_MAX_CPUS (possible
  * CPUs: the scratch slots), HP_MAX_LIVE, HP_MAX_PENDING, HP_MAX_THREADS, HP_MAX_TARGETS,
- * HP_FOLLOW (follow fork children), HP_RESERVE (above), HP_PY_FRAMES (Python frames per
- * sample, bpf/pywalk.h: read for the processes user space lists in hp_py; 0: none).
+ * HP_FOLLOW (follow fork children), HP_RESERVE (above), HP_LIVE (0: sampled blocks not put in
+ * hp_live), HP_PY_FRAMES (Python frames per sample, bpf/pywalk.h: read for the processes user
+ * space lists in hp_py; 0: none).
  */
 #include <uapi/linux/ptrace.h>
 #include "heap.h"
@@ -81,6 +82,9 @@
 #endif
 #ifndef HP_RESERVE
 #define HP_RESERVE 0
+#endif
+#ifndef HP_LIVE
+#define HP_LIVE 1 /* 0: sampled blocks are not remembered (no free probes: under an overhead budget) */
 #endif
 #ifndef HP_PY_FRAMES
 #define HP_PY_FRAMES 0 /* > 0: each sample carries its thread's Python frames, up to this many */
@@ -514,7 +518,7 @@ int hp_return(struct pt_regs *ctx) {
         b.addr = p.arg_ptr;
         hp_gone(&b);
     }
-    if (p.sample_id && addr) {
+    if (HP_LIVE && p.sample_id && addr) {
         b.addr = addr;
         if (hp_live.update(&b, &p.sample_id) != 0) hp_lost_inc(HP_LOST_LIVE_FULL);
     }

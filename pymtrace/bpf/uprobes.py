@@ -29,6 +29,7 @@ import ctypes
 import errno
 import functools
 import os
+import time
 import typing
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -111,16 +112,8 @@ def multi_links() -> bool:
     where fixed ones refuse it with EINVAL. ~0.1 ms."""
     if os.environ.get(FAKE_NO_MULTI_ENV):
         return False
-    insns = (ctypes.c_uint64 * 2)(0xB7, 0x95)  # r0 = 0; exit
-    license_ = ctypes.create_string_buffer(b"GPL")
-    attr = _attr()
-    _put(attr, 0, ctypes.c_uint32, BPF_PROG_TYPE_KPROBE)
-    _put(attr, 4, ctypes.c_uint32, 2)  # insn_cnt
-    _put(attr, 8, ctypes.c_uint64, ctypes.addressof(insns))
-    _put(attr, 16, ctypes.c_uint64, ctypes.addressof(license_))
-    _put(attr, 68, ctypes.c_uint32, BPF_TRACE_UPROBE_MULTI)  # expected_attach_type
     try:
-        prog = stats.call(BPF_PROG_LOAD, attr)
+        prog = empty_program(multi=True)
     except OSError:
         return False
     try:
@@ -136,6 +129,39 @@ def multi_links() -> bool:
         os.close(prog)
 
 
+def empty_program(multi: bool) -> int:
+    """A loaded kprobe-type program of two instructions (r0 = 0; exit), for a uprobe_multi
+    link (MULTI) or a perf-event uprobe: its fd (the caller closes it), or OSError."""
+    insns = (ctypes.c_uint64 * 2)(0xB7, 0x95)
+    license_ = ctypes.create_string_buffer(b"GPL")
+    attr = _attr()
+    _put(attr, 0, ctypes.c_uint32, BPF_PROG_TYPE_KPROBE)
+    _put(attr, 4, ctypes.c_uint32, 2)  # insn_cnt
+    _put(attr, 8, ctypes.c_uint64, ctypes.addressof(insns))
+    _put(attr, 16, ctypes.c_uint64, ctypes.addressof(license_))
+    if multi:
+        _put(attr, 68, ctypes.c_uint32, BPF_TRACE_UPROBE_MULTI)  # expected_attach_type
+    return stats.call(BPF_PROG_LOAD, attr)
+
+
+def attach_program(prog_fd: int, path: str, offsets: typing.Sequence[int], pid: int, ret: bool) -> list[int]:
+    """Program PROG_FD (from empty_program(multi_links())) at file OFFSETS of PATH in process
+    PID, as uprobes or uretprobes (RET), the way attach() would: one link, or one perf event
+    per offset. Returns the fds to close (closing detaches); OSError on failure."""
+    kernel_path = _kernel_path(path, pid)
+    if multi_links():
+        return [_link_create(prog_fd, kernel_path, list(offsets), pid, ret)]
+    fds = []
+    try:
+        for off in offsets:
+            fds.append(_perf_uprobe(prog_fd, kernel_path, off, pid, ret))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
 def _kernel_path(path: str, pid: int) -> bytes:
     """The path the kernel opens: the process's own view of PATH with a PID (BCC's rule)."""
     if pid > 0 and not path.startswith("/proc"):
@@ -143,14 +169,22 @@ def _kernel_path(path: str, pid: int) -> bytes:
     return os.fsencode(path)
 
 
-def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
+class Attached(typing.NamedTuple):
+    """What one attach() call added to its module: link fds and BCC perf-event names
+    (release() detaches exactly these, leaving the module's other probes attached)."""
+
+    links: tuple
+    events: tuple
+
+
+def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> Attached:
     """Attach PROBES to the BCC module BPF. With uprobe_multi links: one link per (file, PID,
     program, entry/return), created in the order of their first probe (so a caller that lists
     return probes first gets them attached first); else one BCC perf event per probe, in order.
     Raises OSError (links) or BCC's Exception (perf events), naming the functions, after
     detaching what this call attached: all of PROBES or none (a caller can leave a file out
     and go on without half of its functions counted). A program is loaded on first use, for
-    one of the two ways only."""
+    one of the two ways only. Returns what it attached (for release())."""
     probes = list(probes)
     links = _links.setdefault(bpf, [])
     links_before = len(links)
@@ -160,6 +194,41 @@ def attach(bpf: typing.Any, probes: typing.Iterable[Probe]) -> None:
     except BaseException:
         _undo(bpf, links, links_before, events_before)
         raise
+    events = tuple(k for k in getattr(bpf, "uprobe_fds", {}) if k not in events_before)
+    return Attached(tuple(links[links_before:]), events)
+
+
+def release(bpf: typing.Any, attached: typing.Iterable[Attached]) -> float:
+    """Detach what the attach() calls ATTACHED added to BPF, concurrently (as detach() does),
+    and nothing else. Returns the CPU seconds the closing threads spent (a duty cycle counts
+    them as its cost; the wall time is mostly RCU grace periods, no CPU)."""
+    attached = list(attached)
+    fds = {fd for a in attached for fd in a.links}
+    names = [name for a in attached for name in a.events]
+    links = _links.get(bpf, [])
+    links[:] = [fd for fd in links if fd not in fds]
+    table = getattr(bpf, "uprobe_fds", {})
+    jobs = [(os.close, fd) for fd in fds] + [(_close_bcc, (name, table[name])) for name in names if name in table]
+
+    def run(job: tuple[typing.Callable, typing.Any]) -> float:
+        began = time.thread_time()
+        try:
+            job[0](job[1])
+        except (ImportError, AttributeError, OSError):
+            pass
+        return time.thread_time() - began
+
+    if len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
+            cpu = sum(pool.map(run, jobs))
+    else:
+        cpu = sum(run(job) for job in jobs)
+    for name in names:
+        try:
+            bpf._del_uprobe_fd(name)  # keeps BCC's open-probe count right
+        except (AttributeError, KeyError):
+            pass
+    return cpu
 
 
 def _undo(bpf: typing.Any, links: list[int], links_before: int, events_before: set) -> None:

@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from pymtrace import __version__
+from pymtrace.commands import DEFAULT_WINDOW, add_budget_arguments
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.http import INDEX, make_server
 from pymtrace.sinks.prometheus import Aggregator, ExporterMetrics
@@ -26,9 +27,11 @@ DEFAULT_PORT = 19733
 HELP = """Serve live allocation metrics to Prometheus (/metrics), from the same BPF
 collectors as `pymtrace top`. Per-process series are labelled by comm (default),
 cgroup, or PID; at most --max-series label values (default 500, 20 by PID) plus "other"."""
+DEFAULT_BUDGET = 1.0  # percent: the default mode's overhead budget (--max-overhead)
 EPILOG = f"""examples:
-  sudo pymtrace exporter                              # all processes, :{DEFAULT_PORT}: tracepoints + USDT + faults
-  sudo pymtrace exporter --per-call -p 1234           # plus per-call malloc counts (costly, see OVERHEAD)
+  sudo pymtrace exporter                              # all processes, :{DEFAULT_PORT}: estimated malloc rates under 1 %
+  sudo pymtrace exporter --always-on                  # nothing on the malloc path: tracepoints + USDT + faults
+  sudo pymtrace exporter --per-call -p 1234           # exact per-call malloc counts (costly, see OVERHEAD)
   sudo pymtrace exporter --comm '^(nginx|postgres)$' --listen 127.0.0.1:{DEFAULT_PORT}
   sudo pymtrace exporter --per-call --label-by pid --max-series 20 -p 1234 -p 5678
   sudo pymtrace exporter --web-config /etc/pymtrace/web.yml   # TLS and basic auth
@@ -37,15 +40,21 @@ The default port {DEFAULT_PORT} lies outside the 9100-9999 range of Prometheus's
 port allocation list (that range is fully allocated). See docs/exporter.md for the metrics
 and the deploy files in exporters/.
 
-OVERHEAD: by default nothing runs on the malloc path (page-fault and slab tracepoints,
-glibc's USDT probes on its slow paths: no measurable slowdown of malloc; ~0.1-0.3 us per
-page fault). --per-call adds `pymtrace top`'s uprobes on malloc, calloc, realloc, free and
-the memalign family of every traced libc -- of EVERY glibc process on the host unless -p
-narrows it: a malloc+free pair then costs ~2 us instead of ~15 ns (~145x, measured on a
-busy 2-core machine, bench/exporter_bench.py; an allocation-heavy Python program ran
-8-13x slower). A scrape reads the BPF maps: ~50 ms and ~5 % of a core at one scrape a
-second for ~1,000 series, ~0.5 s for ~14,000. Start-up compiles the BPF programs
-(seconds; longer on a loaded machine). See docs/exporter.md."""
+OVERHEAD: page-fault and slab tracepoints and glibc's USDT probes on its slow paths cost
+~0.1-0.3 us per page fault and nothing measurable per malloc. By default `pymtrace top`'s
+uprobes on malloc, calloc, realloc, free and the memalign family are attached in windows
+(--window seconds, at random times) under an overhead budget: what they cost the traced
+processes -- the traps (calibrated at start), the BPF run time (the kernel's statistics),
+the attach/detach CPU -- is measured and kept under {DEFAULT_BUDGET:g} % of those processes' CPU
+time (--max-overhead PCT changes it); the pymtrace_malloc_*_estimated series are estimates
+(pymtrace_malloc_estimate_error_ratio: their 95 % error), pymtrace_exporter_duty_cycle and
+pymtrace_exporter_overhead_ratio say what it cost. --always-on puts nothing on the malloc
+path. --per-call keeps the uprobes attached: every call counted (exact, live bytes too), at
+~2 us per malloc+free pair instead of ~15 ns (~145x, measured on a busy 2-core machine,
+bench/exporter_bench.py; an allocation-heavy Python program ran 8-13x slower) in EVERY glibc
+process on the host unless -p narrows it. A scrape reads the BPF maps: ~50 ms and ~5 % of a
+core at one scrape a second for ~1,000 series, ~0.5 s for ~14,000. Start-up compiles the BPF
+programs (seconds; longer on a loaded machine). See docs/exporter.md."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -68,14 +77,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--per-call",
         action="store_true",
-        help="also count every malloc-API call (pymtrace_malloc_* series) with uprobes on "
-        "malloc/free/...: ~2 us per malloc+free pair in every traced process (~145x "
+        help="count every malloc-API call exactly (pymtrace_malloc_* series) with uprobes on "
+        "malloc/free/... kept attached: ~2 us per malloc+free pair in every traced process (~145x "
         "a bare pair), all glibc processes of the host unless -p narrows it",
     )
     parser.add_argument(
         "--always-on",
         action="store_true",
-        help="accepted for compatibility: tracepoints, USDT probes and faults only, which is now the default",
+        help="nothing on the malloc path: tracepoints, USDT probes and faults only (no malloc series)",
+    )
+    add_budget_arguments(
+        parser,
+        f"the malloc uprobes' measured cost kept under PCT %% of the traced processes' CPU time "
+        f"(default {DEFAULT_BUDGET:g}: estimated pymtrace_malloc_*_estimated series)",
+        "how long each window keeps the malloc uprobes attached",
     )
     parser.add_argument(
         "--web-config",
@@ -153,7 +168,19 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.grace < 0:
         raise PymtraceError("--grace must be >= 0")
     if args.per_call and args.always_on:
-        raise PymtraceError("--per-call and --always-on contradict each other (--always-on is the default)")
+        raise PymtraceError("--per-call and --always-on contradict each other")
+    if args.max_overhead is not None and (args.per_call or args.always_on):
+        raise PymtraceError("--max-overhead budgets the malloc uprobes: not with --per-call or --always-on")
+    if args.window != DEFAULT_WINDOW and (args.per_call or args.always_on):
+        raise PymtraceError("--window sets the budget's windows: not with --per-call or --always-on")
+    if mode(args) == "budget":
+        from pymtrace.sources.budget import Budget
+
+        Budget(_budget_pct(args), args.window).check()
+        if args.no_bpf_stats:
+            raise PymtraceError(
+                "--no-bpf-stats: the overhead budget measures the BPF run time with them (use --always-on or --per-call)"
+            )
     if not (args.timeout > 0 and args.request_timeout > 0):
         raise PymtraceError("--timeout and --request-timeout must be > 0")
     if args.max_connections < 1 or args.max_connections_per_client < 1:
@@ -165,13 +192,30 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ProcessGone(pid)
 
 
+def mode(args: argparse.Namespace) -> str:
+    """The exporter's mode: "per-call" (every malloc call), "always-on" (none), "budget"
+    (the default: the malloc uprobes in windows under --max-overhead)."""
+    return "per-call" if args.per_call else "always-on" if args.always_on else "budget"
+
+
+def _budget_pct(args: argparse.Namespace) -> float:
+    return DEFAULT_BUDGET if args.max_overhead is None else args.max_overhead
+
+
 def build_sources(args: argparse.Namespace) -> list[Sources]:
     """The same collectors as `pymtrace top` (pymtrace.sources.bundle.Sources), attached for the
-    exporter's mode: always-on (default) = slab + faults + glibc USDT, nothing on the
-    malloc path; per-call = the same plus the per-call malloc uprobes."""
+    exporter's mode: slab + faults + glibc USDT, and the malloc uprobes: in windows under a
+    budget (default), always (per-call) or never (always-on)."""
     from pymtrace.sources import bundle
 
-    bundle = bundle.Sources(pids=args.pid or None, malloc=args.per_call, slab=True, faults=True, glibc=True)
+    budget = None
+    if mode(args) == "budget":
+        from pymtrace.sources.budget import Budget
+
+        budget = Budget(_budget_pct(args), args.window)
+    bundle = bundle.Sources(
+        pids=args.pid or None, malloc=not args.always_on, slab=True, faults=True, glibc=True, budget=budget
+    )
     faults = bundle.sources.get("faults")
     if faults is not None and hasattr(faults, "regions"):
         faults.regions = False  # per-region faults are top's view 3; the exporter has no use for them
@@ -203,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
         web = webconfig.load(args.web_config)
     bpfload.require_root("pymtrace exporter")
-    mode = "per-call" if args.per_call else "always-on"
+    name = mode(args)
     server = make_server(
         args.listen,
         None,
@@ -212,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         max_connections=args.max_connections,
         max_per_client=args.max_connections_per_client,
-        index_html=INDEX.format(mode=mode, label=html.escape(args.label_by), version=__version__),
+        index_html=INDEX.format(mode=name, label=html.escape(args.label_by), version=__version__),
     )
     stats = None
     sources = []
@@ -232,13 +276,13 @@ def run(args: argparse.Namespace) -> int:
         agg = Aggregator(
             label_by=args.label_by, max_series=args.max_series, grace=args.grace, pids=args.pid or None, comm=args.comm
         )
-        registry.register(ExporterMetrics(sources, agg, stats, label_by=args.label_by, mode=mode))
+        registry.register(ExporterMetrics(sources, agg, stats, label_by=args.label_by, mode=name))
         server.registry = registry
         host, port = server.server_address[:2]
         scheme = "https" if web and web.ssl_context else "http"
         shown = f"[{host}]" if ":" in host else host
         print(
-            f"pymtrace exporter: serving {scheme}://{shown}:{port}/metrics ({mode} mode)", file=sys.stderr, flush=True
+            f"pymtrace exporter: serving {scheme}://{shown}:{port}/metrics ({name} mode)", file=sys.stderr, flush=True
         )
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:

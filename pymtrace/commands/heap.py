@@ -11,8 +11,10 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.commands import DEFAULT_WINDOW, add_budget_arguments
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.flamegraph import write_html
 from pymtrace.sinks.folded import write_folded
@@ -39,6 +41,10 @@ from pymtrace.tracee import libc, proc, pyframes
 from pymtrace.tracee.launch import Launched
 from pymtrace.units import parse_bytes
 
+if TYPE_CHECKING:
+    from pymtrace.sources.budget import Budget
+
+
 HELP = """Sample the allocations of processes with their complete call stacks (no frame pointers
 needed) and write one heap profile: bytes and blocks allocated per stack, and those still in
 use at the end (leaks)."""
@@ -52,6 +58,7 @@ EPILOG = """examples:
   pymtrace heap -o je.pb.gz -- env LD_PRELOAD=libjemalloc.so.2 ./app   # jemalloc's calls
   pymtrace heap --via uprobes -o app.pb.gz -- ./app    # the uprobe path, as for -p
   pymtrace heap -p 4321 --duration 60 -o py.html       # a Python service, by Python line
+  pymtrace heap -p 1234 --max-overhead 1 --duration 300 -o prod.pb.gz   # estimated, <= 1 % of its CPU
 
 PATHS: -- CMD is sampled in-process by default: pymtrace preloads its own small library (the
 interposer), which draws the samples inside the process and forwards every call to the
@@ -92,6 +99,16 @@ with the call rate); in-process the program then waits whenever the ring is full
 is lost and the program runs at the pace pymtrace unwinds (sqlite3: 7.4 s against 2.2 s at
 the default sampling). See docs/heap.md and docs/benchmarks.md.
 
+OVERHEAD BUDGET (-p): by default every call of a -p process traps (exact). --max-overhead PCT
+attaches the allocating functions' uprobes in windows (--window seconds, at random times)
+and detaches them between, so that their measured cost (program runs and BPF run time from
+the kernel's statistics, a trap cost calibrated at start, the attach/detach CPU) stays under
+PCT % of the traced processes' CPU time. The profile then holds ESTIMATES: alloc_objects and
+alloc_space scaled up from the windows' samples to the whole run (each window standing for
+the time nearest it); in-use values need every free and are not offered (--value defaults
+to alloc_space). The summary says how many windows, what share of the time they covered and
+what they cost. See docs/heap.md "Overhead budget".
+
 STOPPING: when the command exits, on Ctrl-C/SIGTERM or after --duration; with -p the
 processes keep running. EXIT STATUS: 0 ok; 1 error; 3 samples were lost (the report says
 which table was full), unless --allow-drops."""
@@ -113,8 +130,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--value",
         choices=VALUE_TYPES,
-        default=DEFAULT_VALUE,
-        help=f"what folded, html and text show (default {DEFAULT_VALUE}); pprof holds all four",
+        help=f"what folded, html and text show (default {DEFAULT_VALUE}, alloc_space with --max-overhead); "
+        "pprof holds all four (the two alloc ones with --max-overhead)",
     )
     parser.add_argument(
         "--sample-bytes",
@@ -146,6 +163,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--older", type=float, metavar="S", help="in use: only blocks allocated at least S seconds before the end"
     )
     parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    add_budget_arguments(
+        parser,
+        "-p: attach the uprobes in windows so that their measured cost stays under PCT %% of the traced "
+        "processes' CPU time (alloc values estimated from the windows, no in-use values; default: every call traps)",
+        "with --max-overhead: how long each window keeps the probes attached (longer than the traced "
+        "service's request cycle)",
+    )
     parser.add_argument("--top", type=int, default=10, metavar="N", help="stacks in the text format (default 10)")
     parser.add_argument("--follow-forks", action="store_true", help="also sample the processes' children")
     parser.add_argument(
@@ -207,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
         raise PymtraceError("--older: must be 0 or more seconds")
     if args.pid and args.via == INTERPOSER:
         raise PymtraceError("--via interposer samples a launched command (-- CMD); -p processes are sampled by uprobes")
+    budget = _budget(args, cmd)
+    value = args.value or (DEFAULT_VALUE if budget is None else "alloc_space")
     fmt = output_format(args.output, args.format)
     check_new(args.output, args.force)  # before a long run, not after it
     bpfload.require_root("pymtrace heap")
@@ -263,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
             python_view=python_view(args),
             python_allocators=args.python_allocators,
             credits=credits,
+            budget=budget,
         )
         if launched is not None and why is not None:
             session.via[launched.pid] = (UPROBES, why)
@@ -309,9 +336,9 @@ def run(args: argparse.Namespace) -> int:
         if fmt == "pprof":
             writer(profile, session.symbolizer, out)
         elif fmt == "text":
-            writer(profile, session.symbolizer, out, top=args.top, value=args.value)
+            writer(profile, session.symbolizer, out, top=args.top, value=value)
         else:
-            writer(profile, session.symbolizer, out, value=args.value)
+            writer(profile, session.symbolizer, out, value=value)
     if not args.quiet:
         for line in profile.summary_lines():
             print(f"pymtrace heap: {printable(line)}", file=sys.stderr)
@@ -320,6 +347,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"pymtrace heap: {lost_line(profile.drops)}; exit status 3", file=sys.stderr)
         return 3
     return 0
+
+
+def _budget(args: argparse.Namespace, cmd: list[str]) -> Budget | None:
+    """--max-overhead's budget (checked), or None: every call sampled by a trap."""
+    if args.max_overhead is None:
+        if args.window != DEFAULT_WINDOW:
+            raise PymtraceError("--window needs --max-overhead")
+        return None
+    if cmd:
+        raise PymtraceError(
+            "--max-overhead limits the traps of -p's uprobes: a launched command is sampled in-process, "
+            "where an unsampled call costs no trap (give -p PID)"
+        )
+    if args.value is not None and args.value.startswith("inuse"):
+        raise PymtraceError(f"--value {args.value}: in-use values need every free, not measured under --max-overhead")
+    if args.older is not None or args.max_live is not None:
+        option = "--older" if args.older is not None else "--max-live"
+        raise PymtraceError(f"{option} concerns blocks in use, not measured under --max-overhead")
+    from pymtrace.sources.budget import Budget
+
+    budget = Budget(args.max_overhead, args.window)
+    budget.check()
+    return budget
 
 
 # what each drop counter (bpf/heap.h HP_LOST_*) means, and the option that avoids it

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from pymtrace.bpf import load as bpfload
+from pymtrace.commands import DEFAULT_WINDOW, add_budget_arguments
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import BatchOptions, Reporter
 from pymtrace.sinks.text import printable
@@ -21,6 +22,7 @@ from pymtrace.tracee import proc
 from pymtrace.units import parse_bytes
 
 if TYPE_CHECKING:
+    from pymtrace.sources.budget import Budget
     from pymtrace.sources.bundle import Sources
     from pymtrace.sources.snapshot import Snapshot
     from pymtrace.sources.stacksites import StackSitesSource
@@ -58,6 +60,7 @@ EPILOG = """examples:
   sudo pymtrace top --json -n 1 -i 5 | jq '.snapshot.processes'
   sudo pymtrace top --always-on --batch     tracepoints, faults and USDT only
   sudo pymtrace top --stacks -p 1234        view 5: where 1234 allocates, live
+  sudo pymtrace top -p 1234 --max-overhead 1   estimated rates at <= 1 % of its CPU time
 
 live bytes: chunk bytes returned by malloc & co. minus chunk bytes freed, counted since
 pymtrace attached; frees of blocks allocated before that are shown apart (view 6's OLDER
@@ -69,8 +72,15 @@ family of every traced libc: a malloc+free pair then costs ~2 us instead of ~10 
 about the cost of the uprobe traps alone, and ~8x cheaper than a memleak-style tracer; see
 docs/top.md). A program that does little but malloc/free slows down by two orders of
 magnitude; real programs much less.
-Limit it with -p, or use --always-on (no per-call uprobes: slab and fault tracepoints and
-glibc's slow-path USDT probes only; nothing runs on a malloc call) in production.
+Limit it with -p, with --max-overhead PCT (below), or use --always-on (no per-call uprobes:
+slab and fault tracepoints and glibc's slow-path USDT probes only; nothing runs on a malloc
+call) in production.
+--max-overhead PCT: the per-call uprobes are attached in windows (--window seconds, at
+random times) and detached between them, so that what they cost the traced processes (the
+traps' calibrated cost, the BPF programs' run time from the kernel's statistics, the
+attach/detach CPU: measured, shown in every view) stays under PCT % of those processes'
+own CPU time. Call rates, requested bytes and sizes are then ESTIMATES with a 95 % error;
+live bytes are not measured (RSS is). See docs/top.md "Overhead budget".
 --stacks adds the heap sampler's programs on the same probe sites of the -p processes (one
 trap runs both): ~1.3x top's per-call cost on those processes (bench/heap_overhead.py, mode
 top+heap: 3.2-3.9 us a pair against top's 2.6-2.9 us), nothing on others; with
@@ -130,6 +140,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no per-call uprobes: slab + page-fault tracepoints and glibc USDT "
         "probes only (cheap enough for production)",
+    )
+    add_budget_arguments(
+        parser,
+        "attach the per-call uprobes in windows so that their measured cost stays under PCT %% of "
+        "the traced processes' CPU time (estimated rates, no live bytes; default: every call, exact)",
+        "with --max-overhead: how long each window keeps the probes attached (longer than the traced "
+        "service's request cycle)",
     )
     parser.add_argument("--no-glibc", action="store_true", help="skip the glibc USDT view (4)")
     parser.add_argument(
@@ -207,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     if stacks_on and not (args.pids or args.demo):
         raise PymtraceError("the stacks view (--stacks, view 5) needs -p PID: the heap sampler attaches per process")
     args.stacks = stacks_on
+    budget = _budget(args)
     bpfload.require_root("pymtrace top")
     if args.interval <= 0:
         raise PymtraceError("-i must be > 0")
@@ -234,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
             slab="slab" in need,
             faults="faults" in need,
             glibc=not args.no_glibc and "glibc" in need,
+            budget=budget,
         )
         bundle.attach()
         pids = bundle.pids or []
@@ -250,6 +269,25 @@ def run(args: argparse.Namespace) -> int:
             stacks.close()
         if stop_demo is not None:
             stop_demo()
+
+
+def _budget(args: argparse.Namespace) -> Budget | None:
+    """--max-overhead's budget (checked), or None: every call traced."""
+    if args.max_overhead is None:
+        if args.window != DEFAULT_WINDOW:
+            raise PymtraceError("--window needs --max-overhead")
+        return None
+    if args.always_on:
+        raise PymtraceError("--max-overhead and --always-on contradict each other (--always-on: no per-call probes)")
+    if args.stacks:
+        raise PymtraceError(
+            "--stacks samples stacks at every call's trap: it cannot run under --max-overhead (use one or the other)"
+        )
+    from pymtrace.sources.budget import Budget
+
+    budget = Budget(args.max_overhead, args.window)
+    budget.check()
+    return budget
 
 
 def _snapshots(bundle: Sources, stacks: StackSitesSource | None) -> Callable[[], Snapshot]:

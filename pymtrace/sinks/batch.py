@@ -64,6 +64,7 @@ class Reporter:
                     "view": "totals",
                     "columns": keys,
                     "rows": [dict(zip(keys, r)) for r in views.totals_rows(cur, self.pids)],
+                    "estimated": bool(cur.get("budget")),  # --max-overhead: estimates, not exact counts
                 }
             sys.stdout.write(json.dumps(doc, default=str) + "\n")
         else:
@@ -77,7 +78,11 @@ class Reporter:
             for name in self.wanted:
                 if name == "totals":
                     rows = views.totals_rows(cur, self.pids)
-                    out.append("== since attach (exact counts, bytes)")
+                    out.append(
+                        "== since attach (ESTIMATED counts under --max-overhead; live bytes not measured)"
+                        if cur.get("budget")
+                        else "== since attach (exact counts, bytes)"
+                    )
                     out.append(
                         tabulate(
                             views.printable_rows(rows[: self.options.limit or None]),

@@ -2,7 +2,8 @@
 
 d3 7.9.2 (ISC) and d3-flame-graph 5.0.0 (Apache-2.0), vendored in sinks/vendor/ as package
 data, are inlined with the profile, so the file opens offline in any browser. A selector
-switches between the four values (`FILE#alloc_space` opens on one). Frame names reach the page only as JSON data rendered with
+switches between the profile's values (the four, or the two alloc ones under an overhead
+budget; `FILE#alloc_space` opens on one). Frame names reach the page only as JSON data rendered with
 d3's .text() (d3-flame-graph's default; its HTML tooltips are not enabled), so a hostile
 symbol name cannot inject markup; the JSON escapes '<', '>' and '&' so it cannot end the
 script element either.
@@ -17,7 +18,6 @@ from typing import Any, BinaryIO
 
 from pymtrace.sources.heapprofile import (
     DEFAULT_VALUE,
-    VALUE_TYPES,
     VALUE_UNITS,
     FrameSource,
     HeapProfile,
@@ -39,12 +39,13 @@ def vendored(name: str) -> str:
 
 def flame_tree(profile: HeapProfile, symbolizer: FrameSource) -> tuple[list[str], list[Any]]:
     """The stacks merged into one tree, root "all", compactly: (names, root), each node a list
-    [index into names, [the four values, inclusive of its children, in VALUE_TYPES order],
-    [children]] (names repeat across the tree: the table keeps the file small)."""
+    [index into names, [the profile's values, inclusive of its children, in its value_types
+    order], [children]] (names repeat across the tree: the table keeps the file small)."""
+    types = profile.value_types
     names: dict[str, int] = {"all": 0}
-    root: list[Any] = [0, [0.0] * len(VALUE_TYPES), {}]
+    root: list[Any] = [0, [0.0] * len(types), {}]
     for entry in profile.stacks():
-        amounts = [entry.value(name) for name in VALUE_TYPES]
+        amounts = [entry.value(name) for name in types]
         node = root
         for i, amount in enumerate(amounts):
             node[1][i] += amount
@@ -52,7 +53,7 @@ def flame_tree(profile: HeapProfile, symbolizer: FrameSource) -> tuple[list[str]
             index = names.setdefault(frame_label(frame), len(names))
             child = node[2].get(index)
             if child is None:
-                child = node[2][index] = [index, [0.0] * len(VALUE_TYPES), {}]
+                child = node[2][index] = [index, [0.0] * len(types), {}]
             node = child
             for i, amount in enumerate(amounts):
                 node[1][i] += amount
@@ -121,11 +122,10 @@ draw();
 
 def render_html(profile: HeapProfile, symbolizer: FrameSource, value: str = DEFAULT_VALUE) -> str:
     """The HTML page of PROFILE, showing VALUE first."""
-    if value not in VALUE_TYPES:
-        raise ValueError(f"unknown value {value!r}; choose one of {', '.join(VALUE_TYPES)}")
-    options = "".join(
-        f'<option value="{name}"{" selected" if name == value else ""}>{name}</option>' for name in VALUE_TYPES
-    )
+    types = profile.value_types
+    if value not in types:
+        raise ValueError(f"unknown value {value!r}; choose one of {', '.join(types)}")
+    options = "".join(f'<option value="{name}"{" selected" if name == value else ""}>{name}</option>' for name in types)
     names, tree = flame_tree(profile, symbolizer)
     scripts = {}
     for name in VENDOR_FILES:
@@ -141,8 +141,8 @@ def render_html(profile: HeapProfile, symbolizer: FrameSource, value: str = DEFA
         licence_fg=_LICENCES["d3-flamegraph.umd.min.js"],
         d3=scripts["d3.min.js"],
         flamegraph=scripts["d3-flamegraph.umd.min.js"],
-        types=_script_json(list(VALUE_TYPES)),
-        units=_script_json([VALUE_UNITS[name] for name in VALUE_TYPES]),
+        types=_script_json(list(types)),
+        units=_script_json([VALUE_UNITS[name] for name in types]),
         names=_script_json(names),
         tree=_script_json(tree),
     )

@@ -19,8 +19,8 @@ _OBJECTS_OF = {"alloc_objects": "alloc_objects", "alloc_space": "alloc_objects"}
 
 def render_text(profile: HeapProfile, symbolizer: FrameSource, top: int = 10, value: str = DEFAULT_VALUE) -> str:
     """The report of PROFILE's TOP stacks by VALUE."""
-    if value not in VALUE_TYPES:
-        raise ValueError(f"unknown value {value!r}; choose one of {', '.join(VALUE_TYPES)}")
+    if value not in profile.value_types:
+        raise ValueError(f"unknown value {value!r}; choose one of {', '.join(profile.value_types)}")
     space = _SPACE_OF.get(value, "inuse_space")
     objects = _OBJECTS_OF.get(value, "inuse_objects")
     what = "allocated" if space == "alloc_space" else "in use"

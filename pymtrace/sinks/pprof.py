@@ -1,7 +1,8 @@
 """`pymtrace heap --format pprof`: the profile as gzip'd profile.proto, pprof's public format.
 
 Readable by `go tool pprof`, Grafana Pyroscope, Parca and Polar Signals. Four sample types
-(alloc_objects/count, alloc_space/bytes, inuse_objects/count, inuse_space/bytes), period_type
+(alloc_objects/count, alloc_space/bytes, inuse_objects/count, inuse_space/bytes; the first two
+only, default alloc_space, under an overhead budget: the profile's value_types), period_type
 space/bytes with period = the sampling mean, default inuse_space. One Mapping per Module (the
 main executable first: pprof names the profile after mapping 1), one Location per distinct
 (module, pc) with one Line per frame (inlined callees first), samples leaf first. The run's
@@ -17,7 +18,7 @@ import gzip
 from typing import BinaryIO
 
 from pymtrace.sinks import profile_pb2
-from pymtrace.sources.heapprofile import DEFAULT_VALUE, VALUE_TYPES, VALUE_UNITS, FrameSource, HeapProfile
+from pymtrace.sources.heapprofile import VALUE_UNITS, FrameSource, HeapProfile
 from pymtrace.tracee.unwind import Location, Module
 
 # Each mapping gets its own synthetic address range: we know file-relative pcs only, and
@@ -61,12 +62,13 @@ def build_pprof(profile: HeapProfile, symbolizer: FrameSource) -> profile_pb2.Pr
     """The profile as a profile_pb2.Profile message (not yet serialized)."""
     message = profile_pb2.Profile()
     string = _Strings(message.string_table)
-    for name in VALUE_TYPES:
+    types = profile.value_types
+    for name in types:
         message.sample_type.add(type=string(name), unit=string(VALUE_UNITS[name]))
     message.period_type.type = string("space")
     message.period_type.unit = string("bytes")
     message.period = max(profile.sample_bytes, 1)
-    message.default_sample_type = string(DEFAULT_VALUE)
+    message.default_sample_type = string(profile.default_value)
     message.time_nanos = int(profile.meta.get("time_ns", 0))
     message.duration_nanos = int(profile.meta.get("duration_ns", 0))
     for line in profile.summary_lines():
@@ -121,7 +123,7 @@ def build_pprof(profile: HeapProfile, symbolizer: FrameSource) -> profile_pb2.Pr
         return found
 
     for entry in profile.stacks():
-        values = entry.values()
+        values = [round(entry.value(name)) for name in types]
         if not any(values):
             continue
         message.sample.add(location_id=[location_id(loc) for loc in entry.stack], value=values)

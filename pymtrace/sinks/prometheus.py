@@ -77,17 +77,43 @@ CounterKey = Union[str, Tuple[str, Union[str, int]]]
 
 
 def flatten_counters(entry: dict) -> dict:
-    """A process entry's cumulative counters as {key: number}."""
+    """A process entry's cumulative counters as {key: number}. An entry of estimates (under
+    an overhead budget: "estimated") gives ("calls_estimated", call) and
+    "requested_bytes_estimated": series of their own, never mixed with exact counts."""
     out = {}
+    estimated = entry.get("estimated", False)
     for call, n in (entry.get("calls") or {}).items():
-        out[("calls", call)] = n
-    for key in PROC_COUNTERS:
+        out[("calls_estimated" if estimated else "calls", call)] = n
+    if estimated:
+        if "requested_bytes" in entry:
+            out["requested_bytes_estimated"] = entry["requested_bytes"]
+        keys = [k for k in PROC_COUNTERS if k != "requested_bytes"]
+    else:
+        keys = PROC_COUNTERS
+        for i, n in enumerate(entry.get("size_log2") or ()):
+            if n:
+                out[("size", i)] = n
+    for key in keys:
         if key in entry:
             out[key] = entry[key]
-    for i, n in enumerate(entry.get("size_log2") or ()):
-        if n:
-            out[("size", i)] = n
     return out
+
+
+def estimate_gauges(entry: dict) -> dict:
+    """An estimated entry's error as gauges that sum over a label: its estimated calls, the
+    square of their 95 % error in calls (estimate_error_ratio() combines them), and 1 if it
+    is saturated (its rates are its pace under the traps)."""
+    estimate = entry.get("estimate") or {}
+    error = estimate.get("error")
+    if not entry.get("estimated") or error is None:
+        return {}
+    total = sum((entry.get("calls") or {}).values())
+    saturated = 1 if estimate.get("saturated") else 0
+    return {
+        "estimated_calls": total,
+        "estimated_calls_error_sq": (error * total) ** 2,
+        "estimated_saturated": saturated,
+    }
 
 
 def _glibc_counters(g: Mapping[str, object]) -> Dict[CounterKey, Union[int, float]]:
@@ -222,6 +248,7 @@ class Aggregator:
                 st.want = self._want_label(pid, comm)
             st.last = counters
             st.gauges = {k: int(entry[k]) for k in PROC_GAUGES if entry.get(k) is not None}
+            st.gauges.update(estimate_gauges(entry))
             st.glibc = {k: g[k] for k in GLIBC_GAUGES if isinstance(g.get(k), (int, float))}
             st.alive = not entry.get("exited") and self.alive(pid)
         # processes no longer in the sources' maps: their work stays with their label
@@ -295,7 +322,11 @@ class Aggregator:
 
 
 def _activity(st: _Pid) -> Union[int, float]:
-    return sum(v - st.base.get(k, 0) for k, v in st.last.items() if isinstance(k, tuple) and k[0] == "calls")
+    return sum(
+        v - st.base.get(k, 0)
+        for k, v in st.last.items()
+        if isinstance(k, tuple) and k[0] in ("calls", "calls_estimated")
+    )
 
 
 def _prune_glibc(src: object) -> None:
@@ -402,9 +433,35 @@ def _gauge(group: str, key: str) -> Callable[[Scrape], Samples]:
     return _per_label(lambda s: [((), s[group][key])] if key in s[group] else ())
 
 
-def _calls(s: dict) -> List[Tuple[Tuple[str], Union[int, float]]]:
-    keyed = sorted((k, v) for k, v in s["counters"].items() if isinstance(k, tuple) and k[0] == "calls")
-    return [((key[1],), v) for key, v in keyed]
+def _calls(group: str = "calls") -> Callable[[dict], List[Tuple[Tuple[str], Union[int, float]]]]:
+    def values(s: dict) -> List[Tuple[Tuple[str], Union[int, float]]]:
+        keyed = sorted((k, v) for k, v in s["counters"].items() if isinstance(k, tuple) and k[0] == group)
+        return [((key[1],), v) for key, v in keyed]
+
+    return values
+
+
+def _estimate_error(s: dict) -> List[Tuple[tuple, float]]:
+    """A label's 95 % relative error of its estimated calls: its processes' errors (in calls)
+    combined as independent, over their estimated calls."""
+    g = s["gauges"]
+    if not g.get("estimated_calls"):
+        return []
+    return [((), g.get("estimated_calls_error_sq", 0) ** 0.5 / g["estimated_calls"])]
+
+
+def _budget(key: str, scale: float = 1.0) -> Callable[[Scrape], Samples]:
+    """The one sample of snapshot["budget"][KEY] (x SCALE), none when it is unknown."""
+
+    def samples(scrape: Scrape) -> Samples:
+        v = (scrape.snap.get("budget") or {}).get(key)
+        return [((), v * scale)] if isinstance(v, (int, float)) else []
+
+    return samples
+
+
+def _has_budget(scrape: Scrape) -> bool:
+    return bool(scrape.snap.get("budget"))
 
 
 def _faults(s: dict) -> List[Tuple[Tuple[str], Union[int, float]]]:
@@ -503,7 +560,41 @@ def _has_bpf(scrape: Scrape) -> bool:
 
 
 METRICS: Tuple[Metric, ...] = (
-    Metric("pymtrace_malloc_calls", "counter", "malloc-API calls by call type", (LABEL, "call"), _per_label(_calls)),
+    Metric("pymtrace_malloc_calls", "counter", "malloc-API calls by call type", (LABEL, "call"), _per_label(_calls())),
+    Metric(
+        "pymtrace_malloc_calls_estimated",
+        "counter",
+        "malloc-API calls by call type, ESTIMATED under the overhead budget: each process's pace in its "
+        "last sampling window, carried on between windows",
+        (LABEL, "call"),
+        _per_label(_calls("calls_estimated")),
+        omit_empty=True,
+    ),
+    Metric(
+        "pymtrace_malloc_requested_bytes_estimated",
+        "counter",
+        "bytes requested from the malloc API, ESTIMATED under the overhead budget (as the calls)",
+        (LABEL,),
+        _counter("requested_bytes_estimated"),
+        omit_empty=True,
+    ),
+    Metric(
+        "pymtrace_malloc_estimate_error_ratio",
+        "gauge",
+        "95 % error of the estimated calls of the label's live processes, relative (0.05: +-5 %)",
+        (LABEL,),
+        _per_label(_estimate_error),
+        omit_empty=True,
+    ),
+    Metric(
+        "pymtrace_malloc_estimate_saturated_processes",
+        "gauge",
+        "the label's processes slowed by the traps in their last window (as by tracing every call): their "
+        "estimated rates are their pace under the traps, a lower bound of their untraced pace",
+        (LABEL,),
+        _gauge("gauges", "estimated_saturated"),
+        omit_empty=True,
+    ),
     Metric(
         "pymtrace_malloc_requested_bytes",
         "counter",
@@ -657,6 +748,39 @@ METRICS: Tuple[Metric, ...] = (
         (),
         _value(lambda sc: 1 if sc.metrics.bpfstats.enabled() else 0),
         when=_has_bpf,
+    ),
+    Metric(
+        "pymtrace_exporter_duty_cycle",
+        "gauge",
+        "fraction of the time since start the malloc uprobes were attached (overhead budget)",
+        (),
+        _budget("duty_cycle"),
+        when=_has_budget,
+    ),
+    Metric(
+        "pymtrace_exporter_overhead_ratio",
+        "gauge",
+        "measured cost of the malloc uprobes (traps, BPF run time, attach/detach CPU) over the traced "
+        "processes' own CPU time since start",
+        (),
+        _budget("overhead_pct", 0.01),
+        when=_has_budget,
+    ),
+    Metric(
+        "pymtrace_exporter_overhead_budget_ratio",
+        "gauge",
+        "the overhead budget (--max-overhead / 100)",
+        (),
+        _budget("max_overhead_pct", 0.01),
+        when=_has_budget,
+    ),
+    Metric(
+        "pymtrace_exporter_sampling_windows",
+        "counter",
+        "windows the malloc uprobes were attached for (overhead budget)",
+        (),
+        _budget("windows"),
+        when=_has_budget,
     ),
     Metric(
         "pymtrace_exporter_processes",

@@ -137,12 +137,69 @@ PROCESS_COLUMNS = [
     Column("untraced_allocator", "NOTE", "allocator", False),  # set when malloc is not glibc's
 ]
 FAULTS_COLUMN = len(PROCESS_COLUMNS) - 2
+# under --max-overhead: each row's 95 % error, after the columns it applies to
+ERROR_COLUMN = Column("estimate_error_pct", "+-% (95%)", "pct")
+
+
+def budget_notes(cur: Snap) -> List[str]:
+    """The sentences saying that the per-call numbers are estimates under an overhead budget
+    (snapshot["budget"], pymtrace.sources.budget), what the windows cost, and what is not
+    measured; [] without a budget (exact counts)."""
+    b = cur.get("budget")
+    if not b:
+        return []
+    cost = b.get("cost_seconds") or {}
+    measured = b.get("overhead_pct")
+    windows = b.get("windows", 0)
+    lines = [
+        f"ESTIMATES under a {b['max_overhead_pct']:g}% overhead budget (--max-overhead): malloc's uprobes are "
+        f"attached in {b['window_seconds']:g} s windows at random times, {windows} so far, "
+        f"{100 * b.get('duty_cycle', 0):.2f}% of the time"
+        + ("" if windows else " (the first starts within a second)")
+        + ". Measured cost: "
+        + (f"{measured:.2f}%" if measured is not None else "not yet known")
+        + f" of the traced processes' CPU time (traps {cost.get('traps', 0):.3f} s at "
+        f"{b['trap_ns_per_run']:.0f} ns a run, calibrated at start; BPF {cost.get('bpf', 0):.3f} s, kernel "
+        f"statistics; attach/detach {cost.get('attach_detach', 0):.3f} s CPU).",
+        "Call rates, requested bytes and sizes are each process's pace in its last window (every call "
+        "counted there), carried on between windows: what tracing every call would count; +-% is their 95% "
+        "error (the window's count, the spread between windows). Live bytes need every free: not measured "
+        "under a budget (RSS in view 6). Without --max-overhead every call is counted (exact, at the full "
+        "per-call cost).",
+    ]
+    saturated = sorted(
+        int(pid)
+        for pid, p in (cur.get("processes") or {}).items()
+        if (p.get("estimate") or {}).get("saturated") and not p.get("exited")
+    )
+    if saturated:
+        lines.append(
+            "SATURATED (slowed by the traps in their last window, as by tracing every call): PID "
+            + ", ".join(str(pid) for pid in saturated[:10])
+            + (f" and {len(saturated) - 10} more" if len(saturated) > 10 else "")
+            + ": their rates are their pace under the traps, a lower bound of their untraced pace."
+        )
+    if b.get("errors"):
+        lines.append("Window attach errors: " + "; ".join(b["errors"]))
+    return lines
+
+
+def _with_error(columns: List[Column], estimated: bool) -> List[Column]:
+    """COLUMNS with ERROR_COLUMN after MEAN SIZE when the numbers are ESTIMATED."""
+    if not estimated:
+        return columns
+    at = [c.key for c in columns].index("mean_size") + 1
+    return columns[:at] + [ERROR_COLUMN] + columns[at:]
 
 
 def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
     dt = interval_of(prev, cur, interval)
     rows = []
+    estimated = bool(cur.get("budget"))
+    columns = _with_error(PROCESS_COLUMNS, estimated)
     tot = {"processes": 0, "calls_per_s": 0.0, "requested_bytes_per_s": 0.0, "live_bytes": 0, "faults_per_s": 0.0}
+    if estimated:
+        tot["estimated"] = True
     tot["older_freed_bytes"] = 0
     old_procs = _by_pid((prev or {}).get("processes"))
     for pid, p in sorted(_by_pid(cur.get("processes")).items()):
@@ -176,6 +233,9 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
             faults / dt if has_faults else None,
             untraced,
         ]
+        if estimated:
+            error = (p.get("estimate") or {}).get("error")
+            row.insert(len(row) - 4, 100 * error if traced and error is not None else None)
         rows.append(row)
         tot["processes"] += 1
         tot["traced"] = tot.get("traced", 0) + (1 if traced else 0)
@@ -185,18 +245,18 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
         tot["older_freed_bytes"] += max(-(p.get("live_bytes") or 0), 0)
         tot["faults_per_s"] += faults / dt
     # without per-call data (--always-on) the faults are all there is to sort by
-    sort = 2 if tot.get("traced") or not rows else FAULTS_COLUMN
-    notes = _older_frees_note(rows, PROCESS_COLUMNS)
+    sort = 2 if tot.get("traced") or not rows else len(columns) - 2
+    notes = budget_notes(cur) + _older_frees_note(rows, columns)
     return Table(
         "processes",
         TITLES["processes"],
-        PROCESS_COLUMNS,
+        columns,
         rows,
         sort=sort,
         notes=notes,
         totals=tot,
         interval=dt,
-        shown=_live_as_shown(PROCESS_COLUMNS),
+        shown=_live_as_shown(columns),
     )
 
 
@@ -588,6 +648,12 @@ HEAP_NOTE = (
 )
 
 
+BUDGET_HEAP_NOTE = (
+    "Under --max-overhead malloc's probes are attached in windows only: live bytes (which need every free "
+    "seen) are not measured; RSS, RSS ANON and their growth since attach are."
+)
+
+
 def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None) -> Table:
     """Heap efficiency: per process, live malloc bytes beside its anonymous and total RSS,
     their ratio, and a flag (with what to try, in the notes) when RSS is far above them."""
@@ -629,6 +695,8 @@ def heap_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = None)
         tot["older_freed_bytes"] += a["older_freed_bytes"] or 0
         tot["rss_anon_bytes"] += p["rss_anon_bytes"]
         tot["rss_bytes"] += p["rss_bytes"]
+    if cur.get("budget"):
+        notes.append(BUDGET_HEAP_NOTE)
     notes.append(HEAP_NOTE)
     return Table(
         "heap",
@@ -875,7 +943,13 @@ def summary(table: Table) -> str:
     """One line of totals for the header of the view."""
     t = table.totals
     if table.view == "processes":
-        if t.get("traced", 0) or not t.get("processes"):
+        if t.get("estimated"):
+            text = (
+                f"{t.get('processes', 0)} processes, ~{human_count(t.get('calls_per_s', 0))} calls/s, "
+                f"~{human_bytes(t.get('requested_bytes_per_s', 0))}/s requested (ESTIMATES under an overhead "
+                f"budget), {human_count(t.get('faults_per_s', 0))} faults/s"
+            )
+        elif t.get("traced", 0) or not t.get("processes"):
             text = (
                 f"{t.get('processes', 0)} processes, {human_count(t.get('calls_per_s', 0))} calls/s, "
                 f"{human_bytes(t.get('requested_bytes_per_s', 0))}/s requested, "

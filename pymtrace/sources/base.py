@@ -163,11 +163,19 @@ def uprobe(path: str, address: int, fn_name: str, pid: int = -1, ret: bool = Fal
     return uprobes.Probe(path, address, elf.code_offset(path, address), fn_name, pid, ret, what)
 
 
-def attach_plan(bpf: Any, path: str, pid: int, plan: Sequence, kinds: Collection[str] = ("entry", "return")) -> list:
+def attach_plan(
+    bpf: Any,
+    path: str,
+    pid: int,
+    plan: Sequence,
+    kinds: Collection[str] = ("entry", "return"),
+    handles: list | None = None,
+) -> list:
     """Attach the probes of KINDS in PLAN, [(function, [(kind, offset from the function's
     symbol, BCC program)])], in PATH for PID (-1: every process) through bpf.uprobes.
     Returns [(path, function, offset, kind, pid)] attached; raises ProcessGone when PID
-    went away meanwhile, else PymtraceError naming the file and the cause."""
+    went away meanwhile, else PymtraceError naming the file and the cause. HANDLES: a list
+    that gets uprobes.attach()'s Attached (for uprobes.release())."""
     probes, attached = [], []
     try:
         for function, plan_probes in plan:
@@ -176,7 +184,9 @@ def attach_plan(bpf: Any, path: str, pid: int, plan: Sequence, kinds: Collection
                 if kind in kinds:  # a return probe with an offset: at a moved entry site, one breakpoint for both
                     probes.append(uprobe(path, address + off, fn_name, pid, kind != "entry", function))
                     attached.append((path, function, off, kind, pid))
-        uprobes.attach(bpf, probes)
+        added = uprobes.attach(bpf, probes)
+        if handles is not None:
+            handles.append(added)
     except Exception as exc:  # BCC's attach raises plain Exception, a link OSError, ELF reading PymtraceError
         if pid != -1 and not proc.alive(pid):
             raise ProcessGone(pid) from None

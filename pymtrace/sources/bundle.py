@@ -20,6 +20,7 @@ from pymtrace.sources.slab import SlabSource
 from pymtrace.tracee import libc
 
 if TYPE_CHECKING:
+    from pymtrace.sources.budget import Budget
     from pymtrace.tracee.procevents import ProcEvent
 
 
@@ -28,7 +29,9 @@ class Sources:
     process-exit watcher; their programs are compiled as ONE BCC module (attach()).
     glibc=True adds pymtrace.sources.glibc.GlibcSource (contained: its failures are
     reported in snapshot["errors"]["glibc"], not raised). Likewise slab and faults when this
-    kernel cannot run them (snapshot["errors"][name]); malloc's failures are raised."""
+    kernel cannot run them (snapshot["errors"][name]); malloc's failures are raised.
+    budget: malloc's uprobes attached in windows under that overhead budget
+    (pymtrace.sources.budget.WindowedMalloc: estimated counters)."""
 
     def __init__(
         self,
@@ -38,6 +41,7 @@ class Sources:
         faults: bool = True,
         glibc: bool = True,
         track_exits: bool = True,
+        budget: Budget | None = None,
     ) -> None:
         self.pids = check_pids(pids)
         self.sources = {}
@@ -48,7 +52,11 @@ class Sources:
         self._events = None
         self.start = None
         self.bpf = None  # the one BCC module of every source
-        if malloc:
+        if malloc and budget is not None:  # the per-call uprobes in windows
+            from pymtrace.sources.budget import WindowedMalloc
+
+            self.sources["malloc"] = WindowedMalloc(self.pids, budget, track_exits=False)
+        elif malloc:
             self.sources["malloc"] = MallocSource(self.pids, track_exits=False)
         if faults:
             self.sources["faults"] = FaultSource(self.pids, track_exits=False)

@@ -210,6 +210,11 @@ def python_allocator_plan(path: str) -> list[tuple[str, list[tuple[str, int, str
     return plan
 
 
+def without_frees(plan: list[tuple[str, list[tuple[str, int, str]]]]) -> list:
+    """PLAN (probe_plan's) without the free probes: the allocating calls only."""
+    return [(f, kept) for f, probes in plan if (kept := [p for p in probes if p[2] != "hp_free_entry"])]
+
+
 def _ring_record(size: int) -> int:
     """Ring bytes a BPF ring-buffer record of SIZE bytes takes (its 8-byte header, 8-aligned)."""
     return (size + 8 + 7) & ~7
@@ -338,6 +343,7 @@ class HeapSource(Source):
         python: bool = False,
         on_python: Callable[[int, bytes], None] | None = None,
         credits: interposer_lib.Credits | None = None,
+        frees: bool = True,
     ) -> None:
         pids = set(pids)
         if not pids:
@@ -363,11 +369,13 @@ class HeapSource(Source):
         self.libc_path = libc_path  # a launched command's libc, not mapped yet (launch.predict_libc)
         self.reserve = reserve  # one stack copy straight into a largest-size ring record (slower: bpf)
         self.limits = {
-            "HP_MAX_LIVE": default_max_live(sample_bytes) if max_live is None else max_live,
+            "HP_MAX_LIVE": 1 if not frees else default_max_live(sample_bytes) if max_live is None else max_live,
             "HP_MAX_PENDING": max_pending,
             "HP_MAX_THREADS": max_threads,
             "HP_MAX_TARGETS": max_targets,
         }
+        self.frees = frees  # free probes and the sampled blocks live (off: allocating calls only)
+        self._handles: list | None = None  # a list: what attaching adds goes in it (uprobes.release)
         self.libcs = {}  # libc path -> [pid, ...] (or [-1]: every process, filtered in BPF)
         self.families = {}  # path -> another allocator's family (allocators.FAMILIES); glibc if absent
         self.plans = {}
@@ -412,6 +420,7 @@ class HeapSource(Source):
             "HP_FOLLOW": int(self.follow_forks),
             "HP_RESERVE": int(self.reserve),
             "HP_PY_FRAMES": self.py_frames,
+            "HP_LIVE": int(self.frees),
             **self.limits,
         }
 
@@ -484,8 +493,7 @@ class HeapSource(Source):
         self.plans[path] = probe_plan(path, family)
         who = -1 if self.follow_forks else pid
         self.libcs[path] = [who]
-        for kinds in (("return",), ("entry",)):
-            self._attach_libc(path, who, kinds)
+        self._attach_file(path, who)
 
     def plan(self) -> None:
         self.plans = {path: probe_plan(path, self.families.get(path, "glibc")) for path in self.libcs}
@@ -568,11 +576,16 @@ class HeapSource(Source):
             return
         if path not in self.plans:
             self.plans[path] = python_allocator_plan(path)
+        self._attach_file(path, who)
+
+    def _attach_file(self, path: str, pid: int) -> None:
+        """Attach PATH's probes for PID after the others (returns first, as _attach does)."""
         for kinds in (("return",), ("entry",)):
-            self._attach_libc(path, who, kinds)
+            self._attach_libc(path, pid, kinds)
 
     def _attach_libc(self, path: str, pid: int, kinds: tuple[str, ...]) -> None:
-        self.attached += attach_plan(self.bpf, path, pid, self.plans[path], kinds)
+        plan = self.plans[path] if self.frees else without_frees(self.plans[path])
+        self.attached += attach_plan(self.bpf, path, pid, plan, kinds, handles=self._handles)
 
     # -- consuming the ring buffer
     def poll(self, timeout_ms: int = 10) -> None:
@@ -749,8 +762,7 @@ class HeapSource(Source):
         try:
             plan = probe_plan(path)
             self.plans[path] = plan
-            for kinds in (("return",), ("entry",)):
-                self._attach_libc(path, -1, kinds)
+            self._attach_file(path, -1)
         except PymtraceError as exc:  # not traced: the report says why
             self.via[pid] = (UPROBES, f"{self.via[pid][1]}; not probed: {exc}")
             return

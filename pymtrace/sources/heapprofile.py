@@ -10,6 +10,8 @@ Four values per stack, the pprof heap profile's sample types:
   inuse_objects, inuse_space   those whose sample id is still live at finish (allocated and
                                not freed at the end), with --older S only those allocated at
                                least S seconds before the end.
+Under an overhead budget (WindowedProfile) the samples come from windows and only the alloc
+values are estimated, scaled up to the whole run (window_scales).
 Stacks are interned by content (the tuple of Locations is the dict key): two different
 stacks never merge, and no stack is dropped here.
 """
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 from pymtrace.tracee.unwind import Frame, Location
 
 VALUE_TYPES = ("alloc_objects", "alloc_space", "inuse_objects", "inuse_space")
+ALLOC_TYPES = VALUE_TYPES[:2]
 VALUE_UNITS = {"alloc_objects": "count", "alloc_space": "bytes", "inuse_objects": "count", "inuse_space": "bytes"}
 DEFAULT_VALUE = "inuse_space"
 
@@ -89,7 +92,11 @@ class HeapProfile:
     "time_ns" (wall clock at the start, ns since the epoch), "duration_ns".
     Counters: samples (added), complete_samples (the unwinder reached the outermost frame),
     drops (name -> count: what the source lost; every writer reports them).
+    VALUE_TYPES: the values it holds (the writers offer these), DEFAULT_VALUE its first view.
     """
+
+    value_types = VALUE_TYPES
+    default_value = DEFAULT_VALUE
 
     def __init__(self, sample_bytes: int, meta: dict[str, Any] | None = None) -> None:
         self.sample_bytes = sample_bytes
@@ -106,17 +113,21 @@ class HeapProfile:
 
     def add(self, sample_id: int, stack: tuple[Location, ...], size: int, ts_ns: int, complete: bool) -> None:
         """Count one sample: SIZE bytes allocated at TS_NS through STACK (leaf first)."""
+        entry, weight = self._count(stack, size, complete)
+        entry.count(size, weight, complete)
+        # kept until finish: whether it is still in use is known only at the end
+        self._pending[sample_id] = (entry, size, ts_ns, weight)
+
+    def _count(self, stack: tuple[Location, ...], size: int, complete: bool) -> tuple[StackValues, float]:
+        """STACK's entry and the weight of a sample of SIZE on it, counted in the totals."""
         if self.finished:
             raise RuntimeError("HeapProfile.add after finish")
         entry = self._stacks.get(stack)
         if entry is None:
             entry = self._stacks[stack] = StackValues(tuple(stack), complete=complete)
-        weight = sample_weight(size, self.sample_bytes)
-        entry.count(size, weight, complete)
         self.samples += 1
         self.complete_samples += bool(complete)
-        # kept until finish: whether it is still in use is known only at the end
-        self._pending[sample_id] = (entry, size, ts_ns, weight)
+        return entry, sample_weight(size, self.sample_bytes)
 
     def freed(self, sample_id: int) -> None:
         """Forget a sample whose block was freed before the end (the source tells each free
@@ -196,6 +207,104 @@ class HeapProfile:
         if self.meta.get("pids"):
             return "pymtrace heap: pid " + ", ".join(str(p) for p in self.meta["pids"])
         return "pymtrace heap"
+
+
+class Windows(Protocol):
+    """When a windowed source's probes were all attached (sources.budget.MeasuredParts)."""
+
+    start_ns: int  # when the windows began: the run the profile estimates
+
+    def part_of(self, ts_ns: int) -> int | None: ...
+
+    def parts(self, now_ns: int) -> list[tuple[int, int]]: ...
+
+
+def window_scales(parts: Sequence[tuple[int, int]], start_ns: int, end_ns: int) -> list[float]:
+    """What each of PARTS ((start, end) ns of the windows' measured parts, in order) stands
+    for, in times its own length: the time of the run (START_NS to END_NS) nearer to it than
+    to any other part, its edges halfway between parts. A sample in a part counts as many
+    allocations; each instant of the run is estimated from the window nearest to it, so
+    windows that come more often somewhere stand for less time each there."""
+    out = []
+    for i, (a, b) in enumerate(parts):
+        lo = min(start_ns, a) if i == 0 else (parts[i - 1][1] + a) / 2
+        hi = max(end_ns, b) if i == len(parts) - 1 else (b + parts[i + 1][0]) / 2
+        out.append((hi - lo) / max(b - a, 1))
+    return out
+
+
+class WindowedProfile(HeapProfile):
+    """A profile sampled in windows (an overhead budget: sources.budget.WindowedHeap): a sample
+    counts if it fell in a window's measured part (WINDOWS.part_of: every probe attached),
+    scaled at finish by window_scales, so alloc_objects and alloc_space estimate the whole
+    run; samples taken while probes were attached or detached are left out (`outside`). The
+    in-use values need every free: not measured, not offered (value_types). META["budget"]:
+    the source's budget summary (sources.budget.Windows.summary), for summary_lines."""
+
+    value_types = ALLOC_TYPES
+    default_value = "alloc_space"
+
+    def __init__(self, sample_bytes: int, windows: Windows, meta: dict[str, Any] | None = None) -> None:
+        super().__init__(sample_bytes, meta)
+        self.windows = windows
+        self.outside = 0
+        self.coverage = (0, 0, 0)  # at finish: windows, their measured ns, the run's ns
+        self._parts: dict[int, dict[int, list[Any]]] = {}  # part -> {id(entry): [entry, objects, space]}
+
+    def add(self, sample_id: int, stack: tuple[Location, ...], size: int, ts_ns: int, complete: bool) -> None:
+        part = self.windows.part_of(ts_ns)
+        if part is None:
+            self.outside += 1
+            return
+        entry, weight = self._count(stack, size, complete)
+        entry.samples += 1
+        entry.complete = entry.complete or complete
+        cell = self._parts.setdefault(part, {}).setdefault(id(entry), [entry, 0.0, 0.0])
+        cell[1] += weight
+        cell[2] += weight * size
+
+    def finish(
+        self,
+        live_ids: set[int],
+        end_ns: int,
+        older_s: float | None = None,
+        drops: Mapping[str, int] | None = None,
+    ) -> None:
+        """Scale each part's samples (window_scales, the run from WINDOWS.start_ns to END_NS
+        or the last part's end); no in-use values (LIVE_IDS, OLDER_S are not used)."""
+        parts = self.windows.parts(end_ns)
+        start = min([self.windows.start_ns] + [a for a, _ in parts[:1]])
+        end = max([end_ns] + [b for _, b in parts[-1:]])
+        scales = window_scales(parts, start, end)
+        for part, cells in self._parts.items():
+            for entry, objects, space in cells.values():
+                entry.alloc_objects += objects * scales[part]
+                entry.alloc_space += space * scales[part]
+        self._parts.clear()
+        self.coverage = (len(parts), sum(b - a for a, b in parts), end - start)
+        super().finish(set(), end_ns, None, drops)
+
+    def summary_lines(self) -> list[str]:
+        windows, measured, run = self.coverage
+        lines = [
+            f"ESTIMATE: alloc_objects and alloc_space scaled up from the samples of {windows} windows covering "
+            f"{100 * measured / max(run, 1):.1f}% of {run / 1e9:.2f} s (each standing for the time nearest it); "
+            "in-use values not measured (they need every free)"
+        ]
+        budget = self.meta.get("budget")
+        if budget:
+            cost = budget["cost_seconds"]
+            spent = "not measured" if budget["overhead_pct"] is None else f"{budget['overhead_pct']:.2f}%"
+            lines.append(
+                f"budget: {budget['max_overhead_pct']:g}% of the traced processes' CPU time; measured cost {spent} "
+                f"of {budget['traced_cpu_seconds']:.2f} CPU-s (traps {cost['traps']:.3f} s at "
+                f"{budget['trap_ns_per_run']:.0f} ns a run calibrated, BPF {cost['bpf']:.3f} s, attach/detach "
+                f"{cost['attach_detach']:.3f} s; {budget['probes']}s)"
+            )
+            lines += [f"budget: {error}" for error in budget.get("errors", ())]
+        if self.outside:
+            lines.append(f"samples left out: {self.outside} (taken while the probes were being attached or detached)")
+        return lines + super().summary_lines()
 
 
 def frame_label(frame: Frame) -> str:

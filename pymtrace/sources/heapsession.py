@@ -20,6 +20,10 @@ A process traced through pymtrace's interposer (INTERPOSER: the library a launch
 preloads; HeapSource.via) is sampled at its USDT site, inside the interposer: its stacks are
 made to look as the uprobes give them (InterposerStacks).
 
+BUDGET (sources.budget.Budget: --max-overhead): the probes attached in windows
+(sources.budget.WindowedHeap), the profile's alloc values scaled up from them
+(heapprofile.WindowedProfile), no in-use values.
+
 A CPython process (tracee.pyruntime) has its threads' Python frames read with each sample and
 shown as VIEW says (PythonStacks: merged into the native stack by default).
 """
@@ -29,7 +33,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from typing import Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from pymtrace.errors import ProcessGone, PymtraceError
 from pymtrace.sources.heap import (
@@ -40,8 +44,11 @@ from pymtrace.sources.heap import (
     HeapSource,
     python_config,
 )
-from pymtrace.sources.heapprofile import HeapProfile
+from pymtrace.sources.heapprofile import HeapProfile, WindowedProfile
 from pymtrace.sources.interposer import Credits
+
+if TYPE_CHECKING:
+    from pymtrace.sources.budget import Budget
 from pymtrace.tracee import elf, libc, mallocapi, pyframes, pyruntime
 from pymtrace.tracee.unwind import UNKNOWN, Location, Module, ProcessImages, Symbolizer
 
@@ -70,13 +77,21 @@ class HeapSession:
         python_view: str = pyframes.MERGED,
         python_allocators: bool = False,
         credits: Credits | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.pids = sorted(set(pids))
-        self.profile = HeapProfile(sample_bytes, meta)
         self.sink = sink  # None: samples go into self.profile
         self.processes = ProcessImages(REFRESH_S)
         self.symbolizer = self.processes.symbolizer
-        self.source = HeapSource(
+        self.budget = budget
+        if budget is None:
+            self.profile = HeapProfile(sample_bytes, meta)
+            source, more = HeapSource, {"on_free": self.profile.freed if sink is None else None}
+        else:  # the probes in windows (the module costs ~0.1 s to import: only then)
+            from pymtrace.sources.budget import WindowedHeap
+
+            source, more = WindowedHeap, {"budget": budget}
+        self.source = source(
             self.pids,
             sample_bytes=sample_bytes,
             stack_bytes=stack_bytes,
@@ -85,7 +100,6 @@ class HeapSession:
             on_exec=self._exec,
             images=self.processes,
             on_stack=self._cached,
-            on_free=self.profile.freed if sink is None else None,
             on_fork=self._fork,
             on_exit=self._exited,
             libc_path=libc_path,
@@ -95,7 +109,10 @@ class HeapSession:
             python=python_view != pyframes.NATIVE,
             on_python=self._python_block,
             credits=credits,
+            **more,
         )
+        if budget is not None:
+            self.profile = WindowedProfile(sample_bytes, self.source.parts, meta)
         self.via = self.source.via
         self.python = PythonStacks(self.source, self.symbolizer, python_view, python_allocators)
         self.interposed = InterposerStacks(interposer, self.processes) if interposer else None
@@ -131,6 +148,8 @@ class HeapSession:
             drops = self.source.drops()
         finally:
             self.source.close()
+        if self.budget is not None:  # every window closed: what they cost
+            self.profile.meta["budget"] = self.source.summary()
         self.profile.meta["via"] = self.via_lines()
         self.profile.meta["python"] = self.python.lines()
         self.profile.finish(live, end_ns, older_s, drops=drops)

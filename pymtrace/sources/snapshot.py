@@ -47,6 +47,15 @@ faked, so a consumer works with whichever sources are running:
          # FaultSource:
          "faults_user": faults raised in user mode,
          "faults_kernel": faults on user addresses raised in kernel mode (copy_*_user),
+         # MallocSource under an overhead budget (pymtrace.sources.budget.WindowedMalloc):
+         # calls, requested_bytes and size_log2 are ESTIMATES (no allocated, freed, live,
+         # failed; absent before the process's first window), marked by
+         "estimated": True,
+         "estimate": {"windows": windows that measured the process, "error": relative 95 %
+                      error of its estimates (None: no call seen), "sampled_calls": calls
+                      counted in the windows' measured parts, "sampled_seconds": their
+                      length, "last_window_age": seconds since its last window (None: none
+                      yet), "calls_per_second": what the estimated calls grow by},
          # Sources with malloc (pymtrace.tracee.libc.AllocatorCache.annotate): whose
          # malloc the process calls; a watched process whose allocator is not counted gets
          # an entry of its own holding only pid, comm and these two
@@ -69,6 +78,13 @@ faked, so a consumer works with whichever sources are running:
          # carry their program's prefix (malloc_, fault_, slab_, glibc_events)
      "maps": {map name: {"entries": n, "max_entries": capacity,   # fill of the bounded maps
                          "evicted": n}},   # per-process maps: LRU evictions seen
+     "budget": {"max_overhead_pct", "window_seconds", "windows", "attached": bool (a window
+                now), "duty_cycle": fraction of the time attached, "overhead_pct": measured
+                cost over the traced processes' own CPU time (None: none yet),
+                "traced_cpu_seconds", "cost_seconds": {"traps", "bpf", "attach_detach"},
+                "trap_ns_per_run", "trap_spread_ns", "trap_single_step_ns" (calibrated at start:
+                emulated sites and returns, single-stepped sites), "probes": "uprobe_multi
+                link" | "perf-event uprobe", "errors": [str]},   # under --max-overhead only
      "errors": {source: reason},   # Sources: those that cannot run here (a kernel
          # without a tracepoint, a program it will not load; the others run), glibc's failures
      "notes": [str]}                  # top's full screen: lines to show once
@@ -208,6 +224,46 @@ class ProcessEntry(_ProcessBase, total=False):
     faults_kernel: int
     allocator: str
     allocator_traced: bool
+    estimated: bool
+    estimate: "EstimateInfo"
+
+
+class EstimateInfo(TypedDict):
+    """snapshot["processes"][pid]["estimate"]: under an overhead budget."""
+
+    windows: int
+    error: Optional[float]
+    sampled_calls: int
+    sampled_seconds: float
+    sampled_cpu_seconds: float  # its CPU time in the windows' measured parts
+    last_window_age: Optional[float]
+    calls_per_second: Optional[float]
+    saturated: bool  # slowed by the traps in its last window: its rates are its pace under them
+    trap_share: Optional[float]  # of its CPU time in its last window, modeled
+
+
+class BudgetCost(TypedDict):
+    traps: float
+    bpf: float
+    attach_detach: float
+
+
+class BudgetInfo(TypedDict):
+    """snapshot["budget"]: the overhead budget's state (pymtrace.sources.budget)."""
+
+    max_overhead_pct: float
+    window_seconds: float
+    windows: int
+    attached: bool
+    duty_cycle: float
+    overhead_pct: Optional[float]
+    traced_cpu_seconds: float
+    cost_seconds: BudgetCost
+    trap_ns_per_run: float
+    trap_spread_ns: float
+    trap_single_step_ns: float
+    probes: str
+    errors: List[str]
 
 
 class _SlabBase(TypedDict):
@@ -382,6 +438,7 @@ class Snapshot(_SnapshotBase, total=False):
     maps: Dict[str, MapFill]
     errors: Dict[str, str]
     notes: List[str]
+    budget: BudgetInfo
 
 
 # A source's own snapshot: any subset of Snapshot's keys (GlibcSource's has no "time").

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+import time
+from typing import Dict, Optional
 
 from pymtrace.errors import ProcessGone
 
@@ -128,3 +129,57 @@ def rss(pid: int) -> Optional[tuple[int, int]]:
     except (OSError, IndexError, ValueError):
         return None
     return resident * PAGE_SIZE, (resident - shared) * PAGE_SIZE
+
+
+def cpu_ns(pid: int) -> Optional[int]:
+    """CPU nanoseconds PID (every thread of the process, those exited included) has run, or
+    None when it is gone: its process CPU clock (clock_getcpuclockid's id, CPUCLOCK_SCHED:
+    the scheduler's own count, not ticks), one system call instead of a /proc read."""
+    try:
+        return time.clock_gettime_ns(((~pid) << 3) | 2)
+    except OSError:
+        return None
+
+
+def thread_demand_ns(pid: int) -> Optional[Dict[int, int]]:
+    """{tid: ns it ran + ns it waited on a run queue} of each of PID's threads
+    (/proc/PID/task/TID/schedstat: the scheduler's own counts), or None when they cannot be
+    read (gone, or a kernel without CONFIG_SCHED_INFO). A thread whose demand grows as fast
+    as the clock never slept: it would have used more CPU time had it been given it."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                run, wait = f.read().split()[:2]
+            out[int(tid)] = int(run) + int(wait)
+        except (OSError, ValueError):
+            continue
+    return out or None
+
+
+def threads(pid: int) -> int:
+    """PID's thread count (/proc/PID/stat), 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b") ", 1)[1].split()[17])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def host_busy_ns() -> Optional[int]:
+    """CPU nanoseconds every CPU has spent busy since boot (/proc/stat's user, nice, system,
+    irq and softirq), or None when it cannot be read; a 10 ms resolution per CPU."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        busy = sum(int(fields[i]) for i in (1, 2, 3, 6, 7))
+    except (OSError, IndexError, ValueError):
+        return None
+    return busy * 1_000_000_000 // _CLK_TCK

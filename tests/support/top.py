@@ -39,8 +39,8 @@ class Lines:
 class Workload:
     """A test workload speaking the protocol: "ready PID", wait, work, one result line, wait."""
 
-    def __init__(self, argv):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv, env=None):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.out = Lines(self.proc.stdout)
         line = self.out.get(30)
         assert line.startswith("ready "), line
@@ -223,3 +223,18 @@ def assert_probes_gone(top, pid):
         if mem != orig:
             assert _probed_by_others(top.proc.pid, pid, function, offset), (function, offset, mem, orig)
     top.watch.assert_gone()
+
+
+def private_libc(directory):
+    """The environment that runs a program on a private copy of the system libc (DIRECTORY/
+    libc.so.6, through LD_LIBRARY_PATH): uprobes are per file, so the copy traps only for
+    probes placed on it, not for those other tools on this shared machine hold on the system
+    libc (each costs every call of every process there; timing tests need it away)."""
+    import shutil
+
+    from pymtrace.tracee import libc
+
+    copy = os.path.join(directory, "libc.so.6")
+    if not os.path.exists(copy):
+        shutil.copy2(libc.system_libc(), copy)
+    return dict(os.environ, LD_LIBRARY_PATH=str(directory))

@@ -180,3 +180,13 @@ def test_no_test_imports_conftest():
         if re.search(r"^\s*(from conftest import|import conftest)", (ROOT / rel).read_text(), re.M)
     ]
     assert bad == []
+
+
+def test_test_files_have_distinct_names():
+    """Test directories are not packages: pytest imports each test file by its basename, so
+    two with one name (tests/unit/test_x.py, tests/live/test_x.py) stop the suite's
+    collection with an import mismatch."""
+    names = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}

@@ -1,0 +1,438 @@
+#!/usr/bin/env python3
+"""Benchmark of the overhead budget (`pymtrace top -p PID --max-overhead PCT`; not a test).
+
+    sudo /opt/pymtrace/venv/bin/python bench/budget_bench.py [--rounds 2] [--budget 1] [--markdown]
+
+1. Attach/detach: the CPU and wall time of attaching and detaching top's malloc probe set
+   for one process (what every window pays), as uprobe_multi links and as perf-event
+   uprobes (PYMTRACE_FAKE_NO_UPROBE_MULTI: the way of kernels without links, Debian 12's 6.1).
+2. The storm (bench/storm.c: malloc(64)+free pairs, one thread, CPU-bound) and redis-server
+   (jemalloc) under `redis-benchmark -t set,lpush -d 200 -r 1000000 -c 10`, each untraced,
+   under `top -p PID --max-overhead PCT`, and under `top -p PID` (every call), in
+   interleaved rounds: the traced process's slowdown (storm: its ns and CPU ns per pair;
+   redis: requests/s) against the untraced run of the same round, and the malloc-API call
+   rate top estimated under the budget (its last window's pace) against the rate full
+   tracing counted in the same round (storm: 2 calls a pair at its ns per pair; redis: the
+   calls top counted over the benchmark's wall time), beside the untraced rate (storm: its
+   untraced ns per pair; redis: its untraced requests/s x the calls a request full tracing
+   counted): both are saturated, so their estimates are their pace under the traps.
+3. Steps (tests/support/workloads/top_budget.c: paced mallocs, ~100 us of work each, at
+   rates changing in steps), under the budget and under full tracing: each step's
+   estimated rate (from its seventh second on: the estimates follow a step at the next
+   window, every ~3 s at 1 %) against the calls the workload counted itself and those full tracing counted.
+
+4. The storm under `heap -p PID --max-overhead PCT` (in the storm's rounds): its CPU ns per
+   pair against the untraced run of the same round, and heap's closing lines (the estimate's
+   windows and coverage, the measured cost).
+
+Every process runs on a private copy of the system libc named libc.so.6 (LD_LIBRARY_PATH;
+redis-server's jemalloc is its own file): uprobes are per file, and other tools on a shared
+machine probing the system libc would slow every process down. Only ratios inside one run
+mean anything: the machine is shared and noisy.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import queue
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from benchutil import build_c, print_table  # noqa: E402
+
+from pymtrace.bpf import uprobes  # noqa: E402
+from pymtrace.sources.base import attach_plan  # noqa: E402
+from pymtrace.sources.malloc import MallocSource  # noqa: E402
+from pymtrace.tracee import libc  # noqa: E402
+
+PY = [sys.executable, "-m", "pymtrace"]
+
+
+def private_env(tmp):
+    shutil.copy2(libc.system_libc(), tmp / "libc.so.6")
+    return dict(os.environ, LD_LIBRARY_PATH=str(tmp), PYTHONPATH=str(ROOT))
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Top:
+    """`pymtrace top --json -p PID ARGS` running, its documents read as they come (a thread:
+    top never blocks on a full pipe) and handed out on demand."""
+
+    def __init__(self, pid, args, env):
+        self.proc = subprocess.Popen(
+            PY + ["top", "--json", "-i", "1", "--no-glibc", "--view", "processes", "-p", str(pid), *args],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.pid = pid
+        self.docs = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.last = self.before = self.doc()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.docs.put(json.loads(line))
+        self.docs.put(None)
+
+    def doc(self):
+        d = self.docs.get(timeout=120)
+        if d is None:
+            raise SystemExit("top ended early")
+        return d
+
+    def after(self, t):
+        """The first document after T; self.before: the last one up to T (whose estimates
+        rest on windows inside the run: a window after it would find the workload idle)."""
+        while True:
+            d = self.doc()
+            if d["time"] > t:
+                self.last = d
+                return d
+            self.before = d
+
+    def mallocs(self, d, call=None):
+        """The malloc-API calls (CALL: that call's) counted or estimated for the process in D."""
+        calls = d["snapshot"]["processes"].get(str(self.pid), {}).get("calls", {})
+        return calls.get(call, 0) if call else sum(calls.values())
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+class _Probed(MallocSource):
+    """top's malloc source, keeping what its attach added (for uprobes.release)."""
+
+    handles = []
+
+    def _attach_libc(self, path, pid, plan):
+        self.attached += attach_plan(self.bpf, path, pid, plan, handles=self.handles)
+
+
+def switch_costs(env, tmp, rounds):
+    """[(way, attach CPU ms, attach wall ms, detach CPU ms, detach wall ms)], medians."""
+    exe = build_c(tmp, "idle", source="#include <unistd.h>\nint main(void) { pause(); return 0; }\n")
+    idle = subprocess.Popen([exe], env=env)
+    time.sleep(0.2)
+    out = []
+    try:
+        src = _Probed([idle.pid], track_exits=False).attach()
+        uprobes.release(src.bpf, src.handles)  # its own attach's probes gone: the rounds attach again
+        for way, fake in (("uprobe_multi link", None), ("perf-event uprobe", "1")):
+            if fake:
+                os.environ[uprobes.FAKE_NO_MULTI_ENV] = fake
+            uprobes.multi_links.cache_clear()
+            if fake is None and not uprobes.multi_links():
+                continue
+            rows = []
+            for _ in range(rounds):
+                handles = []
+                w0, c0 = time.perf_counter(), time.thread_time()
+                for path, pids in src.libcs.items():
+                    attach_plan(src.bpf, path, pids[0], src.plans[path], handles=handles)
+                w1, c1 = time.perf_counter(), time.thread_time()
+                cpu = uprobes.release(src.bpf, handles)
+                w2 = time.perf_counter()
+                rows.append(((c1 - c0) * 1e3, (w1 - w0) * 1e3, cpu * 1e3, (w2 - w1) * 1e3))
+            out.append((way, *(statistics.median(col) for col in zip(*rows))))
+        os.environ.pop(uprobes.FAKE_NO_MULTI_ENV, None)
+        uprobes.multi_links.cache_clear()
+        src.close()
+    finally:
+        idle.kill()
+        idle.wait()
+    return out
+
+
+class Heap:
+    """`pymtrace heap -p PID ARGS -o TMP/heap.pb.gz` running (started: its line saying it
+    samples read), stopped with SIGINT; its closing lines kept (the estimate, the budget)."""
+
+    def __init__(self, pid, args, env, tmp):
+        self.proc = subprocess.Popen(
+            PY + ["heap", "-p", str(pid), *args, "--force", "-o", str(tmp / "heap.pb.gz")],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for line in self.proc.stderr:
+            if line.startswith("pymtrace heap: sampling"):
+                break
+        else:
+            raise SystemExit("heap ended early")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)
+        self.lines = self.proc.stderr.read().splitlines()
+        self.proc.wait(60)
+        return self.lines
+
+
+def storm_round(storm, pid, mode, args, env, batches, pairs, tmp=None):
+    if mode.startswith("heap"):
+        heap = Heap(pid, args, env, tmp)
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        ns = []
+        for _ in range(batches):
+            storm.stdin.write(f"{pairs} 64\n")
+            storm.stdin.flush()
+            ns.append(float(storm.stdout.readline()))
+        cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
+        lines = heap.stop()
+        est = next((x for x in lines if "ESTIMATE" in x), "")
+        cost = next((x for x in lines if "measured cost" in x), "")
+        return {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "heap": (est, cost)}
+    top = Top(pid, args, env) if mode != "untraced" else None
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    ns = []
+    for _ in range(batches):
+        storm.stdin.write(f"{pairs} 64\n")
+        storm.stdin.flush()
+        ns.append(float(storm.stdout.readline()))
+    cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
+    res = {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "seconds": time.monotonic() - t0}
+    res["calls_s"] = 2e9 / res["ns_pair"]  # what full tracing counts, at its pace
+    res["share"] = res["cpu_ns_pair"] / res["ns_pair"]  # the CPU it was given
+    if top:
+        top.after(time.monotonic())
+        estimate(res, top, top.before)
+        top.stop()
+    return res
+
+
+def estimate(res, top, d):
+    """RES gains the budget's state and, under a budget, the estimate of TOP's process in D."""
+    res["budget"] = d["snapshot"].get("budget")
+    if res["budget"]:
+        e = d["snapshot"]["processes"][str(top.pid)].get("estimate", {})
+        res["calls_s"] = e.get("calls_per_second")
+        res["error"], res["saturated"] = e.get("error"), e.get("saturated")
+        res["share"] = e["sampled_cpu_seconds"] / e["sampled_seconds"] if e.get("sampled_seconds") else None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_round(server, port, mode, args, env, requests):
+    top = Top(server.pid, args, env) if mode != "untraced" else None
+    t0, cpu0 = time.monotonic(), cpu_seconds(server.pid)
+    out = subprocess.run(
+        ["redis-benchmark", "-p", str(port), "-t", "set,lpush", "-d", "200", "-r", "1000000", "-c", "10"]
+        + ["-n", str(requests), "-q", "--csv"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rates = [float(line.split(",")[1].strip('"')) for line in out.splitlines()[1:] if line.strip()]
+    t1 = time.monotonic()
+    res = {"req_s": statistics.fmean(rates), "requests": requests * len(rates)}
+    res["share"] = (cpu_seconds(server.pid) - cpu0) / (t1 - t0)
+    if top:
+        before = top.mallocs(top.last)
+        d = top.after(t1)
+        res["calls_s"] = (top.mallocs(d) - before) / (t1 - t0)  # full tracing: every call counted
+        res["calls_request"] = (top.mallocs(d) - before) / res["requests"]
+        estimate(res, top, top.before)
+        top.stop()
+    return res
+
+
+def summarize(name, results, speed, untraced_calls_s):
+    """Rows: per mode the median speed (SPEED key) and its slowdown against the untraced run
+    of the same round; the call rate counted (every call) or estimated (budget), and per
+    round the estimate over the rate full tracing counted in that round."""
+    rows = []
+    full = results["every call"]
+    for mode, runs in results.items():
+        ratios = [r[speed] / u[speed] for r, u in zip(runs, results["untraced"])]
+        row = {"workload": name, "mode": mode, speed: f"{statistics.median(r[speed] for r in runs):.1f}"}
+        row["vs untraced"] = "/".join(f"{x:.3f}x" for x in ratios)
+        if mode == "untraced":
+            rates = [untraced_calls_s(u, f) for u, f in zip(runs, full)]
+            row["calls/s"] = "/".join(f"{x:,.0f}" for x in rates)
+        else:
+            row["calls/s"] = "/".join(f"{r['calls_s']:,.0f}" if r["calls_s"] else "-" for r in runs)
+        row |= dict.fromkeys(("estimated / full tracing", "error (95%)", "saturated", "CPU share"), "")
+        row["measured overhead %"] = ""
+        row["windows"] = ""
+        b = runs[-1].get("budget")
+        if b:
+            row["estimated / full tracing"] = "/".join(
+                f"{r['calls_s'] / f['calls_s']:.3f}" if r["calls_s"] else "no window" for r, f in zip(runs, full)
+            )
+            row["error (95%)"] = "/".join(f"±{100 * r['error']:.1f} %" if r["error"] else "-" for r in runs)
+            row["saturated"] = "/".join(str(r["saturated"]) for r in runs)
+            row["CPU share"] = "/".join(fmt(r.get("share"), ".2f") for r in runs) + " (in its window)"
+            row["measured overhead %"] = "/".join(f"{r['budget']['overhead_pct'] or 0:.2f}" for r in runs)
+            row["windows"] = "/".join(str(r["budget"]["windows"]) for r in runs)
+        if mode == "every call":
+            row["CPU share"] = "/".join(fmt(r.get("share"), ".2f") for r in runs)
+        rows.append(row)
+    return rows
+
+
+def fmt(x, spec, before="", after=""):
+    return "-" if x is None else f"{before}{x:{spec}}{after}"
+
+
+def steps_run(exe, steps, spin, args, env):
+    """The step workload under `top ARGS`: per step (rate, exact calls/s, counted or
+    estimated calls/s from its seventh second to its end, error)."""
+    w = subprocess.Popen(
+        [exe, "steps", str(spin), *steps], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    pid = int(w.stdout.readline().split()[1])
+    top = Top(pid, args, env)
+    docs = [top.last]
+    try:
+        w.stdin.write("g")
+        w.stdin.flush()
+        result = json.loads(w.stdout.readline())
+        while docs[-1]["time"] <= result["steps"][-1]["end"]:
+            docs.append(top.doc())
+    finally:
+        top.stop()
+        w.kill()
+        w.wait()
+
+    def counted(d):  # estimates known (a window has ended) or every call counted
+        p = d["snapshot"]["processes"].get(str(pid), {})
+        return "calls" in p
+
+    out = []
+    for step in result["steps"]:
+        inside = [d for d in docs if step["start"] + 6 <= d["time"] <= step["end"] and counted(d)]
+        exact = step["calls"] / (step["end"] - step["start"])
+        if len(inside) < 2:  # a step too short to be followed
+            out.append((step["rate"], exact, None, None))
+            continue
+        first, last = inside[0], inside[-1]
+        rate = (top.mallocs(last, "malloc") - top.mallocs(first, "malloc")) / (last["time"] - first["time"])
+        error = last["snapshot"]["processes"][str(pid)].get("estimate", {}).get("error")
+        out.append((step["rate"], exact, rate or None, error))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=1.0)
+    ap.add_argument("--window", type=float, default=1.0)
+    ap.add_argument("--storm-batches", type=int, default=20)
+    ap.add_argument("--storm-pairs", type=int, default=50_000_000, help="pairs per batch (~0.5 s untraced)")
+    ap.add_argument("--requests", type=int, default=600_000, help="redis-benchmark -n (per test)")
+    ap.add_argument(
+        "--steps",
+        default="1000:20,3000:20,2000:20",
+        help="RATE:SECONDS,... of the step workload (the first window comes after ~10 s: 1 %% of the CPU time run pays for a 0.1 s window priced as all traps)",
+    )
+    ap.add_argument("--step-spin", type=int, default=330_000, help="its work a call (~100 us)")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="pymtrace-budget-bench-"))
+    env = private_env(tmp)
+    budget_args = ["--max-overhead", str(args.budget), "--window", str(args.window)]
+    heap_mode = f"heap -p budget {args.budget:g}%"
+    modes = {"untraced": None, f"budget {args.budget:g}%": budget_args, "every call": []}
+    storm_modes = modes | {heap_mode: budget_args}
+    rows = []
+    try:
+        switch = switch_costs(env, tmp, 5)
+        storm_exe = build_c(tmp, "storm", HERE / "storm.c")
+        storm = subprocess.Popen([storm_exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        pid = int(storm.stdout.readline().split()[1])
+        results = {m: [] for m in storm_modes}
+        for r in range(args.rounds):
+            for mode, margs in storm_modes.items():
+                # every call traced costs ~300x a pair: a 300th of the pairs
+                pairs = args.storm_pairs if mode != "every call" else args.storm_pairs // 300
+                results[mode].append(storm_round(storm, pid, mode, margs, env, args.storm_batches, pairs, tmp))
+                print(f"storm round {r + 1} {mode}: {results[mode][-1]}", file=sys.stderr)
+        storm.stdin.close()
+        storm.wait()
+        heap_runs = results.pop(heap_mode)
+        rows += summarize("storm", results, "ns_pair", lambda u, f: u["calls_s"])
+        heap_rows = [
+            {
+                "round": i + 1,
+                "CPU ns a pair untraced": f"{u['cpu_ns_pair']:.2f}",
+                "under heap's budget": f"{h['cpu_ns_pair']:.2f}",
+                "slowdown": f"{100 * (h['cpu_ns_pair'] / u['cpu_ns_pair'] - 1):+.2f} %",
+                "heap says": " / ".join(h["heap"]),
+            }
+            for i, (u, h) in enumerate(zip(results["untraced"], heap_runs))
+        ]
+        if shutil.which("redis-server") and shutil.which("redis-benchmark"):
+            port = free_port()
+            server = subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+                + ["--dir", str(tmp)],
+                stdout=subprocess.DEVNULL,
+                env=env,
+            )
+            time.sleep(1)
+            results = {m: [] for m in modes}
+            for r in range(args.rounds):
+                for mode, margs in modes.items():
+                    n = args.requests if mode != "every call" else args.requests // 8
+                    results[mode].append(redis_round(server, port, mode, margs, env, n))
+                    print(f"redis round {r + 1} {mode}: {results[mode][-1]}", file=sys.stderr)
+            server.terminate()
+            server.wait(30)
+            rows += summarize("redis-server", results, "req_s", lambda u, f: u["req_s"] * f["calls_request"])
+        steps_exe = build_c(tmp, "top_budget", ROOT / "tests/support/workloads/top_budget.c")
+        steps = args.steps.split(",")
+        budgeted = steps_run(steps_exe, steps, args.step_spin, budget_args, env)
+        full = steps_run(steps_exe, steps, args.step_spin, [], env)
+        step_rows = [
+            {"step (mallocs/s)": r, "exact (workload) budget run": f"{x:,.0f}", "estimated": fmt(e, ",.0f")}
+            | {"estimated / exact": fmt(e and e / x, ".3f"), "error (95%)": fmt(err and 100 * err, ".1f", "±", " %")}
+            | {"exact (workload) full run": f"{fx:,.0f}", "full tracing counted": fmt(fc, ",.0f")}
+            | {"estimated / full tracing": fmt(e and fc and e / fc, ".3f")}
+            for (r, x, e, err), (_, fx, fc, _) in zip(budgeted, full)
+        ]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    load = os.getloadavg()
+    print(f"kernel {os.uname().release}, {os.cpu_count()} CPUs, budget {args.budget:g}%, window {args.window:g} s")
+    print(f"load at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)\n")
+    print_table(
+        [
+            {"probes": w, "attach CPU ms": round(a, 2), "attach wall ms": round(b, 1)}
+            | {"detach CPU ms": round(c, 2), "detach wall ms": round(d, 1)}
+            for w, a, b, c, d in switch
+        ],
+        markdown=args.markdown,
+    )
+    print()
+    print_table(rows, markdown=args.markdown)
+    print()
+    print_table(step_rows, markdown=args.markdown)
+    print("\nThe storm under `heap -p PID --max-overhead` (same rounds):\n")
+    print_table(heap_rows, markdown=args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""`pymtrace top --max-overhead` against real processes (tests/support/workloads/top_budget.c):
+the traced process's own CPU time (/proc/PID/stat) with and without the budget, and the
+estimates against the calls the workload counted itself, step by step."""
+
+import os
+import time
+
+import pytest
+from support.schema import problems
+from support.top import Top, Workload, private_libc
+
+pytestmark = pytest.mark.bpf
+
+# ~6 s of CPU here untraced (the budget: windows every second or two); ~10x with every call traced
+PAIRS, SPIN = 16_000_000, 1000
+
+
+def _cpu_seconds(pid):
+    """utime + stime of PID (/proc/PID/stat), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _work(binary, env, pairs, *top_args):
+    """Run PAIRS of the fixed work once (ENV: on a private libc; under `top TOP_ARGS -p PID`
+    if given): (its CPU seconds per pair, the last JSON document top printed, or None)."""
+    w = Workload([binary, "work", str(pairs), str(SPIN)], env=env)
+    top = None
+    try:
+        if top_args:
+            top = Top(*top_args, "-p", w.pid)
+            top.json_doc()  # attached
+        w.go()
+        result = w.result(timeout=300)
+        assert result["pairs"] == pairs
+        cpu = _cpu_seconds(w.pid)
+        doc = top.json_after(time.monotonic()) if top else None
+        if top:
+            assert top.stop() == 0
+        assert w.finish() == 0
+        return cpu / pairs, doc
+    finally:
+        if top:
+            top.kill()
+        w.kill()
+
+
+def test_budget_holds_against_the_processes_own_cpu_time(cbuild, tmp_path):
+    """The same work's CPU time (/proc/PID/stat) untraced, under --max-overhead 5, untraced
+    again, and with every call traced: the budget takes away at least 90 % of what tracing
+    every call adds (5 % of it would be the budget exactly; the rest is this machine's
+    run-to-run noise), and what pymtrace measured the windows cost stays under the budget."""
+    binary, env = cbuild("top_budget"), private_libc(tmp_path)
+    top = ("--json", "-i", "1", "--no-glibc", "--view", "processes")
+    before, _ = _work(binary, env, PAIRS)
+    budgeted, doc = _work(binary, env, PAIRS, *top, "--max-overhead", "5", "--window", "0.1")
+    after, _ = _work(binary, env, PAIRS)
+    full, _ = _work(binary, env, PAIRS // 8, *top)
+    untraced = (before + after) / 2
+    budget = doc["snapshot"]["budget"]
+    assert budget["windows"] >= 2, budget  # it did trace
+    assert budget["overhead_pct"] <= 5 * 1.5, budget  # the one short first window is an overdraft
+    assert full > 2 * untraced, (before, after, full)  # tracing every call costs
+    assert budgeted - untraced <= 0.10 * (full - untraced), (before, budgeted, after, full, budget)
+    p = doc["snapshot"]["processes"][str(doc["pids"][0])]
+    assert p["estimated"] is True and "live_bytes" not in p
+    # it never sleeps: the traps in a window slow it (its rates are its pace under them)
+    assert p["estimate"]["saturated"] is True, p["estimate"]
+    assert problems(doc["snapshot"], json_keys=True) == []
+
+
+# (mallocs a second, seconds) at ~5 us of work a call: under 1 % of a CPU with the traps
+# (a fifth under a VM's emulation), so the workload keeps its rate traced or not, however
+# loaded or slow the machine (a saturated one would be estimated at its pace under the
+# traps: test_budget_holds_...)
+STEPS = ((200, 15), (800, 15), (400, 15))
+STEP_SPIN = 15000
+
+
+def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
+    """A workload that changes its malloc rate in known steps: over each step, from the
+    first report whose last window began inside it (the estimates follow a step at the next
+    window, however slowly windows come and go: detaching perf-event uprobes takes seconds
+    under a VM's emulation), the estimated rate is within 10 % of the calls the workload made; the views say the numbers are estimates,
+    with an error, and the workload, which sleeps most of the time, is not saturated. The
+    budget (25 %: the traps are about half its CPU time) gives windows every second or two."""
+    binary = cbuild("top_budget")
+    w = Workload([binary, "steps", str(STEP_SPIN), *(f"{r}:{s}" for r, s in STEPS)], env=private_libc(tmp_path))
+    top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc", "--max-overhead", "25", "--window", "0.5")
+    docs = []
+    try:
+        docs.append(top.json_doc())
+        w.go()
+        result = w.result(timeout=180)
+        while docs[-1]["time"] <= result["steps"][-1]["end"]:
+            docs.append(top.json_doc())
+        assert top.stop() == 0
+        assert w.finish() == 0
+    finally:
+        top.kill()
+        w.kill()
+    pid = str(w.pid)
+
+    def estimated_mallocs(doc):
+        return doc["snapshot"]["processes"][pid].get("calls", {}).get("malloc")
+
+    def window_began_after(doc, t):
+        """DOC's estimates rest on a window that ended a window's length and 2 s (its attach
+        and detach, generously) after T."""
+        age = doc["snapshot"]["processes"][pid].get("estimate", {}).get("last_window_age")
+        return age is not None and doc["time"] - age >= t + 0.5 + 2
+
+    for step in result["steps"]:
+        exact = step["calls"] / (step["end"] - step["start"])
+        inside = [
+            d
+            for d in docs
+            if step["start"] <= d["time"] <= step["end"]
+            and estimated_mallocs(d) is not None
+            and window_began_after(d, step["start"])
+        ]
+        assert inside and inside[-1]["time"] - inside[0]["time"] >= 2, (step, [d["time"] for d in docs])
+        first, last = inside[0], inside[-1]
+        estimate = (estimated_mallocs(last) - estimated_mallocs(first)) / (last["time"] - first["time"])
+        assert abs(estimate - exact) <= 0.10 * exact, (step, estimate, exact)
+    last = docs[-1]
+    assert last["snapshot"]["budget"]["windows"] >= 3
+    view = last["views"]["processes"]
+    assert "estimate_error_pct" in view["columns"] and any("ESTIMATES" in n for n in view["notes"])
+    row = next(r for r in view["rows"] if r["pid"] == w.pid)
+    assert row["estimate_error_pct"] is not None and row["live_bytes"] is None
+    assert last["snapshot"]["processes"][pid]["estimate"]["saturated"] is False
