@@ -44,6 +44,7 @@ from benchutil import build_c, uprobe_pids
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # this tree's pymtrace (its libc helpers), as the exporter it runs
 PY = [sys.executable, "-m", "pymtrace"]
 
 IDLE_C = r"""
