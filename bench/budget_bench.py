@@ -186,21 +186,9 @@ class Heap:
         return self.lines
 
 
-def storm_round(storm, pid, mode, args, env, batches, pairs, tmp=None):
-    if mode.startswith("heap"):
-        heap = Heap(pid, args, env, tmp)
-        cpu0, t0 = cpu_seconds(pid), time.monotonic()
-        ns = []
-        for _ in range(batches):
-            storm.stdin.write(f"{pairs} 64\n")
-            storm.stdin.flush()
-            ns.append(float(storm.stdout.readline()))
-        cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
-        lines = heap.stop()
-        est = next((x for x in lines if "ESTIMATE" in x), "")
-        cost = next((x for x in lines if "measured cost" in x), "")
-        return {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "heap": (est, cost)}
-    top = Top(pid, args, env) if mode != "untraced" else None
+def storm_batches(storm, pid, batches, pairs):
+    """BATCHES batches of PAIRS malloc(64)+free pairs: their median ns a pair, the storm's
+    CPU ns a pair over them, their wall seconds."""
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     ns = []
     for _ in range(batches):
@@ -208,7 +196,18 @@ def storm_round(storm, pid, mode, args, env, batches, pairs, tmp=None):
         storm.stdin.flush()
         ns.append(float(storm.stdout.readline()))
     cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
-    res = {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "seconds": time.monotonic() - t0}
+    return {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "seconds": time.monotonic() - t0}
+
+
+def storm_round(storm, pid, mode, args, env, batches, pairs, tmp=None):
+    if mode.startswith("heap"):
+        heap = Heap(pid, args, env, tmp)
+        res = storm_batches(storm, pid, batches, pairs)
+        lines = heap.stop()
+        res["heap"] = tuple(next((x for x in lines if word in x), "") for word in ("ESTIMATE", "measured cost"))
+        return res
+    top = Top(pid, args, env) if mode != "untraced" else None
+    res = storm_batches(storm, pid, batches, pairs)
     res["calls_s"] = 2e9 / res["ns_pair"]  # what full tracing counts, at its pace
     res["share"] = res["cpu_ns_pair"] / res["ns_pair"]  # the CPU it was given
     if top:

@@ -15,6 +15,7 @@ from support.cli import PYMTRACE, run_pymtrace
 from support.clients import chromium, go_pprof, traces
 from support.needs import missing_or_fail
 from support.paths import WORKLOADS
+from support.pychains import folded
 
 from pymtrace.bpf import load as bpfload
 
@@ -44,15 +45,6 @@ def heap(out, *args, cmd=(), check=True, timeout=120):
         assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     return proc
-
-
-def folded(path):
-    """{stack root first: value} of a folded file."""
-    out = {}
-    for line in open(path, encoding="utf-8"):
-        stack, value = line.rstrip("\n").rsplit(" ", 1)
-        out[stack] = out.get(stack, 0) + int(value)
-    return out
 
 
 def value_of(stacks, pattern):

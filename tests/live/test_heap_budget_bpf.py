@@ -7,6 +7,7 @@ import re
 
 import pytest
 from support.cli import run_pymtrace
+from support.pychains import folded
 from support.top import Workload
 
 pytestmark = pytest.mark.bpf
@@ -15,15 +16,6 @@ pytestmark = pytest.mark.bpf
 # CPU time in each of its 100 batches a second (~15 % of a CPU: what earns the budget)
 SECONDS, BURN_US, DURATION = 120, 1500, 10
 ESTIMATE = re.compile(r"ESTIMATE: .* from the samples of (\d+) windows covering ([\d.]+)% of ([\d.]+) s")
-
-
-def _folded(path):
-    """{stack root first: value} of a folded file."""
-    out = {}
-    for line in open(path, encoding="utf-8"):
-        stack, value = line.rstrip("\n").rsplit(" ", 1)
-        out[stack] = out.get(stack, 0) + int(value)
-    return out
 
 
 def _chain(stacks, function):
@@ -70,7 +62,7 @@ def test_budgeted_profile_estimates_each_chain_and_the_total(cbuild, tmp_path):
     windows, covered_pct, run_s = int(found[1]), float(found[2]), float(found[3])
     assert windows > 1 and covered_pct < 60, r.stderr
     assert "in-use values not measured" in r.stderr and "measured cost" in r.stderr
-    stacks = _folded(out)
+    stacks = folded(out)
     alpha, beta = _chain(stacks, "alpha_alloc"), _chain(stacks, "beta_alloc")
     assert alpha > 0 and beta > 0, stacks
     assert alpha / beta == pytest.approx(3, rel=0.25), (alpha, beta, r.stderr)
