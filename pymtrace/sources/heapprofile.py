@@ -19,6 +19,7 @@ stacks never merge, and no stack is dropped here.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -233,6 +234,21 @@ def window_scales(parts: Sequence[tuple[int, int]], start_ns: int, end_ns: int) 
     return out
 
 
+def estimate_error(parts: list[tuple[int, int]]) -> float | None:
+    """The relative 95 % error of a total scaled up from PARTS, [(samples, ns)] of each
+    window: the samples' count (a Poisson count: 1.96/sqrt(n)) and, from two windows on, the
+    spread of their sample rates over the windows' mean (how much the pace moves between
+    windows is what the time between them can be off by). None without a sample."""
+    n = sum(k for k, _ in parts)
+    if not n:
+        return None
+    error = 1.96**2 / n
+    rates = [k / ns for k, ns in parts if ns > 0]
+    if len(rates) > 1 and statistics.fmean(rates) > 0:
+        error += (1.96 * statistics.stdev(rates) / statistics.fmean(rates)) ** 2 / len(rates)
+    return math.sqrt(error)
+
+
 class WindowedProfile(HeapProfile):
     """A profile sampled in windows (an overhead budget: sources.budget.WindowedHeap): a sample
     counts if it fell in a window's measured part (WINDOWS.part_of: every probe attached),
@@ -249,7 +265,9 @@ class WindowedProfile(HeapProfile):
         self.windows = windows
         self.outside = 0
         self.coverage = (0, 0, 0)  # at finish: windows, their measured ns, the run's ns
+        self.error: float | None = None  # at finish: the total's relative 95 % error (estimate_error)
         self._parts: dict[int, dict[int, list[Any]]] = {}  # part -> {id(entry): [entry, objects, space]}
+        self._counted: dict[int, int] = {}  # part -> samples in it
 
     def add(self, sample_id: int, stack: tuple[Location, ...], size: int, ts_ns: int, complete: bool) -> None:
         part = self.windows.part_of(ts_ns)
@@ -259,6 +277,7 @@ class WindowedProfile(HeapProfile):
         entry, weight = self._count(stack, size, complete)
         entry.samples += 1
         entry.complete = entry.complete or complete
+        self._counted[part] = self._counted.get(part, 0) + 1
         cell = self._parts.setdefault(part, {}).setdefault(id(entry), [entry, 0.0, 0.0])
         cell[1] += weight
         cell[2] += weight * size
@@ -282,6 +301,7 @@ class WindowedProfile(HeapProfile):
                 entry.alloc_space += space * scales[part]
         self._parts.clear()
         self.coverage = (len(parts), sum(b - a for a, b in parts), end - start)
+        self.error = estimate_error([(self._counted.get(i, 0), b - a) for i, (a, b) in enumerate(parts)])
         super().finish(set(), end_ns, None, drops)
 
     def summary_lines(self) -> list[str]:
@@ -289,7 +309,10 @@ class WindowedProfile(HeapProfile):
         lines = [
             f"ESTIMATE: alloc_objects and alloc_space scaled up from the samples of {windows} windows covering "
             f"{100 * measured / max(run, 1):.1f}% of {run / 1e9:.2f} s (each standing for the time nearest it); "
-            "in-use values not measured (they need every free)"
+            "in-use values not measured (they need every free)",
+            "error (95 %) of the total: "
+            + ("no sample" if self.error is None else f"+-{100 * self.error:.1f}%")
+            + " (the samples' count and the spread of the windows' paces; a stack of n samples: +-196/sqrt(n) %)",
         ]
         budget = self.meta.get("budget")
         if budget:

@@ -62,6 +62,7 @@ def test_budgeted_profile_estimates_each_chain_and_the_total(cbuild, tmp_path):
     windows, covered_pct, run_s = int(found[1]), float(found[2]), float(found[3])
     assert windows > 1 and covered_pct < 60, r.stderr
     assert "in-use values not measured" in r.stderr and "measured cost" in r.stderr
+    assert re.search(r"error \(95 %\) of the total: \+-[\d.]+%", r.stderr), r.stderr
     stacks = folded(out)
     alpha, beta = _chain(stacks, "alpha_alloc"), _chain(stacks, "beta_alloc")
     assert alpha > 0 and beta > 0, stacks

@@ -1,6 +1,6 @@
 """`heap -p --max-overhead` without BPF: how a profile sampled in windows is scaled up to the
 whole run (window_scales, WindowedProfile with real MeasuredParts), what its formats offer,
-and the options' errors. Against a real process: tests/live/test_heap_budget.py."""
+and the options' errors. Against a real process: tests/live/test_heap_budget_bpf.py."""
 
 import gzip
 import io
@@ -16,7 +16,7 @@ from pymtrace.sinks.folded import folded_lines
 from pymtrace.sinks.heap_text import render_text
 from pymtrace.sinks.pprof import write_pprof
 from pymtrace.sources.budget import MeasuredParts
-from pymtrace.sources.heapprofile import ALLOC_TYPES, WindowedProfile, window_scales
+from pymtrace.sources.heapprofile import ALLOC_TYPES, WindowedProfile, estimate_error, window_scales
 
 S = 1_000_000_000  # ns
 
@@ -129,6 +129,18 @@ def test_a_windowed_profile_scales_alloc_values_and_offers_no_in_use_ones():
     assert "in-use values not measured" in lines[0]
     assert any("measured cost 1.50%" in line and "5% of the traced" in line for line in lines)
     assert any(line.startswith("samples left out: 1") for line in lines)
+    assert profile.error is not None and any(line.startswith("error (95 %) of the total: +-") for line in lines)
+
+
+def test_the_error_is_the_counts_and_the_spread_of_the_windows_paces():
+    """400 samples in one window: the count's 1.96/20; in four windows of one pace, still the
+    count's; paces of 50, 100, 150 and 100 a second: the spread of their mean on top."""
+    assert estimate_error([(400, S)]) == pytest.approx(1.96 / 20)
+    assert estimate_error([(100, S)] * 4) == pytest.approx(1.96 / 20)
+    moving = estimate_error([(50, S), (100, S), (150, S), (100, S)])
+    cv = 40.8248290463863 / 100  # stdev of 50, 100, 150, 100 over their mean
+    assert moving == pytest.approx(((1.96 / 20) ** 2 + (1.96 * cv) ** 2 / 4) ** 0.5)
+    assert estimate_error([(0, S)]) is None
 
 
 def test_the_formats_hold_the_alloc_values_only():
