@@ -524,9 +524,10 @@ def test_default_mode_estimates_malloc_rates_under_its_budget(cbuild, tmp_path):
                 time.sleep(0.5)
 
         t0, m0 = scrape_after_windows(2)
-        # over at least 5 s and one more window: the estimate grows at the pace windows found
+        # over 5 s: the estimate grows at the pace the windows found, between windows too
+        # (where windows are dear, perf-event uprobes under a VM's emulation, none may come)
         time.sleep(5)
-        t1, m1 = scrape_after_windows(sample(m0, "pymtrace_exporter_sampling_windows_total") + 1)
+        t1, m1 = scrape_after_windows(2)
         w.go()  # ends its steps: its own count over them
         exact = w.result(timeout=60)["steps"][0]
         exact_rate = exact["calls"] / (exact["end"] - exact["start"])

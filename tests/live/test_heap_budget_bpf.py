@@ -14,7 +14,7 @@ pytestmark = pytest.mark.bpf
 
 # the workload runs until heap has ended (a byte on stdin stops it), with 1.5 ms of its own
 # CPU time in each of its 100 batches a second (~15 % of a CPU: what earns the budget)
-SECONDS, BURN_US, DURATION = 120, 1500, 10
+SECONDS, BURN_US, DURATION = 120, 1500, 30
 ESTIMATE = re.compile(r"ESTIMATE: .* from the samples of (\d+) windows covering ([\d.]+)% of ([\d.]+) s")
 
 
@@ -23,10 +23,11 @@ def _chain(stacks, function):
 
 
 def test_budgeted_profile_estimates_each_chain_and_the_total(cbuild, tmp_path):
-    """heap -p --max-overhead 5 --window 0.5 for 10 s, one sample per 16 KiB (~400 a second
-    while attached: ~1,000 in the windows): the default value under a budget is alloc_space;
-    both chains are there, 3:1 within 25 % (the smaller chain's ~250 samples: +-13 % at two
-    standard deviations), and their sum within 20 % of what the workload allocated over the
+    """heap -p --max-overhead 5 --window 0.5 for 30 s (windows come every few seconds where
+    perf-event uprobes attach and detach under a VM's emulation), one sample per 16 KiB (~400
+    a second while attached: thousands in the windows): the default value under a budget is
+    alloc_space; both chains are there, 3:1 within 25 % (the smaller chain's 250 samples or
+    more: +-13 % at two standard deviations), and their sum within 20 % of what the workload allocated over the
     run the estimate covers (its paced rate times that run; the count's error is +-6 % at two
     standard deviations, the rest is the pace's jitter on a loaded machine). The summary says
     it is an estimate from several windows covering well under all of the time, and what the

@@ -2,6 +2,8 @@
 pace (saturated or not), the views' and the exporter's estimates. Against real processes:
 tests/live/test_top_budget.py and tests/live/test_exporter_bpf.py."""
 
+import os
+
 import pytest
 from support.cli import run_pymtrace
 from support.exporter import FakeSource
@@ -144,13 +146,13 @@ def test_windows_shorten_while_a_process_is_saturated():
     """Saturated, a window costs about its length: as long as the budget affords every
     SATURATED_SPACING seconds at the traced CPU pace (2 % of 1 CPU over 5 s: 100 ms, less
     the attach and detach), never below SATURATED_MIN_WINDOW; with CPU to spare, --window."""
-    src = b.WindowedMalloc([42], b.Budget(2, 1.0))
+    src = b.WindowedMalloc([os.getpid()], b.Budget(2, 1.0))
     src._rate, src._switch, src._then = 1.0, 2e6, (1.0, 1.0)
-    src._est[42] = b._Estimate([0.0], 0, saturated=True)
+    src._est[os.getpid()] = b._Estimate([0.0], 0, saturated=True)
     assert src._next_length() == pytest.approx(0.098)
     src.budget = b.Budget(0.1, 1.0)
     assert src._next_length() == b.SATURATED_MIN_WINDOW
-    src._est[42].saturated = False
+    src._est[os.getpid()].saturated = False
     assert src._next_length() == 1.0
 
 
@@ -158,7 +160,7 @@ def test_heaps_windows_shorten_where_the_traps_took_most_of_the_cpu():
     """heap judges no process alone: its windows shorten when the traps and BPF runs took
     most of the CPU time the traced processes ran in the last window (2 % of 1 CPU over
     5 s, less the attach and detach, at 0.9 of it: ~0.109 s), not when they took a fifth."""
-    src = b.WindowedHeap([42], b.Budget(2, 1.0))
+    src = b.WindowedHeap([os.getpid()], b.Budget(2, 1.0))
     assert src._next_length() == b.FIRST_WINDOW  # before a window has seen calls
     src._rate, src._switch, src._then = 0.9, 2e6, (1.0, 1.0)
     assert src._next_length() == pytest.approx(0.098 / 0.9)
