@@ -698,12 +698,7 @@ static int function_scope(Dwarf_Die *scopes, int n, int from, Dwarf_Die *out) {
     return 0;
 }
 
-/* Frames of file INDEX's relative pc REL_PC, innermost first (inlined callees, then the
- * function), as NUL-terminated fields name, file, line (decimal) per frame into OUT (CAP
- * bytes). Names of inlined callees come from DWARF, the function's own name from the symbol
- * table when there is one (DWARF names differ: __GI___libc_malloc); "" when unknown.
- * Inlined frames need DWARF (debug info); without it one frame. Returns the number of frames,
- * or -1 when OUT is too small. */
+/* Symbols by address; at one address by rank (sym_rank: a global function first). */
 static int sym_order(const void *a, const void *b) {
     const struct pmt_sym *x = a, *y = b;
     if (x->addr != y->addr) return x->addr < y->addr ? -1 : 1;
@@ -766,6 +761,12 @@ static const char *symbol_at(struct pmt_file *file, Dwfl_Module *mod, Dwarf_Addr
     return sizeless;
 }
 
+/* Frames of file INDEX's relative pc REL_PC, innermost first (inlined callees, then the
+ * function), as NUL-terminated fields name, file, line (decimal) per frame into OUT (CAP
+ * bytes). Names of inlined callees come from DWARF, the function's own name from the symbol
+ * table when there is one (DWARF names differ: __GI___libc_malloc); "" when unknown.
+ * Inlined frames need DWARF (debug info); without it one frame. Returns the number of frames,
+ * or -1 when OUT is too small. */
 int pmt_symbolize(struct pmt_session *s, int index, uint64_t rel_pc, char *out, size_t cap) {
     if (index < 0 || index >= s->nfiles || !s->files[index]->module) return 0;
     Dwfl_Module *mod = s->files[index]->module;
