@@ -161,15 +161,6 @@ def thread_demand_ns(pid: int) -> Optional[Dict[int, int]]:
     return out or None
 
 
-def threads(pid: int) -> int:
-    """PID's thread count (/proc/PID/stat), 0 when it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b") ", 1)[1].split()[17])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
