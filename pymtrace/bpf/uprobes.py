@@ -209,20 +209,7 @@ def release(bpf: typing.Any, attached: typing.Iterable[Attached]) -> float:
     links[:] = [fd for fd in links if fd not in fds]
     table = getattr(bpf, "uprobe_fds", {})
     jobs = [(os.close, fd) for fd in fds] + [(_close_bcc, (name, table[name])) for name in names if name in table]
-
-    def run(job: tuple[typing.Callable, typing.Any]) -> float:
-        began = time.thread_time()
-        try:
-            job[0](job[1])
-        except (ImportError, AttributeError, OSError):
-            pass
-        return time.thread_time() - began
-
-    if len(jobs) > 1:
-        with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
-            cpu = sum(pool.map(run, jobs))
-    else:
-        cpu = sum(run(job) for job in jobs)
+    cpu = _close_concurrently(jobs)
     for name in names:
         try:
             bpf._del_uprobe_fd(name)  # keeps BCC's open-probe count right
@@ -432,6 +419,26 @@ def own_links() -> list[dict[str, str]]:
     return out
 
 
+def _close_concurrently(jobs: list[tuple[typing.Callable, typing.Any]]) -> float:
+    """Run each closing job (function, argument), from threads when there are several (os.close
+    and BCC's ctypes calls release the GIL: the links' RCU grace periods overlap). A job that
+    fails is left to BCC's own sequential cleanup (BCC without these internals). Returns the
+    CPU seconds the jobs took."""
+
+    def run(job: tuple[typing.Callable, typing.Any]) -> float:
+        began = time.thread_time()
+        try:
+            job[0](job[1])
+        except (ImportError, AttributeError, OSError):
+            pass
+        return time.thread_time() - began
+
+    if len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
+            return sum(pool.map(run, jobs))
+    return sum(run(job) for job in jobs)
+
+
 def _close_bcc(item: tuple[bytes, int]) -> None:
     from bcc import lib
 
@@ -455,22 +462,13 @@ def detach(bpf: typing.Any) -> None:
     except AttributeError:  # not a BCC module as we know it: its own cleanup does the work
         items = []
     jobs = [(os.close, fd) for fd in links] + [(_close_bcc, item) for item in items]
-
-    def run(job: tuple[typing.Callable, typing.Any]) -> None:
-        try:
-            job[0](job[1])
-        except (ImportError, AttributeError, OSError):
-            pass  # BCC without these internals: its own sequential cleanup below does the rest
-
     if len(jobs) > 1:
-        with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
-            list(pool.map(run, jobs))
+        _close_concurrently(jobs)
         for ev_name, _ in items:
             try:
                 bpf._del_uprobe_fd(ev_name)  # keeps BCC's open-probe count right
             except (AttributeError, KeyError):
                 break
     else:
-        for job in jobs[: len(links)]:
-            run(job)
+        _close_concurrently(jobs[: len(links)])
     bpfload.detach_all(bpf)

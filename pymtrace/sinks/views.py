@@ -197,6 +197,7 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
     rows = []
     estimated = bool(cur.get("budget"))
     columns = _with_error(PROCESS_COLUMNS, estimated)
+    error_at = columns.index(ERROR_COLUMN) if estimated else None
     tot = {"processes": 0, "calls_per_s": 0.0, "requested_bytes_per_s": 0.0, "live_bytes": 0, "faults_per_s": 0.0}
     if estimated:
         tot["estimated"] = True
@@ -235,7 +236,7 @@ def processes_view(prev: Optional[Snap], cur: Snap, interval: Optional[float] = 
         ]
         if estimated:
             error = (p.get("estimate") or {}).get("error")
-            row.insert(len(row) - 4, 100 * error if traced and error is not None else None)
+            row.insert(error_at, 100 * error if traced and error is not None else None)
         rows.append(row)
         tot["processes"] += 1
         tot["traced"] = tot.get("traced", 0) + (1 if traced else 0)
