@@ -232,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
     if args.pid and args.via == INTERPOSER:
         raise PymtraceError("--via interposer samples a launched command (-- CMD); -p processes are sampled by uprobes")
     budget = _budget(args, cmd)
-    value = args.value or (DEFAULT_VALUE if budget is None else "alloc_space")
     fmt = output_format(args.output, args.format)
     check_new(args.output, args.force)  # before a long run, not after it
     bpfload.require_root("pymtrace heap")
@@ -332,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         if launched is not None:
             launched.kill()
     writer = WRITERS[fmt]
+    value = args.value or profile.default_value  # alloc_space under a budget (no in-use values)
     with atomic_output(args.output, args.force, "wb") as out:
         if fmt == "pprof":
             writer(profile, session.symbolizer, out)
