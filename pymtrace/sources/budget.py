@@ -309,13 +309,15 @@ class _Measured:
     DEMAND1: {pid: {tid: ns run + ns waiting to run}})."""
 
     def __init__(
-        self, counts0: dict, cpu0: dict, runs0: tuple[int, int], t0: int, pace: dict, demand0: dict | None = None
+        self, counts0: dict, cpu0: dict, runs0: tuple[int, int, float], t0: int, pace: dict, demand0: dict | None = None
     ) -> None:
         self.counts0, self.cpu0, self._runs0, self._t0, self.pace = counts0, cpu0, runs0, t0, pace
         self.demand0 = demand0 or {}
         self.demand1 = {}
 
-    def end(self, counts1: dict, cpu1: dict, runs1: tuple[int, int], t1: int, demand1: dict | None = None) -> None:
+    def end(
+        self, counts1: dict, cpu1: dict, runs1: tuple[int, int, float], t1: int, demand1: dict | None = None
+    ) -> None:
         self.counts1, self.cpu1 = counts1, cpu1
         self.runs, self.bpf_ns = runs1[0] - self._runs0[0], runs1[1] - self._runs0[1]
         self.trap_ns = runs1[2] - self._runs0[2]
@@ -458,7 +460,7 @@ class Windows:
     def _window_closes(self, m: _Measured, counts: dict[int, list[int]], start_ns: int, now_ns: int) -> int:
         """The window that began at START_NS ended at NOW_NS (under the state lock); its
         measured part M, COUNTS read after it. Returns the traced processes' CPU ns in M."""
-        return sum(m.cpu1[pid] - m.cpu0[pid] for pid in m.cpu0.keys() & m.cpu1.keys())
+        return _grown(m.cpu0, m.cpu1)
 
     # -- attach: window 0, calibration, the thread
     def _attach(self) -> None:
@@ -758,10 +760,8 @@ class WindowedMalloc(Windows, MallocSource):
         return (self.plans, self.cxx_plans)
 
     def _window_attachments(self) -> Iterable[tuple[Any, tuple]]:
-        for table, plans in ((self.libcs, self.plans), (self.cxx, self.cxx_plans)):
-            for path, pids in list(table.items()):
-                for pid in pids:
-                    yield self._attach_libc, (path, pid, plans[path])
+        for _, path, pid, plan in self._sites():
+            yield self._attach_libc, (path, pid, plan)
 
     def _windows_ready(self) -> None:
         self._seen = self._read_counts()

@@ -46,11 +46,11 @@ from pymtrace.sources.heap import (
 )
 from pymtrace.sources.heapprofile import HeapProfile, WindowedProfile
 from pymtrace.sources.interposer import Credits
+from pymtrace.tracee import elf, libc, mallocapi, pyframes, pyruntime
+from pymtrace.tracee.unwind import UNKNOWN, Location, Module, ProcessImages, Symbolizer
 
 if TYPE_CHECKING:
     from pymtrace.sources.budget import Budget
-from pymtrace.tracee import elf, libc, mallocapi, pyframes, pyruntime
-from pymtrace.tracee.unwind import UNKNOWN, Location, Module, ProcessImages, Symbolizer
 
 # sink(pid, sample_id, stack leaf first, size, ts_ns, complete): where samples go instead of the
 # HeapProfile (top's live call sites: sources.stacksites)

@@ -17,7 +17,7 @@ the same rules; system-wide, every mapped non-libc file that defines malloc is p
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from pymtrace.bpf import structs
 from pymtrace.errors import ProcessGone, PymtraceError
@@ -239,24 +239,31 @@ class MallocSource(Source):
                 self.skipped.append((path, set(self._users.get(path, self.cxx[path])), str(exc)))
                 del self.cxx[path]
 
-    def _attach(self) -> None:
-        self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
+    def _sites(self) -> Iterator[tuple[dict, str, int, list]]:
+        """(its table, path, pid, probe plan) of each attach: every libc's and C++ library's
+        plan for each of its processes (a path dropped from its table meanwhile: no more)."""
         for table, plans in ((self.libcs, self.plans), (self.cxx, self.cxx_plans)):
             for path, pids in list(table.items()):
                 for pid in pids:
-                    try:
-                        self._attach_libc(path, pid, plans[path])
-                    except ProcessGone:
-                        raise
-                    except PymtraceError as exc:
-                        if self.pids is not None:  # -p: the process asked for is not traced
-                            raise
-                        # System-wide: a file the kernel refuses (e.g. a place another tool
-                        # holds with its own reference counter) leaves only its processes
-                        # untraced, said in the note; none of its probes stays (uprobes.attach)
-                        self.skipped.append((path, set(self._users.get(path, ())), str(exc)))
-                        del table[path]
+                    if path not in table:
                         break
+                    yield table, path, pid, plans[path]
+
+    def _attach(self) -> None:
+        self.bpf.attach_tracepoint(tp=b"sched:sched_process_exec", fn_name=b"ms_exec")
+        for table, path, pid, plan in self._sites():
+            try:
+                self._attach_libc(path, pid, plan)
+            except ProcessGone:
+                raise
+            except PymtraceError as exc:
+                if self.pids is not None:  # -p: the process asked for is not traced
+                    raise
+                # System-wide: a file the kernel refuses (e.g. a place another tool holds
+                # with its own reference counter) leaves only its processes untraced, said
+                # in the note; none of its probes stays (uprobes.attach)
+                self.skipped.append((path, set(self._users.get(path, ())), str(exc)))
+                del table[path]
         if not self.libcs:
             raise PymtraceError("could not attach to any libc: " + libc.skipped_note(self.skipped))
         # live bytes count from now: their RSS counterpart is the growth of RssAnon from now
