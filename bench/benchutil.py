@@ -7,6 +7,13 @@ import subprocess
 CFLAGS = ["-O2", "-fno-builtin"]
 
 
+def cpu_seconds(pid):
+    """utime + stime of process PID, every thread's (/proc/PID/stat; clock-tick resolution)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def build_c(tmp, name, src_path=None, source=None, flags=CFLAGS):
     """Compile a C program (a file, or SOURCE written to TMP/NAME.c) to TMP/NAME; returns its path."""
     out = os.path.join(tmp, name)

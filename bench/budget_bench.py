@@ -50,7 +50,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from benchutil import build_c, print_table  # noqa: E402
+from benchutil import build_c, cpu_seconds, print_table  # noqa: E402
 
 from pymtrace.bpf import uprobes  # noqa: E402
 from pymtrace.sources.base import attach_plan  # noqa: E402
@@ -63,12 +63,6 @@ PY = [sys.executable, "-m", "pymtrace"]
 def private_env(tmp):
     shutil.copy2(libc.system_libc(), tmp / "libc.so.6")
     return dict(os.environ, LD_LIBRARY_PATH=str(tmp), PYTHONPATH=str(ROOT))
-
-
-def cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Top:

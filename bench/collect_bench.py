@@ -26,16 +26,10 @@ import sys
 import tempfile
 import time
 
-from benchutil import build_c, print_table
+from benchutil import build_c, cpu_seconds, print_table
 
 SRC = pathlib.Path(__file__).resolve().parent / "storm.c"
 PYMTRACE = [sys.executable, "-m", "pymtrace"]
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid):
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def start_collector(directory):
@@ -79,7 +73,7 @@ def round_of(kind, exe, pairs, tmp):
         summary, ns = record(exe, pairs, ["-o", str(work / "t.bin")])
     else:
         coll, address = start_collector(work / "ds")
-        c0 = cpu_s(coll.pid)
+        c0 = cpu_seconds(coll.pid)
         resume = None
         if kind == "stalled":
             coll.send_signal(signal.SIGSTOP)
@@ -88,7 +82,7 @@ def round_of(kind, exe, pairs, tmp):
                 coll.send_signal(signal.SIGCONT)
 
         summary, ns = record(exe, pairs, ["--to", address], resume)
-        collector_cpu = cpu_s(coll.pid) - c0  # END is acknowledged once the last part is written
+        collector_cpu = cpu_seconds(coll.pid) - c0  # END is acknowledged once the last part is written
         coll.send_signal(signal.SIGTERM)
         coll.wait()
     f = summary["files"][0]

@@ -40,7 +40,7 @@ import tempfile
 import time
 import urllib.request
 
-from benchutil import build_c, uprobe_pids
+from benchutil import build_c, cpu_seconds, uprobe_pids
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -112,10 +112,7 @@ class Exporter:
         self.url = f"http://127.0.0.1:{self.port}/metrics"
 
     def cpu_seconds(self):
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        tick = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime (all threads)
+        return cpu_seconds(self.proc.pid)
 
     def scrape(self):
         t0 = time.perf_counter()
@@ -174,22 +171,19 @@ class Storm:
         self.proc.wait()
 
 
-def process_cpu_ns(pid):
-    with open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[0])  # ns on the CPU (all its threads: the main one here)
-
-
 def continuous(storm, seconds):
     """Batches of the storm for SECONDS: (CPU ns per pair over them all, wall ns per pair
     over them all, pairs)."""
+    from pymtrace.tracee import proc
+
     pid = storm.proc.pid
-    cpu0, t0, pairs = process_cpu_ns(pid), time.monotonic_ns(), 0
+    cpu0, t0, pairs = proc.cpu_ns(pid), time.monotonic_ns(), 0
     while time.monotonic_ns() - t0 < seconds * 1e9:
         storm.proc.stdin.write(f"{storm.pairs} {storm.size}\n")
         storm.proc.stdin.flush()
         storm.proc.stdout.readline()
         pairs += storm.pairs
-    return (process_cpu_ns(pid) - cpu0) / pairs, (time.monotonic_ns() - t0) / pairs, pairs
+    return (proc.cpu_ns(pid) - cpu0) / pairs, (time.monotonic_ns() - t0) / pairs, pairs
 
 
 def sample(text, name, **labels):
