@@ -26,7 +26,8 @@
  * too (an aligned operator new's posix_memalign under jemalloc would otherwise end the new).
  * Defines: MS_MAX_PROCS (processes tracked: LRU), MS_GLIBC=0 / MS_FOREIGN=0 / MS_CXX=0 (leave
  * out the libc's / the other allocators' / C++ operator new/delete's programs), MS_F_SELECT=1
- * (of the ms_f_* entry programs only those whose MS_WANT_<program> is 1).
+ * (of the ms_f_* entry programs only those whose MS_WANT_<program> is 1), MS_FBLOCKS=0 (other
+ * allocators' blocks not kept: no allocated/freed/live bytes for them, under an overhead budget).
  */
 #include <uapi/linux/ptrace.h>
 #include "malloc_stats.h"
@@ -62,6 +63,9 @@
 #endif
 #ifndef MS_MAX_BLOCKS
 #define MS_MAX_BLOCKS 1048576
+#endif
+#ifndef MS_FBLOCKS
+#define MS_FBLOCKS 1
 #endif
 
 /* LRU: when MS_MAX_PROCS processes are tracked, a new one evicts the least recently used
@@ -404,6 +408,7 @@ static __always_inline struct ms_outer *foreign_outer(u64 id, u64 sp) {
 
 /* A block of another allocator leaves: its requested size (if allocated since attach) is freed. */
 static __always_inline void fblock_free(struct ms_stats *s, u32 tgid, u64 ptr) {
+    if (!MS_FBLOCKS) return;
     struct ms_fblock k = {.ptr = ptr, .tgid = tgid};
     u64 *size = ms_fblocks.lookup(&k);
     if (!size) return;
@@ -412,6 +417,7 @@ static __always_inline void fblock_free(struct ms_stats *s, u32 tgid, u64 ptr) {
 }
 
 static __always_inline void fblock_alloc(struct ms_stats *s, u32 tgid, u64 ptr, u64 size) {
+    if (!MS_FBLOCKS) return;
     struct ms_fblock k = {.ptr = ptr, .tgid = tgid};
     if (ms_fblocks.update(&k, &size) != 0) {
         ms_lost_inc(MS_LOST_BLOCKS_FULL);

@@ -48,8 +48,8 @@ of its threads never slept in the window, by the scheduler's counts, while the t
 more than 5 % of its CPU time). Its untraced pace is not estimated: its own work cannot be
 told from the traps' time where the traps are most of its CPU time (a malloc storm: 99 %),
 not to the calibration's +-50 % (no instruction counter to count its own work); its pace
-under the traps is pooled over its last saturated windows. Their error (95 %): the
-window's count (Poisson) and the spread of its last windows' paces.
+under the traps is pooled over its last saturated windows (up to POOLED). Their error
+(95 %): the window's count (Poisson) and the spread of its last windows' paces.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
 """
@@ -78,7 +78,6 @@ from pymtrace.sources.snapshot import DELETE_CALLS, FREE_CALLS
 from pymtrace.tracee import elf, libc, probesite, proc
 
 DEFAULT_WINDOW = 1.0
-FIRST_WINDOW = 0.1  # seconds: the first window, whose cost is unknown until it ends
 MIN_WINDOW, MAX_WINDOW = 0.01, 600.0
 # How far a traced process's trap cost may be from the one calibrated in pymtrace's own
 # process (a Python loop: its caches differ): 0.55-0.73 us a run in C processes measured
@@ -91,10 +90,14 @@ Z95 = 1.96
 BUSY, SLOWED_SHARE = 0.9, 0.05
 CALIBRATION_PAIRS = 20000
 CALIBRATION_ROUNDS = 5
-RECENT = 4  # windows whose spread is part of a process's error (a saturated one's: pooled)
+RECENT = 4  # windows whose spread is part of a process's error
+POOLED = 16  # a saturated process's newest saturated windows pooled into its pace
 # a saturated process: windows the budget affords every this many seconds (not shorter than
 # the minimum: the attach and detach around a window cost milliseconds of CPU)
 SATURATED_SPACING, SATURATED_MIN_WINDOW = 5.0, 0.05
+# the first window, whose cost is unknown until it ends: priced as all traps, so as long as
+# a saturated process's (at 1 %, 5 s of the traced processes' CPU time earns it)
+FIRST_WINDOW = SATURATED_MIN_WINDOW
 MOSTLY_TRAPS = 0.5  # a source that judges no process alone: saturated when the traps took this much
 PACE_NS = 1_000_000_000  # the traced processes' pace: their CPU time over about this long
 MIN_PACE = 0.001  # below: idle, no pace to scale a window's cost by
@@ -281,7 +284,7 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     last = samples[-1]
     pooled = [last]
     if last.saturated:
-        for x in reversed(samples[:-1]):
+        for x in reversed(samples[-POOLED:-1]):
             if not x.saturated:
                 break
             pooled.append(x)
@@ -291,7 +294,7 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     if not calls:
         return per_s, None
     error = Z95**2 / calls
-    rates = [x.calls / x.ns for x in (pooled if len(pooled) > 1 else samples)]
+    rates = [x.calls / x.ns for x in (pooled if len(pooled) > 1 else samples[-RECENT:])]
     if len(rates) > 1 and statistics.fmean(rates) > 0:
         error += (Z95 * statistics.stdev(rates) / statistics.fmean(rates)) ** 2 / len(pooled)
     return per_s, math.sqrt(error)
@@ -683,6 +686,11 @@ class Windows:
             # differ: a CPU-bound process's modeled traps came to 2.5x its CPU time)
             trap_ns = min(trap_ns, max(_grown(start_cpu, end_cpu) - bpf_ns, 0))
             m.trap_ns = min(m.trap_ns, max(_grown(m.cpu0, m.cpu1) - m.bpf_ns, 0))
+            if m.runs:
+                # the runs while attaching and detaching at most at a run's cost in the
+                # measured part: capped there, it bounds the model (a saturated process's
+                # CPU time during a detach's ~0.1 s is mostly its own: the breakpoints go first)
+                trap_ns = min(trap_ns, m.trap_ns * (runs1[0] - runs0[0]) / m.runs)
             self.windows += 1
             self.window_ns += t1 - t0
             self.trap_ns += int(trap_ns)
@@ -756,6 +764,11 @@ class WindowedMalloc(Windows, MallocSource):
     def _attach_libc(self, path: str, pid: int, plan: list) -> None:
         self.attached += attach_plan(self.bpf, path, pid, plan, handles=self._handles)
 
+    def _defines(self) -> dict[str, int]:
+        # no live bytes: other allocators' blocks are not kept (a map update at each of
+        # their calls, and a map to empty after each window)
+        return {**super()._defines(), "MS_FBLOCKS": 0}
+
     def _plan_tables(self) -> Iterable[dict[str, list]]:
         return (self.plans, self.cxx_plans)
 
@@ -797,10 +810,9 @@ class WindowedMalloc(Windows, MallocSource):
 
     def _detached(self) -> None:
         """Detached mid-call, a thread's outer-call state (ms_outer, ms_active, ms_ret) would
-        make the next window skip its calls as nested ones, and blocks of other allocators
-        (ms_fblocks) freed between windows would stay: the BPF side's state goes with the
-        probes (under a budget nothing needs a block's size: no live bytes)."""
-        clear_in_flight(self.bpf, (b"ms_outer", b"ms_ret", b"ms_fblocks"), b"ms_active")
+        make the next window skip its calls as nested ones: the BPF side's state goes with
+        the probes."""
+        clear_in_flight(self.bpf, (b"ms_outer", b"ms_ret"), b"ms_active")
 
     def _samples(self, m: _Measured) -> dict[int, _Sample]:
         """Per process, its _Sample of the window's measured part M: its counters' growth as
@@ -874,7 +886,7 @@ class WindowedMalloc(Windows, MallocSource):
     def _learn(e: _Estimate, sample: _Sample, now_ns: int) -> None:
         """E's pace from its last windows, SAMPLE the newest; before its first window, what
         it did since it was first known, at the pace found now, goes into its base."""
-        e.recent = (e.recent + [sample])[-RECENT:]
+        e.recent = (e.recent + [sample])[-max(RECENT, POOLED) :]
         first = e.per_s is None
         e.per_s, e.error = _rate(e.recent)
         if first and e.pending_ns:

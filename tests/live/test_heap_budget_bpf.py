@@ -26,11 +26,12 @@ def test_budgeted_profile_estimates_each_chain_and_the_total(cbuild, tmp_path):
     """heap -p --max-overhead 5 --window 0.5 for 30 s (windows come every few seconds where
     perf-event uprobes attach and detach under a VM's emulation), one sample per 16 KiB (~400
     a second while attached: thousands in the windows): the default value under a budget is
-    alloc_space; both chains are there, 3:1 within 25 % (the smaller chain's 250 samples or
-    more: +-13 % at two standard deviations), and their sum within 20 % of what the workload allocated over the
-    run the estimate covers (its paced rate times that run; the count's error is +-6 % at two
-    standard deviations, the rest is the pace's jitter on a loaded machine). The summary says
-    it is an estimate from several windows covering well under all of the time, and what the
+    alloc_space; both chains are there, 3:1 within 25 % or within the error heap states for
+    that ratio, whichever is wider (few windows where attaching and detaching are slow), and
+    their sum within 20 % of what the workload allocated over the run the estimate covers
+    (its paced rate times that run; the count's error is +-6 % at two standard deviations,
+    the rest is the pace's jitter on a loaded machine). The summary says it is an estimate
+    from several windows covering well under all of the time, with its error, and what the
     budget cost."""
     out = tmp_path / "budget.folded"
     w = Workload([cbuild("heap_budget"), str(SECONDS), str(BURN_US)])
@@ -63,10 +64,15 @@ def test_budgeted_profile_estimates_each_chain_and_the_total(cbuild, tmp_path):
     windows, covered_pct, run_s = int(found[1]), float(found[2]), float(found[3])
     assert windows > 1 and covered_pct < 60, r.stderr
     assert "in-use values not measured" in r.stderr and "measured cost" in r.stderr
-    assert re.search(r"error \(95 %\) of the total: \+-[\d.]+%", r.stderr), r.stderr
+    stated = re.search(r"error \(95 %\) of the total: \+-([\d.]+)%", r.stderr)
+    assert stated, r.stderr
     stacks = folded(out)
     alpha, beta = _chain(stacks, "alpha_alloc"), _chain(stacks, "beta_alloc")
     assert alpha > 0 and beta > 0, stacks
-    assert alpha / beta == pytest.approx(3, rel=0.25), (alpha, beta, r.stderr)
+    # the smaller chain has a quarter of the samples: twice the total's relative error, and
+    # the ratio about 2.3 times it (sqrt(2^2 + (2/sqrt(3))^2)); the windows' spread in the
+    # total's error is common to both chains, so this is on the wide side
+    ratio_error = max(0.25, 2.3 * float(stated[1]) / 100)
+    assert float(stated[1]) < 30 and alpha / beta == pytest.approx(3, rel=ratio_error), (alpha, beta, r.stderr)
     rate = (result["alpha_bytes"] + result["beta_bytes"]) / (result["end"] - result["start"])
     assert alpha + beta == pytest.approx(rate * run_s, rel=0.20), (alpha + beta, rate, run_s, r.stderr)

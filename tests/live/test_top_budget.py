@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from support.allocators import LIBS, library
 from support.schema import problems
 from support.top import Top, Workload, private_libc
 
@@ -25,7 +26,7 @@ def _cpu_seconds(pid):
 def _work(binary, env, pairs, *top_args):
     """Run PAIRS of the fixed work once (ENV: on a private libc; under `top TOP_ARGS -p PID`
     if given): (its CPU seconds per pair, top's JSON documents from the work's start to the
-    first after its end, or None)."""
+    first after its end or None, when the work ended by the workload's own clock)."""
     w = Workload([binary, "work", str(pairs), str(SPIN)], env=env)
     top = None
     try:
@@ -42,7 +43,7 @@ def _work(binary, env, pairs, *top_args):
         if top:
             assert top.stop() == 0
         assert w.finish() == 0
-        return cpu / pairs, docs, ended
+        return cpu / pairs, docs, result["end"]
     finally:
         if top:
             top.kill()
@@ -70,15 +71,15 @@ def test_budget_holds_against_the_processes_own_cpu_time(cbuild, tmp_path):
     p = doc["snapshot"]["processes"][str(doc["pids"][0])]
     assert p["estimated"] is True and "live_bytes" not in p
     # it never sleeps: the traps in a window slow it (its rates are its pace under them), in
-    # the last report whose last window ended before its work did (a window after it finds
-    # the process idle)
-    inside = [
-        e
+    # most of the windows that ended before its work did (by its own clock: a window after
+    # it finds the process idle; one short window's judgement is noisy under a VM's emulation)
+    inside = {
+        e["windows"]: e["saturated"]
         for d in docs
         if (e := d["snapshot"]["processes"][str(d["pids"][0])]["estimate"])["last_window_age"] is not None
         and d["time"] - e["last_window_age"] <= ended
-    ]
-    assert inside and inside[-1]["saturated"] is True, inside[-1:]
+    }
+    assert inside and sum(inside.values()) > len(inside) / 2, inside
     assert problems(doc["snapshot"], json_keys=True) == []
 
 
@@ -90,15 +91,9 @@ STEPS = ((200, 15), (800, 15), (400, 15))
 STEP_SPIN = 15000
 
 
-def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
-    """A workload that changes its malloc rate in known steps: over each step, from the
-    first report whose last window began inside it (the estimates follow a step at the next
-    window, however slowly windows come and go: detaching perf-event uprobes takes seconds
-    under a VM's emulation), the estimated rate is within 10 % of the calls the workload made; the views say the numbers are estimates,
-    with an error, and the workload, which sleeps most of the time, is not saturated. The
-    budget (25 %: the traps are about half its CPU time) gives windows every second or two."""
-    binary = cbuild("top_budget")
-    w = Workload([binary, "steps", str(STEP_SPIN), *(f"{r}:{s}" for r, s in STEPS)], env=private_libc(tmp_path))
+def _steps_under_budget(w):
+    """W's steps under `top -p --max-overhead 25 --window 0.5`: (top's JSON documents up to
+    the first after the last step, W's result)."""
     top = Top("--json", "-p", w.pid, "-i", "0.5", "--no-glibc", "--max-overhead", "25", "--window", "0.5")
     docs = []
     try:
@@ -112,29 +107,48 @@ def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
     finally:
         top.kill()
         w.kill()
-    pid = str(w.pid)
+    return docs, result
 
-    def estimated_mallocs(doc):
-        return doc["snapshot"]["processes"][pid].get("calls", {}).get("malloc")
 
-    def window_began_after(doc, t):
-        """DOC's estimates rest on a window that ended a window's length and 2 s (its attach
-        and detach, generously) after T."""
-        age = doc["snapshot"]["processes"][pid].get("estimate", {}).get("last_window_age")
-        return age is not None and doc["time"] - age >= t + 0.5 + 2
+def _estimated_mallocs(doc, pid):
+    return doc["snapshot"]["processes"][str(pid)].get("calls", {}).get("malloc")
 
+
+def _estimated_rate(docs, pid, step):
+    """The estimated malloc rate over STEP, from the first report whose last window began
+    inside it (a window's length and 2 s for its attach and detach, generously, after the
+    step's start) to its end."""
+
+    def window_began_inside(doc):
+        age = doc["snapshot"]["processes"][str(pid)].get("estimate", {}).get("last_window_age")
+        return age is not None and doc["time"] - age >= step["start"] + 0.5 + 2
+
+    inside = [
+        d
+        for d in docs
+        if step["start"] <= d["time"] <= step["end"]
+        and _estimated_mallocs(d, pid) is not None
+        and window_began_inside(d)
+    ]
+    assert inside and inside[-1]["time"] - inside[0]["time"] >= 2, (step, [d["time"] for d in docs])
+    first, last = inside[0], inside[-1]
+    return (_estimated_mallocs(last, pid) - _estimated_mallocs(first, pid)) / (last["time"] - first["time"])
+
+
+def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
+    """A workload that changes its malloc rate in known steps: over each step, from the
+    first report whose last window began inside it (the estimates follow a step at the next
+    window, however slowly windows come and go: detaching perf-event uprobes takes seconds
+    under a VM's emulation), the estimated rate is within 10 % of the calls the workload
+    made; the views say the numbers are estimates, with an error, and the workload, which
+    sleeps most of the time, is not saturated. The budget (25 %: the traps are about half
+    its CPU time) gives windows every second or two."""
+    binary = cbuild("top_budget")
+    w = Workload([binary, "steps", str(STEP_SPIN), *(f"{r}:{s}" for r, s in STEPS)], env=private_libc(tmp_path))
+    docs, result = _steps_under_budget(w)
     for step in result["steps"]:
         exact = step["calls"] / (step["end"] - step["start"])
-        inside = [
-            d
-            for d in docs
-            if step["start"] <= d["time"] <= step["end"]
-            and estimated_mallocs(d) is not None
-            and window_began_after(d, step["start"])
-        ]
-        assert inside and inside[-1]["time"] - inside[0]["time"] >= 2, (step, [d["time"] for d in docs])
-        first, last = inside[0], inside[-1]
-        estimate = (estimated_mallocs(last) - estimated_mallocs(first)) / (last["time"] - first["time"])
+        estimate = _estimated_rate(docs, w.pid, step)
         assert abs(estimate - exact) <= 0.10 * exact, (step, estimate, exact)
     last = docs[-1]
     assert last["snapshot"]["budget"]["windows"] >= 3
@@ -142,4 +156,21 @@ def test_estimated_rates_follow_known_steps(cbuild, tmp_path):
     assert "estimate_error_pct" in view["columns"] and any("ESTIMATES" in n for n in view["notes"])
     row = next(r for r in view["rows"] if r["pid"] == w.pid)
     assert row["estimate_error_pct"] is not None and row["live_bytes"] is None
-    assert last["snapshot"]["processes"][pid]["estimate"]["saturated"] is False
+    assert last["snapshot"]["processes"][str(w.pid)]["estimate"]["saturated"] is False
+
+
+def test_another_allocators_rate_is_estimated_without_its_blocks(cbuild):
+    """The same workload on Debian's jemalloc (LD_PRELOAD: its own entry points, no chunk
+    header), one step of 400 mallocs a second: estimated within 10 % of the calls it made,
+    with no block kept (no live, allocated or freed bytes under a budget: none lost for a
+    full block map either)."""
+    binary = cbuild("top_budget")
+    w = Workload(["env", f"LD_PRELOAD={library(LIBS['jemalloc'])}", binary, "steps", str(STEP_SPIN), "400:15"])
+    docs, result = _steps_under_budget(w)
+    (step,) = result["steps"]
+    exact = step["calls"] / (step["end"] - step["start"])
+    assert abs(_estimated_rate(docs, w.pid, step) - exact) <= 0.10 * exact, (step, exact)
+    snap = docs[-1]["snapshot"]
+    p = snap["processes"][str(w.pid)]
+    assert p["estimated"] is True and not {"live_bytes", "allocated_bytes", "freed_bytes"} & p.keys(), p
+    assert not snap["lost"].get("malloc_blocks_full"), snap["lost"]

@@ -142,6 +142,25 @@ def test_a_saturated_process_is_estimated_from_its_run_of_saturated_windows():
     assert b._rate([busy[-1]])[1] < one  # one saturated window after a calm one: the spread of both
 
 
+def test_a_saturated_process_pools_at_most_its_newest_pooled_windows():
+    """Its newest POOLED saturated windows, not older ones (a pace that moves is followed),
+    and its estimate keeps that many; one with CPU to spare keeps the spread of its last
+    RECENT windows only."""
+    src = _source()
+    old = [src._samples(_measured(src, 1, 100_000, 1_000_000_000, 1.0, 300_000))[1] for _ in range(4)]
+    new = [src._samples(_measured(src, 1, 200_000, 1_000_000_000, 1.0, 600_000))[1] for _ in range(b.POOLED)]
+    assert all(x.saturated for x in old + new)
+    per_s, _ = b._rate(old + new)
+    assert per_s[call_names_index("malloc")] == pytest.approx(200_000)
+    e = b._Estimate([0.0] * src._width(), 0, base=[0.0] * src._width())
+    for x in old + new:
+        b.WindowedMalloc._learn(e, x, 1)
+    assert len(e.recent) == b.POOLED and e.per_s[call_names_index("malloc")] == pytest.approx(200_000)
+    calm = [src._samples(_measured(src, 1, n, 230_000_000, 0.2, 30_000))[1] for n in (1_000, 1_000, 40_000)]
+    spread = [src._samples(_measured(src, 1, 40_000, 230_000_000, 0.2, 30_000))[1] for _ in range(b.RECENT)]
+    assert b._rate(calm + spread)[1] == pytest.approx(b._rate(spread)[1])
+
+
 def test_windows_shorten_while_a_process_is_saturated():
     """Saturated, a window costs about its length: as long as the budget affords every
     SATURATED_SPACING seconds at the traced CPU pace (2 % of 1 CPU over 5 s: 100 ms, less

@@ -3,7 +3,8 @@
  *
  *   top_budget work N SPIN     N malloc(64)+free pairs, each followed by SPIN iterations of
  *                              arithmetic: a fixed amount of CPU-bound work. Prints
- *                              {"pairs": N, "cpu_ns": its own CPU time for them}.
+ *                              {"pairs": N, "cpu_ns": its own CPU time for them, "end":
+ *                              CLOCK_MONOTONIC seconds when they ended}.
  *   top_budget steps SPIN RATE:SECONDS...   pairs (each with SPIN iterations) at RATE a
  *                              second for SECONDS, step after step, paced in 100 batches a
  *                              second against absolute deadlines. Prints {"steps": [{"rate",
@@ -38,8 +39,8 @@ static void pair(long spin) {
 static int work(long n, long spin) {
     double c0 = now(CLOCK_PROCESS_CPUTIME_ID);
     for (long i = 0; i < n; i++) pair(spin);
-    double c1 = now(CLOCK_PROCESS_CPUTIME_ID);
-    printf("{\"pairs\": %ld, \"cpu_ns\": %.0f}\n", n, (c1 - c0) * 1e9);
+    double c1 = now(CLOCK_PROCESS_CPUTIME_ID), end = now(CLOCK_MONOTONIC);
+    printf("{\"pairs\": %ld, \"cpu_ns\": %.0f, \"end\": %.6f}\n", n, (c1 - c0) * 1e9, end);
     return 0;
 }
 
