@@ -1,6 +1,14 @@
 """The commands, one module each (see pymtrace.cli); here the arguments several of them share."""
 
+from __future__ import annotations
+
 import argparse
+from typing import TYPE_CHECKING, Iterable
+
+from pymtrace.errors import PymtraceError
+
+if TYPE_CHECKING:
+    from pymtrace.sources.budget import Budget
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,3 +32,21 @@ def add_budget_arguments(parser: argparse.ArgumentParser, max_overhead_help: str
         metavar="SECONDS",
         help=f"{window_help} (default {DEFAULT_WINDOW:g})",
     )
+
+
+def budget_of(args: argparse.Namespace, refusals: Iterable[tuple[object, str]] = ()) -> Budget | None:
+    """--max-overhead's budget (checked), or None without it (then --window is refused); the
+    first of REFUSALS, (condition, message) pairs, whose condition holds is the error: the
+    options a command cannot run under a budget."""
+    if args.max_overhead is None:
+        if args.window != DEFAULT_WINDOW:
+            raise PymtraceError("--window needs --max-overhead")
+        return None
+    for refused, message in refusals:
+        if refused:
+            raise PymtraceError(message)
+    from pymtrace.sources.budget import Budget  # loaded only when a budget is asked for
+
+    budget = Budget(args.max_overhead, args.window)
+    budget.check()
+    return budget

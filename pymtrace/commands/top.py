@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from pymtrace.bpf import load as bpfload
-from pymtrace.commands import DEFAULT_WINDOW, add_budget_arguments
+from pymtrace.commands import add_budget_arguments, budget_of
 from pymtrace.errors import PymtraceError
 from pymtrace.sinks.batch import BatchOptions, Reporter
 from pymtrace.sinks.text import printable
@@ -273,21 +273,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _budget(args: argparse.Namespace) -> Budget | None:
     """--max-overhead's budget (checked), or None: every call traced."""
-    if args.max_overhead is None:
-        if args.window != DEFAULT_WINDOW:
-            raise PymtraceError("--window needs --max-overhead")
-        return None
-    if args.always_on:
-        raise PymtraceError("--max-overhead and --always-on contradict each other (--always-on: no per-call probes)")
-    if args.stacks:
-        raise PymtraceError(
-            "--stacks samples stacks at every call's trap: it cannot run under --max-overhead (use one or the other)"
-        )
-    from pymtrace.sources.budget import Budget
-
-    budget = Budget(args.max_overhead, args.window)
-    budget.check()
-    return budget
+    return budget_of(
+        args,
+        [
+            (args.always_on, "--max-overhead and --always-on contradict each other (--always-on: no per-call probes)"),
+            (
+                args.stacks,
+                "--stacks samples stacks at every call's trap: it cannot run under --max-overhead (use one or the other)",
+            ),
+        ],
+    )
 
 
 def _snapshots(bundle: Sources, stacks: StackSitesSource | None) -> Callable[[], Snapshot]:

@@ -318,6 +318,7 @@ class HeapSource(Source):
     program = PROGRAM
     what = "sampling allocation call stacks"
     required = True
+    in_window = True  # samples may come now (under a budget, sources.budget: only in a window)
 
     def __init__(
         self,
