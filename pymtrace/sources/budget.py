@@ -10,7 +10,7 @@ sources.heapprofile.WindowedProfile). What a window costs is measured, not assum
 
   cost = runs x trap + BPF run time + attach/detach CPU
          runs, BPF run time: the kernel's BPF statistics (run_cnt, run_time_ns of the
-           malloc programs, BPF_ENABLE_STATS held on while the source runs);
+           malloc programs, BPF_ENABLE_STATS on while a window's probes are attached);
          trap: the kernel's work around each run (the breakpoint exception, the uprobe
            lookup, the emulated instruction or return trampoline), calibrated at start in
            this process (calibrate(): malloc+free pairs with and without uprobes running an
@@ -481,6 +481,9 @@ class Windows:
         self._switch = 2e9 * uprobes.release(self.bpf, self._handles)
         self._handles = []
         self.trap = calibrate()
+        # the statistics cost every BPF program on the machine a clock read or two a run:
+        # on only while a window's probes are attached (they count nothing between windows)
+        self._bpfstats.close()
         funcs = self.bpf.funcs
         self._prog_fds = [
             (funcs[n.encode()].fd, ns) for n, ns in sorted(self._run_costs().items()) if n.encode() in funcs
@@ -655,6 +658,8 @@ class Windows:
         with self._state:
             self._useful_ns()
             pace_before = self._pace()
+        if not self._bpfstats.enable():
+            raise PymtraceError("the kernel's BPF statistics could not be turned on again (BPF_ENABLE_STATS)")
         runs0 = self._runs()
         began = time.thread_time_ns()
         self._attach_all()
@@ -675,6 +680,7 @@ class Windows:
         self._handles = []
         self._detached()
         runs1 = self._runs()
+        self._bpfstats.close()
         counts = self._read_counts()
         end_cpu = self._cpu(candidates)
         t1 = time.monotonic_ns()
