@@ -9,18 +9,20 @@
 2. The storm (bench/storm.c: malloc(64)+free pairs, one thread, CPU-bound) and redis-server
    (jemalloc) under `redis-benchmark -t set,lpush -d 200 -r 1000000 -c 10`, each untraced,
    under `top -p PID --max-overhead PCT`, and under `top -p PID` (every call), in
-   interleaved rounds: the traced process's slowdown (storm: its ns and CPU ns per pair;
+   interleaved rounds: the traced process's slowdown (storm: its CPU ns per pair, also over
+   a control storm's run beside it at the same time, untraced: this shared machine's noise
+   moves a storm's CPU time a pair by 5-10 % between phases, and cancels in that ratio;
    redis: requests/s) against the untraced run of the same round, and the malloc-API call
-   rate top estimated under the budget (its last window's pace) against the rate full
-   tracing counted in the same round (storm: 2 calls a pair at its ns per pair; redis: the
-   calls top counted over the benchmark's wall time), beside the untraced rate (storm: its
-   untraced ns per pair; redis: its untraced requests/s x the calls a request full tracing
-   counted): both are saturated, so their estimates are their pace under the traps.
+   rate top estimated under the budget (its pooled windows' pace) against the rate full
+   tracing counted in the same round (storm: 2 calls a pair at its mean ns per pair; redis:
+   the calls top counted over the benchmark's wall time), beside the untraced rate (storm:
+   its untraced ns per pair; redis: its untraced requests/s x the calls a request full
+   tracing counted): both are saturated, so their estimates are their pace under the traps.
 3. Steps (tests/support/workloads/top_budget.c: paced mallocs, ~100 us of work each, at
    rates changing in steps), under the budget and under full tracing: each step's
    estimated rate (from its seventh second on: the estimates follow a step at the next
-   window, every ~3 s at 1 %) against the calls the workload counted itself and those full tracing counted.
-
+   window, every ~3 s at 1 %) against the calls the workload counted itself and those
+   full tracing counted.
 4. The storm and redis-server under `heap -p PID --max-overhead PCT` (in their rounds): the
    storm's CPU ns per pair and redis-server's requests/s against the untraced run of the
    same round, and heap's closing lines (the estimate's windows and coverage, the measured
@@ -185,35 +187,71 @@ class Heap:
         return self.lines
 
 
-def storm_batches(storm, pid, batches, pairs):
-    """BATCHES batches of PAIRS malloc(64)+free pairs: their median ns a pair, the storm's
-    CPU ns a pair over them, their wall seconds."""
-    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+class Storm:
+    """A storm process (bench/storm.c) reading "N SIZE" lines, its pid."""
+
+    def __init__(self, exe, env):
+        self.proc = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.pid = int(self.proc.stdout.readline().split()[1])
+
+    def send(self, pairs):
+        self.proc.stdin.write(f"{pairs} 64\n")
+        self.proc.stdin.flush()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def storm_batches(storm, control, batches, pairs):
+    """BATCHES batches of PAIRS malloc(64)+free pairs in STORM, each beside a batch of as many
+    in CONTROL (untraced, at the same time: what the machine's noise did to a storm then):
+    STORM's median ns a pair, its CPU ns a pair, its wall seconds, and CONTROL's CPU ns a
+    pair over the same batches."""
+    cpu0, ctl0, t0 = cpu_seconds(storm.pid), cpu_seconds(control.pid), time.monotonic()
     ns = []
     for _ in range(batches):
-        storm.stdin.write(f"{pairs} 64\n")
-        storm.stdin.flush()
-        ns.append(float(storm.stdout.readline()))
-    cpu = (cpu_seconds(pid) - cpu0) / (batches * (pairs + 1000)) * 1e9
-    return {"ns_pair": statistics.median(ns), "cpu_ns_pair": cpu, "seconds": time.monotonic() - t0}
+        storm.send(pairs)
+        control.send(pairs)
+        ns.append(float(storm.proc.stdout.readline()))
+        control.proc.stdout.readline()
+    n = batches * (pairs + 1000)
+    return {
+        "ns_pair": statistics.median(ns),
+        "mean_ns_pair": statistics.fmean(ns),
+        "cpu_ns_pair": (cpu_seconds(storm.pid) - cpu0) / n * 1e9,
+        "seconds": time.monotonic() - t0,
+        "control_cpu_ns_pair": (cpu_seconds(control.pid) - ctl0) / n * 1e9,
+    }
 
 
-def storm_round(storm, pid, mode, args, env, batches, pairs, tmp=None):
+def storm_round(storm, control, mode, args, env, batches, pairs, tmp=None):
     if mode.startswith("heap"):
-        heap = Heap(pid, args, env, tmp)
-        res = storm_batches(storm, pid, batches, pairs)
+        heap = Heap(storm.pid, args, env, tmp)
+        res = storm_batches(storm, control, batches, pairs)
         lines = heap.stop()
         res["heap"] = tuple(next((x for x in lines if word in x), "") for word in ("ESTIMATE", "measured cost"))
         return res
-    top = Top(pid, args, env) if mode != "untraced" else None
-    res = storm_batches(storm, pid, batches, pairs)
-    res["calls_s"] = 2e9 / res["ns_pair"]  # what full tracing counts, at its pace
+    top = Top(storm.pid, args, env) if mode != "untraced" else None
+    res = storm_batches(storm, control, batches, pairs)
+    res["calls_s"] = 2e9 / res["mean_ns_pair"]  # what full tracing counts, at its pace over the run
     res["share"] = res["cpu_ns_pair"] / res["ns_pair"]  # the CPU it was given
     if top:
         top.after(time.monotonic())
         estimate(res, top, top.before)
         top.stop()
     return res
+
+
+def against_control(run, untraced):
+    """RUN's slowdown against the untraced run of its round, each over the control storm's
+    CPU time a pair beside it: the machine's noise in both cancels (None: a control too
+    short to read, every call traced runs a 300th of the pairs)."""
+    if not run["control_cpu_ns_pair"] or not untraced["control_cpu_ns_pair"]:
+        return None
+    return (run["cpu_ns_pair"] / run["control_cpu_ns_pair"]) / (
+        untraced["cpu_ns_pair"] / untraced["control_cpu_ns_pair"]
+    )
 
 
 def estimate(res, top, d):
@@ -270,6 +308,10 @@ def summarize(name, results, speed, untraced_calls_s):
         ratios = [r[speed] / u[speed] for r, u in zip(runs, results["untraced"])]
         row = {"workload": name, "mode": mode, speed: f"{statistics.median(r[speed] for r in runs):.1f}"}
         row["vs untraced"] = "/".join(f"{x:.3f}x" for x in ratios)
+        if "control_cpu_ns_pair" in runs[0]:
+            row["vs untraced, each over the control"] = "/".join(
+                fmt(against_control(r, u), ".3f", after="x") for r, u in zip(runs, results["untraced"])
+            )
         if mode == "untraced":
             rates = [untraced_calls_s(u, f) for u, f in zip(runs, full)]
             row["calls/s"] = "/".join(f"{x:,.0f}" for x in rates)
@@ -362,19 +404,18 @@ def main():
     try:
         switch = switch_costs(env, tmp, 5)
         storm_exe = build_c(tmp, "storm", HERE / "storm.c")
-        storm = subprocess.Popen([storm_exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        pid = int(storm.stdout.readline().split()[1])
+        storm, control = Storm(storm_exe, env), Storm(storm_exe, env)
         results = {m: [] for m in storm_modes}
         for r in range(args.rounds):
             for mode, margs in storm_modes.items():
                 # every call traced costs ~300x a pair: a 300th of the pairs
                 pairs = args.storm_pairs if mode != "every call" else args.storm_pairs // 300
-                results[mode].append(storm_round(storm, pid, mode, margs, env, args.storm_batches, pairs, tmp))
+                results[mode].append(storm_round(storm, control, mode, margs, env, args.storm_batches, pairs, tmp))
                 print(f"storm round {r + 1} {mode}: {results[mode][-1]}", file=sys.stderr)
-        storm.stdin.close()
-        storm.wait()
+        storm.close()
+        control.close()
         heap_runs = results.pop(heap_mode)
-        rows += summarize("storm", results, "ns_pair", lambda u, f: u["calls_s"])
+        rows += summarize("storm", results, "cpu_ns_pair", lambda u, f: u["calls_s"])
         heap_rows = [
             {
                 "workload": "storm",
@@ -382,6 +423,9 @@ def main():
                 "speed untraced": f"{u['cpu_ns_pair']:.2f} CPU ns a pair",
                 "under heap's budget": f"{h['cpu_ns_pair']:.2f} CPU ns a pair",
                 "slowdown": f"{100 * (h['cpu_ns_pair'] / u['cpu_ns_pair'] - 1):+.2f} %",
+                "each over the control": fmt(
+                    against_control(h, u) and 100 * (against_control(h, u) - 1), "+.2f", after=" %"
+                ),
                 "heap says": " / ".join(h["heap"]),
             }
             for i, (u, h) in enumerate(zip(results["untraced"], heap_runs))
@@ -412,6 +456,7 @@ def main():
                     "speed untraced": f"{u['req_s']:,.0f} req/s",
                     "under heap's budget": f"{h['req_s']:,.0f} req/s",
                     "slowdown": f"{100 * (1 - h['req_s'] / u['req_s']):+.2f} %",
+                    "each over the control": "",
                     "heap says": " / ".join(h["heap"]),
                 }
                 for i, (u, h) in enumerate(zip(results["untraced"], redis_heap))
