@@ -309,32 +309,50 @@ class _Measured:
     """A window's measured part (every probe attached): counters, CPU clocks and program runs
     read at its start and end, each process's pace (CPU ns per ns) before the window, and
     the scheduler's demand of the threads of the processes known to call (DEMAND0, END's
-    DEMAND1: {pid: {tid: ns run + ns waiting to run}})."""
+    DEMAND1: {pid: {tid: ns run + ns waiting to run}}, each read from monotonic ns DEMAND_AT
+    on: its own span, not the part's, which the reads before it would stretch or shrink)."""
 
     def __init__(
-        self, counts0: dict, cpu0: dict, runs0: tuple[int, int, float], t0: int, pace: dict, demand0: dict | None = None
+        self,
+        counts0: dict,
+        cpu0: dict,
+        runs0: tuple[int, int, float],
+        t0: int,
+        pace: dict,
+        demand0: dict | None = None,
+        demand_at: int | None = None,
     ) -> None:
         self.counts0, self.cpu0, self._runs0, self._t0, self.pace = counts0, cpu0, runs0, t0, pace
         self.demand0 = demand0 or {}
         self.demand1 = {}
+        self._demand_span = (demand_at, None)
 
     def end(
-        self, counts1: dict, cpu1: dict, runs1: tuple[int, int, float], t1: int, demand1: dict | None = None
+        self,
+        counts1: dict,
+        cpu1: dict,
+        runs1: tuple[int, int, float],
+        t1: int,
+        demand1: dict | None = None,
+        demand_at: int | None = None,
     ) -> None:
         self.counts1, self.cpu1 = counts1, cpu1
         self.runs, self.bpf_ns = runs1[0] - self._runs0[0], runs1[1] - self._runs0[1]
         self.trap_ns = runs1[2] - self._runs0[2]
         self.seconds = (t1 - self._t0) / 1e9
         self.demand1 = demand1 or {}
+        self._demand_span = (self._demand_span[0], demand_at)
 
     def busiest(self, pid: int) -> float | None:
-        """The largest share of the measured part one of PID's threads ran or waited to run
-        (1: it never slept), None where its threads were not read."""
+        """The largest share of the time between the two demand reads one of PID's threads
+        ran or waited to run (1: it never slept), None where its threads were not read."""
         before, after = self.demand0.get(pid), self.demand1.get(pid)
-        if not before or not after or self.seconds <= 0:
+        a, b = self._demand_span
+        span = b - a if a is not None and b is not None else self.seconds * 1e9
+        if not before or not after or span <= 0:
             return None
         grown = [after[tid] - before[tid] for tid in after.keys() & before.keys()]
-        return max(grown) / (self.seconds * 1e9) if grown else None
+        return max(grown) / span if grown else None
 
 
 def clear_in_flight(bpf: Any, tables: Iterable[bytes], active: bytes) -> None:
@@ -671,11 +689,15 @@ class Windows:
         # tenth of a 0.5 s window), and would stretch one end's time and not the other's
         begun = self.parts.begin()
         counts0 = self._read_counts()
-        m = _Measured(counts0, self._cpu(candidates), self._runs(), begun, pace, self._demand(callers))
+        cpu0, runs0_in = self._cpu(candidates), self._runs()
+        demand_at = time.monotonic_ns()
+        m = _Measured(counts0, cpu0, runs0_in, begun, pace, self._demand(callers), demand_at)
         self._stop.wait(length)
         ended = self.parts.end()
         counts1 = self._read_counts()
-        m.end(counts1, self._cpu(m.cpu0), self._runs(), ended, self._demand(callers))
+        cpu1, runs1_in = self._cpu(m.cpu0), self._runs()
+        demand_at = time.monotonic_ns()
+        m.end(counts1, cpu1, runs1_in, ended, self._demand(callers), demand_at)
         detach_ns = uprobes.release(self.bpf, self._handles) * 1e9
         self._handles = []
         self._detached()

@@ -117,6 +117,15 @@ def test_the_schedulers_counts_say_whether_a_process_is_saturated(busiest, mallo
     assert src._samples(m)[42].saturated is saturated
 
 
+def test_a_threads_demand_is_over_the_time_between_its_reads():
+    """The demand reads come after the counts and CPU clocks at each end: slower at the start
+    (a VM's emulation), the part's own length would understate it. A thread that ran all of
+    the 0.8 s between the reads of a 1 s part never slept."""
+    m = b._Measured({}, {}, (0, 0, 0.0), 0, {}, {42: {42: 0}}, 150_000_000)
+    m.end({}, {}, (0, 0, 0.0), 1_000_000_000, {42: {42: 800_000_000}}, 950_000_000)
+    assert m.busiest(42) == pytest.approx(1.0)
+
+
 def test_the_spread_between_windows_widens_the_error():
     src = _source()
     steady = [src._samples(_measured(src, 1, 10_000, 230_000_000, 0.2, 30_000))[1] for _ in range(3)]
