@@ -180,7 +180,11 @@ class ExecWatched(drain.Watched):
         super().start(on_event=self._seen)
 
     def _seen(self, ev: object) -> None:  # in the events' reader thread
-        if ev.kind == "exec" and ev.pid == ev.tgid:
+        # the tree is kept here, in the events' order: a child's fork and exec can both come
+        # between poll()'s drain and take_execs(), where a tree kept by poll() lacks the child
+        if ev.kind == "fork" and ev.pid == ev.tgid and ev.parent_tgid in self.tree:
+            self.tree.add(ev.tgid)
+        elif ev.kind == "exec" and ev.pid == ev.tgid and ev.tgid in self.tree:
             pid = ev.tgid
             try:
                 env, exe = interposer.process_image(pid)
@@ -193,15 +197,10 @@ class ExecWatched(drain.Watched):
         except queue.Full:
             self.procevents.dropped += 1
 
-    def on_event(self, ev: object) -> None:
-        if ev.kind == "fork" and ev.pid == ev.tgid and ev.parent_tgid in self.tree:
-            self.tree.add(ev.tgid)
-        super().on_event(ev)
-
     def take_execs(self) -> list[tuple[int, dict[str, str], str, int | None]]:
-        """The execs seen since the last call (after poll()), of processes followed."""
+        """The execs of processes followed seen since the last call."""
         execs, self.execs = self.execs, []  # (a list's swap is atomic under the GIL)
-        return [e for e in execs if e[0] in self.tree]
+        return execs
 
 
 class InProcessRecorder:

@@ -280,3 +280,23 @@ def test_drain_pacer_waits_for_a_large_batch_within_bounds():
     small = drain.DrainPacer(ring_records=3276)  # 256 KiB: a quarter of it fills in 0.8 ms at 1M/s
     assert small.batch == 819 and small.wait(0, 1.0) == drain.DrainPacer.MIN_WAIT_S
     assert drain.DrainPacer(419_430, fixed=0.05).wait(10**6, 1.0) == 0.05  # --poll-interval 50
+
+
+def test_a_childs_exec_is_told_when_its_fork_comes_after_the_last_poll():
+    """A followed child's fork and exec can both arrive between a poll's drain and the
+    next take of the execs: the exec is still told, and an unrelated process's is not."""
+    import queue
+    import types
+
+    from pymtrace.recorder.inprocess import ExecWatched
+    from pymtrace.tracee.procevents import ProcEvent
+
+    watched = ExecWatched(target=1, launched=None, follow=True)
+    watched.procevents = types.SimpleNamespace(queue=queue.Queue(), dropped=0)  # (ProcEvents' own)
+    me, other = os.getpid(), os.getppid()
+    watched._seen(ProcEvent("fork", me, me, 1, None, 0.0))
+    watched._seen(ProcEvent("exec", me, me, None, None, 0.0))
+    watched._seen(ProcEvent("exec", other, other, None, None, 0.0))  # not a child of the target
+    (told,) = watched.take_execs()
+    assert told[0] == me and told[2] == os.path.realpath(f"/proc/{me}/exe") and told[3] == os.geteuid()
+    assert watched.take_execs() == []
