@@ -11,6 +11,12 @@ sources.heapprofile.WindowedProfile). What a window costs is measured, not assum
   cost = runs x trap + BPF run time + attach/detach CPU
          runs, BPF run time: the kernel's BPF statistics (run_cnt, run_time_ns of the
            malloc programs, BPF_ENABLE_STATS on while a window's probes are attached);
+           a source whose counters see every call (WindowedMalloc: 2 runs an allocating
+           call, 1 a free) has them on in one window of STATS_EVERY only: the statistics
+           slow every program run (2-13 % of a fully traced malloc storm's CPU time a call,
+           measured), so a window with them on would slow a saturated process more than
+           full tracing does; the other windows cost their counted runs at the trap and
+           BPF ns a counted run of the last window with them on;
          trap: the kernel's work around each run (the breakpoint exception, the uprobe
            lookup, the emulated instruction or return trampoline), calibrated at start in
            this process (calibrate(): malloc+free pairs with and without uprobes running an
@@ -48,7 +54,8 @@ of its threads never slept in the window, by the scheduler's counts, while the t
 more than 5 % of its CPU time). Its untraced pace is not estimated: its own work cannot be
 told from the traps' time where the traps are most of its CPU time (a malloc storm: 99 %),
 not to the calibration's +-50 % (no instruction counter to count its own work); its pace
-under the traps is pooled over its last saturated windows (up to POOLED). Their error
+under the traps is pooled over its last saturated windows (up to POOLED; those without the
+BPF statistics only, where it has such: full tracing runs without them). Their error
 (95 %): the window's count (Poisson) and the spread of its last windows' paces.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
@@ -91,6 +98,8 @@ BUSY, SLOWED_SHARE = 0.9, 0.05
 CALIBRATION_PAIRS = 20000
 CALIBRATION_ROUNDS = 5
 RECENT = 4  # windows whose spread is part of a process's error
+# a source that counts its runs itself: the BPF statistics on in one window of this many
+STATS_EVERY = 4
 POOLED = 16  # a saturated process's newest saturated windows pooled into its pace
 # a saturated process: windows the budget affords every this many seconds (not shorter than
 # the minimum: the attach and detach around a window cost milliseconds of CPU)
@@ -271,6 +280,7 @@ class _Sample(typing.NamedTuple):
     saturated: bool = False
     trap_share: float | None = None
     cpu_ns: int = 0
+    stats: bool = True  # the BPF statistics were on (they slow every program run)
 
 
 def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
@@ -280,7 +290,8 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     of the last windows' rates (how much its pace moves between windows is what one window
     can be off by). A saturated one: its pace under the traps follows the CPU the scheduler
     gives it in each short window, so its newest run of saturated windows is pooled (calls
-    over their time) and the spread's error is that of their mean."""
+    over their time; those without the BPF statistics only, where the run has such: they
+    slow it more than full tracing does) and the spread's error is that of their mean."""
     last = samples[-1]
     pooled = [last]
     if last.saturated:
@@ -288,6 +299,8 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
             if not x.saturated:
                 break
             pooled.append(x)
+        if not all(x.stats for x in pooled):
+            pooled = [x for x in pooled if not x.stats]
     ns = sum(x.ns for x in pooled)
     per_s = [sum(col) * 1e9 / ns for col in zip(*(x.counts for x in pooled))]
     calls = sum(x.calls for x in pooled)
@@ -298,6 +311,12 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     if len(rates) > 1 and statistics.fmean(rates) > 0:
         error += (Z95 * statistics.stdev(rates) / statistics.fmean(rates)) ** 2 / len(pooled)
     return per_s, math.sqrt(error)
+
+
+def _growth(c0: list[int] | None, c1: list[int]) -> list[int]:
+    """A process's counter vector's growth from C0 to C1 (C0 None, or above C1: a process
+    new to the table, its pid's old entry deleted meanwhile: all of C1)."""
+    return [b - a for a, b in zip(c0, c1)] if c0 is not None and c0[0] <= c1[0] else list(c1)
 
 
 def _grown(before: dict[int, int], after: dict[int, int]) -> int:
@@ -325,6 +344,7 @@ class _Measured:
         self.counts0, self.cpu0, self._runs0, self._t0, self.pace = counts0, cpu0, runs0, t0, pace
         self.demand0 = demand0 or {}
         self.demand1 = {}
+        self.stats = True  # the BPF statistics were on in it
         self._demand_span = (demand_at, None)
 
     def end(
@@ -426,6 +446,7 @@ class Windows:
     bpf: Any
     pids: Any
     keeps_parts = False  # whether `parts` keeps every window's measured part (a profile's scaling)
+    counts_runs = False  # whether _counted_runs() gives a window's program runs (STATS_EVERY)
 
     def _init_windows(self, budget: Budget) -> None:
         budget.check()
@@ -446,6 +467,8 @@ class Windows:
         self.trap_ns = 0  # runs x calibrated trap cost
         self.bpf_ns = 0  # BPF run time
         self.switch_ns = 0  # attach/detach CPU
+        self.stats_windows = 0  # windows with the BPF statistics on
+        self._per_counted = None  # (trap ns, BPF ns) a counted run, in the last of them
         self.errors = []  # attach failures during windows (the first few)
         self._rate = None  # (trap + BPF) ns per ns of the last window's measured part
         self._then = (0.0, 0.0)  # the traced CPU pace before it, and in its measured part
@@ -474,6 +497,10 @@ class Windows:
     def _callers(self, candidates: list[int]) -> list[int]:
         """The processes whose threads' scheduler demand a window reads."""
         return []
+
+    def _counted_runs(self, before: dict[int, list[int]], after: dict[int, list[int]]) -> int:
+        """The program runs the counters read (_read_counts) BEFORE and AFTER tell (counts_runs)."""
+        raise NotImplementedError
 
     def _detached(self) -> None:
         """A window's probes are released: the BPF side's state of calls in flight goes."""
@@ -546,13 +573,21 @@ class Windows:
     # -- reading
     def _runs(self) -> tuple[int, int, float]:
         """(runs, BPF run ns, their traps' ns) of the source's programs attached to uprobes,
-        since load."""
+        since load (the BPF statistics)."""
         cnt = ns = 0
         trap = 0.0
         for fd, per_run in self._prog_fds:
             c, n = _run_counts(fd)
             cnt, ns, trap = cnt + c, ns + n, trap + c * per_run
         return cnt, ns, trap
+
+    def _counted(self, before: dict[int, list[int]], after: dict[int, list[int]]) -> tuple[int, int, float]:
+        """_runs() where the BPF statistics are off: the runs the counters read BEFORE and
+        AFTER tell, at the trap and BPF ns a counted run of the last window with the
+        statistics on."""
+        n = self._counted_runs(before, after)
+        trap, bpf = self._per_counted
+        return n, int(n * bpf), n * trap
 
     @staticmethod
     def _demand(pids: Iterable[int]) -> dict[int, dict[int, int]]:
@@ -676,9 +711,15 @@ class Windows:
         with self._state:
             self._useful_ns()
             pace_before = self._pace()
-        if not self._bpfstats.enable():
+        stats = not self.counts_runs or self._per_counted is None or self.windows % STATS_EVERY == 0
+        if stats and not self._bpfstats.enable():
             raise PymtraceError("the kernel's BPF statistics could not be turned on again (BPF_ENABLE_STATS)")
-        runs0 = self._runs()
+        before = {} if stats else self._read_counts()
+
+        def runs(counts: dict[int, list[int]]) -> tuple[int, int, float]:
+            return self._runs() if stats else self._counted(before, counts)
+
+        runs0 = runs(before)
         began = time.thread_time_ns()
         self._attach_all()
         attach_ns = time.thread_time_ns() - began
@@ -689,21 +730,23 @@ class Windows:
         # tenth of a 0.5 s window), and would stretch one end's time and not the other's
         begun = self.parts.begin()
         counts0 = self._read_counts()
-        cpu0, runs0_in = self._cpu(candidates), self._runs()
+        cpu0, runs0_in = self._cpu(candidates), runs(counts0)
         demand_at = time.monotonic_ns()
         m = _Measured(counts0, cpu0, runs0_in, begun, pace, self._demand(callers), demand_at)
+        m.stats = stats
         self._stop.wait(length)
         ended = self.parts.end()
         counts1 = self._read_counts()
-        cpu1, runs1_in = self._cpu(m.cpu0), self._runs()
+        cpu1, runs1_in = self._cpu(m.cpu0), runs(counts1)
         demand_at = time.monotonic_ns()
         m.end(counts1, cpu1, runs1_in, ended, self._demand(callers), demand_at)
         detach_ns = uprobes.release(self.bpf, self._handles) * 1e9
         self._handles = []
         self._detached()
-        runs1 = self._runs()
-        self._bpfstats.close()
         counts = self._read_counts()
+        runs1 = runs(counts)
+        if stats:
+            self._bpfstats.close()
         end_cpu = self._cpu(candidates)
         t1 = time.monotonic_ns()
         self._last_cpu = (t1, end_cpu)
@@ -719,7 +762,12 @@ class Windows:
                 # measured part: capped there, it bounds the model (a saturated process's
                 # CPU time during a detach's ~0.1 s is mostly its own: the breakpoints go first)
                 trap_ns = min(trap_ns, m.trap_ns * (runs1[0] - runs0[0]) / m.runs)
+            if stats and self.counts_runs:
+                counted = self._counted_runs(m.counts0, m.counts1)
+                if counted:
+                    self._per_counted = (m.trap_ns / counted, m.bpf_ns / counted)
             self.windows += 1
+            self.stats_windows += stats
             self.window_ns += t1 - t0
             self.trap_ns += int(trap_ns)
             self.bpf_ns += bpf_ns
@@ -745,6 +793,7 @@ class Windows:
             "max_overhead_pct": self.budget.max_overhead,
             "window_seconds": self.budget.window,
             "windows": self.windows,
+            "bpf_stats_windows": self.stats_windows,
             "attached": self.in_window,
             "duty_cycle": min(self.window_ns / elapsed, 1.0),
             "overhead_pct": 100 * extra / useful if useful > 0 else None,
@@ -765,6 +814,8 @@ class Windows:
 class WindowedMalloc(Windows, MallocSource):
     """MallocSource under a Budget: the same programs and counters, the uprobes attached in
     windows (module docstring); snapshot() gives estimated counters (no live bytes)."""
+
+    counts_runs = True
 
     def __init__(
         self,
@@ -791,6 +842,13 @@ class WindowedMalloc(Windows, MallocSource):
 
     def _attach_libc(self, path: str, pid: int, plan: list) -> None:
         self.attached += attach_plan(self.bpf, path, pid, plan, handles=self._handles)
+
+    def _runs_of(self, d: list[int]) -> int:
+        """The program runs counter growth D tells: 2 an allocating call, 1 a free."""
+        return 2 * sum(d[i] for i in self._alloc_idx) + sum(d[i] for i in self._free_idx)
+
+    def _counted_runs(self, before: dict[int, list[int]], after: dict[int, list[int]]) -> int:
+        return sum(self._runs_of(_growth(before.get(pid), c1)) for pid, c1 in after.items())
 
     def _defines(self) -> dict[str, int]:
         # no live bytes: other allocators' blocks are not kept (a map update at each of
@@ -856,10 +914,9 @@ class WindowedMalloc(Windows, MallocSource):
         what full tracing would count (module docstring)."""
         deltas, weights = {}, {}
         for pid, c1 in m.counts1.items():
-            c0 = m.counts0.get(pid)
-            d = [b - a for a, b in zip(c0, c1)] if c0 is not None and c0[0] <= c1[0] else list(c1)
+            d = _growth(m.counts0.get(pid), c1)
             deltas[pid] = d
-            weights[pid] = 2 * sum(d[i] for i in self._alloc_idx) + sum(d[i] for i in self._free_idx)
+            weights[pid] = self._runs_of(d)
         for pid in self._est:  # a known process that made no call: 0 a second, not unknown
             if pid not in deltas and pid in m.cpu1:
                 deltas[pid], weights[pid] = [0] * self._width(), 0
@@ -883,7 +940,7 @@ class WindowedMalloc(Windows, MallocSource):
                     uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
                     saturated = paced > own and (own < paced - uncertain or cpu - paced < cost - uncertain)
             calls = sum(d[: self._n_calls]) - (d[self._free_null] if self._free_null is not None else 0)
-            out[pid] = _Sample(d, ns, calls, saturated, trap_share, cpu)
+            out[pid] = _Sample(d, ns, calls, saturated, trap_share, cpu, m.stats)
         return out
 
     def _begin(self, now_ns: int) -> None:

@@ -78,7 +78,8 @@ faked, so a consumer works with whichever sources are running:
          # carry their program's prefix (malloc_, fault_, slab_, glibc_events)
      "maps": {map name: {"entries": n, "max_entries": capacity,   # fill of the bounded maps
                          "evicted": n}},   # per-process maps: LRU evictions seen
-     "budget": {"max_overhead_pct", "window_seconds", "windows", "attached": bool (a window
+     "budget": {"max_overhead_pct", "window_seconds", "windows", "bpf_stats_windows": those
+                with the kernel's BPF statistics on, "attached": bool (a window
                 now), "duty_cycle": fraction of the time attached, "overhead_pct": measured
                 cost over the traced processes' own CPU time (None: none yet),
                 "traced_cpu_seconds", "cost_seconds": {"traps", "bpf", "attach_detach"},
@@ -254,6 +255,7 @@ class BudgetInfo(TypedDict):
     max_overhead_pct: float
     window_seconds: float
     windows: int
+    bpf_stats_windows: int
     attached: bool
     duty_cycle: float
     overhead_pct: Optional[float]

@@ -67,6 +67,9 @@ def test_budget_holds_against_the_processes_own_cpu_time(cbuild, tmp_path):
     doc = docs[-1]
     budget = doc["snapshot"]["budget"]
     assert budget["windows"] >= 2, budget  # it did trace
+    # the BPF statistics on in the first window and one of every 4 after: the others' runs
+    # counted by top's own counters, at the cost a counted run had with the statistics on
+    assert budget["bpf_stats_windows"] == (budget["windows"] + 3) // 4, budget
     assert budget["overhead_pct"] <= 5 * 1.5, budget  # the one short first window is an overdraft
     assert full > 2 * untraced, (before, after, full)  # tracing every call costs
     assert budgeted - untraced <= 0.10 * (full - untraced), (before, budgeted, after, full, budget)

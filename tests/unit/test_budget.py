@@ -170,6 +170,34 @@ def test_a_saturated_process_pools_at_most_its_newest_pooled_windows():
     assert b._rate(calm + spread)[1] == pytest.approx(b._rate(spread)[1])
 
 
+def test_a_saturated_process_is_paced_from_its_windows_without_the_bpf_statistics():
+    """The BPF statistics slow every program run: a saturated process's pace is pooled from
+    the windows of its run that had them off (as full tracing has), where it has such; one
+    with CPU to spare keeps its newest window's, statistics or not."""
+    src = _source()
+
+    def busy(n, stats):
+        return src._samples(_measured(src, 1, n, 1_000_000_000, 1.0, 3 * n))[1]._replace(stats=stats)
+
+    run = [busy(300_000, False), busy(200_000, True), busy(300_000, False), busy(200_000, True)]
+    assert b._rate(run)[0][call_names_index("malloc")] == pytest.approx(300_000)
+    assert b._rate(run[1::2])[0][call_names_index("malloc")] == pytest.approx(200_000)  # none without
+    calm = src._samples(_measured(src, 1, 40_000, 230_000_000, 0.2, 30_000))[1]
+    assert b._rate([calm._replace(stats=False), calm])[0][call_names_index("malloc")] == pytest.approx(40_000)
+
+
+def test_a_windows_runs_are_counted_where_the_statistics_are_off():
+    """Without the BPF statistics a window's program runs are those its counters tell: 2 an
+    allocating call (entry and return probes), 1 a free; a process new to the table counts
+    all it has; each costs the trap and BPF ns a counted run had with them on."""
+    src = _source()
+    before = {1: _counts(src, 100, 100)}
+    after = {1: _counts(src, 150, 120), 2: _counts(src, 10, 0)}
+    assert src._counted_runs(before, after) == 2 * 50 + 20 + 2 * 10
+    src._per_counted = (900.0, 60.0)
+    assert src._counted(before, after) == (140, 140 * 60, 140 * 900.0)
+
+
 def test_windows_shorten_while_a_process_is_saturated():
     """Saturated, a window costs about its length: as long as the budget affords every
     SATURATED_SPACING seconds at the traced CPU pace (2 % of 1 CPU over 5 s: 100 ms, less
