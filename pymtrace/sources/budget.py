@@ -345,7 +345,7 @@ class _Measured:
         self.demand0 = demand0 or {}
         self.demand1 = {}
         self.stats = True  # the BPF statistics were on in it
-        self._demand_span = (demand_at, None)
+        self._demand_at0, self._demand_at1 = demand_at, None
 
     def end(
         self,
@@ -361,13 +361,13 @@ class _Measured:
         self.trap_ns = runs1[2] - self._runs0[2]
         self.seconds = (t1 - self._t0) / 1e9
         self.demand1 = demand1 or {}
-        self._demand_span = (self._demand_span[0], demand_at)
+        self._demand_at1 = demand_at
 
     def busiest(self, pid: int) -> float | None:
         """The largest share of the time between the two demand reads one of PID's threads
         ran or waited to run (1: it never slept), None where its threads were not read."""
         before, after = self.demand0.get(pid), self.demand1.get(pid)
-        a, b = self._demand_span
+        a, b = self._demand_at0, self._demand_at1
         span = b - a if a is not None and b is not None else self.seconds * 1e9
         if not before or not after or span <= 0:
             return None
@@ -665,6 +665,7 @@ class Windows:
             if self._handles and self.bpf is not None:
                 uprobes.release(self.bpf, self._handles)
                 self._handles = []
+            self._bpfstats.close()  # (on if it stopped in a window)
 
     def _windows(self) -> None:
         poll = min(0.25, self.budget.window / 2)
