@@ -396,9 +396,7 @@ def _loop(session: HeapSession, pids: list[int], launched: Launched | None, dura
     """Poll until the launched command exits, every -p process is gone, or DURATION."""
     deadline = None if duration is None else time.monotonic() + duration
     while True:
-        # between a budget's windows no sample comes: 10 polls a second, not 100 (heap's
-        # own CPU time: 3 % of a CPU at 100); a window's first 0.1 s waits in the ring
-        session.poll(10 if session.source.in_window else 100)
+        session.poll()
         if launched is not None:
             if launched.service(session.at_exit) is not None:
                 return
