@@ -37,6 +37,13 @@ def uprobe_pids(path):
     return {e.get("pid") for e in entries if e.get("filename") in names and e.get("pid") != os.getpid()}
 
 
+def start_storm(argv, env=None):
+    """bench/storm.c (built, ARGV its command line) started with ENV, its first line
+    ("ready PID") read: (its Popen, reading "PAIRS SIZE" lines on stdin, and its PID)."""
+    storm = subprocess.Popen([str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    return storm, int(storm.stdout.readline().split()[1])
+
+
 def private_libc_storm(tmp):
     """bench/storm.c started on a private copy of the system libc, so that uprobes other
     tracers attach to the system libc (by inode) cannot slow it down: the copy is named
@@ -54,8 +61,7 @@ def private_libc_storm(tmp):
     shutil.copy2(system, tmp / "bench-libc.so")
     os.symlink("bench-libc.so", tmp / os.path.basename(system))
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp))
-    storm = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    pid = int(storm.stdout.readline().split()[1])
+    storm, pid = start_storm([exe], env)
     path = next((m.path for m in libc.read_maps(pid) if m.path.endswith("/bench-libc.so")), None)
     if path is None:
         storm.kill()
@@ -78,8 +84,7 @@ def private_preload_storm(tmp, library):
     copy = tmp / ("bench-" + os.path.basename(library))
     shutil.copy2(library, copy)
     env = dict(os.environ, LD_PRELOAD=str(copy))
-    storm = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    pid = int(storm.stdout.readline().split()[1])
+    storm, pid = start_storm([exe], env)
     path = next((m.path for m in libc.read_maps(pid) if m.path == str(copy)), None)
     if path is None:
         storm.kill()

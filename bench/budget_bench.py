@@ -57,7 +57,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from benchutil import build_c, cpu_seconds, print_table  # noqa: E402
+from benchutil import build_c, cpu_seconds, print_table, start_storm  # noqa: E402
 
 from pymtrace.bpf import uprobes  # noqa: E402
 from pymtrace.sources.base import attach_plan  # noqa: E402
@@ -191,8 +191,7 @@ class Storm:
     """A storm process (bench/storm.c) reading "N SIZE" lines, its pid."""
 
     def __init__(self, exe, env):
-        self.proc = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.pid = int(self.proc.stdout.readline().split()[1])
+        self.proc, self.pid = start_storm([exe], env)
 
     def send(self, pairs):
         self.proc.stdin.write(f"{pairs} 64\n")

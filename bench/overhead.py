@@ -36,14 +36,13 @@ import os
 import pathlib
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchutil import build_c, private_libc_storm, private_preload_storm, uprobe_pids  # noqa: E402
+from benchutil import build_c, private_libc_storm, private_preload_storm, start_storm, uprobe_pids  # noqa: E402
 
 from pymtrace.bpf import load as bpfload  # noqa: E402
 from pymtrace.sources import malloc  # noqa: E402
@@ -250,8 +249,7 @@ def main():
         # FaultSource's reader re-reads /proc/PID/maps for each new chunk (the worst case
         # for region attribution); the "N 0" storm reuses its addresses after the first chunk
         fresh_exe = build_c(tmp, "fresh", HERE / "storm.c", flags=["-O2"])
-        fresh = subprocess.Popen([fresh_exe, "fresh"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        fresh_pid = int(fresh.stdout.readline().split()[1])
+        fresh, fresh_pid = start_storm([fresh_exe, "fresh"])
         fc = fault_source(fresh_pid)
         fresh_modes = {"untraced": [], "top": [Attachments(fc, (), tracepoints(fc, FAULT_TPS))]}
 
