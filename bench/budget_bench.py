@@ -8,7 +8,9 @@
    uprobes (PYMTRACE_FAKE_NO_UPROBE_MULTI: the way of kernels without links, Debian 12's 6.1).
 2. The storm (bench/storm.c: malloc(64)+free pairs, one thread, CPU-bound) and redis-server
    (jemalloc) under `redis-benchmark -t set,lpush -d 200 -r 1000000 -c 10`, each untraced,
-   under `top -p PID --max-overhead PCT`, and under `top -p PID` (every call), in
+   under `top -p PID --always-on` (no malloc probe: the page-fault tracepoint top's
+   processes view runs in every mode, and top's own CPU time beside it), under `top -p PID
+   --max-overhead PCT`, and under `top -p PID` (every call), in
    interleaved rounds: the traced process's slowdown (storm: its CPU ns per pair, also over
    a control storm's run beside it at the same time, untraced: this shared machine's noise
    moves a storm's CPU time a pair by 5-10 % between phases, and cancels in that ratio;
@@ -233,7 +235,8 @@ def storm_round(storm, control, mode, args, env, batches, pairs, tmp=None):
         return res
     top = Top(storm.pid, args, env) if mode != "untraced" else None
     res = storm_batches(storm, control, batches, pairs)
-    res["calls_s"] = 2e9 / res["mean_ns_pair"]  # what full tracing counts, at its pace over the run
+    # what full tracing counts, at its pace over the run (always-on: no malloc probe, no count)
+    res["calls_s"] = 2e9 / res["mean_ns_pair"] if mode != "always-on" else None
     res["share"] = res["cpu_ns_pair"] / res["ns_pair"]  # the CPU it was given
     if top:
         top.after(time.monotonic())
@@ -242,15 +245,13 @@ def storm_round(storm, control, mode, args, env, batches, pairs, tmp=None):
     return res
 
 
-def against_control(run, untraced):
-    """RUN's slowdown against the untraced run of its round, each over the control storm's
-    CPU time a pair beside it: the machine's noise in both cancels (None: a control too
-    short to read, every call traced runs a 300th of the pairs)."""
-    if not run["control_cpu_ns_pair"] or not untraced["control_cpu_ns_pair"]:
+def against_control(run, base):
+    """RUN's slowdown against BASE (the untraced run of its round, or another mode's), each
+    over the control storm's CPU time a pair beside it: the machine's noise in both cancels
+    (None: a control too short to read, every call traced runs a 300th of the pairs)."""
+    if not run["control_cpu_ns_pair"] or not base["control_cpu_ns_pair"]:
         return None
-    return (run["cpu_ns_pair"] / run["control_cpu_ns_pair"]) / (
-        untraced["cpu_ns_pair"] / untraced["control_cpu_ns_pair"]
-    )
+    return (run["cpu_ns_pair"] / run["control_cpu_ns_pair"]) / (base["cpu_ns_pair"] / base["control_cpu_ns_pair"])
 
 
 def estimate(res, top, d):
@@ -310,6 +311,14 @@ def summarize(name, results, speed, untraced_calls_s):
         if "control_cpu_ns_pair" in runs[0]:
             row["vs untraced, each over the control"] = "/".join(
                 fmt(against_control(r, u), ".3f", after="x") for r, u in zip(runs, results["untraced"])
+            )
+        # the windows' own effect: against top with no malloc probe (its page-fault
+        # tracepoint and its own CPU time are in both), over the control where there is one
+        row["vs always-on"] = ""
+        if runs[-1].get("budget") and "always-on" in results:
+            row["vs always-on"] = "/".join(
+                fmt(against_control(r, a) if "control_cpu_ns_pair" in r else r[speed] / a[speed], ".3f", after="x")
+                for r, a in zip(runs, results["always-on"])
             )
         if mode == "untraced":
             rates = [untraced_calls_s(u, f) for u, f in zip(runs, full)]
@@ -397,7 +406,8 @@ def main():
     env = private_env(tmp)
     budget_args = ["--max-overhead", str(args.budget), "--window", str(args.window)]
     heap_mode = f"heap -p budget {args.budget:g}%"
-    modes = {"untraced": None, f"budget {args.budget:g}%": budget_args, "every call": []}
+    budget_mode = f"budget {args.budget:g}%"
+    modes = {"untraced": None, "always-on": ["--always-on"], budget_mode: budget_args, "every call": []}
     storm_modes = modes | {heap_mode: budget_args}
     rows = []
     try:
