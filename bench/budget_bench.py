@@ -12,12 +12,14 @@
    processes view runs in every mode, and top's own CPU time beside it), under `top -p PID
    --max-overhead PCT`, and under `top -p PID` (every call), in
    interleaved rounds: the traced process's slowdown (storm: its CPU ns per pair, also over
-   a control storm's run beside it at the same time, untraced: this shared machine's noise
-   moves a storm's CPU time a pair by 5-10 % between phases, and cancels in that ratio;
-   redis: requests/s) against the untraced run of the same round, and the malloc-API call
-   rate top estimated under the budget (its pooled windows' pace) against the rate full
-   tracing counted in the same round (storm: 2 calls a pair at its mean ns per pair; redis:
-   the calls top counted over the benchmark's wall time), beside the untraced rate (storm:
+   that of a control storm running untraced beside it all the while, in its own batches:
+   this shared machine's noise moves a storm's CPU time a pair by 5-10 % between phases,
+   and cancels in that ratio; redis: requests/s) against the untraced run of the same
+   round and against top --always-on's (the windows' own share), and the malloc-API call
+   rate top estimated under the budget (its estimated calls' growth a second inside the
+   run; beside it the pace of its last windows) against the rate full tracing counted in
+   the same round (storm: 2 calls a pair at its mean ns per pair; redis: the calls top
+   counted over the benchmark's wall time), beside the untraced rate (storm:
    its untraced ns per pair; redis: its untraced requests/s x the calls a request full
    tracing counted): both are saturated, so their estimates are their pace under the traps.
 3. Steps (tests/support/workloads/top_budget.c: paced mallocs, ~100 us of work each, at
@@ -86,6 +88,7 @@ class Top:
             env=env,
         )
         self.pid = pid
+        self.seen = []  # every document handed out
         self.docs = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.last = self.before = self.doc()
@@ -99,6 +102,7 @@ class Top:
         d = self.docs.get(timeout=120)
         if d is None:
             raise SystemExit("top ended early")
+        self.seen.append(d)
         return d
 
     def after(self, t):
@@ -204,25 +208,52 @@ class Storm:
         self.proc.wait()
 
 
+class Control(Storm):
+    """An untraced storm running batches of PAIRS pairs back to back in its own thread, beside
+    the traced storm's phases: what the machine's noise did to a storm then (never in step
+    with the traced storm, which would wait for it between batches and idle in a window)."""
+
+    def __init__(self, exe, env, pairs=5_000_000):
+        super().__init__(exe, env)
+        self.pairs, self.done = pairs, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.send(self.pairs)
+            self.proc.stdout.readline()
+            self.done += self.pairs + 1000  # (storm.c's 1000 warm-up pairs a batch)
+
+    def mark(self):
+        """(its CPU seconds, the pairs of its finished batches): a batch in progress at each
+        end is off by at most one batch (~45 ms of a minute)."""
+        return cpu_seconds(self.pid), self.done
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        super().close()
+
+
 def storm_batches(storm, control, batches, pairs):
-    """BATCHES batches of PAIRS malloc(64)+free pairs in STORM, each beside a batch of as many
-    in CONTROL (untraced, at the same time: what the machine's noise did to a storm then):
+    """BATCHES batches of PAIRS malloc(64)+free pairs in STORM, beside CONTROL running on:
     STORM's median ns a pair, its CPU ns a pair, its wall seconds, and CONTROL's CPU ns a
-    pair over the same batches."""
-    cpu0, ctl0, t0 = cpu_seconds(storm.pid), cpu_seconds(control.pid), time.monotonic()
+    pair over the same time."""
+    cpu0, ctl0, t0 = cpu_seconds(storm.pid), control.mark(), time.monotonic()
     ns = []
     for _ in range(batches):
         storm.send(pairs)
-        control.send(pairs)
         ns.append(float(storm.proc.stdout.readline()))
-        control.proc.stdout.readline()
     n = batches * (pairs + 1000)
+    ctl1 = control.mark()
     return {
         "ns_pair": statistics.median(ns),
         "mean_ns_pair": statistics.fmean(ns),
         "cpu_ns_pair": (cpu_seconds(storm.pid) - cpu0) / n * 1e9,
         "seconds": time.monotonic() - t0,
-        "control_cpu_ns_pair": (cpu_seconds(control.pid) - ctl0) / n * 1e9,
+        "control_cpu_ns_pair": (ctl1[0] - ctl0[0]) / (ctl1[1] - ctl0[1]) * 1e9 if ctl1[1] > ctl0[1] else None,
     }
 
 
@@ -234,13 +265,14 @@ def storm_round(storm, control, mode, args, env, batches, pairs, tmp=None):
         res["heap"] = tuple(next((x for x in lines if word in x), "") for word in ("ESTIMATE", "measured cost"))
         return res
     top = Top(storm.pid, args, env) if mode != "untraced" else None
+    t0 = time.monotonic()
     res = storm_batches(storm, control, batches, pairs)
     # what full tracing counts, at its pace over the run (always-on: no malloc probe, no count)
     res["calls_s"] = 2e9 / res["mean_ns_pair"] if mode != "always-on" else None
     res["share"] = res["cpu_ns_pair"] / res["ns_pair"]  # the CPU it was given
     if top:
         top.after(time.monotonic())
-        estimate(res, top, top.before)
+        estimate(res, top, t0, t0 + res["seconds"])
         top.stop()
     return res
 
@@ -248,18 +280,28 @@ def storm_round(storm, control, mode, args, env, batches, pairs, tmp=None):
 def against_control(run, base):
     """RUN's slowdown against BASE (the untraced run of its round, or another mode's), each
     over the control storm's CPU time a pair beside it: the machine's noise in both cancels
-    (None: a control too short to read, every call traced runs a 300th of the pairs)."""
+    (None: no control batch ended within one of them)."""
     if not run["control_cpu_ns_pair"] or not base["control_cpu_ns_pair"]:
         return None
     return (run["cpu_ns_pair"] / run["control_cpu_ns_pair"]) / (base["cpu_ns_pair"] / base["control_cpu_ns_pair"])
 
 
-def estimate(res, top, d):
-    """RES gains the budget's state and, under a budget, the estimate of TOP's process in D."""
+def estimate(res, top, t0, t1):
+    """RES gains the budget's state and, under a budget, TOP's process's estimated call rate
+    over the run [T0, T1]: its estimated calls' growth a second from the first document
+    inside the run that has them to the last one inside it (the estimates carry each
+    window's pace over the time after it: a workload whose pace moves, redis-benchmark's SET
+    test then its LPUSH test, is compared with full tracing's count over the same run, not
+    with the pace of its last windows), with the estimate's error and saturation there."""
+    inside = [d for d in top.seen if t0 <= d["time"] <= t1]
+    d = inside[-1] if inside else top.before
     res["budget"] = d["snapshot"].get("budget")
     if res["budget"]:
         e = d["snapshot"]["processes"][str(top.pid)].get("estimate", {})
-        res["calls_s"] = e.get("calls_per_second")
+        counted = [x for x in inside if top.mallocs(x)]
+        a, b = (counted[0], counted[-1]) if counted else (None, None)
+        res["calls_s"] = (top.mallocs(b) - top.mallocs(a)) / (b["time"] - a["time"]) if a and b is not a else None
+        res["pace"] = e.get("calls_per_second")  # its last windows'
         res["error"], res["saturated"] = e.get("error"), e.get("saturated")
         res["share"] = e["sampled_cpu_seconds"] / e["sampled_seconds"] if e.get("sampled_seconds") else None
 
@@ -293,7 +335,7 @@ def redis_round(server, port, mode, args, env, requests, tmp):
         d = top.after(t1)
         res["calls_s"] = (top.mallocs(d) - before) / (t1 - t0)  # full tracing: every call counted
         res["calls_request"] = (top.mallocs(d) - before) / res["requests"]
-        estimate(res, top, top.before)
+        estimate(res, top, t0, t1)
         top.stop()
     return res
 
@@ -325,13 +367,17 @@ def summarize(name, results, speed, untraced_calls_s):
             row["calls/s"] = "/".join(f"{x:,.0f}" for x in rates)
         else:
             row["calls/s"] = "/".join(f"{r['calls_s']:,.0f}" if r["calls_s"] else "-" for r in runs)
-        row |= dict.fromkeys(("estimated / full tracing", "error (95%)", "saturated", "CPU share"), "")
+        row |= dict.fromkeys(("estimated / full tracing", "its last windows' pace / full", "error (95%)"), "")
+        row |= dict.fromkeys(("saturated", "CPU share"), "")
         row["measured overhead %"] = ""
         row["windows"] = ""
         b = runs[-1].get("budget")
         if b:
             row["estimated / full tracing"] = "/".join(
                 f"{r['calls_s'] / f['calls_s']:.3f}" if r["calls_s"] else "no window" for r, f in zip(runs, full)
+            )
+            row["its last windows' pace / full"] = "/".join(
+                fmt(r["pace"] and r["pace"] / f["calls_s"], ".3f") for r, f in zip(runs, full)
             )
             row["error (95%)"] = "/".join(f"±{100 * r['error']:.1f} %" if r["error"] else "-" for r in runs)
             row["saturated"] = "/".join(str(r["saturated"]) for r in runs)
@@ -413,7 +459,7 @@ def main():
     try:
         switch = switch_costs(env, tmp, 5)
         storm_exe = build_c(tmp, "storm", HERE / "storm.c")
-        storm, control = Storm(storm_exe, env), Storm(storm_exe, env)
+        storm, control = Storm(storm_exe, env), Control(storm_exe, env)
         results = {m: [] for m in storm_modes}
         for r in range(args.rounds):
             for mode, margs in storm_modes.items():
