@@ -10,6 +10,7 @@ it, uprobes (recorder.Recorder) otherwise, with the reason."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import os
@@ -173,7 +174,9 @@ class ExecWatched(drain.Watched):
 
     def __init__(self, target: int, launched: object, follow: bool) -> None:
         super().__init__(target, launched, follow)
-        self.execs: list[tuple[int, dict[str, str], str, int | None]] = []  # (pid, environment, exe, euid)
+        # (pid, environment, exe, euid): appended in the events' thread, taken in the drain's
+        # (one deque: a list swapped for a new one lost appends bound to the old one meanwhile)
+        self.execs: collections.deque[tuple[int, dict[str, str], str, int | None]] = collections.deque()
         self.tree: set[int] = {target}  # every process followed, also those ended since
 
     def start(self) -> None:
@@ -199,7 +202,9 @@ class ExecWatched(drain.Watched):
 
     def take_execs(self) -> list[tuple[int, dict[str, str], str, int | None]]:
         """The execs of processes followed seen since the last call."""
-        execs, self.execs = self.execs, []  # (a list's swap is atomic under the GIL)
+        execs = []
+        while self.execs:
+            execs.append(self.execs.popleft())
         return execs
 
 

@@ -300,3 +300,27 @@ def test_a_childs_exec_is_told_when_its_fork_comes_after_the_last_poll():
     (told,) = watched.take_execs()
     assert told[0] == me and told[2] == os.path.realpath(f"/proc/{me}/exe") and told[3] == os.geteuid()
     assert watched.take_execs() == []
+
+
+def test_an_exec_is_told_when_the_execs_are_taken_while_it_is_read(monkeypatch):
+    """The drain takes the execs while the events' thread reads an exec's /proc entries (its
+    I/O lets the other thread run): that exec is told at the next take, not lost."""
+    import queue
+    import types
+
+    from pymtrace.recorder import inprocess
+    from pymtrace.tracee.procevents import ProcEvent
+
+    watched = inprocess.ExecWatched(target=os.getpid(), launched=None, follow=True)
+    watched.procevents = types.SimpleNamespace(queue=queue.Queue(), dropped=0)
+    taken = []
+    real_uid = inprocess.proc.effective_uid
+
+    def uid_read_while_the_drain_takes(pid):
+        taken.extend(watched.take_execs())  # (the drain's thread, in the middle of the read)
+        return real_uid(pid)
+
+    monkeypatch.setattr(inprocess.proc, "effective_uid", uid_read_while_the_drain_takes)
+    me = os.getpid()
+    watched._seen(ProcEvent("exec", me, me, None, None, 0.0))
+    assert taken == [] and [e[0] for e in watched.take_execs()] == [me]
