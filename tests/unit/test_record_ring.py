@@ -3,16 +3,19 @@ the recorder's output files (no BPF)."""
 
 import mmap
 import os
+import queue
 import struct
+import types
 
 import pytest
 
 from pymtrace.bpf import ringbuf
 from pymtrace.commands import record
 from pymtrace.errors import PymtraceError, WriteFailed
-from pymtrace.recorder import drain, outputs
+from pymtrace.recorder import drain, inprocess, outputs
 from pymtrace.trace.formats import mtrace_bin as B
 from pymtrace.tracee import probesite
+from pymtrace.tracee.procevents import ProcEvent
 
 PAGE = mmap.PAGESIZE
 SIZE = 4 * PAGE
@@ -282,17 +285,17 @@ def test_drain_pacer_waits_for_a_large_batch_within_bounds():
     assert drain.DrainPacer(419_430, fixed=0.05).wait(10**6, 1.0) == 0.05  # --poll-interval 50
 
 
+def _exec_watched(target):
+    """record's ExecWatched of TARGET, fed events by the test (no cn_proc socket)."""
+    watched = inprocess.ExecWatched(target=target, launched=None, follow=True)
+    watched.procevents = types.SimpleNamespace(queue=queue.Queue(), dropped=0)  # (ProcEvents' own)
+    return watched
+
+
 def test_a_childs_exec_is_told_when_its_fork_comes_after_the_last_poll():
     """A followed child's fork and exec can both arrive between a poll's drain and the
     next take of the execs: the exec is still told, and an unrelated process's is not."""
-    import queue
-    import types
-
-    from pymtrace.recorder.inprocess import ExecWatched
-    from pymtrace.tracee.procevents import ProcEvent
-
-    watched = ExecWatched(target=1, launched=None, follow=True)
-    watched.procevents = types.SimpleNamespace(queue=queue.Queue(), dropped=0)  # (ProcEvents' own)
+    watched = _exec_watched(1)
     me, other = os.getpid(), os.getppid()
     watched._seen(ProcEvent("fork", me, me, 1, None, 0.0))
     watched._seen(ProcEvent("exec", me, me, None, None, 0.0))
@@ -305,14 +308,7 @@ def test_a_childs_exec_is_told_when_its_fork_comes_after_the_last_poll():
 def test_an_exec_is_told_when_the_execs_are_taken_while_it_is_read(monkeypatch):
     """The drain takes the execs while the events' thread reads an exec's /proc entries (its
     I/O lets the other thread run): that exec is told at the next take, not lost."""
-    import queue
-    import types
-
-    from pymtrace.recorder import inprocess
-    from pymtrace.tracee.procevents import ProcEvent
-
-    watched = inprocess.ExecWatched(target=os.getpid(), launched=None, follow=True)
-    watched.procevents = types.SimpleNamespace(queue=queue.Queue(), dropped=0)
+    watched = _exec_watched(os.getpid())
     taken = []
     real_uid = inprocess.proc.effective_uid
 
