@@ -329,7 +329,8 @@ class _Measured:
     read at its start and end, each process's pace (CPU ns per ns) before the window, and
     the scheduler's demand of the threads of the processes known to call (DEMAND0, END's
     DEMAND1: {pid: {tid: ns run + ns waiting to run}}, each read from monotonic ns DEMAND_AT
-    on: its own span, not the part's, which the reads before it would stretch or shrink)."""
+    on: its own span, not the part's, which the reads before it would stretch or shrink);
+    STATS: whether the BPF statistics were on (else its runs were counted)."""
 
     def __init__(
         self,
@@ -340,11 +341,12 @@ class _Measured:
         pace: dict,
         demand0: dict | None = None,
         demand_at: int | None = None,
+        stats: bool = True,
     ) -> None:
         self.counts0, self.cpu0, self._runs0, self._t0, self.pace = counts0, cpu0, runs0, t0, pace
         self.demand0 = demand0 or {}
         self.demand1 = {}
-        self.stats = True  # the BPF statistics were on in it
+        self.stats = stats
         self._demand_at0, self._demand_at1 = demand_at, None
 
     def end(
@@ -733,8 +735,7 @@ class Windows:
         counts0 = self._read_counts()
         cpu0, runs0_in = self._cpu(candidates), runs(counts0)
         demand_at = time.monotonic_ns()
-        m = _Measured(counts0, cpu0, runs0_in, begun, pace, self._demand(callers), demand_at)
-        m.stats = stats
+        m = _Measured(counts0, cpu0, runs0_in, begun, pace, self._demand(callers), demand_at, stats)
         self._stop.wait(length)
         ended = self.parts.end()
         counts1 = self._read_counts()
