@@ -12,11 +12,12 @@ sources.heapprofile.WindowedProfile). What a window costs is measured, not assum
          runs, BPF run time: the kernel's BPF statistics (run_cnt, run_time_ns of the
            malloc programs, BPF_ENABLE_STATS on while a window's probes are attached);
            a source whose counters see every call (WindowedMalloc: 2 runs an allocating
-           call, 1 a free) has them on in one window of STATS_EVERY only: the statistics
-           slow every program run (2-13 % of a fully traced malloc storm's CPU time a call,
-           measured), so a window with them on would slow a saturated process more than
-           full tracing does; the other windows cost their counted runs at the trap and
-           BPF ns a counted run of the last window with them on;
+           call, 1 a free) has them on in one window of STATS_EVERY only, for its first
+           STATS_PART: the statistics slow every program run (2-13 % of a fully traced
+           malloc storm's CPU time a call, 15-20 % of redis-server's pace, measured), so a
+           saturated process's pace measured with them on would be slower than under full
+           tracing; the rest of the window, and the other windows, cost their counted runs
+           at the trap and BPF ns a counted run had while they were last on;
          trap: the kernel's work around each run (the breakpoint exception, the uprobe
            lookup, the emulated instruction or return trampoline), calibrated at start in
            this process (calibrate(): malloc+free pairs with and without uprobes running an
@@ -54,8 +55,7 @@ of its threads never slept in the window, by the scheduler's counts, while the t
 more than 5 % of its CPU time). Its untraced pace is not estimated: its own work cannot be
 told from the traps' time where the traps are most of its CPU time (a malloc storm: 99 %),
 not to the calibration's +-50 % (no instruction counter to count its own work); its pace
-under the traps is pooled over its last saturated windows (up to POOLED; those without the
-BPF statistics only, where it has such: full tracing runs without them). Their error
+under the traps is pooled over its last saturated windows (up to POOLED). Their error
 (95 %): the window's count (Poisson) and the spread of its last windows' paces.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
@@ -98,8 +98,9 @@ BUSY, SLOWED_SHARE = 0.9, 0.05
 CALIBRATION_PAIRS = 20000
 CALIBRATION_ROUNDS = 5
 RECENT = 4  # windows whose spread is part of a process's error
-# a source that counts its runs itself: the BPF statistics on in one window of this many
-STATS_EVERY = 4
+# a source that counts its runs itself: the BPF statistics on in one window of this many, for
+# this part of it (its measured part, a process's pace, the rest: they slow every run)
+STATS_EVERY, STATS_PART = 4, 0.5
 POOLED = 16  # a saturated process's newest saturated windows pooled into its pace
 # a saturated process: windows the budget affords every this many seconds (not shorter than
 # the minimum: the attach and detach around a window cost milliseconds of CPU)
@@ -280,7 +281,6 @@ class _Sample(typing.NamedTuple):
     saturated: bool = False
     trap_share: float | None = None
     cpu_ns: int = 0
-    stats: bool = True  # the BPF statistics were on (they slow every program run)
 
 
 def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
@@ -290,8 +290,7 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
     of the last windows' rates (how much its pace moves between windows is what one window
     can be off by). A saturated one: its pace under the traps follows the CPU the scheduler
     gives it in each short window, so its newest run of saturated windows is pooled (calls
-    over their time; those without the BPF statistics only, where the run has such: they
-    slow it more than full tracing does) and the spread's error is that of their mean."""
+    over their time) and the spread's error is that of their mean."""
     last = samples[-1]
     pooled = [last]
     if last.saturated:
@@ -299,8 +298,6 @@ def _rate(samples: list[_Sample]) -> tuple[list[float], float | None]:
             if not x.saturated:
                 break
             pooled.append(x)
-        if not all(x.stats for x in pooled):
-            pooled = [x for x in pooled if not x.stats]
     ns = sum(x.ns for x in pooled)
     per_s = [sum(col) * 1e9 / ns for col in zip(*(x.counts for x in pooled))]
     calls = sum(x.calls for x in pooled)
@@ -329,8 +326,7 @@ class _Measured:
     read at its start and end, each process's pace (CPU ns per ns) before the window, and
     the scheduler's demand of the threads of the processes known to call (DEMAND0, END's
     DEMAND1: {pid: {tid: ns run + ns waiting to run}}, each read from monotonic ns DEMAND_AT
-    on: its own span, not the part's, which the reads before it would stretch or shrink);
-    STATS: whether the BPF statistics were on (else its runs were counted)."""
+    on: its own span, not the part's, which the reads before it would stretch or shrink)."""
 
     def __init__(
         self,
@@ -341,12 +337,10 @@ class _Measured:
         pace: dict,
         demand0: dict | None = None,
         demand_at: int | None = None,
-        stats: bool = True,
     ) -> None:
         self.counts0, self.cpu0, self._runs0, self._t0, self.pace = counts0, cpu0, runs0, t0, pace
         self.demand0 = demand0 or {}
         self.demand1 = {}
-        self.stats = stats
         self._demand_at0, self._demand_at1 = demand_at, None
 
     def end(
@@ -717,15 +711,34 @@ class Windows:
         stats = not self.counts_runs or self._per_counted is None or self.windows % STATS_EVERY == 0
         if stats and not self._bpfstats.enable():
             raise PymtraceError("the kernel's BPF statistics could not be turned on again (BPF_ENABLE_STATS)")
-        before = {} if stats else self._read_counts()
+        # the window's runs so far: the statistics' count while they are on (ON), then the
+        # runs its counters tell since they went off (OFF_AT) on top of the statistics' last
+        on, off_at, on_runs = stats, {} if stats else self._read_counts(), (0, 0, 0.0)
 
         def runs(counts: dict[int, list[int]]) -> tuple[int, int, float]:
-            return self._runs() if stats else self._counted(before, counts)
+            if on:
+                return self._runs()
+            n, bpf, trap = self._counted(off_at, counts)
+            return on_runs[0] + n, on_runs[1] + bpf, on_runs[2] + trap
 
-        runs0 = runs(before)
+        runs0 = runs(off_at)
         began = time.thread_time_ns()
         self._attach_all()
         attach_ns = time.thread_time_ns() - began
+        if stats and self.counts_runs:
+            # a source that counts its runs: the statistics on for the first part of the window
+            # only, to price a counted run; they slow every run, so a saturated process's
+            # pace is measured after they go off, as full tracing runs
+            counts_a, runs_a = self._read_counts(), self._runs()
+            self._stop.wait(length * STATS_PART)
+            counts_b, runs_b = self._read_counts(), self._runs()
+            counted = self._counted_runs(counts_a, counts_b)
+            if counted:
+                self._per_counted = ((runs_b[2] - runs_a[2]) / counted, (runs_b[1] - runs_a[1]) / counted)
+            if self._per_counted is not None:
+                self._bpfstats.close()
+                on, off_at, on_runs = False, counts_b, runs_b
+                length *= 1 - STATS_PART
         # the measured part: every probe attached (calls and CPU read at both ends)
         callers = self._callers(candidates)
         # each end's time taken just before its counts: reading every process's CPU clock
@@ -735,7 +748,7 @@ class Windows:
         counts0 = self._read_counts()
         cpu0, runs0_in = self._cpu(candidates), runs(counts0)
         demand_at = time.monotonic_ns()
-        m = _Measured(counts0, cpu0, runs0_in, begun, pace, self._demand(callers), demand_at, stats)
+        m = _Measured(counts0, cpu0, runs0_in, begun, pace, self._demand(callers), demand_at)
         self._stop.wait(length)
         ended = self.parts.end()
         counts1 = self._read_counts()
@@ -747,7 +760,7 @@ class Windows:
         self._detached()
         counts = self._read_counts()
         runs1 = runs(counts)
-        if stats:
+        if on:
             self._bpfstats.close()
         end_cpu = self._cpu(candidates)
         t1 = time.monotonic_ns()
@@ -764,10 +777,6 @@ class Windows:
                 # measured part: capped there, it bounds the model (a saturated process's
                 # CPU time during a detach's ~0.1 s is mostly its own: the breakpoints go first)
                 trap_ns = min(trap_ns, m.trap_ns * (runs1[0] - runs0[0]) / m.runs)
-            if stats and self.counts_runs:
-                counted = self._counted_runs(m.counts0, m.counts1)
-                if counted:
-                    self._per_counted = (m.trap_ns / counted, m.bpf_ns / counted)
             self.windows += 1
             self.stats_windows += stats
             self.window_ns += t1 - t0
@@ -942,7 +951,7 @@ class WindowedMalloc(Windows, MallocSource):
                     uncertain = trap * TRAP_UNCERTAINTY + share * m.runs * self.trap.spread_ns
                     saturated = paced > own and (own < paced - uncertain or cpu - paced < cost - uncertain)
             calls = sum(d[: self._n_calls]) - (d[self._free_null] if self._free_null is not None else 0)
-            out[pid] = _Sample(d, ns, calls, saturated, trap_share, cpu, m.stats)
+            out[pid] = _Sample(d, ns, calls, saturated, trap_share, cpu)
         return out
 
     def _begin(self, now_ns: int) -> None:

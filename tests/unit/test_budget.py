@@ -3,6 +3,7 @@ pace (saturated or not), the views' and the exporter's estimates. Against real p
 tests/live/test_top_budget.py and tests/live/test_exporter_bpf.py."""
 
 import os
+import time
 
 import pytest
 from support.cli import run_pymtrace
@@ -170,20 +171,77 @@ def test_a_saturated_process_pools_at_most_its_newest_pooled_windows():
     assert b._rate(calm + spread)[1] == pytest.approx(b._rate(spread)[1])
 
 
-def test_a_saturated_process_is_paced_from_its_windows_without_the_bpf_statistics():
-    """The BPF statistics slow every program run: a saturated process's pace is pooled from
-    the windows of its run that had them off (as full tracing has), where it has such; one
-    with CPU to spare keeps its newest window's, statistics or not."""
-    src = _source()
+class _Switch:
+    """The kernel's BPF statistics switch (BpfStats): whether they are on."""
 
-    def busy(n, stats):
-        return src._samples(_measured(src, 1, n, 1_000_000_000, 1.0, 3 * n))[1]._replace(stats=stats)
+    def __init__(self):
+        self.on, self.switched = False, 0
 
-    run = [busy(300_000, False), busy(200_000, True), busy(300_000, False), busy(200_000, True)]
-    assert b._rate(run)[0][call_names_index("malloc")] == pytest.approx(300_000)
-    assert b._rate(run[1::2])[0][call_names_index("malloc")] == pytest.approx(200_000)  # none without
-    calm = src._samples(_measured(src, 1, 40_000, 230_000_000, 0.2, 30_000))[1]
-    assert b._rate([calm._replace(stats=False), calm])[0][call_names_index("malloc")] == pytest.approx(40_000)
+    def enable(self):
+        self.on, self.switched = True, self.switched + 1
+        return True
+
+    def close(self):
+        self.on = False
+
+
+class _Counting(b.Windows):
+    """The scheduler over a process that makes 100 malloc+free pairs (300 runs: 900 ns of
+    trap and 50 of BPF each) between two readings of its counters; the kernel's statistics
+    count those made while they are on. Each measured part's end is kept with whether the
+    statistics were on when it began."""
+
+    counts_runs = True
+
+    def __init__(self):
+        self.pids, self.bpf = [1], _Switch()  # (any object: no probes to release)
+        self._init_windows(b.Budget(1, 0.02))
+        self._bpfstats = _Switch()
+        self.n = self.stats_n = 0
+        self.parts_read = []  # (n at the measured part's start, statistics on then)
+        self._meter = b._CpuMeter([os.getpid()])
+        self._start_ns = time.monotonic_ns()
+        self._last_cpu = (self._start_ns, self._cpu(self.pids))
+        self.measured = []
+
+    def _window_attachments(self):
+        return ()
+
+    def _read_counts(self):
+        self.n += 100
+        self.stats_n += 100 if self._bpfstats.on else 0
+        self.parts_read.append((self.n, self._bpfstats.on))
+        return {1: [self.n]}
+
+    def _runs(self):
+        runs = 3 * self.stats_n
+        return runs, 50 * runs, 900.0 * runs
+
+    def _cpu(self, pids):
+        return {1: 10_000 * self.n}  # 10 us a pair: the traps never more than it ran
+
+    def _counted_runs(self, before, after):
+        return sum(3 * (c[0] - before.get(pid, [0])[0]) for pid, c in after.items())
+
+    def _window_closes(self, m, counts, start_ns, now_ns):
+        self.measured.append((m, dict(self.parts_read)[m.counts0[1][0]]))
+        return 0
+
+
+def test_the_statistics_price_a_counted_run_and_are_off_where_the_pace_is_measured():
+    """A window with the BPF statistics has them on for its first part only: the trap and
+    BPF ns of a counted run are found there, and its measured part (a saturated process's
+    pace: the statistics slow every run) begins after they went off, its runs counted and
+    priced at them; the next window does not turn them on. Each window's cost is every run
+    it made at that price."""
+    w = _Counting()
+    w._window(0.02)
+    assert w._per_counted == (900.0, 50.0) and w._bpfstats.switched == 1 and not w._bpfstats.on
+    (m, on), runs = w.measured[0], 3 * w.n  # (the statistics counted from before the first reading)
+    assert not on and m.runs == 300 and (m.bpf_ns, m.trap_ns) == (300 * 50, 300 * 900.0)
+    assert (w.bpf_ns, w.trap_ns) == (50 * runs, 900 * runs)
+    w._window(0.02)
+    assert w._bpfstats.switched == 1 and not w.measured[1][1] and w.stats_windows == 1
 
 
 def test_a_windows_runs_are_counted_where_the_statistics_are_off():
