@@ -12,8 +12,8 @@ sources.heapprofile.WindowedProfile). What a window costs is measured, not assum
          runs, BPF run time: the kernel's BPF statistics (run_cnt, run_time_ns of the
            malloc programs, BPF_ENABLE_STATS on while a window's probes are attached);
            a source whose counters see every call (WindowedMalloc: 2 runs an allocating
-           call, 1 a free) has them on in one window of STATS_EVERY only, for its first
-           STATS_PART: the statistics slow every program run (2-13 % of a fully traced
+           call, 1 a free) has them on in one window of STATS_EVERY only, for a part
+           (STATS_PART of its length) before its measured part: the statistics slow every program run (2-13 % of a fully traced
            malloc storm's CPU time a call, 15-20 % of redis-server's pace, measured), so a
            saturated process's pace measured with them on would be slower than under full
            tracing; the rest of the window, and the other windows, cost their counted runs
@@ -99,7 +99,8 @@ CALIBRATION_PAIRS = 20000
 CALIBRATION_ROUNDS = 5
 RECENT = 4  # windows whose spread is part of a process's error
 # a source that counts its runs itself: the BPF statistics on in one window of this many, for
-# this part of it (its measured part, a process's pace, the rest: they slow every run)
+# this part of its length more, before its measured part (a process's pace: they slow every
+# run; its measured part as long as any window's, whose reads at its ends slow a short one)
 STATS_EVERY, STATS_PART = 4, 0.5
 POOLED = 16  # a saturated process's newest saturated windows pooled into its pace
 # a saturated process: windows the budget affords every this many seconds (not shorter than
@@ -623,6 +624,7 @@ class Windows:
         its fixed cost (the traps while its probes are attached and detached, and that CPU);
         until a window has seen calls, a short one's, its traps taking as much CPU time as
         the traced processes run."""
+        length *= 1 + self._stats_part()
         if self._rate is None:  # as many traps as the CPU they run (a short window)
             return max(self._pace(), self._then[1]) * length * 1e9 + self._switch
         # as busy as then, it costs as much; busier, more: as the traced processes' CPU pace
@@ -646,6 +648,13 @@ class Windows:
         earned = self.budget.max_overhead / 100 * max(self._pace(), self._then[1]) * SATURATED_SPACING * 1e9
         affordable = (earned - self._switch) / (self._rate * 1e9)
         return min(self.budget.window, max(affordable, SATURATED_MIN_WINDOW))
+
+    def _stats_part(self) -> float:
+        """The part of its length the next window adds before its measured part with the BPF
+        statistics on, to price a counted run (a source that counts its runs: until one is
+        priced, then in one window of STATS_EVERY); 0 without."""
+        pricing = self.counts_runs and (self._per_counted is None or self.windows % STATS_EVERY == 0)
+        return STATS_PART if pricing else 0.0
 
     def _any_saturated(self) -> bool:
         """Whether the traced processes were slowed by the traps in the last window: here
@@ -708,7 +717,8 @@ class Windows:
         with self._state:
             self._useful_ns()
             pace_before = self._pace()
-        stats = not self.counts_runs or self._per_counted is None or self.windows % STATS_EVERY == 0
+        pricing = self._stats_part()
+        stats = not self.counts_runs or pricing > 0
         if stats and not self._bpfstats.enable():
             raise PymtraceError("the kernel's BPF statistics could not be turned on again (BPF_ENABLE_STATS)")
         # the window's runs so far: the statistics' count while they are on (ON), then the
@@ -725,12 +735,12 @@ class Windows:
         began = time.thread_time_ns()
         self._attach_all()
         attach_ns = time.thread_time_ns() - began
-        if stats and self.counts_runs:
-            # a source that counts its runs: the statistics on for the first part of the window
-            # only, to price a counted run; they slow every run, so a saturated process's
+        if pricing:
+            # a source that counts its runs: the statistics on for a part before the measured
+            # one only, to price a counted run; they slow every run, so a saturated process's
             # pace is measured after they go off, as full tracing runs
             counts_a, runs_a = self._read_counts(), self._runs()
-            self._stop.wait(length * STATS_PART)
+            self._stop.wait(length * pricing)
             counts_b, runs_b = self._read_counts(), self._runs()
             counted = self._counted_runs(counts_a, counts_b)
             if counted:
@@ -738,7 +748,6 @@ class Windows:
             if self._per_counted is not None:
                 self._bpfstats.close()
                 on, off_at, on_runs = False, counts_b, runs_b
-                length *= 1 - STATS_PART
         # the measured part: every probe attached (calls and CPU read at both ends)
         callers = self._callers(candidates)
         # each end's time taken just before its counts: reading every process's CPU clock

@@ -229,19 +229,25 @@ class _Counting(b.Windows):
 
 
 def test_the_statistics_price_a_counted_run_and_are_off_where_the_pace_is_measured():
-    """A window with the BPF statistics has them on for its first part only: the trap and
-    BPF ns of a counted run are found there, and its measured part (a saturated process's
-    pace: the statistics slow every run) begins after they went off, its runs counted and
-    priced at them; the next window does not turn them on. Each window's cost is every run
-    it made at that price."""
+    """A window with the BPF statistics has them on for a part before its measured part only
+    (half its length more): the trap and BPF ns of a counted run are found there, and its
+    measured part (a saturated process's pace: the statistics slow every run), as long as
+    any window's, begins after they went off, its runs counted and priced at them; the next
+    windows do not turn them on until the 4th after. Each window's cost is every run it
+    made at that price, and the one with the statistics is predicted to cost that more."""
     w = _Counting()
     w._window(0.02)
     assert w._per_counted == (900.0, 50.0) and w._bpfstats.switched == 1 and not w._bpfstats.on
     (m, on), runs = w.measured[0], 3 * w.n  # (the statistics counted from before the first reading)
     assert not on and m.runs == 300 and (m.bpf_ns, m.trap_ns) == (300 * 50, 300 * 900.0)
+    assert m.seconds >= 0.02
     assert (w.bpf_ns, w.trap_ns) == (50 * runs, 900 * runs)
     w._window(0.02)
     assert w._bpfstats.switched == 1 and not w.measured[1][1] and w.stats_windows == 1
+    plain = w._predicted(1.0)
+    w.windows = b.STATS_EVERY
+    assert w._stats_part() == b.STATS_PART
+    assert w._predicted(1.0) - w._switch == pytest.approx((plain - w._switch) * (1 + b.STATS_PART))
 
 
 def test_a_windows_runs_are_counted_where_the_statistics_are_off():
