@@ -306,6 +306,13 @@ def estimate(res, top, t0, t1):
         a, b = (counted[0], counted[-1]) if counted else (None, None)
         res["calls_s"] = (top.mallocs(b) - top.mallocs(a)) / (b["time"] - a["time"]) if a and b is not a else None
         res["pace"] = e.get("calls_per_second")  # its last windows'
+        # each window's outcome as the reports saw it: (seconds into the run, pace, saturated)
+        paces = {}
+        for x in top.seen:
+            xe = x["snapshot"]["processes"].get(str(top.pid), {}).get("estimate", {})
+            if xe.get("windows") and xe["windows"] not in paces and xe.get("calls_per_second") is not None:
+                paces[xe["windows"]] = (round(x["time"] - t0, 1), round(xe["calls_per_second"]), xe["saturated"])
+        res["windows_seen"] = list(paces.values())
         res["error"], res["saturated"] = e.get("error"), e.get("saturated")
         res["share"] = e["sampled_cpu_seconds"] / e["sampled_seconds"] if e.get("sampled_seconds") else None
 
