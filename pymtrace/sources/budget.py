@@ -13,11 +13,12 @@ sources.heapprofile.WindowedProfile). What a window costs is measured, not assum
            malloc programs, BPF_ENABLE_STATS on while a window's probes are attached);
            a source whose counters see every call (WindowedMalloc: 2 runs an allocating
            call, 1 a free) has them on in one window of STATS_EVERY only, for a part
-           (STATS_PART of its length) before its measured part: the statistics slow every program run (2-13 % of a fully traced
-           malloc storm's CPU time a call, 15-20 % of redis-server's pace, measured), so a
-           saturated process's pace measured with them on would be slower than under full
-           tracing; the rest of the window, and the other windows, cost their counted runs
-           at the trap and BPF ns a counted run had while they were last on;
+           (STATS_PART of its length) before its measured part: the statistics slow every
+           program run (2-13 % of a fully traced malloc storm's CPU time a call, 15-20 % of
+           redis-server's pace, measured), so a saturated process's pace measured with
+           them on would be slower than under full tracing; the rest of the window, and
+           the other windows, cost their counted runs at the trap and BPF ns a counted run
+           had while they were last on;
          trap: the kernel's work around each run (the breakpoint exception, the uprobe
            lookup, the emulated instruction or return trampoline), calibrated at start in
            this process (calibrate(): malloc+free pairs with and without uprobes running an
