@@ -22,7 +22,11 @@
    the same round (storm: 2 calls a pair at its mean ns per pair; redis: the calls top
    counted over the benchmark's wall time, the mean of a run just before the budget's and
    one just after it: redis-server's lists grow with every LPUSH, and its pace traced
-   every call falls with them), beside the untraced rate (storm:
+   every call falls with them), and, for redis-server, over the rate the windows' own
+   programs counted tracing every call (in this process, beside top --always-on, also just
+   before and just after the budget's run: top's full tracing keeps jemalloc's blocks for
+   its live bytes, a map update at each call, and a saturated process is slower under those
+   traps than under the windows'), beside the untraced rate (storm:
    its untraced ns per pair; redis: its untraced requests/s x the calls a request full
    tracing counted): both are saturated, so their estimates are their pace under the traps.
 3. Steps (tests/support/workloads/top_budget.c: paced mallocs, ~100 us of work each, at
@@ -62,13 +66,16 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 FULL_AFTER = "every call, after"  # full tracing again after the budget's run (redis-server)
+# every call traced with the windows' programs, before and after the budget's run (redis-server)
+SAME, SAME_AFTER = "every call, windows' programs", "every call, windows' programs, after"
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from benchutil import build_c, cpu_seconds, print_table, start_storm  # noqa: E402
 
 from pymtrace.bpf import uprobes  # noqa: E402
-from pymtrace.sources.base import attach_plan  # noqa: E402
+from pymtrace.sources.base import attach_plan, percpu_items, sum_percpu  # noqa: E402
+from pymtrace.sources.budget import WINDOW_DEFINES  # noqa: E402
 from pymtrace.sources.malloc import MallocSource  # noqa: E402
 from pymtrace.tracee import libc  # noqa: E402
 
@@ -136,6 +143,20 @@ class _Probed(MallocSource):
 
     def _attach_libc(self, path, pid, plan):
         self.attached += attach_plan(self.bpf, path, pid, plan, handles=self.handles)
+
+
+class SamePrograms(MallocSource):
+    """Every call of the process traced, here, with the windows' programs
+    (budget.WINDOW_DEFINES: no live bytes), its calls read from their counters: what a
+    saturated process's estimate, its pace under the windows' traps, is measured against
+    (top's full tracing keeps other allocators' blocks, a map update at each call: its traps
+    cost more, and a saturated process's pace under them is lower)."""
+
+    def _defines(self):
+        return {**super()._defines(), **WINDOW_DEFINES}
+
+    def calls(self):
+        return sum(sum(sum_percpu(v, self.fields)["calls"]) for _, v in percpu_items(self.bpf[b"ms_stats"]))
 
 
 def switch_costs(env, tmp, rounds):
@@ -325,8 +346,11 @@ def free_port():
 
 def redis_round(server, port, mode, args, env, requests, tmp):
     heap = Heap(server.pid, args, env, tmp) if mode.startswith("heap") else None
-    top = Top(server.pid, args, env) if mode != "untraced" and not heap else None
-    t0, cpu0 = time.monotonic(), cpu_seconds(server.pid)
+    # the windows' programs on every call beside top --always-on (its own share, as in the
+    # budget's run)
+    same = SamePrograms([server.pid], track_exits=False).attach() if mode.startswith(SAME) else None
+    top = Top(server.pid, ["--always-on"] if same else args, env) if mode != "untraced" and not heap else None
+    t0, cpu0, calls0 = time.monotonic(), cpu_seconds(server.pid), same and same.calls()
     out = subprocess.run(
         ["redis-benchmark", "-p", str(port), "-t", "set,lpush", "-d", "200", "-r", "1000000", "-c", "10"]
         + ["-n", str(requests), "-q", "--csv"],
@@ -338,6 +362,12 @@ def redis_round(server, port, mode, args, env, requests, tmp):
     t1 = time.monotonic()
     res = {"req_s": statistics.fmean(rates), "requests": requests * len(rates)}
     res["share"] = (cpu_seconds(server.pid) - cpu0) / (t1 - t0)
+    if same:
+        res["calls_s"] = (same.calls() - calls0) / (t1 - t0)
+        res["calls_request"] = (same.calls() - calls0) / res["requests"]
+        same.close()
+        top.stop()
+        return res
     if heap:
         lines = heap.stop()
         res["heap"] = tuple(next((x for x in lines if word in x), "") for word in ("ESTIMATE", "measured cost"))
@@ -354,7 +384,8 @@ def redis_round(server, port, mode, args, env, requests, tmp):
 def summarize(name, results, speed, untraced_calls_s):
     """Rows: per mode the median speed (SPEED key) and its slowdown against the untraced run
     of the same round; the call rate counted (every call) or estimated (budget), and per
-    round the estimate over the rate full tracing counted in that round."""
+    round the estimate over the rate full tracing counted in that round (and, where the
+    windows' programs traced every call too, over that rate)."""
     rows = []
     full = results["every call"]
     # a workload whose state drifts over the run (redis-server's lists grow with every LPUSH:
@@ -363,6 +394,7 @@ def summarize(name, results, speed, untraced_calls_s):
     full_s = [f["calls_s"] for f in full]
     if FULL_AFTER in results:
         full_s = [(f["calls_s"] + a["calls_s"]) / 2 for f, a in zip(full, results[FULL_AFTER])]
+    same_s = [(f["calls_s"] + a["calls_s"]) / 2 for f, a in zip(results.get(SAME, []), results.get(SAME_AFTER, []))]
     for mode, runs in results.items():
         ratios = [r[speed] / u[speed] for r, u in zip(runs, results["untraced"])]
         row = {"workload": name, "mode": mode, speed: f"{statistics.median(r[speed] for r in runs):.1f}"}
@@ -384,7 +416,8 @@ def summarize(name, results, speed, untraced_calls_s):
             row["calls/s"] = "/".join(f"{x:,.0f}" for x in rates)
         else:
             row["calls/s"] = "/".join(f"{r['calls_s']:,.0f}" if r["calls_s"] else "-" for r in runs)
-        row |= dict.fromkeys(("estimated / full tracing", "its last windows' pace / full", "error (95%)"), "")
+        row |= dict.fromkeys(("estimated / full tracing", "its last windows' pace / full"), "")
+        row |= dict.fromkeys(("estimated / windows' programs", "pace / windows' programs", "error (95%)"), "")
         row |= dict.fromkeys(("saturated", "CPU share"), "")
         row["measured overhead %"] = ""
         row["windows"] = ""
@@ -396,6 +429,13 @@ def summarize(name, results, speed, untraced_calls_s):
             row["its last windows' pace / full"] = "/".join(
                 fmt(r["pace"] and r["pace"] / f, ".3f") for r, f in zip(runs, full_s)
             )
+            if same_s:
+                row["estimated / windows' programs"] = "/".join(
+                    fmt(r["calls_s"] and r["calls_s"] / f, ".3f") for r, f in zip(runs, same_s)
+                )
+                row["pace / windows' programs"] = "/".join(
+                    fmt(r["pace"] and r["pace"] / f, ".3f") for r, f in zip(runs, same_s)
+                )
             row["error (95%)"] = "/".join(f"±{100 * r['error']:.1f} %" if r["error"] else "-" for r in runs)
             row["saturated"] = "/".join(str(r["saturated"]) for r in runs)
             row["CPU share"] = "/".join(fmt(r.get("share"), ".2f") for r in runs) + " (in its window)"
@@ -516,8 +556,8 @@ def main():
             )
             time.sleep(1)
             # full tracing before and after the budget's run: redis-server's state drifts
-            redis_modes = {m: storm_modes[m] for m in ("untraced", "always-on", "every call", budget_mode)}
-            redis_modes |= {FULL_AFTER: [], heap_mode: budget_args}
+            redis_modes = {m: storm_modes[m] for m in ("untraced", "always-on", "every call")}
+            redis_modes |= {SAME: [], budget_mode: budget_args, SAME_AFTER: [], FULL_AFTER: [], heap_mode: budget_args}
             results = {m: [] for m in redis_modes}
             for r in range(args.rounds):
                 for mode, margs in redis_modes.items():
