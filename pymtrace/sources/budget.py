@@ -103,12 +103,12 @@ RECENT = 4  # windows whose spread is part of a process's error
 # this part of its length more, before its measured part (a process's pace: they slow every
 # run; its measured part as long as any window's, whose reads at its ends slow a short one)
 STATS_EVERY, STATS_PART = 4, 0.5
-POOLED = 16  # a saturated process's newest saturated windows pooled into its pace
+POOLED = 4  # a saturated process's newest saturated windows pooled into its pace (more: it lags a step)
 # a saturated process: windows the budget affords every this many seconds (not shorter than
 # the minimum: the attach and detach around a window cost milliseconds of CPU)
-SATURATED_SPACING, SATURATED_MIN_WINDOW = 5.0, 0.05
+SATURATED_SPACING, SATURATED_MIN_WINDOW = 2.0, 0.02
 # the first window, whose cost is unknown until it ends: priced as all traps, so as long as
-# a saturated process's (at 1 %, 5 s of the traced processes' CPU time earns it)
+# a saturated process's (at 1 %, 2 s of the traced processes' CPU time earns it)
 FIRST_WINDOW = SATURATED_MIN_WINDOW
 MOSTLY_TRAPS = 0.5  # a source that judges no process alone: saturated when the traps took this much
 PACE_NS = 1_000_000_000  # the traced processes' pace: their CPU time over about this long
@@ -641,11 +641,11 @@ class Windows:
 
     def _next_length(self) -> float:
         """FIRST_WINDOW until a window has seen calls (their cost unknown), then the budget's;
-        shorter while a traced process is saturated: a window then costs it about its whole
-        length, and one long window every few minutes would make its estimate one short
-        look at the CPU the scheduler gave it. So the longest window the budget affords
-        every SATURATED_SPACING seconds at the traced processes' CPU pace, at least
-        SATURATED_MIN_WINDOW."""
+        shorter while a traced process is saturated (or the traps took most of the CPU time
+        the traced processes ran): a window then costs it about its whole length, and one
+        long window every few minutes would make its estimate one short look at the CPU the
+        scheduler gave it. So the longest window the budget affords every SATURATED_SPACING
+        seconds at the traced processes' CPU pace, at least SATURATED_MIN_WINDOW."""
         if self._rate is None:
             return min(self.budget.window, FIRST_WINDOW)
         if not self._any_saturated() or self._rate <= 0:
@@ -903,7 +903,10 @@ class WindowedMalloc(Windows, MallocSource):
         return out
 
     def _any_saturated(self) -> bool:
-        return any(e.saturated for e in list(self._est.values()))
+        # or the traps took most of the CPU time: a process that slept a little in a short
+        # window is not judged saturated, and a window of --window's length would cost it
+        # most of that length (at 1 %, the next minute or two without a window)
+        return any(e.saturated for e in list(self._est.values())) or super()._any_saturated()
 
     def _callers(self, candidates: list[int]) -> list[int]:
         return [pid for pid in candidates if pid in self._est]

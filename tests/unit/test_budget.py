@@ -264,26 +264,30 @@ def test_a_windows_runs_are_counted_where_the_statistics_are_off():
 
 def test_windows_shorten_while_a_process_is_saturated():
     """Saturated, a window costs about its length: as long as the budget affords every
-    SATURATED_SPACING seconds at the traced CPU pace (2 % of 1 CPU over 5 s: 100 ms, less
-    the attach and detach), never below SATURATED_MIN_WINDOW; with CPU to spare, --window."""
+    SATURATED_SPACING seconds at the traced CPU pace (2 % of 1 CPU over that spacing, less
+    the attach and detach), never below SATURATED_MIN_WINDOW; so too where no process was
+    judged saturated but the traps took most of the CPU time (a thread that slept a little
+    in a short window); with CPU to spare, --window."""
     src = b.WindowedMalloc([os.getpid()], b.Budget(2, 1.0))
     src._rate, src._switch, src._then = 1.0, 2e6, (1.0, 1.0)
     src._est[os.getpid()] = b._Estimate([0.0], 0, saturated=True)
-    assert src._next_length() == pytest.approx(0.098)
+    assert src._next_length() == pytest.approx(0.02 * b.SATURATED_SPACING - 0.002)
     src.budget = b.Budget(0.1, 1.0)
     assert src._next_length() == b.SATURATED_MIN_WINDOW
     src._est[os.getpid()].saturated = False
+    assert src._next_length() == b.SATURATED_MIN_WINDOW  # the traps took all of its CPU
+    src._rate = 0.2
     assert src._next_length() == 1.0
 
 
 def test_heaps_windows_shorten_where_the_traps_took_most_of_the_cpu():
     """heap judges no process alone: its windows shorten when the traps and BPF runs took
     most of the CPU time the traced processes ran in the last window (2 % of 1 CPU over
-    5 s, less the attach and detach, at 0.9 of it: ~0.109 s), not when they took a fifth."""
+    SATURATED_SPACING, less the attach and detach, at 0.9 of it), not when they took a fifth."""
     src = b.WindowedHeap([os.getpid()], b.Budget(2, 1.0))
     assert src._next_length() == b.FIRST_WINDOW  # before a window has seen calls
     src._rate, src._switch, src._then = 0.9, 2e6, (1.0, 1.0)
-    assert src._next_length() == pytest.approx(0.098 / 0.9)
+    assert src._next_length() == pytest.approx((0.02 * b.SATURATED_SPACING - 0.002) / 0.9)
     src._rate = 0.2
     assert src._next_length() == 1.0
 
