@@ -50,14 +50,16 @@ per second there are its estimated pace, carried on between windows (a step in i
 followed at its next window). That is the pace full tracing of the same process measures:
 a process with CPU time to spare (most services) absorbs the traps in more CPU time and
 keeps its pace, traced or not; a saturated one (a CPU-bound loop, a server at its limit) is
-slowed by the traps in a window exactly as by full tracing, and its estimates are its pace
-under the traps, a lower bound of its untraced pace: said in every view ("saturated": one
-of its threads never slept in the window, by the scheduler's counts, while the traps took
-more than 5 % of its CPU time). Its untraced pace is not estimated: its own work cannot be
-told from the traps' time where the traps are most of its CPU time (a malloc storm: 99 %),
-not to the calibration's +-50 % (no instruction counter to count its own work); its pace
-under the traps is pooled over its last saturated windows (up to POOLED). Their error
-(95 %): the window's count (Poisson) and the spread of its last windows' paces.
+slowed by the traps in a window as by full tracing, and its estimates are its pace under
+the traps (the windows' programs, WINDOW_DEFINES: lighter than full tracing's for other
+allocators than glibc's), a lower bound of its untraced pace: said in every view
+("saturated": one of its threads never slept in the window, by the scheduler's counts,
+while the traps took more than 5 % of its CPU time). Its untraced pace is not estimated:
+its own work cannot be told from the traps' time where the traps are most of its CPU time
+(a malloc storm: 99 %), not to the calibration's +-50 % (no instruction counter to count
+its own work); its pace under the traps is pooled over its last saturated windows (up to
+POOLED). Their error (95 %): the window's count (Poisson) and the spread of its last
+windows' paces.
 
 Live bytes need every free seen: not estimated (the snapshot has none; RSS is kept).
 """
@@ -103,7 +105,8 @@ RECENT = 4  # windows whose spread is part of a process's error
 # this part of its length more, before its measured part (a process's pace: they slow every
 # run; its measured part as long as any window's, whose reads at its ends slow a short one)
 STATS_EVERY, STATS_PART = 4, 0.5
-POOLED = 4  # a saturated process's newest saturated windows pooled into its pace (more: it lags a step)
+# a saturated process's newest saturated windows pooled into its pace (more: a step lags)
+POOLED = 4
 # a saturated process: windows the budget affords every this many seconds (not shorter than
 # the minimum: the attach and detach around a window cost milliseconds of CPU)
 SATURATED_SPACING, SATURATED_MIN_WINDOW = 2.0, 0.02
