@@ -40,7 +40,7 @@
    cost).
 
 Each phase runs about a minute by default: a saturated process's window costs it about its
-whole length, so at 1 % it gets a ~0.02 s window every few seconds of its CPU time, and its
+whole length, so at 1 % it gets a 0.05 s window every ~8 s of its CPU time, and its
 estimate pools its newest few.
 
 Every process runs on a private copy of the system libc named libc.so.6 (LD_LIBRARY_PATH;
@@ -500,7 +500,7 @@ def main():
     ap.add_argument(
         "--steps",
         default="1000:20,3000:20,2000:20",
-        help="RATE:SECONDS,... of the step workload (the first window comes after ~2 s: 1 %% of the CPU time run pays for a 0.02 s window priced as all traps)",
+        help="RATE:SECONDS,... of the step workload (the first window comes after ~5 s: 1 %% of the CPU time run pays for a 0.05 s window priced as all traps)",
     )
     ap.add_argument("--step-spin", type=int, default=330_000, help="its work a call (~100 us)")
     ap.add_argument("--workloads", default="storm,redis,steps", help="which of storm, redis, steps to run")

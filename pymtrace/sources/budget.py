@@ -109,9 +109,9 @@ STATS_EVERY, STATS_PART = 4, 0.5
 POOLED = 4
 # a saturated process: windows the budget affords every this many seconds (not shorter than
 # the minimum: the attach and detach around a window cost milliseconds of CPU)
-SATURATED_SPACING, SATURATED_MIN_WINDOW = 2.0, 0.02
+SATURATED_SPACING, SATURATED_MIN_WINDOW = 5.0, 0.05
 # the first window, whose cost is unknown until it ends: priced as all traps, so as long as
-# a saturated process's (at 1 %, 2 s of the traced processes' CPU time earns it)
+# a saturated process's (at 1 %, 5 s of the traced processes' CPU time earns it)
 FIRST_WINDOW = SATURATED_MIN_WINDOW
 MOSTLY_TRAPS = 0.5  # a source that judges no process alone: saturated when the traps took this much
 PACE_NS = 1_000_000_000  # the traced processes' pace: their CPU time over about this long
