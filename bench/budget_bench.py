@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT))
 from benchutil import build_c, cpu_seconds, print_table, start_storm  # noqa: E402
 
 from pymtrace.bpf import uprobes  # noqa: E402
-from pymtrace.sources.base import attach_plan, percpu_items, sum_percpu  # noqa: E402
+from pymtrace.sources.base import attach_plan  # noqa: E402
 from pymtrace.sources.budget import WINDOW_DEFINES  # noqa: E402
 from pymtrace.sources.malloc import MallocSource  # noqa: E402
 from pymtrace.tracee import libc  # noqa: E402
@@ -147,7 +147,8 @@ class _Probed(MallocSource):
 
 class SamePrograms(MallocSource):
     """Every call of the process traced, here, with the windows' programs
-    (budget.WINDOW_DEFINES: no live bytes), its calls read from their counters: what a
+    (budget.WINDOW_DEFINES: no live bytes), its calls counted as top counts them (its
+    snapshot's, summed as Top.mallocs sums them): what a
     saturated process's estimate, its pace under the windows' traps, is measured against
     (top's full tracing keeps other allocators' blocks, a map update at each call: its traps
     cost more, and a saturated process's pace under them is lower)."""
@@ -155,8 +156,8 @@ class SamePrograms(MallocSource):
     def _defines(self):
         return {**super()._defines(), **WINDOW_DEFINES}
 
-    def calls(self):
-        return sum(sum(sum_percpu(v, self.fields)["calls"]) for _, v in percpu_items(self.bpf[b"ms_stats"]))
+    def calls(self, pid):
+        return sum(self.snapshot()["processes"].get(pid, {}).get("calls", {}).values())
 
 
 def switch_costs(env, tmp, rounds):
@@ -350,7 +351,7 @@ def redis_round(server, port, mode, args, env, requests, tmp):
     # budget's run)
     same = SamePrograms([server.pid], track_exits=False).attach() if mode.startswith(SAME) else None
     top = Top(server.pid, ["--always-on"] if same else args, env) if mode != "untraced" and not heap else None
-    t0, cpu0, calls0 = time.monotonic(), cpu_seconds(server.pid), same and same.calls()
+    t0, cpu0, calls0 = time.monotonic(), cpu_seconds(server.pid), same and same.calls(server.pid)
     out = subprocess.run(
         ["redis-benchmark", "-p", str(port), "-t", "set,lpush", "-d", "200", "-r", "1000000", "-c", "10"]
         + ["-n", str(requests), "-q", "--csv"],
@@ -363,8 +364,8 @@ def redis_round(server, port, mode, args, env, requests, tmp):
     res = {"req_s": statistics.fmean(rates), "requests": requests * len(rates)}
     res["share"] = (cpu_seconds(server.pid) - cpu0) / (t1 - t0)
     if same:
-        res["calls_s"] = (same.calls() - calls0) / (t1 - t0)
-        res["calls_request"] = (same.calls() - calls0) / res["requests"]
+        calls = same.calls(server.pid) - calls0
+        res["calls_s"], res["calls_request"] = calls / (t1 - t0), calls / res["requests"]
         same.close()
         top.stop()
         return res

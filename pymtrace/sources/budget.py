@@ -665,9 +665,9 @@ class Windows:
         return STATS_PART if pricing else 0.0
 
     def _any_saturated(self) -> bool:
-        """Whether the traced processes were slowed by the traps in the last window: here
-        (a source that does not judge each process) when the traps and BPF runs took most
-        of the CPU time they ran in its measured part."""
+        """Whether the traced processes were slowed by the traps in the last window: when
+        the traps and BPF runs took most of the CPU time they ran in its measured part (a
+        source that judges each process adds its judgements)."""
         return self._rate is not None and self._rate > MOSTLY_TRAPS * self._then[1] > 0
 
     def _loop(self) -> None:
