@@ -335,8 +335,34 @@ def estimate(res, top, t0, t1):
             if xe.get("windows") and xe["windows"] not in paces and xe.get("calls_per_second") is not None:
                 paces[xe["windows"]] = (round(x["time"] - t0, 1), round(xe["calls_per_second"]), xe["saturated"])
         res["windows_seen"] = list(paces.values())
+        res["all_windows"] = all_windows(top, t0, t1)
         res["error"], res["saturated"] = e.get("error"), e.get("saturated")
         res["share"] = e["sampled_cpu_seconds"] / e["sampled_seconds"] if e.get("sampled_seconds") else None
+
+
+def all_windows(top, t0, t1):
+    """(pace, its relative 95 % error) of every window of TOP's process reported inside [T0,
+    T1]: their calls over their measured seconds (from the growth of `sampled_calls` and
+    `sampled_seconds` between reports), and the error of that mean from the spread of the
+    windows' paces (1.96 standard errors; None below two windows). What the run's windows
+    can tell, however the estimate carries them between windows: a run whose estimate is
+    off by more than this was unlucky in its windows or measures something else."""
+    paces, calls, seconds, prev = [], 0, 0.0, None
+    for x in top.seen:
+        e = x["snapshot"]["processes"].get(str(top.pid), {}).get("estimate")
+        if not e:
+            continue
+        if prev and t0 <= x["time"] <= t1 and e["windows"] > prev["windows"]:
+            c, s = e["sampled_calls"] - prev["sampled_calls"], e["sampled_seconds"] - prev["sampled_seconds"]
+            if s > 0:
+                paces.append(c / s)
+                calls, seconds = calls + c, seconds + s
+        prev = e
+    if not seconds:
+        return None, None
+    pace = calls / seconds
+    error = 1.96 * statistics.stdev(paces) / statistics.fmean(paces) / len(paces) ** 0.5 if len(paces) > 1 else None
+    return pace, error
 
 
 def free_port():
@@ -419,6 +445,7 @@ def summarize(name, results, speed, untraced_calls_s):
             row["calls/s"] = "/".join(f"{r['calls_s']:,.0f}" if r["calls_s"] else "-" for r in runs)
         row |= dict.fromkeys(("estimated / full tracing", "its last windows' pace / full"), "")
         row |= dict.fromkeys(("estimated / windows' programs", "pace / windows' programs", "error (95%)"), "")
+        row |= dict.fromkeys(("all windows / full", "all windows / windows' programs"), "")
         row |= dict.fromkeys(("saturated", "CPU share"), "")
         row["measured overhead %"] = ""
         row["windows"] = ""
@@ -437,6 +464,11 @@ def summarize(name, results, speed, untraced_calls_s):
                 row["pace / windows' programs"] = "/".join(
                     fmt(r["pace"] and r["pace"] / f, ".3f") for r, f in zip(runs, same_s)
                 )
+            row["all windows / full"] = "/".join(_over(r["all_windows"], f) for r, f in zip(runs, full_s))
+            if same_s:
+                row["all windows / windows' programs"] = "/".join(
+                    _over(r["all_windows"], f) for r, f in zip(runs, same_s)
+                )
             row["error (95%)"] = "/".join(f"±{100 * r['error']:.1f} %" if r["error"] else "-" for r in runs)
             row["saturated"] = "/".join(str(r["saturated"]) for r in runs)
             row["CPU share"] = "/".join(fmt(r.get("share"), ".2f") for r in runs) + " (in its window)"
@@ -446,6 +478,12 @@ def summarize(name, results, speed, untraced_calls_s):
             row["CPU share"] = "/".join(fmt(r.get("share"), ".2f") for r in runs)
         rows.append(row)
     return rows
+
+
+def _over(windows, reference):
+    """'PACE/REFERENCE ±ERROR %' of all_windows()'s (pace, error)."""
+    pace, error = windows
+    return fmt(pace and pace / reference, ".3f") + (f" ±{100 * error:.1f} %" if error else "")
 
 
 def fmt(x, spec, before="", after=""):
