@@ -68,6 +68,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 FULL_AFTER = "every call, after"  # full tracing again after the budget's run (redis-server)
 # every call traced with the windows' programs, before and after the budget's run (redis-server)
 SAME, SAME_AFTER = "every call, windows' programs", "every call, windows' programs, after"
+REDIS_TESTS = ("set", "lpush")  # redis-benchmark -t, one run each
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
@@ -324,9 +325,7 @@ def estimate(res, top, t0, t1):
     res["budget"] = d["snapshot"].get("budget")
     if res["budget"]:
         e = d["snapshot"]["processes"][str(top.pid)].get("estimate", {})
-        counted = [x for x in inside if top.mallocs(x)]
-        a, b = (counted[0], counted[-1]) if counted else (None, None)
-        res["calls_s"] = (top.mallocs(b) - top.mallocs(a)) / (b["time"] - a["time"]) if a and b is not a else None
+        res["calls_s"] = inside_rate(top, t0, t1)
         res["pace"] = e.get("calls_per_second")  # its last windows'
         # each window's outcome as the reports saw it: (seconds into the run, pace, saturated)
         paces = {}
@@ -340,8 +339,19 @@ def estimate(res, top, t0, t1):
         res["share"] = e["sampled_cpu_seconds"] / e["sampled_seconds"] if e.get("sampled_seconds") else None
 
 
+def inside_rate(top, t0, t1):
+    """TOP's process's malloc-API calls a second (counted, or estimated under a budget) from
+    the first report inside [T0, T1] that has them to the last one inside it (None: fewer
+    than two)."""
+    counted = [x for x in top.seen if t0 <= x["time"] <= t1 and top.mallocs(x)]
+    if len(counted) < 2:
+        return None
+    a, b = counted[0], counted[-1]
+    return (top.mallocs(b) - top.mallocs(a)) / (b["time"] - a["time"])
+
+
 def all_windows(top, t0, t1):
-    """(pace, its relative 95 % error) of every window of TOP's process reported inside [T0,
+    """(pace, its relative 95 % error, windows) of every window of TOP's process reported inside [T0,
     T1]: their calls over their measured seconds (from the growth of `sampled_calls` and
     `sampled_seconds` between reports), and the error of that mean from the spread of the
     windows' paces (1.96 standard errors; None below two windows). What the run's windows
@@ -359,10 +369,10 @@ def all_windows(top, t0, t1):
                 calls, seconds = calls + c, seconds + s
         prev = e
     if not seconds:
-        return None, None
+        return None, None, 0
     pace = calls / seconds
     error = 1.96 * statistics.stdev(paces) / statistics.fmean(paces) / len(paces) ** 0.5 if len(paces) > 1 else None
-    return pace, error
+    return pace, error, len(paces)
 
 
 def free_port():
@@ -377,21 +387,28 @@ def redis_round(server, port, mode, args, env, requests, tmp):
     # budget's run)
     same = SamePrograms([server.pid], track_exits=False).attach() if mode.startswith(SAME) else None
     top = Top(server.pid, ["--always-on"] if same else args, env) if mode != "untraced" and not heap else None
-    t0, cpu0, calls0 = time.monotonic(), cpu_seconds(server.pid), same and same.calls(server.pid)
-    out = subprocess.run(
-        ["redis-benchmark", "-p", str(port), "-t", "set,lpush", "-d", "200", "-r", "1000000", "-c", "10"]
-        + ["-n", str(requests), "-q", "--csv"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    rates = [float(line.split(",")[1].strip('"')) for line in out.splitlines()[1:] if line.strip()]
+    t0, cpu0 = time.monotonic(), cpu_seconds(server.pid)
+    # each test on its own, back to back, its span kept: under the traps SET and LPUSH pace
+    # differently, and full tracing spends longer on the slower one than an untraced run does
+    rates, spans = [], []
+    for test in REDIS_TESTS:
+        a, calls_a = time.monotonic(), same and same.calls(server.pid)
+        out = subprocess.run(
+            ["redis-benchmark", "-p", str(port), "-t", test, "-d", "200", "-r", "1000000", "-c", "10"]
+            + ["-n", str(requests), "-q", "--csv"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        rates += [float(line.split(",")[1].strip('"')) for line in out.splitlines()[1:] if line.strip()]
+        spans.append((test, a, time.monotonic(), calls_a, same and same.calls(server.pid)))
     t1 = time.monotonic()
     res = {"req_s": statistics.fmean(rates), "requests": requests * len(rates)}
     res["share"] = (cpu_seconds(server.pid) - cpu0) / (t1 - t0)
     if same:
-        calls = same.calls(server.pid) - calls0
+        calls = spans[-1][4] - spans[0][3]
         res["calls_s"], res["calls_request"] = calls / (t1 - t0), calls / res["requests"]
+        res["tests"] = {test: {"calls_s": (c1 - c0) / (b - a)} for test, a, b, c0, c1 in spans}
         same.close()
         top.stop()
         return res
@@ -404,6 +421,11 @@ def redis_round(server, port, mode, args, env, requests, tmp):
         res["calls_s"] = (top.mallocs(d) - before) / (t1 - t0)  # full tracing: every call counted
         res["calls_request"] = (top.mallocs(d) - before) / res["requests"]
         estimate(res, top, t0, t1)
+        # each test's own: counted (every call) or estimated from the reports inside it
+        res["tests"] = {test: {"calls_s": inside_rate(top, a, b)} for test, a, b, _, _ in spans}
+        if res["budget"]:
+            for test, a, b, _, _ in spans:
+                res["tests"][test]["all_windows"] = all_windows(top, a, b)
         top.stop()
     return res
 
@@ -481,9 +503,35 @@ def summarize(name, results, speed, untraced_calls_s):
 
 
 def _over(windows, reference):
-    """'PACE/REFERENCE ±ERROR %' of all_windows()'s (pace, error)."""
-    pace, error = windows
+    """'PACE/REFERENCE ±ERROR %' of all_windows()'s (pace, error, windows)."""
+    pace, error, _ = windows
     return fmt(pace and pace / reference, ".3f") + (f" ±{100 * error:.1f} %" if error else "")
+
+
+def redis_tests(results, budget_mode):
+    """Rows per redis-benchmark test and round: the calls a second full tracing counted (the
+    mean of before and after the budget's run), the windows' programs counted, the
+    budget's estimate, and the estimate and every window pooled over each reference."""
+    rows = []
+    for test in REDIS_TESTS:
+        for i, run in enumerate(results[budget_mode]):
+
+            def mean(before, after, i=i, test=test):
+                x = [results[m][i]["tests"][test]["calls_s"] for m in (before, after)]
+                return None if None in x else statistics.fmean(x)
+
+            full, same, est = mean("every call", FULL_AFTER), mean(SAME, SAME_AFTER), run["tests"][test]["calls_s"]
+            windows = run["tests"][test]["all_windows"]
+            rows.append(
+                {"test": test.upper(), "round": i + 1, "full tracing": fmt(full, ",.0f")}
+                | {"windows' programs": fmt(same, ",.0f"), "estimated": fmt(est, ",.0f")}
+                | {"estimated / full": fmt(est and full and est / full, ".3f")}
+                | {"estimated / windows' programs": fmt(est and same and est / same, ".3f")}
+                | {"all windows / full": _over(windows, full) if full else "-"}
+                | {"all windows / windows' programs": _over(windows, same) if same else "-"}
+                | {"windows": windows[2]}
+            )
+    return rows
 
 
 def fmt(x, spec, before="", after=""):
@@ -555,7 +603,7 @@ def main():
     rows = []
     try:
         switch = switch_costs(env, tmp, 5)
-        heap_rows, step_rows = [], []
+        heap_rows, step_rows, test_rows = [], [], []
         workloads = args.workloads.split(",")
         if "storm" in workloads:
             storm_exe = build_c(tmp, "storm", HERE / "storm.c")
@@ -607,6 +655,7 @@ def main():
             server.wait(30)
             redis_heap = results.pop(heap_mode)
             rows += summarize("redis-server", results, "req_s", lambda u, f: u["req_s"] * f["calls_request"])
+            test_rows = redis_tests(results, budget_mode)
             heap_rows += [
                 {
                     "workload": "redis-server",
@@ -649,6 +698,9 @@ def main():
     )
     print()
     print_table(rows, markdown=args.markdown)
+    if test_rows:
+        print("\nredis-server, each test apart (calls a second):\n")
+        print_table(test_rows, markdown=args.markdown)
     print()
     print_table(step_rows, markdown=args.markdown)
     print("\nThe storm and redis-server under `heap -p PID --max-overhead` (same rounds):\n")
