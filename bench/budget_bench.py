@@ -387,12 +387,13 @@ def redis_round(server, port, mode, args, env, requests, tmp):
     # budget's run)
     same = SamePrograms([server.pid], track_exits=False).attach() if mode.startswith(SAME) else None
     top = Top(server.pid, ["--always-on"] if same else args, env) if mode != "untraced" and not heap else None
-    t0, cpu0 = time.monotonic(), cpu_seconds(server.pid)
+    cpu0 = cpu_seconds(server.pid)
     # each test on its own, back to back, its span kept: under the traps SET and LPUSH pace
-    # differently, and full tracing spends longer on the slower one than an untraced run does
-    rates, spans = [], []
+    # differently, and full tracing spends longer on the slower one than an untraced run does.
+    # (time, the windows' programs' calls) at the first test's start and each test's end
+    marks = [(time.monotonic(), same and same.calls(server.pid))]
+    rates = []
     for test in REDIS_TESTS:
-        a, calls_a = time.monotonic(), same and same.calls(server.pid)
         out = subprocess.run(
             ["redis-benchmark", "-p", str(port), "-t", test, "-d", "200", "-r", "1000000", "-c", "10"]
             + ["-n", str(requests), "-q", "--csv"],
@@ -401,14 +402,14 @@ def redis_round(server, port, mode, args, env, requests, tmp):
             check=True,
         ).stdout
         rates += [float(line.split(",")[1].strip('"')) for line in out.splitlines()[1:] if line.strip()]
-        spans.append((test, a, time.monotonic(), calls_a, same and same.calls(server.pid)))
-    t1 = time.monotonic()
+        marks.append((time.monotonic(), same and same.calls(server.pid)))
+    (t0, calls0), (t1, calls1) = marks[0], marks[-1]
+    spans = list(zip(REDIS_TESTS, marks, marks[1:]))  # (test, (start, calls), (end, calls))
     res = {"req_s": statistics.fmean(rates), "requests": requests * len(rates)}
     res["share"] = (cpu_seconds(server.pid) - cpu0) / (t1 - t0)
     if same:
-        calls = spans[-1][4] - spans[0][3]
-        res["calls_s"], res["calls_request"] = calls / (t1 - t0), calls / res["requests"]
-        res["tests"] = {test: {"calls_s": (c1 - c0) / (b - a)} for test, a, b, c0, c1 in spans}
+        res["calls_s"], res["calls_request"] = (calls1 - calls0) / (t1 - t0), (calls1 - calls0) / res["requests"]
+        res["tests"] = {test: {"calls_s": (c1 - c0) / (b - a)} for test, (a, c0), (b, c1) in spans}
         same.close()
         top.stop()
         return res
@@ -422,9 +423,9 @@ def redis_round(server, port, mode, args, env, requests, tmp):
         res["calls_request"] = (top.mallocs(d) - before) / res["requests"]
         estimate(res, top, t0, t1)
         # each test's own: counted (every call) or estimated from the reports inside it
-        res["tests"] = {test: {"calls_s": inside_rate(top, a, b)} for test, a, b, _, _ in spans}
+        res["tests"] = {test: {"calls_s": inside_rate(top, a, b)} for test, (a, _), (b, _) in spans}
         if res["budget"]:
-            for test, a, b, _, _ in spans:
+            for test, (a, _), (b, _) in spans:
                 res["tests"][test]["all_windows"] = all_windows(top, a, b)
         top.stop()
     return res
@@ -512,15 +513,16 @@ def redis_tests(results, budget_mode):
     """Rows per redis-benchmark test and round: the calls a second full tracing counted (the
     mean of before and after the budget's run), the windows' programs counted, the
     budget's estimate, and the estimate and every window pooled over each reference."""
+
+    def mean(before, after, i, test):
+        x = [results[m][i]["tests"][test]["calls_s"] for m in (before, after)]
+        return None if None in x else statistics.fmean(x)
+
     rows = []
     for test in REDIS_TESTS:
         for i, run in enumerate(results[budget_mode]):
-
-            def mean(before, after, i=i, test=test):
-                x = [results[m][i]["tests"][test]["calls_s"] for m in (before, after)]
-                return None if None in x else statistics.fmean(x)
-
-            full, same, est = mean("every call", FULL_AFTER), mean(SAME, SAME_AFTER), run["tests"][test]["calls_s"]
+            full, same = mean("every call", FULL_AFTER, i, test), mean(SAME, SAME_AFTER, i, test)
+            est = run["tests"][test]["calls_s"]
             windows = run["tests"][test]["all_windows"]
             rows.append(
                 {"test": test.upper(), "round": i + 1, "full tracing": fmt(full, ",.0f")}
